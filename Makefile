@@ -1,0 +1,45 @@
+# Two commands set flowrl up on a fresh machine:
+#   make demo   create .venv, install flowrl, run the embedded default
+#   make test   create .venv, install flowrl with the dev extra, run the tests
+#
+# TORCH is installed before the project so that pip never resolves a bare `torch` to a
+# multi-GB CUDA build. The default pins the wheels that lie on the reference CPU machine
+# (torchvision is needed by open_clip). On your own GPU machine keep your torch:
+#   make test TORCH=           (skip the torch step, use whatever the venv already has)
+#   make test TORCH="torch==2.5.1 torchvision==0.20.1 --index-url https://download.pytorch.org/whl/cu124"
+VENV   ?= .venv
+PYTHON ?= python3
+TORCH  ?= torch==2.14.1 torchvision==0.29.1
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# The editable install is redone when pyproject.toml changes or the checkout moves.
+STAMP  := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)-$(CURDIR)
+
+.PHONY: demo test venv install install-dev clean
+
+venv:
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if [ -n "$(TORCH)" ] && ! $(PY) -c "import importlib.metadata as m; m.version('torch'); m.version('torchvision')" 2>/dev/null; then \
+		echo ">> installing $(TORCH) (once per venv)"; \
+		$(PIP) install $(TORCH); \
+	fi
+
+install: venv
+	@if [ "$$(cat $(VENV)/.flowrl-install 2>/dev/null)" != "$(STAMP)" ]; then \
+		$(PIP) install -e . && echo "$(STAMP)" > $(VENV)/.flowrl-install; \
+	fi
+
+install-dev: venv
+	@if [ "$$(cat $(VENV)/.flowrl-install-dev 2>/dev/null)" != "$(STAMP)" ]; then \
+		$(PIP) install -e ".[dev]" && echo "$(STAMP)" > $(VENV)/.flowrl-install-dev \
+		&& echo "$(STAMP)" > $(VENV)/.flowrl-install; \
+	fi
+
+demo: install
+	$(VENV)/bin/flowrl demo
+
+test: install-dev
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) runs

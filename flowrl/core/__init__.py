@@ -1,0 +1,36 @@
+"""The RL core shared by the image and text backends: pure torch, no diffusers or transformers.
+
+A "step" is a denoising step (images) or a token (text); everything here sees `[N, S]` tensors of
+log-probs, advantages and masks.
+"""
+
+from .advantages import (
+    ADVANTAGE_ESTIMATORS,
+    PerPromptStatTracker,
+    dr_grpo_advantages,
+    gae_advantages,
+    gdpo_advantages,
+    get_advantage_estimator,
+    group_advantages,
+    group_index,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
+from .kl import KL_KINDS, gaussian_kl, kl_estimate
+from .logprobs import entropy_from_logits, token_log_probs
+from .losses import (
+    AGGREGATION_MODES,
+    POLICY_LOSSES,
+    aggregate_loss,
+    clipped_surrogate,
+    get_policy_loss,
+    gspo_loss,
+    ppo_clip_loss,
+    sequence_log_ratio,
+)
+from .masked import masked_mean, masked_sum, masked_var, masked_whiten
+from .registry import Registry, unknown_name_error
+
+from types import ModuleType as _ModuleType
+
+__all__ = [n for n, v in list(globals().items()) if not n.startswith("_") and not isinstance(v, _ModuleType)]

@@ -1,0 +1,81 @@
+"""Log-probabilities and entropies of categorical policies from logits, without a float32 [B, T, V] copy."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+#: Rows of the vocabulary processed at once; bounds the float32 scratch to ~ this many floats.
+_CHUNK_FLOATS = 1 << 24
+
+
+def _row_chunks(n_rows: int, vocab: int):
+    step = max(1, _CHUNK_FLOATS // max(vocab, 1))
+    for start in range(0, n_rows, step):
+        yield slice(start, min(start + step, n_rows))
+
+
+class _TokenLogProb(torch.autograd.Function):
+    """log softmax(z / tau)[y] computed row-chunk by row-chunk in float32; backward likewise."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, tokens: Tensor, temperature: float) -> Tensor:
+        v = logits.shape[-1]
+        flat = logits.reshape(-1, v)
+        idx = tokens.reshape(-1, 1)
+        out_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        lse = torch.empty(flat.shape[0], dtype=out_dtype, device=logits.device)
+        for rows in _row_chunks(flat.shape[0], v):
+            lse[rows] = torch.logsumexp(flat[rows].to(out_dtype) / temperature, dim=-1)
+        picked = flat.gather(1, idx).squeeze(1).to(out_dtype) / temperature
+        ctx.save_for_backward(logits, tokens, lse)
+        ctx.temperature = temperature
+        return (picked - lse).view(tokens.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        logits, tokens, lse = ctx.saved_tensors
+        tau = ctx.temperature
+        v = logits.shape[-1]
+        flat = logits.reshape(-1, v)
+        g = grad_out.reshape(-1).to(lse.dtype)
+        idx = tokens.reshape(-1, 1)
+        grad = torch.empty_like(flat)
+        # d/dz_k [z_y / tau - logsumexp(z / tau)] = (1[k = y] - softmax(z / tau)_k) / tau
+        for rows in _row_chunks(flat.shape[0], v):
+            p = torch.exp(flat[rows].to(lse.dtype) / tau - lse[rows, None])
+            gr = -p * (g[rows, None] / tau)
+            gr.scatter_add_(1, idx[rows], (g[rows, None] / tau))
+            grad[rows] = gr.to(grad.dtype)
+        return grad.view_as(logits), None, None
+
+
+def token_log_probs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+    """log pi(y_t) = log softmax(logits_t / temperature)[y_t], in float32 (float64 stays float64).
+
+    Row-wise logsumexp and a gather: no float32 [B, T, V] log-softmax is ever held, in the forward or the
+    backward pass (both work in row chunks), so bf16 logits of a large vocabulary stay affordable.
+    logits: [B, T, V]; tokens: [B, T] (long) -> [B, T].
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if logits.shape[:-1] != tokens.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} must be tokens {tuple(tokens.shape)} + [V]")
+    return _TokenLogProb.apply(logits, tokens.long(), float(temperature))
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) over the last dim: H = logsumexp(z) - sum_k softmax(z)_k z_k.
+
+    Computed in float32 (float64 stays float64) in row chunks. logits: [..., V] -> [...].
+    """
+    v = logits.shape[-1]
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    flat = logits.reshape(-1, v)
+    parts = []
+    for rows in _row_chunks(flat.shape[0], v):
+        z = flat[rows].to(dtype)
+        p = torch.softmax(z, dim=-1)
+        parts.append(torch.logsumexp(z, dim=-1) - (p * z).sum(-1))
+    out = torch.cat(parts) if parts else flat.new_zeros(0, dtype=dtype)
+    return out.view(logits.shape[:-1])

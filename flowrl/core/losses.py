@@ -1,0 +1,184 @@
+"""Policy losses and loss aggregation.
+
+A "step" is a denoising step for images and a token for text; the functions here see only tensors of
+per-step log-probs `[B, T]` (or `[B]`), advantages broadcastable to them, and an optional mask
+(1 = the step counts). Every registered policy loss is called as
+
+    loss_fn(log_prob, old_log_prob, advantages, *, mask=None, **options) -> (per_element_loss, stats)
+
+and returns the unreduced loss (same shape as `log_prob`) and a dict of scalar tensors for logging;
+`aggregate_loss` reduces it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .masked import masked_mean
+from .registry import Registry
+
+POLICY_LOSSES: Registry = Registry("policy loss")
+
+#: |log r| is clamped to this before exp() so a stale or diverged sample cannot overflow the ratio.
+MAX_LOG_RATIO = 20.0
+
+
+def get_policy_loss(name: str):
+    """The policy loss registered as `name` (ValueError listing the names if unknown)."""
+    return POLICY_LOSSES.get(name)
+
+
+def _upcast(x: Tensor) -> Tensor:
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def _broadcast_advantages(advantages: Tensor, like: Tensor) -> Tensor:
+    while advantages.ndim < like.ndim:
+        advantages = advantages.unsqueeze(-1)
+    return advantages.to(like.dtype)
+
+
+def clipped_surrogate(
+    log_ratio: Tensor,
+    advantages: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    mask: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The PPO clipped objective on a given log-ratio (shared by the token- and sequence-level losses).
+
+    r = exp(log_ratio);  L = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high));
+    for A < 0 with `dual_clip = c` (Ye et al., arXiv 1912.09729): L = min(L, -A c).
+    """
+    if clip_low < 0 or (clip_high is not None and clip_high < 0):
+        raise ValueError(f"clip ranges must be >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (a multiple of the advantage), got {dual_clip}")
+    clip_high = clip_low if clip_high is None else clip_high
+    log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    adv = _broadcast_advantages(advantages, ratio)
+    loss_unclipped = -adv * ratio
+    loss_clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(loss_unclipped, loss_clipped)
+    clipped = loss_clipped > loss_unclipped
+    if dual_clip is not None:
+        dual_bound = -adv * dual_clip
+        dual = (adv < 0) & (loss > dual_bound)
+        loss = torch.where(adv < 0, torch.minimum(loss, dual_bound), loss)
+    with torch.no_grad():
+        m = torch.ones_like(ratio) if mask is None else mask.to(ratio.dtype).expand_as(ratio)
+        lr = log_ratio.detach()
+        stats = {
+            "clipfrac": masked_mean(clipped.to(ratio.dtype), m),
+            # k3 estimate of KL(old || new) from samples of the old policy: (r - 1) - log r.
+            "approx_kl": masked_mean(torch.expm1(lr) - lr, m),
+            "ratio_mean": masked_mean(ratio.detach(), m),
+            "ratio_max": torch.where(m > 0, ratio.detach(), torch.full_like(ratio, -torch.inf)).max(),
+            "ratio_min": torch.where(m > 0, ratio.detach(), torch.full_like(ratio, torch.inf)).min(),
+        }
+        if dual_clip is not None:
+            stats["dual_clipfrac"] = masked_mean(dual.to(ratio.dtype), m)
+    return loss, stats
+
+
+@POLICY_LOSSES.register("ppo_clip")
+def ppo_clip_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    mask: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's clipped surrogate with a per-step ratio (PPO arXiv 1707.06347; GRPO; DAPO clip-higher).
+
+    ratio = exp(log_prob - old_log_prob)
+    loss  = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
+    and, for A < 0 with `dual_clip = c`, loss = min(loss, -A * c).
+    `clip_high` defaults to `clip_low` (symmetric); DAPO's clip-higher sets it larger (e.g. 0.28).
+
+    log_prob, old_log_prob: [B, T] or [B]; advantages: [B] or the same shape (broadcast over T);
+    mask (optional, for the stats only): like log_prob.
+    Returns (per-element loss like log_prob, stats with clipfrac, approx_kl, ratio_mean/min/max).
+    """
+    log_prob, old_log_prob = _upcast(log_prob), _upcast(old_log_prob)
+    if log_prob.shape != old_log_prob.shape:
+        raise ValueError(f"log_prob {tuple(log_prob.shape)} and old_log_prob {tuple(old_log_prob.shape)} differ")
+    return clipped_surrogate(log_prob - old_log_prob, advantages, clip_low=clip_low, clip_high=clip_high,
+                             dual_clip=dual_clip, mask=mask)
+
+
+def sequence_log_ratio(log_prob: Tensor, old_log_prob: Tensor, mask: Tensor) -> Tensor:
+    """GSPO's sequence-level log importance ratio, broadcast to tokens (arXiv 2507.18071).
+
+    log s_i = (1/|y_i|) sum_t mask_it (log pi(y_it) - log pi_old(y_it)), and per token (GSPO-token)
+    log s_it = sg[log s_i] + log pi(y_it) - sg[log pi(y_it)],
+    whose value is log s_i at every token and whose gradient w.r.t. log pi(y_it) is 1.
+
+    log_prob, old_log_prob, mask: [B, T] -> [B, T].
+    """
+    m = mask.to(log_prob.dtype)
+    seq = ((log_prob - old_log_prob) * m).sum(-1) / m.sum(-1).clamp(min=1)  # [B]
+    return seq.detach().unsqueeze(-1) + log_prob - log_prob.detach()
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    *,
+    mask: Tensor | None = None,
+    clip_low: float = 3e-4,
+    clip_high: float | None = 4e-4,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (arXiv 2507.18071): the clipped surrogate on the sequence-level ratio of `sequence_log_ratio`.
+
+    The paper's clip range is far tighter than PPO's (defaults 3e-4 / 4e-4); aggregate the result with
+    ``seq-mean-token-mean`` to get the paper's objective. log_prob, old_log_prob, mask: [B, T].
+    """
+    log_prob, old_log_prob = _upcast(log_prob), _upcast(old_log_prob)
+    if mask is None:
+        mask = torch.ones_like(log_prob)
+    return clipped_surrogate(sequence_log_ratio(log_prob, old_log_prob, mask), advantages,
+                             clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, mask=mask)
+
+
+AGGREGATION_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def aggregate_loss(loss: Tensor, mask: Tensor, mode: str = "token-mean", horizon: int | None = None) -> Tensor:
+    """Reduce a per-element loss [B, T] to a scalar over the positions where `mask` is 1.
+
+    - ``token-mean``:              sum_bt m l / sum_bt m  (every token weighs the same; DAPO)
+    - ``seq-mean-token-sum``:      mean_b sum_t m l
+    - ``seq-mean-token-mean``:     mean_b (sum_t m l / sum_t m)  (GRPO's original)
+    - ``seq-mean-token-sum-norm``: mean_b (sum_t m l) / T  (Dr.GRPO: a constant T, `horizon` if given
+      else the padded length)
+    The seq-mean modes average over the rows with at least one unmasked position: a fully masked row
+    is not a sample and contributes nothing (never NaN); an all-masked batch gives 0.
+    """
+    if loss.ndim == 1:
+        loss, mask = loss.unsqueeze(-1), mask.unsqueeze(-1)
+    m = mask.to(loss.dtype)
+    if mode == "token-mean":
+        return masked_mean(loss, m)
+    row_sum = (loss * m).sum(-1)
+    row_count = m.sum(-1)
+    rows = (row_count > 0).to(loss.dtype)
+    if mode == "seq-mean-token-sum":
+        per_row = row_sum
+    elif mode == "seq-mean-token-mean":
+        per_row = row_sum / row_count.clamp(min=1)
+    elif mode == "seq-mean-token-sum-norm":
+        per_row = row_sum / float(horizon if horizon is not None else loss.shape[-1])
+    else:
+        raise ValueError(f"unknown loss aggregation mode {mode!r}; valid: {', '.join(AGGREGATION_MODES)}")
+    return (per_row * rows).sum() / rows.sum().clamp(min=1)
