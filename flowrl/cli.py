@@ -24,10 +24,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=60)
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
+    serve = sub.add_parser("serve-reward", add_help=False,
+                           help="serve a registered reward over HTTP (see `flowrl serve-reward --help`)")
+    serve.set_defaults(func=None)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "serve-reward":
+        from rewards.server import serve_main
+
+        return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

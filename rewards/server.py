@@ -1,0 +1,192 @@
+"""A reward server: scores images (or texts) with any registered reward, over HTTP on the standard
+library only (``ThreadingHTTPServer``; the wire format is in ``rewards/_wire.py``). Requests are read
+concurrently but scored one at a time (one model, one device). Binds to loopback unless told otherwise.
+
+    flowrl serve-reward pickscore --port 8000 --arg device=cuda:1 --arg scale=0.038
+    rewards.get("remote", url="http://127.0.0.1:8000")   # the client
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+
+from rewards._wire import decode_png, to_jsonable
+from rewards.registry import IMAGE, get, kind_of
+
+_CHUNK = 1 << 20
+
+
+def make_server(reward: Callable[..., Any], host: str = "127.0.0.1", port: int = 0, *,
+                max_request_bytes: int = 64 << 20, name: str = "reward", quiet: bool = False,
+                request_timeout: float = 120.0) -> ThreadingHTTPServer:
+    """A server (not yet serving: call ``serve_forever``) for ``reward``; ``port=0`` picks a free port,
+    read it back from ``server.server_address``. Requests over ``max_request_bytes`` get a 413."""
+    kind = kind_of(reward)
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        timeout = request_timeout  # seconds of silence before a connection is dropped
+
+        def log_message(self, format: str, *args: Any) -> None:
+            if not quiet:
+                super().log_message(format, *args)
+
+        def _send(self, status: int, payload: dict[str, Any]) -> None:
+            body = json.dumps(payload).encode("utf-8")
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            if self.path.rstrip("/") != "/health":
+                return self._send(404, {"error": f"unknown path {self.path!r}; GET /health or POST /score"})
+            self._send(200, {"status": "ok", "reward": name, "kind": kind})
+
+        def do_POST(self) -> None:
+            if self.path.rstrip("/") != "/score":
+                return self._send(404, {"error": f"unknown path {self.path!r}; POST /score"})
+            try:
+                length = int(self.headers.get("Content-Length", ""))
+            except ValueError:
+                return self._send(411, {"error": "a Content-Length header is required"})
+            if length > max_request_bytes:
+                self._discard(length)
+                self.close_connection = True
+                return self._send(413, {"error": f"request of {length} bytes exceeds the server's limit of "
+                                                 f"{max_request_bytes} bytes (--max-request-mb); send smaller batches"})
+            try:
+                request = json.loads(self.rfile.read(length))
+                call = _parse_image_request(request) if kind == IMAGE else _parse_text_request(request)
+            except (ValueError, TypeError, KeyError) as e:
+                return self._send(400, {"error": f"bad request: {e}"})
+            try:
+                with lock:
+                    answer = call(reward)
+            except Exception as e:  # the reward failed: report it to the client, keep serving
+                return self._send(500, {"error": f"{name} failed: {type(e).__name__}: {e}"})
+            self._send(200, answer)
+
+        def _discard(self, length: int) -> None:
+            """Read and drop the body (so the client sees the 413 rather than a reset)."""
+            try:
+                while length > 0:
+                    chunk = self.rfile.read(min(_CHUNK, length))
+                    if not chunk:
+                        break
+                    length -= len(chunk)
+            except OSError:
+                pass
+
+    server_class = ThreadingHTTPServer
+    if ":" in host:  # an IPv6 address such as ::1
+        server_class = type("ThreadingHTTPServerV6", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6})
+    server = server_class((host, port), Handler)
+    server.daemon_threads = True
+    return server
+
+
+def _parse_image_request(request: dict[str, Any]) -> Callable[[Callable[..., Any]], dict[str, Any]]:
+    images, prompts = request["images"], request["prompts"]
+    metadata = request.get("metadata") or {}
+    if not isinstance(images, list) or not isinstance(prompts, list) or not isinstance(metadata, dict):
+        raise TypeError("'images' and 'prompts' must be lists and 'metadata' an object")
+    if len(images) != len(prompts):
+        raise ValueError(f"{len(images)} images but {len(prompts)} prompts")
+    images = [decode_png(x) for x in images]
+
+    def call(reward: Callable[..., Any]) -> dict[str, Any]:
+        scores = reward(images, prompts, **metadata)
+        components = getattr(reward, "last_components", None) or {}
+        return {"scores": to_jsonable(scores.float()), "components": to_jsonable(dict(components))}
+
+    return call
+
+
+def _parse_text_request(request: dict[str, Any]) -> Callable[[Callable[..., Any]], dict[str, Any]]:
+    prompts, completions = request["prompts"], request["completions"]
+    columns = request.get("columns") or {}
+    if not isinstance(prompts, list) or not isinstance(completions, list) or not isinstance(columns, dict):
+        raise TypeError("'prompts' and 'completions' must be lists and 'columns' an object")
+
+    def call(reward: Callable[..., Any]) -> dict[str, Any]:
+        return {"scores": to_jsonable(list(reward(prompts, completions, **columns)))}
+
+    return call
+
+
+def parse_reward_args(pairs: list[str], json_text: str | None) -> dict[str, Any]:
+    """Reward options from ``--args-json '{...}'`` then ``--arg key=value`` (value read as JSON when it
+    parses, e.g. numbers, true, null; else kept as a string)."""
+    options: dict[str, Any] = {}
+    if json_text:
+        options = json.loads(json_text)
+        if not isinstance(options, dict):
+            raise ValueError(f"--args-json must be a JSON object, got {json_text!r}")
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--arg takes key=value, got {pair!r}")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    return options
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flowrl serve-reward",
+                                     description="Serve a registered reward over HTTP (JSON, PNG images).")
+    parser.add_argument("name", metavar="NAME", help="registered reward name (see rewards.available())")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default loopback; 0.0.0.0 exposes the server to the network)")
+    parser.add_argument("--port", type=int, default=8000, help="port (0 picks a free one; default 8000)")
+    parser.add_argument("--max-request-mb", type=float, default=64.0, help="largest request body, in MiB")
+    parser.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="a reward option, repeatable; VALUE is read as JSON when it parses")
+    parser.add_argument("--args-json", default=None, metavar="JSON", help="reward options as one JSON object")
+    parser.add_argument("--quiet", action="store_true", help="do not log each request")
+    return parser
+
+
+def serve_main(argv: list[str], *, on_ready: Callable[[ThreadingHTTPServer], None] | None = None) -> int:
+    """``flowrl serve-reward NAME [--host] [--port] [--max-request-mb] [--arg k=v ...] [--args-json]``.
+
+    Builds the reward, serves until interrupted and returns the exit code. ``on_ready(server)`` is
+    called once the socket is bound (tests use it to read the port and to shut the server down).
+    """
+    args = build_parser().parse_args(argv)
+    try:
+        options = parse_reward_args(args.arg, args.args_json)
+    except ValueError as e:
+        print(f"flowrl serve-reward: {e}", file=sys.stderr)
+        return 2
+    try:
+        reward = get(args.name, **options)
+    except (ValueError, TypeError) as e:  # unknown name or option: the message lists the valid ones
+        print(f"flowrl serve-reward: {e}", file=sys.stderr)
+        return 2
+    server = make_server(reward, args.host, args.port, max_request_bytes=int(args.max_request_mb * (1 << 20)),
+                         name=args.name, quiet=args.quiet)
+    host, port = server.server_address[:2]
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: serving on {args.host}, reachable from other machines; there is no authentication",
+              file=sys.stderr)
+    print(f"serving reward {args.name!r} ({kind_of(reward)}) on http://{host}:{port}  (POST /score, GET /health)",
+          flush=True)
+    if on_ready is not None:
+        on_ready(server)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0

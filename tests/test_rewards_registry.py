@@ -1,0 +1,132 @@
+"""The reward registry, the JPEG rewards and the weighted sum."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import rewards
+import rewards.registry as registry
+from rewardtiny import random_images
+
+EXPECTED = {"accuracy", "aesthetic", "clip_score", "hpsv2", "imagereward", "jpeg_compressibility",
+            "jpeg_incompressibility", "ocr", "pickscore", "remote", "soft_overlong", "think_format", "weighted"}
+
+
+def test_available_lists_every_reward_and_filters_by_kind():
+    assert EXPECTED <= set(rewards.available())
+    assert {"accuracy", "soft_overlong", "think_format"} <= set(rewards.available("text"))
+    assert not {"accuracy", "think_format"} & set(rewards.available("image"))
+    with pytest.raises(ValueError, match="kind must be one of"):
+        rewards.available("audio")
+
+
+def test_unknown_name_and_option_list_the_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown reward 'pickscor'\. Did you mean 'pickscore'.*Valid: accuracy"):
+        rewards.get("pickscor")
+    with pytest.raises(TypeError, match=r"unknown option\(s\) 'qualty'\. Valid options: quality"):
+        rewards.get("jpeg_incompressibility", qualty=90)
+
+
+def test_register_a_new_reward_as_documented(monkeypatch):
+    monkeypatch.setattr(registry.REWARDS, "_items", dict(registry.REWARDS._items))  # undone after the test
+
+    @rewards.register("brightness_for_test", kind=rewards.IMAGE)
+    def brightness(gain: float = 1.0):
+        return lambda images, prompts, **metadata: torch.tensor(
+            [gain * np.asarray(x.convert("L"), dtype=np.float64).mean() / 255 for x in images])
+
+    reward = rewards.get("brightness_for_test", gain=2.0)
+    assert reward.kind == "image" and reward.__name__ == "<lambda>"
+    white = Image.new("RGB", (4, 4), "white")
+    assert reward([white], ["p"]).tolist() == [2.0]  # gain 2 * mean luminance 1
+    assert "brightness_for_test" in rewards.available("image")
+    with pytest.raises(ValueError, match="already registered"):
+        rewards.register("brightness_for_test", kind="image")(brightness)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        rewards.register("x", kind="video")
+
+
+def test_kind_of():
+    assert rewards.kind_of(rewards.get("think_format")) == "text"
+    trl_style = lambda prompts, completions, **kw: [0.0] * len(completions)  # noqa: E731
+    assert rewards.kind_of(trl_style, default="text") == "text"
+    with pytest.raises(ValueError, match="has no kind"):
+        rewards.kind_of(trl_style)
+
+
+def test_import_and_listing_load_no_model_library():
+    code = ("import sys, rewards; rewards.available(); "
+            "print(sorted(m for m in ('transformers', 'open_clip', 'pytesseract', 'ImageReward', 'paddleocr') "
+            "if m in sys.modules))")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_jpeg_size_in_kb_at_quality_95(tmp_path):
+    images = random_images(2, (48, 32), seed=10) + [Image.new("RGB", (48, 32), (120, 30, 200))]
+    sizes = []
+    for i, image in enumerate(images):  # the file on disk, 1 kB = 1000 bytes
+        image.save(tmp_path / f"{i}.jpg", format="JPEG", quality=95)
+        sizes.append(os.path.getsize(tmp_path / f"{i}.jpg") / 1000)
+    incompressibility = rewards.get("jpeg_incompressibility")(images, ["p"] * 3)
+    compressibility = rewards.get("jpeg_compressibility")(images, ["p"] * 3)
+    torch.testing.assert_close(incompressibility, torch.tensor(sizes, dtype=torch.float32))
+    torch.testing.assert_close(compressibility, -torch.tensor(sizes, dtype=torch.float32))
+    assert compressibility[2] > compressibility[0]  # a flat image compresses better than noise
+    assert incompressibility.dtype == torch.float32
+
+
+def test_image_reward_input_checks():
+    reward = rewards.get("jpeg_compressibility")
+    with pytest.raises(ValueError, match="2 images but 1 prompts"):
+        reward(random_images(2), ["p"])
+    with pytest.raises(TypeError, match="list of PIL images.*Tensor"):
+        reward([torch.zeros(3, 8, 8)], ["p"])
+
+
+def test_weighted_image_sum_keeps_components():
+    images = random_images(2, (32, 32), seed=11) + [Image.new("RGB", (32, 32), "gray")]
+    reward = rewards.get("weighted", components={
+        "jpeg_incompressibility": 2.0,
+        "small": {"reward": "jpeg_compressibility", "weight": 0.5, "quality": 50},
+    })
+    total = reward(images, ["p"] * 3)
+    big = rewards.get("jpeg_incompressibility")(images, ["p"] * 3)
+    small = rewards.get("jpeg_compressibility", quality=50)(images, ["p"] * 3)
+    torch.testing.assert_close(total, 2.0 * big + 0.5 * small)
+    torch.testing.assert_close(reward.last_components["jpeg_incompressibility"], big)
+    torch.testing.assert_close(reward.last_components["small"], small)
+    torch.testing.assert_close(reward.last_components["small/jpeg_kb"], -small)
+    assert reward.kind == "image"
+
+
+def test_weighted_text_sum_skips_none_like_trl():
+    reward = rewards.get("weighted", components={"accuracy": 1.0, "think_format": 0.25})
+    completions = ["<think>r</think><answer>4</answer>", "4", "<think>r</think><answer>x</answer>"]
+    # accuracy [1, 1, None]; think_format [1, 0, 1] -> [1 + 0.25, 1 + 0, 0.25]
+    assert reward(["q"] * 3, completions, solution=["4", "4", "pi"]) == [1.25, 1.0, 0.25]
+    assert reward.last_components["accuracy"] == [1.0, 1.0, None]
+    assert reward.kind == "text"
+    only_none = rewards.combine({"acc": rewards.get("accuracy")})
+    assert only_none(["q"], ["1"], solution=["pi"]) == [None]
+
+
+def test_weighted_rejects_mixed_kinds_and_bad_specs():
+    with pytest.raises(ValueError, match="mixes kinds"):
+        rewards.get("weighted", components={"accuracy": 1.0, "jpeg_compressibility": 1.0})
+    with pytest.raises(ValueError, match="unknown reward 'nope'"):
+        rewards.get("weighted", components={"nope": 1.0})
+    with pytest.raises(ValueError, match="at least one|needs components"):
+        rewards.get("weighted", components={})
+    with pytest.raises(ValueError, match="same rewards"):
+        rewards.combine({"a": rewards.get("accuracy")}, {"b": 1.0})

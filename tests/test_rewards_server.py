@@ -1,0 +1,231 @@
+"""The reward server and the remote reward, for real over loopback (servers on port 0, in threads)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+import torch
+
+import rewards
+import rewards.remote as remote_module
+from rewardtiny import NetworkBlockedError, block_non_loopback, random_images
+from rewards.registry import IMAGE
+from rewards.remote import RewardServerError, backoff_delays
+from rewards.server import make_server, parse_reward_args, serve_main
+
+
+@pytest.fixture(autouse=True)
+def _no_network(monkeypatch):
+    block_non_loopback(monkeypatch)
+
+
+class MeanPixel:
+    """A reward whose value is easy to recompute: mean pixel / 255 + metadata["offset"]."""
+
+    kind = IMAGE
+
+    def __init__(self):
+        self.last_components = {}
+
+    def __call__(self, images, prompts, offset=0.0, **metadata):
+        if prompts and prompts[0] == "fail":
+            raise RuntimeError("the model ran out of memory")
+        mean = torch.tensor([np.asarray(x, dtype=np.float64).mean() / 255 for x in images], dtype=torch.float32)
+        self.last_components = {"prompt_chars": torch.tensor([float(len(p)) for p in prompts])}
+        return mean + offset
+
+
+@pytest.fixture
+def serve():
+    servers = []
+
+    def start(reward, **kwargs):
+        server = make_server(reward, "127.0.0.1", 0, quiet=True, **kwargs)
+        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def test_remote_scores_equal_local_scores_and_carry_metadata_and_components(serve):
+    url = serve(MeanPixel(), name="mean_pixel")
+    remote = rewards.get("remote", url=url)
+    images = random_images(3, (24, 16), seed=7)
+    prompts = ["a", "bb", "ccc"]
+    scores = remote(images, prompts, offset=torch.tensor(0.5))
+    expected = [np.asarray(x, dtype=np.float64).mean() / 255 + 0.5 for x in images]  # PNG is lossless
+    assert scores.dtype == torch.float32
+    torch.testing.assert_close(scores, torch.tensor(expected, dtype=torch.float32))
+    assert remote.last_components["prompt_chars"].tolist() == [1.0, 2.0, 3.0]
+    assert remote.health() == {"status": "ok", "reward": "mean_pixel", "kind": "image"}
+    assert remote.kind == "image"
+
+
+def test_remote_jpeg_matches_local_jpeg(serve):
+    local = rewards.get("jpeg_incompressibility")
+    remote = rewards.get("remote", url=serve(local) + "/")
+    images = random_images(2, (32, 32), seed=8)
+    torch.testing.assert_close(remote(images, ["x", "y"]), local(images, ["x", "y"]))
+    torch.testing.assert_close(remote.last_components["jpeg_kb"], local.last_components["jpeg_kb"])
+
+
+def test_text_reward_over_the_server(serve):
+    remote = rewards.get("remote", url=serve(rewards.get("accuracy")), kind="text")
+    completions = [r"\boxed{4}", [{"role": "assistant", "content": "5"}], "4"]
+    assert remote(["q"] * 3, completions, solution=["4", "4", "pi"]) == [1.0, 0.0, None]
+
+
+def test_request_over_the_size_limit_gets_413(serve):
+    remote = rewards.get("remote", url=serve(MeanPixel(), max_request_bytes=2000), retries=0)
+    with pytest.raises(RewardServerError, match="413.*exceeds the server's limit of 2000 bytes"):
+        remote(random_images(2, (40, 40)), ["a", "b"])  # noise PNGs of ~5 kB each
+
+
+def test_reward_failure_is_reported_and_not_retried(serve, monkeypatch):
+    sleeps = []
+    monkeypatch.setattr(remote_module.time, "sleep", sleeps.append)
+    remote = rewards.get("remote", url=serve(MeanPixel(), name="mean_pixel"), retries=3)
+    with pytest.raises(RewardServerError, match="500: mean_pixel failed: RuntimeError: the model ran out of memory"):
+        remote(random_images(1), ["fail"])
+    assert sleeps == []
+    assert remote(random_images(1), ["ok"]).shape == (1,)  # the server keeps serving
+
+
+def test_bad_requests_get_400(serve):
+    url = serve(MeanPixel())
+    client = remote_module.RemoteReward(url, retries=0)
+    with pytest.raises(RewardServerError, match="400: bad request: not a base64 PNG"):
+        client.post("/score", {"images": ["bm90IGEgcG5n"], "prompts": ["a"]})
+    with pytest.raises(RewardServerError, match="400: bad request: 1 images but 2 prompts"):
+        client.post("/score", {"images": [remote_module.encode_png(random_images(1)[0])], "prompts": ["a", "b"]})
+
+
+def test_backoff_schedule():
+    assert backoff_delays(4, 0.5) == [0.5, 1.0, 2.0, 4.0]  # 0.5 * 2^i
+    assert backoff_delays(0, 0.5) == []
+
+
+def test_server_down_is_a_clear_error_after_retries_with_backoff(monkeypatch):
+    with socket.socket() as s:  # a port that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sleeps = []
+    monkeypatch.setattr(remote_module.time, "sleep", sleeps.append)
+    remote = rewards.get("remote", url=f"http://127.0.0.1:{port}", retries=3, backoff=0.25)
+    with pytest.raises(RewardServerError, match=rf"http://127.0.0.1:{port} is not answering \(4 attempts.*"
+                                                r"ConnectionRefusedError.*flowrl serve-reward"):
+        remote(random_images(1), ["a"])
+    assert sleeps == [0.25, 0.5, 1.0]
+
+
+def test_transient_503_is_retried(monkeypatch):
+    calls = []
+
+    class Flaky(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            calls.append(1)
+            status, body = (503, {"error": "warming up"}) if len(calls) < 3 else (200, {"scores": [0.25]})
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Flaky)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    sleeps = []
+    monkeypatch.setattr(remote_module.time, "sleep", sleeps.append)
+    try:
+        remote = rewards.get("remote", url=f"http://127.0.0.1:{server.server_address[1]}", retries=2, backoff=0.1)
+        assert remote(random_images(1), ["a"]).tolist() == [0.25]
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert len(calls) == 3 and sleeps == [0.1, 0.2]
+
+
+def test_serve_main_serves_a_registered_reward_with_cli_options():
+    ready, holder, result = threading.Event(), [], []
+
+    def on_ready(server):
+        holder.append(server)
+        ready.set()
+
+    argv = ["jpeg_incompressibility", "--port", "0", "--arg", "quality=80", "--quiet"]
+    thread = threading.Thread(target=lambda: result.append(serve_main(argv, on_ready=on_ready)), daemon=True)
+    thread.start()
+    assert ready.wait(30)
+    server = holder[0]
+    try:
+        remote = rewards.get("remote", url=f"http://127.0.0.1:{server.server_address[1]}")
+        images = random_images(2, (32, 32), seed=9)
+        torch.testing.assert_close(remote(images, ["a", "b"]),
+                                   rewards.get("jpeg_incompressibility", quality=80)(images, ["a", "b"]))
+        assert remote.health()["reward"] == "jpeg_incompressibility"
+        assert server.server_address[0] == "127.0.0.1"  # loopback by default
+    finally:
+        server.shutdown()
+        thread.join(10)
+    assert result == [0]
+
+
+def test_serve_main_rejects_unknown_reward_and_bad_args(capsys):
+    assert serve_main(["pickscor", "--port", "0"]) == 2
+    assert "Did you mean 'pickscore'" in capsys.readouterr().err
+    assert serve_main(["jpeg_compressibility", "--port", "0", "--arg", "nokey"]) == 2
+    assert "key=value" in capsys.readouterr().err
+    assert serve_main(["jpeg_compressibility", "--port", "0", "--arg", "qualty=3"]) == 2
+    assert "Valid options: quality" in capsys.readouterr().err
+
+
+def test_parse_reward_args():
+    assert parse_reward_args(["scale=0.5", "device=cuda:1", "flag=true", "x=null"], '{"model": "m", "scale": 2}') == \
+        {"model": "m", "scale": 0.5, "device": "cuda:1", "flag": True, "x": None}
+
+
+def test_network_guard_blocks_other_hosts_but_not_loopback():
+    with pytest.raises(NetworkBlockedError, match="192.0.2.1"):
+        socket.create_connection(("192.0.2.1", 80), timeout=1)  # TEST-NET-1: never reached
+    with pytest.raises(NetworkBlockedError):
+        socket.getaddrinfo("huggingface.co", 443)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        socket.create_connection(listener.getsockname(), timeout=1).close()
+
+
+def test_slow_server_times_out_with_a_clear_error(monkeypatch):
+    release = threading.Event()
+
+    class Slow(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            release.wait(5)  # answers only after the client has given up
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    monkeypatch.setattr(remote_module.time, "sleep", lambda s: None)
+    try:
+        remote = rewards.get("remote", url=f"http://127.0.0.1:{server.server_address[1]}", timeout=0.2, retries=1)
+        with pytest.raises(RewardServerError, match=r"not answering \(2 attempts, last: \w*Timeout\w*: timed out"):
+            remote(random_images(1), ["a"])
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
