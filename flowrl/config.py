@@ -1,0 +1,501 @@
+"""The configuration: one dataclass tree, a docstring under each field, YAML presets, `key=value` overrides.
+
+Every key is validated once, before any work starts: an unknown key is an error naming the closest
+valid keys, a value of the wrong type or outside its choices names what would be right.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key or value that is not valid; the message says what would be."""
+
+
+# --------------------------------------------------------------------------------------------- tree
+
+
+@dataclass
+class ModelConfig:
+    path: str = "tiny:sd3"
+    """Hub id (e.g. `stabilityai/stable-diffusion-3.5-medium`), local directory, or `tiny:sd3` / `tiny:flux` /
+    `tiny:sd15` for a tiny random-weight pipeline built in code (tests, smoke runs)."""
+    family: Literal["auto", "sd3", "flux", "sd"] = "auto"
+    """Pipeline family; `auto` detects it from the pipeline class."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the frozen weights and the forward pass (step math is float32 whatever this is)."""
+    device: str = "auto"
+    """`auto` (the accelerator's device), `cpu`, `cuda`, `cuda:1`, ..."""
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = True
+    """Train a LoRA adapter (peft); false = full fine-tuning of the denoiser (with a frozen reference copy)."""
+    rank: int = 8
+    """LoRA rank r."""
+    alpha: float = 16.0
+    """LoRA alpha (the update is scaled by alpha / r)."""
+    dropout: float = 0.0
+    """LoRA dropout."""
+    target_modules: Optional[list[str]] = None
+    """Module names to adapt; None = the family's default (attention projections, and FFN for SD3/FLUX)."""
+    init_path: Optional[str] = None
+    """Start from a saved adapter (a checkpoint's `lora/` dir) instead of a fresh one."""
+
+
+@dataclass
+class WindowConfig:
+    kind: Literal["all", "fixed", "sliding"] = "all"
+    """Which denoising steps are stochastic (SDE) and trained: `all`; a `fixed` window [start, start+size)
+    (Flow-GRPO-Fast); a `sliding` window that moves with the epoch (MixGRPO). Steps outside are ODE."""
+    start: int = 0
+    """First step of the window (fixed) or of the slide (sliding)."""
+    size: int = 0
+    """Window length in steps (0 with kind=all)."""
+    shift_every: int = 1
+    """sliding: move the window by `stride` steps every this many epochs."""
+    stride: int = 1
+    """sliding: steps the window moves per shift (it wraps back to `start` past the last step)."""
+
+
+@dataclass
+class SampleConfig:
+    num_steps: int = 10
+    """Denoising steps per rollout (Flow-GRPO trains on 10 and evaluates with 40)."""
+    guidance_scale: float = 4.5
+    """Classifier-free guidance scale during rollouts (FLUX: the distilled guidance embedding)."""
+    noise_level: float = 0.7
+    """SDE noise level `a` (Flow-GRPO's sigma_t = a sqrt(sigma / (1 - sigma))) or DDIM's eta."""
+    sde_type: Literal["sde", "cps", "dance", "ddim"] = "sde"
+    """Stochastic step kernel: Flow-GRPO `sde`, coefficients-preserving `cps`, DanceGRPO `dance`; `ddim`
+    for epsilon-prediction UNets (SD1.5/SDXL)."""
+    window: WindowConfig = field(default_factory=WindowConfig)
+    """Which steps are stochastic and trained."""
+    same_noise_per_group: bool = False
+    """One initial noise for every image of a group (the group then differs only by the SDE noise)."""
+    height: int = 64
+    """Image height in pixels (a multiple of the model's latent factor times its patch size)."""
+    width: int = 64
+    """Image width in pixels."""
+    group_size: int = 4
+    """Images per prompt (the GRPO group), >= 2."""
+    prompts_per_epoch: int = 4
+    """Distinct prompts per epoch on each process; the epoch's batch is prompts_per_epoch x group_size."""
+    rollout_batch_size: int = 0
+    """Images per rollout forward (0 = the whole epoch batch at once)."""
+    max_sequence_length: int = 77
+    """T5 tokens for SD3/FLUX prompts (tiny runs: 16-32)."""
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 2
+    """Epochs; one epoch = one rollout batch and `inner_epochs` passes of updates over it."""
+    inner_epochs: int = 1
+    """Passes over each rollout batch (mu); > 1 makes later passes off-policy (the ratio leaves 1)."""
+    minibatch_size: int = 0
+    """Samples per optimizer minibatch (0 = the whole batch); must divide the epoch batch."""
+    steps_per_forward: int = 1
+    """Trained denoising steps evaluated in one model call (stacked along the batch)."""
+    lr: float = 3e-4
+    """AdamW learning rate."""
+    weight_decay: float = 1e-4
+    """AdamW weight decay."""
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """Learning-rate schedule after warm-up."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm (0 = off)."""
+    policy_loss: str = "ppo_clip"
+    """Policy loss from the core's registry (`ppo_clip`, `gspo`)."""
+    clip_low: float = 1e-4
+    """Lower clip range epsilon (ratio >= 1 - clip_low); Flow-GRPO uses 1e-4."""
+    clip_high: Optional[float] = None
+    """Upper clip range (None = clip_low; DAPO's clip-higher sets it larger)."""
+    dual_clip: Optional[float] = None
+    """Dual-clip constant c > 1 for negative advantages (None = off)."""
+    adv_estimator: str = "grpo"
+    """Advantage estimator from the core's registry (`grpo`, `rloo`, `reinforce_pp`, `dr_grpo`)."""
+    adv_scale: Literal["group", "batch", "none"] = "group"
+    """GRPO std: per group, over the whole batch (Flow-GRPO's global std), or none (Dr.GRPO)."""
+    adv_clip_max: float = 5.0
+    """Advantages are clipped to +- this."""
+    drop_zero_adv_groups: bool = False
+    """Skip groups whose advantages are all zero (no signal)."""
+    per_prompt_stats: bool = False
+    """Normalise with DDPO's per-prompt stat tracker (history across epochs) instead of the batch's groups."""
+    stat_buffer_size: int = 32
+    """Per-prompt tracker: rewards kept per prompt."""
+    stat_min_count: int = 16
+    """Per-prompt tracker: below this many, the batch statistics are used."""
+    reward_combine: Literal["sum", "gdpo"] = "sum"
+    """Several rewards: weighted sum then one advantage (`sum`), or GDPO's per-reward group
+    normalisation then weighted sum and batch whitening (`gdpo`)."""
+    step_weighting: Literal["none", "noise", "ratio_norm"] = "none"
+    """Per-step loss weight: none; `noise` = the step's transition std normalised to mean 1 over the trained
+    steps (TempFlow-GRPO); `ratio_norm` = GRPO-Guard's RatioNorm of the per-step log-ratio."""
+    beta: float = 0.0
+    """KL coefficient; the reference is the base model (LoRA off). 0 skips the reference forward."""
+    kl_std: Literal["step", "sigma"] = "step"
+    """std in the Gaussian KL: the transition std (`step`), or Flow-GRPO's convention leaving sqrt(dt) out."""
+    ema_decay: float = 0.0
+    """EMA of the trained weights used for eval and checkpoints (0 = off; e.g. 0.9)."""
+    seed: int = 0
+    """Seed of everything: prompts order, initial noise, SDE noise, LoRA init."""
+
+
+@dataclass
+class RewardSpec:
+    name: str = "jpeg_compressibility"
+    """Registered reward name (`rewards.available()` lists them)."""
+    weight: float = 1.0
+    """Weight in the combination."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the reward's constructor (paths, device, scale, ...)."""
+
+
+@dataclass
+class DataConfig:
+    train_prompts: str = ""
+    """Training prompts: a .txt file (one per line) or .jsonl (a `prompt` key, other keys are metadata);
+    empty = a few built-in prompts (smoke runs)."""
+    eval_prompts: str = ""
+    """Held-out prompts for evaluation (same formats); empty = the training prompts."""
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0
+    """Evaluate every N epochs (0 = only at the end)."""
+    num_steps: int = 20
+    """ODE steps for evaluation."""
+    guidance_scale: float = 4.5
+    """CFG scale for evaluation."""
+    num_prompts: int = 8
+    """Held-out prompts evaluated (0 = all)."""
+    images_per_prompt: int = 1
+    """Images per eval prompt."""
+    seed: int = 1234
+    """Seed of the eval noise (the same every evaluation, so grids compare)."""
+    grid: bool = True
+    """Save an image grid of the eval samples in the run directory."""
+
+
+@dataclass
+class LogConfig:
+    run_dir: str = "runs/default"
+    """Directory for metrics.jsonl, checkpoints, grids and TensorBoard logs."""
+    every: int = 1
+    """Log metrics every N epochs."""
+    tensorboard: bool = False
+    """Also log to TensorBoard through accelerate's trackers."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs `wandb` installed)."""
+    progress: bool = True
+    """Progress bars."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Save every N epochs (0 = only at the end)."""
+    resume: Optional[str] = None
+    """`auto` (the newest checkpoint in run_dir) or a checkpoint directory."""
+    keep: int = 2
+    """Checkpoints kept (older ones are deleted)."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The image generator."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapter (or full fine-tuning)."""
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    """Rollouts."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """The GRPO update."""
+    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
+    """Rewards and their weights."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """Logging."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints and resume."""
+
+
+# ----------------------------------------------------------------------------------------- docs
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of dataclass `cls` (read from its source)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr) \
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _dataclass_of(tp) -> type | None:
+    return tp if dataclasses.is_dataclass(tp) else None
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, Any, str]]:
+    """(dotted key, type text, default, doc) for every leaf field, for `flowrl train --help`."""
+    rows = []
+    docs = field_docs(cls)
+    hints = _hints(cls)
+    default = cls()
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        key = prefix + f.name
+        sub = _dataclass_of(tp)
+        if sub is not None:
+            rows.extend(describe(sub, key + "."))
+        else:
+            rows.append((key, _type_text(tp), getattr(default, f.name), docs.get(f.name, "")))
+    return rows
+
+
+def _type_text(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "{" + ",".join(str(a) for a in typing.get_args(tp)) + "}"
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _type_text(args[0]) + "|null"
+    if origin is list:
+        (arg,) = typing.get_args(tp)
+        return f"list[{_type_text(arg)}]"
+    if origin is dict:
+        return "dict"
+    return getattr(tp, "__name__", str(tp))
+
+
+# ----------------------------------------------------------------------------------- validation
+
+
+def _all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    return [row[0] for row in describe(cls, prefix)]
+
+
+def _unknown_key(key: str, valid: list[str], where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
+    hint = f" Did you mean {', '.join(close)}?" if close else ""
+    return ConfigError(f"unknown config key {key!r}{where}.{hint} Valid keys here: {', '.join(valid)}")
+
+
+def _convert(value: Any, tp, key: str) -> Any:
+    """Check (and gently convert) `value` against the annotation `tp`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(value, inner[0], key)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key}: {value!r} is not a valid choice; valid: {', '.join(map(str, choices))}")
+        return value
+    if origin is list:
+        (arg,) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        sub = _dataclass_of(arg)
+        if sub is not None:
+            return [_build(sub, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [_convert(v, arg, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads 1e-4 without a dot as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    if tp is Any:
+        return value
+    raise ConfigError(f"{key}: unsupported annotation {tp!r}")
+
+
+def _build(cls: type, data: Any, prefix: str = ""):
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping of keys, got {data!r}")
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in data.items():
+        key = prefix + ("." if prefix else "") + str(k)
+        if k not in names:
+            raise _unknown_key(key, [f"{prefix}.{n}" if prefix else n for n in names], "")
+        sub = _dataclass_of(hints[k])
+        kwargs[k] = _build(sub, v, key) if sub is not None else _convert(v, hints[k], key)
+    return cls(**kwargs)
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    cls = Config
+    for i, part in enumerate(parts):
+        hints = _hints(cls)
+        last = i == len(parts) - 1
+        if part not in hints or (not last and _dataclass_of(hints[part]) is None):
+            prefix = ".".join(parts[:i])
+            here = [f"{prefix}.{n}" if prefix else n for n in hints]
+            close = difflib.get_close_matches(key, _all_keys(), n=3, cutoff=0.6)
+            hint = f" Did you mean {', '.join(close)}?" if close else ""
+            raise ConfigError(f"unknown config key {key!r}.{hint} Valid keys"
+                              f"{' in ' + prefix if prefix else ''}: {', '.join(here)}")
+        if last:
+            node[part] = value
+        else:
+            cls = hints[part]
+            node = node.setdefault(part, {})
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """`["train.lr=1e-4", "sample.group_size=8"]` -> a nested dict (values read as YAML scalars)."""
+    tree: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value, e.g. train.lr=1e-4")
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+    return tree
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- YAML preset <- `key=value` overrides, validated; raises ConfigError with the fix."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}")
+        data = loaded
+    if overrides:
+        data = _merge(data, parse_overrides(overrides))
+    cfg = _build(Config, data)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Value checks that need more than a type: ranges and relations between keys."""
+    s, t = cfg.sample, cfg.train
+    problems = []
+    if s.group_size < 2:
+        problems.append(f"sample.group_size must be >= 2 for group-relative advantages, got {s.group_size}")
+    if s.prompts_per_epoch < 1:
+        problems.append(f"sample.prompts_per_epoch must be >= 1, got {s.prompts_per_epoch}")
+    batch = s.group_size * s.prompts_per_epoch
+    if t.minibatch_size and batch % t.minibatch_size:
+        problems.append(f"train.minibatch_size={t.minibatch_size} must divide the epoch batch "
+                        f"{batch} (= sample.prompts_per_epoch x sample.group_size)")
+    if s.rollout_batch_size and batch % s.rollout_batch_size:
+        problems.append(f"sample.rollout_batch_size={s.rollout_batch_size} must divide the epoch batch {batch}")
+    if s.num_steps < 1:
+        problems.append(f"sample.num_steps must be >= 1, got {s.num_steps}")
+    if s.height <= 0 or s.width <= 0:
+        problems.append(f"sample.height/width must be positive, got {s.height}x{s.width}")
+    w = s.window
+    if w.kind != "all":
+        if w.size < 1 or w.start < 0 or w.start + w.size > s.num_steps:
+            problems.append(f"sample.window: [start, start+size) = [{w.start}, {w.start + w.size}) must lie in "
+                            f"[0, sample.num_steps={s.num_steps}) with size >= 1")
+    if t.steps_per_forward < 1:
+        problems.append(f"train.steps_per_forward must be >= 1, got {t.steps_per_forward}")
+    if t.epochs < 0 or t.inner_epochs < 1:
+        problems.append(f"train.epochs must be >= 0 and train.inner_epochs >= 1, got {t.epochs}, {t.inner_epochs}")
+    if t.lr <= 0:
+        problems.append(f"train.lr must be > 0, got {t.lr}")
+    if t.beta < 0:
+        problems.append(f"train.beta must be >= 0, got {t.beta}")
+    if not 0 <= t.ema_decay < 1:
+        problems.append(f"train.ema_decay must be in [0, 1), got {t.ema_decay}")
+    if t.dual_clip is not None and t.dual_clip <= 1:
+        problems.append(f"train.dual_clip must be > 1 (or null), got {t.dual_clip}")
+    if cfg.lora.rank < 1:
+        problems.append(f"lora.rank must be >= 1, got {cfg.lora.rank}")
+    if not cfg.rewards:
+        problems.append("rewards: at least one reward is needed")
+    if s.sde_type == "ddim" and cfg.model.family in ("sd3", "flux"):
+        problems.append("sample.sde_type=ddim is for epsilon-prediction UNets (family sd); "
+                        "flow models take sde, cps or dance")
+    from .core import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+    if t.adv_estimator not in ADVANTAGE_ESTIMATORS:
+        problems.append(f"train.adv_estimator {t.adv_estimator!r} is not registered; valid: "
+                        f"{', '.join(ADVANTAGE_ESTIMATORS.names())}")
+    if t.policy_loss not in POLICY_LOSSES:
+        problems.append(f"train.policy_loss {t.policy_loss!r} is not registered; valid: "
+                        f"{', '.join(POLICY_LOSSES.names())}")
+    if problems:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
