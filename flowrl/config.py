@@ -29,10 +29,10 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    path: str = "tiny:sd3"
-    """Hub id (e.g. `stabilityai/stable-diffusion-3.5-medium`), local directory, or `tiny:sd3` / `tiny:flux` /
-    `tiny:sd15` for a tiny random-weight pipeline built in code (tests, smoke runs)."""
-    family: Literal["auto", "sd3", "flux", "sd"] = "auto"
+    path: str = "tiny-sd3"
+    """Hub id (e.g. `stabilityai/stable-diffusion-3.5-medium`), local directory, or `tiny-sd3` / `tiny-flux` /
+    `tiny-sd15` for a tiny random-weight pipeline built in code (tests, smoke runs)."""
+    family: Literal["auto", "sd3", "flux", "sd15"] = "auto"
     """Pipeline family; `auto` detects it from the pipeline class."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the frozen weights and the forward pass (step math is float32 whatever this is)."""
@@ -65,10 +65,10 @@ class WindowConfig:
     """First step of the window (fixed) or of the slide (sliding)."""
     size: int = 0
     """Window length in steps (0 with kind=all)."""
-    shift_every: int = 1
+    every: int = 1
     """sliding: move the window by `stride` steps every this many epochs."""
     stride: int = 1
-    """sliding: steps the window moves per shift (it wraps back to `start` past the last step)."""
+    """sliding: steps the window moves per shift (it rolls back to `start` past the last step)."""
 
 
 @dataclass
@@ -77,11 +77,12 @@ class SampleConfig:
     """Denoising steps per rollout (Flow-GRPO trains on 10 and evaluates with 40)."""
     guidance_scale: float = 4.5
     """Classifier-free guidance scale during rollouts (FLUX: the distilled guidance embedding)."""
-    noise_level: float = 0.7
-    """SDE noise level `a` (Flow-GRPO's sigma_t = a sqrt(sigma / (1 - sigma))) or DDIM's eta."""
-    sde_type: Literal["sde", "cps", "dance", "ddim"] = "sde"
+    noise_level: Optional[float] = None
+    """SDE noise level: Flow-GRPO's `a` (sigma_t = a sqrt(sigma / (1 - sigma))), CPS's angle fraction,
+    DanceGRPO's / DDIM's eta; null = the kernel's default (0.7, 0.7, 0.3, 1.0)."""
+    sde_type: Literal["auto", "sde", "cps", "dance", "ddim"] = "auto"
     """Stochastic step kernel: Flow-GRPO `sde`, coefficients-preserving `cps`, DanceGRPO `dance`; `ddim`
-    for epsilon-prediction UNets (SD1.5/SDXL)."""
+    for epsilon-prediction UNets (SD1.5/SDXL); `auto` = the family's default (sde / ddim)."""
     window: WindowConfig = field(default_factory=WindowConfig)
     """Which steps are stochastic and trained."""
     same_noise_per_group: bool = False
@@ -487,9 +488,12 @@ def validate(cfg: Config) -> None:
         problems.append(f"lora.rank must be >= 1, got {cfg.lora.rank}")
     if not cfg.rewards:
         problems.append("rewards: at least one reward is needed")
-    if s.sde_type == "ddim" and cfg.model.family in ("sd3", "flux"):
-        problems.append("sample.sde_type=ddim is for epsilon-prediction UNets (family sd); "
-                        "flow models take sde, cps or dance")
+    if s.sde_type == "ddim" and cfg.model.family in ("sd3", "flux") or \
+            s.sde_type in ("sde", "cps", "dance") and cfg.model.family == "sd15":
+        problems.append(f"sample.sde_type={s.sde_type} does not fit model.family={cfg.model.family}: ddim is for "
+                        "epsilon-prediction UNets (sd15); flow models (sd3, flux) take sde, cps or dance")
+    if t.step_weighting == "ratio_norm" and s.sde_type not in ("auto", "sde", "dance"):
+        problems.append("train.step_weighting=ratio_norm needs a Gaussian SDE step (sample.sde_type sde or dance)")
     from .core import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
     if t.adv_estimator not in ADVANTAGE_ESTIMATORS:
         problems.append(f"train.adv_estimator {t.adv_estimator!r} is not registered; valid: "

@@ -33,7 +33,7 @@ def test_unknown_key_names_close_valid_keys(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("sample.group_size=1", "group_size must be >= 2"),
     ("train.minibatch_size=3", "must divide the epoch batch 16"),
-    ("sample.sde_type=euler", "valid: sde, cps, dance, ddim"),
+    ("sample.sde_type=euler", "valid: auto, sde, cps, dance, ddim"),
     ("train.lr=abc", "expected a number"),
     ("lora.enabled=maybe", "expected true or false"),
     ("train.adv_estimator=ppo", "valid: dr_grpo, grpo, reinforce_pp, rloo"),

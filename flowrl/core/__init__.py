@@ -30,6 +30,7 @@ from .losses import (
 )
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten
 from .registry import Registry, unknown_name_error
+from .steps import STEP_WEIGHTINGS, inverse_dt_step_weights, noise_step_weights, ratio_norm_log_ratio
 
 from types import ModuleType as _ModuleType
 
