@@ -1,9 +1,116 @@
-"""The `flowrl` command line."""
+"""The `flowrl` command line.
+
+    flowrl train [CONFIG] [key=value ...]       GRPO fine-tuning (`flowrl train --help` lists every key)
+    flowrl eval CONFIG --checkpoint DIR         evaluate a checkpoint on the held-out prompts
+    flowrl sample CONFIG [--checkpoint DIR] --prompt TEXT ...   save images
+    flowrl serve-reward NAME [--host 127.0.0.1] [--port 8000]  serve a reward over HTTP
+    flowrl demo                                  the embedded default
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import textwrap
+
+
+def _config_help() -> str:
+    from .config import describe
+
+    lines = ["config keys (set in the YAML file or as key=value):", ""]
+    for key, tp, default, doc in describe():
+        lines.append(f"  {key} ({tp}, default {default!r})")
+        lines.extend("      " + line for line in textwrap.wrap(doc, 96))
+    return "\n".join(lines)
+
+
+class _HelpWithConfig(argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def _load(args) -> "object":
+    from .config import ConfigError, load_config
+
+    try:
+        return load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"flowrl: {e}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _train(args) -> int:
+    from .trainer import train
+
+    cfg = _load(args)
+    metrics = train(cfg)
+    keys = [k for k in sorted(metrics) if k.startswith(("eval/", "reward/total"))]
+    print(json.dumps({k: metrics[k] for k in keys}, indent=1))
+    return 0
+
+
+def _policy_from_checkpoint(cfg, checkpoint: str | None):
+    """A policy with the checkpoint's trained weights (the EMA weights when the checkpoint has them)."""
+    import torch
+
+    from .checkpoint import read_checkpoint
+    from .policies import build_policy
+
+    policy = build_policy(cfg, "cpu" if cfg.model.device in ("auto", "cpu") and not torch.cuda.is_available()
+                          else ("cuda" if cfg.model.device == "auto" else cfg.model.device))
+    if checkpoint:
+        ck = read_checkpoint(checkpoint)
+        weights = ck.get("ema", ck["trainable"])
+        named = dict(policy.named_trainable_parameters())
+        missing = set(named) - set(weights)
+        if missing:
+            raise SystemExit(f"flowrl: checkpoint {checkpoint} does not match this config's model/LoRA "
+                             f"(missing {sorted(missing)[:2]})")
+        with torch.no_grad():
+            for n, p in named.items():
+                p.copy_(weights[n].to(p.dtype))
+    return policy
+
+
+def _eval(args) -> int:
+    from pathlib import Path
+
+    from .data import load_prompts
+    from .trainer import build_reward_fns
+
+    cfg = _load(args)
+    policy = _policy_from_checkpoint(cfg, args.checkpoint)
+    prompts, meta = load_prompts(cfg.data.eval_prompts or cfg.data.train_prompts).head(cfg.eval.num_prompts)
+    fns = build_reward_fns(cfg, policy.reward_kind)
+    outputs, per_reward = policy.evaluate_prompts(prompts, meta, fns, cfg.eval)
+    result = {f"eval/{spec.name}_mean": float(v.mean()) for spec, v in zip(cfg.rewards, per_reward)}
+    result.update({f"eval/{k}_mean": float(v.mean()) for k, v in policy.last_eval_components.items()})
+    result["checkpoint"] = args.checkpoint or "(base model)"
+    result["num_samples"] = len(outputs)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        policy.save_eval_outputs(outputs, prompts, out / "eval")
+        (out / "eval.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+def _sample(args) -> int:
+    from pathlib import Path
+
+    cfg = _load(args)
+    policy = _policy_from_checkpoint(cfg, args.checkpoint)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    traj = policy.backend.rollout(args.prompt, group_size=args.num, num_steps=args.steps or cfg.eval.num_steps,
+                                  guidance_scale=cfg.eval.guidance_scale, sde_type="ode", seed=args.seed,
+                                  height=cfg.sample.height, width=cfg.sample.width)
+    for i, im in enumerate(traj.images):
+        path = out / f"{i // args.num:03d}_{i % args.num:02d}.png"
+        im.save(path)
+    print(f"wrote {len(traj.images)} images to {out}")
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -18,16 +125,49 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flowrl", description=__doc__)
+    parser = argparse.ArgumentParser(prog="flowrl", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_config(p, optional: bool):
+        p.add_argument("config", nargs="?" if optional else None, help="YAML preset (configs/*.yaml)")
+        p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.lr=1e-4")
+
+    train = sub.add_parser("train", help="GRPO fine-tuning", epilog=_config_help(), formatter_class=_HelpWithConfig)
+    with_config(train, optional=True)
+    train.set_defaults(func=_train)
+
+    ev = sub.add_parser("eval", help="evaluate a checkpoint (or the base model) on the eval prompts")
+    ev.add_argument("--checkpoint", default=None, help="a ckpt-XXXXXX directory; omit for the base model")
+    ev.add_argument("--out", default=None, help="directory for the image grid and eval.json")
+    with_config(ev, optional=False)
+    ev.set_defaults(func=_eval)
+
+    sa = sub.add_parser("sample", help="sample images (deterministic ODE) from a config and checkpoint")
+    sa.add_argument("--checkpoint", default=None)
+    sa.add_argument("--prompt", action="append", required=True, help="repeatable")
+    sa.add_argument("--num", type=int, default=1, help="images per prompt")
+    sa.add_argument("--steps", type=int, default=0, help="ODE steps (default eval.num_steps)")
+    sa.add_argument("--seed", type=int, default=0)
+    sa.add_argument("--out", default="samples_out")
+    with_config(sa, optional=False)
+    sa.set_defaults(func=_sample)
+
     demo = sub.add_parser("demo", help="run the embedded default (offline, CPU)")
     demo.add_argument("--steps", type=int, default=60)
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
-    serve = sub.add_parser("serve-reward", add_help=False,
-                           help="serve a registered reward over HTTP (see `flowrl serve-reward --help`)")
-    serve.set_defaults(func=None)
+
+    sub.add_parser("serve-reward", add_help=False,
+                   help="serve a registered reward over HTTP (see `flowrl serve-reward --help`)")
     return parser
+
+
+def _split_overrides(args) -> None:
+    """argparse cannot tell an optional CONFIG from the first key=value: move it."""
+    if getattr(args, "config", None) and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
+        args.overrides = [args.config, *args.overrides]
+        args.config = None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
+    _split_overrides(args)
     return args.func(args)
 
 

@@ -102,6 +102,36 @@ class SampleConfig:
 
 
 @dataclass
+class TextConfig:
+    max_new_tokens: int = 16
+    """Most tokens per completion (T)."""
+    max_prompt_length: int = 256
+    """Prompts are truncated (from the left) to this many tokens."""
+    temperature: float = 1.0
+    """Sampling temperature; the old and new log-probs are taken under it too."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    chat_template: bool = True
+    """Wrap prompts in the tokenizer's chat template when it has one."""
+    mask_truncated: bool = False
+    """Leave completions that hit max_new_tokens without an EOS out of the loss (DAPO's overlong filtering)."""
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = \
+        "token-mean"
+    """How token losses become one number (see flowrl.core.aggregate_loss)."""
+    kl_estimator: Literal["k1", "k2", "k3", "abs"] = "k3"
+    """KL estimator against the reference (Schulman's k1/k2/k3)."""
+    kl_in_reward: bool = False
+    """Put beta x sum_t KL_t into the reward (PPO-RLHF style) instead of the loss."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss subtracts entropy_coef x the aggregated token entropy."""
+    loss_preset: Literal["none", "grpo", "dapo", "dr_grpo", "gspo"] = "none"
+    """Published loss variants: sets the clip range, ratio level, aggregation, advantage scale and KL as the
+    paper did (keys you set yourself win). See flowrl.config.LOSS_PRESETS."""
+
+
+@dataclass
 class TrainConfig:
     epochs: int = 2
     """Epochs; one epoch = one rollout batch and `inner_epochs` passes of updates over it."""
@@ -212,6 +242,8 @@ class LogConfig:
     """Also log to Weights & Biases (needs `wandb` installed)."""
     progress: bool = True
     """Progress bars."""
+    completions_every: int = 10
+    """Text: write the epoch's (prompt, completion, rewards, advantage) table to completions.jsonl every N epochs."""
 
 
 @dataclass
@@ -226,12 +258,16 @@ class CheckpointConfig:
 
 @dataclass
 class Config:
+    backend: Literal["image", "text"] = "image"
+    """What is trained: a diffusers image generator, or a Hugging Face causal LM."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The image generator."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapter (or full fine-tuning)."""
     sample: SampleConfig = field(default_factory=SampleConfig)
-    """Rollouts."""
+    """Rollouts (group_size and prompts_per_epoch apply to text too; the rest is for images)."""
+    text: TextConfig = field(default_factory=TextConfig)
+    """Text rollouts and the token-level loss (backend: text)."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """The GRPO update."""
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
@@ -431,8 +467,31 @@ def parse_overrides(overrides: list[str]) -> dict:
     return tree
 
 
+#: text.loss_preset -> the settings of the published variant (a base layer under the user's own keys).
+LOSS_PRESETS: dict[str, dict] = {
+    # DeepSeekMath GRPO (arXiv 2402.03300): token ratio, symmetric clip 0.2, group std, per-sequence token mean,
+    # k3 KL in the loss with beta 0.04.
+    "grpo": {"train": {"policy_loss": "ppo_clip", "clip_low": 0.2, "clip_high": 0.2, "adv_estimator": "grpo",
+                       "adv_scale": "group", "beta": 0.04},
+             "text": {"loss_agg": "seq-mean-token-mean", "kl_estimator": "k3", "kl_in_reward": False}},
+    # DAPO (arXiv 2503.14476): clip-higher 0.2 / 0.28, token-level mean, no KL, dynamic sampling (groups with no
+    # signal dropped), overlong completions masked.
+    "dapo": {"train": {"policy_loss": "ppo_clip", "clip_low": 0.2, "clip_high": 0.28, "adv_estimator": "grpo",
+                       "adv_scale": "group", "beta": 0.0, "drop_zero_adv_groups": True},
+             "text": {"loss_agg": "token-mean", "mask_truncated": True}},
+    # Dr.GRPO (arXiv 2503.20783): no std division, a constant normaliser (the max completion length), no KL.
+    "dr_grpo": {"train": {"policy_loss": "ppo_clip", "clip_low": 0.2, "clip_high": 0.2, "adv_estimator": "grpo",
+                          "adv_scale": "none", "beta": 0.0},
+                "text": {"loss_agg": "seq-mean-token-sum-norm"}},
+    # GSPO (arXiv 2507.18071): sequence-level ratio, clip 3e-4 / 4e-4, per-sequence token mean, no KL.
+    "gspo": {"train": {"policy_loss": "gspo", "clip_low": 3e-4, "clip_high": 4e-4, "adv_estimator": "grpo",
+                       "adv_scale": "group", "beta": 0.0},
+             "text": {"loss_agg": "seq-mean-token-mean"}},
+}
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults <- YAML preset <- `key=value` overrides, validated; raises ConfigError with the fix."""
+    """Defaults <- loss preset <- YAML preset <- `key=value` overrides, validated; raises ConfigError with the fix."""
     data: dict = {}
     if path is not None:
         path = Path(path)
@@ -444,6 +503,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = loaded
     if overrides:
         data = _merge(data, parse_overrides(overrides))
+    preset = (data.get("text") or {}).get("loss_preset", "none") if isinstance(data.get("text"), dict) else "none"
+    if preset not in ("none", *LOSS_PRESETS):
+        raise ConfigError(f"text.loss_preset: {preset!r} is not a valid choice; valid: none, {', '.join(LOSS_PRESETS)}")
+    if preset != "none":
+        data = _merge(LOSS_PRESETS[preset], data)
     cfg = _build(Config, data)
     validate(cfg)
     return cfg

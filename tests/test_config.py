@@ -19,7 +19,7 @@ def test_defaults_validate_and_overrides_apply(tmp_path):
 def test_unknown_key_names_close_valid_keys(tmp_path):
     with pytest.raises(ConfigError, match=r"train\.lrr.*Did you mean train\.lr"):
         load_config(None, ["train.lrr=1"])
-    with pytest.raises(ConfigError, match=r"Valid keys: model, lora, sample"):
+    with pytest.raises(ConfigError, match=r"Valid keys: backend, model, lora, sample"):
         load_config(None, ["trian.lr=1"])
     yml = tmp_path / "bad.yaml"
     yml.write_text("sample:\n  group_sise: 4\n")
@@ -58,3 +58,18 @@ def test_every_field_has_a_docstring():
     missing = [key for key, _, _, doc in rows if not doc]
     assert not missing, f"fields without a docstring: {missing}"
     assert "Flow-GRPO" in field_docs(type(Config().train))["clip_low"]
+
+
+def test_every_preset_loads_and_validates():
+    from pathlib import Path
+
+    presets = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert len(presets) >= 7
+    for p in presets:
+        cfg = load_config(p)
+        assert cfg.sample.group_size >= 2, p
+    pick = load_config(Path(__file__).resolve().parents[1] / "configs" / "sd35m_pickscore.yaml")
+    # Flow-GRPO's recipe, as the preset promises
+    assert (pick.sample.height, pick.sample.num_steps, pick.eval.num_steps, pick.sample.group_size) == (512, 10, 40, 24)
+    assert (pick.train.clip_low, pick.train.beta, pick.lora.rank, pick.lora.alpha, pick.train.lr) == (
+        1e-4, 0.01, 32, 64.0, 3e-4)

@@ -1,0 +1,312 @@
+"""Text backend: a Hugging Face causal LM as the policy. A step is a token; the mask is the completion mask.
+
+The same trainer loop drives it: `rollout` samples `n` completions per prompt (KV cache, temperature / top-p /
+top-k) and records the old token log-probs from a forward pass under the same temperature; `evaluate`
+recomputes them with gradients for a minibatch; the reference is the model with its LoRA adapter disabled
+(or a frozen copy). Log-probs, KL and entropy come from `flowrl.core`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flowrl import core
+
+
+@dataclass
+class TextBatch:
+    prompts: list[str]  # [B] the raw prompts (before any chat template)
+    metadata: list[dict]  # [B] the prompt rows' other columns (answer, solution, ...)
+    input_ids: Tensor  # [B, Lp + T] left-padded prompt, then the completion (right-padded)
+    attention_mask: Tensor  # [B, Lp + T]
+    prompt_len: int  # Lp
+    completion_ids: Tensor  # [B, T]
+    completion_mask: Tensor  # [B, T] 1 through the first EOS (inclusive)
+    truncated: Tensor  # [B] bool: no EOS within max_new_tokens
+    old_log_probs: Tensor  # [B, T] float32 under the sampling temperature
+    completions: list[str]  # [B] decoded completions (up to the EOS)
+    ref_log_probs: Tensor | None = None  # [B, T] when the KL goes into the reward
+    kl_penalty: Tensor | None = None  # [B] beta * sum_t KL_t, subtracted from the reward
+    group_ids: Tensor | None = None
+    epoch_prompts: list[str] = field(default_factory=list)
+
+    @property
+    def images(self):  # the trainer's reward call is backend-specific; kept for symmetry of attributes
+        return None
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Positions counted over the real tokens only (left padding gets position 0), as generate() does."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def completion_mask_from_ids(completion_ids: Tensor, eos_token_id: int) -> tuple[Tensor, Tensor]:
+    """[B, T] ids -> (mask [B, T] float: 1 up to and including the first EOS, truncated [B] bool)."""
+    is_eos = completion_ids == eos_token_id
+    seen_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()  # EOS strictly before position t
+    mask = (seen_before == 0).float()
+    truncated = ~is_eos.any(dim=1)
+    return mask, truncated
+
+
+class TextPolicy:
+    reward_kind = "text"
+    can_export = True
+
+    def __init__(self, cfg, device):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from flowrl.policies import DTYPES
+        from flowrl.trainer import derive_seed
+
+        self.cfg = cfg
+        self.text = cfg.text
+        self.device = torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        if self.tokenizer.eos_token_id is None:
+            raise ValueError(f"the tokenizer of {cfg.model.path!r} has no EOS token: completions could never end")
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=DTYPES[cfg.model.dtype])
+        model.to(self.device).eval()  # eval: no dropout, so recomputed log-probs equal the recorded ones
+        model.requires_grad_(False)
+        self.ref_copy = None
+        if cfg.lora.enabled:
+            from peft import LoraConfig, get_peft_model
+
+            torch.manual_seed(derive_seed(cfg.train.seed, 0x10BA))
+            lcfg = LoraConfig(
+                r=cfg.lora.rank,
+                lora_alpha=cfg.lora.alpha,
+                lora_dropout=cfg.lora.dropout,
+                target_modules=cfg.lora.target_modules,
+                task_type="CAUSAL_LM",
+            )
+            model = get_peft_model(model, lcfg)
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.data = p.data.float()
+                    p.requires_grad_(True)
+        else:
+            if cfg.train.beta > 0:
+                self.ref_copy = copy.deepcopy(model).eval()
+            model.requires_grad_(True)
+        self.model = model
+        self.aggregation = self.text.loss_agg
+        self.entropy_coef = self.text.entropy_coef
+        self.use_chat = self.text.chat_template and getattr(self.tokenizer, "chat_template", None) is not None
+
+    # ---------------------------------------------------------------------------- parameters / reference
+
+    def named_trainable_parameters(self):
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def trainable_parameters(self):
+        return [p for _, p in self.named_trainable_parameters()]
+
+    @contextlib.contextmanager
+    def reference(self):
+        """Yields the reference model: the same model with the adapter disabled, or the frozen copy."""
+        if self.ref_copy is not None:
+            yield self.ref_copy
+        else:
+            with self.model.disable_adapter():
+                yield self.model
+
+    # ---------------------------------------------------------------------------- rollout
+
+    def format_prompt(self, prompt: str) -> str:
+        if self.use_chat:
+            return self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+        return prompt
+
+    def _forward_log_probs(self, model, input_ids, attention_mask, prompt_len, temperature, with_entropy=False):
+        """Token log-probs of the completion part [B, T] (and entropies [B, T]) from one forward."""
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        )
+        logits = out.logits[:, prompt_len - 1 : -1]  # [B, T, V]
+        targets = input_ids[:, prompt_len:]  # [B, T]
+        lp = core.token_log_probs(logits, targets, temperature)
+        ent = core.entropy_from_logits(logits.float() / temperature) if with_entropy else None
+        return lp, ent
+
+    @torch.no_grad()
+    def rollout(self, prompts: list[str], metadata: list[dict], *, epoch: int, generator) -> TextBatch:
+        t = self.text
+        tok = self.tokenizer
+        enc = tok(
+            [self.format_prompt(p) for p in prompts],
+            return_tensors="pt",
+            padding=True,
+            truncation=True,
+            max_length=t.max_prompt_length,
+            add_special_tokens=not self.use_chat,
+        )
+        input_ids = enc["input_ids"].to(self.device)
+        attn = enc["attention_mask"].to(self.device)
+        prompt_len = input_ids.shape[1]
+        # generate() draws from torch's global RNG: seed it from this epoch/process's generator
+        torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attn,
+            do_sample=True,
+            temperature=t.temperature,
+            top_p=t.top_p,
+            top_k=t.top_k or None,
+            max_new_tokens=t.max_new_tokens,
+            use_cache=True,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+        completion = out[:, prompt_len:]
+        if completion.shape[1] < t.max_new_tokens:  # every row ended early: pad to a fixed T
+            pad = completion.new_full((completion.shape[0], t.max_new_tokens - completion.shape[1]), tok.pad_token_id)
+            completion = torch.cat([completion, pad], 1)
+        cmask, truncated = completion_mask_from_ids(completion, tok.eos_token_id)
+        completion = torch.where(cmask > 0, completion, torch.full_like(completion, tok.pad_token_id))
+        full_ids = torch.cat([input_ids, completion], 1)
+        full_attn = torch.cat([attn, cmask.long()], 1)
+        old_lp, _ = self._forward_log_probs(self.model, full_ids, full_attn, prompt_len, t.temperature)
+        texts = [tok.decode(c[m > 0], skip_special_tokens=True) for c, m in zip(completion, cmask)]
+        batch = TextBatch(
+            prompts=list(prompts),
+            metadata=list(metadata),
+            input_ids=full_ids,
+            attention_mask=full_attn,
+            prompt_len=prompt_len,
+            completion_ids=completion,
+            completion_mask=cmask,
+            truncated=truncated,
+            old_log_probs=old_lp * cmask,
+            completions=texts,
+        )
+        if self.cfg.train.beta > 0 and t.kl_in_reward:
+            with self.reference() as ref:
+                ref_lp, _ = self._forward_log_probs(ref, full_ids, full_attn, prompt_len, t.temperature)
+            kl = core.kl_estimate(old_lp, ref_lp, t.kl_estimator) * cmask
+            batch.ref_log_probs = ref_lp
+            batch.kl_penalty = (self.cfg.train.beta * kl.sum(1)).cpu()
+        return batch
+
+    def call_reward(self, fn, batch: TextBatch, columns: dict) -> Tensor:
+        """A TRL-signature reward -> [B] float32 with NaN where it returned None (it does not apply)."""
+        out = fn(
+            prompts=batch.prompts,
+            completions=batch.completions,
+            completion_ids=[c[m > 0].tolist() for c, m in zip(batch.completion_ids, batch.completion_mask)],
+            **columns,
+        )
+        if len(out) != len(batch.prompts):
+            raise ValueError(
+                f"reward {getattr(fn, '__name__', fn)!r} returned {len(out)} values for "
+                f"{len(batch.prompts)} completions"
+            )
+        return torch.tensor([float("nan") if v is None else float(v) for v in out], dtype=torch.float32)
+
+    # ---------------------------------------------------------------------------- training
+
+    def train_units(self, batch: TextBatch, steps_per_forward: int) -> list[list[int]]:
+        return [list(range(batch.completion_ids.shape[1]))]  # one forward covers every token
+
+    def evaluate(self, batch: TextBatch, idx: Tensor, unit: list[int], *, with_reference: bool):
+        from flowrl.policies import UnitOutput
+
+        t = self.text
+        idx = idx.to(self.device)
+        ids, attn = batch.input_ids[idx], batch.attention_mask[idx]
+        lp, ent = self._forward_log_probs(
+            self.model, ids, attn, batch.prompt_len, t.temperature, with_entropy=self.entropy_coef > 0
+        )
+        mask = batch.completion_mask[idx].clone()
+        if t.mask_truncated:
+            mask = mask * (~batch.truncated[idx]).float()[:, None]
+        out = UnitOutput(log_prob=lp, old_log_prob=batch.old_log_probs[idx], mask=mask, entropy=ent)
+        if with_reference and not t.kl_in_reward:
+            with torch.no_grad(), self.reference() as ref:
+                ref_lp, _ = self._forward_log_probs(ref, ids, attn, batch.prompt_len, t.temperature)
+            out.kl = core.kl_estimate(lp, ref_lp, t.kl_estimator)
+        return out
+
+    def reward_penalty(self, batch: TextBatch) -> Tensor | None:
+        return batch.kl_penalty
+
+    # ---------------------------------------------------------------------------- eval / export
+
+    @torch.no_grad()
+    def generate_greedy(
+        self, prompts: list[str], max_new_tokens: int | None = None
+    ) -> tuple[list[str], list[list[int]]]:
+        """Greedy completions: (texts up to the EOS, their token ids through the EOS)."""
+        tok = self.tokenizer
+        enc = tok(
+            [self.format_prompt(p) for p in prompts],
+            return_tensors="pt",
+            padding=True,
+            truncation=True,
+            max_length=self.text.max_prompt_length,
+            add_special_tokens=not self.use_chat,
+        )
+        out = self.model.generate(
+            input_ids=enc["input_ids"].to(self.device),
+            attention_mask=enc["attention_mask"].to(self.device),
+            do_sample=False,
+            max_new_tokens=max_new_tokens or self.text.max_new_tokens,
+            use_cache=True,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+        comp = out[:, enc["input_ids"].shape[1] :]
+        mask, _ = completion_mask_from_ids(comp, tok.eos_token_id)
+        return (
+            [tok.decode(c[m > 0], skip_special_tokens=True) for c, m in zip(comp, mask)],
+            [c[m > 0].tolist() for c, m in zip(comp, mask)],
+        )
+
+    @torch.no_grad()
+    def evaluate_prompts(self, prompts, metadata, reward_fns, eval_cfg):
+        """Greedy completions of the eval prompts and each reward's scores (NaN where not applicable)."""
+        completions, ids = [], []
+        for i in range(0, len(prompts), 64):
+            texts, tids = self.generate_greedy(prompts[i : i + 64])
+            completions.extend(texts)
+            ids.extend(tids)
+        columns = {k: [m.get(k) for m in metadata] for k in {k for m in metadata for k in m}}
+        per_reward = []
+        for fn in reward_fns:
+            vals = fn(prompts=list(prompts), completions=completions, completion_ids=ids, **columns)
+            per_reward.append(torch.tensor([float("nan") if v is None else float(v) for v in vals]))
+        self.last_eval_components = {}
+        self._last_eval = list(zip(prompts, completions))
+        return completions, [v.nan_to_num(0.0) for v in per_reward]
+
+    def save_eval_outputs(self, outputs, prompts, path: Path) -> Path:
+        path = Path(str(path) + ".jsonl")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in zip(prompts, outputs)))
+        tmp.replace(path)
+        return path
+
+    def describe_outputs(self, batch: TextBatch) -> list[str]:
+        return batch.completions
+
+    def export(self, directory: Path) -> None:
+        """The adapter (peft format) or the full model, with the tokenizer, loadable with from_pretrained."""
+        self.model.save_pretrained(directory, safe_serialization=True)
+        self.tokenizer.save_pretrained(directory)

@@ -1,0 +1,287 @@
+"""What the training loop needs from a backend, for images (and, later, text).
+
+A policy rolls out a batch without gradients, re-evaluates chosen recorded steps of a minibatch with
+gradients (a "unit" of steps, evaluated in one model call), gives the reference policy (the LoRA adapter
+switched off, or a frozen copy for full fine-tuning), and exports its weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import core
+
+
+@dataclass
+class UnitOutput:
+    """One unit of steps of a minibatch of b samples, K steps (denoising steps or tokens)."""
+
+    log_prob: Tensor                 # [b, K] with grad
+    old_log_prob: Tensor             # [b, K] recorded at rollout
+    mask: Tensor                     # [b, K] 1 = the step counts
+    weight: Tensor | None = None     # [K] or [b, K] per-step loss weight
+    kl: Tensor | None = None         # [b, K] KL to the reference (with grad)
+    log_ratio: Tensor | None = None  # [b, K] a replacement log-ratio (GRPO-Guard's RatioNorm)
+    entropy: Tensor | None = None    # [b, K] policy entropy per step (text: for the entropy bonus)
+
+
+@dataclass
+class ImageBatch:
+    traj: Any                        # flowrl.sampling.Trajectory
+    prompts: list[str]
+    metadata: list[dict]
+    images: list
+    group_ids: Tensor | None = None
+    epoch_prompts: list[str] = field(default_factory=list)
+
+
+# LoRA targets per family: the attention projections of both streams (Flow-GRPO's choice for SD3).
+LORA_TARGETS = {
+    "sd3": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+            "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"],
+    "flux": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+             "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"],
+    "sd15": ["to_q", "to_k", "to_v", "to_out.0"],
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_policy(cfg, device):
+    """The policy of `cfg.backend`: "image" (diffusers pipelines) or "text" (causal LMs)."""
+    if cfg.backend == "text":
+        from flowrl.backends.text import TextPolicy
+
+        return TextPolicy(cfg, device)
+    return ImagePolicy(cfg, device)
+
+
+class ImagePolicy:
+    reward_kind = "image"
+    aggregation = "token-mean"  # the mean over samples and trained steps, as Flow-GRPO / DDPO
+    can_export = True
+    entropy_coef = 0.0
+
+    def __init__(self, cfg, device):
+        from flowrl.backends.image import load_image_backend
+        from flowrl.sampling import SDEWindow
+
+        from .trainer import derive_seed
+
+        self.cfg = cfg
+        m, s = cfg.model, cfg.sample
+        self.backend = load_image_backend(m.path, m.family, dtype=DTYPES[m.dtype], device=device,
+                                          max_sequence_length=s.max_sequence_length)
+        self.family = self.backend.family
+        self.sde_type = self.backend.default_sde_type if s.sde_type == "auto" else s.sde_type
+        if self.sde_type not in self.backend.sde_types or self.sde_type == "ode":
+            raise ValueError(f"sample.sde_type={self.sde_type!r} cannot train a {self.family} model; valid: "
+                             f"{[t for t in self.backend.sde_types if t != 'ode']}")
+        self.backend.check_image_size(s.height, s.width) if hasattr(self.backend, "check_image_size") else None
+        w = s.window
+        self.window = SDEWindow() if w.kind == "all" else SDEWindow(w.kind, start=w.start, size=w.size,
+                                                                   stride=w.stride, every=w.every)
+        pipe = self.backend.pipe
+        for module in pipe.components.values():
+            if isinstance(module, torch.nn.Module):
+                module.requires_grad_(False)
+        den = self.backend.denoiser
+        self.ref_copy = None
+        if cfg.lora.enabled:
+            from peft import LoraConfig
+
+            torch.manual_seed(derive_seed(cfg.train.seed, 0x10BA))
+            lcfg = LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                              init_lora_weights="gaussian",
+                              target_modules=cfg.lora.target_modules or LORA_TARGETS[self.family])
+            den.add_adapter(lcfg)
+            if cfg.lora.init_path:
+                self.load_adapter(cfg.lora.init_path)
+            for name, p in den.named_parameters():
+                if "lora_" in name:
+                    p.data = p.data.float()  # trained weights in float32 whatever the model dtype
+                    p.requires_grad_(True)
+        else:
+            if cfg.train.beta > 0:
+                self.ref_copy = copy.deepcopy(den).requires_grad_(False).eval()
+            den.requires_grad_(True)
+        self.last_eval_components: dict[str, Tensor] = {}
+
+    # ---------------------------------------------------------------------------- parameters
+
+    def named_trainable_parameters(self):
+        return [(n, p) for n, p in self.backend.denoiser.named_parameters() if p.requires_grad]
+
+    def trainable_parameters(self):
+        return [p for _, p in self.named_trainable_parameters()]
+
+    @contextlib.contextmanager
+    def reference(self):
+        """The reference policy: the base model (the adapter off), or the frozen copy."""
+        if self.ref_copy is not None:
+            live = self.backend.denoiser
+            self.backend.denoiser = self.ref_copy
+            try:
+                yield
+            finally:
+                self.backend.denoiser = live
+        else:
+            den = self.backend.denoiser
+            den.disable_adapters()
+            try:
+                yield
+            finally:
+                den.enable_adapters()
+
+    # ---------------------------------------------------------------------------- rollout
+
+    def rollout(self, prompts: list[str], metadata: list[dict], *, epoch: int, generator) -> ImageBatch:
+        """Roll out one image per entry of `prompts` (a group's prompt repeats). With same_noise_per_group the
+        entries come in whole groups, and each group starts from one shared initial noise."""
+        s, t = self.cfg.sample, self.cfg.train
+        G = s.group_size if s.same_noise_per_group else 1
+        traj = self.backend.rollout(
+            prompts[::G], group_size=G, num_steps=s.num_steps, guidance_scale=s.guidance_scale,
+            noise_level=s.noise_level, sde_type=self.sde_type, sde_window=self.window, epoch=epoch,
+            same_noise_per_group=G > 1, generator=generator, height=s.height, width=s.width,
+            record_means=t.step_weighting == "ratio_norm")
+        return ImageBatch(traj=traj, prompts=list(prompts), metadata=list(metadata), images=traj.images)
+
+    @staticmethod
+    def call_reward(fn, batch: ImageBatch, columns: dict) -> Tensor:
+        out = fn(batch.images, batch.prompts, **columns)
+        out = torch.as_tensor(out, dtype=torch.float32).reshape(-1).cpu()
+        if out.numel() != len(batch.prompts):
+            raise ValueError(f"reward {getattr(fn, '__name__', fn)!r} returned {out.numel()} scores for "
+                             f"{len(batch.prompts)} images")
+        return out
+
+    # ---------------------------------------------------------------------------- training
+
+    def train_units(self, batch: ImageBatch, steps_per_forward: int) -> list[list[int]]:
+        steps = batch.traj.train_steps
+        if not steps:
+            raise ValueError("the rollout has no stochastic step to train (check sample.window)")
+        return [steps[i: i + steps_per_forward] for i in range(0, len(steps), steps_per_forward)]
+
+    def _step_weights(self, traj, unit: list[int]) -> Tensor | None:
+        kind = self.cfg.train.step_weighting
+        if kind == "none":
+            return None
+        steps = traj.train_steps
+        if kind == "noise":
+            w = core.noise_step_weights(traj.stds[steps].float().cpu())
+        else:  # ratio_norm: GRPO-Guard's 1/|dt| re-weighting
+            sig = traj.sigmas.float().cpu()
+            w = core.inverse_dt_step_weights(sig[[i + 1 for i in steps]] - sig[steps])
+        pos = {s: i for i, s in enumerate(steps)}
+        return w[[pos[u] for u in unit]].to(traj.latents.device)[None, :]                    # [1, K]
+
+    def _kl_std(self, traj, unit: list[int], std: Tensor) -> Tensor:
+        """The std the Gaussian KL divides by: the transition's (`step`), or Flow-GRPO's convention that
+        leaves sqrt(dt) out (`sigma`): std / sqrt(sigma_t - sigma_{t+1})."""
+        if self.cfg.train.kl_std == "step" or traj.sigmas is None:
+            return std
+        sig = traj.sigmas.to(std.device).float()
+        dt = (sig[unit] - sig[[u + 1 for u in unit]]).view(1, len(unit), *([1] * (std.ndim - 2)))
+        return std / dt.sqrt()
+
+    def evaluate(self, batch: ImageBatch, idx: Tensor, unit: list[int], *, with_reference: bool) -> UnitOutput:
+        traj = batch.traj
+        lp, mean, std = self.backend.step_log_prob(traj, unit, sample_indices=idx)           # [b,K] [b,K,...]
+        dev = traj.log_probs.device
+        old = traj.log_probs[idx.to(dev)][:, unit].to(lp.device)                             # [b, K]
+        out = UnitOutput(log_prob=lp, old_log_prob=old, mask=torch.ones_like(lp),
+                         weight=self._step_weights(traj, unit))
+        if self.cfg.train.step_weighting == "ratio_norm":
+            old_mean = traj.means[idx.to(traj.means.device)][:, unit].to(mean.device)
+            out.log_ratio = core.ratio_norm_log_ratio(lp, old, mean, old_mean, std)
+        if with_reference:
+            with torch.no_grad(), self.reference():
+                _, ref_mean, _ = self.backend.step_log_prob(traj, unit, sample_indices=idx)
+            kstd = self._kl_std(traj, unit, std)
+            b, k = lp.shape
+            out.kl = core.gaussian_kl(mean.flatten(0, 1), ref_mean.flatten(0, 1),
+                                      kstd.flatten(0, 1).reshape(b * k)).view(b, k)
+        return out
+
+    def reward_penalty(self, batch: ImageBatch) -> Tensor | None:
+        return None  # the image KL lives in the loss
+
+    def describe_outputs(self, batch: ImageBatch) -> list[str] | None:
+        return None  # images are shown as grids, not in the completions table
+
+    # ---------------------------------------------------------------------------- eval / export
+
+    @torch.no_grad()
+    def evaluate_prompts(self, prompts, metadata, reward_fns, eval_cfg):
+        s = self.cfg.sample
+        n = eval_cfg.images_per_prompt
+        traj = self.backend.rollout(prompts, group_size=n, num_steps=eval_cfg.num_steps,
+                                    guidance_scale=eval_cfg.guidance_scale, sde_type="ode", seed=eval_cfg.seed,
+                                    height=s.height, width=s.width)
+        rep_prompts = [p for p in prompts for _ in range(n)]
+        rep_meta = [m for m in metadata for _ in range(n)]
+        batch = ImageBatch(traj=None, prompts=rep_prompts, metadata=rep_meta, images=traj.images)
+        columns = {k: [m.get(k) for m in rep_meta] for k in {k for m in rep_meta for k in m}}
+        per_reward, comps = [], {}
+        for spec, fn in zip(self.cfg.rewards, reward_fns):
+            per_reward.append(self.call_reward(fn, batch, columns))
+            for name, v in (getattr(fn, "last_components", None) or {}).items():
+                comps[f"{spec.name}/{name}"] = torch.as_tensor(v, dtype=torch.float32)
+        self.last_eval_components = comps
+        return traj.images, per_reward
+
+    def save_eval_outputs(self, images, prompts, path: Path) -> Path:
+        from .images import image_grid
+
+        n = len(images) // max(1, len(prompts))
+        grid = image_grid(images, cols=max(n, min(8, len(images))) if n == 1 else n)
+        path = Path(str(path) + ".png")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp.png")
+        grid.save(tmp)
+        tmp.replace(path)
+        return path
+
+    def export(self, directory: Path) -> None:
+        """The trained weights in the format diffusers loads: the LoRA for `pipe.load_lora_weights(dir)`,
+        or the full denoiser with `save_pretrained`."""
+        den = self.backend.denoiser
+        directory = Path(directory)
+        if not self.cfg.lora.enabled:
+            den.save_pretrained(directory / self.backend.denoiser_attr)
+            return
+        from peft.utils import get_peft_model_state_dict
+
+        state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(den).items()}
+        # the adapter's config (rank, alpha, targets) travels with the weights, so alpha / r is restored
+        metadata = den.peft_config["default"].to_dict()
+        pipe_cls = type(self.backend.pipe)
+        if self.family == "sd15":
+            from diffusers.utils import convert_state_dict_to_diffusers
+
+            pipe_cls.save_lora_weights(directory, unet_lora_layers=convert_state_dict_to_diffusers(state),
+                                       unet_lora_adapter_metadata=metadata, safe_serialization=True)
+        else:
+            pipe_cls.save_lora_weights(directory, transformer_lora_layers=state,
+                                       transformer_lora_adapter_metadata=metadata, safe_serialization=True)
+
+    def load_adapter(self, directory: str) -> None:
+        from peft.utils import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        files = sorted(Path(directory).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"lora.init_path={directory!r} holds no .safetensors LoRA file")
+        state = load_file(files[0])
+        prefix = self.backend.denoiser_attr + "."
+        state = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
+        set_peft_model_state_dict(self.backend.denoiser, state)

@@ -1,0 +1,123 @@
+"""Small pieces around the training loop: EMA, the learning-rate schedule, metrics, seeding."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import torch
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+class EMA:
+    """Exponential moving average of parameters: shadow <- decay * shadow + (1 - decay) * param."""
+
+    def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], decay: float):
+        if not 0 < decay < 1:
+            raise ValueError(f"EMA decay must be in (0, 1), got {decay}")
+        self.decay = decay
+        self.params = dict(named_params)
+        self.shadow = {n: p.detach().float().clone() for n, p in self.params.items()}
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for n, p in self.params.items():
+            self.shadow[n].mul_(self.decay).add_(p.detach().float(), alpha=1 - self.decay)
+
+    @contextlib.contextmanager
+    def applied(self):
+        """Swap the EMA weights into the parameters for the duration of the block."""
+        backup = {n: p.detach().clone() for n, p in self.params.items()}
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(self.shadow[n].to(p.dtype))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.copy_(backup[n])
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.shadow)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        missing = set(self.shadow) - set(state)
+        if missing:
+            raise KeyError(f"EMA state lacks {sorted(missing)[:3]}...")
+        self.shadow = {n: state[n].float().clone() for n in self.shadow}
+
+
+def lr_lambda(warmup_steps: int, total_steps: int, schedule: str):
+    """Multiplier of the base lr at optimizer step k: linear warm-up, then constant or cosine to 0."""
+    if schedule not in ("constant", "cosine"):
+        raise ValueError(f"unknown lr schedule {schedule!r}; valid: constant, cosine")
+
+    def fn(step: int) -> float:
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        span = max(1, total_steps - warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / span)
+        return 0.5 * (1 + math.cos(math.pi * progress))
+
+    return fn
+
+
+class MetricsLog:
+    """Metrics as JSONL (one line per logged epoch) plus accelerate's trackers when given."""
+
+    def __init__(self, path: str | Path, accelerator=None, enabled: bool = True):
+        self.path = Path(path)
+        self.accelerator = accelerator
+        self.enabled = enabled
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(self, metrics: dict, step: int) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (float(v) if isinstance(v, (int, float, np.floating, torch.Tensor)) else v)
+                 for k, v in metrics.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"epoch": step, "time": time.time(), **clean}) + "\n")
+        if self.accelerator is not None and self.accelerator.trackers:
+            self.accelerator.log({k: v for k, v in clean.items() if isinstance(v, float)}, step=step)
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class Timer:
+    """Accumulates wall-clock seconds per named phase: `with timer("rollout"): ...`."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - t0
+
+    def pop(self) -> dict[str, float]:
+        out, self.totals = self.totals, {}
+        return out

@@ -1,0 +1,459 @@
+"""The training loop: rollout -> reward -> advantage -> per-step GRPO update -> log / eval / checkpoint.
+
+One loop for every backend. What differs between images and text lives in a small `Policy` object
+(`flowrl.policies`): how to roll out, how to re-evaluate recorded steps with gradients, and how to get
+the reference policy (the adapter switched off). The math is the core's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from . import core
+from .checkpoint import read_checkpoint, resolve_resume, set_rng_state, write_checkpoint
+from .config import Config, to_dict
+from .data import load_prompts
+from .train_utils import EMA, MetricsLog, Timer, lr_lambda, seed_everything
+
+#: |ratio - 1| above this on the first (on-policy) minibatch of an epoch means the recomputed
+#: log-probs do not match the recorded ones: a warning, and `policy/ratio_first` shows it.
+ON_POLICY_TOL = 1e-4
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (seed, epoch, rank, ...), the same on every run and machine."""
+    h = 1469598103934665603
+    for p in parts:
+        h = ((h ^ (int(p) & 0xFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
+    return h
+
+
+def build_reward_fns(cfg: Config, kind: str):
+    import rewards
+
+    fns = []
+    for spec in cfg.rewards:
+        fn = rewards.get(spec.name, **spec.kwargs)
+        if rewards.kind_of(fn) != kind:
+            raise ValueError(f"reward {spec.name!r} is a {fn.kind} reward; this backend needs {kind} rewards: "
+                             f"{', '.join(rewards.available(kind))}")
+        fns.append(fn)
+    return fns
+
+
+def combine_advantages(cfg: Config, scores: torch.Tensor, group_ids: torch.Tensor, prompts: list[str],
+                       tracker: core.PerPromptStatTracker | None, penalty: torch.Tensor | None = None) -> torch.Tensor:
+    """Advantages [N] from per-reward scores [N, K] (NaN = does not apply) of the whole (gathered) batch, by the
+    configured rule; `penalty` [N] (e.g. the KL-in-reward term) is subtracted from the total reward."""
+    t = cfg.train
+    weights = torch.tensor([r.weight for r in cfg.rewards], dtype=scores.dtype)
+    if t.reward_combine == "gdpo":
+        # a reward that does not apply to a sample (NaN) takes its group's mean there: no advantage from it
+        filled = scores.clone()
+        for k in range(scores.shape[1]):
+            col = scores[:, k]
+            for g in group_ids.unique():
+                rows = (group_ids == g) & col.isnan()
+                valid = col[(group_ids == g) & ~col.isnan()]
+                filled[rows, k] = valid.mean() if len(valid) else 0.0
+        if penalty is not None:
+            filled = torch.cat([filled, penalty[:, None].to(filled.dtype)], 1)
+            weights = torch.cat([weights, weights.new_tensor([-1.0])])
+        adv = core.gdpo_advantages(filled, group_ids, weights=weights)
+    else:
+        total = (scores * weights).nansum(1)  # a reward that returned None leaves that sample out of it
+        if penalty is not None:
+            total = total - penalty.to(total.dtype)
+        if tracker is not None:
+            adv = tracker.update(prompts, total)
+        else:
+            estimator = core.get_advantage_estimator(t.adv_estimator)
+            kwargs = {"scale": t.adv_scale} if t.adv_estimator == "grpo" else {}
+            adv = estimator(total, group_ids, **kwargs)
+    return adv.clamp(-t.adv_clip_max, t.adv_clip_max)
+
+
+def unit_loss(out, adv: torch.Tensor, keep: torch.Tensor, t, aggregation: str, entropy_coef: float = 0.0
+              ) -> tuple[torch.Tensor, dict]:
+    """The GRPO loss of one unit of steps for a minibatch of b samples: the policy loss from the core's registry
+    (or the clipped surrogate on GRPO-Guard's normalised log-ratio) x per-step weight, aggregated by `aggregation`,
+    plus beta x KL, minus entropy_coef x entropy. `t` is the config's train section.
+
+    out: a UnitOutput ([b, K] tensors); adv: [b]; keep: [b] bool -> (scalar loss, stats).
+    """
+    mask = out.mask * keep[:, None].to(out.mask.dtype)                                        # [b, K]
+    clip = dict(clip_low=t.clip_low, clip_high=t.clip_high, dual_clip=t.dual_clip, mask=mask)
+    if out.log_ratio is not None:
+        loss, stats = core.clipped_surrogate(out.log_ratio, adv, **clip)
+    else:
+        loss, stats = core.get_policy_loss(t.policy_loss)(out.log_prob, out.old_log_prob, adv, **clip)
+    if out.weight is not None:
+        loss = loss * out.weight                                                             # [b, K]
+    total = core.aggregate_loss(loss, mask, aggregation)
+    stats["policy_loss"] = total.detach()
+    if out.entropy is not None:
+        entropy = core.aggregate_loss(out.entropy, mask, aggregation)
+        if entropy_coef:
+            total = total - entropy_coef * entropy
+        stats["entropy"] = entropy.detach()
+    if t.beta > 0 and out.kl is not None:
+        kl = core.aggregate_loss(out.kl, mask, aggregation)
+        total = total + t.beta * kl
+        stats["kl"] = kl.detach()
+    stats["loss"] = total.detach()
+    return total, stats
+
+
+@dataclass
+class State:
+    """Counters saved in checkpoints."""
+
+    epochs_done: int = 0
+    optimizer_steps: int = 0
+    samples_seen: int = 0
+
+
+class Trainer:
+    """Holds the pieces the loop needs; `fit()` is the loop."""
+
+    def __init__(self, cfg: Config, accelerator=None):
+        from accelerate import Accelerator
+
+        from .policies import build_policy
+
+        for flag, module, extra in (("tensorboard", "tensorboard", "tensorboard"), ("wandb", "wandb", "wandb")):
+            if getattr(cfg.log, flag):
+                try:
+                    __import__(module)
+                except ImportError:
+                    raise ValueError(f"log.{flag}=true needs the `{module}` package: pip install 'flowrl[{extra}]' "
+                                     f"(or set log.{flag}=false)") from None
+        self.cfg = cfg
+        self.acc = accelerator or Accelerator(
+            cpu=cfg.model.device == "cpu",
+            log_with=(["tensorboard"] if cfg.log.tensorboard else []) + (["wandb"] if cfg.log.wandb else []) or None,
+            project_dir=cfg.log.run_dir)
+        self.run_dir = Path(cfg.log.run_dir)
+        self.main = self.acc.is_main_process
+        seed_everything(cfg.train.seed)
+        self.policy = build_policy(cfg, self.acc.device)
+        self.params = [p for p in self.policy.trainable_parameters()]
+        self.named_params = dict(self.policy.named_trainable_parameters())
+        t = cfg.train
+        self.world = self.acc.num_processes
+        self.batch_total = cfg.sample.prompts_per_epoch * cfg.sample.group_size
+        if self.batch_total % self.world:
+            raise ValueError(f"the epoch batch {self.batch_total} (prompts_per_epoch x group_size) must split evenly "
+                             f"over {self.world} processes")
+        self.batch_local = self.batch_total // self.world
+        if cfg.sample.same_noise_per_group and self.batch_local % cfg.sample.group_size:
+            raise ValueError(f"sample.same_noise_per_group needs whole groups on each process: the per-process batch "
+                             f"{self.batch_local} is not a multiple of group_size {cfg.sample.group_size}")
+        self.minibatch = t.minibatch_size or self.batch_local
+        if self.batch_local % self.minibatch:
+            raise ValueError(f"train.minibatch_size={self.minibatch} must divide the per-process batch {self.batch_local}")
+        self.opt = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.adam_betas), eps=t.adam_eps,
+                                     weight_decay=t.weight_decay)
+        steps_per_epoch = t.inner_epochs * (self.batch_local // self.minibatch)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lr_lambda(t.warmup_steps, t.epochs * steps_per_epoch, t.schedule))
+        self.ema = EMA(self.named_params.items(), t.ema_decay) if t.ema_decay > 0 else None
+        self.tracker = core.PerPromptStatTracker(t.stat_buffer_size, t.stat_min_count) if t.per_prompt_stats else None
+        self.rewards = build_reward_fns(cfg, self.policy.reward_kind)
+        self.train_set = load_prompts(cfg.data.train_prompts)
+        self.eval_set = load_prompts(cfg.data.eval_prompts or cfg.data.train_prompts)
+        self.state = State()
+        self.log = MetricsLog(self.run_dir / "metrics.jsonl", self.acc, enabled=self.main)
+        if self.main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.timer = Timer()
+        if cfg.log.tensorboard or cfg.log.wandb:
+            self.acc.init_trackers("flowrl", config={k: str(v) for k, v in to_dict(cfg).items()})
+
+    # ------------------------------------------------------------------------------ the loop
+
+    def fit(self) -> dict:
+        cfg = self.cfg
+        resume = resolve_resume(cfg.checkpoint.resume, self.run_dir)
+        if resume is not None:
+            self.load(resume)
+        last = {}
+        bar = tqdm(range(self.state.epochs_done, cfg.train.epochs), desc="epochs", disable=not (
+            self.main and cfg.log.progress), initial=self.state.epochs_done, total=cfg.train.epochs)
+        for epoch in bar:
+            t0 = time.perf_counter()
+            with self.timer("rollout"):
+                batch = self.rollout(epoch)
+            with self.timer("reward"):
+                scores, components = self.score(batch)
+            metrics = self.reward_metrics(scores, components)
+            with self.timer("advantage"):
+                adv, keep = self.advantages(batch, scores)
+            metrics.update(adv_metrics(adv, keep))
+            if cfg.log.completions_every and epoch % cfg.log.completions_every == 0:
+                self.log_outputs(batch, scores, adv, epoch)
+            with self.timer("train"):
+                metrics.update(self.update(batch, adv, keep, epoch))
+            self.state.epochs_done = epoch + 1
+            self.state.samples_seen += self.batch_total
+            seconds = time.perf_counter() - t0
+            metrics.update({f"time/{k}": v for k, v in self.timer.pop().items()})
+            metrics["perf/samples_per_s"] = self.batch_total / seconds
+            metrics["perf/trained_steps_x_samples_per_s"] = metrics.pop("_trained_units", 0) / seconds
+            metrics["lr"] = self.sched.get_last_lr()[0]
+            if cfg.eval.every and (epoch + 1) % cfg.eval.every == 0 and epoch + 1 < cfg.train.epochs:
+                metrics.update(self.evaluate(tag=f"epoch{epoch + 1:06d}"))
+            if (epoch + 1) % cfg.log.every == 0 or epoch + 1 == cfg.train.epochs:
+                self.log.log(metrics, step=epoch + 1)
+            if cfg.checkpoint.every and (epoch + 1) % cfg.checkpoint.every == 0 and epoch + 1 < cfg.train.epochs:
+                self.save()
+            bar.set_postfix(reward=f"{metrics['reward/total_mean']:.3f}", ratio0=f"{metrics['policy/ratio_first']:.5f}")
+            last = metrics
+        if last:  # some epoch ran in this call (a resume of a finished run does nothing)
+            final = self.evaluate(tag="final")
+            self.log.log({**final, "final": True}, step=self.state.epochs_done)
+            last.update(final)
+            self.save()
+        if self.world > 1:
+            last["dist/replica_max_abs_diff"] = self.replica_divergence()
+            self.log.log({"dist/replica_max_abs_diff": last["dist/replica_max_abs_diff"]}, step=self.state.epochs_done)
+        self.acc.wait_for_everyone()
+        if cfg.log.tensorboard or cfg.log.wandb:
+            self.acc.end_training()
+        return last
+
+    def replica_divergence(self) -> float:
+        """Max |w_rank - w_rank0| over the trained weights of all processes (0 when they are in sync)."""
+        flat = torch.cat([p.detach().float().reshape(-1) for p in self.params]).to(self.acc.device)
+        everyone = self.acc.gather(flat[None]).cpu()                                          # [world, P]
+        return float((everyone - everyone[0:1]).abs().max())
+
+    # ------------------------------------------------------------------------------ the phases
+
+    def rollout(self, epoch: int):
+        """This process's slice of the epoch's samples: P prompts x G, laid out prompt-major and cut into
+        `world` contiguous slices (so a group may span two processes)."""
+        cfg = self.cfg
+        prompts, meta = self.train_set.draw(cfg.sample.prompts_per_epoch, epoch, cfg.train.seed)
+        G = cfg.sample.group_size
+        start = self.acc.process_index * self.batch_local
+        gids = [i // G for i in range(start, start + self.batch_local)]
+        gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, epoch, self.acc.process_index))
+        batch = self.policy.rollout([prompts[g] for g in gids], [meta[g] for g in gids], epoch=epoch, generator=gen)
+        batch.group_ids = torch.tensor(gids)
+        batch.epoch_prompts = prompts
+        return batch
+
+    def score(self, batch) -> tuple[torch.Tensor, dict]:
+        """Per-reward scores [B_local, K] and extra components, from this process's outputs."""
+        columns = {k: [m.get(k) for m in batch.metadata] for k in {k for m in batch.metadata for k in m}}
+        scores, components = [], {}
+        for spec, fn in zip(self.cfg.rewards, self.rewards):
+            s = self.policy.call_reward(fn, batch, columns)
+            scores.append(s)
+            for name, v in (getattr(fn, "last_components", None) or {}).items():
+                components[f"{spec.name}/{name}"] = torch.as_tensor(v, dtype=torch.float32).reshape(-1)
+        return torch.stack(scores, 1), components
+
+    def advantages(self, batch, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Advantages of this process's samples from the whole batch's rewards, and which samples to train."""
+        all_scores = self.gather(scores)
+        all_gids = self.gather(batch.group_ids)
+        prompts = [batch.epoch_prompts[g] for g in all_gids.tolist()]
+        penalty = self.policy.reward_penalty(batch)
+        penalty = self.gather(penalty).double() if penalty is not None else None
+        adv_all = combine_advantages(self.cfg, all_scores.double(), all_gids, prompts, self.tracker, penalty).float()
+        keep_all = torch.ones_like(adv_all, dtype=torch.bool)
+        if self.cfg.train.drop_zero_adv_groups:
+            nonzero = torch.zeros(int(all_gids.max()) + 1, dtype=torch.bool).index_put_(
+                (all_gids,), adv_all != 0, accumulate=True)
+            keep_all = nonzero[all_gids]
+        start = self.acc.process_index * self.batch_local
+        sl = slice(start, start + self.batch_local)
+        return adv_all[sl], keep_all[sl]
+
+    def update(self, batch, adv: torch.Tensor, keep: torch.Tensor, epoch: int) -> dict:
+        """`inner_epochs` passes over the batch in minibatches; each minibatch accumulates the loss of every
+        trained step (in units of `steps_per_forward`) and takes one optimizer step."""
+        cfg, t = self.cfg, self.cfg.train
+        units = self.policy.train_units(batch, t.steps_per_forward)
+        n_units = sum(len(u) for u in units)
+        sums: dict[str, float] = {}
+        first_ratio = None
+        for inner in range(t.inner_epochs):
+            gen = torch.Generator().manual_seed(derive_seed(t.seed, epoch, inner, self.acc.process_index, 7))
+            perm = torch.randperm(self.batch_local, generator=gen)
+            for mb_start in range(0, self.batch_local, self.minibatch):
+                idx = perm[mb_start: mb_start + self.minibatch]
+                self.opt.zero_grad(set_to_none=True)
+                mb_stats: dict[str, list] = {}
+                for unit in units:
+                    out = self.policy.evaluate(batch, idx, unit, with_reference=t.beta > 0)
+                    loss, stats = self.unit_loss(out, adv[idx], keep[idx])
+                    # each unit's loss is a mean over its steps; weight by its share of all trained steps
+                    (loss * (len(unit) / n_units)).backward()
+                    for k, v in stats.items():
+                        mb_stats.setdefault(k, []).append(float(v))
+                grad_norm = self.sync_and_clip()
+                self.opt.step()
+                self.sched.step()
+                if self.ema is not None:
+                    self.ema.update()
+                self.state.optimizer_steps += 1
+                if first_ratio is None:
+                    first_ratio = (min(mb_stats["ratio_min"]), max(mb_stats["ratio_max"]))
+                mb_stats["grad_norm"] = [grad_norm]
+                for k, v in mb_stats.items():
+                    agg = max(v) if k.endswith("_max") else min(v) if k.endswith("_min") else sum(v) / len(v)
+                    sums.setdefault(k, []).append(agg)
+        out = {f"policy/{k}": (max(v) if k.endswith("_max") else min(v) if k.endswith("_min") else sum(v) / len(v))
+               for k, v in sums.items()}
+        dev = max(abs(first_ratio[0] - 1), abs(first_ratio[1] - 1))
+        out["policy/ratio_first"] = 1.0 + (dev if first_ratio[1] - 1 >= 1 - first_ratio[0] else -dev)
+        out["policy/ratio_first_dev"] = dev
+        if dev > ON_POLICY_TOL:
+            warnings.warn(f"epoch {epoch}: the first minibatch is not on-policy: max |ratio - 1| = {dev:.2e} > "
+                          f"{ON_POLICY_TOL:g}; recomputed log-probs differ from the rollout's (non-deterministic "
+                          "kernels, dropout, or a sampler/trainer mismatch)", stacklevel=2)
+        out["_trained_units"] = t.inner_epochs * self.batch_local * n_units
+        return out
+
+    def unit_loss(self, out, adv: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        return unit_loss(out, adv, keep, self.cfg.train, self.policy.aggregation, self.policy.entropy_coef)
+
+    def sync_and_clip(self) -> float:
+        """Average gradients over processes (one flat all-reduce), then clip by global norm; returns the norm."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if self.world > 1:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = self.acc.reduce(flat, reduction="mean")
+            offset = 0
+            for p, g in zip(self.params, grads):
+                p.grad = flat[offset: offset + g.numel()].view_as(p).clone()
+                offset += g.numel()
+        max_norm = self.cfg.train.max_grad_norm
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else float("inf"))
+        return float(norm)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return x
+        return self.acc.gather(x.to(self.acc.device)).cpu()
+
+    def log_outputs(self, batch, scores: torch.Tensor, adv: torch.Tensor, epoch: int) -> None:
+        """Append this process's (prompt, completion, rewards, advantage) rows to completions.jsonl (main
+        process; text backends)."""
+        outputs = self.policy.describe_outputs(batch)
+        if outputs is None or not self.main:
+            return
+        import json
+
+        names = [r.name for r in self.cfg.rewards]
+        with open(self.run_dir / "completions.jsonl", "a") as f:
+            for i, (p, c) in enumerate(zip(batch.prompts, outputs)):
+                row = {"epoch": epoch, "prompt": p, "completion": c, "advantage": round(float(adv[i]), 5),
+                       "rewards": {n: (None if torch.isnan(scores[i, k]) else float(scores[i, k]))
+                                   for k, n in enumerate(names)}}
+                f.write(json.dumps(row) + "\n")
+
+    def reward_metrics(self, scores: torch.Tensor, components: dict) -> dict:
+        all_scores = self.gather(scores)
+        m = {}
+        for k, spec in enumerate(self.cfg.rewards):
+            col = all_scores[:, k]
+            col = col[~col.isnan()]
+            m[f"reward/{spec.name}_mean"] = col.mean().item() if len(col) else float("nan")
+            m[f"reward/{spec.name}_std"] = col.std().item() if len(col) > 1 else 0.0
+            m[f"reward/{spec.name}_applies"] = len(col) / len(all_scores)
+        total = (all_scores * torch.tensor([r.weight for r in self.cfg.rewards])).nansum(1)
+        m["reward/total_mean"] = total.mean().item()
+        for name, v in components.items():
+            m[f"reward/{name}_mean"] = self.gather(v).mean().item()
+        return m
+
+    # ------------------------------------------------------------------------------ eval, checkpoints
+
+    @torch.no_grad()
+    def evaluate(self, tag: str) -> dict:
+        """Deterministic sampling on held-out prompts with the eval settings (EMA weights when on)."""
+        cfg = self.cfg
+        prompts, meta = self.eval_set.head(cfg.eval.num_prompts)
+        results = {}
+        if self.main:
+            ctx = self.ema.applied() if self.ema is not None else contextlib.nullcontext()
+            with ctx:
+                outputs, per_reward = self.policy.evaluate_prompts(prompts, meta, self.rewards, cfg.eval)
+            for spec, vals in zip(cfg.rewards, per_reward):
+                results[f"eval/{spec.name}_mean"] = float(vals.mean())
+            for name, vals in getattr(self.policy, "last_eval_components", {}).items():
+                results[f"eval/{name}_mean"] = float(vals.mean())
+            if cfg.eval.grid:
+                self.policy.save_eval_outputs(outputs, prompts, self.run_dir / f"eval-{tag}")
+        self.acc.wait_for_everyone()
+        return results
+
+    def save(self) -> Path | None:
+        path = None
+        if self.main:
+            st = {"counters": vars(self.state), "sched": self.sched.state_dict(),
+                  "tracker": self.tracker.state_dict() if self.tracker else None, "config": to_dict(self.cfg)}
+            extra = {}
+            if self.policy.can_export:
+                if self.ema is not None:
+                    def export(p):
+                        with self.ema.applied():
+                            self.policy.export(p)
+                else:
+                    export = self.policy.export
+                extra["lora" if self.cfg.lora.enabled else "model"] = export
+            path = write_checkpoint(
+                self.run_dir, self.state.epochs_done,
+                trainable={n: p for n, p in self.named_params.items()},
+                optimizer=self.opt.state_dict(), ema=self.ema.state_dict() if self.ema else None,
+                state=st, extra_dirs=extra, keep=self.cfg.checkpoint.keep)
+        self.acc.wait_for_everyone()
+        return path
+
+    def load(self, path: Path) -> None:
+        ck = read_checkpoint(path)
+        missing = set(self.named_params) - set(ck["trainable"])
+        if missing:
+            raise ValueError(f"checkpoint {path} lacks trained weights {sorted(missing)[:3]} (a different model or "
+                             "LoRA config?)")
+        with torch.no_grad():
+            for n, p in self.named_params.items():
+                p.copy_(ck["trainable"][n].to(p.dtype))
+        if "optimizer" in ck:
+            self.opt.load_state_dict(ck["optimizer"])
+        st = ck["state"]
+        self.sched.load_state_dict(st["sched"])
+        if self.ema is not None and "ema" in ck:
+            self.ema.load_state_dict(ck["ema"])
+        if self.tracker is not None and st.get("tracker"):
+            self.tracker.load_state_dict(st["tracker"])
+        self.state = State(**st["counters"])
+        set_rng_state(ck["rng_tensors"], st["rng"])
+        if self.main:
+            print(f"resumed from {path} after {self.state.epochs_done} epochs")
+
+
+def adv_metrics(adv: torch.Tensor, keep: torch.Tensor) -> dict:
+    return {"adv/mean": adv.mean().item(), "adv/std": adv.std().item() if len(adv) > 1 else 0.0,
+            "adv/abs_max": adv.abs().max().item(), "adv/kept_frac": keep.float().mean().item()}
+
+
+def train(cfg: Config) -> dict:
+    """Build a Trainer from `cfg` and run it; returns the last epoch's metrics."""
+    try:
+        return Trainer(cfg).fit()
+    finally:
+        # leave no gloo/NCCL threads running into interpreter shutdown (they abort the process there)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
