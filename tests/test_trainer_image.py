@@ -252,3 +252,38 @@ def test_same_noise_per_group_shares_the_initial_noise(tmp_path):
         assert torch.equal(group, group[:1].expand_as(group))
     assert not torch.equal(x0[0], x0[4])
     assert not torch.equal(batch.traj.latents[0, -1], batch.traj.latents[1, -1])  # the SDE noise differs
+
+
+def test_off_policy_first_minibatch_warns(tmp_path):
+    tr = Trainer(tiny_cfg(tmp_path))
+    batch = tr.rollout(epoch=0)
+    with torch.no_grad():  # the weights change between rollout and update: not on-policy any more
+        for n, p in tr.named_params.items():
+            p.add_(0.2 * torch.randn_like(p))
+    adv = torch.linspace(-1, 1, len(batch.prompts))
+    with pytest.warns(UserWarning, match="not on-policy"):
+        out = tr.update(batch, adv, torch.ones(len(adv), dtype=torch.bool), epoch=0)
+    assert out["policy/ratio_first_dev"] > 1e-4
+
+
+def test_tensorboard_through_accelerate_trackers(tmp_path):
+    Trainer(tiny_cfg(tmp_path, "train.epochs=1", "log.tensorboard=true", "eval.grid=false")).fit()
+    events = list(tmp_path.rglob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+
+
+def test_cli_train_eval_sample(tmp_path, capsys):
+    from flowrl.cli import main
+
+    run = tmp_path / "run"
+    args = [*TINY, f"log.run_dir={run}", "train.epochs=1"]
+    cfg_file = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
+    assert main(["train", str(cfg_file), *args]) == 0
+    ckpt = run / "ckpt-000001"
+    assert main(["eval", str(cfg_file), *TINY, "--checkpoint", str(ckpt), "--out", str(tmp_path / "ev")]) == 0
+    result = json.loads((tmp_path / "ev" / "eval.json").read_text())
+    assert result["checkpoint"] == str(ckpt) and math.isfinite(result["eval/jpeg_compressibility_mean"])
+    assert (tmp_path / "ev" / "eval.png").exists()
+    assert main(["sample", str(cfg_file), *TINY, "--checkpoint", str(ckpt), "--prompt", "a red circle",
+                 "--prompt", "a blue square", "--num", "2", "--out", str(tmp_path / "imgs")]) == 0
+    assert len(list((tmp_path / "imgs").glob("*.png"))) == 4
