@@ -4,6 +4,7 @@
     flowrl eval CONFIG --checkpoint DIR         evaluate a checkpoint on the held-out prompts
     flowrl sample CONFIG [--checkpoint DIR] --prompt TEXT ...   save images
     flowrl serve-reward NAME [--host 127.0.0.1] [--port 8000]  serve a reward over HTTP
+    flowrl report RUN_DIR                        plot the reward and eval curves to RUN_DIR/curves.png
     flowrl demo                                  the embedded default
 """
 
@@ -113,6 +114,13 @@ def _sample(args) -> int:
     return 0
 
 
+def _report(args) -> int:
+    from .report import plot_curves
+
+    print(plot_curves(args.run_dir, args.out))
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .toy import run_toy_grpo
 
@@ -152,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     sa.add_argument("--out", default="samples_out")
     with_config(sa, optional=False)
     sa.set_defaults(func=_sample)
+
+    rep = sub.add_parser("report", help="plot a run directory's reward and eval curves to curves.png")
+    rep.add_argument("run_dir")
+    rep.add_argument("--out", default=None)
+    rep.set_defaults(func=_report)
 
     demo = sub.add_parser("demo", help="run the embedded default (offline, CPU)")
     demo.add_argument("--steps", type=int, default=60)

@@ -216,6 +216,8 @@ class DataConfig:
 class EvalConfig:
     every: int = 0
     """Evaluate every N epochs (0 = only at the end)."""
+    before: bool = True
+    """Also evaluate the starting model (epoch 0) when a run starts fresh, so curves show where they began."""
     num_steps: int = 20
     """ODE steps for evaluation."""
     guidance_scale: float = 4.5

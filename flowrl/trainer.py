@@ -185,6 +185,8 @@ class Trainer:
         if resume is not None:
             self.load(resume)
         last = {}
+        if cfg.eval.before and self.state.epochs_done == 0 and cfg.train.epochs > 0:
+            self.log.log(self.evaluate(tag="epoch000000"), step=0)
         bar = tqdm(range(self.state.epochs_done, cfg.train.epochs), desc="epochs", disable=not (
             self.main and cfg.log.progress), initial=self.state.epochs_done, total=cfg.train.epochs)
         for epoch in bar:
@@ -221,6 +223,10 @@ class Trainer:
             self.log.log({**final, "final": True}, step=self.state.epochs_done)
             last.update(final)
             self.save()
+            if self.main:
+                from .report import plot_curves
+
+                plot_curves(self.run_dir)
         if self.world > 1:
             last["dist/replica_max_abs_diff"] = self.replica_divergence()
             self.log.log({"dist/replica_max_abs_diff": last["dist/replica_max_abs_diff"]}, step=self.state.epochs_done)

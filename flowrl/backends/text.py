@@ -72,6 +72,7 @@ class TextPolicy:
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.tokenizer.padding_side = "left"
+        self.tokenizer.truncation_side = "left"  # keep the end of a long prompt: it is what is answered
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         if self.tokenizer.eos_token_id is None:
@@ -131,6 +132,18 @@ class TextPolicy:
             )
         return prompt
 
+    def encode_prompts(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
+        """Left-padded, left-truncated prompt ids and attention mask [B, Lp] on the model's device."""
+        enc = self.tokenizer(
+            [self.format_prompt(p) for p in prompts],
+            return_tensors="pt",
+            padding=True,
+            truncation=True,
+            max_length=self.text.max_prompt_length,
+            add_special_tokens=not self.use_chat,
+        )
+        return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
+
     def _forward_log_probs(self, model, input_ids, attention_mask, prompt_len, temperature, with_entropy=False):
         """Token log-probs of the completion part [B, T] (and entropies [B, T]) from one forward."""
         out = model(
@@ -149,16 +162,7 @@ class TextPolicy:
     def rollout(self, prompts: list[str], metadata: list[dict], *, epoch: int, generator) -> TextBatch:
         t = self.text
         tok = self.tokenizer
-        enc = tok(
-            [self.format_prompt(p) for p in prompts],
-            return_tensors="pt",
-            padding=True,
-            truncation=True,
-            max_length=t.max_prompt_length,
-            add_special_tokens=not self.use_chat,
-        )
-        input_ids = enc["input_ids"].to(self.device)
-        attn = enc["attention_mask"].to(self.device)
+        input_ids, attn = self.encode_prompts(prompts)
         prompt_len = input_ids.shape[1]
         # generate() draws from torch's global RNG: seed it from this epoch/process's generator
         torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
@@ -254,24 +258,17 @@ class TextPolicy:
     ) -> tuple[list[str], list[list[int]]]:
         """Greedy completions: (texts up to the EOS, their token ids through the EOS)."""
         tok = self.tokenizer
-        enc = tok(
-            [self.format_prompt(p) for p in prompts],
-            return_tensors="pt",
-            padding=True,
-            truncation=True,
-            max_length=self.text.max_prompt_length,
-            add_special_tokens=not self.use_chat,
-        )
+        input_ids, attn = self.encode_prompts(prompts)
         out = self.model.generate(
-            input_ids=enc["input_ids"].to(self.device),
-            attention_mask=enc["attention_mask"].to(self.device),
+            input_ids=input_ids,
+            attention_mask=attn,
             do_sample=False,
             max_new_tokens=max_new_tokens or self.text.max_new_tokens,
             use_cache=True,
             pad_token_id=tok.pad_token_id,
             eos_token_id=tok.eos_token_id,
         )
-        comp = out[:, enc["input_ids"].shape[1] :]
+        comp = out[:, input_ids.shape[1] :]
         mask, _ = completion_mask_from_ids(comp, tok.eos_token_id)
         return (
             [tok.decode(c[m > 0], skip_special_tokens=True) for c, m in zip(comp, mask)],

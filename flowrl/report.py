@@ -1,0 +1,54 @@
+"""Plots of a run directory's metrics.jsonl: the training reward per epoch and the eval metrics."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .train_utils import read_metrics
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["epoch"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_curves(run_dir: str | Path, out: str | Path | None = None, title: str | None = None) -> Path:
+    """Write `curves.png` (or `out`): left, the mean training reward per epoch (and a moving average); right,
+    every eval metric against the epoch. Returns the PNG's path."""
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    if not rows:
+        raise FileNotFoundError(f"{run_dir / 'metrics.jsonl'} has no metrics to plot")
+    fig, (ax_r, ax_e) = plt.subplots(1, 2, figsize=(10, 3.6))
+    x, y = _series(rows, "reward/total_mean")
+    if x:
+        ax_r.plot(x, y, color="#9ab", lw=0.8, label="batch mean")
+        k = max(1, len(y) // 20)
+        smooth = [sum(y[max(0, i - k + 1): i + 1]) / len(y[max(0, i - k + 1): i + 1]) for i in range(len(y))]
+        ax_r.plot(x, smooth, color="#c33", lw=1.6, label=f"moving average ({k})")
+        ax_r.legend(frameon=False, fontsize=8)
+    ax_r.set(xlabel="epoch", ylabel="training reward", title="reward")
+    eval_keys = sorted({k for r in rows for k in r if k.startswith("eval/")})
+    for key in eval_keys:
+        ex, ey = _series(rows, key)
+        if ex:
+            ax_e.plot(ex, ey, marker="o", ms=3, label=key[len("eval/"):])
+    if eval_keys:
+        ax_e.legend(frameon=False, fontsize=8)
+    ax_e.set(xlabel="epoch", title="held-out eval")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out = Path(out) if out else run_dir / "curves.png"
+    tmp = out.with_name(out.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(out)
+    return out
