@@ -287,3 +287,43 @@ def test_cli_train_eval_sample(tmp_path, capsys):
     assert main(["sample", str(cfg_file), *TINY, "--checkpoint", str(ckpt), "--prompt", "a red circle",
                  "--prompt", "a blue square", "--num", "2", "--out", str(tmp_path / "imgs")]) == 0
     assert len(list((tmp_path / "imgs").glob("*.png"))) == 4
+
+
+def test_full_finetuning_with_a_frozen_reference(tmp_path):
+    tr = Trainer(tiny_cfg(tmp_path, "lora.enabled=false", "train.beta=0.1", "train.epochs=1", "eval.grid=false",
+                          "train.lr=1e-4"))
+    den = tr.policy.backend.denoiser
+    assert len(tr.params) == len(list(den.parameters()))           # every denoiser weight is trained
+    ref = tr.policy.ref_copy
+    ref_before = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    before = trained_weights(tr)
+    tr.fit()
+    assert max((p.detach() - before[n]).abs().max().item() for n, p in tr.named_params.items()) > 0
+    for n, p in ref.named_parameters():                              # the reference stays the base model
+        assert torch.equal(p, ref_before[n]) and not p.requires_grad
+    assert (tmp_path / "ckpt-000001" / "model" / "transformer").is_dir()
+
+
+def test_ratio_norm_runs_on_policy(tmp_path):
+    tr = Trainer(tiny_cfg(tmp_path, "train.step_weighting=ratio_norm", "train.epochs=1", "eval.grid=false"))
+    batch = tr.rollout(epoch=0)
+    assert batch.traj.means is not None                              # RatioNorm needs the recorded means
+    out = tr.policy.evaluate(batch, torch.arange(3), batch.traj.train_steps[:2], with_reference=False)
+    # on-policy: mu_theta = mu_old, so b_t = 0 and log rho = (log p - log p_old) * std = 0
+    assert out.log_ratio.abs().max().item() <= 1e-6
+    metrics = tr.fit()
+    assert math.isfinite(metrics["policy/loss"])
+
+
+def test_a_resolution_the_model_cannot_take_fails_before_work(tmp_path):
+    with pytest.raises(ValueError, match="divisible by"):
+        Trainer(tiny_cfg(tmp_path, "sample.height=30"))
+
+
+def test_drop_zero_advantage_groups(tmp_path):
+    tr = Trainer(tiny_cfg(tmp_path, "train.drop_zero_adv_groups=true"))
+    batch = tr.rollout(epoch=0)
+    scores = torch.tensor([[1.0], [1.0], [1.0], [1.0], [0.0], [1.0], [0.5], [0.2]])  # group 0 all equal
+    adv, keep = tr.advantages(batch, scores)
+    assert keep.tolist() == [False] * 4 + [True] * 4
+    assert torch.equal(adv[:4], torch.zeros(4))
