@@ -37,12 +37,20 @@ class PromptSet:
         start = epoch * n
         cycle = start // len(self)
         while len(order) < start % len(self) + n:
-            perm = list(range(len(self)))
-            random.Random(seed * 1_000_003 + cycle).shuffle(perm)
-            order.extend(perm)
+            order.extend(self._permutation(seed, cycle))
             cycle += 1
         idx = order[start % len(self): start % len(self) + n]
         return [self.prompts[i] for i in idx], [dict(self.metadata[i]) for i in idx]
+
+    def _permutation(self, seed: int, cycle: int) -> list[int]:
+        """The seeded order of one pass over the set (cached: a pass spans many epochs)."""
+        cache = self.__dict__.setdefault("_perm_cache", {})
+        if (seed, cycle) not in cache:
+            perm = list(range(len(self)))
+            random.Random(seed * 1_000_003 + cycle).shuffle(perm)
+            cache.clear()
+            cache[(seed, cycle)] = perm
+        return cache[(seed, cycle)]
 
     def head(self, n: int) -> tuple[list[str], list[dict]]:
         n = len(self) if n <= 0 else min(n, len(self))

@@ -33,6 +33,7 @@ class TextBatch:
     truncated: Tensor  # [B] bool: no EOS within max_new_tokens
     old_log_probs: Tensor  # [B, T] float32 under the sampling temperature
     completions: list[str]  # [B] decoded completions (up to the EOS)
+    completion_id_lists: list[list[int]]  # [B] completion token ids through the EOS (TRL's completion_ids)
     ref_log_probs: Tensor | None = None  # [B, T] when the KL goes into the reward
     kl_penalty: Tensor | None = None  # [B] beta * sum_t KL_t, subtracted from the reward
     group_ids: Tensor | None = None
@@ -144,6 +145,12 @@ class TextPolicy:
         )
         return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
 
+    def decode_completions(self, completion: Tensor, mask: Tensor) -> tuple[list[str], list[list[int]]]:
+        """[B, T] ids and their completion mask -> (texts, id lists through the EOS), in one batched decode."""
+        lengths = mask.sum(1).long().tolist()
+        ids = [row[:n] for row, n in zip(completion.tolist(), lengths)]
+        return self.tokenizer.batch_decode(ids, skip_special_tokens=True), ids
+
     def _forward_log_probs(self, model, input_ids, attention_mask, prompt_len, temperature, with_entropy=False):
         """Token log-probs of the completion part [B, T] (and entropies [B, T]) from one forward."""
         out = model(
@@ -187,7 +194,7 @@ class TextPolicy:
         full_ids = torch.cat([input_ids, completion], 1)
         full_attn = torch.cat([attn, cmask.long()], 1)
         old_lp, _ = self._forward_log_probs(self.model, full_ids, full_attn, prompt_len, t.temperature)
-        texts = [tok.decode(c[m > 0], skip_special_tokens=True) for c, m in zip(completion, cmask)]
+        texts, id_lists = self.decode_completions(completion, cmask)
         batch = TextBatch(
             prompts=list(prompts),
             metadata=list(metadata),
@@ -199,6 +206,7 @@ class TextPolicy:
             truncated=truncated,
             old_log_probs=old_lp * cmask,
             completions=texts,
+            completion_id_lists=id_lists,
         )
         if self.cfg.train.beta > 0 and t.kl_in_reward:
             with self.reference() as ref:
@@ -213,7 +221,7 @@ class TextPolicy:
         out = fn(
             prompts=batch.prompts,
             completions=batch.completions,
-            completion_ids=[c[m > 0].tolist() for c, m in zip(batch.completion_ids, batch.completion_mask)],
+            completion_ids=batch.completion_id_lists,
             **columns,
         )
         if len(out) != len(batch.prompts):
@@ -271,8 +279,7 @@ class TextPolicy:
         comp = out[:, input_ids.shape[1] :]
         mask, _ = completion_mask_from_ids(comp, tok.eos_token_id)
         return (
-            [tok.decode(c[m > 0], skip_special_tokens=True) for c, m in zip(comp, mask)],
-            [c[m > 0].tolist() for c, m in zip(comp, mask)],
+            *self.decode_completions(comp, mask),
         )
 
     @torch.no_grad()

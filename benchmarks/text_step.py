@@ -1,0 +1,236 @@
+"""Speed of one text GRPO step on the tiny model, flowrl beside TRL's GRPOTrainer on the same work.
+
+    python benchmarks/text_step.py                    # configs/text_arith.yaml (samples/arith), 1 thread
+    python benchmarks/text_step.py --repeats 20 --threads 2
+    python benchmarks/text_step.py --no-trl --profile # flowrl only, with a cProfile of one epoch
+
+The same work for both: the char-level GPT-2 in samples/arith, the same 32 prompts x 8 completions per step
+(flowrl's epoch e and TRL's step e draw the same prompts), max 4 new tokens, temperature 1, top_p 1, no top-k,
+full fine-tuning, AdamW (lr, betas, eps, weight decay as flowrl), grad-norm clip 1, one optimizer step per
+batch, no KL (beta 0), clip 0.2, group-normalised advantages, token-mean loss (TRL's `dapo`), the `accuracy`
+reward. TRL runs when `import trl` works (the `benchmark` extra); otherwise it is skipped with the reason.
+
+Phases (median over `--repeats` steps after `--warmup` steps; every step samples fresh completions):
+  generate        the model.generate call alone (the same transformers function in both);
+  rollout         flowrl: Trainer.rollout (generate + the old log-prob forward + decode);
+                  TRL: GRPOTrainer._generate (generate + decode; TRL skips the old log-prob forward when
+                  generation and optimisation are aligned, as here);
+  reward+adv      flowrl: Trainer.score + Trainer.advantages; TRL: the rest of _generate_and_score_completions;
+  update          flowrl: Trainer.update; TRL: the step's remainder (forward with grad + entropy, loss,
+                  backward, clip, optimizer and scheduler step);
+  step            flowrl: rollout + score + advantages + update; TRL: on_step_begin -> on_step_end.
+Rollout tokens/s counts the completion tokens through the first EOS over the rollout time. The last column is
+TRL time / flowrl time (for tokens/s: flowrl rate / TRL rate): > 1 means flowrl is faster.
+Use 1 thread on a shared machine: with 2 threads on 2 busy cores the tiny ops run ~20x slower for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+
+PHASES = ("generate", "rollout", "reward+adv", "update", "step")
+
+
+def timed(fn, sink: list):
+    """`fn` that appends its wall time to `sink` on every call."""
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        sink.append(time.perf_counter() - t0)
+        return out
+
+    return wrapper
+
+
+def build_flowrl(args):
+    from flowrl.config import load_config
+    from flowrl.trainer import Trainer
+
+    cfg = load_config(args.config, [
+        f"sample.prompts_per_epoch={args.prompts}", f"sample.group_size={args.group}",
+        f"text.max_new_tokens={args.max_new_tokens}", "text.temperature=1.0", "train.beta=0.0",
+        "log.progress=false", "log.completions_every=0", "log.tensorboard=false", "log.wandb=false",
+        f"log.run_dir={tempfile.mkdtemp(prefix='flowrl-text-bench-')}"])
+    return Trainer(cfg)
+
+
+def flowrl_epoch(tr, epoch: int, gen_times: list) -> dict:
+    """One whole flowrl epoch (no logging/eval/checkpoint), timed by phase."""
+    t0 = time.perf_counter()
+    batch = tr.rollout(epoch)
+    t1 = time.perf_counter()
+    scores, _ = tr.score(batch)
+    adv, keep = tr.advantages(batch, scores)
+    t2 = time.perf_counter()
+    tr.update(batch, adv, keep, epoch)
+    t3 = time.perf_counter()
+    return {"generate": gen_times[-1], "rollout": t1 - t0, "reward+adv": t2 - t1, "update": t3 - t2,
+            "step": t3 - t0, "tokens": float(batch.completion_mask.sum()), "samples": len(batch.prompts)}
+
+
+def run_flowrl(args) -> dict:
+    tr = build_flowrl(args)
+    gen_times: list[float] = []
+    tr.policy.model.generate = timed(tr.policy.model.generate, gen_times)
+    rows = [flowrl_epoch(tr, e, gen_times) for e in range(args.warmup + args.repeats)][args.warmup:]
+    if args.profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        flowrl_epoch(tr, args.warmup + args.repeats, gen_times)
+        prof.disable()
+        print(f"\ncProfile of one flowrl epoch (threads {torch.get_num_threads()}):")
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(35)
+    return {"rows": rows, "train_set": tr.train_set, "cfg": tr.cfg}
+
+
+def run_trl(args, flowrl_cfg, train_set) -> dict | str:
+    """TRL's GRPOTrainer on the same work, or the reason it was skipped."""
+    try:
+        import trl
+        from datasets import Dataset
+    except ImportError as e:
+        return f"`import trl` failed ({e}); install the benchmark extra: pip install 'flowrl[benchmark]'"
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
+
+    import rewards
+
+    t = flowrl_cfg.train
+    steps = args.warmup + args.repeats
+    rows = []
+    for e in range(steps):  # step e gets flowrl's epoch-e prompts, in the same order (no shuffling)
+        prompts, meta = train_set.draw(args.prompts, e, t.seed)
+        rows += [{"prompt": p, "answer": m["answer"]} for p, m in zip(prompts, meta)]
+    dataset = Dataset.from_list(rows)
+    batch = args.prompts * args.group
+    out_dir = tempfile.mkdtemp(prefix="trl-text-bench-")
+    config = trl.GRPOConfig(
+        output_dir=out_dir, max_steps=steps, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+        num_generations=args.group, max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
+        beta=0.0, epsilon=t.clip_low, loss_type="dapo", scale_rewards="group", num_iterations=1,
+        learning_rate=t.lr, weight_decay=t.weight_decay, adam_beta1=t.adam_betas[0], adam_beta2=t.adam_betas[1],
+        adam_epsilon=t.adam_eps, max_grad_norm=t.max_grad_norm, lr_scheduler_type="constant", warmup_steps=0,
+        use_cpu=True, bf16=False, fp16=False, report_to="none", logging_strategy="no", save_strategy="no",
+        disable_tqdm=True, shuffle_dataset=False, log_completions=False, seed=t.seed, dataloader_num_workers=0)
+    tok = AutoTokenizer.from_pretrained(flowrl_cfg.model.path)
+    model = AutoModelForCausalLM.from_pretrained(flowrl_cfg.model.path, dtype=torch.float32)
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=[rewards.get("accuracy")], args=config,
+                              train_dataset=dataset, processing_class=tok)
+    torch.set_num_threads(args.threads)  # in case the set-up changed it
+
+    gen, rollout, prep, tokens = [], [], [], []
+    trainer.model.generate = timed(trainer.model.generate, gen)
+    trainer._generate = timed(trainer._generate, rollout)
+    inner = trainer._generate_and_score_completions
+
+    def generate_and_score(*a, **kw):
+        t0 = time.perf_counter()
+        out = inner(*a, **kw)
+        prep.append(time.perf_counter() - t0)
+        tokens.append(float(out["completion_mask"].sum()))
+        return out
+
+    trainer._generate_and_score_completions = generate_and_score
+    step_times = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args_, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args_, state, control, **kw):
+            step_times.append(time.perf_counter() - self.t0)
+
+    trainer.add_callback(StepTimer())
+    trainer.remove_callback(PrinterCallback)  # no end-of-training metrics dump
+    trainer.train()
+    if not (len(step_times) == len(gen) == len(rollout) == len(prep) == steps):
+        return (f"TRL's step structure differs from this script's assumption (steps {len(step_times)}, generate "
+                f"{len(gen)}, _generate {len(rollout)}, _generate_and_score {len(prep)}; expected {steps} each)")
+    rows = [{"generate": g, "rollout": r, "reward+adv": p - r, "update": s - p, "step": s, "tokens": n,
+             "samples": batch} for g, r, p, s, n in zip(gen, rollout, prep, step_times, tokens)][args.warmup:]
+    return {"rows": rows, "version": trl.__version__}
+
+
+def medians(rows: list[dict]) -> dict:
+    m = {k: statistics.median(r[k] for r in rows) for k in (*PHASES, "tokens")}
+    m["tok/s"] = statistics.median(r["tokens"] / r["rollout"] for r in rows)
+    m["update/sample"] = m["update"] / rows[0]["samples"]
+    return m
+
+
+def print_table(fl: dict, tr: dict | None, threads: int, repeats: int) -> None:
+    print(f"\nmedian of {repeats} steps, threads {threads}; TRL/flowrl > 1 means flowrl is faster")
+    head = f"{'':28s}{'flowrl':>12s}"
+    if tr:
+        head += f"{'TRL':>12s}{'TRL/flowrl':>12s}"
+    print(head)
+    lines = [(f"{p} (s)", p, 1.0, True) for p in PHASES] + [
+        ("update per sample (ms)", "update/sample", 1e3, True),
+        ("rollout tokens/s", "tok/s", 1.0, False),
+        ("completion tokens/step", "tokens", 1.0, None)]
+    for label, key, scale, time_like in lines:
+        s = f"{label:28s}{fl[key] * scale:12.4g}"
+        if tr:
+            ratio = "" if time_like is None else f"{(tr[key] / fl[key] if time_like else fl[key] / tr[key]):12.2f}"
+            s += f"{tr[key] * scale:12.4g}{ratio}"
+        print(s + f"   [threads {threads}]")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
+                                                      "text_arith.yaml"))
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--no-trl", action="store_true", help="flowrl only")
+    ap.add_argument("--profile", action="store_true", help="cProfile one more flowrl epoch")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    from transformers.utils import logging as hf_logging
+
+    cwd, verbosity, bars = os.getcwd(), hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    os.chdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the config's relative paths
+    try:
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        print(f"text GRPO step: {args.prompts} prompts x {args.group}, max_new_tokens {args.max_new_tokens}, "
+              f"temperature 1, beta 0, 1 optimizer step per batch; warm-up {args.warmup}, repeats {args.repeats}; "
+              f"threads {torch.get_num_threads()}")
+        fl = run_flowrl(args)
+        fl_m = medians(fl["rows"])
+        tr_m, trl_out = None, "skipped (--no-trl)" if args.no_trl else run_trl(args, fl["cfg"], fl["train_set"])
+        if isinstance(trl_out, str):
+            print(f"TRL: {trl_out}")
+        else:
+            tr_m = medians(trl_out["rows"])
+            print(f"TRL {trl_out['version']} GRPOTrainer on the same prompts (threads {torch.get_num_threads()})")
+        print_table(fl_m, tr_m, torch.get_num_threads(), args.repeats)
+    finally:
+        os.chdir(cwd)
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    return {"flowrl": fl_m, "trl": tr_m, "threads": torch.get_num_threads()}
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
