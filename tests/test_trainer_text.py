@@ -233,3 +233,18 @@ def test_none_rewards_are_left_out_of_the_sum():
     torch.testing.assert_close(adv, want, rtol=0, atol=1e-9)
     assert not torch.isnan(adv).any()
     _ = SimpleNamespace  # (kept for readers: unit_loss takes plain config objects)
+
+
+def test_truncated_completions_masked_and_chat_template(tiny_lm, tmp_path):
+    tr = Trainer(text_cfg(tiny_lm, tmp_path, "text.mask_truncated=true", "text.max_new_tokens=2"))
+    batch = tr.rollout(epoch=0)
+    assert batch.truncated.any()  # 2 tokens cannot hold most sums and their EOS
+    out = tr.policy.evaluate(batch, torch.arange(len(batch.prompts)), [0, 1], with_reference=False)
+    assert torch.equal(out.mask[batch.truncated], torch.zeros_like(out.mask[batch.truncated]))
+    assert torch.equal(out.mask[~batch.truncated], batch.completion_mask[~batch.truncated])
+    # a tokenizer with a chat template wraps the prompt in it
+    pol = tr.policy
+    assert pol.format_prompt("1+2=") == "1+2="  # the arithmetic tokenizer has none
+    pol.tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}="
+    pol.use_chat = True
+    assert pol.format_prompt("1+2=") == "<user>1+2=="
