@@ -132,13 +132,19 @@ def _demo(args: argparse.Namespace) -> int:
     from .train_utils import read_metrics
     from .trainer import train
 
+    path = Path(args.config)
+    model_dir = Path("samples/shapes/model")
+    if not args.toy and path == Path("configs/shapes.yaml") and not (model_dir / "model_index.json").exists():
+        print(f"flowrl demo: the shapes world's pre-trained model ({model_dir}) is not built yet "
+              "(scripts/pretrain_shapes.py), so this runs the smallest real thing instead: GRPO from flowrl.core "
+              "teaching a tabular token policy to spell 'flowrl' (reward = matching letters).")
+        args.toy = True
     if args.toy:
         from .toy import run_toy_grpo
 
         history = run_toy_grpo(steps=60, seed=0)
         print(f"mean reward, first 5 steps {sum(history[:5]) / 5:.3f} -> last 5 steps {sum(history[-5:]) / 5:.3f}")
         return 0
-    path = Path(args.config)
     if not path.exists():
         raise SystemExit(f"flowrl demo: {path} not found; run it from the repository root (where configs/ is)")
     cfg = load_config(path, args.overrides)
