@@ -129,6 +129,14 @@ def ours(preset):
     return loss.item(), logp.grad
 
 
+def assert_preset_matches(preset, loss_fn):
+    """Our loss for `preset` and its gradient w.r.t. the log-probs equal the written-out formula's (1e-9)."""
+    want, g_want = grad_of(loss_fn)
+    got, g_got = ours(preset)
+    assert abs(got - want) < 1e-9
+    torch.testing.assert_close(g_got, g_want, rtol=0, atol=1e-9)
+
+
 def grad_of(fn):
     logp = LOGP.clone().requires_grad_()
     value = fn(logp)
@@ -166,10 +174,7 @@ def test_grpo_preset_is_deepseekmath_objective():
             per_seq.append(sum(terms) / len(terms))
         return -sum(per_seq) / G
 
-    want, g_want = grad_of(loss)
-    got, g_got = ours("grpo")
-    assert abs(got - want) < 1e-9
-    torch.testing.assert_close(g_got, g_want, rtol=0, atol=1e-9)
+    assert_preset_matches("grpo", loss)
 
 
 def test_dapo_preset_is_token_level_clip_higher():
@@ -182,10 +187,7 @@ def test_dapo_preset_is_token_level_clip_higher():
                  for i in range(G) for t in range(T) if MASK[i, t]]
         return -sum(terms) / len(terms)
 
-    want, g_want = grad_of(loss)
-    got, g_got = ours("dapo")
-    assert abs(got - want) < 1e-9
-    torch.testing.assert_close(g_got, g_want, rtol=0, atol=1e-9)
+    assert_preset_matches("dapo", loss)
     assert LOSS_PRESETS["dapo"]["train"]["drop_zero_adv_groups"] and LOSS_PRESETS["dapo"]["text"]["mask_truncated"]
 
 
@@ -199,10 +201,7 @@ def test_dr_grpo_preset_has_no_std_and_a_constant_normaliser():
                        for t in range(T) if MASK[i, t]) / T for i in range(G)]
         return -sum(per_seq) / G
 
-    want, g_want = grad_of(loss)
-    got, g_got = ours("dr_grpo")
-    assert abs(got - want) < 1e-9
-    torch.testing.assert_close(g_got, g_want, rtol=0, atol=1e-9)
+    assert_preset_matches("dr_grpo", loss)
 
 
 def test_gspo_preset_is_the_sequence_ratio_objective():
@@ -217,10 +216,7 @@ def test_gspo_preset_is_the_sequence_ratio_objective():
             out.append(torch.minimum(s * A[i], torch.clamp(s, 1 - 3e-4, 1 + 4e-4) * A[i]))
         return -sum(out) / G
 
-    want, g_want = grad_of(loss)
-    got, g_got = ours("gspo")
-    assert abs(got - want) < 1e-9
-    torch.testing.assert_close(g_got, g_want, rtol=0, atol=1e-9)
+    assert_preset_matches("gspo", loss)
 
 
 def test_none_rewards_are_left_out_of_the_sum():
