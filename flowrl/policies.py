@@ -157,13 +157,20 @@ class ImagePolicy:
     def rollout(self, prompts: list[str], metadata: list[dict], *, epoch: int, generator) -> ImageBatch:
         """Roll out one image per entry of `prompts` (a group's prompt repeats). With same_noise_per_group the
         entries come in whole groups, and each group starts from one shared initial noise."""
+        from flowrl.sampling import Trajectory
+
         s, t = self.cfg.sample, self.cfg.train
         G = s.group_size if s.same_noise_per_group else 1
-        traj = self.backend.rollout(
-            prompts[::G], group_size=G, num_steps=s.num_steps, guidance_scale=s.guidance_scale,
-            noise_level=s.noise_level, sde_type=self.sde_type, sde_window=self.window, epoch=epoch,
-            same_noise_per_group=G > 1, generator=generator, height=s.height, width=s.width,
-            record_means=t.step_weighting == "ratio_norm")
+        chunk = s.rollout_batch_size or len(prompts)  # images per rollout call (memory), whole groups with G > 1
+        chunk = max(G, chunk - chunk % G)
+        parts = []
+        for start in range(0, len(prompts), chunk):
+            parts.append(self.backend.rollout(
+                prompts[start: start + chunk: G], group_size=G, num_steps=s.num_steps,
+                guidance_scale=s.guidance_scale, noise_level=s.noise_level, sde_type=self.sde_type,
+                sde_window=self.window, epoch=epoch, same_noise_per_group=G > 1, generator=generator,
+                height=s.height, width=s.width, record_means=t.step_weighting == "ratio_norm"))
+        traj = parts[0] if len(parts) == 1 else Trajectory.cat(parts)
         return ImageBatch(traj=traj, prompts=list(prompts), metadata=list(metadata), images=traj.images)
 
     @staticmethod

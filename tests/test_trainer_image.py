@@ -327,3 +327,11 @@ def test_drop_zero_advantage_groups(tmp_path):
     adv, keep = tr.advantages(batch, scores)
     assert keep.tolist() == [False] * 4 + [True] * 4
     assert torch.equal(adv[:4], torch.zeros(4))
+
+
+def test_rollout_in_chunks_is_one_batch(tmp_path):
+    tr = Trainer(tiny_cfg(tmp_path, "sample.rollout_batch_size=2"))
+    batch = tr.rollout(epoch=0)
+    assert len(batch.traj) == 8 and len(batch.images) == 8 and batch.prompts == batch.traj.prompts
+    out = tr.policy.evaluate(batch, torch.arange(8), batch.traj.train_steps, with_reference=False)
+    assert (out.log_prob - out.old_log_prob).abs().max().item() <= 1e-5  # still on-policy after the join
