@@ -244,3 +244,16 @@ def test_truncated_completions_masked_and_chat_template(tiny_lm, tmp_path):
     pol.tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}="
     pol.use_chat = True
     assert pol.format_prompt("1+2=") == "<user>1+2=="
+
+
+def test_gdpo_combination_fills_none_with_the_group_mean():
+    from flowrl.core import gdpo_advantages
+
+    cfg = load_config(None, ["backend=text", "train.reward_combine=gdpo",
+                             "rewards=[{name: accuracy}, {name: think_format, weight: 0.5}]"])
+    nan = float("nan")
+    scores = torch.tensor([[1.0, nan], [0.0, 1.0], [1.0, 0.0], [0.0, 0.0]], dtype=torch.float64)
+    adv = combine_advantages(cfg, scores, torch.zeros(4, dtype=torch.long), ["p"] * 4, None)
+    # the None of sample 0's second reward takes its group's mean of that reward, (1 + 0 + 0) / 3
+    filled = torch.tensor([[1.0, 1 / 3], [0.0, 1.0], [1.0, 0.0], [0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(adv, gdpo_advantages(filled, [0] * 4, weights=[1.0, 0.5]), rtol=0, atol=1e-12)
