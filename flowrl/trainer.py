@@ -143,7 +143,8 @@ class Trainer:
         self.run_dir = Path(cfg.log.run_dir)
         self.main = self.acc.is_main_process
         seed_everything(cfg.train.seed)
-        self.policy = build_policy(cfg, self.acc.device)
+        device = self.acc.device if cfg.model.device == "auto" else torch.device(cfg.model.device)
+        self.policy = build_policy(cfg, device)
         self.params = [p for p in self.policy.trainable_parameters()]
         self.named_params = dict(self.policy.named_trainable_parameters())
         t = cfg.train
