@@ -94,7 +94,8 @@ class SampleConfig:
     group_size: int = 4
     """Images per prompt (the GRPO group), >= 2."""
     prompts_per_epoch: int = 4
-    """Distinct prompts per epoch on each process; the epoch's batch is prompts_per_epoch x group_size."""
+    """Distinct prompts per epoch (over all processes); the epoch's batch is prompts_per_epoch x group_size,
+    split evenly over the processes (a group may span two)."""
     rollout_batch_size: int = 0
     """Images per rollout forward (0 = the whole epoch batch at once)."""
     max_sequence_length: int = 77
@@ -250,8 +251,8 @@ class LogConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0
-    """Save every N epochs (0 = only at the end)."""
+    every: int = 10
+    """Save every N epochs (0 = only at the end), so a crash loses at most N epochs."""
     resume: Optional[str] = None
     """`auto` (the newest checkpoint in run_dir) or a checkpoint directory."""
     keep: int = 2
