@@ -84,7 +84,7 @@ class ImagePolicy:
         if self.sde_type not in self.backend.sde_types or self.sde_type == "ode":
             raise ValueError(f"sample.sde_type={self.sde_type!r} cannot train a {self.family} model; valid: "
                              f"{[t for t in self.backend.sde_types if t != 'ode']}")
-        self.backend.check_image_size(s.height, s.width) if hasattr(self.backend, "check_image_size") else None
+        self.backend.check_image_size(s.height, s.width)
         w = s.window
         self.window = SDEWindow() if w.kind == "all" else SDEWindow(w.kind, start=w.start, size=w.size,
                                                                    stride=w.stride, every=w.every)

@@ -335,3 +335,13 @@ def test_rollout_in_chunks_is_one_batch(tmp_path):
     assert len(batch.traj) == 8 and len(batch.images) == 8 and batch.prompts == batch.traj.prompts
     out = tr.policy.evaluate(batch, torch.arange(8), batch.traj.train_steps, with_reference=False)
     assert (out.log_prob - out.old_log_prob).abs().max().item() <= 1e-5  # still on-policy after the join
+
+
+def test_lora_init_path_starts_from_an_exported_adapter(tmp_path):
+    first = Trainer(tiny_cfg(tmp_path / "a", "train.epochs=1", "eval.grid=false"))
+    first.fit()
+    second = Trainer(tiny_cfg(tmp_path / "b", f"lora.init_path={tmp_path / 'a' / 'ckpt-000001' / 'lora'}"))
+    trained = trained_weights(first)
+    assert any(w.abs().max() > 0 for n, w in trained.items() if "lora_B" in n)
+    for n, p in second.named_params.items():
+        torch.testing.assert_close(p.detach(), trained[n], rtol=0, atol=1e-7)
