@@ -1,0 +1,28 @@
+"""The shapes world: a procedural renderer, GenEval-style prompts with a train/test split, and a detector.
+
+It is the embedded default of flowrl: a tiny `StableDiffusion3Pipeline` pre-trained on this world ships in
+`samples/shapes/model` (made by `scripts/pretrain_shapes.py`), and `score_images` is the compositional
+reward GRPO raises. Pure numpy; the model-building helpers in `flowrl.shapes.model` need torch/diffusers.
+"""
+
+from .detect import Detection, check_clauses, detect_objects, score_images
+from .prompts import (
+    FAMILIES,
+    all_prompts,
+    combination_key,
+    load_jsonl,
+    make_record,
+    prompt_text,
+    prompts_of_split,
+    split_of,
+    vocabulary,
+    write_jsonl,
+)
+from .render import BACKGROUND, COLORS, IMAGE_SIZE, RELATIONS, SHAPES, ShapeObject, draw, render, sample_scene
+
+__all__ = [
+    "BACKGROUND", "COLORS", "Detection", "FAMILIES", "IMAGE_SIZE", "RELATIONS", "SHAPES", "ShapeObject",
+    "all_prompts", "check_clauses", "combination_key", "detect_objects", "draw", "load_jsonl", "make_record",
+    "prompt_text", "prompts_of_split", "render", "sample_scene", "score_images", "split_of", "vocabulary",
+    "write_jsonl",
+]

@@ -1,0 +1,40 @@
+"""The shapes world's compositional reward, GenEval-style: find the objects, check the prompt's clauses.
+
+The training reward is the fraction of the prompt's clauses that hold (a dense signal); the headline metric,
+strict correctness (1 when every clause holds), is reported as the component `strict`. The prompt's
+metadata (`objects`, `relation`) comes from the prompt set's JSONL columns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rewards.registry import IMAGE, register
+
+
+@register("shapes_geneval", kind=IMAGE)
+class ShapesGenEval:
+    """reward(images, prompts, objects=[...], relation=[...]) -> Tensor[B] (fraction of clauses that hold);
+    `last_components`: `strict` [B] (all clauses hold) and `fraction` [B]."""
+
+    kind = IMAGE
+
+    def __init__(self, score: str = "fraction"):
+        if score not in ("fraction", "strict"):
+            raise ValueError(f"score must be 'fraction' (the dense training reward) or 'strict', got {score!r}")
+        self.score = score
+        self.last_components: dict[str, torch.Tensor] = {}
+        self.last_details: list[dict] = []
+
+    def __call__(self, images, prompts, objects=None, relation=None, **_columns) -> torch.Tensor:
+        from flowrl.shapes.detect import score_images
+
+        if objects is None:
+            raise ValueError("shapes_geneval needs each prompt's metadata: the prompt file's `objects` (and "
+                             "`relation`) columns, as in samples/shapes/*.jsonl")
+        relation = relation if relation is not None else [None] * len(images)
+        metadata = [{"objects": o, "relation": r} for o, r in zip(objects, relation)]
+        strict, fraction, details = score_images(images, metadata)
+        self.last_components = {"strict": torch.from_numpy(strict), "fraction": torch.from_numpy(fraction)}
+        self.last_details = details
+        return torch.from_numpy(fraction if self.score == "fraction" else strict).float()
