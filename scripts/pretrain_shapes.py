@@ -51,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vae-lr", type=float, default=2e-3)
     p.add_argument("--vae-kl", type=float, default=1e-4, help="weight of the KL term (per latent element)")
     p.add_argument("--stats-images", type=int, default=256, help="images for the latent mean/std after stage 1")
-    p.add_argument("--steps", type=int, default=4000, help="transformer steps")
+    p.add_argument("--steps", type=int, default=8000, help="transformer steps (the shipped model: 8000)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=200)

@@ -156,6 +156,7 @@ def write_jsonl(records: list[dict], path: str | os.PathLike) -> None:
     with os.fdopen(fd, "w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
+    os.chmod(tmp, 0o644)  # mkstemp makes it private
     os.replace(tmp, path)
 
 

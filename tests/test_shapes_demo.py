@@ -1,0 +1,32 @@
+"""A 1-epoch smoke run of the embedded default's preset on the shipped tiny SD3."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from flowrl.config import load_config
+from flowrl.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(not (ROOT / "samples/shapes/model/model_index.json").exists(), reason="model not built")
+def test_shapes_preset_one_epoch(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the preset's paths are relative to the repository
+    cfg = load_config(ROOT / "configs" / "shapes.yaml", [
+        f"log.run_dir={tmp_path}", "train.epochs=1", "sample.prompts_per_epoch=2", "eval.num_prompts=2",
+        "eval.images_per_prompt=1", "eval.num_steps=4", "log.progress=false"])
+    tr = Trainer(cfg)
+    before = {n: p.detach().clone() for n, p in tr.named_params.items()}
+    tr.fit()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    epoch = next(r for r in rows if "policy/loss" in r)
+    assert epoch["policy/ratio_first_dev"] <= 1e-4
+    assert 0.0 <= epoch["reward/shapes_geneval/strict_mean"] <= 1.0
+    assert all(math.isfinite(v) for v in epoch.values() if isinstance(v, float))
+    assert any("eval/shapes_geneval/strict_mean" in r for r in rows)
+    assert (tmp_path / "eval-epoch000000.png").exists() and (tmp_path / "eval-final.png").exists()
+    if epoch["adv/abs_max"] > 0:  # a group with different rewards moved the LoRA
+        assert any((p.detach() - before[n]).abs().max() > 0 for n, p in tr.named_params.items())
