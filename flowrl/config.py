@@ -231,6 +231,10 @@ class EvalConfig:
     """Seed of the eval noise (the same every evaluation, so grids compare)."""
     grid: bool = True
     """Save an image grid of the eval samples in the run directory."""
+    group_by: str = ""
+    """A metadata column of the eval prompts (e.g. `family`) to break every eval score down by: logs
+    `eval/<score>_by_<column>/<value>` and `eval/<score>_<column>_mean`, the unweighted mean over the groups
+    (GenEval's "overall" is this mean over its task families). "" = off."""
 
 
 @dataclass

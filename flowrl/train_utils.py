@@ -121,3 +121,34 @@ class Timer:
     def pop(self) -> dict[str, float]:
         out, self.totals = self.totals, {}
         return out
+
+
+def grouped_means(name: str, values, metadata: list[dict], column: str) -> dict[str, float]:
+    """Break one eval score down by a metadata column of the prompts.
+
+    values: [P * n] per-sample scores, prompt-major (n samples of prompt 0, then of prompt 1, ...);
+    metadata: [P] the prompts' metadata dicts; column: the key to group by (every prompt must have it).
+    -> {f"eval/{name}_by_{column}/{value}": mean over that group's samples,
+        f"eval/{name}_{column}_mean": unweighted mean of the group means}.
+    NaN samples (a reward that does not apply) are left out of their group's mean.
+    """
+    import math
+
+    vals = [float(v) for v in values]
+    if not metadata or len(vals) % len(metadata):
+        raise ValueError(f"eval.group_by={column!r}: {len(vals)} scores do not split evenly over "
+                         f"{len(metadata)} prompts")
+    missing = [i for i, m in enumerate(metadata) if column not in (m or {})]
+    if missing:
+        keys = sorted({k for m in metadata for k in (m or {})})
+        raise ValueError(f"eval.group_by={column!r}: eval prompt {missing[0]} has no such column; "
+                         f"the prompts' metadata columns are {keys or 'none (plain-text prompts)'}")
+    n = len(vals) // len(metadata)
+    groups: dict[str, list[float]] = {}
+    for i, m in enumerate(metadata):
+        groups.setdefault(str(m[column]), []).extend(v for v in vals[i * n:(i + 1) * n] if not math.isnan(v))
+    means = {g: sum(v) / len(v) for g, v in sorted(groups.items()) if v}
+    out = {f"eval/{name}_by_{column}/{g}": m for g, m in means.items()}
+    if means:
+        out[f"eval/{name}_{column}_mean"] = sum(means.values()) / len(means)
+    return out

@@ -20,7 +20,7 @@ from . import core
 from .checkpoint import read_checkpoint, resolve_resume, set_rng_state, write_checkpoint
 from .config import Config, to_dict
 from .data import load_prompts
-from .train_utils import EMA, MetricsLog, Timer, lr_lambda, seed_everything
+from .train_utils import EMA, MetricsLog, Timer, grouped_means, lr_lambda, seed_everything
 
 #: |ratio - 1| above this on the first (on-policy) minibatch of an epoch means the recomputed
 #: log-probs do not match the recorded ones: a warning, and `policy/ratio_first` shows it.
@@ -170,6 +170,9 @@ class Trainer:
         self.rewards = build_reward_fns(cfg, self.policy.reward_kind)
         self.train_set = load_prompts(cfg.data.train_prompts)
         self.eval_set = load_prompts(cfg.data.eval_prompts or cfg.data.train_prompts)
+        if cfg.eval.group_by:  # fail now, not after training, on a column the eval prompts lack
+            _, meta = self.eval_set.head(cfg.eval.num_prompts)
+            grouped_means("check", [0.0] * len(meta), meta, cfg.eval.group_by)
         self.state = State()
         self.log = MetricsLog(self.run_dir / "metrics.jsonl", self.acc, enabled=self.main)
         if self.main:
@@ -397,10 +400,12 @@ class Trainer:
             ctx = self.ema.applied() if self.ema is not None else contextlib.nullcontext()
             with ctx:
                 outputs, per_reward = self.policy.evaluate_prompts(prompts, meta, self.rewards, cfg.eval)
-            for spec, vals in zip(cfg.rewards, per_reward):
-                results[f"eval/{spec.name}_mean"] = float(vals.mean())
-            for name, vals in getattr(self.policy, "last_eval_components", {}).items():
+            scores = {spec.name: vals for spec, vals in zip(cfg.rewards, per_reward)}
+            scores.update(getattr(self.policy, "last_eval_components", {}))
+            for name, vals in scores.items():
                 results[f"eval/{name}_mean"] = float(vals.mean())
+                if cfg.eval.group_by:
+                    results.update(grouped_means(name, vals, meta, cfg.eval.group_by))
             if cfg.eval.grid:
                 self.policy.save_eval_outputs(outputs, prompts, self.run_dir / f"eval-{tag}")
         self.acc.wait_for_everyone()
