@@ -345,3 +345,44 @@ def test_lora_init_path_starts_from_an_exported_adapter(tmp_path):
     assert any(w.abs().max() > 0 for n, w in trained.items() if "lora_B" in n)
     for n, p in second.named_params.items():
         torch.testing.assert_close(p.detach(), trained[n], rtol=0, atol=1e-7)
+
+
+@pytest.fixture
+def redness_reward():
+    """A test-only image reward: mean of R - (G + B) / 2 over pixels, in [-1, 1] (a direction every image can move)."""
+    import numpy as np
+
+    from rewards.registry import REWARDS, register
+
+    name = "_test_redness"
+
+    @register(name, kind="image")
+    def factory(**kwargs):
+        def fn(images, prompts, **metadata):
+            a = np.stack([np.asarray(im.convert("RGB"), dtype=np.float32) / 255 for im in images])
+            return torch.from_numpy(a[..., 0] - 0.5 * a[..., 1] - 0.5 * a[..., 2]).mean(dim=(1, 2))
+
+        return fn
+
+    yield name
+    REWARDS._items.pop(name, None)
+
+
+def test_grpo_raises_the_reward_it_is_given(tmp_path, redness_reward):
+    """The whole loop learns: 20 epochs of GRPO on a reward the tiny model can move raise it, in the training
+    rollouts and in the deterministic eval (same seeds before and after)."""
+    run = tmp_path / "run"
+    cfg = tiny_cfg(run, "train.epochs=20", "train.lr=1e-2", "train.minibatch_size=8", "sample.group_size=8",
+                   "eval.num_steps=4", "eval.images_per_prompt=4", "checkpoint.every=0",
+                   f"rewards=[{{name: {redness_reward}}}]")
+    Trainer(cfg).fit()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r["reward/total_mean"] for r in rows if "reward/total_mean" in r]
+    evals = [r[f"eval/{redness_reward}_mean"] for r in rows if f"eval/{redness_reward}_mean" in r]
+    assert len(train) == 20 and len(evals) == 2
+    first, last = sum(train[:5]) / 5, sum(train[-5:]) / 5
+    print(f"threads {torch.get_num_threads()}: train reward first 5 epochs {first:.4f} -> last 5 {last:.4f}; "
+          f"eval {evals[0]:.4f} -> {evals[1]:.4f}")
+    # measured: 0.0046 -> 0.0134 (train), 0.0061 -> 0.0256 (eval); the random model's images are grey-ish
+    assert last > first + 0.004
+    assert evals[1] > evals[0] + 0.008
