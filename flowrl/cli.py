@@ -162,14 +162,19 @@ def _demo(args: argparse.Namespace) -> int:
     minutes = (time.perf_counter() - t0) / 60
     run = Path(cfg.log.run_dir)
     rows = read_metrics(run / "metrics.jsonl")
-    key = next((k for k in ("eval/shapes_geneval/strict_mean", f"eval/{cfg.rewards[0].name}_mean") if k in rows[0]),
-               None)
-    evals = [(r["epoch"], r[key]) for r in rows if key in r]
-    before, after = evals[0][1], evals[-1][1]
+    name, group = cfg.rewards[0].name, cfg.eval.group_by
+    candidates = ([f"eval/{name}/strict_{group}_mean"] if group else []) + [
+        f"eval/{name}/strict_mean", f"eval/{name}_mean"]
+    keys = [k for k in candidates if k in rows[0]]  # headline first: GenEval's overall when grouped
+    evals = [r for r in rows if keys[0] in r]
+    before, after = evals[0][keys[0]], evals[-1][keys[0]]
     grid = before_after(run / "eval-epoch000000.png", run / "eval-final.png", run / "before_after.png",
                         labels=(f"before: {before:.3f}", f"after: {after:.3f}"))
-    curves = plot_curves(run, title=f"{cfg.model.path}: {key}")
-    print(f"{key}: before {before:.3f} -> after {after:.3f} ({after - before:+.3f}) in {minutes:.1f} min")
+    curves = plot_curves(run, title=f"{cfg.model.path}: {keys[0]}")
+    for key in keys:
+        b, a = evals[0][key], evals[-1][key]
+        print(f"{key}: before {b:.3f} -> after {a:.3f} ({a - b:+.3f})")
+    print(f"wall-clock {minutes:.1f} min")
     print(f"wrote {grid} and {curves}")
     return 0
 
