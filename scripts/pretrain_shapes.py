@@ -107,29 +107,19 @@ def logit_normal_sigmas(n: int, generator, mean: float = 0.0, std: float = 1.0):
 
 
 def optimizer_tensors(opt, prefix: str) -> tuple[dict, dict]:
-    """AdamW state -> ({name: tensor}, json-able param_groups); param order is the optimizer's."""
-    sd = opt.state_dict()
-    tensors = {}
-    for idx, state in sd["state"].items():
-        for k, v in state.items():
-            tensors[f"{prefix}.{idx}.{k}"] = v.detach().clone().reshape(-1) if v.ndim == 0 else v.detach().clone()
-    return tensors, {"param_groups": sd["param_groups"], "scalar_keys": ["step"]}
+    """AdamW state -> ({prefix.name: tensor}, json-able rest), by the trainer's `optimizer_to_files`."""
+    from flowrl.checkpoint import optimizer_to_files
+
+    tensors, meta = optimizer_to_files(opt.state_dict())
+    return {f"{prefix}.{k}": v.detach().clone() for k, v in tensors.items()}, meta
 
 
 def load_optimizer(opt, tensors: dict, meta: dict, prefix: str) -> None:
-    import torch
+    """The inverse of `optimizer_tensors` (`flowrl.checkpoint.optimizer_from_files` on the prefixed tensors)."""
+    from flowrl.checkpoint import optimizer_from_files
 
-    state = {}
-    for name, v in tensors.items():
-        if not name.startswith(prefix + "."):
-            continue
-        _, idx, key = name.split(".", 2)
-        state.setdefault(int(idx), {})[key] = v.reshape(()) if key == "step" else v
-    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-    for group in opt.param_groups:  # keep tensors of steps as float32 scalars, as AdamW creates them
-        for p in group["params"]:
-            if p in opt.state and "step" in opt.state[p]:
-                opt.state[p]["step"] = opt.state[p]["step"].to(torch.float32)
+    own = {k[len(prefix) + 1:]: v for k, v in tensors.items() if k.startswith(prefix + ".")}
+    opt.load_state_dict(optimizer_from_files(own, meta))
 
 
 def save_checkpoint(path: Path, tensors: dict, meta: dict) -> None:
