@@ -84,15 +84,11 @@ def _eval(args) -> int:
     prompts, meta = load_prompts(cfg.data.eval_prompts or cfg.data.train_prompts).head(cfg.eval.num_prompts)
     fns = build_reward_fns(cfg, policy.reward_kind)
     outputs, per_reward = policy.evaluate_prompts(prompts, meta, fns, cfg.eval)
-    from .train_utils import grouped_means
+    from .train_utils import eval_summary
 
     scores = {spec.name: v for spec, v in zip(cfg.rewards, per_reward)}
     scores.update(policy.last_eval_components)
-    result = {}
-    for name, v in scores.items():
-        result[f"eval/{name}_mean"] = float(v.mean())
-        if cfg.eval.group_by:
-            result.update(grouped_means(name, v, meta, cfg.eval.group_by))
+    result = eval_summary(scores, meta, cfg.eval.group_by)
     result["checkpoint"] = args.checkpoint or "(base model)"
     result["num_samples"] = len(outputs)
     if args.out:

@@ -152,3 +152,14 @@ def grouped_means(name: str, values, metadata: list[dict], column: str) -> dict[
     if means:
         out[f"eval/{name}_{column}_mean"] = sum(means.values()) / len(means)
     return out
+
+
+def eval_summary(scores: dict, metadata: list[dict], group_by: str = "") -> dict[str, float]:
+    """{name: per-sample scores [P * n]} -> {"eval/<name>_mean": mean} plus, with `group_by`, the
+    `grouped_means` of every score (shared by the trainer's evaluations and `flowrl eval`)."""
+    out: dict[str, float] = {}
+    for name, vals in scores.items():
+        out[f"eval/{name}_mean"] = float(vals.mean())
+        if group_by:
+            out.update(grouped_means(name, vals, metadata, group_by))
+    return out

@@ -20,7 +20,7 @@ from . import core
 from .checkpoint import read_checkpoint, resolve_resume, set_rng_state, write_checkpoint
 from .config import Config, to_dict
 from .data import load_prompts
-from .train_utils import EMA, MetricsLog, Timer, grouped_means, lr_lambda, seed_everything
+from .train_utils import EMA, MetricsLog, Timer, eval_summary, grouped_means, lr_lambda, seed_everything
 
 #: |ratio - 1| above this on the first (on-policy) minibatch of an epoch means the recomputed
 #: log-probs do not match the recorded ones: a warning, and `policy/ratio_first` shows it.
@@ -402,10 +402,7 @@ class Trainer:
                 outputs, per_reward = self.policy.evaluate_prompts(prompts, meta, self.rewards, cfg.eval)
             scores = {spec.name: vals for spec, vals in zip(cfg.rewards, per_reward)}
             scores.update(getattr(self.policy, "last_eval_components", {}))
-            for name, vals in scores.items():
-                results[f"eval/{name}_mean"] = float(vals.mean())
-                if cfg.eval.group_by:
-                    results.update(grouped_means(name, vals, meta, cfg.eval.group_by))
+            results.update(eval_summary(scores, meta, cfg.eval.group_by))
             if cfg.eval.grid:
                 self.policy.save_eval_outputs(outputs, prompts, self.run_dir / f"eval-{tag}")
         self.acc.wait_for_everyone()
