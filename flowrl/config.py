@@ -211,6 +211,9 @@ class DataConfig:
     empty = a few built-in prompts (smoke runs)."""
     eval_prompts: str = ""
     """Held-out prompts for evaluation (same formats); empty = the training prompts."""
+    balance_by: str = ""
+    """A metadata column of the training prompts (e.g. `family`) whose values are drawn equally often, however
+    many prompts each has (GenEval-style sets are lopsided); empty = every prompt equally often."""
 
 
 @dataclass

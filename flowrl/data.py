@@ -30,9 +30,16 @@ class PromptSet:
     def __len__(self) -> int:
         return len(self.prompts)
 
-    def draw(self, n: int, epoch: int, seed: int) -> tuple[list[str], list[dict]]:
+    def draw(self, n: int, epoch: int, seed: int, balance_by: str = "") -> tuple[list[str], list[dict]]:
         """n prompts for `epoch`: a seeded shuffle of the whole set, walked in order across epochs, so every
-        prompt is seen once before any repeats; the same (seed, epoch) always gives the same prompts."""
+        prompt is seen once before any repeats; the same (seed, epoch) always gives the same prompts.
+
+        balance_by: a metadata column (e.g. GenEval's `family`). Each value of it is then drawn equally often,
+        however many prompts it has: draws go round the G values (in a seeded order, reshuffled every round),
+        and each value walks its own seeded shuffle of its prompts. Every G consecutive draws, counted across
+        epochs, hold each value once."""
+        if balance_by:
+            return self._draw_balanced(n, epoch, seed, balance_by)
         order: list[int] = []
         start = epoch * n
         cycle = start // len(self)
@@ -40,6 +47,36 @@ class PromptSet:
             order.extend(self._permutation(seed, cycle))
             cycle += 1
         idx = order[start % len(self): start % len(self) + n]
+        return [self.prompts[i] for i in idx], [dict(self.metadata[i]) for i in idx]
+
+    def strata(self, column: str) -> dict:
+        """{value of `column`: indices of its prompts}, values in first-seen order; an error names the columns
+        the prompts do have when some prompt lacks this one."""
+        groups: dict = {}
+        for i, meta in enumerate(self.metadata):
+            if column not in meta:
+                have = sorted(set().union(*(m.keys() for m in self.metadata)))
+                raise ValueError(f"cannot balance prompts by {column!r}: prompt {i} ({self.prompts[i]!r}) has no such "
+                                 f"column; the prompt metadata columns are {have or 'none (a .txt prompt file)'}")
+            groups.setdefault(json.dumps(meta[column], sort_keys=True), []).append(i)
+        return groups
+
+    def _draw_balanced(self, n: int, epoch: int, seed: int, column: str) -> tuple[list[str], list[dict]]:
+        cache = self.__dict__.setdefault("_strata", {})
+        if column not in cache:
+            cache[column] = list(self.strata(column).values())
+        groups = cache[column]
+        g = len(groups)
+        idx = []
+        for k in range(epoch * n, epoch * n + n):  # the k-th draw of the run
+            rnd, pos = divmod(k, g)
+            order = list(range(g))
+            random.Random(f"{seed}/round/{rnd}").shuffle(order)
+            members = groups[order[pos]]
+            cycle, at = divmod(rnd, len(members))  # this value's rnd-th draw: its own shuffle, walked in order
+            perm = list(members)
+            random.Random(f"{seed}/{order[pos]}/{cycle}").shuffle(perm)
+            idx.append(perm[at])
         return [self.prompts[i] for i in idx], [dict(self.metadata[i]) for i in idx]
 
     def _permutation(self, seed: int, cycle: int) -> list[int]:

@@ -135,6 +135,14 @@ class Trainer:
                 except ImportError:
                     raise ValueError(f"log.{flag}=true needs the `{module}` package: pip install 'flowrl[{extra}]' "
                                      f"(or set log.{flag}=false)") from None
+        # the prompts first: a column they lack is an error now, before the model loads and not after training
+        self.train_set = load_prompts(cfg.data.train_prompts)
+        self.eval_set = load_prompts(cfg.data.eval_prompts or cfg.data.train_prompts)
+        if cfg.data.balance_by:
+            self.train_set.strata(cfg.data.balance_by)
+        if cfg.eval.group_by:
+            _, meta = self.eval_set.head(cfg.eval.num_prompts)
+            grouped_means("check", [0.0] * len(meta), meta, cfg.eval.group_by)
         self.cfg = cfg
         self.acc = accelerator or Accelerator(
             cpu=cfg.model.device == "cpu",
@@ -168,11 +176,6 @@ class Trainer:
         self.ema = EMA(self.named_params.items(), t.ema_decay) if t.ema_decay > 0 else None
         self.tracker = core.PerPromptStatTracker(t.stat_buffer_size, t.stat_min_count) if t.per_prompt_stats else None
         self.rewards = build_reward_fns(cfg, self.policy.reward_kind)
-        self.train_set = load_prompts(cfg.data.train_prompts)
-        self.eval_set = load_prompts(cfg.data.eval_prompts or cfg.data.train_prompts)
-        if cfg.eval.group_by:  # fail now, not after training, on a column the eval prompts lack
-            _, meta = self.eval_set.head(cfg.eval.num_prompts)
-            grouped_means("check", [0.0] * len(meta), meta, cfg.eval.group_by)
         self.state = State()
         self.log = MetricsLog(self.run_dir / "metrics.jsonl", self.acc, enabled=self.main)
         if self.main:
@@ -251,7 +254,8 @@ class Trainer:
         """This process's slice of the epoch's samples: P prompts x G, laid out prompt-major and cut into
         `world` contiguous slices (so a group may span two processes)."""
         cfg = self.cfg
-        prompts, meta = self.train_set.draw(cfg.sample.prompts_per_epoch, epoch, cfg.train.seed)
+        prompts, meta = self.train_set.draw(cfg.sample.prompts_per_epoch, epoch, cfg.train.seed,
+                                             cfg.data.balance_by)
         G = cfg.sample.group_size
         start = self.acc.process_index * self.batch_local
         gids = [i // G for i in range(start, start + self.batch_local)]

@@ -1,0 +1,58 @@
+"""`data.balance_by`: training prompts drawn so that every value of a column comes up equally often."""
+
+import collections
+
+import pytest
+
+from flowrl.data import PromptSet
+
+# a lopsided set, like the shapes world's (56 of its 94 training prompts are colour attribution)
+PROMPTS = [f"a{i}" for i in range(7)] + ["b0", "b1"] + ["c0"]
+META = [{"family": "a"}] * 7 + [{"family": "b"}] * 2 + [{"family": "c"}]
+SET = PromptSet(PROMPTS, [dict(m) for m in META])
+
+
+def _all_draws(n, epochs, seed=0, column="family"):
+    return [p for e in range(epochs) for p in SET.draw(n, e, seed, column)[0]]
+
+
+def test_every_value_equally_often_in_each_round_across_epochs():
+    draws = _all_draws(n=4, epochs=6)  # 24 draws = 8 rounds of the 3 values; epochs cut rounds anywhere
+    for r in range(8):
+        assert sorted(p[0] for p in draws[3 * r: 3 * r + 3]) == ["a", "b", "c"]
+    counts = collections.Counter(p[0] for p in draws)
+    assert counts == {"a": 8, "b": 8, "c": 8}
+    # unbalanced, the same 24 draws follow the set's proportions (7:2:1 over 10 prompts)
+    plain = [p for e in range(6) for p in SET.draw(4, e, 0)[0]]
+    assert collections.Counter(p[0] for p in plain)["a"] > 12
+
+
+def test_each_value_walks_all_its_prompts_before_repeating_one():
+    draws = _all_draws(n=3, epochs=14)  # 14 draws of each value
+    a = [p for p in draws if p[0] == "a"]
+    assert sorted(a[:7]) == sorted(a[7:14]) == [f"a{i}" for i in range(7)]
+    b = [p for p in draws if p[0] == "b"]
+    assert all(sorted(b[k:k + 2]) == ["b0", "b1"] for k in range(0, 14, 2))
+
+
+def test_draws_are_seeded_and_metadata_travels_with_the_prompt():
+    assert _all_draws(4, 5, seed=3) == _all_draws(4, 5, seed=3)
+    assert _all_draws(4, 5, seed=3) != _all_draws(4, 5, seed=4)
+    prompts, meta = SET.draw(5, 2, 0, "family")
+    assert [m["family"] for m in meta] == [p[0] for p in prompts]
+
+
+def test_an_unknown_column_names_the_columns_there_are():
+    with pytest.raises(ValueError, match=r"by 'task'.*columns are \['family'\]"):
+        SET.draw(2, 0, 0, "task")
+    with pytest.raises(ValueError, match=r"a \.txt prompt file"):
+        PromptSet(["x", "y"]).draw(1, 0, 0, "family")
+
+
+def test_trainer_refuses_a_balance_column_at_start_up(tmp_path):
+    from flowrl.config import load_config
+    from flowrl.trainer import Trainer
+
+    cfg = load_config(None, ["model.path=tiny-sd3", f"log.run_dir={tmp_path}", "data.balance_by=family"])
+    with pytest.raises(ValueError, match="cannot balance prompts by 'family'"):
+        Trainer(cfg)
