@@ -56,3 +56,24 @@ def test_trainer_refuses_a_balance_column_at_start_up(tmp_path):
     cfg = load_config(None, ["model.path=tiny-sd3", f"log.run_dir={tmp_path}", "data.balance_by=family"])
     with pytest.raises(ValueError, match="cannot balance prompts by 'family'"):
         Trainer(cfg)
+
+
+def test_the_trainer_rolls_out_balanced_prompts(tmp_path):
+    import json
+
+    from flowrl.config import load_config
+    from flowrl.trainer import Trainer
+
+    rows = [{"prompt": f"a red circle {i}", "family": "big"} for i in range(6)] + [
+        {"prompt": "a blue square", "family": "small"}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = load_config(None, ["model.path=tiny-sd3", f"log.run_dir={tmp_path / 'run'}", "model.device=cpu",
+                             "sample.height=32", "sample.width=32", "sample.num_steps=2", "sample.group_size=2",
+                             "sample.prompts_per_epoch=2", "sample.max_sequence_length=16", "log.progress=false",
+                             f"data.train_prompts={path}", "data.balance_by=family"])
+    tr = Trainer(cfg)
+    for epoch in range(3):  # one prompt of each family per epoch: the single "small" prompt every time
+        batch = tr.rollout(epoch)
+        assert sorted(m["family"] for m in batch.metadata) == ["big", "big", "small", "small"]
+        assert batch.prompts.count("a blue square") == 2
