@@ -38,3 +38,25 @@ class ShapesGenEval:
         self.last_components = {"strict": torch.from_numpy(strict), "fraction": torch.from_numpy(fraction)}
         self.last_details = details
         return torch.from_numpy(fraction if self.score == "fraction" else strict).float()
+
+
+@register("shapes_soft", kind=IMAGE)
+class ShapesSoft:
+    """reward(images, prompts, objects=[...]) -> Tensor[B]: a graded match of the detected objects to the
+    prompt's (`flowrl.shapes.detect.soft_score`: shape IoU, colour, extra objects), in about [-0.5k, 1].
+
+    A training signal to add to `shapes_geneval`'s clause fraction (a weighted second reward): it tells a
+    crisp, right-coloured square from a blob that is barely one, which the clauses score alike."""
+
+    kind = IMAGE
+
+    def __init__(self):
+        self.last_components: dict[str, torch.Tensor] = {}
+
+    def __call__(self, images, prompts, objects=None, **_columns) -> torch.Tensor:
+        from flowrl.shapes.detect import soft_scores
+
+        if objects is None:
+            raise ValueError("shapes_soft needs each prompt's metadata: the prompt file's `objects` column, as in "
+                             "samples/shapes/*.jsonl")
+        return torch.from_numpy(soft_scores(images, [{"objects": o} for o in objects])).float()

@@ -34,3 +34,54 @@ def test_shapes_reward_scores_rendered_ground_truth_and_a_blank():
 def test_shapes_reward_needs_metadata():
     with pytest.raises(ValueError, match="objects"):
         rewards.get("shapes_geneval")([Image.new("RGB", (8, 8))], ["a red circle"])
+
+
+# ---------------------------------------------------------------- shapes_soft: the graded training signal
+
+def _det(shape_ious, color="red", w=10, h=10, x0=0):
+    from flowrl.shapes.detect import Detection
+
+    return Detection(None, color, x0, 0, x0 + w, h, w * h, tuple(shape_ious))  # ious: circle, square, triangle
+
+
+def test_soft_score_by_hand():
+    from flowrl.shapes.detect import soft_score
+    from flowrl.shapes.render import SHAPES
+
+    assert SHAPES == ("circle", "square", "triangle") or list(SHAPES) == ["circle", "square", "triangle"]
+    red_circle = {"objects": [{"shape": "circle", "color": "red", "count": 1}]}
+    assert soft_score([_det((0.9, 0.7, 0.4))], red_circle) == pytest.approx(0.9)
+    assert soft_score([_det((0.9, 0.7, 0.4), color="blue")], red_circle) == pytest.approx(0.45)  # colour halves
+    # two squares; the circle is the extra object: greedy matches 0.8 then 0.6 (its square IoU 0.5 is lower),
+    # minus 0.5 x 1 extra / 2 wanted
+    two_squares = {"objects": [{"shape": "square", "color": None, "count": 2}]}
+    dets = [_det((0.9, 0.5, 0.3)), _det((0.2, 0.8, 0.3)), _det((0.2, 0.6, 0.3))]
+    assert soft_score(dets, two_squares) == pytest.approx((0.8 + 0.6) / 2 - 0.25)
+    # a wanted object with nothing left to match counts 0
+    pair = {"objects": [{"shape": "circle", "color": None, "count": 1}, {"shape": "square", "color": None, "count": 1}]}
+    assert soft_score([_det((0.9, 0.6, 0.3))], pair) == pytest.approx(0.45)
+    # an elongated box (aspect 2 > MAX_ASPECT 1.5) has its IoU divided by the aspect
+    assert soft_score([_det((0.1, 0.8, 0.1), w=20, h=10)], two_squares) == pytest.approx(0.4 / 2)
+    assert soft_score([], pair) == 0.0
+
+
+def test_soft_reward_ranks_ground_truth_over_wrong_shapes_and_blank():
+    from pathlib import Path
+
+    rows = load_jsonl(Path(__file__).resolve().parents[1] / "samples" / "shapes" / "test.jsonl")
+    rng = np.random.default_rng(1)
+    images = [render(r, rng)[0] for r in rows]
+    fn = rewards.get("shapes_soft")
+    score = fn(images, [r["prompt"] for r in rows], objects=[r["objects"] for r in rows])
+    assert score.shape == (len(rows),) and score.dtype == torch.float32
+    assert score.min() > 0.9  # pixelated circles and triangles fill their boxes almost ideally
+    # the same scenes asked for with every shape swapped (circle -> square -> triangle -> circle) score lower
+    swap = {"circle": "square", "square": "triangle", "triangle": "circle"}
+    wrong = [[dict(o, shape=swap[o["shape"]]) for o in r["objects"]] for r in rows]
+    # (graded: a circle is still a pi/4 = 0.785 match for a square, a triangle a 0.5 one)
+    worse = fn(images, [""] * len(rows), objects=wrong)
+    assert (worse < score - 0.05).all() and (score - worse).mean() > 0.25
+    blank = np.full_like(images[0], 240)
+    assert fn([blank], [""], objects=[rows[0]["objects"]]).item() == 0.0
+    with pytest.raises(ValueError, match="objects"):
+        fn([blank], [""])
