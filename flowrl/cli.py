@@ -151,8 +151,9 @@ def _demo(args: argparse.Namespace) -> int:
     if not path.exists():
         raise SystemExit(f"flowrl demo: {path} not found; run it from the repository root (where configs/ is)")
     cfg = load_config(path, args.overrides)
-    print(f"flowrl demo: GRPO + LoRA on {cfg.model.path} with {cfg.rewards[0].name}, {cfg.train.epochs} epochs of "
-          f"{cfg.sample.prompts_per_epoch} prompts x {cfg.sample.group_size} images, on the CPU")
+    print(f"flowrl demo: GRPO + LoRA on {cfg.model.path}, trained on {describe_rewards(cfg.rewards)}, "
+          f"{cfg.train.epochs} epochs of {cfg.sample.prompts_per_epoch} prompts x {cfg.sample.group_size} images, "
+          f"on the CPU")
     t0 = time.perf_counter()
     train(cfg)
     minutes = (time.perf_counter() - t0) / 60
@@ -173,6 +174,13 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"wall-clock {minutes:.1f} min")
     print(f"wrote {grid} and {curves}")
     return 0
+
+
+def describe_rewards(specs) -> str:
+    """The weighted sum a run trains on, e.g. "1 x shapes_soft (reported only, weight 0: shapes_geneval)"."""
+    trained = " + ".join(f"{r.weight:g} x {r.name}" for r in specs if r.weight) or "no reward (all weights 0)"
+    reported = [r.name for r in specs if not r.weight]
+    return trained + (f" (reported only, weight 0: {', '.join(reported)})" if reported else "")
 
 
 def build_parser() -> argparse.ArgumentParser:

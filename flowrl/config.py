@@ -199,7 +199,7 @@ class RewardSpec:
     name: str = "jpeg_compressibility"
     """Registered reward name (`rewards.available()` lists them)."""
     weight: float = 1.0
-    """Weight in the combination."""
+    """Weight in the combination (0 = computed and reported, not trained on)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the reward's constructor (paths, device, scale, ...)."""
 
@@ -562,6 +562,9 @@ def validate(cfg: Config) -> None:
         problems.append(f"lora.rank must be >= 1, got {cfg.lora.rank}")
     if not cfg.rewards:
         problems.append("rewards: at least one reward is needed")
+    elif not any(r.weight for r in cfg.rewards):
+        problems.append(f"rewards: every weight is 0 ({', '.join(r.name for r in cfg.rewards)}), so there is nothing "
+                        "to train on; give at least one reward a non-zero weight (weight 0 = report only)")
     if s.sde_type == "ddim" and cfg.model.family in ("sd3", "flux") or \
             s.sde_type in ("sde", "cps", "dance") and cfg.model.family == "sd15":
         problems.append(f"sample.sde_type={s.sde_type} does not fit model.family={cfg.model.family}: ddim is for "

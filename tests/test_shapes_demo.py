@@ -46,4 +46,17 @@ def test_demo_command_reports_and_writes_figures(tmp_path, monkeypatch, capsys):
     assert "eval/shapes_geneval/strict_family_mean: before" in out  # the headline, GenEval's overall
     assert "eval/shapes_geneval/strict_mean: before" in out
     assert "wall-clock" in out
+    assert "trained on 1 x shapes_geneval," in out  # the banner names what the preset trains on, with weights
     assert (tmp_path / "before_after.png").stat().st_size > 0 and (tmp_path / "curves.png").stat().st_size > 0
+
+
+def test_describe_rewards_names_weights_and_report_only_rewards():
+    from flowrl.cli import describe_rewards
+    from flowrl.config import RewardSpec
+
+    assert describe_rewards([RewardSpec("shapes_geneval")]) == "1 x shapes_geneval"
+    assert describe_rewards([RewardSpec("shapes_geneval", 0.0), RewardSpec("shapes_soft"),
+                             RewardSpec("pickscore", 0.5)]) == (
+        "1 x shapes_soft + 0.5 x pickscore (reported only, weight 0: shapes_geneval)")
+    assert describe_rewards([RewardSpec("a", 0.0)]).startswith("no reward")
+
