@@ -52,12 +52,9 @@ class PromptSet:
     def strata(self, column: str) -> dict:
         """{value of `column`: indices of its prompts}, values in first-seen order; an error names the columns
         the prompts do have when some prompt lacks this one."""
+        require_column(self.metadata, column, f"cannot balance prompts by {column!r}")
         groups: dict = {}
         for i, meta in enumerate(self.metadata):
-            if column not in meta:
-                have = sorted(set().union(*(m.keys() for m in self.metadata)))
-                raise ValueError(f"cannot balance prompts by {column!r}: prompt {i} ({self.prompts[i]!r}) has no such "
-                                 f"column; the prompt metadata columns are {have or 'none (a .txt prompt file)'}")
             groups.setdefault(json.dumps(meta[column], sort_keys=True), []).append(i)
         return groups
 
@@ -92,6 +89,16 @@ class PromptSet:
     def head(self, n: int) -> tuple[list[str], list[dict]]:
         n = len(self) if n <= 0 else min(n, len(self))
         return self.prompts[:n], [dict(m) for m in self.metadata[:n]]
+
+
+def require_column(metadata: list[dict], column: str, what: str) -> None:
+    """Raise ValueError, starting with `what`, when a prompt's metadata lacks `column`; the message names the
+    first such prompt and the columns the prompts do have."""
+    missing = next((i for i, m in enumerate(metadata) if column not in (m or {})), None)
+    if missing is not None:
+        keys = sorted({k for m in metadata for k in (m or {})})
+        raise ValueError(f"{what}: prompt {missing} has no column {column!r}; the prompts' metadata columns are "
+                         f"{keys or 'none (plain-text prompts, e.g. a .txt prompt file)'}")
 
 
 def load_prompts(path: str | Path | None) -> PromptSet:

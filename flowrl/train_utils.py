@@ -138,11 +138,9 @@ def grouped_means(name: str, values, metadata: list[dict], column: str) -> dict[
     if not metadata or len(vals) % len(metadata):
         raise ValueError(f"eval.group_by={column!r}: {len(vals)} scores do not split evenly over "
                          f"{len(metadata)} prompts")
-    missing = [i for i, m in enumerate(metadata) if column not in (m or {})]
-    if missing:
-        keys = sorted({k for m in metadata for k in (m or {})})
-        raise ValueError(f"eval.group_by={column!r}: eval prompt {missing[0]} has no such column; "
-                         f"the prompts' metadata columns are {keys or 'none (plain-text prompts)'}")
+    from .data import require_column
+
+    require_column(metadata, column, f"eval.group_by={column!r}")
     n = len(vals) // len(metadata)
     groups: dict[str, list[float]] = {}
     for i, m in enumerate(metadata):

@@ -19,8 +19,8 @@ from tqdm.auto import tqdm
 from . import core
 from .checkpoint import read_checkpoint, resolve_resume, set_rng_state, write_checkpoint
 from .config import Config, to_dict
-from .data import load_prompts
-from .train_utils import EMA, MetricsLog, Timer, eval_summary, grouped_means, lr_lambda, seed_everything
+from .data import load_prompts, require_column
+from .train_utils import EMA, MetricsLog, Timer, eval_summary, lr_lambda, seed_everything
 
 #: |ratio - 1| above this on the first (on-policy) minibatch of an epoch means the recomputed
 #: log-probs do not match the recorded ones: a warning, and `policy/ratio_first` shows it.
@@ -141,8 +141,8 @@ class Trainer:
         if cfg.data.balance_by:
             self.train_set.strata(cfg.data.balance_by)
         if cfg.eval.group_by:
-            _, meta = self.eval_set.head(cfg.eval.num_prompts)
-            grouped_means("check", [0.0] * len(meta), meta, cfg.eval.group_by)
+            require_column(self.eval_set.head(cfg.eval.num_prompts)[1], cfg.eval.group_by,
+                           f"eval.group_by={cfg.eval.group_by!r}")
         self.cfg = cfg
         self.acc = accelerator or Accelerator(
             cpu=cfg.model.device == "cpu",

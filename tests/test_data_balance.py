@@ -56,6 +56,10 @@ def test_trainer_refuses_a_balance_column_at_start_up(tmp_path):
     cfg = load_config(None, ["model.path=tiny-sd3", f"log.run_dir={tmp_path}", "data.balance_by=family"])
     with pytest.raises(ValueError, match="cannot balance prompts by 'family'"):
         Trainer(cfg)
+    # eval.group_by is checked the same way, on the eval prompts (the built-in ones have no columns)
+    cfg = load_config(None, ["model.path=tiny-sd3", f"log.run_dir={tmp_path}", "eval.group_by=family"])
+    with pytest.raises(ValueError, match=r"eval.group_by='family': prompt 0 has no column 'family'.*plain-text"):
+        Trainer(cfg)
 
 
 def test_the_trainer_rolls_out_balanced_prompts(tmp_path):
