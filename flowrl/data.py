@@ -49,20 +49,20 @@ class PromptSet:
         idx = order[start % len(self): start % len(self) + n]
         return [self.prompts[i] for i in idx], [dict(self.metadata[i]) for i in idx]
 
-    def strata(self, column: str) -> dict:
-        """{value of `column`: indices of its prompts}, values in first-seen order; an error names the columns
-        the prompts do have when some prompt lacks this one."""
-        require_column(self.metadata, column, f"cannot balance prompts by {column!r}")
-        groups: dict = {}
-        for i, meta in enumerate(self.metadata):
-            groups.setdefault(json.dumps(meta[column], sort_keys=True), []).append(i)
-        return groups
-
-    def _draw_balanced(self, n: int, epoch: int, seed: int, column: str) -> tuple[list[str], list[dict]]:
+    def strata(self, column: str) -> list[list[int]]:
+        """The prompts' indices grouped by their value of `column`, values in first-seen order (cached); an
+        error names the columns the prompts do have when some prompt lacks this one."""
         cache = self.__dict__.setdefault("_strata", {})
         if column not in cache:
-            cache[column] = list(self.strata(column).values())
-        groups = cache[column]
+            require_column(self.metadata, column, f"cannot balance prompts by {column!r}")
+            groups: dict = {}
+            for i, meta in enumerate(self.metadata):
+                groups.setdefault(json.dumps(meta[column], sort_keys=True), []).append(i)
+            cache[column] = list(groups.values())
+        return cache[column]
+
+    def _draw_balanced(self, n: int, epoch: int, seed: int, column: str) -> tuple[list[str], list[dict]]:
+        groups = self.strata(column)
         g = len(groups)
         idx = []
         for k in range(epoch * n, epoch * n + n):  # the k-th draw of the run
