@@ -59,6 +59,12 @@ class Detection:
         return (self.x0 + self.x1) / 2, (self.y0 + self.y1) / 2
 
     @property
+    def aspect(self) -> float:
+        """Long side / short side of the bounding box (>= 1)."""
+        w, h = self.x1 - self.x0, self.y1 - self.y0
+        return max(w, h) / max(min(w, h), 1)
+
+    @property
     def side(self) -> float:
         return ((self.x1 - self.x0) + (self.y1 - self.y0)) / 2
 
@@ -247,31 +253,29 @@ def soft_score(objects: list[Detection], metadata: dict) -> float:
     Every object instance the prompt asks for (`count` copies of each of its objects, in prompt order) takes,
     greedily, the unused detected object that matches it best, with match = IoU with the wanted shape (of
     `Detection.ious`; divided by the box's aspect ratio when that exceeds MAX_ASPECT), halved when the prompt
-    names a colour and the object has another. With n instances, m matches and d detected objects:
+    names a colour and the object has another. With n instances and d detected objects:
         soft = sum(match) / n - 0.5 * max(0, d - n) / n,
     an unmatched instance counting 0. A rendered ground truth scores about 0.97 (a pixelated circle's IoU
     with the ideal one is below 1); relations are not scored.
     """
+    # each object's fit to each shape, computed once: IoU, divided by the aspect ratio past MAX_ASPECT
+    fits = [[iou / (d.aspect if d.aspect > MAX_ASPECT else 1.0) for iou in d.ious] for d in objects]
+    wanted = [o for o in metadata["objects"] for _ in range(int(o["count"]))]
     used: set[int] = set()
-    matches, n = [], 0
-    for o in metadata["objects"]:
+    matches = []
+    for o in wanted:
         k = SHAPES.index(o["shape"])
-        for _ in range(int(o["count"])):
-            n += 1
-            best, best_i = 0.0, None
-            for i, d in enumerate(objects):
-                if i in used:
-                    continue
-                side_long, side_short = max(d.x1 - d.x0, d.y1 - d.y0), min(d.x1 - d.x0, d.y1 - d.y0)
-                aspect = side_long / max(side_short, 1)
-                match = d.ious[k] / (aspect if aspect > MAX_ASPECT else 1.0)
-                if o.get("color") and d.color != o["color"]:
-                    match *= 0.5
-                if match > best:
-                    best, best_i = match, i
-            if best_i is not None:
-                used.add(best_i)
-            matches.append(best)
+        best, best_i = 0.0, None
+        for i, d in enumerate(objects):
+            if i in used:
+                continue
+            match = fits[i][k] * (0.5 if o.get("color") and d.color != o["color"] else 1.0)
+            if match > best:
+                best, best_i = match, i
+        if best_i is not None:
+            used.add(best_i)
+        matches.append(best)
+    n = len(wanted)
     return sum(matches) / n - 0.5 * max(0, len(objects) - n) / n
 
 
