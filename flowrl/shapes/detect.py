@@ -284,4 +284,3 @@ def soft_scores(images, metadata: list[dict]) -> np.ndarray:
     if len(images) != len(metadata):
         raise ValueError(f"got {len(images)} images but {len(metadata)} metadata records; need one each")
     return np.array([soft_score(objs, m) for objs, m in zip(detect_objects(images), metadata)], dtype=np.float32)
-
