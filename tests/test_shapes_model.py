@@ -13,7 +13,10 @@ torch.set_num_threads(1)
 
 from flowrl.shapes import prompts_of_split, render, score_images, vocabulary  # noqa: E402
 from flowrl.shapes.model import (  # noqa: E402
+    LATENT_CHANNELS,
     MAX_SEQUENCE_LENGTH,
+    TRANSFORMER_CONFIG,
+    VAE_CHANNELS,
     build_t5_tokenizer,
     build_tokenizer,
     learn_bpe_merges,
@@ -60,6 +63,11 @@ def test_shipped_model_loads_as_sd3_and_draws_64px_images():
     pipe = StableDiffusion3Pipeline.from_pretrained(MODEL)
     assert pipe.vae.config.scaling_factor != 1.0 and pipe.vae.config.shift_factor != 0.0
     assert pipe.transformer.config.joint_attention_dim == pipe.text_encoder_3.config.d_model
+    # the shipped weights are the architecture the code builds (flowrl.shapes.model), not an older one
+    for key, value in TRANSFORMER_CONFIG.items():
+        assert pipe.transformer.config[key] == value, key
+    assert tuple(pipe.vae.config.block_out_channels) == VAE_CHANNELS
+    assert pipe.vae.config.latent_channels == LATENT_CHANNELS
     pipe.set_progress_bar_config(disable=True)
     out = pipe(["a photo of a red circle", "a photo of two squares"], num_inference_steps=2, guidance_scale=4.0,
                max_sequence_length=MAX_SEQUENCE_LENGTH, generator=torch.Generator().manual_seed(0),

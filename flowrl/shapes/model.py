@@ -2,8 +2,8 @@
 
 The architecture is SD3's at toy scale (numbers for 64x64 images):
 
-    vae            AutoencoderKL, 64x64x3 <-> 16x16x8 (3 levels, 16/32/32 channels, no attention)
-    transformer    SD3Transformer2DModel, patch 2 -> 8x8 = 64 image tokens, 6 joint blocks of width 128
+    vae            AutoencoderKL, 64x64x3 <-> 8x8x4 (4 levels, 16/32/32/32 channels, no attention)
+    transformer    SD3Transformer2DModel, patch 1 -> 8x8 = 64 image tokens, 6 joint blocks of width 128
     text_encoder   CLIPTextModelWithProjection, 2 layers of width 64 (SD3 reads the penultimate layer)
     text_encoder_2 the same shape (SD3's second CLIP)
     tokenizer(_2)  CLIPTokenizer whose BPE merges spell every word of the world as one token, 16 tokens max
@@ -24,16 +24,16 @@ import numpy as np
 from .prompts import vocabulary
 from .render import IMAGE_SIZE
 
-LATENT_CHANNELS = 8
-VAE_CHANNELS = (16, 32, 32)  # 2 ** (len - 1) = 4x downsampling
+LATENT_CHANNELS = 4
+VAE_CHANNELS = (16, 32, 32, 32)  # 2 ** (len - 1) = 8x downsampling: 256 latent numbers per image
 TOKENIZER_MAX_LENGTH = 16  # the longest prompt is 12 tokens with start and end
 MAX_SEQUENCE_LENGTH = 12  # T5 positions appended to the CLIP tokens (the longest prompt: 10 words + end)
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 T5_PAD, T5_EOS, T5_UNK = "<pad>", "</s>", "<unk>"
 
 TRANSFORMER_CONFIG = dict(
-    sample_size=IMAGE_SIZE // 2 ** (len(VAE_CHANNELS) - 1),  # latent side, 16
-    patch_size=2,
+    sample_size=IMAGE_SIZE // 2 ** (len(VAE_CHANNELS) - 1),  # latent side, 8
+    patch_size=1,
     in_channels=LATENT_CHANNELS,
     out_channels=LATENT_CHANNELS,
     num_layers=6,
@@ -42,7 +42,7 @@ TRANSFORMER_CONFIG = dict(
     joint_attention_dim=128,  # two CLIPs of width 64, concatenated
     caption_projection_dim=128,
     pooled_projection_dim=128,  # two CLIP projections of 64, concatenated
-    pos_embed_max_size=IMAGE_SIZE // 2 ** (len(VAE_CHANNELS) - 1) // 2,  # patches per side, 8
+    pos_embed_max_size=IMAGE_SIZE // 2 ** (len(VAE_CHANNELS) - 1),  # patches per side, 8
     qk_norm="rms_norm",
 )
 CLIP_CONFIG = dict(
