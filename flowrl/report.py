@@ -13,9 +13,15 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def headline_eval_keys(rows: list[dict]) -> list[str]:
+    """The eval metrics worth a line in the plot: every `eval/...` key except per-group breakdowns
+    (`..._by_<column>/<value>`, e.g. GenEval's per-family scores), which stay in metrics.jsonl."""
+    return sorted({k for r in rows for k in r if k.startswith("eval/") and "_by_" not in k})
+
+
 def plot_curves(run_dir: str | Path, out: str | Path | None = None, title: str | None = None) -> Path:
     """Write `curves.png` (or `out`): left, the mean training reward per epoch (and a moving average); right,
-    every eval metric against the epoch. Returns the PNG's path."""
+    the headline eval metrics (`headline_eval_keys`) against the epoch. Returns the PNG's path."""
     os.environ.setdefault("MPLBACKEND", "Agg")
     import matplotlib
 
@@ -35,7 +41,7 @@ def plot_curves(run_dir: str | Path, out: str | Path | None = None, title: str |
         ax_r.plot(x, smooth, color="#c33", lw=1.6, label=f"moving average ({k})")
         ax_r.legend(frameon=False, fontsize=8)
     ax_r.set(xlabel="epoch", ylabel="training reward", title="reward")
-    eval_keys = sorted({k for r in rows for k in r if k.startswith("eval/")})
+    eval_keys = headline_eval_keys(rows)
     for key in eval_keys:
         ex, ey = _series(rows, key)
         if ex:

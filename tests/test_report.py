@@ -5,7 +5,7 @@ import json
 import pytest
 from PIL import Image
 
-from flowrl.report import plot_curves
+from flowrl.report import headline_eval_keys, plot_curves
 
 
 def test_plot_curves_writes_a_png(tmp_path):
@@ -22,3 +22,10 @@ def test_plot_curves_writes_a_png(tmp_path):
 def test_plot_curves_without_metrics_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         plot_curves(tmp_path)
+
+
+def test_plot_leaves_out_per_group_breakdowns():
+    rows = [{"epoch": 0, "eval/g_mean": 0.4, "eval/g/strict_mean": 0.2, "eval/g/strict_family_mean": 0.3,
+             "eval/g/strict_by_family/colors": 0.9, "eval/g_by_family/position": 0.1},
+            {"epoch": 1, "reward/total_mean": 0.5}]
+    assert headline_eval_keys(rows) == ["eval/g/strict_family_mean", "eval/g/strict_mean", "eval/g_mean"]
