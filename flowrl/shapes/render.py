@@ -3,8 +3,8 @@
 A scene is a list of `ShapeObject`s (shape, colour, top-left corner, side); `draw` paints it without
 anti-aliasing, so every pixel of a ground-truth image is exactly the background or one palette colour.
 `sample_scene` lays out the objects a prompt asks for (see `flowrl.shapes.prompts` for the metadata):
-sizes (12 or 16 px) and positions at random, on a 4-pixel grid (the VAE's stride, so an object is always
-the same latent pattern: this keeps the world learnable by a tiny model in minutes), colours at random
+sizes (12 or 16 px) and positions at random, on a 4-pixel grid (half the shipped VAE's 8-pixel stride, so
+an object takes one of few latent patterns: this keeps the world learnable by a tiny model), colours at random
 where the prompt names none, objects never touching, and for a relation ("a circle left of a square") a
 clear offset along the relation's axis.
 
