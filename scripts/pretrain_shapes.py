@@ -19,7 +19,7 @@ prompts (ODE sampling) is logged to `WORKDIR/log.jsonl`. At the end the EMA pipe
     OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 python scripts/pretrain_shapes.py --threads 2 \
         --workdir /tmp/shapes_pretrain --out samples/shapes/model
 
-(the shipped model's command: 75 min on 2 cores).
+(the shipped model's command: 72 min on 2 cores).
 """
 
 from __future__ import annotations
