@@ -26,14 +26,16 @@ from .render import IMAGE_SIZE
 
 LATENT_CHANNELS = 4
 VAE_CHANNELS = (16, 32, 32, 32)  # 2 ** (len - 1) = 8x downsampling: 256 latent numbers per image
+LATENT_SIDE = IMAGE_SIZE // 2 ** (len(VAE_CHANNELS) - 1)  # 8
+PATCH_SIZE = 1  # one image token per latent pixel: 64 tokens
 TOKENIZER_MAX_LENGTH = 16  # the longest prompt is 12 tokens with start and end
 MAX_SEQUENCE_LENGTH = 12  # T5 positions appended to the CLIP tokens (the longest prompt: 10 words + end)
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 T5_PAD, T5_EOS, T5_UNK = "<pad>", "</s>", "<unk>"
 
 TRANSFORMER_CONFIG = dict(
-    sample_size=IMAGE_SIZE // 2 ** (len(VAE_CHANNELS) - 1),  # latent side, 8
-    patch_size=1,
+    sample_size=LATENT_SIDE,
+    patch_size=PATCH_SIZE,
     in_channels=LATENT_CHANNELS,
     out_channels=LATENT_CHANNELS,
     num_layers=6,
@@ -42,7 +44,7 @@ TRANSFORMER_CONFIG = dict(
     joint_attention_dim=128,  # two CLIPs of width 64, concatenated
     caption_projection_dim=128,
     pooled_projection_dim=128,  # two CLIP projections of 64, concatenated
-    pos_embed_max_size=IMAGE_SIZE // 2 ** (len(VAE_CHANNELS) - 1),  # patches per side, 8
+    pos_embed_max_size=LATENT_SIDE // PATCH_SIZE,  # patches per side
     qk_norm="rms_norm",
 )
 CLIP_CONFIG = dict(
