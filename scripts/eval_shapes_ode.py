@@ -3,7 +3,8 @@
 Loads the model exactly as a user loads SD3 (`StableDiffusion3Pipeline.from_pretrained`), samples the
 prompts of a JSONL file (the test split by default) in turn, `--images` in all, with the pipeline's own
 Euler ODE sampler and classifier-free guidance, and reports GenEval's strict accuracy (every clause
-holds), the mean fraction of clauses that hold, and the strict accuracy per family.
+holds), the mean fraction of clauses that hold, the strict accuracy per family, and why images fail (the share
+of images with each of `flowrl.shapes.detect.FAILURE_KINDS`: a missing shape, a swapped colour, ...).
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python scripts/eval_shapes_ode.py --model samples/shapes/model \
         --prompts samples/shapes/test.jsonl --images 256 --steps 20 --guidance 5
@@ -86,6 +87,10 @@ def main(argv=None) -> dict:
         "strict": round(res["strict"], 4),
         "fraction": round(res["fraction"], 4),
         "by_family": {k: round(v, 4) for k, v in res["by_family"].items()},
+        # why images fail: the share of images with each kind of failure (an image may have several)
+        "failures": {k: round(v, 4) for k, v in res["failures"].items()},
+        "failures_by_family": {f: {k: round(v, 4) for k, v in kinds.items() if v}
+                               for f, kinds in res["failures_by_family"].items()},
         "seconds": round(seconds, 1),
     }
     print(json.dumps(report, indent=1))

@@ -91,6 +91,28 @@ def test_shipped_model_loads_as_sd3_and_draws_64px_images():
     assert strict.mean() >= 0.9
 
 
+@needs_model
+def test_ode_accuracy_reports_why_images_fail():
+    from diffusers import StableDiffusion3Pipeline
+
+    from flowrl.shapes import FAILURE_KINDS
+    from flowrl.shapes.model import ode_accuracy
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(MODEL)
+    pipe.set_progress_bar_config(disable=True)
+    records = prompts_of_split("test")
+    res = ode_accuracy(pipe, records, n_images=16, steps=4, guidance=3.0, seed=0, batch=8)
+    assert set(res["failures"]) == set(FAILURE_KINDS)
+    assert set(res["failures_by_family"]) == set(res["by_family"])
+    # an image fails strict exactly when it has at least one kind of failure
+    for shares, strict in [(res["failures"], res["strict"])] + [
+        (res["failures_by_family"][f], res["by_family"][f]) for f in res["by_family"]
+    ]:
+        assert max(shares.values()) <= 1 - strict + 1e-9
+        assert sum(shares.values()) >= 1 - strict - 1e-9
+        assert (strict == 1) == (sum(shares.values()) == 0)
+
+
 def _load_script():
     spec = importlib.util.spec_from_file_location("pretrain_shapes_script", ROOT / "scripts/pretrain_shapes.py")
     module = importlib.util.module_from_spec(spec)

@@ -243,6 +243,60 @@ def test_relation_rule_by_hand():
         relation_holds(a, b, "beside")
 
 
+def test_diagnose_names_each_kind_of_failure():
+    from flowrl.shapes import diagnose
+
+    def why(scene, meta):
+        (found,) = detect_objects([draw(scene)])
+        return diagnose(found, meta)
+
+    attr = _meta([("circle", "red", 1), ("square", "blue", 1)])
+    circle, square = ShapeObject("circle", "red", 5, 5, 14), ShapeObject("square", "blue", 40, 40, 14)
+    assert why([circle, square], attr) == []
+    # binding: the square wears the circle's colour; an unasked colour; both shapes swapped
+    assert why([circle, ShapeObject("square", "red", 40, 40, 14)], attr) == ["colour swapped"]
+    assert why([circle, ShapeObject("square", "green", 40, 40, 14)], attr) == ["colour unasked"]
+    assert why([ShapeObject("circle", "blue", 5, 5, 14), ShapeObject("square", "red", 40, 40, 14)],
+               attr) == ["colour swapped"]
+    # a single coloured object: any other colour is unasked
+    assert why([ShapeObject("circle", "blue", 5, 5, 14)], _meta([("circle", "red", 1)])) == ["colour unasked"]
+    # a missing shape (a triangle drawn instead), and an extra object
+    assert why([circle, ShapeObject("triangle", "blue", 40, 40, 14)], attr) == ["shape missing"]
+    assert why([circle, square, ShapeObject("triangle", "green", 5, 40, 13)], attr) == ["extra objects"]
+    # counting: two of three asked, and four of three (also one object too many)
+    three = _meta([("triangle", None, 3)])
+    tris = [ShapeObject("triangle", "red", x, y, 13) for x, y in ((4, 4), (40, 4), (4, 40), (40, 40))]
+    assert why(tris[:2], three) == ["count wrong"]
+    assert why(tris, three) == ["count wrong", "extra objects"]
+    # relations: the wrong side; with the square missing, the relation is put down to the missing shape
+    left = _meta([("circle", None, 1), ("square", None, 1)], "left of")
+    assert why([ShapeObject("circle", "red", 40, 25, 14), ShapeObject("square", "blue", 5, 27, 14)],
+               left) == ["relation wrong"]
+    assert why([ShapeObject("circle", "red", 5, 25, 14)], left) == ["shape missing"]
+
+
+def test_diagnose_is_empty_exactly_when_strict_holds():
+    from flowrl.shapes.detect import FAILURE_KINDS
+
+    # every prompt names distinct shapes, which the object-count argument in diagnose relies on
+    for r in all_prompts():
+        shapes = [o["shape"] for o in r["objects"]]
+        assert len(set(shapes)) == len(shapes), r["prompt"]
+    # ground truths of random prompts scored against random prompts: mostly failures of every kind
+    rng = np.random.default_rng(7)
+    records = all_prompts()
+    drawn = [records[i] for i in rng.integers(len(records), size=400)]
+    asked = [records[i] if k % 3 else drawn[k] for k, i in enumerate(rng.integers(len(records), size=400))]
+    strict, _, details = score_images([render(m, rng)[0] for m in drawn], asked)
+    seen = set()
+    for s, d in zip(strict, details):
+        assert (d["failures"] == []) == bool(s), d
+        assert d["failures"] == [k for k in FAILURE_KINDS if k in d["failures"]]  # each once, in order
+        seen.update(d["failures"])
+    assert seen == set(FAILURE_KINDS)
+    assert 0.2 < strict.mean() < 0.6
+
+
 def test_score_images_accepts_pil_and_float_images_and_checks_lengths():
     from PIL import Image
 

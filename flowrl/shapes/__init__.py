@@ -5,7 +5,7 @@ It is the embedded default of flowrl: a tiny `StableDiffusion3Pipeline` pre-trai
 reward GRPO raises. Pure numpy; the model-building helpers in `flowrl.shapes.model` need torch/diffusers.
 """
 
-from .detect import Detection, check_clauses, detect_objects, score_images
+from .detect import FAILURE_KINDS, Detection, check_clauses, detect_objects, diagnose, score_images
 from .prompts import (
     FAMILIES,
     all_prompts,
@@ -21,8 +21,8 @@ from .prompts import (
 from .render import BACKGROUND, COLORS, IMAGE_SIZE, RELATIONS, SHAPES, ShapeObject, draw, render, sample_scene
 
 __all__ = [
-    "BACKGROUND", "COLORS", "Detection", "FAMILIES", "IMAGE_SIZE", "RELATIONS", "SHAPES", "ShapeObject",
-    "all_prompts", "check_clauses", "combination_key", "detect_objects", "draw", "load_jsonl", "make_record",
-    "prompt_text", "prompts_of_split", "render", "sample_scene", "score_images", "split_of", "vocabulary",
-    "write_jsonl",
+    "BACKGROUND", "COLORS", "Detection", "FAILURE_KINDS", "FAMILIES", "IMAGE_SIZE", "RELATIONS", "SHAPES",
+    "ShapeObject", "all_prompts", "check_clauses", "combination_key", "detect_objects", "diagnose", "draw",
+    "load_jsonl", "make_record", "prompt_text", "prompts_of_split", "render", "sample_scene", "score_images",
+    "split_of", "vocabulary", "write_jsonl",
 ]

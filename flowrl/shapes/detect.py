@@ -222,13 +222,60 @@ def check_clauses(objects: list[Detection], metadata: dict) -> list[tuple[str, b
     return clauses
 
 
+FAILURE_KINDS: tuple[str, ...] = (
+    "shape missing",  # no object of a shape the prompt asks for
+    "count wrong",  # some of it, but not as many as asked
+    "colour swapped",  # a shape wears another colour the prompt asks for (attribute binding)
+    "colour unasked",  # a shape wears a colour the prompt does not name
+    "relation wrong",  # both shapes there, but not in the asked relation
+    "extra objects",  # more objects than the prompt asks for
+)
+
+
+def diagnose(objects: list[Detection], metadata: dict) -> list[str]:
+    """Why an image fails its prompt: the `FAILURE_KINDS` that apply, each once, in that order.
+
+    Empty exactly when every clause of `check_clauses` holds (strict correctness). A shape that is missing also
+    fails its relation and, if fewer objects than asked were drawn, the object count: those clauses are put
+    down to "shape missing". A colour clause with several objects of the shape is "colour swapped" when every
+    wrong colour is one the prompt names for another object, else "colour unasked".
+    """
+    wanted = metadata["objects"]
+    asked_colors = {o["color"] for o in wanted if o.get("color")}
+    kinds: set[str] = set()
+    present = []
+    for o in wanted:
+        of_shape = [d for d in objects if d.shape == o["shape"]]
+        present.append(bool(of_shape))
+        if not of_shape:
+            kinds.add("shape missing")
+            continue
+        if len(of_shape) != o["count"]:
+            kinds.add("count wrong")
+        wrong = {d.color for d in of_shape if o.get("color") and d.color != o["color"]}
+        if wrong:
+            kinds.add("colour swapped" if wrong <= asked_colors - {o["color"]} else "colour unasked")
+    relation = metadata.get("relation")
+    if relation is not None and all(present[:2]):
+        a = max((d for d in objects if d.shape == wanted[0]["shape"]), key=lambda d: d.area)
+        b = max((d for d in objects if d.shape == wanted[1]["shape"]), key=lambda d: d.area)
+        if not relation_holds(a, b, relation):
+            kinds.add("relation wrong")
+    total = sum(int(o["count"]) for o in wanted)
+    if len(objects) > total:
+        kinds.add("extra objects")
+    # fewer objects than asked needs no kind of its own: a prompt's shapes are distinct, so one of them is short
+    return [k for k in FAILURE_KINDS if k in kinds]
+
+
 def score_images(images, metadata: list[dict]) -> tuple[np.ndarray, np.ndarray, list[dict]]:
     """Score generated images against their prompts' metadata.
 
     images: B images (PIL, uint8 [H, W, 3], or float [H, W, 3] in [0, 1]; one size).
     metadata: B prompt records (at least "objects" and "relation").
     Returns (strict float32[B]: 1 iff every clause holds, fraction float32[B]: share of clauses that hold,
-    details: B dicts {"objects": [detections as dicts], "clauses": [{"clause": str, "ok": bool}]}).
+    details: B dicts {"objects": [detections as dicts], "clauses": [{"clause": str, "ok": bool}],
+    "failures": the image's `diagnose` kinds}).
     """
     if len(images) != len(metadata):
         raise ValueError(f"got {len(images)} images but {len(metadata)} metadata records; need one each")
@@ -242,7 +289,11 @@ def score_images(images, metadata: list[dict]) -> tuple[np.ndarray, np.ndarray, 
         strict[i] = float(all(oks))
         fraction[i] = sum(oks) / len(oks)
         details.append(
-            {"objects": [asdict(d) for d in objects], "clauses": [{"clause": c, "ok": ok} for c, ok in clauses]}
+            {
+                "objects": [asdict(d) for d in objects],
+                "clauses": [{"clause": c, "ok": ok} for c, ok in clauses],
+                "failures": diagnose(objects, meta),
+            }
         )
     return strict, fraction, details
 

@@ -209,26 +209,36 @@ def ode_accuracy(
     """Sample `n_images` (cycling through `records`, batch by batch with seeds `seed + start`) and score them.
 
     -> {"strict": mean, "fraction": mean, "by_family": {family: strict mean}, "n": n_images,
-        "images": uint8[n, 64, 64, 3], "strict_per_image": [n]}.
+        "failures": {kind: share of the images with it}, "failures_by_family": {family: {kind: share}},
+        "images": uint8[n, 64, 64, 3], "strict_per_image": [n]}; the kinds are `detect.FAILURE_KINDS`.
     """
-    from .detect import score_images
+    from .detect import FAILURE_KINDS, score_images
 
     chosen = [records[i % len(records)] for i in range(n_images)]
-    strict, fraction, images = [], [], []
+    strict, fraction, images, failures = [], [], [], []
     for start in range(0, n_images, batch):
         part = chosen[start : start + batch]
         imgs = ode_sample(pipe, [r["prompt"] for r in part], steps=steps, guidance=guidance, seed=seed + start)
-        s, f, _ = score_images(list(imgs), part)
+        s, f, details = score_images(list(imgs), part)
         strict += s.tolist()
         fraction += f.tolist()
+        failures += [d["failures"] for d in details]
         images.append(imgs)
     by_family: dict[str, list[float]] = {}
-    for r, s in zip(chosen, strict):
+    failed_by_family: dict[str, list[list[str]]] = {}
+    for r, s, fails in zip(chosen, strict, failures):
         by_family.setdefault(r["family"], []).append(s)
+        failed_by_family.setdefault(r["family"], []).append(fails)
+
+    def shares(per_image: list[list[str]]) -> dict[str, float]:
+        return {k: sum(k in fails for fails in per_image) / len(per_image) for k in FAILURE_KINDS}
+
     return {
         "strict": float(np.mean(strict)),
         "fraction": float(np.mean(fraction)),
         "by_family": {k: float(np.mean(v)) for k, v in sorted(by_family.items())},
+        "failures": shares(failures),
+        "failures_by_family": {k: shares(v) for k, v in sorted(failed_by_family.items())},
         "n": n_images,
         "images": np.concatenate(images),
         "strict_per_image": strict,
