@@ -199,6 +199,16 @@ def relation_holds(a: Detection, b: Detection, relation: str) -> bool:
     return along >= RELATION_MARGIN * (a.side + b.side) / 2 and along >= abs(across)
 
 
+def _relation_pair(objects: list[Detection], wanted: list[dict]) -> tuple[Detection, Detection] | None:
+    """The objects a relation is checked on: the largest of the first asked shape and of the second, or None
+    when either shape is missing."""
+    a = [d for d in objects if d.shape == wanted[0]["shape"]]
+    b = [d for d in objects if d.shape == wanted[1]["shape"]]
+    if not (a and b):
+        return None
+    return max(a, key=lambda d: d.area), max(b, key=lambda d: d.area)
+
+
 def check_clauses(objects: list[Detection], metadata: dict) -> list[tuple[str, bool]]:
     """The prompt's clauses (see the module docstring) -> [(description, holds), ...]."""
     wanted = metadata["objects"]
@@ -211,11 +221,8 @@ def check_clauses(objects: list[Detection], metadata: dict) -> list[tuple[str, b
             clauses.append((f"every {o['shape']} is {o['color']}", ok))
     relation = metadata.get("relation")
     if relation is not None:
-        a = [d for d in objects if d.shape == wanted[0]["shape"]]
-        b = [d for d in objects if d.shape == wanted[1]["shape"]]
-        ok = bool(a and b) and relation_holds(
-            max(a, key=lambda d: d.area), max(b, key=lambda d: d.area), relation
-        )
+        pair = _relation_pair(objects, wanted)
+        ok = pair is not None and relation_holds(*pair, relation)
         clauses.append((f"{wanted[0]['shape']} {relation} {wanted[1]['shape']}", ok))
     total = sum(int(o["count"]) for o in wanted)
     clauses.append((f"nothing but {total} object(s)", len(objects) == total))
@@ -224,7 +231,7 @@ def check_clauses(objects: list[Detection], metadata: dict) -> list[tuple[str, b
 
 FAILURE_KINDS: tuple[str, ...] = (
     "shape missing",  # no object of a shape the prompt asks for
-    "count wrong",  # some of it, but not as many as asked
+    "count wrong",  # some of that shape, but not the number asked
     "colour swapped",  # a shape wears another colour the prompt asks for (attribute binding)
     "colour unasked",  # a shape wears a colour the prompt does not name
     "relation wrong",  # both shapes there, but not in the asked relation
@@ -237,16 +244,14 @@ def diagnose(objects: list[Detection], metadata: dict) -> list[str]:
 
     Empty exactly when every clause of `check_clauses` holds (strict correctness). A shape that is missing also
     fails its relation and, if fewer objects than asked were drawn, the object count: those clauses are put
-    down to "shape missing". A colour clause with several objects of the shape is "colour swapped" when every
-    wrong colour is one the prompt names for another object, else "colour unasked".
+    down to "shape missing". A failed colour clause is "colour swapped" when every wrong colour on that shape is
+    one the prompt names for another object, else "colour unasked".
     """
     wanted = metadata["objects"]
     asked_colors = {o["color"] for o in wanted if o.get("color")}
     kinds: set[str] = set()
-    present = []
     for o in wanted:
         of_shape = [d for d in objects if d.shape == o["shape"]]
-        present.append(bool(of_shape))
         if not of_shape:
             kinds.add("shape missing")
             continue
@@ -256,11 +261,9 @@ def diagnose(objects: list[Detection], metadata: dict) -> list[str]:
         if wrong:
             kinds.add("colour swapped" if wrong <= asked_colors - {o["color"]} else "colour unasked")
     relation = metadata.get("relation")
-    if relation is not None and all(present[:2]):
-        a = max((d for d in objects if d.shape == wanted[0]["shape"]), key=lambda d: d.area)
-        b = max((d for d in objects if d.shape == wanted[1]["shape"]), key=lambda d: d.area)
-        if not relation_holds(a, b, relation):
-            kinds.add("relation wrong")
+    pair = _relation_pair(objects, wanted) if relation is not None else None
+    if pair is not None and not relation_holds(*pair, relation):
+        kinds.add("relation wrong")
     total = sum(int(o["count"]) for o in wanted)
     if len(objects) > total:
         kinds.add("extra objects")
