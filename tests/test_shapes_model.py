@@ -123,7 +123,8 @@ def _load_script():
 def test_pretraining_resumes_exactly(tmp_path):
     script = _load_script()
     common = ["--vae-steps", "2", "--vae-batch", "2", "--batch", "2", "--stats-images", "8", "--ckpt-every", "1",
-              "--snapshot-every", "1000", "--eval-every", "0", "--warmup", "2"]
+              "--snapshot-every", "1000", "--eval-every", "0", "--warmup", "2",
+              "--distractor-prob", "0.5", "--distractor-from", "2"]  # the incomplete captions start after the resume
 
     def run(workdir, steps, resume=False):
         args = script.parse_args(common + ["--workdir", str(workdir), "--out", str(workdir / "out"),

@@ -13,6 +13,7 @@ from flowrl.shapes import (
     RELATIONS,
     SHAPES,
     ShapeObject,
+    add_distractor,
     all_prompts,
     detect_objects,
     draw,
@@ -77,6 +78,42 @@ def test_rendered_scenes_match_their_metadata():
                 assert all(s.color == o["color"] for s in of_shape)
         for a, b in itertools.combinations(scene, 2):  # never touching
             assert (a.x + a.side < b.x or b.x + b.side < a.x or a.y + a.side < b.y or b.y + b.side < a.y)
+
+
+def test_distractor_adds_one_unmentioned_object_and_nothing_at_zero():
+    records = all_prompts()
+    # probability 0 draws no random number: the images of a seed are the default's
+    rng_a, rng_b = np.random.default_rng(3), np.random.default_rng(3)
+    for rec in records[:40]:
+        assert np.array_equal(render(rec, rng_a)[0], render(rec, rng_b, distractor_prob=0.0)[0])
+    assert rng_a.random() == rng_b.random()
+    # probability 1: the asked scene plus exactly one object, apart from the others; the detector sees it
+    # as the one failure the caption causes ("extra objects"), possibly with a count the extra one changes
+    rng = np.random.default_rng(0)
+    images, recs, extra_shapes, extra_colors = [], [], set(), set()
+    for rec in records:
+        image, scene = render(rec, rng, distractor_prob=1.0)
+        asked = sum(o["count"] for o in rec["objects"])
+        assert len(scene) == asked + 1
+        extra = scene[-1]
+        extra_shapes.add(extra.shape), extra_colors.add(extra.color)
+        for other in scene[:-1]:
+            assert (extra.x + extra.side < other.x or other.x + other.side < extra.x
+                    or extra.y + extra.side < other.y or other.y + other.side < extra.y)
+        images.append(image), recs.append(rec)
+    strict, _, details = score_images(images, recs)
+    assert strict.sum() == 0
+    assert all("extra objects" in d["failures"] or "count wrong" in d["failures"] for d in details)
+    assert extra_shapes == set(SHAPES) and extra_colors == set(COLORS)
+    # the rate is the one asked for
+    rng = np.random.default_rng(1)
+    n_extra = sum(len(render(records[0], rng, distractor_prob=0.3)[1]) == 2 for _ in range(2000))
+    assert abs(n_extra / 2000 - 0.3) < 0.04  # 4 binomial standard deviations
+    with pytest.raises(ValueError, match="distractor_prob"):
+        render(records[0], rng, distractor_prob=1.5)
+    # no room: the scene comes back unchanged
+    full = [ShapeObject("square", "red", x, y, 16) for x in (4, 24, 44) for y in (4, 24, 44)]
+    assert add_distractor(full, rng) == full
 
 
 # ----------------------------------------------------------------------------- prompts and split

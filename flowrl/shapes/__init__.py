@@ -18,11 +18,13 @@ from .prompts import (
     vocabulary,
     write_jsonl,
 )
-from .render import BACKGROUND, COLORS, IMAGE_SIZE, RELATIONS, SHAPES, ShapeObject, draw, render, sample_scene
+from .render import (
+    BACKGROUND, COLORS, IMAGE_SIZE, RELATIONS, SHAPES, ShapeObject, add_distractor, draw, render, sample_scene,
+)
 
 __all__ = [
     "BACKGROUND", "COLORS", "Detection", "FAILURE_KINDS", "FAMILIES", "IMAGE_SIZE", "RELATIONS", "SHAPES",
-    "ShapeObject", "all_prompts", "check_clauses", "combination_key", "detect_objects", "diagnose", "draw",
-    "load_jsonl", "make_record", "prompt_text", "prompts_of_split", "render", "sample_scene", "score_images",
+    "ShapeObject", "add_distractor", "all_prompts", "check_clauses", "combination_key", "detect_objects", "diagnose",
+    "draw", "load_jsonl", "make_record", "prompt_text", "prompts_of_split", "render", "sample_scene", "score_images",
     "split_of", "vocabulary", "write_jsonl",
 ]

@@ -157,17 +157,54 @@ def sample_scene(
     raise RuntimeError(f"could not lay out {objects} (relation {relation!r}) in {max_tries} tries")
 
 
+def add_distractor(
+    scene: list[ShapeObject],
+    rng: np.random.Generator,
+    size: int = IMAGE_SIZE,
+    sides: tuple[int, ...] = SIDES,
+    grid: int = GRID,
+    max_tries: int = 200,
+) -> list[ShapeObject]:
+    """`scene` plus one object its prompt does not mention -> a new list (the same objects if none fits).
+
+    The extra object's shape and colour are uniform over `SHAPES` and `COLORS`, its side and corner are drawn
+    as `sample_scene` draws them, and it keeps the same gap to every object of `scene`. An image of it under
+    the scene's prompt is a caption that leaves something out, as web captions often do.
+    """
+    scale = size / IMAGE_SIZE
+    sides = [max(3, round(s * scale)) for s in sides]
+    grid, gap = max(1, round(grid * scale)), max(1, round(GAP * scale))
+    shape = SHAPES[int(rng.integers(len(SHAPES)))]
+    color = list(COLORS)[int(rng.integers(len(COLORS)))]
+    for _ in range(max_tries):
+        side = sides[int(rng.integers(len(sides)))]
+        cells = (size - side - 2 * gap) // grid + 1
+        x, y = (gap + grid * int(v) for v in rng.integers(0, cells, size=2))
+        obj = ShapeObject(shape, color, x, y, side)
+        if all(_apart(obj, other, gap) for other in scene):
+            return [*scene, obj]
+    return list(scene)
+
+
 def render(
     metadata: dict,
     rng: np.random.Generator,
     size: int = IMAGE_SIZE,
     sides: tuple[int, ...] = SIDES,
     grid: int = GRID,
+    distractor_prob: float = 0.0,
 ) -> tuple[np.ndarray, list[ShapeObject]]:
     """A ground-truth image of one prompt -> (uint8[size, size, 3], scene).
 
     metadata: a prompt record (`{"objects": [...], "relation": ...}`, see `flowrl.shapes.prompts`).
     sides, grid: the layout's object sides and corner grid (see `sample_scene`).
+    distractor_prob: the chance that the image also holds one object the prompt does not mention
+      (`add_distractor`), i.e. that the prompt is an incomplete caption of it. At 0 (the default) no random
+      number is drawn for it, so the images of a seed do not change.
     """
+    if not 0.0 <= distractor_prob <= 1.0:
+        raise ValueError(f"distractor_prob must lie in [0, 1], got {distractor_prob}")
     scene = sample_scene(metadata["objects"], metadata.get("relation"), rng, size, sides=sides, grid=grid)
+    if distractor_prob > 0 and rng.random() < distractor_prob:
+        scene = add_distractor(scene, rng, size, sides=sides, grid=grid)
     return draw(scene, size), scene
