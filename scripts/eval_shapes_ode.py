@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=str(ROOT / "samples/shapes/model"), help="a save_pretrained directory")
+    p.add_argument("--lora", default=None,
+                   help="a LoRA to load on top (a run's `ckpt-XXXXXX/lora` directory, diffusers format)")
     p.add_argument("--prompts", default=str(ROOT / "samples/shapes/test.jsonl"), help="prompt records (JSONL)")
     p.add_argument("--images", type=int, default=256, help="images in all, cycling through the prompts")
     p.add_argument("--steps", type=int, default=20, help="ODE (Euler) steps")
@@ -66,6 +68,8 @@ def main(argv=None) -> dict:
 
     torch.set_num_threads(args.threads)
     pipe = StableDiffusion3Pipeline.from_pretrained(args.model)
+    if args.lora is not None:
+        pipe.load_lora_weights(args.lora)
     if args.shift is not None:
         pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=args.shift)
     pipe.set_progress_bar_config(disable=True)
@@ -77,6 +81,7 @@ def main(argv=None) -> dict:
         save_grid(res["images"][:64], args.grid)
     report = {
         "model": args.model,
+        "lora": args.lora,
         "prompts": args.prompts,
         "images": args.images,
         "steps": args.steps,
