@@ -112,6 +112,14 @@ def relation_is_clear(a: ShapeObject, b: ShapeObject, relation: str) -> bool:
     return apart and along >= 2 * abs(across)
 
 
+def _random_box(rng: np.random.Generator, sides: list[int], size: int, grid: int, gap: int) -> tuple[int, int, int]:
+    """-> (x, y, side): a side uniform in `sides`, then a corner `gap + grid * k` uniform where the box fits."""
+    side = sides[int(rng.integers(len(sides)))]
+    cells = (size - side - 2 * gap) // grid + 1  # corners gap, gap + grid, ... still fitting
+    x, y = (gap + grid * int(v) for v in rng.integers(0, cells, size=2))
+    return x, y, side
+
+
 def sample_scene(
     objects: list[dict],
     relation: str | None,
@@ -139,9 +147,7 @@ def sample_scene(
         scene: list[ShapeObject] = []
         for shape, color in wanted:
             for _ in range(100):
-                side = sides[int(rng.integers(len(sides)))]
-                cells = (size - side - 2 * gap) // grid + 1  # corners gap, gap + grid, ... still fitting
-                x, y = (gap + grid * int(v) for v in rng.integers(0, cells, size=2))
+                x, y, side = _random_box(rng, sides, size, grid, gap)
                 name = color if color is not None else color_names[int(rng.integers(len(color_names)))]
                 obj = ShapeObject(shape, name, x, y, side)
                 if all(_apart(obj, other, gap) for other in scene):
@@ -177,10 +183,7 @@ def add_distractor(
     shape = SHAPES[int(rng.integers(len(SHAPES)))]
     color = list(COLORS)[int(rng.integers(len(COLORS)))]
     for _ in range(max_tries):
-        side = sides[int(rng.integers(len(sides)))]
-        cells = (size - side - 2 * gap) // grid + 1
-        x, y = (gap + grid * int(v) for v in rng.integers(0, cells, size=2))
-        obj = ShapeObject(shape, color, x, y, side)
+        obj = ShapeObject(shape, color, *_random_box(rng, sides, size, grid, gap))
         if all(_apart(obj, other, gap) for other in scene):
             return [*scene, obj]
     return list(scene)
