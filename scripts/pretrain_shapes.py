@@ -22,7 +22,7 @@ prompts (ODE sampling) is logged to `WORKDIR/log.jsonl`. At the end the EMA pipe
 (the shipped model's command, whose defaults are `--steps 11500 --distractor-prob 0.5 --distractor-from 10000`:
 85 min on 2 cores). The last 1,500 flow steps train on incomplete captions:
 half the images also hold one object their prompt does not mention (`flowrl.shapes.add_distractor`), so
-the model learns to add unasked objects, a failure that GRPO with the GenEval-style reward removes.
+the model learns to add unasked objects, a failure that GRPO with the GenEval-style reward largely removes.
 """
 
 from __future__ import annotations
@@ -74,7 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-images", type=int, default=64)
     p.add_argument("--eval-steps", type=int, default=20)
     p.add_argument("--eval-guidance", type=float, default=5.0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not 0.0 <= args.distractor_prob <= 1.0:  # checked now, not when the incomplete captions start, hours in
+        p.error(f"--distractor-prob must lie in [0, 1], got {args.distractor_prob}")
+    return args
 
 
 # ----------------------------------------------------------------------------- data

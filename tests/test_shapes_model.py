@@ -148,3 +148,11 @@ def test_pretraining_resumes_exactly(tmp_path):
     for k, v in straight.ema["transformer"].items():
         torch.testing.assert_close(v, resumed.ema["transformer"][k], rtol=0, atol=0)
     assert straight.pipe.vae.config.scaling_factor == resumed.pipe.vae.config.scaling_factor
+
+
+def test_pretraining_rejects_a_bad_distractor_share_at_once(capsys):
+    script = _load_script()
+    assert script.parse_args([]).distractor_prob == 0.5  # the shipped model's recipe is the default
+    with pytest.raises(SystemExit):
+        script.parse_args(["--distractor-prob", "1.5"])
+    assert "--distractor-prob must lie in [0, 1]" in capsys.readouterr().err
