@@ -112,6 +112,12 @@ def relation_is_clear(a: ShapeObject, b: ShapeObject, relation: str) -> bool:
     return apart and along >= 2 * abs(across)
 
 
+def _scaled_layout(size: int, sides: tuple[int, ...], grid: int) -> tuple[list[int], int, int]:
+    """Object sides, corner grid and gap given at IMAGE_SIZE -> (sides, grid, gap) in pixels at `size`."""
+    scale = size / IMAGE_SIZE
+    return [max(3, round(s * scale)) for s in sides], max(1, round(grid * scale)), max(1, round(GAP * scale))
+
+
 def _random_box(rng: np.random.Generator, sides: list[int], size: int, grid: int, gap: int) -> tuple[int, int, int]:
     """-> (x, y, side): a side uniform in `sides`, then a corner `gap + grid * k` uniform where the box fits."""
     side = sides[int(rng.integers(len(sides)))]
@@ -136,9 +142,7 @@ def sample_scene(
     relation: `None`, or one of `RELATIONS`, read as `objects[0] <relation> objects[1]` (both count 1).
     Sides uniform in `sides`, corners `GAP + grid * k` uniform where the object fits (all scaled by size/64).
     """
-    scale = size / IMAGE_SIZE
-    sides = [max(3, round(s * scale)) for s in sides]
-    grid, gap = max(1, round(grid * scale)), max(1, round(GAP * scale))
+    sides, grid, gap = _scaled_layout(size, sides, grid)
     wanted = [(o["shape"], o.get("color")) for o in objects for _ in range(int(o["count"]))]
     if relation is not None and (len(objects) != 2 or any(int(o["count"]) != 1 for o in objects)):
         raise ValueError(f"a relation needs exactly two objects of count 1, got {objects}")
@@ -177,9 +181,7 @@ def add_distractor(
     as `sample_scene` draws them, and it keeps the same gap to every object of `scene`. An image of it under
     the scene's prompt is a caption that leaves something out, as web captions often do.
     """
-    scale = size / IMAGE_SIZE
-    sides = [max(3, round(s * scale)) for s in sides]
-    grid, gap = max(1, round(grid * scale)), max(1, round(GAP * scale))
+    sides, grid, gap = _scaled_layout(size, sides, grid)
     shape = SHAPES[int(rng.integers(len(SHAPES)))]
     color = list(COLORS)[int(rng.integers(len(COLORS)))]
     for _ in range(max_tries):
