@@ -230,6 +230,10 @@ class EvalConfig:
     """Held-out prompts evaluated (0 = all)."""
     images_per_prompt: int = 1
     """Images per eval prompt."""
+    images_per_group: int = 0
+    """With `group_by`: the images of every group, shared evenly by its prompts (a group of g prompts gives each
+    images_per_group / g images), so that every group's mean is equally precise however many prompts it has;
+    it then replaces images_per_prompt and must be a multiple of every group's prompt count. 0 = off."""
     seed: int = 1234
     """Seed of the eval noise (the same every evaluation, so grids compare)."""
     grid: bool = True
@@ -560,6 +564,12 @@ def validate(cfg: Config) -> None:
         problems.append(f"train.dual_clip must be > 1 (or null), got {t.dual_clip}")
     if cfg.lora.rank < 1:
         problems.append(f"lora.rank must be >= 1, got {cfg.lora.rank}")
+    if cfg.eval.images_per_prompt < 1 or cfg.eval.images_per_group < 0:
+        problems.append(f"eval.images_per_prompt must be >= 1 and eval.images_per_group >= 0, got "
+                        f"{cfg.eval.images_per_prompt}, {cfg.eval.images_per_group}")
+    if cfg.eval.images_per_group and not cfg.eval.group_by:
+        problems.append(f"eval.images_per_group={cfg.eval.images_per_group} shares images out over the groups of "
+                        "eval.group_by, which is not set; set eval.group_by (e.g. family) or images_per_group=0")
     if not cfg.rewards:
         problems.append("rewards: at least one reward is needed")
     elif not any(r.weight for r in cfg.rewards):

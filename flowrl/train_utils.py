@@ -152,6 +152,35 @@ def grouped_means(name: str, values, metadata: list[dict], column: str) -> dict[
     return out
 
 
+def eval_plan(prompt_set, eval_cfg) -> tuple[list[str], list[dict], int]:
+    """What an evaluation samples: (prompts, metadata, n), n images of each listed prompt, prompt-major.
+
+    Plain: the first `eval_cfg.num_prompts` prompts of `prompt_set`, `images_per_prompt` images each.
+    With `images_per_group` = N (and `group_by`): a prompt of a group of g prompts is listed N / g times in a
+    row, one image each (n = 1), so that every group gets N images whatever its number of prompts; each
+    listing draws its own noise. An error names the groups' prompt counts and the smallest valid N."""
+    prompts, meta = prompt_set.head(eval_cfg.num_prompts)
+    per_group = eval_cfg.images_per_group
+    if not per_group:
+        return prompts, meta, eval_cfg.images_per_prompt
+    from .data import require_column
+
+    column = eval_cfg.group_by
+    require_column(meta, column, f"eval.group_by={column!r}")
+    counts: dict[str, int] = {}
+    for m in meta:
+        counts[str(m[column])] = counts.get(str(m[column]), 0) + 1
+    bad = {g: c for g, c in counts.items() if per_group % c}
+    if bad:
+        lcm = math.lcm(*counts.values())
+        raise ValueError(f"eval.images_per_group={per_group} must be a multiple of every {column!r} group's "
+                         f"prompt count {dict(sorted(counts.items()))}; {dict(sorted(bad.items()))} do not divide "
+                         f"it; the smallest that works is {lcm} (or a multiple of it)")
+    reps = [per_group // counts[str(m[column])] for m in meta]
+    return ([p for p, r in zip(prompts, reps) for _ in range(r)],
+            [dict(m) for m, r in zip(meta, reps) for _ in range(r)], 1)
+
+
 def eval_summary(scores: dict, metadata: list[dict], group_by: str = "") -> dict[str, float]:
     """{name: per-sample scores [P * n]} -> {"eval/<name>_mean": mean} plus, with `group_by`, the
     `grouped_means` of every score (shared by the trainer's evaluations and `flowrl eval`)."""

@@ -8,6 +8,7 @@ the reference policy (the adapter switched off). The math is the core's.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import warnings
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from . import core
 from .checkpoint import read_checkpoint, resolve_resume, set_rng_state, write_checkpoint
 from .config import Config, to_dict
 from .data import load_prompts, require_column
-from .train_utils import EMA, MetricsLog, Timer, eval_summary, lr_lambda, seed_everything
+from .train_utils import EMA, MetricsLog, Timer, eval_plan, eval_summary, lr_lambda, seed_everything
 
 #: |ratio - 1| above this on the first (on-policy) minibatch of an epoch means the recomputed
 #: log-probs do not match the recorded ones: a warning, and `policy/ratio_first` shows it.
@@ -143,6 +144,7 @@ class Trainer:
         if cfg.eval.group_by:
             require_column(self.eval_set.head(cfg.eval.num_prompts)[1], cfg.eval.group_by,
                            f"eval.group_by={cfg.eval.group_by!r}")
+            eval_plan(self.eval_set, cfg.eval)  # images_per_group must suit the groups' sizes
         self.cfg = cfg
         self.acc = accelerator or Accelerator(
             cpu=cfg.model.device == "cpu",
@@ -398,12 +400,13 @@ class Trainer:
     def evaluate(self, tag: str) -> dict:
         """Deterministic sampling on held-out prompts with the eval settings (EMA weights when on)."""
         cfg = self.cfg
-        prompts, meta = self.eval_set.head(cfg.eval.num_prompts)
+        prompts, meta, n = eval_plan(self.eval_set, cfg.eval)
         results = {}
         if self.main:
             ctx = self.ema.applied() if self.ema is not None else contextlib.nullcontext()
             with ctx:
-                outputs, per_reward = self.policy.evaluate_prompts(prompts, meta, self.rewards, cfg.eval)
+                outputs, per_reward = self.policy.evaluate_prompts(
+                    prompts, meta, self.rewards, dataclasses.replace(cfg.eval, images_per_prompt=n))
             scores = {spec.name: vals for spec, vals in zip(cfg.rewards, per_reward)}
             scores.update(getattr(self.policy, "last_eval_components", {}))
             results.update(eval_summary(scores, meta, cfg.eval.group_by))

@@ -31,3 +31,48 @@ def test_grouped_means_errors_name_the_fix():
         grouped_means("s", [1.0, 0.0, 1.0], [{"k": 1}, {"k": 2}], "k")
     with pytest.raises(ValueError, match="plain-text prompts"):
         grouped_means("s", [1.0], [{}], "family")
+
+
+def _cfg(**kw):
+    from flowrl.config import EvalConfig
+
+    return EvalConfig(**{"num_prompts": 0, "group_by": "family", **kw})
+
+
+def test_eval_plan_shares_each_groups_images_over_its_prompts():
+    from flowrl.data import PromptSet
+    from flowrl.train_utils import eval_plan
+
+    ps = PromptSet(["a1", "b1", "a2", "c1"], [{"family": f} for f in "abac"])
+    # by hand: N = 4 -> a (2 prompts) gives each 2 images, b and c (1 prompt) give theirs 4; one image per listing
+    prompts, meta, n = eval_plan(ps, _cfg(images_per_group=4, images_per_prompt=8))
+    assert n == 1
+    assert prompts == ["a1", "a1", "b1", "b1", "b1", "b1", "a2", "a2", "c1", "c1", "c1", "c1"]
+    assert [m["family"] for m in meta] == [p[0] for p in prompts]
+    # then every group holds N samples, so the grouped means weigh each group's images alike
+    out = grouped_means("s", [1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1], meta, "family")
+    assert out["eval/s_by_family/a"] == pytest.approx(0.5, abs=1e-12)
+    assert out["eval/s_by_family/b"] == 0.0 and out["eval/s_by_family/c"] == 1.0
+    # off: the first num_prompts prompts, images_per_prompt each
+    assert eval_plan(ps, _cfg(num_prompts=3, images_per_prompt=8)) == (["a1", "b1", "a2"], ps.metadata[:3], 8)
+
+
+def test_eval_plan_errors_name_the_counts_and_the_smallest_valid_value():
+    from flowrl.data import PromptSet
+    from flowrl.train_utils import eval_plan
+
+    ps = PromptSet(["a1", "a2", "b1", "b2", "b3"], [{"family": f} for f in "aabbb"])
+    with pytest.raises(ValueError, match=r"images_per_group=4 must be a multiple.*\{'a': 2, 'b': 3\}.*"
+                                         r"\{'b': 3\} do not divide it.*smallest that works is 6"):
+        eval_plan(ps, _cfg(images_per_group=4))
+    with pytest.raises(ValueError, match=r"eval.group_by='family': prompt 0 has no column"):
+        eval_plan(PromptSet(["x"]), _cfg(images_per_group=2))
+
+
+def test_images_per_group_needs_group_by():
+    from flowrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"eval.images_per_group=48 .* eval.group_by.*not set"):
+        load_config(None, ["eval.images_per_group=48"])
+    with pytest.raises(ConfigError, match=r"eval.images_per_prompt must be >= 1"):
+        load_config(None, ["eval.images_per_prompt=0"])
