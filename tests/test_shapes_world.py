@@ -25,7 +25,7 @@ from flowrl.shapes import (
     split_of,
 )
 from flowrl.shapes.detect import label_components, relation_holds
-from flowrl.shapes.render import BACKGROUND, shape_mask
+from flowrl.shapes.render import BACKGROUND, SIDES, shape_mask
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,6 +114,24 @@ def test_distractor_adds_one_unmentioned_object_and_nothing_at_zero():
     # no room: the scene comes back unchanged
     full = [ShapeObject("square", "red", x, y, 16) for x in (4, 24, 44) for y in (4, 24, 44)]
     assert add_distractor(full, rng) == full
+
+
+def test_a_small_distractor_has_its_own_sides_and_is_still_an_extra_object():
+    records = all_prompts()
+    rng = np.random.default_rng(4)
+    images, sides = [], set()
+    for rec in records:
+        image, scene = render(rec, rng, distractor_prob=1.0, distractor_sides=(8,))
+        assert {o.side for o in scene[:-1]} <= set(SIDES)  # the asked objects are drawn as before
+        sides.add(scene[-1].side)
+        images.append(image)
+    assert sides == {8}
+    strict, _, details = score_images(images, records)
+    assert strict.sum() == 0  # the detector sees every small unasked object
+    assert all("extra objects" in d["failures"] or "count wrong" in d["failures"] for d in details)
+    # scaled like the layout at other sizes (32 px: half), and None keeps the scene's sides
+    assert render(records[0], rng, size=32, distractor_prob=1.0, distractor_sides=(8,))[1][-1].side == 4
+    assert render(records[0], rng, distractor_prob=1.0)[1][-1].side in SIDES
 
 
 # ----------------------------------------------------------------------------- prompts and split

@@ -177,9 +177,11 @@ def add_distractor(
 ) -> list[ShapeObject]:
     """`scene` plus one object its prompt does not mention -> a new list (the same objects if none fits).
 
-    The extra object's shape and colour are uniform over `SHAPES` and `COLORS`, its side and corner are drawn
-    as `sample_scene` draws them, and it keeps the same gap to every object of `scene`. An image of it under
-    the scene's prompt is a caption that leaves something out, as web captions often do.
+    The extra object's shape and colour are uniform over `SHAPES` and `COLORS`, its side is uniform in
+    `sides` (at IMAGE_SIZE; pass smaller sides than the scene's for small background objects, the kind a
+    caption leaves out), its corner is drawn as `sample_scene` draws it, and it keeps the same gap to every
+    object of `scene`. An image of it under the scene's prompt is a caption that leaves something out, as
+    web captions often do.
     """
     sides, grid, gap = _scaled_layout(size, sides, grid)
     shape = SHAPES[int(rng.integers(len(SHAPES)))]
@@ -198,6 +200,7 @@ def render(
     sides: tuple[int, ...] = SIDES,
     grid: int = GRID,
     distractor_prob: float = 0.0,
+    distractor_sides: tuple[int, ...] | None = None,
 ) -> tuple[np.ndarray, list[ShapeObject]]:
     """A ground-truth image of one prompt -> (uint8[size, size, 3], scene).
 
@@ -206,10 +209,11 @@ def render(
     distractor_prob: the chance that the image also holds one object the prompt does not mention
       (`add_distractor`), i.e. that the prompt is an incomplete caption of it. At 0 (the default) no random
       number is drawn for it, so the images of a seed do not change.
+    distractor_sides: the sides of that object (at IMAGE_SIZE); None = `sides`, as the prompt's objects.
     """
     if not 0.0 <= distractor_prob <= 1.0:
         raise ValueError(f"distractor_prob must lie in [0, 1], got {distractor_prob}")
     scene = sample_scene(metadata["objects"], metadata.get("relation"), rng, size, sides=sides, grid=grid)
     if distractor_prob > 0 and rng.random() < distractor_prob:
-        scene = add_distractor(scene, rng, size, sides=sides, grid=grid)
+        scene = add_distractor(scene, rng, size, sides=distractor_sides or sides, grid=grid)
     return draw(scene, size), scene
