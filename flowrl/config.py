@@ -171,7 +171,8 @@ class TrainConfig:
     adv_clip_max: float = 5.0
     """Advantages are clipped to +- this."""
     drop_zero_adv_groups: bool = False
-    """Skip groups whose advantages are all zero (no signal)."""
+    """Skip groups whose advantages are all zero (no signal): they leave the loss and its normaliser (DAPO's
+    dynamic sampling without the resampling), and their forward and backward passes are not run at all."""
     per_prompt_stats: bool = False
     """Normalise with DDPO's per-prompt stat tracker (history across epochs) instead of the batch's groups."""
     stat_buffer_size: int = 32

@@ -225,7 +225,9 @@ class Trainer:
                 self.log.log(metrics, step=epoch + 1)
             if cfg.checkpoint.every and (epoch + 1) % cfg.checkpoint.every == 0 and epoch + 1 < cfg.train.epochs:
                 self.save()
-            bar.set_postfix(reward=f"{metrics['reward/total_mean']:.3f}", ratio0=f"{metrics['policy/ratio_first']:.5f}")
+            ratio0 = metrics.get("policy/ratio_first")
+            bar.set_postfix(reward=f"{metrics['reward/total_mean']:.3f}",
+                            ratio0="-" if ratio0 is None else f"{ratio0:.5f}")
             last = metrics
         if last:  # some epoch ran in this call (a resume of a finished run does nothing)
             final = self.evaluate(tag="final")
@@ -302,28 +304,35 @@ class Trainer:
         units = self.policy.train_units(batch, t.steps_per_forward)
         n_units = sum(len(u) for u in units)
         sums: dict[str, float] = {}
-        first_ratio = None
+        first_ratio, trained = None, 0
         for inner in range(t.inner_epochs):
             gen = torch.Generator().manual_seed(derive_seed(t.seed, epoch, inner, self.acc.process_index, 7))
             perm = torch.randperm(self.batch_local, generator=gen)
             for mb_start in range(0, self.batch_local, self.minibatch):
                 idx = perm[mb_start: mb_start + self.minibatch]
+                # samples outside the loss (groups dropped for zero advantage) are masked out of every term,
+                # so they are not computed at all: the same loss and gradient, fewer forward passes
+                idx = idx[keep[idx]]
                 self.opt.zero_grad(set_to_none=True)
                 mb_stats: dict[str, list] = {}
-                for unit in units:
+                for unit in units if len(idx) else ():
                     out = self.policy.evaluate(batch, idx, unit, with_reference=t.beta > 0)
                     loss, stats = self.unit_loss(out, adv[idx], keep[idx])
                     # each unit's loss is a mean over its steps; weight by its share of all trained steps
                     (loss * (len(unit) / n_units)).backward()
                     for k, v in stats.items():
                         mb_stats.setdefault(k, []).append(float(v))
+                trained += len(idx) * n_units
+                if not len(idx):  # a loss of 0: zero gradients, and the optimizer steps as it did on one
+                    for p in self.params:
+                        p.grad = torch.zeros_like(p)
                 grad_norm = self.sync_and_clip()
                 self.opt.step()
                 self.sched.step()
                 if self.ema is not None:
                     self.ema.update()
                 self.state.optimizer_steps += 1
-                if first_ratio is None:
+                if first_ratio is None and mb_stats:  # the first minibatch that trained any sample
                     first_ratio = (min(mb_stats["ratio_min"]), max(mb_stats["ratio_max"]))
                 mb_stats["grad_norm"] = [grad_norm]
                 for k, v in mb_stats.items():
@@ -331,14 +340,15 @@ class Trainer:
                     sums.setdefault(k, []).append(agg)
         out = {f"policy/{k}": (max(v) if k.endswith("_max") else min(v) if k.endswith("_min") else sum(v) / len(v))
                for k, v in sums.items()}
-        dev = max(abs(first_ratio[0] - 1), abs(first_ratio[1] - 1))
-        out["policy/ratio_first"] = 1.0 + (dev if first_ratio[1] - 1 >= 1 - first_ratio[0] else -dev)
-        out["policy/ratio_first_dev"] = dev
-        if dev > ON_POLICY_TOL:
-            warnings.warn(f"epoch {epoch}: the first minibatch is not on-policy: max |ratio - 1| = {dev:.2e} > "
-                          f"{ON_POLICY_TOL:g}; recomputed log-probs differ from the rollout's (non-deterministic "
-                          "kernels, dropout, or a sampler/trainer mismatch)", stacklevel=2)
-        out["_trained_units"] = t.inner_epochs * self.batch_local * n_units
+        if first_ratio is not None:  # None: every group was dropped, nothing was trained this epoch
+            dev = max(abs(first_ratio[0] - 1), abs(first_ratio[1] - 1))
+            out["policy/ratio_first"] = 1.0 + (dev if first_ratio[1] - 1 >= 1 - first_ratio[0] else -dev)
+            out["policy/ratio_first_dev"] = dev
+            if dev > ON_POLICY_TOL:
+                warnings.warn(f"epoch {epoch}: the first minibatch is not on-policy: max |ratio - 1| = {dev:.2e} > "
+                              f"{ON_POLICY_TOL:g}; recomputed log-probs differ from the rollout's (non-deterministic "
+                              "kernels, dropout, or a sampler/trainer mismatch)", stacklevel=2)
+        out["_trained_units"] = trained
         return out
 
     def unit_loss(self, out, adv: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, dict]:

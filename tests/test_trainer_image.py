@@ -266,6 +266,62 @@ def test_off_policy_first_minibatch_warns(tmp_path):
     assert out["policy/ratio_first_dev"] > 1e-4
 
 
+def test_dropped_samples_are_not_computed_and_the_update_is_unchanged(tmp_path):
+    """drop_zero_adv_groups masks a group out of every loss term; the update skips its forward passes. Checked
+    against the masked computation over the whole minibatch (what the loss alone would give)."""
+    import warnings
+
+    from flowrl.trainer import unit_loss
+
+    extra = ("train.drop_zero_adv_groups=true", "train.minibatch_size=2", "train.inner_epochs=2", "eval.grid=false")
+    fast, masked = Trainer(tiny_cfg(tmp_path / "a", *extra)), Trainer(tiny_cfg(tmp_path / "b", *extra))
+    for n, p in fast.named_params.items():
+        assert torch.equal(p, masked.named_params[n])                  # the same start
+    batch = fast.rollout(epoch=0)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, 0.0, 0.0, 0.0])   # group 1 has no signal
+    keep = adv != 0
+
+    def spy(tr, seen):
+        evaluate = tr.policy.evaluate
+
+        def wrapped(b, idx, unit, **kw):
+            seen.append(idx.clone())
+            return evaluate(b, idx, unit, **kw)
+        tr.policy.evaluate = wrapped
+
+    fast_idx, masked_idx = [], []
+    spy(fast, fast_idx), spy(masked, masked_idx)
+    cfg = masked.cfg
+    start = {n: p.detach().clone() for n, p in fast.named_params.items()}
+    real_keep = {"keep": keep}
+    # the reference: every sample forwarded, the dropped ones masked out of the loss by the real keep
+    masked.unit_loss = lambda out, a, k: unit_loss(out, a, real_keep["keep"][masked_idx[-1]], cfg.train,
+                                                   masked.policy.aggregation, masked.policy.entropy_coef)
+    out_fast = fast.update(batch, adv, keep, epoch=0)
+    masked.update(batch, adv, torch.ones_like(keep), epoch=0)
+    forwarded = torch.cat(fast_idx)
+    assert len(forwarded) and bool(keep[forwarded].all())            # no dropped sample was computed
+    assert len(torch.cat(masked_idx)) == 2 * len(forwarded)           # half the samples were dropped
+    assert max((p - start[n]).abs().max().item() for n, p in fast.named_params.items()) > 0
+    for n, p in fast.named_params.items():
+        torch.testing.assert_close(p, masked.named_params[n], rtol=0, atol=1e-6)
+    assert out_fast["policy/ratio_first_dev"] <= 1e-4                # from the first minibatch that trained
+    # nothing kept: no forward pass, no ratio (not a spurious off-policy warning), the optimizer steps as on
+    # a zero loss (Adam's momentum still moves the weights, as in the masked computation)
+    fast_idx.clear()
+    none = torch.zeros(8, dtype=torch.bool)
+    real_keep["keep"] = none
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = fast.update(batch, torch.zeros(8), none, epoch=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the masked computation reports infinite ratios of an empty minibatch
+        masked.update(batch, torch.zeros(8), torch.ones_like(none), epoch=1)
+    assert not fast_idx and "policy/ratio_first" not in out and out["_trained_units"] == 0
+    for n, p in fast.named_params.items():
+        torch.testing.assert_close(p, masked.named_params[n], rtol=0, atol=1e-6)
+
+
 def test_tensorboard_through_accelerate_trackers(tmp_path):
     Trainer(tiny_cfg(tmp_path, "train.epochs=1", "log.tensorboard=true", "eval.grid=false")).fit()
     events = list(tmp_path.rglob("events.out.tfevents.*"))
