@@ -16,11 +16,22 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_shapes_preset_one_epoch(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # the preset's paths are relative to the repository
     cfg = load_config(ROOT / "configs" / "shapes.yaml", [
-        f"log.run_dir={tmp_path}", "train.epochs=1", "sample.prompts_per_epoch=2", "eval.num_prompts=2",
-        "eval.images_per_prompt=1", "eval.num_steps=4", "log.progress=false"])
+        f"log.run_dir={tmp_path}", "train.epochs=1", "sample.prompts_per_epoch=2", "eval.num_prompts=3",
+        "eval.images_per_group=2", "eval.num_steps=4", "log.progress=false"])
     tr = Trainer(cfg)
     before = {n: p.detach().clone() for n, p in tr.named_params.items()}
+    evaluated = []
+    evaluate_prompts = tr.policy.evaluate_prompts
+
+    def spy(prompts, meta, fns, eval_cfg):
+        evaluated.append((list(prompts), eval_cfg.images_per_prompt))
+        return evaluate_prompts(prompts, meta, fns, eval_cfg)
+
+    tr.policy.evaluate_prompts = spy
     tr.fit()
+    # the first 3 test prompts: one single-object prompt, two two-object ones; 2 images per family
+    p0, p1, p2 = tr.eval_set.prompts[:3]
+    assert evaluated == [([p0, p0, p1, p2], 1)] * 2  # before and after
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     epoch = next(r for r in rows if "policy/loss" in r)
     assert epoch["policy/ratio_first_dev"] <= 1e-4
