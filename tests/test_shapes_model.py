@@ -152,7 +152,11 @@ def test_pretraining_resumes_exactly(tmp_path):
 
 def test_pretraining_rejects_a_bad_distractor_share_at_once(capsys):
     script = _load_script()
-    assert script.parse_args([]).distractor_prob == 0.5  # the shipped model's recipe is the default
+    assert script.parse_args([]).distractor_prob == 0.7  # the shipped model's recipe is the default
+    assert script.parse_args([]).distractor_sides == [8]  # small background objects (the asked ones: 12, 16)
     with pytest.raises(SystemExit):
         script.parse_args(["--distractor-prob", "1.5"])
     assert "--distractor-prob must lie in [0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        script.parse_args(["--distractor-sides", "8", "60"])
+    assert "--distractor-sides must lie in [3, 56]" in capsys.readouterr().err
