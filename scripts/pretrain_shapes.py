@@ -81,8 +81,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 0.0 <= args.distractor_prob <= 1.0:  # checked now, not when the incomplete captions start, hours in
         p.error(f"--distractor-prob must lie in [0, 1], got {args.distractor_prob}")
-    if any(not 3 <= side <= 56 for side in args.distractor_sides):  # 56: a 64-px image less a 4-px gap each side
-        p.error(f"--distractor-sides must lie in [3, 56] px, got {args.distractor_sides}")
+    from flowrl.shapes.render import GAP, IMAGE_SIZE
+
+    widest = IMAGE_SIZE - 2 * GAP  # an object must fit inside the border gap on both sides
+    if any(not 3 <= side <= widest for side in args.distractor_sides):
+        p.error(f"--distractor-sides must lie in [3, {widest}] px, got {args.distractor_sides}")
     return args
 
 
