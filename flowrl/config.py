@@ -172,7 +172,8 @@ class TrainConfig:
     """Advantages are clipped to +- this."""
     drop_zero_adv_groups: bool = False
     """Skip groups whose advantages are all zero (no signal): they leave the loss and its normaliser (DAPO's
-    dynamic sampling without the resampling), and their forward and backward passes are not run at all."""
+    dynamic sampling without the resampling), and their forward and backward passes are not run at all. A
+    minibatch left with no sample takes no optimizer step (nor a step of the lr schedule)."""
     per_prompt_stats: bool = False
     """Normalise with DDPO's per-prompt stat tracker (history across epochs) instead of the batch's groups."""
     stat_buffer_size: int = 32

@@ -304,7 +304,7 @@ class Trainer:
         units = self.policy.train_units(batch, t.steps_per_forward)
         n_units = sum(len(u) for u in units)
         sums: dict[str, float] = {}
-        first_ratio, trained = None, 0
+        first_ratio, trained, stepped = None, 0, False
         for inner in range(t.inner_epochs):
             gen = torch.Generator().manual_seed(derive_seed(t.seed, epoch, inner, self.acc.process_index, 7))
             perm = torch.randperm(self.batch_local, generator=gen)
@@ -323,7 +323,11 @@ class Trainer:
                     for k, v in stats.items():
                         mb_stats.setdefault(k, []).append(float(v))
                 trained += len(idx) * n_units
-                if not len(idx):  # a loss of 0: zero gradients, and the optimizer steps as it did on one
+                if not self.any_process(len(idx) > 0):
+                    # nothing to learn from anywhere: no optimizer step (AdamW would move the weights on a zero
+                    # gradient, by its momentum and weight decay), so none on the lr schedule either
+                    continue
+                if not len(idx):  # only this process's slice is empty: it adds zero gradients to the average
                     for p in self.params:
                         p.grad = torch.zeros_like(p)
                 grad_norm = self.sync_and_clip()
@@ -332,8 +336,10 @@ class Trainer:
                 if self.ema is not None:
                     self.ema.update()
                 self.state.optimizer_steps += 1
-                if first_ratio is None and mb_stats:  # the first minibatch that trained any sample
+                # on-policy check: the first minibatch that trained here, if no step has moved the weights before
+                if first_ratio is None and mb_stats and not stepped:
                     first_ratio = (min(mb_stats["ratio_min"]), max(mb_stats["ratio_max"]))
+                stepped = True
                 mb_stats["grad_norm"] = [grad_norm]
                 for k, v in mb_stats.items():
                     agg = max(v) if k.endswith("_max") else min(v) if k.endswith("_min") else sum(v) / len(v)
@@ -367,6 +373,12 @@ class Trainer:
         max_norm = self.cfg.train.max_grad_norm
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else float("inf"))
         return float(norm)
+
+    def any_process(self, flag: bool) -> bool:
+        """True when `flag` holds on some process (a collective: every process must call it)."""
+        if self.world == 1:
+            return flag
+        return bool(self.acc.reduce(torch.tensor([float(flag)]), reduction="sum").item() > 0)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         if self.world == 1:

@@ -269,6 +269,7 @@ def test_off_policy_first_minibatch_warns(tmp_path):
 def test_dropped_samples_are_not_computed_and_the_update_is_unchanged(tmp_path):
     """drop_zero_adv_groups masks a group out of every loss term; the update skips its forward passes. Checked
     against the masked computation over the whole minibatch (what the loss alone would give)."""
+    import functools
     import warnings
 
     from flowrl.trainer import unit_loss
@@ -297,29 +298,57 @@ def test_dropped_samples_are_not_computed_and_the_update_is_unchanged(tmp_path):
     # the reference: every sample forwarded, the dropped ones masked out of the loss by the real keep
     masked.unit_loss = lambda out, a, k: unit_loss(out, a, real_keep["keep"][masked_idx[-1]], cfg.train,
                                                    masked.policy.aggregation, masked.policy.entropy_coef)
+    # ... whose minibatches of dropped samples only take no optimizer step (AdamW moves on a zero gradient)
+    opt_step = masked.opt.step
+
+    @functools.wraps(opt_step)  # keeps the marks the lr scheduler puts on optimizer.step
+    def step_if_any_kept():
+        return opt_step() if real_keep["keep"][masked_idx[-1]].any() else None
+    masked.opt.step = step_if_any_kept
     out_fast = fast.update(batch, adv, keep, epoch=0)
     masked.update(batch, adv, torch.ones_like(keep), epoch=0)
     forwarded = torch.cat(fast_idx)
     assert len(forwarded) and bool(keep[forwarded].all())            # no dropped sample was computed
     assert len(torch.cat(masked_idx)) == 2 * len(forwarded)           # half the samples were dropped
+    assert any(not keep[i].any() for i in masked_idx)                  # some minibatch was all dropped
     assert max((p - start[n]).abs().max().item() for n, p in fast.named_params.items()) > 0
     for n, p in fast.named_params.items():
         torch.testing.assert_close(p, masked.named_params[n], rtol=0, atol=1e-6)
     assert out_fast["policy/ratio_first_dev"] <= 1e-4                # from the first minibatch that trained
-    # nothing kept: no forward pass, no ratio (not a spurious off-policy warning), the optimizer steps as on
-    # a zero loss (Adam's momentum still moves the weights, as in the masked computation)
+    # nothing kept: no forward pass, no ratio (not a spurious off-policy warning), and no optimizer step: AdamW
+    # would move the weights on a zero gradient (momentum, weight decay), so the lr schedule does not advance
     fast_idx.clear()
     none = torch.zeros(8, dtype=torch.bool)
-    real_keep["keep"] = none
+    before, steps, lr_steps = trained_weights(fast), fast.state.optimizer_steps, fast.sched.last_epoch
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out = fast.update(batch, torch.zeros(8), none, epoch=1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the masked computation reports infinite ratios of an empty minibatch
-        masked.update(batch, torch.zeros(8), torch.ones_like(none), epoch=1)
     assert not fast_idx and "policy/ratio_first" not in out and out["_trained_units"] == 0
-    for n, p in fast.named_params.items():
-        torch.testing.assert_close(p, masked.named_params[n], rtol=0, atol=1e-6)
+    assert all(torch.equal(p, before[n]) for n, p in fast.named_params.items())
+    assert fast.state.optimizer_steps == steps and fast.sched.last_epoch == lr_steps
+
+
+def test_an_empty_leading_minibatch_does_not_step_before_the_on_policy_check(tmp_path):
+    """With drop_zero_adv_groups, an epoch's first minibatch may hold only dropped samples. The first minibatch
+    that trains must still see the rollout's weights (ratio 1): the empty one takes no optimizer step."""
+    import warnings
+
+    from flowrl.trainer import derive_seed
+
+    tr = Trainer(tiny_cfg(tmp_path, "train.drop_zero_adv_groups=true", "train.minibatch_size=2", "eval.grid=false",
+                          "train.lr=1e-2"))
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0, 0.5, -0.5])
+    tr.update(tr.rollout(epoch=0), adv, torch.ones(8, dtype=torch.bool), epoch=0)  # Adam now has momentum
+    batch = tr.rollout(epoch=1)                                                    # on-policy again
+    perm = torch.randperm(8, generator=torch.Generator().manual_seed(derive_seed(tr.cfg.train.seed, 1, 0, 0, 7)))
+    keep = torch.ones(8, dtype=torch.bool)
+    keep[perm[:2]] = False                                                        # the first minibatch is empty
+    before = trained_weights(tr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                                            # no off-policy warning
+        out = tr.update(batch, adv * keep, keep, epoch=1)
+    assert out["policy/ratio_first_dev"] <= 1e-6
+    assert max((p - before[n]).abs().max().item() for n, p in tr.named_params.items()) > 0
 
 
 def test_tensorboard_through_accelerate_trackers(tmp_path):
