@@ -2,6 +2,7 @@
 
     flowrl train [CONFIG] [key=value ...]       GRPO fine-tuning (`flowrl train --help` lists every key)
     flowrl eval CONFIG --checkpoint DIR         evaluate a checkpoint on the held-out prompts
+                [--weights auto|ema|trained]    (auto: the EMA weights when the run kept them)
     flowrl sample CONFIG [--checkpoint DIR] --prompt TEXT ...   save images
     flowrl serve-reward NAME [--host 127.0.0.1] [--port 8000]  serve a reward over HTTP
     flowrl report RUN_DIR                        plot the reward and eval curves to RUN_DIR/curves.png
@@ -50,18 +51,33 @@ def _train(args) -> int:
     return 0
 
 
-def _policy_from_checkpoint(cfg, checkpoint: str | None):
-    """A policy with the checkpoint's trained weights (the EMA weights when the checkpoint has them)."""
+WEIGHTS = ("auto", "ema", "trained")
+
+
+def _checkpoint_weights(ck: dict, checkpoint: str, which: str) -> dict:
+    """The weights `which` picks from a read checkpoint: `ema` (its EMA of the trained weights), `trained` (the
+    weights as the optimizer left them), or `auto` (the EMA when the run kept one, as its evals did)."""
+    if which not in WEIGHTS:
+        raise SystemExit(f"flowrl: --weights {which!r} is not one of {', '.join(WEIGHTS)}")
+    if which == "ema" and "ema" not in ck:
+        raise SystemExit(f"flowrl: checkpoint {checkpoint} has no EMA weights (its run had train.ema_decay=0); "
+                         "use --weights trained (or auto)")
+    return ck["trainable"] if which == "trained" else ck.get("ema", ck["trainable"])
+
+
+def _policy_from_checkpoint(cfg, checkpoint: str | None, which: str = "auto"):
+    """A policy with the checkpoint's weights: see `_checkpoint_weights` for `which`."""
     import torch
 
     from .checkpoint import read_checkpoint
     from .policies import build_policy
 
+    if checkpoint:  # a bad path or choice fails before the model loads
+        ck = read_checkpoint(checkpoint)
+        weights = _checkpoint_weights(ck, checkpoint, which)
     policy = build_policy(cfg, "cpu" if cfg.model.device in ("auto", "cpu") and not torch.cuda.is_available()
                           else ("cuda" if cfg.model.device == "auto" else cfg.model.device))
     if checkpoint:
-        ck = read_checkpoint(checkpoint)
-        weights = ck.get("ema", ck["trainable"])
         named = dict(policy.named_trainable_parameters())
         missing = set(named) - set(weights)
         if missing:
@@ -84,7 +100,7 @@ def _eval(args) -> int:
     cfg = _load(args)
     # the prompts first: a column they lack or an images_per_group that does not suit them fails before the model loads
     prompts, meta, n = eval_plan(load_prompts(cfg.data.eval_prompts or cfg.data.train_prompts), cfg.eval)
-    policy = _policy_from_checkpoint(cfg, args.checkpoint)
+    policy = _policy_from_checkpoint(cfg, args.checkpoint, args.weights)
     fns = build_reward_fns(cfg, policy.reward_kind)
     outputs, per_reward = policy.evaluate_prompts(prompts, meta, fns,
                                                   dataclasses.replace(cfg.eval, images_per_prompt=n))
@@ -92,6 +108,8 @@ def _eval(args) -> int:
     scores.update(policy.last_eval_components)
     result = eval_summary(scores, meta, cfg.eval.group_by)
     result["checkpoint"] = args.checkpoint or "(base model)"
+    if args.checkpoint:
+        result["weights"] = args.weights
     result["num_samples"] = len(outputs)
     if args.out:
         out = Path(args.out)
@@ -106,7 +124,7 @@ def _sample(args) -> int:
     from pathlib import Path
 
     cfg = _load(args)
-    policy = _policy_from_checkpoint(cfg, args.checkpoint)
+    policy = _policy_from_checkpoint(cfg, args.checkpoint, args.weights)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     traj = policy.backend.rollout(args.prompt, group_size=args.num, num_steps=args.steps or cfg.eval.num_steps,
@@ -201,11 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="evaluate a checkpoint (or the base model) on the eval prompts")
     ev.add_argument("--checkpoint", default=None, help="a ckpt-XXXXXX directory; omit for the base model")
     ev.add_argument("--out", default=None, help="directory for the image grid and eval.json")
+    ev.add_argument("--weights", choices=WEIGHTS, default="auto",
+                    help="the checkpoint's EMA weights, its trained weights, or auto: the EMA when it has one")
     with_config(ev, optional=False)
     ev.set_defaults(func=_eval)
 
     sa = sub.add_parser("sample", help="sample images (deterministic ODE) from a config and checkpoint")
     sa.add_argument("--checkpoint", default=None)
+    sa.add_argument("--weights", choices=WEIGHTS, default="auto", help="as for eval")
     sa.add_argument("--prompt", action="append", required=True, help="repeatable")
     sa.add_argument("--num", type=int, default=1, help="images per prompt")
     sa.add_argument("--steps", type=int, default=0, help="ODE steps (default eval.num_steps)")

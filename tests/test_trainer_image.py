@@ -374,6 +374,28 @@ def test_cli_train_eval_sample(tmp_path, capsys):
     assert len(list((tmp_path / "imgs").glob("*.png"))) == 4
 
 
+def test_eval_weights_choose_the_ema_or_the_trained_weights(tmp_path):
+    from flowrl.checkpoint import read_checkpoint
+    from flowrl.cli import _checkpoint_weights, _policy_from_checkpoint
+
+    cfg = tiny_cfg(tmp_path, "train.epochs=1", "train.ema_decay=0.5", "eval.grid=false", "train.lr=1e-2")
+    Trainer(cfg).fit()
+    ck_dir = str(tmp_path / "ckpt-000001")
+    ck = read_checkpoint(ck_dir)
+    name = next(n for n in ck["trainable"] if "lora_B" in n)
+    assert not torch.equal(ck["ema"][name], ck["trainable"][name])   # the EMA lags the trained weights
+    for which, key in [("auto", "ema"), ("ema", "ema"), ("trained", "trainable")]:
+        policy = _policy_from_checkpoint(cfg, ck_dir, which)
+        got = dict(policy.named_trainable_parameters())[name]
+        torch.testing.assert_close(got.detach().float(), ck[key][name].float(), rtol=0, atol=0)
+    no_ema = {"trainable": ck["trainable"]}
+    assert _checkpoint_weights(no_ema, "ck", "auto") is ck["trainable"]
+    with pytest.raises(SystemExit, match="no EMA weights.*--weights trained"):
+        _checkpoint_weights(no_ema, "ck", "ema")
+    with pytest.raises(SystemExit, match="auto, ema, trained"):
+        _checkpoint_weights(ck, "ck", "best")
+
+
 def test_full_finetuning_with_a_frozen_reference(tmp_path):
     tr = Trainer(tiny_cfg(tmp_path, "lora.enabled=false", "train.beta=0.1", "train.epochs=1", "eval.grid=false",
                           "train.lr=1e-4"))
