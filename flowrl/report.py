@@ -36,7 +36,7 @@ def plot_curves(run_dir: str | Path, out: str | Path | None = None, title: str |
     x, y = _series(rows, "reward/total_mean")
     if x:
         ax_r.plot(x, y, color="#9ab", lw=0.8, label="batch mean")
-        k = max(1, len(y) // 20)
+        k = max(1, round(len(y) / 8))  # an eighth of the run: a batch mean of a few prompts is noisy
         smooth = [sum(y[max(0, i - k + 1): i + 1]) / len(y[max(0, i - k + 1): i + 1]) for i in range(len(y))]
         ax_r.plot(x, smooth, color="#c33", lw=1.6, label=f"moving average ({k})")
         ax_r.legend(frameon=False, fontsize=8)
