@@ -343,10 +343,11 @@ def test_an_empty_leading_minibatch_does_not_step_before_the_on_policy_check(tmp
     perm = torch.randperm(8, generator=torch.Generator().manual_seed(derive_seed(tr.cfg.train.seed, 1, 0, 0, 7)))
     keep = torch.ones(8, dtype=torch.bool)
     keep[perm[:2]] = False                                                        # the first minibatch is empty
-    before = trained_weights(tr)
+    before, steps = trained_weights(tr), tr.state.optimizer_steps
     with warnings.catch_warnings():
         warnings.simplefilter("error")                                            # no off-policy warning
         out = tr.update(batch, adv * keep, keep, epoch=1)
+    assert tr.state.optimizer_steps == steps + 3     # 4 minibatches, the empty one skipped: the perm matched
     assert out["policy/ratio_first_dev"] <= 1e-6
     assert max((p - before[n]).abs().max().item() for n, p in tr.named_params.items()) > 0
 
