@@ -90,7 +90,6 @@ def _policy_from_checkpoint(cfg, checkpoint: str | None, which: str = "auto"):
 
 
 def _eval(args) -> int:
-    import dataclasses
     from pathlib import Path
 
     from .data import load_prompts
@@ -99,11 +98,10 @@ def _eval(args) -> int:
 
     cfg = _load(args)
     # the prompts first: a column they lack or an images_per_group that does not suit them fails before the model loads
-    prompts, meta, n = eval_plan(load_prompts(cfg.data.eval_prompts or cfg.data.train_prompts), cfg.eval)
+    prompts, meta, eval_cfg = eval_plan(load_prompts(cfg.data.eval_prompts or cfg.data.train_prompts), cfg.eval)
     policy = _policy_from_checkpoint(cfg, args.checkpoint, args.weights)
     fns = build_reward_fns(cfg, policy.reward_kind)
-    outputs, per_reward = policy.evaluate_prompts(prompts, meta, fns,
-                                                  dataclasses.replace(cfg.eval, images_per_prompt=n))
+    outputs, per_reward = policy.evaluate_prompts(prompts, meta, fns, eval_cfg)
     scores = {spec.name: v for spec, v in zip(cfg.rewards, per_reward)}
     scores.update(policy.last_eval_components)
     result = eval_summary(scores, meta, cfg.eval.group_by)

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import random
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from .config import EvalConfig
 
 
 def seed_everything(seed: int) -> None:
@@ -152,8 +156,9 @@ def grouped_means(name: str, values, metadata: list[dict], column: str) -> dict[
     return out
 
 
-def eval_plan(prompt_set, eval_cfg) -> tuple[list[str], list[dict], int]:
-    """What an evaluation samples: (prompts, metadata, n), n images of each listed prompt, prompt-major.
+def eval_plan(prompt_set, eval_cfg) -> tuple[list[str], list[dict], EvalConfig]:
+    """What an evaluation samples: (prompts, metadata, eval_cfg'), where eval_cfg' is `eval_cfg` with
+    `images_per_prompt` = n, the number of images of each listed prompt (prompt-major), to sample with.
 
     Plain: the first `eval_cfg.num_prompts` prompts of `prompt_set`, `images_per_prompt` images each.
     With `images_per_group` = N (and `group_by`): a prompt of a group of g prompts is listed N / g times in a
@@ -162,7 +167,7 @@ def eval_plan(prompt_set, eval_cfg) -> tuple[list[str], list[dict], int]:
     prompts, meta = prompt_set.head(eval_cfg.num_prompts)
     per_group = eval_cfg.images_per_group
     if not per_group:
-        return prompts, meta, eval_cfg.images_per_prompt
+        return prompts, meta, eval_cfg
     from .data import require_column
 
     column = eval_cfg.group_by
@@ -178,7 +183,8 @@ def eval_plan(prompt_set, eval_cfg) -> tuple[list[str], list[dict], int]:
                          f"it; the smallest that works is {lcm} (or a multiple of it)")
     reps = [per_group // counts[str(m[column])] for m in meta]
     return ([p for p, r in zip(prompts, reps) for _ in range(r)],
-            [dict(m) for m, r in zip(meta, reps) for _ in range(r)], 1)
+            [dict(m) for m, r in zip(meta, reps) for _ in range(r)],
+            dataclasses.replace(eval_cfg, images_per_prompt=1))
 
 
 def eval_summary(scores: dict, metadata: list[dict], group_by: str = "") -> dict[str, float]:

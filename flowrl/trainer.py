@@ -8,7 +8,6 @@ the reference policy (the adapter switched off). The math is the core's.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 import warnings
 from dataclasses import dataclass
@@ -422,13 +421,12 @@ class Trainer:
     def evaluate(self, tag: str) -> dict:
         """Deterministic sampling on held-out prompts with the eval settings (EMA weights when on)."""
         cfg = self.cfg
-        prompts, meta, n = eval_plan(self.eval_set, cfg.eval)
+        prompts, meta, eval_cfg = eval_plan(self.eval_set, cfg.eval)
         results = {}
         if self.main:
             ctx = self.ema.applied() if self.ema is not None else contextlib.nullcontext()
             with ctx:
-                outputs, per_reward = self.policy.evaluate_prompts(
-                    prompts, meta, self.rewards, dataclasses.replace(cfg.eval, images_per_prompt=n))
+                outputs, per_reward = self.policy.evaluate_prompts(prompts, meta, self.rewards, eval_cfg)
             scores = {spec.name: vals for spec, vals in zip(cfg.rewards, per_reward)}
             scores.update(getattr(self.policy, "last_eval_components", {}))
             results.update(eval_summary(scores, meta, cfg.eval.group_by))

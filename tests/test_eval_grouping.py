@@ -45,8 +45,8 @@ def test_eval_plan_shares_each_groups_images_over_its_prompts():
 
     ps = PromptSet(["a1", "b1", "a2", "c1"], [{"family": f} for f in "abac"])
     # by hand: N = 4 -> a (2 prompts) gives each 2 images, b and c (1 prompt) give theirs 4; one image per listing
-    prompts, meta, n = eval_plan(ps, _cfg(images_per_group=4, images_per_prompt=8))
-    assert n == 1
+    prompts, meta, ecfg = eval_plan(ps, _cfg(images_per_group=4, images_per_prompt=8))
+    assert ecfg.images_per_prompt == 1 and ecfg.images_per_group == 4
     assert prompts == ["a1", "a1", "b1", "b1", "b1", "b1", "a2", "a2", "c1", "c1", "c1", "c1"]
     assert [m["family"] for m in meta] == [p[0] for p in prompts]
     # then every group holds N samples, so the grouped means weigh each group's images alike
@@ -54,7 +54,8 @@ def test_eval_plan_shares_each_groups_images_over_its_prompts():
     assert out["eval/s_by_family/a"] == pytest.approx(0.5, abs=1e-12)
     assert out["eval/s_by_family/b"] == 0.0 and out["eval/s_by_family/c"] == 1.0
     # off: the first num_prompts prompts, images_per_prompt each
-    assert eval_plan(ps, _cfg(num_prompts=3, images_per_prompt=8)) == (["a1", "b1", "a2"], ps.metadata[:3], 8)
+    cfg = _cfg(num_prompts=3, images_per_prompt=8)
+    assert eval_plan(ps, cfg) == (["a1", "b1", "a2"], ps.metadata[:3], cfg)
 
 
 def test_eval_plan_errors_name_the_counts_and_the_smallest_valid_value():
