@@ -153,7 +153,11 @@ class TrainConfig:
     warmup_steps: int = 0
     """Optimizer steps of linear warm-up."""
     schedule: Literal["constant", "cosine"] = "constant"
-    """Learning-rate schedule after warm-up."""
+    """Learning-rate schedule after warm-up. Its position is the minibatch's place in the run (epoch, pass,
+    minibatch), so a minibatch that takes no optimizer step does not delay it."""
+    decay_frac: float = 1.0
+    """Cosine only: the fraction of the run (after warm-up) over which the lr decays to 0, at its end; before
+    that it stays at `lr` (warm-up-stable-decay). 1 = decay over the whole run."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm (0 = off)."""
     policy_loss: str = "ppo_clip"
@@ -173,7 +177,7 @@ class TrainConfig:
     drop_zero_adv_groups: bool = False
     """Skip groups whose advantages are all zero (no signal): they leave the loss and its normaliser (DAPO's
     dynamic sampling without the resampling), and their forward and backward passes are not run at all. A
-    minibatch left with no sample takes no optimizer step (nor a step of the lr schedule)."""
+    minibatch left with no sample takes no optimizer step."""
     per_prompt_stats: bool = False
     """Normalise with DDPO's per-prompt stat tracker (history across epochs) instead of the batch's groups."""
     stat_buffer_size: int = 32
@@ -558,6 +562,9 @@ def validate(cfg: Config) -> None:
         problems.append(f"train.epochs must be >= 0 and train.inner_epochs >= 1, got {t.epochs}, {t.inner_epochs}")
     if t.lr <= 0:
         problems.append(f"train.lr must be > 0, got {t.lr}")
+    if not 0 < t.decay_frac <= 1:
+        problems.append(f"train.decay_frac must be in (0, 1] (the run's share that the cosine decays over), "
+                        f"got {t.decay_frac}")
     if t.beta < 0:
         problems.append(f"train.beta must be >= 0, got {t.beta}")
     if not 0 <= t.ema_decay < 1:

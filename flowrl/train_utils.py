@@ -63,18 +63,25 @@ class EMA:
         self.shadow = {n: state[n].float().clone() for n in self.shadow}
 
 
-def lr_lambda(warmup_steps: int, total_steps: int, schedule: str):
-    """Multiplier of the base lr at optimizer step k: linear warm-up, then constant or cosine to 0."""
+def lr_lambda(warmup_steps: int, total_steps: int, schedule: str, decay_frac: float = 1.0):
+    """Multiplier of the base lr at optimizer-step slot k (0-based): linear warm-up over `warmup_steps`, then
+    constant, or cosine to 0. With `decay_frac` f < 1 the cosine holds the lr constant first and decays over
+    the last f of the steps after warm-up only (warm-up-stable-decay):
+        m(k) = 1                                   for k < K - f (K - W)
+        m(k) = (1 + cos(pi p)) / 2,  p = (k - (K - f (K - W))) / (f (K - W))   after,
+    with K = total_steps, W = warmup_steps; m = 0 from k = K on."""
     if schedule not in ("constant", "cosine"):
         raise ValueError(f"unknown lr schedule {schedule!r}; valid: constant, cosine")
+    if not 0 < decay_frac <= 1:
+        raise ValueError(f"lr decay fraction must be in (0, 1], got {decay_frac}")
 
     def fn(step: int) -> float:
         if warmup_steps > 0 and step < warmup_steps:
             return (step + 1) / warmup_steps
         if schedule == "constant":
             return 1.0
-        span = max(1, total_steps - warmup_steps)
-        progress = min(1.0, (step - warmup_steps) / span)
+        span = max(1.0, decay_frac * (total_steps - warmup_steps))
+        progress = min(1.0, max(0.0, (step - (total_steps - span)) / span))
         return 0.5 * (1 + math.cos(math.pi * progress))
 
     return fn

@@ -171,9 +171,10 @@ class Trainer:
             raise ValueError(f"train.minibatch_size={self.minibatch} must divide the per-process batch {self.batch_local}")
         self.opt = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.adam_betas), eps=t.adam_eps,
                                      weight_decay=t.weight_decay)
-        steps_per_epoch = t.inner_epochs * (self.batch_local // self.minibatch)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lr_lambda(t.warmup_steps, t.epochs * steps_per_epoch, t.schedule))
+        # the lr is a function of the minibatch's slot in the run, set before each optimizer step: resuming needs
+        # no scheduler state, and a minibatch that takes no step (all its groups dropped) does not delay it
+        self.slots_per_epoch = t.inner_epochs * (self.batch_local // self.minibatch)
+        self.lr_factor = lr_lambda(t.warmup_steps, t.epochs * self.slots_per_epoch, t.schedule, t.decay_frac)
         self.ema = EMA(self.named_params.items(), t.ema_decay) if t.ema_decay > 0 else None
         self.tracker = core.PerPromptStatTracker(t.stat_buffer_size, t.stat_min_count) if t.per_prompt_stats else None
         self.rewards = build_reward_fns(cfg, self.policy.reward_kind)
@@ -217,7 +218,7 @@ class Trainer:
             metrics.update({f"time/{k}": v for k, v in self.timer.pop().items()})
             metrics["perf/samples_per_s"] = self.batch_total / seconds
             metrics["perf/trained_steps_x_samples_per_s"] = metrics.pop("_trained_units", 0) / seconds
-            metrics["lr"] = self.sched.get_last_lr()[0]
+            metrics["lr"] = self.opt.param_groups[0]["lr"]
             if cfg.eval.every and (epoch + 1) % cfg.eval.every == 0 and epoch + 1 < cfg.train.epochs:
                 metrics.update(self.evaluate(tag=f"epoch{epoch + 1:06d}"))
             if (epoch + 1) % cfg.log.every == 0 or epoch + 1 == cfg.train.epochs:
@@ -307,7 +308,9 @@ class Trainer:
         for inner in range(t.inner_epochs):
             gen = torch.Generator().manual_seed(derive_seed(t.seed, epoch, inner, self.acc.process_index, 7))
             perm = torch.randperm(self.batch_local, generator=gen)
+            per_pass = self.batch_local // self.minibatch
             for mb_start in range(0, self.batch_local, self.minibatch):
+                slot = (epoch * t.inner_epochs + inner) * per_pass + mb_start // self.minibatch
                 idx = perm[mb_start: mb_start + self.minibatch]
                 # samples outside the loss (groups dropped for zero advantage) are masked out of every term,
                 # so they are not computed at all: the same loss and gradient, fewer forward passes
@@ -324,14 +327,14 @@ class Trainer:
                 trained += len(idx) * n_units
                 if not self.any_process(len(idx) > 0):
                     # nothing to learn from anywhere: no optimizer step (AdamW would move the weights on a zero
-                    # gradient, by its momentum and weight decay), so none on the lr schedule either
+                    # gradient, by its momentum and weight decay)
                     continue
                 if not len(idx):  # only this process's slice is empty: it adds zero gradients to the average
                     for p in self.params:
                         p.grad = torch.zeros_like(p)
                 grad_norm = self.sync_and_clip()
+                self.set_lr(slot)
                 self.opt.step()
-                self.sched.step()
                 if self.ema is not None:
                     self.ema.update()
                 self.state.optimizer_steps += 1
@@ -358,6 +361,11 @@ class Trainer:
 
     def unit_loss(self, out, adv: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, dict]:
         return unit_loss(out, adv, keep, self.cfg.train, self.policy.aggregation, self.policy.entropy_coef)
+
+    def set_lr(self, slot: int) -> None:
+        """The scheduled lr of minibatch slot `slot` (0-based over the whole run)."""
+        for g in self.opt.param_groups:
+            g["lr"] = self.cfg.train.lr * self.lr_factor(slot)
 
     def sync_and_clip(self) -> float:
         """Average gradients over processes (one flat all-reduce), then clip by global norm; returns the norm."""
@@ -438,7 +446,7 @@ class Trainer:
     def save(self) -> Path | None:
         path = None
         if self.main:
-            st = {"counters": vars(self.state), "sched": self.sched.state_dict(),
+            st = {"counters": vars(self.state),
                   "tracker": self.tracker.state_dict() if self.tracker else None, "config": to_dict(self.cfg)}
             extra = {}
             if self.policy.can_export:
@@ -469,7 +477,6 @@ class Trainer:
         if "optimizer" in ck:
             self.opt.load_state_dict(ck["optimizer"])
         st = ck["state"]
-        self.sched.load_state_dict(st["sched"])
         if self.ema is not None and "ema" in ck:
             self.ema.load_state_dict(ck["ema"])
         if self.tracker is not None and st.get("tracker"):

@@ -40,6 +40,7 @@ def test_unknown_key_names_close_valid_keys(tmp_path):
     ("train.policy_loss=ppo", "valid: gspo, ppo_clip"),
     ("sample.window.kind=fixed", "window"),
     ("train.dual_clip=0.5", "dual_clip must be > 1"),
+    ("train.decay_frac=0", r"train.decay_frac must be in \(0, 1\]"),
     ("rewards=[{name: shapes_geneval, weight: 0}]", "every weight is 0 .shapes_geneval., so there is nothing"),
 ])
 def test_bad_values_are_errors_before_work(override, message):

@@ -79,7 +79,7 @@ def test_two_epochs_train_lora_log_finite_and_export(tmp_path):
 
 
 def test_resume_equals_straight_run(tmp_path):
-    extra = ["train.epochs=4", "checkpoint.every=2", "checkpoint.keep=0", "train.schedule=cosine",
+    extra = ["train.epochs=4", "checkpoint.every=2", "checkpoint.keep=0", "train.schedule=cosine", "train.decay_frac=0.5",
              "train.warmup_steps=2", "train.ema_decay=0.5", "train.per_prompt_stats=true", "train.stat_min_count=2",
              "train.beta=0.01", "eval.grid=false"]
     straight = Trainer(tiny_cfg(tmp_path / "a", *extra))
@@ -301,7 +301,7 @@ def test_dropped_samples_are_not_computed_and_the_update_is_unchanged(tmp_path):
     # ... whose minibatches of dropped samples only take no optimizer step (AdamW moves on a zero gradient)
     opt_step = masked.opt.step
 
-    @functools.wraps(opt_step)  # keeps the marks the lr scheduler puts on optimizer.step
+    @functools.wraps(opt_step)
     def step_if_any_kept():
         return opt_step() if real_keep["keep"][masked_idx[-1]].any() else None
     masked.opt.step = step_if_any_kept
@@ -316,27 +316,31 @@ def test_dropped_samples_are_not_computed_and_the_update_is_unchanged(tmp_path):
         torch.testing.assert_close(p, masked.named_params[n], rtol=0, atol=1e-6)
     assert out_fast["policy/ratio_first_dev"] <= 1e-4                # from the first minibatch that trained
     # nothing kept: no forward pass, no ratio (not a spurious off-policy warning), and no optimizer step: AdamW
-    # would move the weights on a zero gradient (momentum, weight decay), so the lr schedule does not advance
+    # would move the weights on a zero gradient (momentum, weight decay)
     fast_idx.clear()
     none = torch.zeros(8, dtype=torch.bool)
-    before, steps, lr_steps = trained_weights(fast), fast.state.optimizer_steps, fast.sched.last_epoch
+    before, steps = trained_weights(fast), fast.state.optimizer_steps
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out = fast.update(batch, torch.zeros(8), none, epoch=1)
     assert not fast_idx and "policy/ratio_first" not in out and out["_trained_units"] == 0
     assert all(torch.equal(p, before[n]) for n, p in fast.named_params.items())
-    assert fast.state.optimizer_steps == steps and fast.sched.last_epoch == lr_steps
+    assert fast.state.optimizer_steps == steps
 
 
 def test_an_empty_leading_minibatch_does_not_step_before_the_on_policy_check(tmp_path):
     """With drop_zero_adv_groups, an epoch's first minibatch may hold only dropped samples. The first minibatch
-    that trains must still see the rollout's weights (ratio 1): the empty one takes no optimizer step."""
+    that trains must still see the rollout's weights (ratio 1): the empty one takes no optimizer step. The lr
+    schedule follows the minibatch's slot in the run, so the skipped slot does not delay it."""
     import warnings
 
     from flowrl.trainer import derive_seed
 
     tr = Trainer(tiny_cfg(tmp_path, "train.drop_zero_adv_groups=true", "train.minibatch_size=2", "eval.grid=false",
-                          "train.lr=1e-2"))
+                          "train.lr=1e-2", "train.epochs=2", "train.schedule=cosine", "train.decay_frac=0.5"))
+    lrs = []
+    opt_step = tr.opt.step
+    tr.opt.step = lambda: (lrs.append(tr.opt.param_groups[0]["lr"]), opt_step())[1]
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0, 0.5, -0.5])
     tr.update(tr.rollout(epoch=0), adv, torch.ones(8, dtype=torch.bool), epoch=0)  # Adam now has momentum
     batch = tr.rollout(epoch=1)                                                    # on-policy again
@@ -350,6 +354,10 @@ def test_an_empty_leading_minibatch_does_not_step_before_the_on_policy_check(tmp
     assert tr.state.optimizer_steps == steps + 3     # 4 minibatches, the empty one skipped: the perm matched
     assert out["policy/ratio_first_dev"] <= 1e-6
     assert max((p - before[n]).abs().max().item() for n, p in tr.named_params.items()) > 0
+    # 8 slots, the cosine over the last half (slots 4-7): epoch 0 at the full lr; epoch 1 skips slot 4 and
+    # steps at slots 5, 6, 7, i.e. (1 + cos(pi k / 4)) / 2 for k = 1, 2, 3
+    expected = [1e-2] * 4 + [1e-2 * (1 + math.cos(math.pi * k / 4)) / 2 for k in (1, 2, 3)]
+    assert lrs == pytest.approx(expected, rel=1e-12)
 
 
 def test_tensorboard_through_accelerate_trackers(tmp_path):
