@@ -41,12 +41,13 @@ def plot_curves(run_dir: str | Path, out: str | Path | None = None, title: str |
         ax_r.plot(x, smooth, color="#c33", lw=1.6, label=f"moving average ({k})")
         ax_r.legend(frameon=False, fontsize=8)
     ax_r.set(xlabel="epoch", ylabel="training reward", title="reward")
-    eval_keys = headline_eval_keys(rows)
-    for key in eval_keys:
+    plotted = False
+    for key in headline_eval_keys(rows):
         ex, ey = _series(rows, key)
         if ex:
             ax_e.plot(ex, ey, marker="o", ms=3, label=key[len("eval/"):])
-    if eval_keys:
+            plotted = True
+    if plotted:
         ax_e.legend(frameon=False, fontsize=8)
     ax_e.set(xlabel="epoch", title="held-out eval")
     if title:
