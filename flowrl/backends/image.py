@@ -220,11 +220,18 @@ class ImageBackend:
         batch = len(prompts) * group_size
         prompt_ids = encodings.ids_for(prompts).repeat_interleave(group_size)
         group_ids = torch.arange(len(prompts)).repeat_interleave(group_size)
+        # with one initial noise per group, a group's rows stay equal until its first stochastic step: the
+        # model is evaluated once per group there (the same per-row arithmetic, 1/group_size of the work)
+        shared_until = 0
         if latents is None:
             n = len(prompts) if same_noise_per_group else batch
             latents = self._initial_noise(n, settings, generator)
             if same_noise_per_group:
                 latents = latents.repeat_interleave(group_size, dim=0)
+                stochastic = sde_mask.nonzero()
+                shared_until = int(stochastic[0]) + 1 if len(stochastic) else num_steps
+            if group_size == 1:
+                shared_until = 0
         else:
             expected = (batch, *self._latent_shape(settings))
             if tuple(latents.shape) != expected:
@@ -240,8 +247,13 @@ class ImageBackend:
             step_generator = torch.Generator(device=self.device).manual_seed(seed_for_steps)
         schedule = self._schedule(num_steps, settings)
         cond = self._condition(encodings, prompt_ids)
+        cond_per_group = self._condition(encodings, prompt_ids[::group_size]) if shared_until else None
 
         def denoise(x: Tensor, i: int) -> Tensor:
+            if i < shared_until:  # steps up to and including the first stochastic one see equal rows per group
+                steps = torch.full((len(prompts),), i, dtype=torch.long, device=self.device)
+                out = self._predict(x[::group_size], schedule.timesteps[steps], cond_per_group, encodings, settings)
+                return out.repeat_interleave(group_size, dim=0)
             steps = torch.full((batch,), i, dtype=torch.long, device=self.device)
             return self._predict(x, schedule.timesteps[steps], cond, encodings, settings)
 
