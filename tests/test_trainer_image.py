@@ -470,7 +470,7 @@ def redness_reward():
 
     from rewards.registry import REWARDS, register
 
-    name = "_test_redness"
+    name = "test_redness"  # no leading underscore: matplotlib hides such labels from the legend
 
     @register(name, kind="image")
     def factory(**kwargs):
