@@ -502,3 +502,61 @@ def test_grpo_raises_the_reward_it_is_given(tmp_path, redness_reward):
     # measured: 0.0046 -> 0.0134 (train), 0.0061 -> 0.0256 (eval); the random model's images are grey-ish
     assert last > first + 0.004
     assert evals[1] > evals[0] + 0.008
+
+
+def test_deterministic_steps_run_with_the_lora_merged(tmp_path):
+    """The rollout's ODE steps (and the eval) run with W + s B A folded into the base weights: the same function
+    as the adapter's three matmuls, up to float rounding. The SDE steps, whose log-probs are trained, run on
+    the adapter as training does, so their log-probs and the latents they start from are exactly those of an
+    unmerged rollout; and afterwards every base weight is again the very tensor it was."""
+    import contextlib
+
+    tr = Trainer(tiny_cfg(tmp_path, "sample.num_steps=5", "sample.window={kind: fixed, start: 1, size: 2}",
+                          "eval.grid=false"))
+    den = tr.policy.backend.denoiser
+    with torch.no_grad():
+        for n, p in den.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)                     # lora_B starts at 0: make the adapter do something
+    layers = tr.policy._lora_layers()
+    base_before = [(m.base_layer.weight, m.base_layer.weight.detach().clone()) for m in layers]
+    calls = []
+    merged = tr.policy.merged_adapter
+
+    @contextlib.contextmanager
+    def counting():
+        with merged():
+            calls.append(1)
+            yield
+    prompts, meta = ["a red circle"] * 4, [{}] * 4
+    tr.policy.merged_adapter = counting
+    a = tr.policy.rollout(prompts, meta, epoch=0, generator=torch.Generator().manual_seed(3)).traj
+    assert len(calls) == 3                              # steps 0, 3, 4 are ODE steps; 1, 2 are the SDE window
+    tr.policy.merged_adapter = contextlib.nullcontext
+    b = tr.policy.rollout(prompts, meta, epoch=0, generator=torch.Generator().manual_seed(3)).traj
+    tr.policy.merged_adapter = merged
+    # step 0 (ODE, merged) gives the window's start: equal up to rounding; from there the window is computed
+    # unmerged on both, so recomputing its log-probs (as training does) gives the recorded ones
+    assert (a.latents[:, 1] - b.latents[:, 1]).abs().max() <= 1e-5
+    assert (a.latents - b.latents).abs().max() <= 1e-4
+    out = tr.policy.backend.step_log_prob(a, [1, 2])
+    assert (out.log_prob - a.log_probs[:, [1, 2]]).abs().max() <= 1e-5
+    for w, before in base_before:
+        assert torch.equal(w, before)                   # restored exactly
+    assert all(not m.merged and not m.disable_adapters for m in layers)
+    # the merge really folds in the adapter: a merged forward differs from the adapter switched off
+    x, t = a.latents[:, 0], torch.full((4,), 500.0)
+    text = dict(encoder_hidden_states=torch.zeros(4, 16, den.config.joint_attention_dim),
+                pooled_projections=torch.zeros(4, den.config.pooled_projection_dim))
+    with torch.no_grad():
+        with merged():
+            assert all(m.disable_adapters for m in layers)               # the adapter is folded in, not added
+            assert all(not torch.equal(m.base_layer.weight, before) for m, (_, before) in zip(layers, base_before))
+            y_merged = den(hidden_states=x, timestep=t, **text).sample
+        y_adapter = den(hidden_states=x, timestep=t, **text).sample
+        with tr.policy.reference():
+            y_base = den(hidden_states=x, timestep=t, **text).sample
+    assert (y_merged - y_adapter).abs().max() <= 1e-5 < (y_adapter - y_base).abs().max()
+    # with a gradient the merge does nothing (a trained pass must see the adapter)
+    with merged():
+        assert all(not m.disable_adapters for m in layers)

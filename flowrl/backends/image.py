@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
@@ -164,6 +165,7 @@ class ImageBackend:
         record_means: bool = False,
         decode: bool = True,
         logprob_reduce: str = "mean",
+        deterministic_context: Callable[[], AbstractContextManager] | None = None,
     ) -> Trajectory:
         """Sample `group_size` images per prompt and record every step (under no_grad).
 
@@ -186,6 +188,8 @@ class ImageBackend:
         record_means: also keep the transition means [B, S, ...] (float32; memory heavy).
         decode: decode the final latents to PIL images (`traj.images`).
         logprob_reduce: "mean" | "sum" of the per-element log-density.
+        deterministic_context: a context the deterministic steps run in (their outputs are neither trained
+            nor scored), e.g. the policy's LoRA merged into the weights; the stochastic steps run outside it.
         """
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts:
@@ -249,7 +253,15 @@ class ImageBackend:
         cond = self._condition(encodings, prompt_ids)
         cond_per_group = self._condition(encodings, prompt_ids[::group_size]) if shared_until else None
 
+        stochastic_steps = sde_mask.tolist()
+
         def denoise(x: Tensor, i: int) -> Tensor:
+            if deterministic_context is not None and not stochastic_steps[i]:
+                with deterministic_context():
+                    return predict(x, i)
+            return predict(x, i)
+
+        def predict(x: Tensor, i: int) -> Tensor:
             if i < shared_until:  # steps up to and including the first stochastic one see equal rows per group
                 steps = torch.full((len(prompts),), i, dtype=torch.long, device=self.device)
                 out = self._predict(x[::group_size], schedule.timesteps[steps], cond_per_group, encodings, settings)
