@@ -153,8 +153,10 @@ class ImagePolicy:
         from peft.tuners.lora.layer import Linear as LoraLinear
 
         layers = self._lora_layers() if self.cfg.lora.enabled and self.ref_copy is None else []
+        # plain LoRA layers, active (not inside `reference()`), and a pass without gradient; else as it is
         if (not layers or self.cfg.lora.dropout > 0 or torch.is_grad_enabled()
-                or not all(isinstance(m, LoraLinear) and not m.merged and not any(m.use_dora.values())
+                or not all(isinstance(m, LoraLinear) and not m.merged and not m.disable_adapters
+                           and not any(m.use_dora.values()) and any(a in m.lora_A for a in m.active_adapters)
                            for m in layers)):
             yield
             return

@@ -557,6 +557,9 @@ def test_deterministic_steps_run_with_the_lora_merged(tmp_path):
         with tr.policy.reference():
             y_base = den(hidden_states=x, timestep=t, **text).sample
     assert (y_merged - y_adapter).abs().max() <= 1e-5 < (y_adapter - y_base).abs().max()
-    # with a gradient the merge does nothing (a trained pass must see the adapter)
+    # with a gradient the merge does nothing (a trained pass must see the adapter), nor inside the reference
+    # policy (the adapter is off there: folding it in would change the function)
     with merged():
         assert all(not m.disable_adapters for m in layers)
+    with torch.no_grad(), tr.policy.reference(), merged():
+        assert all(torch.equal(m.base_layer.weight, before) for m, (_, before) in zip(layers, base_before))
