@@ -86,12 +86,16 @@ class TextPolicy:
             from peft import LoraConfig, get_peft_model
 
             torch.manual_seed(derive_seed(cfg.train.seed, 0x10BA))
+            from transformers.pytorch_utils import Conv1D
+
             lcfg = LoraConfig(
                 r=cfg.lora.rank,
                 lora_alpha=cfg.lora.alpha,
                 lora_dropout=cfg.lora.dropout,
                 target_modules=cfg.lora.target_modules,
                 task_type="CAUSAL_LM",
+                # GPT-2's Conv1D stores its weight transposed (fan_in x fan_out); peft corrects it with a warning
+                fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()),
             )
             model = get_peft_model(model, lcfg)
             for name, p in model.named_parameters():
