@@ -178,6 +178,10 @@ class TrainConfig:
     """Skip groups whose advantages are all zero (no signal): they leave the loss and its normaliser (DAPO's
     dynamic sampling without the resampling), and their forward and backward passes are not run at all. A
     minibatch left with no sample takes no optimizer step."""
+    dropped_norm: Literal["kept", "minibatch"] = "kept"
+    """With drop_zero_adv_groups, what the minibatch's loss is divided by: its kept samples (DAPO), or all its
+    samples, the dropped ones counted as zero (the plain GRPO normaliser: the same gradient as not dropping,
+    when beta = 0). With `minibatch` a minibatch with little signal takes a smaller step."""
     per_prompt_stats: bool = False
     """Normalise with DDPO's per-prompt stat tracker (history across epochs) instead of the batch's groups."""
     stat_buffer_size: int = 32

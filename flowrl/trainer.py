@@ -314,14 +314,17 @@ class Trainer:
                 idx = perm[mb_start: mb_start + self.minibatch]
                 # samples outside the loss (groups dropped for zero advantage) are masked out of every term,
                 # so they are not computed at all: the same loss and gradient, fewer forward passes
+                n_slot = len(idx)
                 idx = idx[keep[idx]]
+                # the loss is a mean over the kept samples; `minibatch` rescales it to a mean over the slot
+                norm = len(idx) / n_slot if t.dropped_norm == "minibatch" else 1.0
                 self.opt.zero_grad(set_to_none=True)
                 mb_stats: dict[str, list] = {}
                 for unit in units if len(idx) else ():
                     out = self.policy.evaluate(batch, idx, unit, with_reference=t.beta > 0)
                     loss, stats = self.unit_loss(out, adv[idx], keep[idx])
                     # each unit's loss is a mean over its steps; weight by its share of all trained steps
-                    (loss * (len(unit) / n_units)).backward()
+                    (loss * (len(unit) / n_units * norm)).backward()
                     for k, v in stats.items():
                         mb_stats.setdefault(k, []).append(float(v))
                 trained += len(idx) * n_units

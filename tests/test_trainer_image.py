@@ -563,3 +563,31 @@ def test_deterministic_steps_run_with_the_lora_merged(tmp_path):
         assert all(not m.disable_adapters for m in layers)
     with torch.no_grad(), tr.policy.reference(), merged():
         assert all(torch.equal(m.base_layer.weight, before) for m, (_, before) in zip(layers, base_before))
+
+
+def test_dropped_norm_minibatch_gives_the_gradient_of_not_dropping(tmp_path):
+    """dropped_norm=minibatch divides by all of the minibatch's samples: the gradient of the full computation
+    where the dropped group is kept with zero advantages (beta = 0); `kept` divides by the kept ones only, a
+    gradient larger by (all / kept)."""
+    def grads_of(*extra, keep):
+        tr = Trainer(tiny_cfg(tmp_path / "_".join(extra), "eval.grid=false", *extra))
+        captured = {}
+        step = tr.opt.step
+
+        def capture():
+            captured.update({n: p.grad.detach().clone() for n, p in tr.named_params.items()})
+            return step()
+        tr.opt.step = capture
+        batch = tr.rollout(epoch=0)
+        adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, 0.0, 0.0, 0.0])   # group 1 (4 samples) has no signal
+        tr.update(batch, adv, keep, epoch=0)
+        return captured
+
+    dropped = torch.tensor([True] * 4 + [False] * 4)
+    full = grads_of("train.drop_zero_adv_groups=false", keep=torch.ones(8, dtype=torch.bool))
+    by_batch = grads_of("train.drop_zero_adv_groups=true", "train.dropped_norm=minibatch", keep=dropped)
+    by_kept = grads_of("train.drop_zero_adv_groups=true", keep=dropped)
+    assert max(g.abs().max().item() for g in full.values()) > 0
+    for n, g in full.items():
+        torch.testing.assert_close(by_batch[n], g, rtol=1e-4, atol=1e-9)
+        torch.testing.assert_close(by_kept[n], 2 * g, rtol=1e-4, atol=1e-9)      # 8 samples / 4 kept
