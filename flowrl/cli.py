@@ -148,8 +148,7 @@ def _demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .config import load_config
-    from .images import before_after
-    from .report import plot_curves
+    from .report import result_keys
     from .train_utils import read_metrics
     from .trainer import train
 
@@ -173,24 +172,18 @@ def _demo(args: argparse.Namespace) -> int:
           f"{cfg.train.epochs} epochs of {cfg.sample.prompts_per_epoch} prompts x {cfg.sample.group_size} images, "
           f"on the CPU")
     t0 = time.perf_counter()
-    train(cfg)
+    train(cfg)  # what `flowrl train` runs: it evaluates before and after and draws the figures
     minutes = (time.perf_counter() - t0) / 60
     run = Path(cfg.log.run_dir)
     rows = read_metrics(run / "metrics.jsonl")
-    name, group = cfg.rewards[0].name, cfg.eval.group_by
-    candidates = ([f"eval/{name}/strict_{group}_mean"] if group else []) + [
-        f"eval/{name}/strict_mean", f"eval/{name}_mean"]
-    keys = [k for k in candidates if k in rows[0]]  # headline first: GenEval's overall when grouped
-    evals = [r for r in rows if keys[0] in r]
-    before, after = evals[0][keys[0]], evals[-1][keys[0]]
-    grid = before_after(run / "eval-epoch000000.png", run / "eval-final.png", run / "before_after.png",
-                        labels=(f"before: {before:.3f}", f"after: {after:.3f}"))
-    curves = plot_curves(run, title=f"{cfg.model.path}: {keys[0]}")
-    for key in keys:
+    for key in result_keys(rows, cfg.rewards[0].name, cfg.eval.group_by):  # headline first: GenEval's overall
+        evals = [r for r in rows if key in r]
         b, a = evals[0][key], evals[-1][key]
         print(f"{key}: before {b:.3f} -> after {a:.3f} ({a - b:+.3f})")
     print(f"wall-clock {minutes:.1f} min")
-    print(f"wrote {grid} and {curves}")
+    figures = [str(f) for f in (run / "before_after.png", run / "curves.png") if f.exists()]
+    if figures:
+        print("wrote " + " and ".join(figures))
     return 0
 
 

@@ -19,6 +19,37 @@ def headline_eval_keys(rows: list[dict]) -> list[str]:
     return sorted({k for r in rows for k in r if k.startswith("eval/") and "_by_" not in k})
 
 
+def result_keys(rows: list[dict], reward: str, group_by: str = "") -> list[str]:
+    """The eval metrics a run reports as its result, headline first, among those `rows` hold: with `group_by`, the
+    mean over its groups (GenEval's overall), then the plain mean; a reward's `strict` component (strict
+    correctness) before the reward's own value. Empty when nothing was evaluated."""
+    groups = [f"eval/{reward}/strict_{group_by}_mean", f"eval/{reward}_{group_by}_mean"] if group_by else []
+    candidates = groups + [f"eval/{reward}/strict_mean", f"eval/{reward}_mean"]
+    present = {k for r in rows for k in r}
+    return [k for k in candidates if k in present]
+
+
+def write_before_after(run_dir: str | Path, reward: str, group_by: str = "") -> Path | None:
+    """`before_after.png` from a run's first and final eval grids (`eval-epoch000000.png`, `eval-final.png`: the
+    same prompts and seeds), captioned with the headline metric (`result_keys`). None when the run has no
+    such pair of grids (text runs, `eval.before: false`, `eval.grid: false`)."""
+    from .images import before_after
+
+    run_dir = Path(run_dir)
+    first, final = run_dir / "eval-epoch000000.png", run_dir / "eval-final.png"
+    if not (first.exists() and final.exists()):
+        return None
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    keys = result_keys(rows, reward, group_by)
+    evals = [r for r in rows if keys and keys[0] in r]
+    if len(evals) < 2:
+        labels = ("before", "after")
+    else:
+        key = keys[0][len("eval/"):]
+        labels = (f"before: {key} {evals[0][keys[0]]:.3f}", f"after: {evals[-1][keys[0]]:.3f}")
+    return before_after(first, final, run_dir / "before_after.png", labels=labels)
+
+
 def plot_curves(run_dir: str | Path, out: str | Path | None = None, title: str | None = None) -> Path:
     """Write `curves.png` (or `out`): left, the mean training reward per epoch (and a moving average); right,
     the headline eval metrics (`headline_eval_keys`) against the epoch. Returns the PNG's path."""

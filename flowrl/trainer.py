@@ -20,7 +20,7 @@ from . import core
 from .checkpoint import read_checkpoint, resolve_resume, set_rng_state, write_checkpoint
 from .config import Config, to_dict
 from .data import load_prompts, require_column
-from .train_utils import EMA, MetricsLog, Timer, eval_plan, eval_summary, lr_lambda, seed_everything
+from .train_utils import EMA, MetricsLog, Timer, eval_plan, eval_summary, lr_lambda, read_metrics, seed_everything
 
 #: |ratio - 1| above this on the first (on-policy) minibatch of an epoch means the recomputed
 #: log-probs do not match the recorded ones: a warning, and `policy/ratio_first` shows it.
@@ -235,9 +235,12 @@ class Trainer:
             last.update(final)
             self.save()
             if self.main:
-                from .report import plot_curves
+                from .report import plot_curves, result_keys, write_before_after
 
-                plot_curves(self.run_dir)
+                reward, group = cfg.rewards[0].name, cfg.eval.group_by
+                keys = result_keys(read_metrics(self.run_dir / "metrics.jsonl"), reward, group)
+                plot_curves(self.run_dir, title=f"{cfg.model.path}: {keys[0]}" if keys else None)
+                write_before_after(self.run_dir, reward, group)
         if self.world > 1:
             last["dist/replica_max_abs_diff"] = self.replica_divergence()
             self.log.log({"dist/replica_max_abs_diff": last["dist/replica_max_abs_diff"]}, step=self.state.epochs_done)

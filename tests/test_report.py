@@ -5,7 +5,7 @@ import json
 import pytest
 from PIL import Image
 
-from flowrl.report import headline_eval_keys, plot_curves
+from flowrl.report import headline_eval_keys, plot_curves, result_keys, write_before_after
 
 
 def test_plot_curves_writes_a_png(tmp_path):
@@ -41,3 +41,29 @@ def test_an_eval_key_without_numbers_draws_no_empty_legend(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert plot_curves(tmp_path).exists()
+
+
+def test_result_keys_put_the_grouped_strict_mean_first_and_skip_what_was_not_logged():
+    rows = [{"epoch": 0, "eval/g_mean": 0.4, "eval/g/strict_mean": 0.2, "eval/g/strict_family_mean": 0.3,
+             "eval/g_family_mean": 0.35}, {"epoch": 1, "reward/total_mean": 0.5}]
+    assert result_keys(rows, "g", "family") == [
+        "eval/g/strict_family_mean", "eval/g_family_mean", "eval/g/strict_mean", "eval/g_mean"]
+    assert result_keys(rows, "g") == ["eval/g/strict_mean", "eval/g_mean"]
+    assert result_keys([{"epoch": 0, "eval/h_mean": 0.1}], "h", "family") == ["eval/h_mean"]
+    assert result_keys(rows, "other") == []
+
+
+def test_before_after_is_captioned_with_the_headline_and_needs_both_grids(tmp_path):
+    rows = [{"epoch": 0, "eval/g_mean": 0.25}, {"epoch": 5, "eval/g_mean": 0.5, "final": True}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    Image.new("RGB", (40, 30), (255, 0, 0)).save(tmp_path / "eval-epoch000000.png")
+    assert write_before_after(tmp_path, "g") is None  # no final grid (a text run, or eval.grid off)
+    Image.new("RGB", (40, 30), (0, 0, 255)).save(tmp_path / "eval-final.png")
+    out = write_before_after(tmp_path, "g")
+    assert out == tmp_path / "before_after.png"
+    with Image.open(out) as im:
+        im = im.convert("RGB")
+        assert im.width > 80 and im.height > 30
+        # the first grid on the left, the final one on the right, below the caption strip
+        assert im.getpixel((10, im.height - 10)) == (255, 0, 0)
+        assert im.getpixel((im.width - 10, im.height - 10)) == (0, 0, 255)

@@ -41,6 +41,8 @@ def test_shapes_preset_one_epoch(tmp_path, monkeypatch):
     # the preset breaks eval down by GenEval family and logs their mean (GenEval's overall)
     assert any("eval/shapes_geneval/strict_family_mean" in r for r in rows)
     assert (tmp_path / "eval-epoch000000.png").exists() and (tmp_path / "eval-final.png").exists()
+    # `flowrl train` itself draws the figures the issue asks of the demo, not only `flowrl demo`
+    assert (tmp_path / "before_after.png").stat().st_size > 0 and (tmp_path / "curves.png").stat().st_size > 0
     if epoch["adv/abs_max"] > 0:  # a group with different rewards moved the LoRA
         assert any((p.detach() - before[n]).abs().max() > 0 for n, p in tr.named_params.items())
 
@@ -51,14 +53,37 @@ def test_demo_command_reports_and_writes_figures(tmp_path, monkeypatch, capsys):
     from flowrl.cli import main
 
     monkeypatch.chdir(ROOT)
-    main(["demo", "configs/shapes.yaml", f"log.run_dir={tmp_path}", "train.epochs=1", "sample.prompts_per_epoch=2",
-          "eval.num_prompts=2", "eval.images_per_prompt=2", "eval.num_steps=4", "log.progress=false"])
+    overrides = ["sample.prompts_per_epoch=2", "eval.num_prompts=2", "eval.images_per_prompt=2", "eval.num_steps=4"]
+    main(["demo", "configs/shapes.yaml", f"log.run_dir={tmp_path}", "train.epochs=1", "log.progress=false",
+          *overrides])
     out = capsys.readouterr().out
     assert "eval/shapes_geneval/strict_family_mean: before" in out  # the headline, GenEval's overall
     assert "eval/shapes_geneval/strict_mean: before" in out
     assert "wall-clock" in out
     assert "trained on 1 x shapes_geneval," in out  # the banner names what the preset trains on, with weights
     assert (tmp_path / "before_after.png").stat().st_size > 0 and (tmp_path / "curves.png").stat().st_size > 0
+    # the demo's before and after are what `flowrl eval` measures: the base model, then the run's checkpoint
+    # (its EMA weights), the same images and the same scores
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    key = "eval/shapes_geneval/strict_family_mean"
+    first, last = [r for r in rows if key in r][0], [r for r in rows if key in r][-1]
+    ckpt = sorted(tmp_path.glob("ckpt-*"))[-1]
+    for checkpoint, logged, grid in ((None, first, "eval-epoch000000.png"), (ckpt, last, "eval-final.png")):
+        out = tmp_path / ("eval-" + (checkpoint.name if checkpoint else "base"))
+        main(["eval", "configs/shapes.yaml", *overrides, "--out", str(out)]
+             + (["--checkpoint", str(checkpoint)] if checkpoint else []))
+        result = json.loads((out / "eval.json").read_text())
+        assert result[key] == pytest.approx(logged[key], abs=1e-9)
+        assert result["eval/shapes_geneval/fraction_mean"] == pytest.approx(
+            logged["eval/shapes_geneval/fraction_mean"], abs=1e-6)
+        assert _pixels(out / "eval.png") == _pixels(tmp_path / grid)
+
+
+def _pixels(path):
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return im.convert("RGB").tobytes()
 
 
 def test_describe_rewards_names_weights_and_report_only_rewards():
