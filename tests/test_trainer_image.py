@@ -373,6 +373,7 @@ def test_cli_train_eval_sample(tmp_path, capsys):
     args = [*TINY, f"log.run_dir={run}", "train.epochs=1"]
     cfg_file = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
     assert main(["train", str(cfg_file), *args]) == 0
+    assert (run / "before_after.png").exists() and (run / "curves.png").exists()
     ckpt = run / "ckpt-000001"
     assert main(["eval", str(cfg_file), *TINY, "--checkpoint", str(ckpt), "--out", str(tmp_path / "ev")]) == 0
     result = json.loads((tmp_path / "ev" / "eval.json").read_text())
@@ -381,6 +382,20 @@ def test_cli_train_eval_sample(tmp_path, capsys):
     assert main(["sample", str(cfg_file), *TINY, "--checkpoint", str(ckpt), "--prompt", "a red circle",
                  "--prompt", "a blue square", "--num", "2", "--out", str(tmp_path / "imgs")]) == 0
     assert len(list((tmp_path / "imgs").glob("*.png"))) == 4
+
+
+def test_no_before_after_grid_without_a_before_eval(tmp_path):
+    from PIL import Image
+
+    from flowrl.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    Image.new("RGB", (8, 8)).save(run / "eval-epoch000000.png")  # an earlier run's, in a reused directory
+    cfg_file = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
+    assert main(["train", str(cfg_file), *TINY, f"log.run_dir={run}", "train.epochs=1", "eval.before=false"]) == 0
+    assert (run / "eval-final.png").exists() and (run / "curves.png").exists()
+    assert not (run / "before_after.png").exists()
 
 
 def test_eval_weights_choose_the_ema_or_the_trained_weights(tmp_path):
