@@ -29,24 +29,21 @@ def result_keys(rows: list[dict], reward: str, group_by: str = "") -> list[str]:
     return [k for k in candidates if k in present]
 
 
-def write_before_after(run_dir: str | Path, reward: str, group_by: str = "") -> Path | None:
+def write_before_after(run_dir: str | Path, rows: list[dict], key: str | None) -> Path | None:
     """`before_after.png` from a run's first and final eval grids (`eval-epoch000000.png`, `eval-final.png`: the
-    same prompts and seeds), captioned with the headline metric (`result_keys`). None when the run has no
-    such pair of grids (text runs, `eval.before: false`, `eval.grid: false`)."""
+    same prompts and seeds), captioned with metric `key`'s first and last values in `rows` (the run's metrics;
+    `key` from `result_keys`). None when the run has no such pair of grids (text runs, `eval.grid: false`)."""
     from .images import before_after
 
     run_dir = Path(run_dir)
     first, final = run_dir / "eval-epoch000000.png", run_dir / "eval-final.png"
     if not (first.exists() and final.exists()):
         return None
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    keys = result_keys(rows, reward, group_by)
-    evals = [r for r in rows if keys and keys[0] in r]
+    evals = [r for r in rows if key and key in r]
     if len(evals) < 2:
         labels = ("before", "after")
     else:
-        key = keys[0][len("eval/"):]
-        labels = (f"before: {key} {evals[0][keys[0]]:.3f}", f"after: {evals[-1][keys[0]]:.3f}")
+        labels = (f"before: {key[len('eval/'):]} {evals[0][key]:.3f}", f"after: {evals[-1][key]:.3f}")
     return before_after(first, final, run_dir / "before_after.png", labels=labels)
 
 

@@ -237,11 +237,11 @@ class Trainer:
             if self.main:
                 from .report import plot_curves, result_keys, write_before_after
 
-                reward, group = cfg.rewards[0].name, cfg.eval.group_by
-                keys = result_keys(read_metrics(self.run_dir / "metrics.jsonl"), reward, group)
-                plot_curves(self.run_dir, title=f"{cfg.model.path}: {keys[0]}" if keys else None)
+                rows = read_metrics(self.run_dir / "metrics.jsonl")
+                headline = next(iter(result_keys(rows, cfg.rewards[0].name, cfg.eval.group_by)), None)
+                plot_curves(self.run_dir, title=f"{cfg.model.path}: {headline}" if headline else None)
                 if cfg.eval.before:  # else an eval-epoch000000.png here would be an earlier run's
-                    write_before_after(self.run_dir, reward, group)
+                    write_before_after(self.run_dir, rows, headline)
         if self.world > 1:
             last["dist/replica_max_abs_diff"] = self.replica_divergence()
             self.log.log({"dist/replica_max_abs_diff": last["dist/replica_max_abs_diff"]}, step=self.state.epochs_done)

@@ -55,11 +55,10 @@ def test_result_keys_put_the_grouped_strict_mean_first_and_skip_what_was_not_log
 
 def test_before_after_is_captioned_with_the_headline_and_needs_both_grids(tmp_path):
     rows = [{"epoch": 0, "eval/g_mean": 0.25}, {"epoch": 5, "eval/g_mean": 0.5, "final": True}]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     Image.new("RGB", (40, 30), (255, 0, 0)).save(tmp_path / "eval-epoch000000.png")
-    assert write_before_after(tmp_path, "g") is None  # no final grid (a text run, or eval.grid off)
+    assert write_before_after(tmp_path, rows, "eval/g_mean") is None  # no final grid (a text run, or eval.grid off)
     Image.new("RGB", (40, 30), (0, 0, 255)).save(tmp_path / "eval-final.png")
-    out = write_before_after(tmp_path, "g")
+    out = write_before_after(tmp_path, rows, "eval/g_mean")
     assert out == tmp_path / "before_after.png"
     with Image.open(out) as im:
         im = im.convert("RGB")

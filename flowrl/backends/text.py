@@ -84,10 +84,9 @@ class TextPolicy:
         self.ref_copy = None
         if cfg.lora.enabled:
             from peft import LoraConfig, get_peft_model
-
-            torch.manual_seed(derive_seed(cfg.train.seed, 0x10BA))
             from transformers.pytorch_utils import Conv1D
 
+            torch.manual_seed(derive_seed(cfg.train.seed, 0x10BA))
             lcfg = LoraConfig(
                 r=cfg.lora.rank,
                 lora_alpha=cfg.lora.alpha,
