@@ -165,14 +165,31 @@ def test_aggregate_loss_modes_by_hand():
     assert aggregate_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx(3.5, abs=1e-12)
     # seq-mean-token-mean: (3/2 + 4/1) / 2
     assert aggregate_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx(2.75, abs=1e-12)
-    # seq-mean-token-sum-norm: (3/3 + 4/3) / 2 ; with horizon 10: (3/10 + 4/10) / 2
-    assert aggregate_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(7 / 6, abs=1e-12)
+    # seq-mean-token-sum-norm (verl): (1 + 2 + 4) / 3, no division by B; with horizon 10: 7 / 10
+    assert aggregate_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(7 / 3, abs=1e-12)
     assert aggregate_loss(loss, mask, "seq-mean-token-sum-norm", horizon=10).item() == pytest.approx(
+        0.7, abs=1e-12)
+    # seq-mean-token-sum-max-len (Dr.GRPO's 1/G): (3/3 + 4/3) / 2 ; with horizon 10: (3/10 + 4/10) / 2
+    assert aggregate_loss(loss, mask, "seq-mean-token-sum-max-len").item() == pytest.approx(7 / 6, abs=1e-12)
+    assert aggregate_loss(loss, mask, "seq-mean-token-sum-max-len", horizon=10).item() == pytest.approx(
         0.35, abs=1e-12)
 
 
+def test_verl_token_sum_norm_scales_with_the_batch_and_dr_grpo_form_does_not():
+    # verl's seq-mean-token-sum-norm is a sum over the batch: doubling the batch (same rows twice) doubles it;
+    # Dr.GRPO's 1/G form is a mean over sequences: unchanged
+    loss = t([[0.5, -1.0, 2.0, 0.25]])
+    mask = t([[1, 1, 1, 0]])
+    once = aggregate_loss(loss, mask, "seq-mean-token-sum-norm").item()
+    assert once == pytest.approx((0.5 - 1.0 + 2.0) / 4, abs=1e-12)
+    twice = aggregate_loss(loss.repeat(2, 1), mask.repeat(2, 1), "seq-mean-token-sum-norm").item()
+    assert twice == pytest.approx(2 * once, abs=1e-12)
+    drg = aggregate_loss(loss.repeat(2, 1), mask.repeat(2, 1), "seq-mean-token-sum-max-len").item()
+    assert drg == pytest.approx(once, abs=1e-12)
+
+
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                  "seq-mean-token-sum-norm"])
+                                  "seq-mean-token-sum-norm", "seq-mean-token-sum-max-len"])
 def test_aggregate_fully_masked_never_nan(mode):
     loss = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
     out = aggregate_loss(loss, torch.zeros(2, 4), mode)
@@ -193,7 +210,8 @@ def test_aggregate_matches_loop_on_random_masks():
         "token-mean": sum(flat) / len(flat),
         "seq-mean-token-sum": sum(sum(r) for r in nonempty) / len(nonempty),
         "seq-mean-token-mean": sum(sum(r) / len(r) for r in nonempty) / len(nonempty),
-        "seq-mean-token-sum-norm": sum(sum(r) / 8 for r in nonempty) / len(nonempty),
+        "seq-mean-token-sum-norm": sum(flat) / 8,
+        "seq-mean-token-sum-max-len": sum(sum(r) / 8 for r in nonempty) / len(nonempty),
     }
     for mode, w in want.items():
         assert abs(aggregate_loss(loss, mask, mode).item() - w) < 1e-12, mode

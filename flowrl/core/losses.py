@@ -151,7 +151,8 @@ def gspo_loss(
                              clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, mask=mask)
 
 
-AGGREGATION_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGGREGATION_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+                     "seq-mean-token-sum-max-len")
 
 
 def aggregate_loss(loss: Tensor, mask: Tensor, mode: str = "token-mean", horizon: int | None = None) -> Tensor:
@@ -160,8 +161,10 @@ def aggregate_loss(loss: Tensor, mask: Tensor, mode: str = "token-mean", horizon
     - ``token-mean``:              sum_bt m l / sum_bt m  (every token weighs the same; DAPO)
     - ``seq-mean-token-sum``:      mean_b sum_t m l
     - ``seq-mean-token-mean``:     mean_b (sum_t m l / sum_t m)  (GRPO's original)
-    - ``seq-mean-token-sum-norm``: mean_b (sum_t m l) / T  (Dr.GRPO: a constant T, `horizon` if given
-      else the padded length)
+    - ``seq-mean-token-sum-norm``: sum_bt m l / T  (verl's mode of this name: every masked element summed and
+      divided by a constant T, `horizon` if given else the padded length; no division by the batch B)
+    - ``seq-mean-token-sum-max-len``: mean_b (sum_t m l) / T  (Dr.GRPO's 1/G form: the same constant T, and the
+      mean over the batch's sequences)
     The seq-mean modes average over the rows with at least one unmasked position: a fully masked row
     is not a sample and contributes nothing (never NaN); an all-masked batch gives 0.
     """
@@ -178,6 +181,8 @@ def aggregate_loss(loss: Tensor, mask: Tensor, mode: str = "token-mean", horizon
     elif mode == "seq-mean-token-mean":
         per_row = row_sum / row_count.clamp(min=1)
     elif mode == "seq-mean-token-sum-norm":
+        return row_sum.sum() / float(horizon if horizon is not None else loss.shape[-1])
+    elif mode == "seq-mean-token-sum-max-len":
         per_row = row_sum / float(horizon if horizon is not None else loss.shape[-1])
     else:
         raise ValueError(f"unknown loss aggregation mode {mode!r}; valid: {', '.join(AGGREGATION_MODES)}")
