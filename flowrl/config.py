@@ -19,9 +19,13 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from .errors import FlowrlError
 
-class ConfigError(ValueError):
+
+class ConfigError(FlowrlError, ValueError):
     """A config key or value that is not valid; the message says what would be."""
+
+    exit_code = 2
 
 
 # --------------------------------------------------------------------------------------------- tree
@@ -38,6 +42,9 @@ class ModelConfig:
     """Dtype of the frozen weights and the forward pass (step math is float32 whatever this is)."""
     device: str = "auto"
     """`auto` (the accelerator's device), `cpu`, `cuda`, `cuda:1`, ..."""
+    drop_t5: bool = False
+    """SD3/SD3.5: leave the T5 text encoder out (diffusers' `text_encoder_3=None`): ~4.7B fewer parameters in
+    memory, prompts encoded by the two CLIP encoders only (T5's part of the embedding is zeros)."""
 
 
 @dataclass
@@ -118,9 +125,11 @@ class TextConfig:
     """Wrap prompts in the tokenizer's chat template when it has one."""
     mask_truncated: bool = False
     """Leave completions that hit max_new_tokens without an EOS out of the loss (DAPO's overlong filtering)."""
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = \
-        "token-mean"
-    """How token losses become one number (see flowrl.core.aggregate_loss)."""
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+                      "seq-mean-token-sum-max-len"] = "token-mean"
+    """How token losses become one number (see flowrl.core.aggregate_loss): `seq-mean-token-sum-norm` is verl's
+    (the sum over every completion token / max_new_tokens), `seq-mean-token-sum-max-len` Dr.GRPO's 1/G form (the
+    mean over completions of their token sums / max_new_tokens)."""
     kl_estimator: Literal["k1", "k2", "k3", "abs"] = "k3"
     """KL estimator against the reference (Schulman's k1/k2/k3)."""
     kl_in_reward: bool = False
@@ -200,6 +209,9 @@ class TrainConfig:
     """std in the Gaussian KL: the transition std (`step`), or Flow-GRPO's convention leaving sqrt(dt) out."""
     ema_decay: float = 0.0
     """EMA of the trained weights used for eval and checkpoints (0 = off; e.g. 0.9)."""
+    max_nonfinite_steps: int = 3
+    """A minibatch whose loss or gradient is NaN/inf takes no optimizer step (a warning says so); this many such
+    minibatches in a row stop the run with an error (the weights and checkpoints stay finite)."""
     seed: int = 0
     """Seed of everything: prompts order, initial noise, SDE noise, LoRA init."""
 
@@ -217,13 +229,25 @@ class RewardSpec:
 @dataclass
 class DataConfig:
     train_prompts: str = ""
-    """Training prompts: a .txt file (one per line) or .jsonl (a `prompt` key, other keys are metadata);
-    empty = a few built-in prompts (smoke runs)."""
+    """Training prompts: a .txt file (one per line), a .jsonl file (a `prompt` key, other keys are metadata), or
+    `hf:ORG/NAME`, a Hugging Face dataset (needs `pip install 'flowrl[hf]'`); empty = a few built-in prompts."""
     eval_prompts: str = ""
     """Held-out prompts for evaluation (same formats); empty = the training prompts."""
     balance_by: str = ""
     """A metadata column of the training prompts (e.g. `family`) whose values are drawn equally often, however
     many prompts each has (GenEval-style sets are lopsided); empty = every prompt equally often."""
+    prompt_column: str = "prompt"
+    """The column that holds the prompt in a .jsonl file or a `hf:` dataset (GSM8K: `question`); the other
+    columns become metadata that reaches the rewards."""
+    prompt_template: str = "{prompt}"
+    """How the prompt column becomes the prompt: a format string over the row's columns, `{prompt}` being the
+    prompt column (e.g. `"{prompt} Put the final answer in \\boxed{{}}."`)."""
+    hf_config: str = ""
+    """`hf:` datasets: the dataset's configuration (subset) name, e.g. `main` for `openai/gsm8k`; "" = its default."""
+    train_split: str = "train"
+    """`hf:` datasets: the split the training prompts come from."""
+    eval_split: str = "test"
+    """`hf:` datasets: the split the eval prompts come from."""
 
 
 @dataclass
@@ -268,6 +292,10 @@ class LogConfig:
     """Progress bars."""
     completions_every: int = 10
     """Text: write the epoch's (prompt, completion, rewards, advantage) table to completions.jsonl every N epochs."""
+    overwrite: bool = False
+    """Start afresh in a run_dir that holds another run's checkpoints or metrics, deleting that run's files
+    (checkpoints, metrics, grids, plots, logs). Without it such a run_dir is an error unless the run resumes
+    (checkpoint.resume=auto)."""
 
 
 @dataclass
@@ -277,7 +305,7 @@ class CheckpointConfig:
     resume: Optional[str] = None
     """`auto` (the newest checkpoint in run_dir) or a checkpoint directory."""
     keep: int = 2
-    """Checkpoints kept (older ones are deleted)."""
+    """Checkpoints kept (older ones of this run are deleted; 0 = keep all)."""
 
 
 @dataclass
@@ -367,14 +395,120 @@ def _type_text(tp) -> str:
 # ----------------------------------------------------------------------------------- validation
 
 
+@dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric field: [lo, hi] with either end open or absent (NaN/inf never pass)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        if value != value or value in (float("inf"), float("-inf")):
+            return False
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            return False
+        return not (self.hi is not None and (value >= self.hi if self.hi_open else value > self.hi))
+
+    def text(self) -> str:
+        if self.lo is not None and self.hi is not None:
+            return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+        if self.lo is not None:
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        if self.hi is not None:
+            return f"{'<' if self.hi_open else '<='} {self.hi:g}"
+        return "a finite number"
+
+
+POSITIVE, AT_LEAST_0, AT_LEAST_1, FRACTION = Range(0, lo_open=True), Range(0), Range(1), Range(0, 1, True, False)
+
+#: The valid range of every numeric field (list fields: each item), checked by `validate`; a test walks the tree
+#: and asserts that each field is listed here and refuses a value outside its range.
+RANGES: dict[str, Range] = {
+    "lora.rank": AT_LEAST_1, "lora.alpha": POSITIVE, "lora.dropout": Range(0, 1, hi_open=True),
+    "sample.num_steps": AT_LEAST_1, "sample.guidance_scale": AT_LEAST_0,
+    "sample.noise_level": Range(0, 10, lo_open=True), "sample.height": AT_LEAST_1, "sample.width": AT_LEAST_1,
+    "sample.group_size": Range(2), "sample.prompts_per_epoch": AT_LEAST_1, "sample.rollout_batch_size": AT_LEAST_0,
+    "sample.max_sequence_length": AT_LEAST_1,
+    "sample.window.start": AT_LEAST_0, "sample.window.size": AT_LEAST_0, "sample.window.every": AT_LEAST_1,
+    "sample.window.stride": AT_LEAST_1,
+    "text.max_new_tokens": AT_LEAST_1, "text.max_prompt_length": AT_LEAST_1, "text.temperature": POSITIVE,
+    "text.top_p": FRACTION, "text.top_k": AT_LEAST_0, "text.entropy_coef": AT_LEAST_0,
+    "train.epochs": AT_LEAST_0, "train.inner_epochs": AT_LEAST_1, "train.minibatch_size": AT_LEAST_0,
+    "train.steps_per_forward": AT_LEAST_1, "train.lr": POSITIVE, "train.weight_decay": AT_LEAST_0,
+    "train.adam_betas": Range(0, 1, hi_open=True), "train.adam_eps": POSITIVE, "train.warmup_steps": AT_LEAST_0,
+    "train.decay_frac": FRACTION, "train.max_grad_norm": AT_LEAST_0, "train.clip_low": FRACTION,
+    "train.clip_high": POSITIVE, "train.dual_clip": Range(1, lo_open=True), "train.adv_clip_max": POSITIVE,
+    "train.stat_buffer_size": AT_LEAST_1, "train.stat_min_count": AT_LEAST_1, "train.beta": AT_LEAST_0,
+    "train.ema_decay": Range(0, 1, hi_open=True), "train.max_nonfinite_steps": AT_LEAST_1, "train.seed": AT_LEAST_0,
+    "rewards.weight": Range(),
+    "eval.every": AT_LEAST_0, "eval.num_steps": AT_LEAST_1, "eval.guidance_scale": AT_LEAST_0,
+    "eval.num_prompts": AT_LEAST_0, "eval.images_per_prompt": AT_LEAST_1, "eval.images_per_group": AT_LEAST_0,
+    "eval.seed": AT_LEAST_0,
+    "log.every": AT_LEAST_1, "log.completions_every": AT_LEAST_0,
+    "checkpoint.every": AT_LEAST_0, "checkpoint.keep": AT_LEAST_0,
+}
+
+#: Names users bring from TRL, diffusers' training scripts, Flow-GRPO and DDPO -> the flowrl key.
+ALIASES: dict[str, str] = {
+    # TRL (GRPOConfig / TrainingArguments)
+    "learning_rate": "train.lr", "num_generations": "sample.group_size", "num_train_epochs": "train.epochs",
+    "num_iterations": "train.inner_epochs", "epsilon": "train.clip_low", "epsilon_high": "train.clip_high",
+    "delta": "train.dual_clip", "max_completion_length": "text.max_new_tokens",
+    "per_device_train_batch_size": "train.minibatch_size", "scale_rewards": "train.adv_scale",
+    "loss_type": "text.loss_agg", "reward_weights": "rewards", "reward_funcs": "rewards",
+    "lr_scheduler_type": "train.schedule", "adam_beta1": "train.adam_betas", "adam_beta2": "train.adam_betas",
+    "adam_epsilon": "train.adam_eps", "output_dir": "log.run_dir", "logging_steps": "log.every",
+    "save_steps": "checkpoint.every", "save_total_limit": "checkpoint.keep",
+    "resume_from_checkpoint": "checkpoint.resume", "model_name_or_path": "model.path",
+    "num_inner_epochs": "train.inner_epochs", "kl_coef": "train.beta", "init_kl_coef": "train.beta",
+    # diffusers training scripts
+    "pretrained_model_name_or_path": "model.path", "mixed_precision": "model.dtype", "torch_dtype": "model.dtype",
+    "num_inference_steps": "sample.num_steps", "resolution": "sample.height", "lora_rank": "lora.rank",
+    "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout", "use_lora": "lora.enabled",
+    "train_batch_size": "train.minibatch_size", "gradient_checkpointing": "train.steps_per_forward",
+    # Flow-GRPO / DDPO
+    "clip_range": "train.clip_low", "num_image_per_prompt": "sample.group_size", "num_epochs": "train.epochs",
+    "eval_num_steps": "eval.num_steps", "global_std": "train.adv_scale", "ema": "train.ema_decay",
+    "per_prompt_stat_tracking": "train.per_prompt_stats", "sde_window_size": "sample.window.size",
+    "sde_window_range": "sample.window.start", "timestep_fraction": "sample.window.size",
+    "save_freq": "checkpoint.every", "eval_freq": "eval.every", "logdir": "log.run_dir",
+    "num_batches_per_epoch": "sample.prompts_per_epoch", "kl_reward": "text.kl_in_reward",
+}
+
+
 def _all_keys(cls: type = Config, prefix: str = "") -> list[str]:
-    return [row[0] for row in describe(cls, prefix)]
+    return [row[0] for row in describe(cls, prefix)] + (["rewards.name", "rewards.weight", "rewards.kwargs"]
+                                                         if cls is Config and not prefix else [])
 
 
-def _unknown_key(key: str, valid: list[str], where: str) -> ConfigError:
-    close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
-    hint = f" Did you mean {', '.join(close)}?" if close else ""
-    return ConfigError(f"unknown config key {key!r}{where}.{hint} Valid keys here: {', '.join(valid)}")
+def _suggest(key: str) -> list[str]:
+    """Valid keys close to an unknown `key`, across every section: an alias users bring from other tools first,
+    then keys whose last part or whole dotted path is close."""
+    keys = _all_keys()
+    leaf = key.split(".")[-1]
+    if leaf in ALIASES:
+        return [ALIASES[leaf]]
+    by_leaf: dict[str, list[str]] = {}
+    for k in keys:
+        by_leaf.setdefault(k.split(".")[-1], []).append(k)
+    for alias, target in ALIASES.items():
+        by_leaf.setdefault(alias, []).append(target)
+    out: list[str] = []
+    for name in difflib.get_close_matches(leaf, list(by_leaf), n=4, cutoff=0.75):
+        out.extend(by_leaf[name])
+    out.extend(difflib.get_close_matches(key, keys, n=3, cutoff=0.6))
+    return list(dict.fromkeys(out))[:3]
+
+
+def _unknown_key(key: str, valid: list[str]) -> ConfigError:
+    close = _suggest(key)
+    hint = f" Did you mean {' or '.join(close)}?" if close else ""
+    leaf = key.split(".")[-1]
+    if leaf in ALIASES:
+        hint += f" ({leaf!r} is another tool's name for it.)"
+    return ConfigError(f"unknown config key {key!r}.{hint} Valid keys here: {', '.join(valid)}")
 
 
 def _convert(value: Any, tp, key: str) -> Any:
@@ -389,7 +523,9 @@ def _convert(value: Any, tp, key: str) -> Any:
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
-            raise ConfigError(f"{key}: {value!r} is not a valid choice; valid: {', '.join(map(str, choices))}")
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
+            hint = f" Did you mean {close[0]}?" if close else ""
+            raise ConfigError(f"{key}: {value!r} is not a valid choice; valid: {', '.join(map(str, choices))}.{hint}")
         return value
     if origin is list:
         (arg,) = typing.get_args(tp)
@@ -442,7 +578,7 @@ def _build(cls: type, data: Any, prefix: str = ""):
     for k, v in data.items():
         key = prefix + ("." if prefix else "") + str(k)
         if k not in names:
-            raise _unknown_key(key, [f"{prefix}.{n}" if prefix else n for n in names], "")
+            raise _unknown_key(key, [f"{prefix}.{n}" if prefix else n for n in names])
         sub = _dataclass_of(hints[k])
         kwargs[k] = _build(sub, v, key) if sub is not None else _convert(v, hints[k], key)
     return cls(**kwargs)
@@ -453,30 +589,61 @@ def to_dict(cfg) -> dict:
 
 
 def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    """Put `value` at dotted `key` of the override tree, checking each part against the config's types. A list of
+    sections takes an item index (`rewards.0.weight`): the tree then holds {0: {...}} for `_merge` to apply."""
     parts = key.split(".")
-    node = tree
-    cls = Config
+    node: dict = tree
+    cls: Any = Config
     for i, part in enumerate(parts):
-        hints = _hints(cls)
         last = i == len(parts) - 1
-        if part not in hints or (not last and _dataclass_of(hints[part]) is None):
-            prefix = ".".join(parts[:i])
-            here = [f"{prefix}.{n}" if prefix else n for n in hints]
-            close = difflib.get_close_matches(key, _all_keys(), n=3, cutoff=0.6)
-            hint = f" Did you mean {', '.join(close)}?" if close else ""
-            raise ConfigError(f"unknown config key {key!r}.{hint} Valid keys"
-                              f"{' in ' + prefix if prefix else ''}: {', '.join(here)}")
+        prefix = ".".join(parts[:i])
+        if cls is None:  # inside a list of sections: an index
+            if not part.isdigit():
+                raise ConfigError(f"{key!r}: {prefix} is a list; name an item by its index, e.g. {prefix}.0.weight=2 "
+                                  f"(or set the whole list: {prefix}='[{{name: ..., weight: 1}}]')")
+            node = node.setdefault(int(part), {})
+            cls = item_cls
+            if last:
+                raise ConfigError(f"{key!r}: set a key of the item, e.g. {key}.weight=2")
+            continue
+        hints = _hints(cls)
+        if part not in hints:
+            raise _unknown_key(key, [f"{prefix}.{n}" if prefix else n for n in hints])
+        tp = hints[part]
         if last:
             node[part] = value
-        else:
-            cls = hints[part]
+            return
+        if typing.get_origin(tp) is list and _dataclass_of(typing.get_args(tp)[0]) is not None:
+            item_cls, cls = typing.get_args(tp)[0], None
             node = node.setdefault(part, {})
+            continue
+        if _dataclass_of(tp) is None:
+            raise ConfigError(f"{key!r}: {'.'.join(parts[:i + 1])} is a value, not a section; set it as "
+                              f"{'.'.join(parts[:i + 1])}=VALUE")
+        cls = tp
+        node = node.setdefault(part, {})
 
 
-def _merge(base: dict, over: dict) -> dict:
+def _merge(base: Any, over: dict, path: str = "") -> Any:
+    """`over` laid on `base`; an int-keyed mapping in `over` updates those items of a list in `base`."""
+    if isinstance(base, list) and over and all(isinstance(k, int) for k in over):
+        out_list = list(base)
+        for i, v in over.items():
+            if i >= len(out_list):
+                raise ConfigError(f"{path}.{i}: the list {path} has {len(out_list)} item(s), indices 0 to "
+                                  f"{len(out_list) - 1}; set the whole list to add one")
+            out_list[i] = _merge(out_list[i], v, f"{path}.{i}") if isinstance(v, dict) and isinstance(
+                out_list[i], dict) else v
+        return out_list
     out = dict(base)
     for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        key = f"{path}.{k}" if path else str(k)
+        if isinstance(v, dict) and isinstance(out.get(k), (dict, list)):
+            out[k] = _merge(out[k], v, key)
+        elif isinstance(v, dict) and v and all(isinstance(i, int) for i in v):  # an index into a default list
+            out[k] = _merge(to_dict(Config()).get(k, []), v, key)
+        else:
+            out[k] = v
     return out
 
 
@@ -487,8 +654,34 @@ def parse_overrides(overrides: list[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value, e.g. train.lr=1e-4")
         key, raw = item.split("=", 1)
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({_yaml_problem(e)})") from None
+        _set_dotted(tree, key.strip(), value)
     return tree
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    return " ".join(str(getattr(e, "problem", None) or e).split())
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML file's content; a syntax error is one ConfigError line naming the file, line and column."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); save the config as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        context = getattr(e, "context", None)
+        raise ConfigError(f"{where}: YAML syntax error: {_yaml_problem(e)}"
+                          + (f" ({context})" if context else "")) from None
 
 
 #: text.loss_preset -> the settings of the published variant (a base layer under the user's own keys).
@@ -506,7 +699,7 @@ LOSS_PRESETS: dict[str, dict] = {
     # Dr.GRPO (arXiv 2503.20783): no std division, a constant normaliser (the max completion length), no KL.
     "dr_grpo": {"train": {"policy_loss": "ppo_clip", "clip_low": 0.2, "clip_high": 0.2, "adv_estimator": "grpo",
                           "adv_scale": "none", "beta": 0.0},
-                "text": {"loss_agg": "seq-mean-token-sum-norm"}},
+                "text": {"loss_agg": "seq-mean-token-sum-max-len"}},
     # GSPO (arXiv 2507.18071): sequence-level ratio, clip 3e-4 / 4e-4, per-sequence token mean, no KL.
     "gspo": {"train": {"policy_loss": "gspo", "clip_low": 3e-4, "clip_high": 4e-4, "adv_estimator": "grpo",
                        "adv_scale": "group", "beta": 0.0},
@@ -521,7 +714,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         path = Path(path)
         if not path.exists():
             raise ConfigError(f"config file {str(path)!r} does not exist")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        loaded = read_yaml(path) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}")
         data = loaded
@@ -537,49 +730,50 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
-def validate(cfg: Config) -> None:
-    """Value checks that need more than a type: ranges and relations between keys."""
-    s, t = cfg.sample, cfg.train
+def _get_dotted(cfg: Config, key: str) -> Any:
+    node: Any = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def range_problems(cfg: Config) -> list[str]:
+    """Every numeric field outside its `RANGES` entry, as "key must be ..., got value" lines (list fields are
+    checked item by item; a null optional field is not checked)."""
     problems = []
-    if s.group_size < 2:
-        problems.append(f"sample.group_size must be >= 2 for group-relative advantages, got {s.group_size}")
-    if s.prompts_per_epoch < 1:
-        problems.append(f"sample.prompts_per_epoch must be >= 1, got {s.prompts_per_epoch}")
+    for key, valid in RANGES.items():
+        if key.startswith("rewards."):
+            values = [(f"rewards[{i}].{key.split('.', 1)[1]}", getattr(r, key.split(".", 1)[1]))
+                      for i, r in enumerate(cfg.rewards)]
+        else:
+            value = _get_dotted(cfg, key)
+            values = [(f"{key}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, list) else [(key, value)]
+        problems.extend(f"{name} must be {valid.text()}, got {v!r}" for name, v in values
+                        if v is not None and v not in valid)
+    return problems
+
+
+def validate(cfg: Config) -> None:
+    """Value checks that need more than a type: every numeric field's range, and relations between keys."""
+    s, t = cfg.sample, cfg.train
+    problems = range_problems(cfg)
     batch = s.group_size * s.prompts_per_epoch
     if t.minibatch_size and batch % t.minibatch_size:
         problems.append(f"train.minibatch_size={t.minibatch_size} must divide the epoch batch "
                         f"{batch} (= sample.prompts_per_epoch x sample.group_size)")
     if s.rollout_batch_size and batch % s.rollout_batch_size:
         problems.append(f"sample.rollout_batch_size={s.rollout_batch_size} must divide the epoch batch {batch}")
-    if s.num_steps < 1:
-        problems.append(f"sample.num_steps must be >= 1, got {s.num_steps}")
-    if s.height <= 0 or s.width <= 0:
-        problems.append(f"sample.height/width must be positive, got {s.height}x{s.width}")
     w = s.window
     if w.kind != "all":
         if w.size < 1 or w.start < 0 or w.start + w.size > s.num_steps:
             problems.append(f"sample.window: [start, start+size) = [{w.start}, {w.start + w.size}) must lie in "
                             f"[0, sample.num_steps={s.num_steps}) with size >= 1")
-    if t.steps_per_forward < 1:
-        problems.append(f"train.steps_per_forward must be >= 1, got {t.steps_per_forward}")
-    if t.epochs < 0 or t.inner_epochs < 1:
-        problems.append(f"train.epochs must be >= 0 and train.inner_epochs >= 1, got {t.epochs}, {t.inner_epochs}")
-    if t.lr <= 0:
-        problems.append(f"train.lr must be > 0, got {t.lr}")
-    if not 0 < t.decay_frac <= 1:
-        problems.append(f"train.decay_frac must be in (0, 1] (the run's share that the cosine decays over), "
-                        f"got {t.decay_frac}")
-    if t.beta < 0:
-        problems.append(f"train.beta must be >= 0, got {t.beta}")
-    if not 0 <= t.ema_decay < 1:
-        problems.append(f"train.ema_decay must be in [0, 1), got {t.ema_decay}")
-    if t.dual_clip is not None and t.dual_clip <= 1:
-        problems.append(f"train.dual_clip must be > 1 (or null), got {t.dual_clip}")
-    if cfg.lora.rank < 1:
-        problems.append(f"lora.rank must be >= 1, got {cfg.lora.rank}")
-    if cfg.eval.images_per_prompt < 1 or cfg.eval.images_per_group < 0:
-        problems.append(f"eval.images_per_prompt must be >= 1 and eval.images_per_group >= 0, got "
-                        f"{cfg.eval.images_per_prompt}, {cfg.eval.images_per_group}")
+    if s.noise_level is not None and s.noise_level > 1 and s.sde_type in ("cps", "ddim"):
+        problems.append(f"sample.noise_level must be in (0, 1] for sde_type={s.sde_type} (CPS's angle fraction, "
+                        f"DDIM's eta), got {s.noise_level}")
+    if t.per_prompt_stats and t.stat_min_count > t.stat_buffer_size:
+        problems.append(f"train.stat_min_count={t.stat_min_count} exceeds train.stat_buffer_size="
+                        f"{t.stat_buffer_size}: the per-prompt statistics would never be used")
     if cfg.eval.images_per_group and not cfg.eval.group_by:
         problems.append(f"eval.images_per_group={cfg.eval.images_per_group} shares images out over the groups of "
                         "eval.group_by, which is not set; set eval.group_by (e.g. family) or images_per_group=0")
@@ -592,6 +786,9 @@ def validate(cfg: Config) -> None:
             s.sde_type in ("sde", "cps", "dance") and cfg.model.family == "sd15":
         problems.append(f"sample.sde_type={s.sde_type} does not fit model.family={cfg.model.family}: ddim is for "
                         "epsilon-prediction UNets (sd15); flow models (sd3, flux) take sde, cps or dance")
+    if cfg.model.drop_t5 and cfg.model.family not in ("auto", "sd3"):
+        problems.append(f"model.drop_t5 is for SD3/SD3.5 (its third text encoder), not model.family="
+                        f"{cfg.model.family}")
     if t.step_weighting == "ratio_norm" and s.sde_type not in ("auto", "sde", "dance"):
         problems.append("train.step_weighting=ratio_norm needs a Gaussian SDE step (sample.sde_type sde or dance)")
     from .core import ADVANTAGE_ESTIMATORS, POLICY_LOSSES

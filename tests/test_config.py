@@ -19,7 +19,7 @@ def test_defaults_validate_and_overrides_apply(tmp_path):
 def test_unknown_key_names_close_valid_keys(tmp_path):
     with pytest.raises(ConfigError, match=r"train\.lrr.*Did you mean train\.lr"):
         load_config(None, ["train.lrr=1"])
-    with pytest.raises(ConfigError, match=r"Valid keys: backend, model, lora, sample"):
+    with pytest.raises(ConfigError, match=r"Valid keys here: backend, model, lora, sample"):
         load_config(None, ["trian.lr=1"])
     yml = tmp_path / "bad.yaml"
     yml.write_text("sample:\n  group_sise: 4\n")

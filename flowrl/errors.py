@@ -1,0 +1,31 @@
+"""Errors a user can fix. The command line prints their one-line message (no traceback) and exits non-zero;
+`FLOWRL_DEBUG=1` shows the traceback too."""
+
+from __future__ import annotations
+
+
+class FlowrlError(Exception):
+    """A mistake in the input (config, files, checkpoint, data) or a run that had to stop: the message says what was
+    wrong and what would be right."""
+
+    exit_code = 1
+
+
+class CheckpointError(FlowrlError, ValueError):
+    """A checkpoint directory that is missing, incomplete or corrupt (the message names the file)."""
+
+
+class RunDirError(FlowrlError):
+    """A run directory that holds another run, or cannot be written."""
+
+
+class NonFiniteError(FlowrlError, FloatingPointError):
+    """NaN or inf where a number must be finite: weights about to be checkpointed, or a run of bad steps."""
+
+
+class Interrupted(FlowrlError):
+    """SIGINT / SIGTERM: the run wrote a checkpoint and stopped; the message says how to resume."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum

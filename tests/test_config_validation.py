@@ -1,0 +1,140 @@
+"""Validation that is complete and early: every numeric field's range, suggestions across sections and from other
+tools' names, list-item overrides, YAML errors in one line."""
+
+import dataclasses
+import math
+import typing
+
+import pytest
+
+from flowrl.config import ALIASES, RANGES, Config, ConfigError, Range, _hints, describe, load_config
+
+
+def _numeric_keys() -> list[str]:
+    """Every leaf whose type is int or float (or optional / a list of them), plus the reward list's weight."""
+    keys = []
+    for key, _, _, _ in describe(Config):
+        cls, tp = Config, None
+        for part in key.split("."):
+            tp = _hints(cls)[part]
+            cls = tp if dataclasses.is_dataclass(tp) else None
+        args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+        inner = typing.get_args(args[0]) if typing.get_origin(args[0]) is list else args
+        if inner and inner[0] in (int, float):
+            keys.append(key)
+    return keys + ["rewards.weight"]
+
+
+def _outside(r: Range, is_int: bool) -> list[float]:
+    """Values just outside range `r` (and NaN / inf for floats)."""
+    step = 1 if is_int else 1e-6
+    out = []
+    if r.lo is not None:
+        out.append(r.lo if r.lo_open else r.lo - step)
+    if r.hi is not None:
+        out.append(r.hi if r.hi_open else r.hi + step)
+    if not is_int:
+        out += [math.nan, math.inf]
+    return out
+
+
+def test_every_numeric_field_has_a_range():
+    numeric = _numeric_keys()
+    assert len(numeric) > 50
+    assert sorted(set(numeric) - set(RANGES)) == [], "numeric fields without a range in RANGES"
+    assert sorted(set(RANGES) - set(numeric)) == [], "RANGES names fields that do not exist"
+
+
+@pytest.mark.parametrize("key", sorted(RANGES))
+def test_each_field_refuses_a_value_outside_its_range(key):
+    r = RANGES[key]
+    is_int = key != "rewards.weight" and _is_int(key)
+    values = _outside(r, is_int)
+    assert values, f"{key}: a range with no bound and no float: nothing can be out of it"
+    for bad in values:
+        if key == "rewards.weight":
+            override = f"rewards=[{{name: jpeg_compressibility, weight: {bad}}}]"
+            shown = r"rewards\[0\]\.weight"
+        elif key == "train.adam_betas":
+            override, shown = f"train.adam_betas=[0.9, {bad}]", r"train.adam_betas\[1\]"
+        else:
+            override, shown = f"{key}={bad}", key.replace(".", r"\.")
+        with pytest.raises(ConfigError, match=rf"{shown} must be"):
+            load_config(None, [override])
+
+
+def _is_int(key: str) -> bool:
+    cls = Config
+    for part in key.split("."):
+        tp = _hints(cls)[part]
+        cls = tp if dataclasses.is_dataclass(tp) else None
+    args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+    return args[0] is int
+
+
+def test_values_inside_the_ranges_pass_and_the_message_states_the_range():
+    cfg = load_config(None, ["sample.noise_level=0.7", "text.top_p=1", "train.ema_decay=0"])
+    assert cfg.sample.noise_level == 0.7
+    with pytest.raises(ConfigError, match=r"text\.top_p must be in \(0, 1\], got 1\.5"):
+        load_config(None, ["text.top_p=1.5"])
+    with pytest.raises(ConfigError, match=r"train\.clip_low must be in \(0, 1\], got 0\.0"):
+        load_config(None, ["train.clip_low=0"])
+
+
+def test_relations_between_keys():
+    with pytest.raises(ConfigError, match=r"noise_level must be in \(0, 1\] for sde_type=cps"):
+        load_config(None, ["sample.sde_type=cps", "sample.noise_level=1.5"])
+    with pytest.raises(ConfigError, match="stat_min_count=40 exceeds train.stat_buffer_size=32"):
+        load_config(None, ["train.per_prompt_stats=true", "train.stat_min_count=40"])
+
+
+@pytest.mark.parametrize("override, wanted", [
+    ("learnig_rate=1", "train.lr"),            # a misspelling of TRL's name
+    ("train.learning_rate=1", "train.lr"),     # TRL's name in the right section (was: train.decay_frac)
+    ("num_generations=4", "sample.group_size"),
+    ("num_train_epochs=3", "train.epochs"),
+    ("clip_range=0.2", "train.clip_low"),
+    ("sample.num_inference_steps=20", "sample.num_steps"),
+    ("group_size=8", "sample.group_size"),     # a valid key's last part, in no section
+    ("train.group_sise=8", "sample.group_size"),  # a misspelling, in the wrong section
+])
+def test_unknown_keys_get_a_suggestion_across_sections(override, wanted):
+    with pytest.raises(ConfigError, match=rf"Did you mean [^?]*\b{wanted.replace('.', '[.]')}\b"):
+        load_config(None, [override])
+
+
+def test_every_alias_points_at_a_real_key():
+    from flowrl.config import _all_keys
+
+    keys = set(_all_keys()) | {"rewards"}
+    assert sorted(t for t in ALIASES.values() if t not in keys) == []
+
+
+def test_list_items_can_be_overridden(tmp_path):
+    yml = tmp_path / "c.yaml"
+    yml.write_text("rewards:\n  - name: jpeg_compressibility\n  - name: jpeg_incompressibility\n    weight: 0.5\n")
+    cfg = load_config(yml, ["rewards.1.weight=2", "rewards.0.kwargs={quality: 50}"])
+    assert [r.weight for r in cfg.rewards] == [1.0, 2.0]
+    assert cfg.rewards[0].kwargs == {"quality": 50}
+    # without a YAML list, the default list's item 0
+    assert load_config(None, ["rewards.0.weight=3"]).rewards[0].weight == 3.0
+    with pytest.raises(ConfigError, match=r"rewards\.2: the list rewards has 2 item"):
+        load_config(yml, ["rewards.2.weight=1"])
+    with pytest.raises(ConfigError, match=r"name an item by its index, e\.g\. rewards\.0\.weight=2"):
+        load_config(yml, ["rewards.weight=1"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'rewards\.0\.wieght'.*Did you mean rewards\.weight"):
+        load_config(yml, ["rewards.0.wieght=1"])
+
+
+def test_yaml_syntax_error_is_one_line_with_file_and_line(tmp_path):
+    yml = tmp_path / "broken.yaml"
+    yml.write_text("train:\n  lr: 1e-4\n  epochs: [1, 2\nsample:\n  group_size: 4\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(yml)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"{yml}:4:")  # the line where the parser gave up
+    assert "YAML syntax error" in message
+    yml.write_bytes(b"train:\n  lr: \xff\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(yml)
