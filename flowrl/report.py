@@ -2,15 +2,122 @@
 
 from __future__ import annotations
 
-import os
+import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
-from .train_utils import read_metrics
+SCALE_RATIO = 10.0  # eval series whose largest values differ by more than this get separate axes
 
 
-def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
-    pts = [(r["epoch"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-    return [p[0] for p in pts], [p[1] for p in pts]
+def load_metrics(run_dir: str | Path) -> list[dict]:
+    """The rows of `run_dir`/metrics.jsonl, checked: a missing directory or file raises FileNotFoundError, and an
+    empty file or a line that is not a JSON object with a numeric "epoch" raises ValueError naming file and line."""
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    if not run_dir.exists():
+        raise FileNotFoundError(f"{run_dir} is not a run directory: it does not exist (pass the log.run_dir of a run)")
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir} is not a run directory but a file: pass the directory that holds "
+                                "metrics.jsonl" + (f" ({run_dir.parent})" if run_dir.name == "metrics.jsonl" else ""))
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory: no metrics.jsonl (a run writes it after its "
+                                "first logged epoch)")
+    rows = []
+    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        if raw.strip():
+            rows.append(parse_row(raw, path, number))
+    if not rows:
+        raise ValueError(f"{path} is empty: no epoch logged yet (a run writes a line per logged epoch; wait for "
+                         "the first, or lower log.every)")
+    return rows
+
+
+def parse_row(raw: bytes, path: Path, number: int) -> dict:
+    """One line of metrics.jsonl as a dict; a ValueError naming `path`:`number` when it is not a JSON object with a
+    numeric "epoch" (a line cut short by a crash, or an edit)."""
+    where = f"{path}:{number}"
+    try:
+        row = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{where}: not UTF-8 text; metrics.jsonl holds one JSON object a line (delete or fix "
+                         "this line)") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: not valid JSON ({err.msg} at column {err.colno}); metrics.jsonl holds one JSON "
+                         "object a line (delete or fix this line)") from None
+    epoch = row.get("epoch") if isinstance(row, dict) else None
+    if not isinstance(epoch, (int, float)) or isinstance(epoch, bool):
+        raise ValueError(f"{where}: a metrics row is a JSON object with a numeric \"epoch\", got "
+                         f"{raw.decode('utf-8')[:60]!r} (delete or fix this line)")
+    return row
+
+
+@dataclass
+class Curve:
+    """One line of the plot: the metric keys it stands for (several when their values are all equal), and one
+    value per epoch."""
+
+    keys: list[str]
+    epochs: list[float]
+    values: list[float]
+
+    @property
+    def magnitude(self) -> float:
+        """The largest |value| (0 when there is none): what decides which axes the curve shares."""
+        return max((abs(v) for v in self.values if math.isfinite(v)), default=0.0)
+
+
+def epoch_series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
+    """(epochs, values) of metric `key`: one point per epoch in increasing order, the last row that holds a number
+    for `key` at that epoch winning (a resumed run logs again the epochs after its checkpoint; the final eval
+    shares its epoch with the last training row but not its keys). Infinities become NaN (a gap in the line)."""
+    by_epoch: dict[float, float] = {}
+    for row in rows:
+        value = row.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            by_epoch[row["epoch"]] = float(value) if math.isfinite(value) or math.isnan(value) else math.nan
+    epochs = sorted(by_epoch)
+    return epochs, [by_epoch[e] for e in epochs]
+
+
+def merge_equal_curves(curves: list[Curve]) -> list[Curve]:
+    """One curve per distinct series: curves with the same epochs and equal values (e.g. GenEval's family mean and
+    plain mean when the families have equally many images) become one curve holding all their keys."""
+    merged: list[Curve] = []
+    for curve in curves:
+        twin = next((m for m in merged if same_points(m, curve)), None)
+        if twin is None:
+            merged.append(Curve(list(curve.keys), curve.epochs, curve.values))
+        else:
+            twin.keys.extend(curve.keys)
+    return merged
+
+
+def same_points(a: Curve, b: Curve) -> bool:
+    """Whether two curves have the same epochs and values (NaN equal to NaN; relative tolerance 1e-9)."""
+    return a.epochs == b.epochs and all(
+        (math.isnan(u) and math.isnan(v)) or math.isclose(u, v, rel_tol=1e-9, abs_tol=1e-12)
+        for u, v in zip(a.values, b.values))
+
+
+def scale_groups(curves: list[Curve], ratio: float = SCALE_RATIO) -> list[list[Curve]]:
+    """The curves split into groups drawn on shared axes: curves whose magnitudes (largest |value|) are within
+    `ratio` of the group's smallest share it, so an accuracy in [0, 1], a PickScore near 22 and a loss near 1e-3 each
+    get their own axes. All-zero curves join the smallest-scale group. Groups (and curves in them) keep the order
+    of `curves`."""
+    scaled = sorted((c for c in curves if c.magnitude > 0), key=lambda c: c.magnitude)
+    groups: list[list[Curve]] = []
+    for curve in scaled:
+        if groups and curve.magnitude <= ratio * groups[-1][0].magnitude:
+            groups[-1].append(curve)
+        else:
+            groups.append([curve])
+    zeros = [c for c in curves if c.magnitude == 0]
+    if zeros:
+        groups = [groups[0] + zeros] + groups[1:] if groups else [zeros]
+    order = {id(c): i for i, c in enumerate(curves)}
+    groups = [sorted(g, key=lambda c: order[id(c)]) for g in groups]
+    return sorted(groups, key=lambda g: order[id(g[0])])
 
 
 def headline_eval_keys(rows: list[dict]) -> list[str]:
@@ -47,43 +154,63 @@ def write_before_after(run_dir: str | Path, rows: list[dict], key: str | None) -
     return before_after(first, final, run_dir / "before_after.png", labels=labels)
 
 
-def plot_curves(run_dir: str | Path, out: str | Path | None = None, title: str | None = None) -> Path:
-    """Write `curves.png` (or `out`): left, the mean training reward per epoch (and a moving average); right,
-    the headline eval metrics (`headline_eval_keys`) against the epoch. Returns the PNG's path."""
-    os.environ.setdefault("MPLBACKEND", "Agg")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    run_dir = Path(run_dir)
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    if not rows:
-        raise FileNotFoundError(f"{run_dir / 'metrics.jsonl'} has no metrics to plot")
-    fig, (ax_r, ax_e) = plt.subplots(1, 2, figsize=(10, 3.6))
-    x, y = _series(rows, "reward/total_mean")
-    if x:
-        ax_r.plot(x, y, color="#9ab", lw=0.8, label="batch mean")
-        k = max(1, round(len(y) / 8))  # an eighth of the run: a batch mean of a few prompts is noisy
-        smooth = [sum(y[max(0, i - k + 1): i + 1]) / len(y[max(0, i - k + 1): i + 1]) for i in range(len(y))]
-        ax_r.plot(x, smooth, color="#c33", lw=1.6, label=f"moving average ({k})")
-        ax_r.legend(frameon=False, fontsize=8)
-    ax_r.set(xlabel="epoch", ylabel="training reward", title="reward")
-    plotted = False
+def eval_curves(rows: list[dict]) -> list[list[Curve]]:
+    """The headline eval metrics of `rows` as curves, equal series merged, split into scale groups (one axes each)."""
+    curves = []
     for key in headline_eval_keys(rows):
-        ex, ey = _series(rows, key)
-        if ex:
-            ax_e.plot(ex, ey, marker="o", ms=3, label=key[len("eval/"):])
-            plotted = True
-    if plotted:
-        ax_e.legend(frameon=False, fontsize=8)
-    ax_e.set(xlabel="epoch", title="held-out eval")
+        epochs, values = epoch_series(rows, key)
+        if epochs:
+            curves.append(Curve([key[len("eval/"):]], epochs, values))
+    return scale_groups(merge_equal_curves(curves))
+
+
+def curves_figure(rows: list[dict], title: str | None = None):
+    """The matplotlib figure of `plot_curves`: first the mean training reward per epoch (and its moving average),
+    then one axes per scale group of the headline eval metrics (`eval_curves`), every series drawn once with one
+    point per epoch."""
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure to close
+
+    groups = eval_curves(rows)
+    panels = 1 + max(1, len(groups))
+    fig = Figure(figsize=(4.6 * panels, 4.2), layout="constrained")
+    axes = fig.subplots(1, panels, squeeze=False)
+    draw_reward(axes[0][0], rows)
+    for ax, group in zip(axes[0][1:], groups or [[]]):
+        draw_eval(ax, group)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    return fig
+
+
+def draw_reward(ax, rows: list[dict]) -> None:
+    """The mean training reward per epoch and its moving average over an eighth of the run."""
+    x, y = epoch_series(rows, "reward/total_mean")
+    if x:
+        ax.plot(x, y, color="#9ab", lw=0.8, label="batch mean")
+        k = max(1, round(len(y) / 8))  # an eighth of the run: a batch mean of a few prompts is noisy
+        smooth = [sum(y[max(0, i - k + 1): i + 1]) / len(y[max(0, i - k + 1): i + 1]) for i in range(len(y))]
+        ax.plot(x, smooth, color="#c33", lw=1.6, label=f"moving average ({k})")
+        ax.legend(frameon=False, fontsize=8)
+    ax.set(xlabel="epoch", ylabel="training reward", title="reward")
+
+
+def draw_eval(ax, group: list[Curve]) -> None:
+    """One scale group of eval curves, a line with a marker per epoch each; curves standing for several equal
+    metrics are labelled with all their names."""
+    for curve in group:
+        ax.plot(curve.epochs, curve.values, marker="o", ms=3, label="\n= ".join(curve.keys))
+    if group:
+        ax.legend(frameon=False, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=1)
+    ax.set(xlabel="epoch", title="held-out eval")
+
+
+def plot_curves(run_dir: str | Path, out: str | Path | None = None, title: str | None = None) -> Path:
+    """Write `curves.png` (or `out`) from `run_dir`/metrics.jsonl (`curves_figure`). Returns the PNG's path.
+    A missing run directory or metrics.jsonl raises FileNotFoundError, an empty or corrupt one ValueError."""
+    run_dir = Path(run_dir)
+    fig = curves_figure(load_metrics(run_dir), title)
     out = Path(out) if out else run_dir / "curves.png"
     tmp = out.with_name(out.stem + ".tmp.png")
     fig.savefig(tmp, dpi=110)
-    plt.close(fig)
     tmp.replace(out)
     return out

@@ -1,11 +1,13 @@
 """Run-directory plots."""
 
 import json
+import re
 
 import pytest
 from PIL import Image
 
-from flowrl.report import headline_eval_keys, plot_curves, result_keys, write_before_after
+from flowrl.report import (Curve, curves_figure, headline_eval_keys, load_metrics, plot_curves, result_keys,
+                           scale_groups, write_before_after)
 
 
 def test_plot_curves_writes_a_png(tmp_path):
@@ -66,3 +68,121 @@ def test_before_after_is_captioned_with_the_headline_and_needs_both_grids(tmp_pa
         # the first grid on the left, the final one on the right, below the caption strip
         assert im.getpixel((10, im.height - 10)) == (255, 0, 0)
         assert im.getpixel((im.width - 10, im.height - 10)) == (0, 0, 255)
+
+
+# ----------------------------------------------------------------------- one line per series, one point per epoch
+
+def write_metrics(run_dir, rows):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run_dir
+
+
+def geneval_eval(epoch, strict, fraction):
+    """An eval row as the trainer logs it with eval.group_by=family on a balanced eval set: the family means equal
+    the plain means, and the shapes reward's own value is its strict component."""
+    row = {"epoch": epoch, "time": 1.0, "eval/g_mean": strict, "eval/g_family_mean": strict,
+           "eval/g/strict_mean": strict, "eval/g/strict_family_mean": strict,
+           "eval/g/fraction_mean": fraction, "eval/g/fraction_family_mean": fraction}
+    for family in ("colors", "counting"):
+        row[f"eval/g_by_family/{family}"] = strict
+        row[f"eval/g/strict_by_family/{family}"] = strict
+    return row
+
+
+def resumed_run_rows():
+    """Eval before; epochs 1-6 with an eval at 4; a crash after 6 and a resume from the checkpoint at 4, so epochs
+    5 and 6 are logged twice (with other values); epochs to 8; the final eval at 8, beside the last training row."""
+    rows = [geneval_eval(0, 0.25, 0.5)]
+    for e in range(1, 7):
+        rows.append({"epoch": e, "time": 1.0, "reward/total_mean": 0.1 * e, "reward/g_mean": 0.1 * e})
+    rows[4].update({k: v for k, v in geneval_eval(4, 0.3, 0.55).items() if k != "epoch"})
+    for e in range(5, 9):
+        rows.append({"epoch": e, "time": 2.0, "reward/total_mean": 0.1 * e + 0.05, "reward/g_mean": 0.1 * e + 0.05})
+    rows.append({**geneval_eval(8, 0.5, 0.7), "final": True})
+    return rows
+
+
+def lines_of(fig):
+    """[(label, xs, ys) of every line] of each axes, in order."""
+    return [[(line.get_label(), list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()]
+            for ax in fig.axes]
+
+
+def test_a_resumed_run_draws_one_point_per_epoch_the_last_logged_winning():
+    reward_axes, *eval_axes = lines_of(curves_figure(resumed_run_rows()))
+    batch = dict((label, (x, y)) for label, x, y in reward_axes)["batch mean"]
+    assert batch[0] == [1, 2, 3, 4, 5, 6, 7, 8]  # 5 and 6 once each; the final eval row takes no point from 8
+    assert batch[1][4:6] == pytest.approx([0.55, 0.65])  # the resumed run's values, logged last
+    for axes in eval_axes:
+        for label, x, y in axes:
+            assert x == [0, 4, 8], label
+
+
+def test_equal_eval_series_are_one_line_with_every_name_in_its_label():
+    (eval_axes,) = lines_of(curves_figure(resumed_run_rows()))[1:]
+    labels = [label for label, _, _ in eval_axes]
+    assert len(eval_axes) == 2  # strict (= the reward's value, = their family means) and fraction
+    strict = next(label for label in labels if "g/strict_mean" in label)
+    assert all(name in strict for name in ("g_mean", "g_family_mean", "g/strict_family_mean"))
+    assert "by_family" not in " ".join(labels)
+
+
+def test_eval_series_of_different_scales_get_their_own_axes():
+    rows = [{"epoch": e, "reward/total_mean": 0.1 * e, "eval/acc_mean": 0.2 + 0.1 * e, "eval/acc/format_mean": 0.9,
+             "eval/pickscore_mean": 21.5 + 0.1 * e, "eval/loss_mean": 1e-3 * (3 - e)} for e in range(3)]
+    fig = curves_figure(rows)
+    groups = sorted(sorted(label for label, _, _ in axes) for axes in lines_of(fig)[1:])
+    assert groups == [["acc/format_mean", "acc_mean"], ["loss_mean"], ["pickscore_mean"]]
+    assert len(fig.axes) == 4  # the training reward, then one axes per scale
+
+
+def test_scale_groups_are_decided_from_the_values():
+    def curve(name, *values):
+        return Curve([name], list(range(len(values))), list(values))
+
+    small, unit, zero, big = curve("s", 0.002, 0.001), curve("u", 0.3, 0.9), curve("z", 0.0, 0.0), curve("b", 22, 23)
+    assert scale_groups([unit, big, small, zero]) == [[unit], [big], [small, zero]]  # zeros join the smallest scale
+    assert scale_groups([curve("a", 0.1), curve("b", 0.9)], ratio=10) != scale_groups(
+        [curve("a", 0.05), curve("b", 0.9)], ratio=10)  # 9x apart share axes, 18x apart do not
+
+
+# ------------------------------------------------------------------------------ clear errors on what is not a run
+
+def test_a_missing_run_directory_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nowhere is not a run directory: it does not exist") as err:
+        plot_curves(tmp_path / "nowhere")
+    assert "\n" not in str(err.value)
+
+
+def test_a_directory_without_metrics_says_what_writes_them(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"is not a run directory: no metrics.jsonl \(a run writes it after"):
+        plot_curves(tmp_path)
+
+
+def test_the_metrics_file_itself_points_to_its_directory(tmp_path):
+    write_metrics(tmp_path, [{"epoch": 1, "reward/total_mean": 0.5}])
+    with pytest.raises(FileNotFoundError, match=re.escape(f"pass the directory that holds metrics.jsonl ({tmp_path})")):
+        plot_curves(tmp_path / "metrics.jsonl")
+
+
+def test_an_empty_metrics_file_is_a_value_error(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("\n  \n")
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'metrics.jsonl'} is empty")):
+        plot_curves(tmp_path)
+
+
+@pytest.mark.parametrize("bad", ['{"epoch": 2, "reward/total_mean": 0.', '[1, 2]', '{"reward/total_mean": 1}',
+                                 '{"epoch": true}', b'\xff\xfe{"epoch": 2}'])
+def test_a_corrupt_line_is_named_by_file_and_line(tmp_path, bad):
+    good = json.dumps({"epoch": 1, "reward/total_mean": 0.5}).encode()
+    (tmp_path / "metrics.jsonl").write_bytes(good + b"\n" + (bad if isinstance(bad, bytes) else bad.encode()) + b"\n")
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'metrics.jsonl'}:2: ")) as err:
+        plot_curves(tmp_path)
+    assert "\n" not in str(err.value) and "delete or fix this line" in str(err.value)
+    assert not (tmp_path / "curves.png").exists()
+
+
+def test_load_metrics_returns_the_rows_of_a_good_file(tmp_path):
+    rows = resumed_run_rows()
+    assert load_metrics(write_metrics(tmp_path, rows)) == rows
