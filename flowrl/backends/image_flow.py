@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from flowrl.backends.image import IMAGE_BACKENDS, ImageBackend, Schedule
+from flowrl.backends.image import IMAGE_BACKENDS, ImageBackend, Schedule, SizeRule
 from flowrl.sampling import flow_sde_step
 
 
@@ -53,6 +53,7 @@ class SD3Backend(_FlowMatchingBackend):
     default_max_sequence_length = 256
     uses_cfg_encodings = True
     _t5_tokenizer_attr = "tokenizer_3"
+    t5_components = ("text_encoder_3", "tokenizer_3")  # without them, T5's part of the prompt embedding is zeros
 
     def _encode_text(self, prompts):
         prompt_embeds, _, pooled, _ = self.pipe.encode_prompt(
@@ -69,8 +70,17 @@ class SD3Backend(_FlowMatchingBackend):
     def _default_image_size(self) -> int:
         return self.pipe.default_sample_size * self.pipe.vae_scale_factor
 
-    def _size_multiple(self) -> int:
-        return self.pipe.vae_scale_factor * self.pipe.patch_size
+    @classmethod
+    def size_rule(cls, denoiser_config, vae_scale_factor):
+        """Sides divisible by VAE factor x patch size, and the latent side / patch size at most the
+        transformer's `pos_embed_max_size` (its PatchEmbed crops the positional embedding to the grid)."""
+        patch = denoiser_config.get("patch_size", 2)
+        multiple = vae_scale_factor * patch
+        grid = denoiser_config.get("pos_embed_max_size")
+        if grid is None:
+            return SizeRule(cls.family, multiple)
+        bound = f"pos_embed_max_size {grid} x patch size {patch} x VAE factor {vae_scale_factor}"
+        return SizeRule(cls.family, multiple, grid * multiple, bound)
 
     def _latent_shape(self, settings):
         f = self.pipe.vae_scale_factor
@@ -142,8 +152,10 @@ class FluxBackend(_FlowMatchingBackend):
     def _default_image_size(self) -> int:
         return self.pipe.default_sample_size * self.pipe.vae_scale_factor
 
-    def _size_multiple(self) -> int:
-        return self.pipe.vae_scale_factor * 2
+    @classmethod
+    def size_rule(cls, denoiser_config, vae_scale_factor):
+        """Sides divisible by VAE factor x 2 (latents are packed in 2x2 patches); RoPE bounds no size."""
+        return SizeRule(cls.family, vae_scale_factor * 2)
 
     def _latent_hw(self, height: int, width: int) -> tuple[int, int]:
         f = self.pipe.vae_scale_factor

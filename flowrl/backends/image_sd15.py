@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flowrl.backends.image import IMAGE_BACKENDS, ImageBackend, Schedule
+from flowrl.backends.image import IMAGE_BACKENDS, ImageBackend, Schedule, SizeRule
 from flowrl.sampling import ddim_step
 
 
@@ -45,8 +45,10 @@ class SD15Backend(ImageBackend):
     def _default_image_size(self) -> int:
         return self.denoiser_config.sample_size * self.pipe.vae_scale_factor
 
-    def _size_multiple(self) -> int:
-        return self.pipe.vae_scale_factor
+    @classmethod
+    def size_rule(cls, denoiser_config, vae_scale_factor):
+        """Sides divisible by the VAE factor (a UNet is convolutional: no bound)."""
+        return SizeRule(cls.family, vae_scale_factor)
 
     def _latent_shape(self, settings):
         f = self.pipe.vae_scale_factor

@@ -16,6 +16,68 @@ import torch
 TINY_IMAGE_SIZE = 32
 TINY_MAX_TOKENS = 16  # CLIP's model_max_length and the T5 sequence length the backends use
 _CHARS = string.ascii_lowercase + string.digits + ",.!?'-:;"
+_VAE_BLOCK_OUT_CHANNELS = (8, 16)  # two blocks: one 2x downsampling
+
+# the denoisers' configs (each builder's and tiny_config_files' source)
+_SD3_TRANSFORMER = dict(
+    sample_size=TINY_IMAGE_SIZE // 2,
+    patch_size=2,
+    in_channels=4,
+    num_layers=1,
+    attention_head_dim=8,
+    num_attention_heads=4,
+    joint_attention_dim=64,
+    caption_projection_dim=32,  # = heads x head_dim
+    pooled_projection_dim=64,  # 2 CLIP projections of 32
+    out_channels=4,
+    pos_embed_max_size=16,  # latent side / patch size <= 16: images up to 64 px a side
+)
+_FLUX_TRANSFORMER = dict(
+    patch_size=1,
+    in_channels=16,  # 4 latent channels x a 2x2 patch
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    pooled_projection_dim=32,
+    guidance_embeds=True,
+    axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
+)
+_SD15_UNET = dict(
+    sample_size=TINY_IMAGE_SIZE // 2,
+    in_channels=4,
+    out_channels=4,
+    layers_per_block=1,
+    block_out_channels=(8, 16),
+    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+    cross_attention_dim=32,
+    attention_head_dim=2,
+    norm_num_groups=4,
+)
+# name -> (pipeline class, denoiser component, denoiser class, denoiser config)
+_TINY_MODELS = {
+    "tiny-sd3": ("StableDiffusion3Pipeline", "transformer", "SD3Transformer2DModel", _SD3_TRANSFORMER),
+    "tiny-flux": ("FluxPipeline", "transformer", "FluxTransformer2DModel", _FLUX_TRANSFORMER),
+    "tiny-sd15": ("StableDiffusionPipeline", "unet", "UNet2DConditionModel", _SD15_UNET),
+}
+
+
+def tiny_config_files(name: str) -> dict[str, dict]:
+    """What a check before loading reads of the tiny model `name`, without building it: its
+    model_index.json, its denoiser's config.json and its VAE's, keyed by their paths in a saved
+    pipeline (the entries that matter, not every key save_pretrained writes)."""
+    pipeline_class, denoiser, denoiser_class, denoiser_config = _TINY_MODELS[name]
+    return {
+        "model_index.json": {
+            "_class_name": pipeline_class,
+            denoiser: ["diffusers", denoiser_class],
+            "vae": ["diffusers", "AutoencoderKL"],
+        },
+        f"{denoiser}/config.json": {"_class_name": denoiser_class, **denoiser_config},
+        "vae/config.json": {"_class_name": "AutoencoderKL", "block_out_channels": list(_VAE_BLOCK_OUT_CHANNELS)},
+    }
 
 
 def clip_tokenizer():
@@ -87,7 +149,7 @@ def _vae(latent_channels: int = 4, *, flow: bool = True):
         out_channels=3,
         down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
         up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        block_out_channels=(8, 16),  # two blocks: one 2x downsampling
+        block_out_channels=_VAE_BLOCK_OUT_CHANNELS,
         layers_per_block=1,
         latent_channels=latent_channels,
         norm_num_groups=4,
@@ -129,8 +191,9 @@ def _finish(pipe):
     return pipe
 
 
-def tiny_sd3_pipeline(seed: int = 0):
-    """A StableDiffusion3Pipeline: two CLIP-with-projection encoders, a T5, a 1-layer SD3 transformer."""
+def tiny_sd3_pipeline(seed: int = 0, *, drop_t5: bool = False):
+    """A StableDiffusion3Pipeline: two CLIP-with-projection encoders, a T5, a 1-layer SD3 transformer.
+    drop_t5: without the T5 encoder and tokenizer (the other weights are the same as with them)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextModelWithProjection
 
@@ -139,21 +202,10 @@ def tiny_sd3_pipeline(seed: int = 0):
         text_encoder = build(CLIPTextModelWithProjection, _clip_config(tok))
         text_encoder_2 = build(CLIPTextModelWithProjection, _clip_config(tok))
         text_encoder_3 = build(_t5_encoder, tok_3, d_model=64)  # = joint_attention_dim >= 2 x 32 CLIP dims
-        transformer = build(
-            SD3Transformer2DModel,
-            sample_size=TINY_IMAGE_SIZE // 2,
-            patch_size=2,
-            in_channels=4,
-            num_layers=1,
-            attention_head_dim=8,
-            num_attention_heads=4,
-            joint_attention_dim=64,
-            caption_projection_dim=32,  # = heads x head_dim
-            pooled_projection_dim=64,  # 2 CLIP projections of 32
-            out_channels=4,
-            pos_embed_max_size=16,
-        )
+        transformer = build(SD3Transformer2DModel, **_SD3_TRANSFORMER)
         vae = build(_vae)
+    if drop_t5:  # built all the same, so that the modules after it get the same seeds
+        text_encoder_3 = tok_3 = None
     pipe = StableDiffusion3Pipeline(
         transformer=transformer,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
@@ -178,19 +230,7 @@ def tiny_flux_pipeline(seed: int = 0):
     with _Seeded(seed) as build:
         text_encoder = build(CLIPTextModel, _clip_config(tok))
         text_encoder_2 = build(_t5_encoder, tok_2, d_model=32)
-        transformer = build(
-            FluxTransformer2DModel,
-            patch_size=1,
-            in_channels=16,  # 4 latent channels x a 2x2 patch
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=32,
-            pooled_projection_dim=32,
-            guidance_embeds=True,
-            axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
-        )
+        transformer = build(FluxTransformer2DModel, **_FLUX_TRANSFORMER)
         vae = build(_vae)
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=3.0,
@@ -221,19 +261,7 @@ def tiny_sd15_pipeline(seed: int = 0):
     tok = clip_tokenizer()
     with _Seeded(seed) as build:
         text_encoder = build(CLIPTextModel, _clip_config(tok))
-        unet = build(
-            UNet2DConditionModel,
-            sample_size=TINY_IMAGE_SIZE // 2,
-            in_channels=4,
-            out_channels=4,
-            layers_per_block=1,
-            block_out_channels=(8, 16),
-            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-            cross_attention_dim=32,
-            attention_head_dim=2,
-            norm_num_groups=4,
-        )
+        unet = build(UNet2DConditionModel, **_SD15_UNET)
         vae = build(_vae, flow=False)
     scheduler = DDIMScheduler(
         num_train_timesteps=1000,
