@@ -1,12 +1,22 @@
-"""Prompt sets: a .txt file (one prompt per line) or .jsonl (a "prompt" key; the other keys are metadata
-that reaches the reward functions, e.g. GenEval-style object lists)."""
+"""Prompt sets: a .txt file (one prompt per line), a .jsonl file (one JSON object per line: a prompt column, the
+other keys are metadata that reaches the reward functions, e.g. GenEval-style object lists), or `hf:ORG/NAME`, a
+Hugging Face dataset (`hf:DIR` for a local copy). Every error names the source and line (or dataset row), what
+was wrong and what would be right, in one line: `PromptFileError`."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
+import string
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Iterator
+
+if TYPE_CHECKING:
+    from .config import DataConfig
 
 BUILTIN_PROMPTS = [
     "a red circle", "a blue square", "a green triangle", "a yellow circle",
@@ -101,24 +111,327 @@ def require_column(metadata: list[dict], column: str, what: str) -> None:
                          f"{keys or 'none (plain-text prompts, e.g. a .txt prompt file)'}")
 
 
-def load_prompts(path: str | Path | None) -> PromptSet:
-    """Read a prompt file; an empty path gives the built-in prompts."""
+# ------------------------------------------------------------------------------------------ loading
+
+FORMATS = (".txt (one prompt per line), .jsonl (one JSON object per line) or hf:ORG/NAME (a Hugging Face dataset; "
+           "hf:DIR for a local copy)")
+HF_PREFIX = "hf:"
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+_TRUE = {"1", "ON", "YES", "TRUE"}
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+_LOCAL_COPY = ("point to a local copy: hf:/path/to/dir (a folder written by Dataset.save_to_disk, or holding "
+               "json/jsonl/csv/parquet files)")
+
+
+class PromptFileError(ValueError):
+    """A prompt source that cannot be read. The one-line message names the file and line (or the dataset and
+    row), what was wrong and what would be right."""
+
+
+class _MissingPromptFile(PromptFileError, FileNotFoundError):
+    """A prompt file that does not exist (also a FileNotFoundError, as load_prompts raised before)."""
+
+
+def load_prompts(path: str | Path | None, *, column: str = "prompt", template: str = "{prompt}",
+                 split: str = "train", hf_config: str = "") -> PromptSet:
+    """The prompts of a .txt file (one per line), a .jsonl file (one JSON object per line) or `hf:ORG/NAME` (a
+    Hugging Face dataset; `hf:DIR` a local one); an empty path gives the built-in prompts.
+
+    column: the key of a row that holds the prompt (.jsonl and hf:); the row's other keys become its metadata,
+        which reaches the rewards. A .txt line is that column, with no metadata.
+    template: a format string over the row's columns that makes the prompt; `{prompt}` is the prompt column.
+    split, hf_config: the split and the configuration of a `hf:` dataset ("" = its default configuration).
+    Raises PromptFileError, whose one-line message names the file and line (or dataset row) and the fix."""
     if not path:
         return PromptSet(list(BUILTIN_PROMPTS))
-    path = Path(path)
+    fields = _template_columns(template)
+    source = str(path)
+    if source.startswith(HF_PREFIX):
+        return _load_hf(source, column, template, fields, split, hf_config)
+    path = Path(source)
+    if path.suffix not in (".txt", ".jsonl"):
+        raise PromptFileError(f"prompt source {source!r}: unknown format {path.suffix or '(no extension)'!r}; "
+                              f"valid: {FORMATS}")
+    return _prompt_set(_file_rows(path, column), column, template, fields)
+
+
+def load_config_prompts(data: DataConfig, part: str = "train") -> PromptSet:
+    """The training (`part="train"`) or eval (`"eval"`) prompts of a config's `data` section (a DataConfig): its
+    source, split, prompt column, template and hf_config. The eval prompts default to the training prompts
+    (same source and split) when `data.eval_prompts` is empty. Errors start with the config key."""
+    if part not in ("train", "eval"):
+        raise ValueError(f"part must be 'train' or 'eval', got {part!r}")
+    key, source, split = "train_prompts", data.train_prompts, data.train_split
+    if part == "eval" and data.eval_prompts:
+        key, source, split = "eval_prompts", data.eval_prompts, data.eval_split
+    try:
+        return load_prompts(source, column=data.prompt_column, template=data.prompt_template, split=split,
+                            hf_config=data.hf_config)
+    except PromptFileError as e:
+        raise type(e)(f"data.{key}: {e}") from e
+
+
+# ------------------------------------------------------------------------------------------ rows
+
+
+def _template_columns(template: str) -> list[str]:
+    """The columns that `template` names; an error when it is not a format string naming at least one column."""
+    what = f"data.prompt_template {template!r}"
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise PromptFileError(f"{what} is not a valid format string ({e}); write a column as {{prompt}} and a "
+                              f"literal brace as {{{{ or }}}}") from None
+    columns = []
+    for _, name, _, _ in parsed:
+        if name is None:
+            continue
+        column = re.split(r"[.\[]", name, maxsplit=1)[0]
+        if not column or column.isdigit():
+            raise PromptFileError(f"{what}: every {{}} field needs a column name, as in {{prompt}} or {{question}}")
+        columns.append(column)
+    if not columns:
+        raise PromptFileError(f"{what} names no column, so every prompt would be the same; include {{prompt}}")
+    return columns
+
+
+def _prompt_set(rows: Iterable[tuple[str, dict]], column: str, template: str, fields: list[str]) -> PromptSet:
+    """The PromptSet of (where, row) pairs; `where` (file:line or dataset row) starts any error message."""
+    prompts, metadata = [], []
+    for where, row in rows:
+        prompt, meta = _row_prompt(row, where, column, template, fields)
+        prompts.append(prompt)
+        metadata.append(meta)
+    return PromptSet(prompts, metadata)
+
+
+def _row_prompt(row: dict, where: str, column: str, template: str, fields: list[str]) -> tuple[str, dict]:
+    """One row's prompt (its `column` through `template`) and metadata (its other columns)."""
+    if column not in row:
+        raise PromptFileError(f"{where}: no prompt column {column!r} (data.prompt_column); the row's keys are "
+                              f"{sorted(row)}")
+    value = row[column]
+    if not isinstance(value, str) or not value.strip():
+        raise PromptFileError(f"{where}: the prompt ({column!r}) must be a non-empty string, got "
+                              f"{_clip(repr(value))} ({type(value).__name__})")
+    missing = next((f for f in fields if f != "prompt" and f not in row), None)
+    if missing is not None:
+        raise PromptFileError(f"{where}: data.prompt_template {template!r} names column {missing!r}, which this row "
+                              f"lacks; its columns are {sorted(row)} ({{prompt}} is the prompt column, {column!r})")
+    try:
+        prompt = template.format_map({**row, "prompt": value})
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:
+        raise PromptFileError(f"{where}: data.prompt_template {template!r} does not apply to this row: "
+                              f"{type(e).__name__}: {e}") from None
+    return prompt, {k: v for k, v in row.items() if k != column}
+
+
+def _clip(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+# ------------------------------------------------------------------------------------------ files
+
+
+def _read_lines(path: Path) -> list[tuple[int, str]]:
+    """The non-blank lines of a prompt file with their 1-based numbers (a UTF-8 byte-order mark is skipped);
+    errors for a missing file, a directory, text that is not UTF-8, and a file without prompts."""
     if not path.exists():
-        raise FileNotFoundError(f"prompt file {str(path)!r} does not exist (expected .txt or .jsonl)")
-    if path.suffix == ".jsonl":
-        prompts, meta = [], []
-        for i, line in enumerate(path.read_text().splitlines()):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if "prompt" not in row:
-                raise ValueError(f"{path}:{i + 1}: a JSONL prompt row needs a 'prompt' key, got keys {sorted(row)}")
-            prompts.append(row.pop("prompt"))
-            meta.append(row)
-        return PromptSet(prompts, meta)
-    if path.suffix == ".txt":
-        return PromptSet([line.strip() for line in path.read_text().splitlines() if line.strip()])
-    raise ValueError(f"prompt file {str(path)!r}: unknown format {path.suffix!r}; use .txt or .jsonl")
+        raise _MissingPromptFile(f"prompt file {str(path)!r} does not exist (relative paths are read from the "
+                                 f"working directory, {os.getcwd()}){_nearby_files(path)}")
+    if path.is_dir():
+        raise PromptFileError(f"prompt file {str(path)!r} is a directory; for a dataset folder write hf:{path}")
+    data = path.read_bytes()
+    bom = 3 if data.startswith(b"\xef\xbb\xbf") else 0
+    try:
+        text = data[bom:].decode("utf-8")
+    except UnicodeDecodeError as e:
+        offset = bom + e.start
+        line = data.count(b"\n", 0, offset) + 1
+        in_line = offset - data.rfind(b"\n", 0, offset)  # 1-based
+        raise PromptFileError(f"{path}:{line}: not UTF-8 text: byte 0x{data[offset]:02x} at byte offset {offset} "
+                              f"(byte {in_line} of the line); save the file as UTF-8") from None
+    lines = [(i + 1, line.rstrip("\r")) for i, line in enumerate(text.split("\n")) if line.strip()]
+    if not lines:
+        state = "is empty" if not text else "holds only blank lines"
+        want = ("one prompt per line" if path.suffix == ".txt" else
+                'one JSON object per line, e.g. {"prompt": "a red apple"}')
+        raise PromptFileError(f"{path}: no prompts: the file {state}; write {want}")
+    return lines
+
+
+def _nearby_files(path: Path) -> str:
+    """'; prompt files in DIR: a, b' for the .txt/.jsonl files beside a missing `path` (closest names first)."""
+    parent = path.parent
+    if not parent.is_dir():
+        return ""
+    names = sorted(p.name for p in parent.iterdir() if p.suffix in (".txt", ".jsonl"))
+    if not names:
+        return ""
+    import difflib
+
+    close = difflib.get_close_matches(path.name, names, n=5, cutoff=0.0)
+    return f"; prompt files in {parent}: {', '.join(close)}"
+
+
+def _file_rows(path: Path, column: str) -> Iterator[tuple[str, dict]]:
+    """(file:line, row) for every non-blank line: a .txt line is the prompt column, a .jsonl line a JSON object."""
+    for number, line in _read_lines(path):
+        where = f"{path}:{number}"
+        yield where, ({column: line.strip()} if path.suffix == ".txt" else _jsonl_row(line, where, column))
+
+
+def _jsonl_row(line: str, where: str, column: str) -> dict:
+    """One JSONL line as a dict; errors name the JSON parser's complaint, or what the line holds instead."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise PromptFileError(f"{where}: not valid JSON: {e.msg} at column {e.colno}; each line must be one JSON "
+                              f'object, e.g. {{"{column}": "a red apple"}}') from None
+    if not isinstance(row, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(row), "a number")
+        raise PromptFileError(f"{where}: a row must be a JSON object with a {column!r} key, got {kind}: "
+                              f"{_clip(line.strip())}")
+    return row
+
+
+# ------------------------------------------------------------------------------------------ hf: datasets
+
+
+def _load_hf(source: str, column: str, template: str, fields: list[str], split: str, hf_config: str) -> PromptSet:
+    """The prompts of `hf:ORG/NAME` (the hub, or its local cache) or `hf:DIR` (a local dataset): split `split`,
+    prompt from `column` through `template`, the other JSON-valued columns as metadata."""
+    name = source[len(HF_PREFIX):].strip()
+    datasets = _import_datasets(source)
+    local = Path(name).expanduser()
+    loaded = (_load_local_dataset(datasets, source, local, hf_config) if name and local.is_dir() else
+              _load_hub_dataset(datasets, source, name, hf_config))
+    table = _choose_split(loaded, source, split)
+    where = f"{source} (split {split!r})"
+    if column not in table.column_names:
+        raise PromptFileError(f"{where}: no prompt column {column!r} (data.prompt_column); the dataset's columns "
+                              f"are {table.column_names}")
+    missing = next((f for f in fields if f != "prompt" and f not in table.column_names), None)
+    if missing is not None:
+        raise PromptFileError(f"{where}: data.prompt_template {template!r} names column {missing!r}, which the "
+                              f"dataset lacks; its columns are {table.column_names}")
+    if len(table) == 0:
+        raise PromptFileError(f"{where}: the split has no rows; choose another split (data.train_split / "
+                              f"data.eval_split)")
+    rows = _json_columns(table.to_list(), column, source)
+    return _prompt_set(((f"{where} row {i}", row) for i, row in enumerate(rows)), column, template, fields)
+
+
+def _import_datasets(source: str):
+    """The `datasets` module, imported on first use; an error with the install command when it is missing."""
+    try:
+        import datasets
+    except ImportError as e:
+        raise PromptFileError(f"{source}: Hugging Face prompt datasets need the `datasets` package, which is not "
+                              f"installed: pip install 'flowrl[hf]'") from e
+    return datasets
+
+
+def _load_local_dataset(datasets, source: str, local: Path, hf_config: str):
+    """A local dataset folder: one written by `save_to_disk` (which holds one configuration, so hf_config is
+    not used), or data files that `load_dataset` reads (json, jsonl, csv, parquet, ...)."""
+    saved = (local / "dataset_dict.json").is_file() or (local / "state.json").is_file()
+    try:
+        if saved:
+            return datasets.load_from_disk(str(local))
+        return datasets.load_dataset(str(local), hf_config or None)
+    except Exception as e:  # datasets raises many kinds; the message is what matters
+        config = f" (data.hf_config={hf_config!r})" if hf_config and not saved else ""
+        raise PromptFileError(f"{source}: cannot load the local dataset{config}: {_one_line(e)}; expected a folder "
+                              f"written by Dataset.save_to_disk or holding json/jsonl/csv/parquet files") from e
+
+
+def _load_hub_dataset(datasets, source: str, name: str, hf_config: str):
+    """A dataset of the Hugging Face Hub (or its local cache). Offline and not cached: an error at once, without
+    calling `datasets` (which could spend a minute on retries)."""
+    if not _HUB_ID.fullmatch(name):
+        raise PromptFileError(f"{source}: {name!r} is neither a local directory nor a dataset id such as "
+                              f"hf:openai/gsm8k")
+    offline = _offline_variables()
+    if offline and not any(d.exists() for d in _cache_dirs(datasets, name)):
+        raise PromptFileError(_offline_message(datasets, source, name, offline))
+    config = f" (data.hf_config={hf_config!r})" if hf_config else ""
+    try:
+        return datasets.load_dataset(name, hf_config or None)
+    except ConnectionError as e:
+        if offline:
+            raise PromptFileError(_offline_message(datasets, source, name, offline)) from e
+        raise PromptFileError(f"{source}: cannot reach the Hugging Face Hub ({_one_line(e)}); check the network, "
+                              f"or {_LOCAL_COPY}") from e
+    except Exception as e:  # datasets raises many kinds; the message is what matters
+        raise PromptFileError(f"{source}: cannot load dataset {name!r}{config}: {_one_line(e)}") from e
+
+
+def _offline_variables() -> list[str]:
+    """The environment variables, of `HF_HUB_OFFLINE` and `HF_DATASETS_OFFLINE`, set to put Hugging Face offline
+    (1/true/yes/on), read now (not when `datasets` was imported)."""
+    return [v for v in OFFLINE_VARIABLES if os.environ.get(v, "").strip().upper() in _TRUE]
+
+
+def _cache_dirs(datasets, name: str) -> list[Path]:
+    """Where a hub dataset `name` would be cached: the datasets cache (`ORG___NAME`, as `datasets` names it)
+    and the hub cache (`datasets--ORG--NAME`), read from the environment now and from `datasets`' settings."""
+    home = Path(os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "huggingface")
+    roots = {Path(os.environ.get("HF_DATASETS_CACHE") or home / "datasets").expanduser(),
+             Path(getattr(datasets.config, "HF_DATASETS_CACHE", home / "datasets")).expanduser()}
+    hub = Path(os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or home / "hub").expanduser()
+    org, _, short = name.rpartition("/")
+    try:
+        from datasets.naming import camelcase_to_snakecase
+        short = camelcase_to_snakecase(short)
+    except ImportError:
+        pass
+    cached = "___".join(filter(None, [org, short]))
+    return sorted(root / cached for root in roots) + [hub / ("datasets--" + name.replace("/", "--"))]
+
+
+def _offline_message(datasets, source: str, name: str, variables: list[str]) -> str:
+    """Why an offline machine cannot load hub dataset `name`, and the two ways out."""
+    dirs = " or ".join(str(d) for d in _cache_dirs(datasets, name))
+    settings = ", ".join(f"{v}={os.environ.get(v)}" for v in variables)
+    return (f"{source}: dataset {name!r} is neither a local directory nor in the Hugging Face cache ({dirs}), and "
+            f"this machine is offline ({settings}), so it cannot be downloaded; run once with network access and "
+            f"{' and '.join(variables)} unset to cache it, or {_LOCAL_COPY}")
+
+
+def _choose_split(loaded, source: str, split: str):
+    """Split `split` of a DatasetDict (an error lists the splits it has); a lone Dataset (saved without splits)
+    is every split."""
+    if not isinstance(loaded, dict):
+        return loaded
+    if split not in loaded:
+        raise PromptFileError(f"{source}: no split {split!r}; the dataset's splits are {list(loaded)} "
+                              f"(data.train_split / data.eval_split)")
+    return loaded[split]
+
+
+def _json_columns(rows: list[dict], column: str, source: str) -> list[dict]:
+    """`rows` without the metadata columns whose values are not JSON (images, bytes, dates), with a warning
+    naming them: metadata is logged and sent to remote rewards as JSON."""
+    dropped = sorted({k for row in rows for k, v in row.items() if k != column and not _is_json(v)})
+    if dropped:
+        warnings.warn(f"{source}: columns {dropped} hold values that are not JSON (images, bytes, dates, ...) and "
+                      f"are left out of the prompts' metadata", stacklevel=3)
+        rows = [{k: v for k, v in row.items() if k not in dropped} for row in rows]
+    return rows
+
+
+def _is_json(value) -> bool:
+    """True for None, str, bool, int, float, and lists and str-keyed dicts of them."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_json(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_json(v) for k, v in value.items())
+    return False
+
+
+def _one_line(error: BaseException) -> str:
+    """An exception as one line: its type and its message with line breaks folded."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
