@@ -1,12 +1,17 @@
 """Helpers shared by the reward files: lazy optional imports, device/dtype, hub-or-local files,
-image checks, CLIP embeddings, and the text of a (possibly chat-format) completion."""
+image checks, CLIP embeddings, the text of a (possibly chat-format) completion, and calling a text
+reward the way TRL's ``GRPOTrainer`` does (``call_text_reward``)."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import inspect
 import os
+import threading
+from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -153,3 +158,159 @@ def completion_text(completion: Any) -> str:
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
         parts.append(content or "")
     return "".join(parts)
+
+
+# ---------------------------------------------------------------------------- calling rewards like TRL
+
+TRL_EXTRAS = ("trainer_state", "log_metric", "log_extra")
+"""Keyword arguments TRL passes to every reward besides the batch and the dataset columns."""
+
+
+@dataclass
+class RewardState:
+    """What a TRL reward function reads from ``trainer_state``: the optimizer steps taken so far, the
+    training epoch (TRL's ``TrainerState.epoch``) and the planned number of steps (0 = unknown).
+    The trainer updates one instance in place; rewards use it to schedule their shaping."""
+
+    global_step: int = 0
+    epoch: float = 0.0
+    max_steps: int = 0
+
+
+def accepted_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The items of ``kwargs`` that ``fn`` accepts by keyword: all of them when it takes ``**kwargs`` or
+    its signature cannot be read (a builtin), else only the names among its parameters."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return dict(kwargs)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(kwargs)
+    by_keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {k: v for k, v in kwargs.items() if k in params and params[k].kind in by_keyword}
+
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_thread: threading.Thread | None = None
+_loop_pid = -1
+_loop_lock = threading.Lock()
+
+
+def _reward_loop() -> asyncio.AbstractEventLoop:
+    """The event loop that runs async rewards: one per process, in a daemon thread, kept across calls
+    (an async client such as an HTTP session made on the first call stays usable, as in TRL)."""
+    global _loop, _loop_thread, _loop_pid
+    with _loop_lock:
+        if _loop is None or _loop_pid != os.getpid() or not _loop_thread.is_alive():  # a forked child has no thread
+            _loop = asyncio.new_event_loop()
+            _loop_thread = threading.Thread(target=_loop.run_forever, name="flowrl-reward-loop", daemon=True)
+            _loop_thread.start()
+            _loop_pid = os.getpid()
+        return _loop
+
+
+def resolve_awaitable(value: Any) -> Any:
+    """``value`` itself, or its result when it is awaitable (an async reward's coroutine), awaited on the
+    reward loop's thread: this works whether or not the calling thread already runs an event loop."""
+    if not inspect.isawaitable(value):
+        return value
+    loop = _reward_loop()
+    if threading.current_thread() is _loop_thread:
+        raise RuntimeError("an async reward cannot wait for another async reward synchronously; await it instead")
+
+    async def wait() -> Any:
+        return await value
+
+    return asyncio.run_coroutine_threadsafe(wait(), loop).result()
+
+
+def text_scores(values: Any, n: int, who: str) -> list[float | None]:
+    """A text reward's output as ``n`` scores, each a float or None (the reward does not apply there).
+    Lists, tuples, arrays and tensors are read; anything else, another length or a score that is not a
+    number is a ValueError naming ``who``. NaN and infinities pass through: the trainer decides."""
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__"):
+        raise ValueError(f"reward {who!r} returned a {type(values).__name__}; a text reward returns one score "
+                         f"(a number or None) per completion")
+    values = list(values)
+    if len(values) != n:
+        raise ValueError(f"reward {who!r} returned {len(values)} scores for {n} completions")
+    scores: list[float | None] = []
+    for i, value in enumerate(values):
+        if value is None:
+            scores.append(None)
+            continue
+        try:
+            if isinstance(value, (str, bytes)):
+                raise TypeError
+            scores.append(float(value))
+        except (TypeError, ValueError):
+            raise ValueError(f"reward {who!r} returned {value!r} ({type(value).__name__}) for completion {i}; "
+                             f"scores are numbers or None") from None
+    return scores
+
+
+def call_text_reward(fn: Callable[..., Any], prompts: Sequence[Any], completions: Sequence[Any],
+                     completion_ids: Sequence[Sequence[int]] | None, columns: dict[str, Sequence[Any]], *,
+                     state: RewardState, logs: dict[str, list[float]],
+                     extra: dict[str, list[Any]] | None = None) -> list[float | None]:
+    """Call a text reward as TRL's ``GRPOTrainer`` does, and return its scores (float or None each).
+
+    The reward gets, by keyword, ``prompts``, ``completions``, ``completion_ids``, each dataset column
+    (one value per completion), ``trainer_state`` (``state``), ``log_metric(name, value)`` and
+    ``log_extra(column, values)`` -- only those its signature names, all of them when it takes
+    ``**kwargs``. An async reward (or one returning an awaitable) is awaited. ``log_metric`` appends
+    ``float(value)`` to ``logs[name]``; ``log_extra`` extends ``extra[column]`` (dropped when ``extra``
+    is None).
+    """
+    def log_metric(name: str, value: float) -> None:
+        logs.setdefault(str(name), []).append(float(value))
+
+    def log_extra(column: str, values: Sequence[Any]) -> None:
+        if extra is not None:
+            extra.setdefault(str(column), []).extend(values)
+
+    kwargs = {**columns, "prompts": list(prompts), "completions": list(completions),
+              "completion_ids": None if completion_ids is None else [list(ids) for ids in completion_ids],
+              "trainer_state": state, "log_metric": log_metric, "log_extra": log_extra}
+    out = resolve_awaitable(invoke_text_reward(fn, kwargs))
+    return text_scores(out, len(completions), getattr(fn, "__name__", repr(fn)))
+
+
+def takes_batch_by_position(fn: Callable[..., Any]) -> bool:
+    """True for a text reward with no ``completions`` keyword but two positional parameters, such as
+    ``(prompts_or_images, *args, **kwargs)``: it is called as ``fn(prompts, completions, **rest)``."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    if any(p.name == "completions" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
+def invoke_text_reward(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+    """``fn`` called with the batch and columns in ``kwargs`` (``prompts``, ``completions``, ...): by
+    keyword as TRL does, or with the two first positionally when it names them otherwise
+    (``takes_batch_by_position``); the other keywords only as far as ``fn`` accepts them."""
+    if takes_batch_by_position(fn):
+        rest = {k: v for k, v in kwargs.items() if k not in ("prompts", "completions")}
+        return fn(kwargs.get("prompts"), kwargs.get("completions"), **accepted_kwargs(fn, rest))
+    return fn(**accepted_kwargs(fn, kwargs))
+
+
+def image_scores(values: Any, n: int, who: str) -> "torch.Tensor":
+    """An image reward's output (tensor, numpy array, list or tuple of numbers) as a float32 ``[n]``
+    tensor; anything else, or another count, is a ValueError naming ``who``. NaN and infinities pass."""
+    import torch
+
+    try:
+        if isinstance(values, (str, bytes, dict)):
+            raise TypeError(f"a {type(values).__name__}")
+        scores = torch.as_tensor(values, dtype=torch.float32).detach().reshape(-1)  # [n]
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"reward {who!r} returned {type(values).__name__} that is not numbers ({e}); an image "
+                         f"reward returns one number per image (a list, tuple, numpy array or tensor)") from None
+    if scores.numel() != n:
+        raise ValueError(f"reward {who!r} returned {scores.numel()} scores for {n} images")
+    return scores

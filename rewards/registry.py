@@ -1,4 +1,4 @@
-"""The reward registry: names -> factories, and the two kinds of reward.
+"""The reward registry: names -> factories, the two kinds of reward, and rewards from the user's code.
 
 How to add a reward (e.g. ``rewards/shapes_geneval.py``)::
 
@@ -20,22 +20,53 @@ options and which returns the reward callable:
   (``dict[str, Tensor[B]]``), refreshed on each call.
 - ``kind="text"``: the TRL signature ``reward(prompts, completions, **columns) -> list[float | None]``;
   completions are strings or chat messages (lists of ``{"role", "content"}`` dicts).
+
+A factory whose kind depends on its options (``remote``) has ``check_options(kwargs, kind) -> kind``.
+
+Plug-ins: a reward named ``"package.module:function"`` or ``"path/to/file.py:function"`` (relative to
+the working directory) is that function of the user's code, called on every batch with the config's
+``kwargs`` as keyword arguments; its kind is the backend's unless it declares ``.kind``.
+``check(name, kwargs, kind)`` validates any name without loading a model; ``build(name, kwargs, kind)``
+returns the reward wrapped so that a failure names it.
 """
 
 from __future__ import annotations
 
+import difflib
+import hashlib
 import importlib
+import importlib.util
 import inspect
+import os
 import pkgutil
+import re
+import sys
+import traceback
+from collections.abc import Mapping
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable
 
 from flowrl.core.registry import Registry
+from rewards._common import (TRL_EXTRAS, accepted_kwargs, image_scores, invoke_text_reward, takes_batch_by_position,
+                             text_scores)
 
 IMAGE = "image"
 TEXT = "text"
 KINDS = (IMAGE, TEXT)
 
 REWARDS: Registry[Callable[..., Any]] = Registry("reward")
+
+PLUGIN_FORMS = "a plug-in 'package.module:function' or 'path/to/file.py:function'"
+
+
+class RewardConfigError(ValueError):
+    """A reward named in the config cannot be built as given: unknown name, bad option, wrong kind,
+    or a plug-in that cannot be imported or called as a reward."""
+
+
+class RewardError(RuntimeError):
+    """A built reward failed; the message starts with its name and the error is chained."""
 
 
 def register(name: str, *, kind: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -74,6 +105,14 @@ def available(kind: str | None = None) -> list[str]:
     return [n for n in REWARDS.names() if kind is None or getattr(REWARDS.get(n), "reward_kind", None) == kind]
 
 
+def _options_message(name: str, unknown: list[str], valid: list[str]) -> str:
+    """"reward NAME got unknown option(s) ... Valid options: ..." with a did-you-mean for each."""
+    close = [c for k in unknown for c in difflib.get_close_matches(k, valid, n=1, cutoff=0.6)]
+    hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+    return (f"reward {name!r} got unknown option(s) {', '.join(map(repr, unknown))}.{hint} "
+            f"Valid options: {', '.join(valid) or '(none)'}.")
+
+
 def get(name: str, **kwargs: Any) -> Callable[..., Any]:
     """Build the reward registered as ``name`` with its options ``kwargs``.
 
@@ -87,10 +126,7 @@ def get(name: str, **kwargs: Any) -> Callable[..., Any]:
     unknown = [k for k in kwargs if k not in params and not takes_any]
     if unknown:
         valid = [k for k, p in params.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL]
-        raise TypeError(
-            f"reward {name!r} got unknown option(s) {', '.join(map(repr, unknown))}. "
-            f"Valid options: {', '.join(valid) or '(none)'}."
-        )
+        raise TypeError(_options_message(name, unknown, valid))
     reward = factory(**kwargs)
     if getattr(reward, "kind", None) is None:
         reward.kind = getattr(factory, "reward_kind", None)
@@ -110,3 +146,348 @@ def kind_of(reward: Callable[..., Any], default: str | None = None) -> str:
             f"set reward.kind to one of {KINDS} or build it with rewards.get(name)"
         )
     return kind
+
+
+# ---------------------------------------------------------------------------- check and build
+
+
+def is_plugin(name: str) -> bool:
+    """True for a plug-in name (``module:function`` or ``file.py:function``); registered names have no ':'."""
+    return ":" in name
+
+
+def check(name: str, kwargs: Mapping[str, Any], kind: str) -> None:
+    """Validate a reward of the config without building it (no model is loaded): a registered ``name``
+    must exist, be of ``kind`` and take ``kwargs``; a plug-in must import, name a function that takes
+    ``kwargs`` and the batch of ``kind``. Raises RewardConfigError (a ValueError) with a one-line reason."""
+    _checked(name, dict(kwargs or {}), kind)
+
+
+def build(name: str, kwargs: Mapping[str, Any], kind: str) -> "NamedReward":
+    """The reward ``name`` with options ``kwargs``, for a backend of ``kind``, checked first (see
+    ``check``) and wrapped in a ``NamedReward``: ``.kind``, ``.__name__ == name``, failures named."""
+    kwargs = dict(kwargs or {})
+    plugin = _checked(name, kwargs, kind)
+    if plugin is not None:
+        return NamedReward(plugin, name, kind, options=kwargs)
+    try:
+        reward = get(name, **kwargs)
+    except (ValueError, TypeError) as e:  # a bad option value, found by the reward itself
+        raise RewardConfigError(f"reward {name!r}: {e}") from e
+    except Exception as e:  # weights missing, optional package absent, ...
+        raise RewardError(f"reward {name!r} could not be built: {type(e).__name__}: {e}") from e
+    return NamedReward(reward, name, kind_of(reward))
+
+
+def _checked(name: str, kwargs: dict[str, Any], kind: str) -> Callable[..., Any] | None:
+    """``check``; returns the plug-in's function (None for a registered name)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if not isinstance(name, str) or not name:
+        raise RewardConfigError(f"a reward name is a registered name or {PLUGIN_FORMS}, got {name!r}")
+    if is_plugin(name):
+        return _check_plugin(name, kwargs, kind)
+    _check_registered(name, kwargs, kind)
+    return None
+
+
+def _check_registered(name: str, kwargs: dict[str, Any], kind: str) -> None:
+    """Name, options and kind of a registered reward, from its factory's signature."""
+    load_all()
+    if name not in REWARDS:
+        close = difflib.get_close_matches(name, REWARDS.names(), n=3, cutoff=0.5)
+        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise RewardConfigError(f"unknown reward {name!r}.{hint} Valid {kind} rewards: "
+                                f"{', '.join(available(kind))}; or {PLUGIN_FORMS}.")
+    factory = REWARDS.get(name)
+    params = inspect.signature(factory).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    options = [k for k, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    unknown = [k for k in kwargs if k not in options and not takes_any]
+    if unknown:
+        raise RewardConfigError(_options_message(name, unknown, options))
+    missing = [k for k, p in params.items()
+               if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and k not in kwargs]
+    if missing:
+        raise RewardConfigError(f"reward {name!r} needs option(s) {', '.join(map(repr, missing))} in its kwargs; "
+                                f"its options: {', '.join(options)}.")
+    kind_check = getattr(factory, "check_options", None) or _KIND_CHECKS.get(name)
+    actual = kind_check(kwargs, kind) if kind_check else factory.reward_kind
+    if actual != kind:
+        raise RewardConfigError(f"reward {name!r} is {_a(actual)} reward; this backend needs {kind} rewards: "
+                                f"{', '.join(available(kind))}, or {PLUGIN_FORMS}.")
+
+
+def _a(kind: str) -> str:
+    """"an image" / "a text"."""
+    return f"an {kind}" if kind[0] in "aeiou" else f"a {kind}"
+
+
+def _check_weighted(kwargs: dict[str, Any], kind: str) -> str:
+    """``weighted``'s components: each a registered reward of ``kind`` with valid options.
+    (Here rather than in ``rewards/weighted.py`` until that factory grows a ``check_options``.)"""
+    components = kwargs.get("components")
+    if not isinstance(components, Mapping) or not components:
+        raise RewardConfigError(f"reward 'weighted' needs components={{name: weight, or name: {{weight: w, "
+                                f"reward: registered_name, **options}}}}, got {components!r}")
+    for key, spec in components.items():
+        if isinstance(spec, bool) or not isinstance(spec, (int, float, Mapping)):
+            raise RewardConfigError(f"weighted component {key!r}: expected a weight or a dict of options, got {spec!r}")
+        options = dict(spec) if isinstance(spec, Mapping) else {}
+        options.pop("weight", None)
+        component = str(options.pop("reward", key))
+        if is_plugin(component):
+            raise RewardConfigError(f"weighted component {key!r}: plug-in {component!r} cannot be a component; "
+                                    f"give it its own entry in the config's rewards list, with its weight")
+        try:
+            _check_registered(component, options, kind)
+        except RewardConfigError as e:
+            raise RewardConfigError(f"weighted component {key!r}: {e}") from None
+    return kind
+
+
+_KIND_CHECKS: dict[str, Callable[[dict[str, Any], str], str]] = {"weighted": _check_weighted}
+
+
+# ---------------------------------------------------------------------------- plug-ins
+
+
+def _check_plugin(name: str, kwargs: dict[str, Any], kind: str) -> Callable[..., Any]:
+    """Import the plug-in ``name``, check it is a function of ``kind`` taking ``kwargs``; return it."""
+    fn = load_plugin(name)
+    declared = getattr(fn, "kind", None)
+    if declared is not None and declared not in KINDS:
+        raise RewardConfigError(f"reward {name!r} declares kind {declared!r}; valid kinds: {', '.join(KINDS)}")
+    if declared is not None and declared != kind:
+        raise RewardConfigError(f"reward {name!r} is {_a(declared)} reward (its .kind); "
+                                f"this backend needs {kind} rewards")
+    _check_plugin_signature(name, fn, kwargs, kind)
+    return fn
+
+
+def load_plugin(name: str) -> Callable[..., Any]:
+    """The function named by ``"package.module:function"`` or ``"path/to/file.py:function"`` (a dotted
+    attribute path is followed). RewardConfigError naming the module or file and what failed."""
+    target, _, attr = name.rpartition(":")
+    if not target or not attr:
+        raise RewardConfigError(f"reward {name!r}: {PLUGIN_FORMS} needs both parts around the ':'")
+    module = _load_file(name, target) if _is_file(target) else _import_module(name, target)
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            found = _public_callables(module)
+            close = difflib.get_close_matches(part, found, n=3, cutoff=0.5)
+            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise RewardConfigError(f"reward {name!r}: {target!r} has no attribute {attr!r}.{hint} "
+                                    f"Its public callables: {', '.join(found) or '(none)'}.")
+        obj = getattr(obj, part)
+    if inspect.isclass(obj):
+        raise RewardConfigError(f"reward {name!r} is a class; name the reward function, or an instance made in "
+                                f"the module (e.g. `{attr.lower()} = {attr}(...)`) whose __call__ scores a batch")
+    if not callable(obj):
+        raise RewardConfigError(f"reward {name!r} is not callable (type {type(obj).__name__}); name a function")
+    return obj
+
+
+def _is_file(target: str) -> bool:
+    return target.endswith(".py") or "/" in target or os.sep in target
+
+
+def _import_module(name: str, target: str) -> ModuleType:
+    """``import target`` as Python would from the working directory (added to the end of sys.path)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+    importlib.invalidate_caches()  # a module written since the last import attempt is found
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as e:
+        if e.name and (target == e.name or target.startswith(e.name + ".")):
+            raise RewardConfigError(f"reward {name!r}: module {target!r} not found (no module named {e.name!r} "
+                                    f"on sys.path, which includes the working directory {cwd})") from None
+        raise RewardConfigError(f"reward {name!r}: module {target!r} imports {e.name!r}, which is not installed") from e
+    except SyntaxError as e:
+        raise RewardConfigError(f"reward {name!r}: syntax error in {e.filename} line {e.lineno}: {e.msg}") from None
+    except Exception as e:  # the module's own code failed at import
+        raise RewardConfigError(f"reward {name!r}: importing module {target!r} raised "
+                                f"{type(e).__name__}: {e}{_where(e)}") from e
+
+
+def _load_file(name: str, target: str) -> ModuleType:
+    """The module of a ``.py`` file (relative to the working directory), executed once per process."""
+    path = Path(target).expanduser()
+    path = (path if path.is_absolute() else Path.cwd() / path).resolve()
+    if not path.is_file():
+        raise RewardConfigError(f"reward {name!r}: file {target!r} not found (looked for {path})")
+    stem = re.sub(r"\W", "_", path.stem)
+    module_name = f"flowrl_plugin_{stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise RewardConfigError(f"reward {name!r}: {target!r} is not a Python file (give a .py file)")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # as import does: dataclasses and pickle look the module up
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        del sys.modules[module_name]
+        raise RewardConfigError(f"reward {name!r}: syntax error in {target} line {e.lineno}: {e.msg}") from None
+    except ModuleNotFoundError as e:
+        del sys.modules[module_name]
+        raise RewardConfigError(f"reward {name!r}: file {target!r} imports {e.name!r}, which is not installed") from e
+    except Exception as e:
+        del sys.modules[module_name]
+        raise RewardConfigError(f"reward {name!r}: running file {target!r} raised "
+                                f"{type(e).__name__}: {e}{_where(e)}") from e
+    return module
+
+
+def _where(error: BaseException) -> str:
+    """" (FILE line N)" of the innermost frame of ``error``'s traceback, or ""."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return f" ({frames[-1].filename} line {frames[-1].lineno})" if frames else ""
+
+
+def _public_callables(module: ModuleType) -> list[str]:
+    """Names of the functions and callable instances a module defines (imports and classes left out)."""
+    names = []
+    for key, value in vars(module).items():
+        if key.startswith("_") or not callable(value) or inspect.isclass(value):
+            continue
+        if inspect.isfunction(value) and value.__module__ != module.__name__:
+            continue  # imported
+        if inspect.isbuiltin(value):
+            continue
+        names.append(key)
+    return sorted(names)
+
+
+def _check_plugin_signature(name: str, fn: Callable[..., Any], kwargs: dict[str, Any], kind: str) -> None:
+    """The options ``kwargs`` are parameters of ``fn``, and ``fn`` can take the batch of ``kind``: an image
+    reward ``(images, prompts)`` positionally; a text reward ``completions`` (and ``prompts``) by keyword
+    as TRL passes them, or its two first parameters positionally when none is named ``completions``."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin or extension function: nothing to read, trust it
+    params = signature.parameters
+    shown = f"{getattr(fn, '__name__', name.rpartition(':')[2])}{signature}"
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    batch = ("images", "prompts") if kind == IMAGE else ("prompts", "completions", "completion_ids", *TRL_EXTRAS)
+    clash = [k for k in kwargs if k in batch]
+    if clash:
+        raise RewardConfigError(f"reward {name!r}: option(s) {', '.join(map(repr, clash))} would replace what every "
+                                f"{kind} reward is called with ({', '.join(batch)}); rename them")
+    by_position = kind == IMAGE or takes_batch_by_position(fn)
+    slots = [k for k, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2] \
+        if by_position else []
+    keywordable = [k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    options = [k for k in keywordable if k not in batch and k not in slots]
+    unknown = [k for k in kwargs if k not in options and not takes_any]
+    if unknown:
+        raise RewardConfigError(f"{_options_message(name, unknown, options)[:-1]} (signature {shown}).")
+    call = "f(images, prompts, **metadata)" if kind == IMAGE else \
+        "f(prompts=..., completions=..., **columns) (TRL's signature) or f(prompts, completions, **columns)"
+    problem = ""
+    other = ("prompts", "completions") if kind == IMAGE else ("images", "prompts")
+    if by_position and slots == list(other):
+        problem = f" (its parameters {slots[0]}, {slots[1]} are {_a(TEXT if kind == IMAGE else IMAGE)} reward's)"
+    elif by_position:
+        try:
+            signature.bind_partial(None, None, **kwargs)
+        except TypeError as e:
+            problem = f" ({e})"
+        else:
+            return
+    elif ("completions" in keywordable or takes_any) and not any(
+            p.kind is p.POSITIONAL_ONLY and p.default is p.empty for p in params.values()):
+        return
+    raise RewardConfigError(f"reward {name!r}: {_a(kind)} reward is called as {call}, but its signature is "
+                            f"{shown}{problem}")
+
+
+# ---------------------------------------------------------------------------- the built reward
+
+
+class NamedReward:
+    """A built reward under the name it was configured with.
+
+    Calls go to ``reward`` with ``options`` added as keyword arguments, and with only the keyword
+    arguments (dataset columns, TRL's extras) that its signature accepts. A call that raises is re-raised
+    as ``RewardError("reward 'NAME' failed: ...")`` (chained); the output is checked and returned as
+    ``Tensor[B]`` float32 (image) or ``list[float | None]`` (text). An async reward gives an awaitable,
+    checked the same way when awaited. ``last_components`` and other attributes are the wrapped reward's.
+    """
+
+    def __init__(self, reward: Callable[..., Any], name: str, kind: str, options: Mapping[str, Any] | None = None):
+        self.reward = reward
+        self.__name__ = name
+        self.kind = kind
+        self.options = dict(options or {})
+        try:  # the wrapped reward's signature, without the bound options: what callers may pass
+            signature = inspect.signature(reward)
+            self.__signature__ = signature.replace(
+                parameters=[p for k, p in signature.parameters.items() if k not in self.options])
+        except (TypeError, ValueError):
+            pass
+
+    @property
+    def last_components(self) -> dict[str, Any]:
+        """The wrapped reward's extra per-sample values of its last call."""
+        return getattr(self.reward, "last_components", None) or {}
+
+    def __getattr__(self, attr: str) -> Any:  # url, health(), weights, ... of the wrapped reward
+        if attr in ("reward", "__setstate__"):  # not yet set (unpickling, copying): no recursion
+            raise AttributeError(attr)
+        return getattr(self.reward, attr)
+
+    def __repr__(self) -> str:
+        return f"NamedReward({self.__name__!r}, kind={self.kind!r}, reward={self.reward!r})"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        clash = sorted(set(kwargs) & set(self.options))
+        if clash:
+            raise RewardError(f"reward {self.__name__!r}: option(s) {', '.join(map(repr, clash))} also came as "
+                              f"call argument(s) (a dataset column of the same name?); rename the option")
+        size = self._batch_size(args, kwargs)
+        if self.kind == TEXT and len(args) > 2:
+            raise TypeError(f"reward {self.__name__!r} takes (prompts, completions, **columns), got {len(args)} "
+                            f"positional arguments")
+        try:
+            if self.kind == TEXT:  # by keyword as TRL does, or positionally if the reward names them otherwise
+                out = invoke_text_reward(self.reward, {**dict(zip(("prompts", "completions"), args)),
+                                                       **kwargs, **self.options})
+            else:
+                out = self.reward(*args, **accepted_kwargs(self.reward, {**kwargs, **self.options}))
+        except Exception as e:
+            raise self._failure(e) from e
+        if inspect.isawaitable(out):
+            return self._finish(out, size)
+        return self._scores(out, size)
+
+    async def _finish(self, pending: Any, size: int | None) -> Any:
+        try:
+            out = await pending
+        except Exception as e:
+            raise self._failure(e) from e
+        return self._scores(out, size)
+
+    def _failure(self, error: Exception) -> RewardError:
+        return RewardError(f"reward {self.__name__!r} failed: {type(error).__name__}: {error}")
+
+    def _batch_size(self, args: tuple, kwargs: dict[str, Any]) -> int | None:
+        """Images (image kind) or completions (text kind) in the call, if they can be counted."""
+        position, key = (0, "images") if self.kind == IMAGE else (1, "completions")
+        batch = args[position] if len(args) > position else kwargs.get(key)
+        return len(batch) if hasattr(batch, "__len__") else None
+
+    def _scores(self, out: Any, size: int | None) -> Any:
+        if size is None:
+            return out
+        try:
+            if self.kind == IMAGE:
+                return image_scores(out, size, self.__name__)
+            return text_scores(out, size, self.__name__)
+        except ValueError as e:
+            raise RewardError(str(e)) from None

@@ -1,9 +1,16 @@
 """A reward computed by a reward server (``flowrl serve-reward NAME``, see ``rewards/server.py``), e.g.
-a large reward model on another GPU or machine. Images travel as PNG in JSON over HTTP."""
+a large reward model on another GPU or machine. Images travel as PNG in JSON over HTTP.
+
+A reply is checked before it is used: a body that is not a JSON object, no ``scores``, another number of
+scores than samples, a score that is not a number (or null), or components of the wrong length raise
+RewardServerError naming the server and what was wrong. NaN and infinities (which Python's json reads and
+writes as ``NaN``/``Infinity``) pass through as floats; the trainer decides what to do with them."""
 
 from __future__ import annotations
 
+import http.client
 import json
+import math
 import time
 import urllib.error
 import urllib.parse
@@ -12,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rewards._common import check_images
+from rewards._common import TRL_EXTRAS, check_images
 from rewards._wire import encode_png, to_jsonable
 from rewards.registry import IMAGE, KINDS, register
 
@@ -20,12 +27,21 @@ RETRY_STATUS = (502, 503, 504)  # transient: retried; any other error status is 
 
 
 class RewardServerError(RuntimeError):
-    """The reward server answered with an error, or could not be reached."""
+    """The reward server answered with an error or a malformed reply, or could not be reached."""
 
 
 def backoff_delays(retries: int, backoff: float) -> list[float]:
     """Seconds to wait before each retry: ``backoff · 2^i`` for ``i = 0 .. retries-1``."""
     return [backoff * 2**i for i in range(retries)]
+
+
+def check_url_and_kind(url: str, kind: str) -> None:
+    """ValueError unless ``url`` looks like ``http(s)://HOST[:PORT]`` and ``kind`` is a reward kind."""
+    if kind not in KINDS:
+        raise ValueError(f"remote reward kind must be one of {KINDS}, got {kind!r}")
+    parsed = urllib.parse.urlparse(url) if isinstance(url, str) else None
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ValueError(f"remote reward url must look like http://HOST:PORT, got {url!r}")
 
 
 @register("remote", kind=IMAGE)
@@ -41,37 +57,74 @@ class RemoteReward:
     """
 
     def __init__(self, url: str, timeout: float = 60.0, retries: int = 3, backoff: float = 0.5, kind: str = IMAGE):
-        if kind not in KINDS:
-            raise ValueError(f"remote reward kind must be one of {KINDS}, got {kind!r}")
-        parsed = urllib.parse.urlparse(url)
-        if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise ValueError(f"remote reward url must look like http://HOST:PORT, got {url!r}")
+        check_url_and_kind(url, kind)
         self.url = url.rstrip("/")
         self.timeout, self.retries, self.backoff, self.kind = timeout, retries, backoff, kind
         self.last_components: dict[str, torch.Tensor] = {}
 
-    def __call__(self, prompts_or_images, *args, **kwargs):
+    @staticmethod
+    def check_options(kwargs: dict[str, Any], kind: str) -> str:
+        """``rewards.check``'s hook: the options' url and kind are valid (no request is made); returns
+        the kind these options build."""
+        from rewards.registry import RewardConfigError
+
+        built = kwargs.get("kind", IMAGE)
+        try:
+            check_url_and_kind(kwargs.get("url"), built)
+        except ValueError as e:
+            raise RewardConfigError(f"reward 'remote': {e}") from None
+        return built
+
+    def __call__(self, *args, **kwargs):
+        """``(images, prompts, **metadata) -> Tensor[B]`` or ``(prompts, completions, **columns) -> list``,
+        positionally or by keyword."""
         if self.kind == IMAGE:
-            return self._score_images(prompts_or_images, *args, **kwargs)
-        return self._score_texts(prompts_or_images, *args, **kwargs)
+            return self._score_images(*args, **kwargs)
+        return self._score_texts(*args, **kwargs)
 
     def _score_images(self, images, prompts, **metadata) -> torch.Tensor:
         images = check_images(images, prompts, f"remote reward {self.url}")
         payload = {"images": [encode_png(x) for x in images], "prompts": list(prompts),
                    "metadata": to_jsonable(metadata, "metadata")}
         answer = self.post("/score", payload)
-        scores = torch.tensor(answer["scores"], dtype=torch.float32)
-        if scores.shape != (len(images),):
-            raise RewardServerError(f"{self.url} returned {tuple(scores.shape)} scores for {len(images)} images")
-        self.last_components = {k: torch.tensor(v, dtype=torch.float32)
-                                for k, v in answer.get("components", {}).items()}
-        return scores
+        scores = self._scores(answer, len(images), "images")
+        self.last_components = self._components(answer, len(images))
+        return torch.tensor([math.nan if s is None else s for s in scores], dtype=torch.float32)
 
     def _score_texts(self, prompts, completions, **columns) -> list[float | None]:
+        columns = {k: v for k, v in columns.items() if k not in TRL_EXTRAS}  # the trainer's objects stay here
         payload = {"prompts": to_jsonable(list(prompts), "prompts"),
                    "completions": to_jsonable(list(completions), "completions"),
                    "columns": to_jsonable(columns, "columns")}
-        return self.post("/score", payload)["scores"]
+        return self._scores(self.post("/score", payload), len(completions), "completions")
+
+    def _malformed(self, problem: str) -> RewardServerError:
+        return RewardServerError(f"reward server {self.url} sent a malformed reply: {problem}")
+
+    def _scores(self, answer: dict[str, Any], n: int, what: str) -> list[float | None]:
+        """``answer["scores"]`` as ``n`` floats (None for null), or RewardServerError saying what is wrong."""
+        if "scores" not in answer:
+            raise self._malformed(f"no 'scores' (keys: {', '.join(map(repr, answer)) or 'none'})")
+        return self._numbers(answer["scores"], n, what, "scores")
+
+    def _components(self, answer: dict[str, Any], n: int) -> dict[str, torch.Tensor]:
+        """``answer["components"]`` as float32 ``[n]`` tensors (NaN for null)."""
+        components = answer.get("components") or {}
+        if not isinstance(components, dict):
+            raise self._malformed(f"'components' is a {_json_type(components)}, not an object of lists")
+        parsed = {k: self._numbers(v, n, "images", f"components[{k!r}]") for k, v in components.items()}
+        return {k: torch.tensor([math.nan if x is None else x for x in values], dtype=torch.float32)
+                for k, values in parsed.items()}
+
+    def _numbers(self, values: Any, n: int, what: str, where: str) -> list[float | None]:
+        if not isinstance(values, list):
+            raise self._malformed(f"{where} is a {_json_type(values)}, not a list of numbers")
+        if len(values) != n:
+            raise self._malformed(f"{where} has {len(values)} values for {n} {what}")
+        for i, value in enumerate(values):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise self._malformed(f"{where}[{i}] is {value!r} ({_json_type(value)}), not a number")
+        return [None if v is None else float(v) for v in values]
 
     def health(self) -> dict[str, Any]:
         """The server's ``/health`` answer (name and kind of its reward)."""
@@ -84,26 +137,47 @@ class RemoteReward:
         return self._request(request)
 
     def _request(self, request: urllib.request.Request) -> dict[str, Any]:
+        """The JSON object the server answers; retried on connection errors, timeouts and 502/503/504."""
         delays = backoff_delays(self.retries, self.backoff)
         last_error = ""
         for attempt in range(self.retries + 1):
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return json.loads(response.read())
+                    return self._decode(response.read())
             except urllib.error.HTTPError as e:
                 message = _error_message(e)
                 if e.code not in RETRY_STATUS:
                     raise RewardServerError(f"reward server {self.url} answered {e.code}: {message}") from None
                 last_error = f"HTTP {e.code}: {message}"
-            except (urllib.error.URLError, OSError) as e:  # refused, reset, timed out, DNS
+            except (urllib.error.URLError, OSError, http.client.IncompleteRead) as e:  # refused, reset, timed out, cut
                 reason = e.reason if isinstance(e, urllib.error.URLError) else e
                 last_error = f"{type(reason).__name__}: {reason}"
+            except http.client.HTTPException as e:  # not HTTP at all: retrying will not help
+                raise self._malformed(f"not HTTP ({type(e).__name__}: {e})") from None
             if attempt < self.retries:
                 time.sleep(delays[attempt])
         raise RewardServerError(
             f"reward server {self.url} is not answering ({self.retries + 1} attempts, last: {last_error}). "
             f"Is it running? Start one with: flowrl serve-reward NAME --port PORT"
         )
+
+    def _decode(self, body: bytes) -> dict[str, Any]:
+        """The JSON object of a reply body (NaN and Infinity are read as floats)."""
+        try:
+            answer = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise self._malformed(f"not JSON ({e}); it begins {body[:60]!r}") from None
+        if not isinstance(answer, dict):
+            raise self._malformed(f"a JSON {_json_type(answer)}, not an object")
+        return answer
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a decoded value's type."""
+    if value is None:
+        return "null"
+    return {bool: "boolean", int: "number", float: "number", str: "string", list: "list", dict: "object"}.get(
+        type(value), type(value).__name__)
 
 
 def _error_message(error: urllib.error.HTTPError) -> str:

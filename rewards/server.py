@@ -1,8 +1,10 @@
-"""A reward server: scores images (or texts) with any registered reward, over HTTP on the standard
-library only (``ThreadingHTTPServer``; the wire format is in ``rewards/_wire.py``). Requests are read
-concurrently but scored one at a time (one model, one device). Binds to loopback unless told otherwise.
+"""A reward server: scores images (or texts) with any registered reward or plug-in, over HTTP on the
+standard library only (``ThreadingHTTPServer``; the wire format is in ``rewards/_wire.py``). Requests are
+read concurrently but scored one at a time (one model, one device). Binds to loopback unless told otherwise.
+Scores may be NaN or infinite: they are sent as ``NaN``/``Infinity``, which Python's json reads back.
 
     flowrl serve-reward pickscore --port 8000 --arg device=cuda:1 --arg scale=0.038
+    flowrl serve-reward mypkg.scores:brightness --kind image   # a plug-in
     rewards.get("remote", url="http://127.0.0.1:8000")   # the client
 """
 
@@ -16,15 +18,36 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
+from rewards._common import image_scores, invoke_text_reward, resolve_awaitable, text_scores
 from rewards._wire import decode_png, to_jsonable
-from rewards.registry import IMAGE, get, kind_of
+from rewards.registry import IMAGE, KINDS, RewardError, build, get, is_plugin, kind_of, load_plugin
 
 _CHUNK = 1 << 20
 
 
+class RewardHTTPServer(ThreadingHTTPServer):
+    """``ThreadingHTTPServer`` with a listen backlog for bursts of clients (every rank of a run, or
+    every sample's request at once) and daemon handler threads.
+
+    socketserver's default backlog of 5 makes the kernel's SYN queue overflow under a burst of a few
+    dozen connections on loopback: it answers with SYN cookies, then drops the completed handshakes the
+    full accept queue cannot hold, and the clients' requests are answered with resets ("Connection reset
+    by peer", 10 to 34 of 50 simultaneous clients here). The kernel caps the backlog at
+    ``net.core.somaxconn`` (4096 on current Linux)."""
+
+    request_queue_size = 1024
+    daemon_threads = True
+
+
+class RewardHTTPServerV6(RewardHTTPServer):
+    """The same, on an IPv6 address such as ``::1``."""
+
+    address_family = socket.AF_INET6
+
+
 def make_server(reward: Callable[..., Any], host: str = "127.0.0.1", port: int = 0, *,
                 max_request_bytes: int = 64 << 20, name: str = "reward", quiet: bool = False,
-                request_timeout: float = 120.0) -> ThreadingHTTPServer:
+                request_timeout: float = 120.0) -> RewardHTTPServer:
     """A server (not yet serving: call ``serve_forever``) for ``reward``; ``port=0`` picks a free port,
     read it back from ``server.server_address``. Requests over ``max_request_bytes`` get a 413."""
     kind = kind_of(reward)
@@ -70,6 +93,8 @@ def make_server(reward: Callable[..., Any], host: str = "127.0.0.1", port: int =
             try:
                 with lock:
                     answer = call(reward)
+            except RewardError as e:  # a built reward: its message names it already
+                return self._send(500, {"error": str(e)})
             except Exception as e:  # the reward failed: report it to the client, keep serving
                 return self._send(500, {"error": f"{name} failed: {type(e).__name__}: {e}"})
             self._send(200, answer)
@@ -85,12 +110,8 @@ def make_server(reward: Callable[..., Any], host: str = "127.0.0.1", port: int =
             except OSError:
                 pass
 
-    server_class = ThreadingHTTPServer
-    if ":" in host:  # an IPv6 address such as ::1
-        server_class = type("ThreadingHTTPServerV6", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6})
-    server = server_class((host, port), Handler)
-    server.daemon_threads = True
-    return server
+    server_class = RewardHTTPServerV6 if ":" in host else RewardHTTPServer  # ::1 is IPv6
+    return server_class((host, port), Handler)
 
 
 def _parse_image_request(request: dict[str, Any]) -> Callable[[Callable[..., Any]], dict[str, Any]]:
@@ -103,9 +124,9 @@ def _parse_image_request(request: dict[str, Any]) -> Callable[[Callable[..., Any
     images = [decode_png(x) for x in images]
 
     def call(reward: Callable[..., Any]) -> dict[str, Any]:
-        scores = reward(images, prompts, **metadata)
+        scores = image_scores(resolve_awaitable(reward(images, prompts, **metadata)), len(images), _name(reward))
         components = getattr(reward, "last_components", None) or {}
-        return {"scores": to_jsonable(scores.float()), "components": to_jsonable(dict(components))}
+        return {"scores": to_jsonable(scores), "components": to_jsonable(dict(components))}
 
     return call
 
@@ -116,10 +137,15 @@ def _parse_text_request(request: dict[str, Any]) -> Callable[[Callable[..., Any]
     if not isinstance(prompts, list) or not isinstance(completions, list) or not isinstance(columns, dict):
         raise TypeError("'prompts' and 'completions' must be lists and 'columns' an object")
 
-    def call(reward: Callable[..., Any]) -> dict[str, Any]:
-        return {"scores": to_jsonable(list(reward(prompts, completions, **columns)))}
+    def call(reward: Callable[..., Any]) -> dict[str, Any]:  # by keyword, as TRL calls a reward
+        out = resolve_awaitable(invoke_text_reward(reward, {**columns, "prompts": prompts, "completions": completions}))
+        return {"scores": to_jsonable(text_scores(out, len(completions), _name(reward)))}
 
     return call
+
+
+def _name(reward: Callable[..., Any]) -> str:
+    return getattr(reward, "__name__", type(reward).__name__)
 
 
 def parse_reward_args(pairs: list[str], json_text: str | None) -> dict[str, Any]:
@@ -144,7 +170,8 @@ def parse_reward_args(pairs: list[str], json_text: str | None) -> dict[str, Any]
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flowrl serve-reward",
                                      description="Serve a registered reward over HTTP (JSON, PNG images).")
-    parser.add_argument("name", metavar="NAME", help="registered reward name (see rewards.available())")
+    parser.add_argument("name", metavar="NAME", help="registered reward name (see rewards.available()), or a plug-in "
+                                                     "'package.module:function' or 'path/to/file.py:function'")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default loopback; 0.0.0.0 exposes the server to the network)")
     parser.add_argument("--port", type=int, default=8000, help="port (0 picks a free one; default 8000)")
@@ -152,11 +179,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
                         help="a reward option, repeatable; VALUE is read as JSON when it parses")
     parser.add_argument("--args-json", default=None, metavar="JSON", help="reward options as one JSON object")
+    parser.add_argument("--kind", choices=KINDS, default=None,
+                        help="a plug-in's kind (default: its .kind attribute, else image); "
+                             "registered rewards know theirs")
     parser.add_argument("--quiet", action="store_true", help="do not log each request")
     return parser
 
 
-def serve_main(argv: list[str], *, on_ready: Callable[[ThreadingHTTPServer], None] | None = None) -> int:
+def _build_served(name: str, options: dict[str, Any], kind: str | None) -> Callable[..., Any]:
+    """The reward to serve: a registered one built as ``rewards.get`` does, or a plug-in built for
+    ``kind`` (default: its own ``.kind``, else image)."""
+    if not is_plugin(name):
+        return get(name, **options)
+    return build(name, options, kind or getattr(load_plugin(name), "kind", None) or IMAGE)
+
+
+def serve_main(argv: list[str], *, on_ready: Callable[[RewardHTTPServer], None] | None = None) -> int:
     """``flowrl serve-reward NAME [--host] [--port] [--max-request-mb] [--arg k=v ...] [--args-json]``.
 
     Builds the reward, serves until interrupted and returns the exit code. ``on_ready(server)`` is
@@ -169,7 +207,7 @@ def serve_main(argv: list[str], *, on_ready: Callable[[ThreadingHTTPServer], Non
         print(f"flowrl serve-reward: {e}", file=sys.stderr)
         return 2
     try:
-        reward = get(args.name, **options)
+        reward = _build_served(args.name, options, args.kind)
     except (ValueError, TypeError) as e:  # unknown name or option: the message lists the valid ones
         print(f"flowrl serve-reward: {e}", file=sys.stderr)
         return 2

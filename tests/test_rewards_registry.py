@@ -30,7 +30,7 @@ def test_available_lists_every_reward_and_filters_by_kind():
 def test_unknown_name_and_option_list_the_valid_ones():
     with pytest.raises(ValueError, match=r"unknown reward 'pickscor'\. Did you mean 'pickscore'.*Valid: accuracy"):
         rewards.get("pickscor")
-    with pytest.raises(TypeError, match=r"unknown option\(s\) 'qualty'\. Valid options: quality"):
+    with pytest.raises(TypeError, match=r"unknown option\(s\) 'qualty'\. Did you mean 'quality'\? Valid options: quality"):
         rewards.get("jpeg_incompressibility", qualty=90)
 
 
@@ -130,3 +130,58 @@ def test_weighted_rejects_mixed_kinds_and_bad_specs():
         rewards.get("weighted", components={})
     with pytest.raises(ValueError, match="same rewards"):
         rewards.combine({"a": rewards.get("accuracy")}, {"b": 1.0})
+
+
+def test_check_validates_registered_names_options_and_kind_without_building(monkeypatch):
+    monkeypatch.setattr(registry.REWARDS, "_items", dict(registry.REWARDS._items))  # undone after the test
+    built = []
+
+    @rewards.register("heavy_for_test", kind=rewards.IMAGE)
+    def heavy(model: str, scale: float = 1.0):
+        built.append(model)  # stands for loading weights
+        return lambda images, prompts, **metadata: torch.full((len(images),), scale)
+
+    rewards.check("heavy_for_test", {"model": "some/weights", "scale": 2.0}, "image")
+    assert built == []  # nothing was built
+    with pytest.raises(rewards.RewardConfigError, match=r"^reward 'heavy_for_test' got unknown option\(s\) 'scael'\. "
+                                                        r"Did you mean 'scale'\? Valid options: model, scale\.$"):
+        rewards.check("heavy_for_test", {"model": "m", "scael": 2.0}, "image")
+    with pytest.raises(rewards.RewardConfigError, match=r"'heavy_for_test' needs option\(s\) 'model' in its kwargs"):
+        rewards.check("heavy_for_test", {}, "image")
+    with pytest.raises(rewards.RewardConfigError, match=r"^reward 'heavy_for_test' is an image reward; this backend needs "
+                                                        r"text rewards: accuracy, soft_overlong, think_format, or a plug-in"):
+        rewards.check("heavy_for_test", {"model": "m"}, "text")
+    with pytest.raises(rewards.RewardConfigError, match=r"^unknown reward 'heavy_for_tset'\. Did you mean "
+                                                        r"'heavy_for_test'\? Valid image rewards: aesthetic, .*"
+                                                        r"heavy_for_test.*; or a plug-in 'package.module:function'"):
+        rewards.check("heavy_for_tset", {}, "image")
+    reward = rewards.build("heavy_for_test", {"model": "m", "scale": 2.0}, "image")
+    assert built == ["m"] and reward.kind == "image" and reward.__name__ == "heavy_for_test"
+    assert reward(random_images(2), ["a", "b"]).tolist() == [2.0, 2.0]
+    with pytest.raises(ValueError, match="kind must be one of"):
+        rewards.check("accuracy", {}, "audio")
+
+
+def test_check_follows_remote_and_weighted_options_to_their_kind():
+    rewards.check("remote", {"url": "http://127.0.0.1:9", "kind": "text"}, "text")
+    with pytest.raises(rewards.RewardConfigError, match=r"'remote' is a text reward; this backend needs image rewards"):
+        rewards.check("remote", {"url": "http://127.0.0.1:9", "kind": "text"}, "image")
+    with pytest.raises(rewards.RewardConfigError, match=r"^reward 'remote': remote reward url must look like "
+                                                        r"http://HOST:PORT, got 'localhost'$"):
+        rewards.check("remote", {"url": "localhost"}, "image")
+    rewards.check("weighted", {"components": {"accuracy": 1.0, "format": {"reward": "think_format"}}}, "text")
+    with pytest.raises(rewards.RewardConfigError, match=r"^weighted component 'small': reward 'jpeg_compressibility' "
+                                                        r"is an image reward; this backend needs text rewards"):
+        rewards.check("weighted", {"components": {"accuracy": 1.0, "small": {"reward": "jpeg_compressibility"}}}, "text")
+    with pytest.raises(rewards.RewardConfigError, match=r"weighted component 'jpeg_compressibility': .*unknown "
+                                                        r"option\(s\) 'qualty'"):
+        rewards.check("weighted", {"components": {"jpeg_compressibility": {"qualty": 3}}}, "image")
+
+
+def test_a_failing_registered_reward_is_named_and_a_bad_value_is_a_config_error():
+    reward = rewards.build("accuracy", {}, "text")
+    with pytest.raises(rewards.RewardError, match=r"^reward 'accuracy' failed: KeyError: .*'solution' or 'answer'") as info:
+        reward(["q"], ["1"], label=["1"])
+    assert isinstance(info.value.__cause__, KeyError)
+    with pytest.raises(rewards.RewardConfigError, match=r"^reward 'soft_overlong': soft_overlong needs 0 < cache_length"):
+        rewards.build("soft_overlong", {"max_length": 4, "cache_length": 8}, "text")

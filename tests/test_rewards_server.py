@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -157,29 +159,34 @@ def test_transient_503_is_retried(monkeypatch):
     assert len(calls) == 3 and sleeps == [0.1, 0.2]
 
 
-def test_serve_main_serves_a_registered_reward_with_cli_options():
+@contextlib.contextmanager
+def serving(argv):
+    """`serve_main(argv)` in a thread: yields the bound server; on exit shuts it down and checks it returned 0."""
     ready, holder, result = threading.Event(), [], []
 
     def on_ready(server):
         holder.append(server)
         ready.set()
 
-    argv = ["jpeg_incompressibility", "--port", "0", "--arg", "quality=80", "--quiet"]
     thread = threading.Thread(target=lambda: result.append(serve_main(argv, on_ready=on_ready)), daemon=True)
     thread.start()
     assert ready.wait(30)
-    server = holder[0]
     try:
+        yield holder[0]
+    finally:
+        holder[0].shutdown()
+        thread.join(10)
+    assert result == [0]
+
+
+def test_serve_main_serves_a_registered_reward_with_cli_options():
+    with serving(["jpeg_incompressibility", "--port", "0", "--arg", "quality=80", "--quiet"]) as server:
         remote = rewards.get("remote", url=f"http://127.0.0.1:{server.server_address[1]}")
         images = random_images(2, (32, 32), seed=9)
         torch.testing.assert_close(remote(images, ["a", "b"]),
                                    rewards.get("jpeg_incompressibility", quality=80)(images, ["a", "b"]))
         assert remote.health()["reward"] == "jpeg_incompressibility"
         assert server.server_address[0] == "127.0.0.1"  # loopback by default
-    finally:
-        server.shutdown()
-        thread.join(10)
-    assert result == [0]
 
 
 def test_serve_main_rejects_unknown_reward_and_bad_args(capsys):
@@ -229,3 +236,174 @@ def test_slow_server_times_out_with_a_clear_error(monkeypatch):
         release.set()
         server.shutdown()
         server.server_close()
+
+
+class Garbage(BaseHTTPRequestHandler):
+    """Answers every POST with 200 and the bytes in ``reply`` (set on a subclass)."""
+
+    reply = b""
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(self.reply)))
+        self.end_headers()
+        self.wfile.write(self.reply)
+
+
+@pytest.fixture
+def garbage_server():
+    servers = []
+
+    def start(reply: bytes) -> str:
+        server = ThreadingHTTPServer(("127.0.0.1", 0), type("Reply", (Garbage,), {"reply": reply}))
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("reply, kind, problem", [
+    (b"<html>Bad Gateway</html>", "image", r"not JSON \(Expecting value: line 1 column 1 \(char 0\)\); it begins b'<html>"),
+    (b"[0.5, 0.5]", "image", r"a JSON list, not an object"),
+    (b'{"score": [0.5, 0.5]}', "image", r"no 'scores' \(keys: 'score'\)"),
+    (b'{"scores": "0.5 0.5"}', "text", r"scores is a string, not a list of numbers"),
+    (b'{"scores": [0.5]}', "image", r"scores has 1 values for 2 images"),
+    (b'{"scores": [0.5, 0.5, 0.5]}', "text", r"scores has 3 values for 2 completions"),
+    (b'{"scores": [0.5, "high"]}', "image", r"scores\[1\] is 'high' \(string\), not a number"),
+    (b'{"scores": [true, 1]}', "text", r"scores\[0\] is True \(boolean\), not a number"),
+    (b'{"scores": [0.5, 0.5], "components": {"clip": [1.0]}}', "image", r"components\['clip'\] has 1 values for 2 images"),
+    (b'{"scores": [0.5, 0.5], "components": [1.0, 2.0]}', "image", r"'components' is a list, not an object of lists"),
+])
+def test_malformed_replies_name_the_server_and_the_problem(garbage_server, monkeypatch, reply, kind, problem):
+    sleeps = []
+    monkeypatch.setattr(remote_module.time, "sleep", sleeps.append)
+    url = garbage_server(reply)
+    remote = rewards.get("remote", url=url, kind=kind, retries=2)
+    batch = (random_images(2), ["a", "b"]) if kind == "image" else (["q", "q"], ["x", "y"])
+    with pytest.raises(RewardServerError, match=rf"^reward server {url} sent a malformed reply: {problem}"):
+        remote(*batch)
+    assert sleeps == []  # a malformed reply is not retried
+
+
+def test_non_finite_scores_pass_through_as_floats(garbage_server):
+    url = garbage_server(b'{"scores": [NaN, Infinity, -Infinity, null, 2]}')
+    texts = rewards.get("remote", url=url, kind="text")(["q"] * 4 + ["r"], ["a", "b", "c", "d", "e"])
+    assert np.isnan(texts[0]) and texts[1:4] == [float("inf"), float("-inf"), None] and texts[4] == 2.0
+    scores = rewards.get("remote", url=url)(random_images(5), ["p"] * 5)
+    assert scores.dtype == torch.float32
+    assert torch.isnan(scores[0]) and scores[1] == float("inf") and scores[2] == float("-inf")
+    assert torch.isnan(scores[3]) and scores[4] == 2.0  # null: no score
+
+
+def test_the_server_sends_non_finite_scores(serve):
+    class NonFinite:
+        kind = IMAGE
+
+        def __call__(self, images, prompts, **metadata):
+            return torch.tensor([float("nan"), float("inf"), -1.0])[: len(images)]
+
+    scores = rewards.get("remote", url=serve(NonFinite()))(random_images(3), ["a", "b", "c"])
+    assert torch.isnan(scores[0]) and scores[1:].tolist() == [float("inf"), -1.0]
+
+    def text(prompts, completions, **columns):
+        return [float("-inf"), None]
+
+    text.kind = "text"
+    out = rewards.get("remote", url=serve(text), kind="text")(["q", "q"], ["a", "b"])
+    assert out == [float("-inf"), None]
+
+
+def test_a_reply_that_is_not_http_is_an_error_not_a_traceback(monkeypatch):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+
+    def answer_garbage():
+        for _ in range(4):
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.recv(65536)
+            conn.sendall(b"hello, this is not HTTP\r\n\r\n")
+            conn.close()
+
+    threading.Thread(target=answer_garbage, daemon=True).start()
+    monkeypatch.setattr(remote_module.time, "sleep", lambda s: None)
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        with pytest.raises(RewardServerError, match=rf"^reward server {url} sent a malformed reply: not HTTP "
+                                                    r"\(BadStatusLine: "):
+            rewards.get("remote", url=url, retries=1)(random_images(1), ["a"])
+    finally:
+        listener.close()
+
+
+def test_a_burst_of_50_concurrent_clients_is_answered(serve):
+    """socketserver's default listen backlog of 5 reset 10-34 of these 50 connections."""
+    def length(prompts, completions, **columns):
+        return [float(len(c)) for c in completions]
+
+    length.kind = "text"
+    url = serve(length) + "/score"
+    clients = 50
+    barrier = threading.Barrier(clients)
+    results: list = [None] * clients
+
+    def client(i: int) -> None:
+        body = json.dumps({"prompts": ["q"], "completions": ["x" * i]}).encode()
+        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        barrier.wait()  # all connect at once
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                results[i] = (response.status, json.loads(response.read())["scores"])
+        except OSError as e:
+            results[i] = (type(e).__name__, str(e))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    failed = [r for r in results if r is None or r[0] != 200]
+    assert not failed, f"{len(failed)} of {clients} failed, e.g. {failed[:2]}"
+    assert [r[1] for r in results] == [[float(i)] for i in range(clients)]  # each its own answer
+
+
+def test_serve_main_serves_a_plugin_by_keyword_like_trl(tmp_path, monkeypatch):
+    (tmp_path / "judge.py").write_text(
+        "def words(completions, **kwargs):\n"  # TRL's documented form: no prompts parameter
+        "    return [float(len(c.split())) + float(kwargs['bonus'][i]) for i, c in enumerate(completions)]\n")
+    monkeypatch.chdir(tmp_path)
+    with serving(["judge.py:words", "--kind", "text", "--port", "0", "--quiet"]) as server:
+        remote = rewards.get("remote", url=f"http://127.0.0.1:{server.server_address[1]}", kind="text")
+        assert remote(["q", "q"], ["one two", "three"], bonus=[10, 20]) == [12.0, 21.0]
+        assert remote.health() == {"status": "ok", "reward": "judge.py:words", "kind": "text"}
+
+
+def test_remote_text_reward_through_the_trl_call_sends_only_data(serve):
+    from rewards._common import RewardState, call_text_reward
+
+    seen = {}
+
+    def text(prompts, completions, **columns):
+        seen.update(columns)
+        return [float(len(c)) for c in completions]
+
+    text.kind = "text"
+    remote = rewards.build("remote", {"url": serve(text), "kind": "text"}, "text")
+    logs: dict = {}
+    out = call_text_reward(remote, ["q", "r"], ["ab", "c"], [[1, 2], [3]], {"answer": ["1", "2"]},
+                           state=RewardState(global_step=2), logs=logs)
+    assert out == [2.0, 1.0]
+    assert seen == {"answer": ["1", "2"], "completion_ids": [[1, 2], [3]]}  # no trainer_state, log_metric, log_extra

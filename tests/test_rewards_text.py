@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 import rewards
-from rewards._common import completion_text
+from rewards._common import RewardState, call_text_reward, completion_text
 from rewards.accuracy import extract_answer, last_boxed, parse_number
 from rewards.soft_overlong import soft_overlong_punishment
 from rewards.think_format import think_format_reward
@@ -115,3 +117,127 @@ def test_soft_overlong_reads_completion_ids_or_a_tokenizer(tmp_path):
     assert by_text(["q"] * 3, ["abc", chat("abcdef"), "abcdefghi"]) == [0.0, -0.5, -1.0]
     with pytest.raises(ValueError, match="0 < cache_length <= max_length"):
         rewards.get("soft_overlong", max_length=4, cache_length=8)
+
+
+# ---------------------------------------------------------------------------- TRL reward functions, unchanged
+
+def trl_scheduled_length(completions, trainer_state, log_metric, log_extra, **kwargs):
+    """A TRL-style reward (GRPOTrainer passes trainer_state, log_metric, log_extra and the columns as kwargs):
+    a length bonus that fades with training, logging its own metric and a column."""
+    weight = 1.0 / (1 + trainer_state.global_step)
+    lengths = [len(c) for c in completions]
+    log_metric("mean_length", sum(lengths) / len(lengths))
+    log_extra("target", list(kwargs["target"]))
+    return [weight * n if t is not None else None for n, t in zip(lengths, kwargs["target"])]
+
+
+def test_a_trl_reward_gets_trainer_state_log_metric_log_extra_and_columns():
+    state, logs, extra = RewardState(global_step=3, epoch=1.0), {}, {}
+    out = call_text_reward(trl_scheduled_length, ["p1", "p2"], ["abcd", "ab"], [[5, 6, 7], [8]],
+                           {"target": ["x", None]}, state=state, logs=logs, extra=extra)
+    assert out == [1.0, None]  # 4 / (1 + 3); None: does not apply
+    state.global_step = 1
+    call_text_reward(trl_scheduled_length, ["p"], ["abcdef"], [[1]], {"target": ["y"]}, state=state, logs=logs, extra=extra)
+    assert logs == {"mean_length": [3.0, 6.0]}  # (4 + 2) / 2, then 6
+    assert extra == {"target": ["x", None, "y"]}
+
+
+def test_only_the_arguments_a_reward_names_are_passed_unless_it_takes_kwargs():
+    seen = {}
+
+    def exact(prompts, completions, completion_ids):  # would fail on trainer_state etc.
+        seen["ids"] = completion_ids
+        return [float(len(ids)) for ids in completion_ids]
+
+    def everything(**kwargs):
+        seen["keys"] = sorted(kwargs)
+        return [0.0] * len(kwargs["completions"])
+
+    args = (["p", "q"], ["a", "b"], [[1, 2], [3]], {"answer": ["1", "2"]})
+    assert call_text_reward(exact, *args, state=RewardState(), logs={}) == [2.0, 1.0]
+    assert seen["ids"] == [[1, 2], [3]]
+    call_text_reward(everything, *args, state=RewardState(), logs={})
+    assert seen["keys"] == ["answer", "completion_ids", "completions", "log_extra", "log_metric", "prompts",
+                            "trainer_state"]
+
+
+def test_async_rewards_are_awaited_on_one_loop_even_from_a_running_loop():
+    loops = []
+
+    async def judge(prompts, completions, **kwargs):
+        await asyncio.sleep(0)
+        loops.append(asyncio.get_running_loop())
+        kwargs["log_metric"]("judge_calls", 1)
+        return [0.5 for _ in completions]
+
+    logs: dict[str, list[float]] = {}
+    assert call_text_reward(judge, ["p"], ["a"], None, {}, state=RewardState(), logs=logs) == [0.5]
+
+    async def notebook_cell():  # this thread's loop is already running
+        return call_text_reward(judge, ["p", "q"], ["a", "b"], None, {}, state=RewardState(), logs=logs)
+
+    assert asyncio.run(notebook_cell()) == [0.5, 0.5]
+    assert logs == {"judge_calls": [1.0, 1.0]}
+    assert loops[0] is loops[1]  # one loop across calls: an async client made on the first call stays usable
+
+
+def test_bad_outputs_of_a_text_reward_name_it():
+    def short(prompts, completions, **kwargs):
+        return [1.0]
+
+    def words(prompts, completions, **kwargs):
+        return ["good" for _ in completions]
+
+    with pytest.raises(ValueError, match=r"reward 'short' returned 1 scores for 2 completions"):
+        call_text_reward(short, ["p", "q"], ["a", "b"], None, {}, state=RewardState(), logs={})
+    with pytest.raises(ValueError, match=r"reward 'words' returned 'good' \(str\) for completion 0; scores are numbers or None"):
+        call_text_reward(words, ["p"], ["a"], None, {}, state=RewardState(), logs={})
+
+
+def test_text_policy_calls_trl_rewards_and_pops_their_logs(tmp_path):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from flowrl.arith import arith_tokenizer
+    from flowrl.backends.text import TextPolicy
+    from flowrl.config import load_config
+
+    tok = arith_tokenizer()
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=32, n_embd=16, n_layer=1, n_head=2,
+                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                               pad_token_id=tok.pad_token_id)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    cfg = load_config(None, ["backend=text", f"model.path={tmp_path}", "model.device=cpu", "text.max_new_tokens=3"])
+    policy = TextPolicy(cfg, "cpu")
+    batch = policy.rollout(["1+2=", "3+4="], [{"answer": "3"}, {"answer": "7"}], epoch=0,
+                           generator=torch.Generator().manual_seed(0))
+    seen = {}
+
+    def trl_reward(prompts, completions, completion_ids, trainer_state, log_metric, answer, **kwargs):
+        seen.update(prompts=prompts, completions=completions, ids=completion_ids, answer=answer)
+        log_metric("step", trainer_state.global_step)
+        return [None, float(trainer_state.epoch)]
+
+    policy.reward_state.global_step, policy.reward_state.epoch = 4, 2.0  # as the trainer sets them
+    scores = policy.call_reward(trl_reward, batch, {"answer": ["3", "7"]})
+    assert seen == {"prompts": ["1+2=", "3+4="], "completions": batch.completions, "ids": batch.completion_id_lists,
+                    "answer": ["3", "7"]}
+    assert torch.isnan(scores[0]) and scores[1] == 2.0 and scores.dtype == torch.float32
+    policy.reward_state.global_step = 6
+    policy.call_reward(trl_reward, batch, {"answer": ["3", "7"]})
+    assert policy.pop_reward_logs() == {"reward_log/step": 5.0}  # mean of 4 and 6
+    assert policy.pop_reward_logs() == {}  # cleared
+
+
+def test_registered_text_rewards_through_the_trl_call():
+    """The registry's rewards take the TRL call too; `weighted` names its first parameter otherwise
+    (prompts_or_images), so it gets the batch positionally."""
+    weighted = rewards.get("weighted", components={"accuracy": 1.0, "think_format": 0.25})
+    completions = ["<think>r</think><answer>4</answer>", "4", "<think>r</think><answer>x</answer>"]
+    out = call_text_reward(weighted, ["q"] * 3, completions, [[1], [1, 2], [1, 2, 3]], {"solution": ["4", "4", "pi"]},
+                           state=RewardState(), logs={})
+    assert out == [1.25, 1.0, 0.25]  # as test_weighted_text_sum_skips_none_like_trl
+    overlong = rewards.build("soft_overlong", {"max_length": 2, "cache_length": 1}, "text")
+    assert call_text_reward(overlong, ["q"] * 3, ["", "", ""], [[1], [1, 2], [1, 2, 3]], {},
+                            state=RewardState(), logs={}) == [0.0, -1.0, -1.0]  # (1 - 2) / 1 at L_max, -1 over it

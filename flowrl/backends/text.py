@@ -109,6 +109,7 @@ class TextPolicy:
         self.aggregation = self.text.loss_agg
         self.entropy_coef = self.text.entropy_coef
         self.use_chat = self.text.chat_template and getattr(self.tokenizer, "chat_template", None) is not None
+        self._init_reward_io()
 
     # ---------------------------------------------------------------------------- parameters / reference
 
@@ -219,20 +220,40 @@ class TextPolicy:
             batch.kl_penalty = (self.cfg.train.beta * kl.sum(1)).cpu()
         return batch
 
+    def _init_reward_io(self) -> None:
+        """What text rewards see and log besides the batch: ``reward_state`` (TRL's ``trainer_state``; the
+        trainer sets its ``global_step`` and ``epoch``), and the values they pass to ``log_metric`` and
+        ``log_extra`` since the last ``pop_reward_logs`` / ``pop_reward_extra``."""
+        from rewards._common import RewardState
+
+        self.reward_state = RewardState()
+        self._reward_logs: dict[str, list[float]] = {}
+        self._reward_extra: dict[str, list] = {}
+
     def call_reward(self, fn, batch: TextBatch, columns: dict) -> Tensor:
-        """A TRL-signature reward -> [B] float32 with NaN where it returned None (it does not apply)."""
-        out = fn(
-            prompts=batch.prompts,
-            completions=batch.completions,
-            completion_ids=batch.completion_id_lists,
-            **columns,
-        )
-        if len(out) != len(batch.prompts):
-            raise ValueError(
-                f"reward {getattr(fn, '__name__', fn)!r} returned {len(out)} values for "
-                f"{len(batch.prompts)} completions"
-            )
-        return torch.tensor([float("nan") if v is None else float(v) for v in out], dtype=torch.float32)
+        """A text reward called as TRL's GRPOTrainer calls it (prompts, completions, completion_ids, the
+        columns, trainer_state, log_metric, log_extra; async ones awaited) -> [B] float32, NaN where it
+        returned None (it does not apply)."""
+        from rewards._common import call_text_reward
+
+        out = call_text_reward(fn, batch.prompts, batch.completions, batch.completion_id_lists, columns,
+                               state=self.reward_state, logs=self._reward_logs, extra=self._reward_extra)
+        return torch.tensor([float("nan") if v is None else v for v in out], dtype=torch.float32)
+
+    def pop_reward_logs(self) -> dict[str, float]:
+        """The mean of each metric the rewards logged with ``log_metric`` since the last call, as
+        ``reward_log/<name>``; the logs are cleared."""
+        means = {f"reward_log/{name}": sum(values) / len(values)
+                 for name, values in self._reward_logs.items() if values}
+        self._reward_logs.clear()
+        return means
+
+    def pop_reward_extra(self) -> dict[str, list]:
+        """The columns the rewards logged with ``log_extra(column, values)`` since the last call (values in
+        call order, one per completion scored); cleared."""
+        extra = dict(self._reward_extra)
+        self._reward_extra.clear()
+        return extra
 
     # ---------------------------------------------------------------------------- training
 
@@ -286,8 +307,14 @@ class TextPolicy:
         )
 
     @torch.no_grad()
-    def evaluate_prompts(self, prompts, metadata, reward_fns, eval_cfg):
-        """Greedy completions of the eval prompts and each reward's scores (NaN where not applicable)."""
+    def evaluate_prompts(self, prompts, metadata, reward_fns, eval_cfg, part: slice | None = None):
+        """Greedy completions of the eval prompts `prompts[part]` and each reward's scores (None counts as 0):
+        (completions, per-reward scores [n] each, {} components). The rewards are called as in training, with
+        their log_metric / log_extra calls kept out of the training logs."""
+        from rewards._common import call_text_reward
+
+        part = part or slice(0, len(prompts))
+        prompts, metadata = list(prompts[part]), list(metadata[part])
         completions, ids = [], []
         for i in range(0, len(prompts), 64):
             texts, tids = self.generate_greedy(prompts[i : i + 64])
@@ -296,17 +323,21 @@ class TextPolicy:
         columns = {k: [m.get(k) for m in metadata] for k in {k for m in metadata for k in m}}
         per_reward = []
         for fn in reward_fns:
-            vals = fn(prompts=list(prompts), completions=completions, completion_ids=ids, **columns)
+            vals = call_text_reward(fn, prompts, completions, ids, columns, state=self.reward_state, logs={},
+                                    extra={})
             per_reward.append(torch.tensor([float("nan") if v is None else float(v) for v in vals]))
-        self.last_eval_components = {}
-        self._last_eval = list(zip(prompts, completions))
-        return completions, [v.nan_to_num(0.0) for v in per_reward]
+        return completions, [v.nan_to_num(0.0) for v in per_reward], {}
 
-    def save_eval_outputs(self, outputs, prompts, path: Path) -> Path:
+    def save_eval_outputs(self, outputs, prompts, path: Path, scores=None) -> Path:
+        """`path`.jsonl: one row per eval prompt with its completion (and score, when given)."""
         path = Path(str(path) + ".jsonl")
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in zip(prompts, outputs)))
+        rows = [{"prompt": p, "completion": c} for p, c in zip(prompts, outputs)]
+        if scores is not None:
+            for row, score in zip(rows, scores):
+                row["score"] = float(score)
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
         tmp.replace(path)
         return path
 

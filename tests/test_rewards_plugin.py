@@ -1,0 +1,263 @@
+"""Rewards from the user's own code, named in the config as 'package.module:function' or
+'path/to/file.py:function': checked cheaply, built, called with the config's kwargs, failures named."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import rewards
+from rewards import RewardConfigError, RewardError
+from rewards._common import RewardState, call_text_reward
+
+SCORES = '''
+import numpy as np
+import torch
+
+
+def brightness(images, prompts, gain=1.0):
+    """gain x mean luminance / 255, as a numpy array."""
+    return np.array([gain * np.asarray(x.convert("L"), dtype=np.float64).mean() / 255 for x in images])
+
+
+def as_list(images, prompts):
+    return [float(len(p)) for p in prompts]
+
+
+def as_tuple(images, prompts):
+    return tuple(2.0 for _ in images)
+
+
+def as_tensor(images, prompts, shape=None):
+    return torch.tensor([[1.0 if s == "circle" else 0.0] for s in shape], dtype=torch.float64)  # [B, 1]
+
+
+def broken(images, prompts):
+    return 1 / 0
+
+
+def too_few(images, prompts):
+    return [1.0]
+
+
+def words(prompts, completions, scale=1.0):
+    """A TRL-style text reward."""
+    return [scale * len(c.split()) for c in completions]
+
+
+class Scorer:
+    def __call__(self, images, prompts):
+        self.last_components = {"ones": torch.ones(len(images))}
+        return torch.zeros(len(images))
+
+
+scorer = Scorer()
+not_a_function = 3
+'''
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """The test's own working directory and sys.path; the modules it imports from there are forgotten after."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    yield tmp_path
+    for name, module in list(sys.modules.items()):
+        if str(getattr(module, "__file__", None) or "").startswith(str(tmp_path)):
+            del sys.modules[name]
+
+
+def write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def gray(level: int, n: int = 1) -> list[Image.Image]:
+    return [Image.new("RGB", (4, 4), (level, level, level)) for _ in range(n)]
+
+
+def test_file_plugin_is_the_reward_with_config_kwargs_on_every_call(workdir):
+    write(workdir / "lib" / "scores.py", SCORES)
+    reward = rewards.build("lib/scores.py:brightness", {"gain": 2.0}, "image")
+    assert reward.kind == "image" and reward.__name__ == "lib/scores.py:brightness"
+    images = gray(255) + gray(51)
+    out = reward(images, ["a", "b"], shape=["circle", "square"])  # a column it does not take is not passed
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, torch.tensor([2.0, 0.4]))  # 2 x 255/255, 2 x 51/255
+    torch.testing.assert_close(reward(gray(255), ["a"]), torch.tensor([2.0]))  # the kwargs again
+
+
+def test_module_plugin_from_the_working_directory_and_every_output_type(workdir):
+    write(workdir / "userpkg_a" / "__init__.py", "")
+    write(workdir / "userpkg_a" / "scores.py", SCORES)
+    images = gray(0, 2)
+    expected = {"as_list": [1.0, 3.0], "as_tuple": [2.0, 2.0], "as_tensor": [1.0, 0.0]}
+    for name, values in expected.items():
+        reward = rewards.build(f"userpkg_a.scores:{name}", {}, "image")
+        out = reward(images, ["a", "ccc"], shape=["circle", "square"])
+        assert out.dtype == torch.float32 and out.shape == (2,)
+        assert out.tolist() == values, name
+
+
+def test_text_plugin_takes_the_backend_kind_and_trl_arguments(workdir):
+    write(workdir / "scores.py", SCORES)
+    reward = rewards.build("scores.py:words", {"scale": 0.5}, "text")
+    assert reward.kind == "text"
+    logs: dict[str, list[float]] = {}
+    out = call_text_reward(reward, ["q", "q"], ["one two", "a b c d"], [[1, 2], [3]], {"answer": ["2", "4"]},
+                           state=RewardState(), logs=logs)
+    assert out == [1.0, 2.0]  # 0.5 x words; trainer_state, log_metric, columns not passed: it does not take them
+    assert reward(["q"], ["x y"]) == [1.0]  # positionally too
+
+
+def test_declared_kind_wins_and_a_mismatch_is_an_error(workdir):
+    write(workdir / "declared.py", """
+        def shout(prompts, completions, **kwargs):
+            return [float(c.isupper()) for c in completions]
+        shout.kind = "text"
+    """)
+    assert rewards.build("declared.py:shout", {}, "text").kind == "text"
+    with pytest.raises(RewardConfigError, match=r"'declared.py:shout' is a text reward \(its \.kind\); this backend "
+                                                r"needs image rewards"):
+        rewards.check("declared.py:shout", {}, "image")
+
+
+def test_a_failing_plugin_is_named_and_chained(workdir):
+    write(workdir / "scores.py", SCORES)
+    reward = rewards.build("scores.py:broken", {}, "image")
+    with pytest.raises(RewardError, match=r"^reward 'scores.py:broken' failed: ZeroDivisionError: division by zero$") as info:
+        reward(gray(0), ["a"])
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+    with pytest.raises(RewardError, match=r"^reward 'scores.py:too_few' returned 1 scores for 3 images"):
+        rewards.build("scores.py:too_few", {}, "image")(gray(0, 3), ["a"] * 3)
+
+
+def test_a_failing_async_reward_is_named(workdir):
+    write(workdir / "slow.py", """
+        import asyncio
+
+        async def judge(prompts, completions, **kwargs):
+            await asyncio.sleep(0)
+            raise ConnectionError("judge unreachable")
+    """)
+    reward = rewards.build("slow.py:judge", {}, "text")
+    with pytest.raises(RewardError, match=r"^reward 'slow.py:judge' failed: ConnectionError: judge unreachable"):
+        call_text_reward(reward, ["q"], ["a"], None, {}, state=RewardState(), logs={})
+
+
+def test_last_components_and_attributes_of_the_wrapped_reward_stay_reachable(workdir):
+    write(workdir / "scores.py", SCORES)
+    reward = rewards.build("scores.py:scorer", {}, "image")
+    assert reward.last_components == {}
+    reward(gray(0, 2), ["a", "b"])
+    torch.testing.assert_close(reward.last_components["ones"], torch.ones(2))
+    jpeg = rewards.build("jpeg_compressibility", {"quality": 50}, "image")
+    jpeg(gray(9, 2), ["a", "b"])
+    assert set(jpeg.last_components) == {"jpeg_kb"} and jpeg.quality == 50
+
+
+@pytest.mark.parametrize("name, kwargs, kind, message", [
+    ("missing.py:f", {}, "image", r"^reward 'missing.py:f': file 'missing.py' not found \(looked for .*missing.py\)$"),
+    ("nosuchpkg_x.scores:f", {}, "image", r"module 'nosuchpkg_x.scores' not found \(no module named 'nosuchpkg_x'"),
+    ("scores.py:brightnes", {}, "image", r"'scores.py' has no attribute 'brightnes'\. Did you mean 'brightness'\? "
+                                         r"Its public callables: as_list, as_tensor, as_tuple, brightness, broken, "
+                                         r"scorer, too_few, words\.$"),
+    ("scores.py:not_a_function", {}, "image", r"'scores.py:not_a_function' is not callable \(type int\); name a function"),
+    ("scores.py:Scorer", {}, "image", r"'scores.py:Scorer' is a class; name the reward function, or an instance"),
+    ("scores.py:brightness", {"gian": 2}, "image", r"unknown option\(s\) 'gian'\. Did you mean 'gain'\? Valid "
+                                                   r"options: gain \(signature brightness\(images, prompts, gain=1.0\)\)"),
+    ("scores.py:brightness", {"prompts": ["x"]}, "image", r"option\(s\) 'prompts' would replace what every image "
+                                                          r"reward is called with"),
+    ("scores.py:words", {}, "image", r"an image reward is called as f\(images, prompts, \*\*metadata\), but its "
+                                     r"signature is words\(prompts, completions, scale=1.0\) \(its parameters prompts, "
+                                     r"completions are a text reward's\)"),
+    ("scores.py:brightness", {}, "text", r"a text reward is called as f\(prompts=\.\.\., completions=\.\.\., "
+                                         r"\*\*columns\) \(TRL's signature\).*its parameters images, prompts"),
+    ("scores.py:", {}, "image", r"needs both parts around the ':'"),
+])
+def test_check_names_what_is_wrong(workdir, name, kwargs, kind, message):
+    write(workdir / "scores.py", SCORES)
+    with pytest.raises(RewardConfigError, match=message):
+        rewards.check(name, kwargs, kind)
+
+
+def test_check_reports_syntax_errors_with_their_line_and_import_failures(workdir):
+    write(workdir / "typo.py", "def ok(images, prompts):\n    return [1.0]\n\n\ndef bad(:\n    pass\n")
+    with pytest.raises(RewardConfigError, match=r"^reward 'typo.py:ok': syntax error in typo.py line 5: "):
+        rewards.check("typo.py:ok", {}, "image")
+    write(workdir / "userpkg_b" / "__init__.py", "")
+    write(workdir / "userpkg_b" / "typo.py", "x = 1\ny = (\n")
+    with pytest.raises(RewardConfigError, match=r"syntax error in .*userpkg_b/typo.py line 2: "):
+        rewards.check("userpkg_b.typo:x", {}, "image")
+    write(workdir / "needs.py", "import not_installed_package_q\n")
+    with pytest.raises(RewardConfigError, match=r"file 'needs.py' imports 'not_installed_package_q', which is not installed"):
+        rewards.check("needs.py:f", {}, "image")
+    write(workdir / "raises.py", "import math\nSCALE = 1 / 0\n")
+    with pytest.raises(RewardConfigError, match=r"running file 'raises.py' raised ZeroDivisionError: division by zero "
+                                                r"\(.*raises.py line 2\)$"):
+        rewards.check("raises.py:f", {}, "image")
+
+
+def test_check_is_cheap_and_a_failed_file_can_be_fixed(workdir):
+    write(workdir / "counted.py", """
+        CALLS = []
+
+        def f(images, prompts):
+            CALLS.append(1)
+            return [0.0] * len(images)
+    """)
+    rewards.check("counted.py:f", {}, "image")
+    reward = rewards.build("counted.py:f", {}, "image")
+    module = sys.modules[reward.reward.__module__]
+    assert module.CALLS == []  # neither check nor build scores anything
+    reward(gray(0), ["a"])
+    assert module.CALLS == [1]
+    write(workdir / "fixme.py", "def f(:\n")
+    with pytest.raises(RewardConfigError, match="syntax error"):
+        rewards.check("fixme.py:f", {}, "image")
+    write(workdir / "fixme.py", "def f(images, prompts):\n    return [1.0] * len(images)\n")
+    assert rewards.build("fixme.py:f", {}, "image")(gray(0), ["a"]).tolist() == [1.0]
+
+
+def test_positional_text_rewards_and_numpy_scores(workdir):
+    write(workdir / "positional.py", """
+        import numpy as np
+
+        def lengths(prompts, texts, **columns):
+            return np.array([len(t) for t in texts], dtype=np.float32)
+    """)
+    reward = rewards.build("positional.py:lengths", {}, "text")
+    out = call_text_reward(reward, ["q", "q"], ["ab", "abcd"], None, {}, state=RewardState(), logs={})
+    assert out == [2.0, 4.0] and all(type(v) is float for v in out)
+
+
+def test_async_plugin_runs_inside_a_running_event_loop(workdir):
+    write(workdir / "judge.py", """
+        import asyncio
+
+        async def judge(prompts, completions, trainer_state, **kwargs):
+            await asyncio.sleep(0)
+            return [float(trainer_state.global_step) for _ in completions]
+    """)
+    reward = rewards.build("judge.py:judge", {}, "text")
+
+    async def caller():  # e.g. a notebook: this thread's loop is running
+        return call_text_reward(reward, ["q"], ["a"], None, {}, state=RewardState(global_step=7), logs={})
+
+    assert asyncio.run(caller()) == [7.0]
+
+
+def test_registered_rewards_build_wrapped_and_unknown_names_list_plugins_too():
+    reward = rewards.build("think_format", {}, "text")
+    assert reward.__name__ == "think_format" and reward.kind == "text"
+    assert reward(["q"], ["<think>a</think><answer>1</answer>"]) == [1.0]
+    with pytest.raises(RewardConfigError, match=r"or a plug-in 'package.module:function' or 'path/to/file.py:function'"):
+        rewards.check("brightness", {}, "image")
+    np.testing.assert_array_equal(rewards.build("jpeg_compressibility", {}, "image")(gray(0), ["a"]).shape, (1,))
