@@ -17,6 +17,7 @@ import os
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,11 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from .errors import CheckpointError, NonFiniteError
+
 CKPT_RE = re.compile(r"^ckpt-(\d{6})$")
+#: Temporary directories of a checkpoint write (`.tmp-ckpt-…`, `.old-ckpt-…`); a kill can leave them behind.
+TEMP_RE = re.compile(r"^\.(tmp|old)-ckpt-\d{6}-\d+$")
 
 
 def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -86,6 +91,17 @@ def _tupled(x):
     return x
 
 
+def nonfinite_tensors(groups: dict[str, dict[str, torch.Tensor] | None]) -> list[str]:
+    """Names (`group/name`) of the floating-point tensors holding NaN or inf, e.g. of the trained weights, their EMA
+    and the optimizer's moments."""
+    bad = []
+    for group, tensors in groups.items():
+        for name, t in (tensors or {}).items():
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all():
+                bad.append(f"{group}/{name}")
+    return bad
+
+
 def write_checkpoint(
     run_dir: str | Path,
     epoch: int,
@@ -100,8 +116,15 @@ def write_checkpoint(
     """Write `ckpt-{epoch:06d}` under `run_dir` atomically; returns its path.
 
     `extra_dirs`: name -> callable(path) that writes a sub-directory (e.g. the diffusers LoRA export).
-    `keep` > 0 deletes all but the newest `keep` checkpoints afterwards.
+    `keep` > 0 then keeps this checkpoint and the newest `keep - 1` older ones (by epoch); checkpoints of later
+    epochs than this one (another run's, or a future this run was resumed before) are never deleted.
+    Weights with NaN or inf are never written: NonFiniteError names them and nothing is written.
     """
+    opt_tensors, opt_meta = optimizer_to_files(optimizer) if optimizer is not None else ({}, None)
+    bad = nonfinite_tensors({"trainable": trainable, "ema": ema, "optimizer": opt_tensors})
+    if bad:
+        raise NonFiniteError(f"not writing checkpoint epoch {epoch}: {len(bad)} tensor(s) hold NaN or inf "
+                             f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     final = run_dir / f"ckpt-{epoch:06d}"
@@ -112,10 +135,9 @@ def write_checkpoint(
     save_file(_contiguous(trainable), tmp / "trainable.safetensors")
     if ema is not None:
         save_file(_contiguous(ema), tmp / "ema.safetensors")
-    if optimizer is not None:
-        tensors, meta = optimizer_to_files(optimizer)
-        save_file(_contiguous(tensors), tmp / "optimizer.safetensors")
-        (tmp / "optimizer.json").write_text(json.dumps(meta))
+    if opt_meta is not None:
+        save_file(_contiguous(opt_tensors), tmp / "optimizer.safetensors")
+        (tmp / "optimizer.json").write_text(json.dumps(opt_meta))
     rng_tensors, rng_meta = rng_state()
     save_file(_contiguous(rng_tensors), tmp / "rng.safetensors")
     full_state = dict(state or {})
@@ -137,9 +159,29 @@ def write_checkpoint(
     else:
         os.replace(tmp, final)
     if keep > 0:
-        for stale in list_checkpoints(run_dir)[:-keep]:
+        older = [c for c in list_checkpoints(run_dir) if checkpoint_epoch(c) < epoch]
+        for stale in older[:len(older) - (keep - 1)]:
             shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def checkpoint_epoch(path: str | Path) -> int:
+    """The epoch in a checkpoint directory's name (`ckpt-000040` -> 40)."""
+    m = CKPT_RE.match(Path(path).name)
+    if m is None:
+        raise ValueError(f"{path} is not named like a checkpoint (ckpt-XXXXXX)")
+    return int(m.group(1))
+
+
+def remove_temporary(run_dir: str | Path) -> list[Path]:
+    """Delete the temporary directories an interrupted checkpoint write left in `run_dir`; returns them."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    stale = [p for p in run_dir.iterdir() if p.is_dir() and TEMP_RE.match(p.name)]
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -151,29 +193,64 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def resolve_resume(resume: str | None, run_dir: str | Path) -> Path | None:
-    """`None` -> None; `auto` -> the newest checkpoint in run_dir (None when there is none); else the path."""
+def resolve_resume(resume: str | None, run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint to resume from, read: `None` -> None; `auto` -> the newest intact checkpoint in run_dir
+    (a corrupt one is skipped with a warning that names it; None when there is none); else that directory, whose
+    problems are errors."""
     if not resume:
         return None
     if resume == "auto":
-        ckpts = list_checkpoints(run_dir)
-        return ckpts[-1] if ckpts else None
+        for path in reversed(list_checkpoints(run_dir)):
+            try:
+                return path, read_checkpoint(path)
+            except CheckpointError as e:
+                warnings.warn(f"checkpoint.resume=auto: skipping {path}: {e}; falling back to an older checkpoint",
+                              stacklevel=2)
+        return None
     path = Path(resume)
-    if not (path / "state.json").exists():
-        raise FileNotFoundError(f"checkpoint.resume={resume!r} is not a checkpoint directory (no state.json); "
-                                f"use 'auto' or a path like {Path(run_dir) / 'ckpt-000004'}")
-    return path
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint.resume={resume!r} is not a directory; use 'auto' or a path like "
+                              f"{Path(run_dir) / 'ckpt-000010'}")
+    return path, read_checkpoint(path)
+
+
+def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
+    try:
+        return load_file(path)
+    except Exception as e:  # safetensors raises its own error types for truncated or foreign files
+        raise CheckpointError(f"{path} is corrupt or truncated ({type(e).__name__}: {e})") from None
+
+
+def _load_json(path: Path) -> Any:
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is corrupt or truncated ({e})") from None
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Everything `write_checkpoint` wrote, as tensors and plain data (RNG not yet applied)."""
+    """Everything `write_checkpoint` wrote, as tensors and plain data (RNG not yet applied). A missing directory
+    or file, or one that does not parse, is a CheckpointError naming it."""
     path = Path(path)
-    out: dict[str, Any] = {"trainable": load_file(path / "trainable.safetensors"),
-                           "state": json.loads((path / "state.json").read_text())}
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist; checkpoints are the "
+                              f"ckpt-XXXXXX directories of a run directory")
+    if not (path / "state.json").is_file() and not (path / "trainable.safetensors").is_file():
+        raise CheckpointError(f"{str(path)!r} is not a checkpoint directory (no state.json or trainable.safetensors); "
+                              "checkpoints are the ckpt-XXXXXX directories of a run directory")
+    out: dict[str, Any] = {"trainable": _load_tensors(path / "trainable.safetensors"),
+                           "state": _load_json(path / "state.json")}
     if (path / "ema.safetensors").exists():
-        out["ema"] = load_file(path / "ema.safetensors")
+        out["ema"] = _load_tensors(path / "ema.safetensors")
     if (path / "optimizer.json").exists():
-        tensors = load_file(path / "optimizer.safetensors")
-        out["optimizer"] = optimizer_from_files(tensors, json.loads((path / "optimizer.json").read_text()))
-    out["rng_tensors"] = load_file(path / "rng.safetensors")
+        tensors = _load_tensors(path / "optimizer.safetensors")
+        try:
+            out["optimizer"] = optimizer_from_files(tensors, _load_json(path / "optimizer.json"))
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{path / 'optimizer.json'} does not match optimizer.safetensors ({e})") from None
+    out["rng_tensors"] = _load_tensors(path / "rng.safetensors")
     return out

@@ -32,13 +32,9 @@ class _HelpWithConfig(argparse.RawDescriptionHelpFormatter):
 
 
 def _load(args) -> "object":
-    from .config import ConfigError, load_config
+    from .config import load_config
 
-    try:
-        return load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"flowrl: {e}", file=sys.stderr)
-        raise SystemExit(2)
+    return load_config(args.config, args.overrides)  # a ConfigError becomes one line in main()
 
 
 def _train(args) -> int:
@@ -57,11 +53,13 @@ WEIGHTS = ("auto", "ema", "trained")
 def _checkpoint_weights(ck: dict, checkpoint: str, which: str) -> dict:
     """The weights `which` picks from a read checkpoint: `ema` (its EMA of the trained weights), `trained` (the
     weights as the optimizer left them), or `auto` (the EMA when the run kept one, as its evals did)."""
+    from .errors import CheckpointError
+
     if which not in WEIGHTS:
-        raise SystemExit(f"flowrl: --weights {which!r} is not one of {', '.join(WEIGHTS)}")
+        raise CheckpointError(f"--weights {which!r} is not one of {', '.join(WEIGHTS)}")
     if which == "ema" and "ema" not in ck:
-        raise SystemExit(f"flowrl: checkpoint {checkpoint} has no EMA weights (its run had train.ema_decay=0); "
-                         "use --weights trained (or auto)")
+        raise CheckpointError(f"checkpoint {checkpoint} has no EMA weights (its run had train.ema_decay=0); "
+                              "use --weights trained (or auto)")
     return ck["trainable"] if which == "trained" else ck.get("ema", ck["trainable"])
 
 
@@ -70,19 +68,30 @@ def _policy_from_checkpoint(cfg, checkpoint: str | None, which: str = "auto"):
     import torch
 
     from .checkpoint import read_checkpoint
+    from .errors import CheckpointError
     from .policies import build_policy
 
     if checkpoint:  # a bad path or choice fails before the model loads
         ck = read_checkpoint(checkpoint)
         weights = _checkpoint_weights(ck, checkpoint, which)
+        saved = ck["state"].get("config") or {}
+        if saved:
+            from .config import to_dict
+            from .rundir import compare_configs
+
+            refused, _ = compare_configs({k: saved.get(k) for k in ("backend", "model", "lora")},
+                                         {k: to_dict(cfg)[k] for k in ("backend", "model", "lora")})
+            if refused:
+                raise CheckpointError(f"checkpoint {checkpoint} was trained with another model or adapter than this "
+                                      f"config's ({'; '.join(refused)}); pass the config of its run")
     policy = build_policy(cfg, "cpu" if cfg.model.device in ("auto", "cpu") and not torch.cuda.is_available()
                           else ("cuda" if cfg.model.device == "auto" else cfg.model.device))
     if checkpoint:
         named = dict(policy.named_trainable_parameters())
         missing = set(named) - set(weights)
         if missing:
-            raise SystemExit(f"flowrl: checkpoint {checkpoint} does not match this config's model/LoRA "
-                             f"(missing {sorted(missing)[:2]})")
+            raise CheckpointError(f"checkpoint {checkpoint} does not match this config's model/LoRA "
+                                  f"(missing {sorted(missing)[:2]})")
         with torch.no_grad():
             for n, p in named.items():
                 p.copy_(weights[n].to(p.dtype))
@@ -92,18 +101,19 @@ def _policy_from_checkpoint(cfg, checkpoint: str | None, which: str = "auto"):
 def _eval(args) -> int:
     from pathlib import Path
 
-    from .data import load_prompts
+    from .preflight import preflight
     from .train_utils import eval_plan, eval_summary
     from .trainer import build_reward_fns
 
     cfg = _load(args)
-    # the prompts first: a column they lack or an images_per_group that does not suit them fails before the model loads
-    prompts, meta, eval_cfg = eval_plan(load_prompts(cfg.data.eval_prompts or cfg.data.train_prompts), cfg.eval)
+    # prompts, rewards and the model's class and size are checked before the model loads
+    _, eval_set = preflight(cfg, claim_run_dir=False)
+    prompts, meta, eval_cfg = eval_plan(eval_set, cfg.eval)
     policy = _policy_from_checkpoint(cfg, args.checkpoint, args.weights)
     fns = build_reward_fns(cfg, policy.reward_kind)
-    outputs, per_reward = policy.evaluate_prompts(prompts, meta, fns, eval_cfg)
+    outputs, per_reward, components = policy.evaluate_prompts(prompts, meta, fns, eval_cfg)
     scores = {spec.name: v for spec, v in zip(cfg.rewards, per_reward)}
-    scores.update(policy.last_eval_components)
+    scores.update(components)
     result = eval_summary(scores, meta, cfg.eval.group_by)
     result["checkpoint"] = args.checkpoint or "(base model)"
     if args.checkpoint:
@@ -112,33 +122,50 @@ def _eval(args) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        policy.save_eval_outputs(outputs, prompts, out / "eval")
+        policy.save_eval_outputs(outputs, prompts, out / "eval", scores=per_reward[0])
         (out / "eval.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     return 0
 
 
 def _sample(args) -> int:
+    """Images of each --prompt with seeds --seed, --seed + 1, ... (--num of them), named `PPP_seedS.png` (prompt
+    index, seed); image (prompt, seed) is the same whatever else is sampled beside it. samples.jsonl lists them."""
     from pathlib import Path
 
+    from .preflight import check_model
+
     cfg = _load(args)
+    if cfg.backend != "image":
+        raise SystemExit("flowrl sample: draws images; for a text config use flowrl eval")
+    if args.num < 1 or args.steps < 0:
+        raise SystemExit(f"flowrl sample: --num must be >= 1 and --steps >= 0, got {args.num} and {args.steps}")
+    check_model(cfg)  # the model's class and the image size, before it loads
     policy = _policy_from_checkpoint(cfg, args.checkpoint, args.weights)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    traj = policy.backend.rollout(args.prompt, group_size=args.num, num_steps=args.steps or cfg.eval.num_steps,
-                                  guidance_scale=cfg.eval.guidance_scale, sde_type="ode", seed=args.seed,
-                                  height=cfg.sample.height, width=cfg.sample.width)
-    for i, im in enumerate(traj.images):
-        path = out / f"{i // args.num:03d}_{i % args.num:02d}.png"
-        im.save(path)
-    print(f"wrote {len(traj.images)} images to {out}")
+    seeds = [args.seed + k for k in range(args.num)]
+    images = policy.sample(args.prompt, seeds, num_steps=args.steps or cfg.eval.num_steps,
+                           guidance_scale=cfg.eval.guidance_scale)
+    rows = []
+    for i, prompt in enumerate(args.prompt):
+        for k, seed in enumerate(seeds):
+            path = out / f"{i:03d}_seed{seed}.png"
+            images[i * len(seeds) + k].save(path)
+            rows.append({"file": path.name, "prompt": prompt, "seed": seed})
+    (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(f"wrote {len(rows)} images to {out} (listed in samples.jsonl)")
     return 0
 
 
 def _report(args) -> int:
+    from .errors import RunDirError
     from .report import plot_curves
 
-    print(plot_curves(args.run_dir, args.out))
+    try:
+        print(plot_curves(args.run_dir, args.out))
+    except (FileNotFoundError, ValueError) as e:  # not a run directory, or its metrics.jsonl is empty or broken
+        raise RunDirError(str(e)) from None
     return 0
 
 
@@ -249,15 +276,40 @@ def _split_overrides(args) -> None:
         args.config = None
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """argparse, with `key=value` overrides accepted anywhere after the command (also after options, where argparse
+    alone stops reading positionals: `flowrl eval CFG --out DIR train.seed=1`)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    stray = [x for x in extra if x.startswith("-") or "=" not in x]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*(args.overrides or []), *extra]
+    _split_overrides(args)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line. A FlowrlError (config, data, checkpoint, run directory, a stopped run) is printed as one
+    line `flowrl: ...` with its exit code; FLOWRL_DEBUG=1 shows the traceback instead."""
+    import os
+
+    from .errors import FlowrlError
+
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "serve-reward":
         from rewards.server import serve_main
 
         return serve_main(argv[1:])
-    args = build_parser().parse_args(argv)
-    _split_overrides(args)
-    return args.func(args)
+    args = parse_args(argv)
+    try:
+        return args.func(args)
+    except FlowrlError as e:
+        if os.environ.get("FLOWRL_DEBUG"):
+            raise
+        print(f"flowrl {args.command}: {e}", file=sys.stderr)
+        return e.exit_code
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ class ImagePolicy:
         self.cfg = cfg
         m, s = cfg.model, cfg.sample
         self.backend = load_image_backend(m.path, m.family, dtype=DTYPES[m.dtype], device=device,
-                                          max_sequence_length=s.max_sequence_length)
+                                          max_sequence_length=s.max_sequence_length, drop_t5=m.drop_t5)
         self.family = self.backend.family
         self.sde_type = self.backend.default_sde_type if s.sde_type == "auto" else s.sde_type
         if self.sde_type not in self.backend.sde_types or self.sde_type == "ode":
@@ -112,7 +112,23 @@ class ImagePolicy:
             if cfg.train.beta > 0:
                 self.ref_copy = copy.deepcopy(den).requires_grad_(False).eval()
             den.requires_grad_(True)
-        self.last_eval_components: dict[str, Tensor] = {}
+
+    # ---------------------------------------------------------------------------- rewards' view
+
+    @property
+    def reward_state(self):
+        """TRL's `trainer_state` for rewards that ask for it (the trainer keeps it current)."""
+        if not hasattr(self, "_reward_state"):
+            from rewards._common import RewardState
+
+            self._reward_state = RewardState()
+        return self._reward_state
+
+    def pop_reward_logs(self) -> dict[str, float]:
+        return {}  # image rewards are plain callables: they log through `last_components`
+
+    def pop_reward_extra(self) -> dict[str, list]:
+        return {}
 
     # ---------------------------------------------------------------------------- parameters
 
@@ -271,14 +287,26 @@ class ImagePolicy:
     # ---------------------------------------------------------------------------- eval / export
 
     @torch.no_grad()
-    def evaluate_prompts(self, prompts, metadata, reward_fns, eval_cfg):
+    def evaluate_prompts(self, prompts, metadata, reward_fns, eval_cfg, part: slice | None = None):
+        """ODE samples of `prompts[part]` (`eval_cfg.images_per_prompt` each, prompt-major) and their scores:
+        (images, per-reward scores [n] each, {reward/component: [n]}). Image j of the whole list starts from the
+        j-th initial noise drawn from `eval_cfg.seed`, whatever `part` is: sharing the prompts out over processes
+        gives every image the noise it has in one process."""
         s = self.cfg.sample
         n = eval_cfg.images_per_prompt
-        traj = self.backend.rollout(prompts, group_size=n, num_steps=eval_cfg.num_steps,
-                                    guidance_scale=eval_cfg.guidance_scale, sde_type="ode", seed=eval_cfg.seed,
+        part = part or slice(0, len(prompts))
+        mine, mine_meta = prompts[part], metadata[part]
+        if not mine:
+            return [], [torch.zeros(0) for _ in reward_fns], {}
+        latents, seed = None, eval_cfg.seed
+        if (part.start, part.stop) != (0, len(prompts)):  # a share: the whole list's noise, then this share's rows
+            noise = self._noise(len(prompts) * n, eval_cfg.seed, eval_cfg.guidance_scale)
+            latents, seed = noise[part.start * n: part.stop * n], None
+        traj = self.backend.rollout(mine, group_size=n, num_steps=eval_cfg.num_steps,
+                                    guidance_scale=eval_cfg.guidance_scale, sde_type="ode", seed=seed, latents=latents,
                                     height=s.height, width=s.width, deterministic_context=self.merged_adapter)
-        rep_prompts = [p for p in prompts for _ in range(n)]
-        rep_meta = [m for m in metadata for _ in range(n)]
+        rep_prompts = [p for p in mine for _ in range(n)]
+        rep_meta = [m for m in mine_meta for _ in range(n)]
         batch = ImageBatch(traj=None, prompts=rep_prompts, metadata=rep_meta, images=traj.images)
         columns = {k: [m.get(k) for m in rep_meta] for k in {k for m in rep_meta for k in m}}
         per_reward, comps = [], {}
@@ -286,14 +314,35 @@ class ImagePolicy:
             per_reward.append(self.call_reward(fn, batch, columns))
             for name, v in (getattr(fn, "last_components", None) or {}).items():
                 comps[f"{spec.name}/{name}"] = torch.as_tensor(v, dtype=torch.float32)
-        self.last_eval_components = comps
-        return traj.images, per_reward
+        return traj.images, per_reward, comps
 
-    def save_eval_outputs(self, images, prompts, path: Path) -> Path:
-        from .images import image_grid
+    def _noise(self, n: int, seed: int, guidance_scale: float) -> Tensor:
+        """n initial noises drawn from `seed` on the CPU, as a rollout with that seed draws them."""
+        from flowrl.sampling import SamplerSettings
 
-        n = len(images) // max(1, len(prompts))
-        grid = image_grid(images, cols=max(n, min(8, len(images))) if n == 1 else n)
+        s = self.cfg.sample
+        h, w = self.backend.check_image_size(s.height, s.width)
+        settings = SamplerSettings(family=self.family, sde_type="ode", noise_level=0.0, guidance_scale=guidance_scale,
+                                   logprob_reduce="mean", height=h, width=w)
+        return self.backend._initial_noise(n, settings, torch.Generator(device="cpu").manual_seed(seed))
+
+    @torch.no_grad()
+    def sample(self, prompts: list[str], seeds: list[int], *, num_steps: int, guidance_scale: float) -> list:
+        """ODE images, prompt-major: for each prompt one image per seed, image (prompt, seed) starting from the noise
+        that seed draws, so it is the same whatever is sampled beside it."""
+        noise = torch.cat([self._noise(1, seed, guidance_scale) for _ in prompts for seed in seeds])
+        s = self.cfg.sample
+        traj = self.backend.rollout(prompts, group_size=len(seeds), num_steps=num_steps, guidance_scale=guidance_scale,
+                                    sde_type="ode", latents=noise, height=s.height, width=s.width,
+                                    deterministic_context=self.merged_adapter)
+        return traj.images
+
+    def save_eval_outputs(self, images, prompts, path: Path, scores=None) -> Path:
+        """`path`.png: the eval images in a grid, each row captioned with its prompt and each image with its score
+        (`scores`: one number per image, or None)."""
+        from .images import eval_grid
+
+        grid = eval_grid(images, prompts, None if scores is None else [float(x) for x in scores])
         path = Path(str(path) + ".png")
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp.png")

@@ -8,6 +8,9 @@ the reference policy (the adapter switched off). The math is the core's.
 from __future__ import annotations
 
 import contextlib
+import math
+import signal
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -16,10 +19,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import core
-from .checkpoint import read_checkpoint, resolve_resume, set_rng_state, write_checkpoint
+from . import core, rundir
+from .checkpoint import remove_temporary, resolve_resume, set_rng_state, write_checkpoint
 from .config import Config, to_dict
-from .data import load_prompts, require_column
+from .errors import CheckpointError, Interrupted, NonFiniteError, RunDirError
+from .preflight import preflight
 from .train_utils import EMA, MetricsLog, Timer, eval_plan, eval_summary, lr_lambda, read_metrics, seed_everything
 
 #: |ratio - 1| above this on the first (on-policy) minibatch of an epoch means the recomputed
@@ -36,16 +40,21 @@ def derive_seed(*parts: int) -> int:
 
 
 def build_reward_fns(cfg: Config, kind: str):
+    """The configured rewards, built (registered names and plug-ins `module:function` / `file.py:function`)."""
     import rewards
 
-    fns = []
-    for spec in cfg.rewards:
-        fn = rewards.get(spec.name, **spec.kwargs)
-        if rewards.kind_of(fn) != kind:
-            raise ValueError(f"reward {spec.name!r} is a {fn.kind} reward; this backend needs {kind} rewards: "
-                             f"{', '.join(rewards.available(kind))}")
-        fns.append(fn)
-    return fns
+    return [rewards.build(spec.name, dict(spec.kwargs), kind) for spec in cfg.rewards]
+
+
+def invalid_scores(scores: torch.Tensor, weights: torch.Tensor, nan_is_missing: bool) -> torch.Tensor:
+    """Which samples of scores [N, K] cannot be scored [N] bool: a reward gave +-inf, or NaN where NaN is not
+    "does not apply" (`nan_is_missing` False: image rewards always return a number), or no weighted reward
+    applies at all (every one with a non-zero weight gave NaN / None)."""
+    inf = torch.isinf(scores).any(1)
+    nan = torch.isnan(scores)
+    weighted = weights != 0
+    none_apply = nan[:, weighted].all(1)
+    return inf | none_apply | (torch.zeros_like(inf) if nan_is_missing else nan.any(1))
 
 
 def combine_advantages(cfg: Config, scores: torch.Tensor, group_ids: torch.Tensor, prompts: list[str],
@@ -128,22 +137,9 @@ class Trainer:
 
         from .policies import build_policy
 
-        for flag, module, extra in (("tensorboard", "tensorboard", "tensorboard"), ("wandb", "wandb", "wandb")):
-            if getattr(cfg.log, flag):
-                try:
-                    __import__(module)
-                except ImportError:
-                    raise ValueError(f"log.{flag}=true needs the `{module}` package: pip install 'flowrl[{extra}]' "
-                                     f"(or set log.{flag}=false)") from None
-        # the prompts first: a column they lack is an error now, before the model loads and not after training
-        self.train_set = load_prompts(cfg.data.train_prompts)
-        self.eval_set = load_prompts(cfg.data.eval_prompts or cfg.data.train_prompts)
-        if cfg.data.balance_by:
-            self.train_set.strata(cfg.data.balance_by)
-        if cfg.eval.group_by:
-            require_column(self.eval_set.head(cfg.eval.num_prompts)[1], cfg.eval.group_by,
-                           f"eval.group_by={cfg.eval.group_by!r}")
-            eval_plan(self.eval_set, cfg.eval)  # images_per_group must suit the groups' sizes
+        # everything that can be checked without the model (prompts, rewards, the model's class and image size,
+        # loggers) fails now, before it loads
+        self.train_set, self.eval_set = preflight(cfg, claim_run_dir=False)
         self.cfg = cfg
         self.acc = accelerator or Accelerator(
             cpu=cfg.model.device == "cpu",
@@ -151,6 +147,11 @@ class Trainer:
             project_dir=cfg.log.run_dir)
         self.run_dir = Path(cfg.log.run_dir)
         self.main = self.acc.is_main_process
+        if self.main:  # writable, and not another run's (unless resuming it or told to overwrite it)
+            rundir.check_writable(self.run_dir)
+            rundir.claim(self.run_dir, resume=cfg.checkpoint.resume, overwrite=cfg.log.overwrite)
+            remove_temporary(self.run_dir)  # what a kill during a checkpoint write left behind
+        self.acc.wait_for_everyone()
         seed_everything(cfg.train.seed)
         device = self.acc.device if cfg.model.device == "auto" else torch.device(cfg.model.device)
         self.policy = build_policy(cfg, device)
@@ -190,9 +191,21 @@ class Trainer:
 
     def fit(self) -> dict:
         cfg = self.cfg
-        resume = resolve_resume(cfg.checkpoint.resume, self.run_dir)
-        if resume is not None:
-            self.load(resume)
+        found = resolve_resume(cfg.checkpoint.resume, self.run_dir)
+        if found is not None:
+            self.load(*found)
+        elif cfg.checkpoint.resume == "auto" and self.main and rundir.holds_a_run(self.run_dir):
+            raise RunDirError(f"log.run_dir={str(self.run_dir)!r} holds a run ({rundir.describe_run(self.run_dir)}) but "
+                              "no intact checkpoint to resume from; start over there with log.overwrite=true (deletes "
+                              "that run's files), or pick a new log.run_dir")
+        if self.main:  # the epochs after the checkpoint are redone: their old rows go
+            rundir.truncate_logs(self.run_dir, self.state.epochs_done)
+        self.acc.wait_for_everyone()
+        with self.stop_on_signals():
+            return self._fit()
+
+    def _fit(self) -> dict:
+        cfg = self.cfg
         last = {}
         if cfg.eval.before and self.state.epochs_done == 0 and cfg.train.epochs > 0:
             self.log.log(self.evaluate(tag="epoch000000"), step=0)
@@ -203,13 +216,17 @@ class Trainer:
             with self.timer("rollout"):
                 batch = self.rollout(epoch)
             with self.timer("reward"):
-                scores, components = self.score(batch)
+                scores, components = self.score(batch, epoch)
+            self.stop_if_asked(epoch, mid_epoch=False)  # nothing of this epoch has changed the weights yet
             metrics = self.reward_metrics(scores, components)
+            metrics.update(self.reward_logs())
+            extra = self.policy.pop_reward_extra()  # columns the rewards logged with log_extra (TRL's reward API)
             with self.timer("advantage"):
-                adv, keep = self.advantages(batch, scores)
+                adv, keep, invalid = self.advantages(batch, scores, epoch)
             metrics.update(adv_metrics(adv, keep))
+            metrics["reward/nonfinite_count"] = invalid
             if cfg.log.completions_every and epoch % cfg.log.completions_every == 0:
-                self.log_outputs(batch, scores, adv, epoch)
+                self.log_outputs(batch, scores, adv, epoch, extra)
             with self.timer("train"):
                 metrics.update(self.update(batch, adv, keep, epoch))
             self.state.epochs_done = epoch + 1
@@ -227,8 +244,9 @@ class Trainer:
                 self.save()
             ratio0 = metrics.get("policy/ratio_first")
             bar.set_postfix(reward=f"{metrics['reward/total_mean']:.3f}",
-                            ratio0="-" if ratio0 is None else f"{ratio0:.5f}")
+                            on_policy_ratio="-" if ratio0 is None else f"{ratio0:.5f}")
             last = metrics
+            self.stop_if_asked(epoch + 1, mid_epoch=False)
         if last:  # some epoch ran in this call (a resume of a finished run does nothing)
             final = self.evaluate(tag="final")
             self.log.log({**final, "final": True}, step=self.state.epochs_done)
@@ -249,6 +267,46 @@ class Trainer:
         if cfg.log.tensorboard or cfg.log.wandb:
             self.acc.end_training()
         return last
+
+    # ------------------------------------------------------------------------------ signals
+
+    @contextlib.contextmanager
+    def stop_on_signals(self):
+        """SIGINT / SIGTERM ask the run to stop at the next safe point (after the current minibatch, or before an
+        epoch's update): it writes a checkpoint and raises Interrupted. A second SIGINT stops at once."""
+        self.stop_signal = None
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signal handlers can only be set from the main thread
+            return
+
+        def ask(signum, frame):
+            if self.stop_signal is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self.stop_signal = signum
+            if self.main:
+                print(f"\nflowrl: {signal.Signals(signum).name} received: stopping after the current minibatch and "
+                      "writing a checkpoint (Ctrl-C again stops at once, losing the work since the last checkpoint)",
+                      flush=True)
+
+        previous = {sig: signal.signal(sig, ask) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def stop_if_asked(self, epoch: int, *, mid_epoch: bool) -> None:
+        """At a safe point: when a stop signal arrived (on any process), write a checkpoint and raise Interrupted.
+        `epoch`: the epoch in progress (mid_epoch) or the number of epochs done."""
+        signum = getattr(self, "stop_signal", None)
+        if not self.any_process(signum is not None):
+            return
+        signum = signum or signal.SIGTERM
+        path = self.save()
+        what = (f"during epoch {epoch + 1} (its finished minibatches are in the weights; the epoch restarts on resume)"
+                if mid_epoch else f"after {self.state.epochs_done} epochs")
+        raise Interrupted(f"stopped by {signal.Signals(signum).name} {what}; checkpoint {path or self.run_dir}. "
+                          f"Resume with checkpoint.resume=auto (same config and log.run_dir={self.run_dir})", signum)
 
     def replica_divergence(self) -> float:
         """Max |w_rank - w_rank0| over the trained weights of all processes (0 when they are in sync)."""
@@ -273,8 +331,11 @@ class Trainer:
         batch.epoch_prompts = prompts
         return batch
 
-    def score(self, batch) -> tuple[torch.Tensor, dict]:
+    def score(self, batch, epoch: int = 0) -> tuple[torch.Tensor, dict]:
         """Per-reward scores [B_local, K] and extra components, from this process's outputs."""
+        state = self.policy.reward_state  # what TRL-style rewards see as `trainer_state`
+        state.global_step, state.epoch = self.state.optimizer_steps, float(epoch)
+        state.max_steps = self.cfg.train.epochs * self.slots_per_epoch
         columns = {k: [m.get(k) for m in batch.metadata] for k in {k for m in batch.metadata for k in m}}
         scores, components = [], {}
         for spec, fn in zip(self.cfg.rewards, self.rewards):
@@ -284,22 +345,36 @@ class Trainer:
                 components[f"{spec.name}/{name}"] = torch.as_tensor(v, dtype=torch.float32).reshape(-1)
         return torch.stack(scores, 1), components
 
-    def advantages(self, batch, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Advantages of this process's samples from the whole batch's rewards, and which samples to train."""
+    def advantages(self, batch, scores: torch.Tensor, epoch: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Advantages of this process's samples from the whole batch's rewards, which samples to train, and how many
+        samples of the batch had a non-finite reward (left out of the advantages and the loss)."""
         all_scores = self.gather(scores)
         all_gids = self.gather(batch.group_ids)
-        prompts = [batch.epoch_prompts[g] for g in all_gids.tolist()]
+        weights = torch.tensor([r.weight for r in self.cfg.rewards])
+        invalid = invalid_scores(all_scores, weights, nan_is_missing=self.policy.reward_kind == "text")
+        valid = ~invalid
+        n_bad = int(invalid.sum())
+        if n_bad:
+            bad_rewards = [r.name for k, r in enumerate(self.cfg.rewards) if not torch.isfinite(all_scores[invalid, k]).all()]
+            warnings.warn(f"epoch {epoch}: {n_bad} of {len(all_scores)} samples have a non-finite reward "
+                          f"({', '.join(bad_rewards)}: NaN or inf); they are left out of the advantages and the loss",
+                          stacklevel=2)
+        prompts = [batch.epoch_prompts[g] for g in all_gids[valid].tolist()]
         penalty = self.policy.reward_penalty(batch)
-        penalty = self.gather(penalty).double() if penalty is not None else None
-        adv_all = combine_advantages(self.cfg, all_scores.double(), all_gids, prompts, self.tracker, penalty).float()
-        keep_all = torch.ones_like(adv_all, dtype=torch.bool)
+        penalty = self.gather(penalty).double()[valid] if penalty is not None else None
+        adv_all = torch.zeros(len(all_scores), dtype=torch.float32)
+        if valid.any():
+            scored = all_scores.double()[valid].masked_fill(torch.isinf(all_scores[valid]), float("nan"))
+            adv_all[valid] = combine_advantages(self.cfg, scored, all_gids[valid], prompts, self.tracker,
+                                                penalty).float()
+        keep_all = valid.clone()
         if self.cfg.train.drop_zero_adv_groups:
             nonzero = torch.zeros(int(all_gids.max()) + 1, dtype=torch.bool).index_put_(
                 (all_gids,), adv_all != 0, accumulate=True)
-            keep_all = nonzero[all_gids]
+            keep_all &= nonzero[all_gids]
         start = self.acc.process_index * self.batch_local
         sl = slice(start, start + self.batch_local)
-        return adv_all[sl], keep_all[sl]
+        return adv_all[sl], keep_all[sl], n_bad
 
     def update(self, batch, adv: torch.Tensor, keep: torch.Tensor, epoch: int) -> dict:
         """`inner_epochs` passes over the batch in minibatches; each minibatch accumulates the loss of every
@@ -308,7 +383,7 @@ class Trainer:
         units = self.policy.train_units(batch, t.steps_per_forward)
         n_units = sum(len(u) for u in units)
         sums: dict[str, float] = {}
-        first_ratio, trained, stepped = None, 0, False
+        first_ratio, trained, stepped, skipped = None, 0, False, 0
         for inner in range(t.inner_epochs):
             gen = torch.Generator().manual_seed(derive_seed(t.seed, epoch, inner, self.acc.process_index, 7))
             perm = torch.randperm(self.batch_local, generator=gen)
@@ -324,9 +399,11 @@ class Trainer:
                 norm = len(idx) / n_slot if t.dropped_norm == "minibatch" else 1.0
                 self.opt.zero_grad(set_to_none=True)
                 mb_stats: dict[str, list] = {}
+                finite = True
                 for unit in units if len(idx) else ():
                     out = self.policy.evaluate(batch, idx, unit, with_reference=t.beta > 0)
                     loss, stats = self.unit_loss(out, adv[idx], keep[idx])
+                    finite = finite and bool(torch.isfinite(loss))
                     # each unit's loss is a mean over its steps; weight by its share of all trained steps
                     (loss * (len(unit) / n_units * norm)).backward()
                     for k, v in stats.items():
@@ -335,11 +412,18 @@ class Trainer:
                 if not self.any_process(len(idx) > 0):
                     # nothing to learn from anywhere: no optimizer step (AdamW would move the weights on a zero
                     # gradient, by its momentum and weight decay)
+                    self.stop_if_asked(epoch, mid_epoch=stepped)
                     continue
                 if not len(idx):  # only this process's slice is empty: it adds zero gradients to the average
                     for p in self.params:
                         p.grad = torch.zeros_like(p)
                 grad_norm = self.sync_and_clip()
+                if not math.isfinite(grad_norm) or self.any_process(not finite):
+                    self.skip_nonfinite(epoch, grad_norm)
+                    skipped += 1
+                    self.stop_if_asked(epoch, mid_epoch=stepped)
+                    continue
+                self.nonfinite_streak = 0
                 self.set_lr(slot)
                 self.opt.step()
                 if self.ema is not None:
@@ -353,6 +437,7 @@ class Trainer:
                 for k, v in mb_stats.items():
                     agg = max(v) if k.endswith("_max") else min(v) if k.endswith("_min") else sum(v) / len(v)
                     sums.setdefault(k, []).append(agg)
+                self.stop_if_asked(epoch, mid_epoch=True)
         out = {f"policy/{k}": (max(v) if k.endswith("_max") else min(v) if k.endswith("_min") else sum(v) / len(v))
                for k, v in sums.items()}
         if first_ratio is not None:  # None: every group was dropped, nothing was trained this epoch
@@ -364,7 +449,23 @@ class Trainer:
                               f"{ON_POLICY_TOL:g}; recomputed log-probs differ from the rollout's (non-deterministic "
                               "kernels, dropout, or a sampler/trainer mismatch)", stacklevel=2)
         out["_trained_units"] = trained
+        out["policy/skipped_nonfinite"] = skipped
         return out
+
+    def skip_nonfinite(self, epoch: int, grad_norm: float) -> None:
+        """A minibatch whose loss or gradient is NaN/inf: no optimizer step (the weights stay finite), a warning;
+        train.max_nonfinite_steps of them in a row stop the run with NonFiniteError."""
+        self.opt.zero_grad(set_to_none=True)
+        self.nonfinite_streak = getattr(self, "nonfinite_streak", 0) + 1
+        limit = self.cfg.train.max_nonfinite_steps
+        if self.nonfinite_streak >= limit:
+            raise NonFiniteError(
+                f"epoch {epoch}: the loss or gradient was NaN/inf in {self.nonfinite_streak} minibatches in a row "
+                f"(train.max_nonfinite_steps={limit}); no step was taken on them, so the weights and the last "
+                f"checkpoint are finite. Check the rewards (reward/* in metrics.jsonl), lower train.lr or set "
+                f"train.max_grad_norm, then resume with checkpoint.resume=auto")
+        warnings.warn(f"epoch {epoch}: non-finite loss or gradient (grad norm {grad_norm}); this minibatch takes no "
+                      f"optimizer step ({self.nonfinite_streak} in a row of at most {limit})", stacklevel=2)
 
     def unit_loss(self, out, adv: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, dict]:
         return unit_loss(out, adv, keep, self.cfg.train, self.policy.aggregation, self.policy.entropy_coef)
@@ -399,7 +500,8 @@ class Trainer:
             return x
         return self.acc.gather(x.to(self.acc.device)).cpu()
 
-    def log_outputs(self, batch, scores: torch.Tensor, adv: torch.Tensor, epoch: int) -> None:
+    def log_outputs(self, batch, scores: torch.Tensor, adv: torch.Tensor, epoch: int, extra: dict | None = None
+                    ) -> None:
         """Append this process's (prompt, completion, rewards, advantage) rows to completions.jsonl (main
         process; text backends)."""
         outputs = self.policy.describe_outputs(batch)
@@ -411,21 +513,34 @@ class Trainer:
         with open(self.run_dir / "completions.jsonl", "a") as f:
             for i, (p, c) in enumerate(zip(batch.prompts, outputs)):
                 row = {"epoch": epoch, "prompt": p, "completion": c, "advantage": round(float(adv[i]), 5),
-                       "rewards": {n: (None if torch.isnan(scores[i, k]) else float(scores[i, k]))
+                       "rewards": {n: (None if not torch.isfinite(scores[i, k]) else float(scores[i, k]))
                                    for k, n in enumerate(names)}}
-                f.write(json.dumps(row) + "\n")
+                row.update({col: values[i] for col, values in (extra or {}).items() if i < len(values)})
+                f.write(json.dumps(row, default=str) + "\n")
+
+    def reward_logs(self) -> dict[str, float]:
+        """What the rewards logged with `log_metric` this epoch (TRL's reward API), averaged over processes."""
+        logs = self.policy.pop_reward_logs()
+        if self.world > 1:
+            from accelerate.utils import gather_object
+
+            everyone = gather_object([logs])
+            keys = sorted({k for d in everyone for k in d})
+            logs = {k: sum(d[k] for d in everyone if k in d) / sum(k in d for d in everyone) for k in keys}
+        return logs
 
     def reward_metrics(self, scores: torch.Tensor, components: dict) -> dict:
         all_scores = self.gather(scores)
         m = {}
         for k, spec in enumerate(self.cfg.rewards):
             col = all_scores[:, k]
-            col = col[~col.isnan()]
+            col = col[torch.isfinite(col)]  # NaN: does not apply (or invalid: counted in reward/nonfinite_count)
             m[f"reward/{spec.name}_mean"] = col.mean().item() if len(col) else float("nan")
             m[f"reward/{spec.name}_std"] = col.std().item() if len(col) > 1 else 0.0
             m[f"reward/{spec.name}_applies"] = len(col) / len(all_scores)
-        total = (all_scores * torch.tensor([r.weight for r in self.cfg.rewards])).nansum(1)
-        m["reward/total_mean"] = total.mean().item()
+        scored = ~torch.isinf(all_scores).any(1)
+        total = (all_scores[scored] * torch.tensor([r.weight for r in self.cfg.rewards])).nansum(1)
+        m["reward/total_mean"] = total.mean().item() if len(total) else float("nan")
         for name, v in components.items():
             m[f"reward/{name}_mean"] = self.gather(v).mean().item()
         return m
@@ -434,21 +549,52 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, tag: str) -> dict:
-        """Deterministic sampling on held-out prompts with the eval settings (EMA weights when on)."""
+        """Deterministic sampling on held-out prompts with the eval settings (EMA weights when on). Every process
+        samples a contiguous share of the prompts; the main process gathers the outputs and scores, logs them
+        and draws the grid."""
         cfg = self.cfg
         prompts, meta, eval_cfg = eval_plan(self.eval_set, cfg.eval)
+        share = -(-len(prompts) // self.world)
+        part = slice(min(len(prompts), self.acc.process_index * share),
+                     min(len(prompts), (self.acc.process_index + 1) * share))
+        ctx = self.ema.applied() if self.ema is not None else contextlib.nullcontext()
+        with ctx:
+            outputs, per_reward, components = self.policy.evaluate_prompts(prompts, meta, self.rewards, eval_cfg,
+                                                                           part=part)
+        scores = {spec.name: vals for spec, vals in zip(cfg.rewards, per_reward)}
+        scores.update(components)
+        if self.world > 1:
+            from accelerate.utils import gather_object
+
+            shares = gather_object([(outputs, {k: v.cpu() for k, v in scores.items()})])
+            outputs = [o for out, _ in shares for o in out]
+            scores = {k: torch.cat([sc[k] for _, sc in shares]) for k in scores}
         results = {}
         if self.main:
-            ctx = self.ema.applied() if self.ema is not None else contextlib.nullcontext()
-            with ctx:
-                outputs, per_reward = self.policy.evaluate_prompts(prompts, meta, self.rewards, eval_cfg)
-            scores = {spec.name: vals for spec, vals in zip(cfg.rewards, per_reward)}
-            scores.update(getattr(self.policy, "last_eval_components", {}))
             results.update(eval_summary(scores, meta, cfg.eval.group_by))
             if cfg.eval.grid:
-                self.policy.save_eval_outputs(outputs, prompts, self.run_dir / f"eval-{tag}")
+                headline = scores[cfg.rewards[0].name]
+                path = self.policy.save_eval_outputs(outputs, prompts, self.run_dir / f"eval-{tag}", scores=headline)
+                self.log_eval_images(path, tag)
         self.acc.wait_for_everyone()
         return results
+
+    def log_eval_images(self, path: Path | None, tag: str) -> None:
+        """The eval grid to TensorBoard / W&B when those loggers are on."""
+        if path is None or not (self.cfg.log.tensorboard or self.cfg.log.wandb) or not self.acc.trackers:
+            return
+        import numpy as np
+        from PIL import Image
+
+        grid = np.asarray(Image.open(path).convert("RGB"))
+        step = self.state.epochs_done
+        for tracker in self.acc.trackers:
+            if tracker.name == "tensorboard":
+                tracker.writer.add_image(f"eval/{tag}", grid, step, dataformats="HWC")
+            elif tracker.name == "wandb":
+                import wandb
+
+                tracker.log({f"eval/{tag}": wandb.Image(grid)}, step=step)
 
     def save(self) -> Path | None:
         path = None
@@ -472,12 +618,22 @@ class Trainer:
         self.acc.wait_for_everyone()
         return path
 
-    def load(self, path: Path) -> None:
-        ck = read_checkpoint(path)
+    def load(self, path: Path, ck: dict) -> None:
+        """Continue from checkpoint `path` (read: `ck`). A changed model, adapter or batch shape is refused with the
+        differing keys; other config changes are listed in a warning."""
+        saved = ck["state"].get("config")
+        if saved is not None:
+            refused, allowed = rundir.compare_configs(saved, to_dict(self.cfg))
+            if refused:
+                raise CheckpointError(f"cannot resume from {path}: the config changed what the checkpoint was trained "
+                                      f"as ({'; '.join(refused)}); undo those changes, or start a new run in another "
+                                      "log.run_dir (or log.overwrite=true)")
+            if allowed and self.main:
+                warnings.warn(f"resuming from {path} with a changed config: {'; '.join(allowed)}", stacklevel=2)
         missing = set(self.named_params) - set(ck["trainable"])
         if missing:
-            raise ValueError(f"checkpoint {path} lacks trained weights {sorted(missing)[:3]} (a different model or "
-                             "LoRA config?)")
+            raise CheckpointError(f"checkpoint {path} lacks trained weights {sorted(missing)[:3]} (a different model "
+                                  "or LoRA config?)")
         with torch.no_grad():
             for n, p in self.named_params.items():
                 p.copy_(ck["trainable"][n].to(p.dtype))

@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     from flowrl.arith import arith_tokenizer, greedy_accuracy, make_prompts, split_rows, write_splits
-    from flowrl.checkpoint import read_checkpoint, resolve_resume, set_rng_state, write_checkpoint
+    from flowrl.checkpoint import resolve_resume, set_rng_state, write_checkpoint
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -159,9 +159,10 @@ def main(argv=None) -> int:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
 
     step, best, elapsed = 0, None, 0.0                                  # best: {"step", "test_acc", ...}
-    ckpt = resolve_resume("auto", workdir) if args.resume else None
-    if ckpt is not None:
-        saved = read_checkpoint(ckpt)
+    found = resolve_resume("auto", workdir) if args.resume else None
+    ckpt = found[0] if found else None
+    if found is not None:
+        saved = found[1]
         with torch.no_grad():
             params = dict(model.named_parameters())
             for name, value in saved["trainable"].items():

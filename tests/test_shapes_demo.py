@@ -23,9 +23,9 @@ def test_shapes_preset_one_epoch(tmp_path, monkeypatch):
     evaluated = []
     evaluate_prompts = tr.policy.evaluate_prompts
 
-    def spy(prompts, meta, fns, eval_cfg):
-        evaluated.append((list(prompts), eval_cfg.images_per_prompt))
-        return evaluate_prompts(prompts, meta, fns, eval_cfg)
+    def spy(prompts, meta, fns, eval_cfg, part=None):
+        evaluated.append((list(prompts[part or slice(None)]), eval_cfg.images_per_prompt))
+        return evaluate_prompts(prompts, meta, fns, eval_cfg, part=part)
 
     tr.policy.evaluate_prompts = spy
     tr.fit()

@@ -208,9 +208,7 @@ def test_fixed_window_trains_only_the_window(tmp_path):
 def test_bad_values_fail_before_any_work(tmp_path):
     from flowrl.cli import main
 
-    with pytest.raises(SystemExit) as e:
-        main(["train", "sample.group_size=1", f"log.run_dir={tmp_path}"])
-    assert e.value.code == 2
+    assert main(["train", "sample.group_size=1", f"log.run_dir={tmp_path}"]) == 2
     assert not any(tmp_path.iterdir())
 
 
@@ -231,8 +229,8 @@ def test_two_processes_stay_in_sync(tmp_path):
     accelerate = Path(sys.executable).parent / "accelerate"
     cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "flowrl", "train", *TINY,
-           "train.epochs=1", "sample.prompts_per_epoch=3", "sample.group_size=2", "eval.grid=false",
-           f"log.run_dir={tmp_path}"]
+           "train.epochs=1", "sample.prompts_per_epoch=3", "sample.group_size=2", "eval.num_prompts=3",
+           "eval.images_per_prompt=2", f"log.run_dir={tmp_path}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -241,6 +239,22 @@ def test_two_processes_stay_in_sync(tmp_path):
     trained = [r for r in rows if "policy/loss" in r]
     assert trained and trained[0]["policy/ratio_first_dev"] <= 1e-6
     assert (tmp_path / "ckpt-000001" / "lora").is_dir()
+    # the eval was shared out (rank 0: prompts 0-1, rank 1: prompt 2) and gathered: one process evaluating the
+    # same weights on all prompts gets the same scores and the same grid
+    from flowrl.cli import main
+
+    final = next(r for r in rows if r.get("final"))["eval/jpeg_compressibility_mean"]
+    out = tmp_path / "one"
+    assert main(["eval", *TINY, "eval.num_prompts=3", "eval.images_per_prompt=2", "--checkpoint",
+                 str(tmp_path / "ckpt-000001"), "--out", str(out)]) == 0
+    one = json.loads((out / "eval.json").read_text())
+    assert one["num_samples"] == 6 and abs(one["eval/jpeg_compressibility_mean"] - final) <= 1e-4
+    import numpy as np
+    from PIL import Image
+
+    a = np.asarray(Image.open(tmp_path / "eval-final.png"), dtype=np.int16)
+    b = np.asarray(Image.open(out / "eval.png"), dtype=np.int16)
+    assert a.shape == b.shape and np.abs(a - b).max() <= 2
 
 
 def test_same_noise_per_group_shares_the_initial_noise(tmp_path):
@@ -312,8 +326,8 @@ def test_dropped_samples_are_not_computed_and_the_update_is_unchanged(tmp_path):
     assert len(torch.cat(masked_idx)) == 2 * len(forwarded)           # half the samples were dropped
     assert any(not keep[i].any() for i in masked_idx)                  # some minibatch was all dropped
     assert max((p - start[n]).abs().max().item() for n, p in fast.named_params.items()) > 0
-    for n, p in fast.named_params.items():
-        torch.testing.assert_close(p, masked.named_params[n], rtol=0, atol=1e-6)
+    for n, p in fast.named_params.items():  # float sums over 2 rows vs 4 differ in the last bits (1.3e-6 seen)
+        torch.testing.assert_close(p, masked.named_params[n], rtol=0, atol=5e-6)
     assert out_fast["policy/ratio_first_dev"] <= 1e-4                # from the first minibatch that trained
     # nothing kept: no forward pass, no ratio (not a spurious off-policy warning), and no optimizer step: AdamW
     # would move the weights on a zero gradient (momentum, weight decay)
@@ -401,6 +415,7 @@ def test_no_before_after_grid_without_a_before_eval(tmp_path):
 def test_eval_weights_choose_the_ema_or_the_trained_weights(tmp_path):
     from flowrl.checkpoint import read_checkpoint
     from flowrl.cli import _checkpoint_weights, _policy_from_checkpoint
+    from flowrl.errors import CheckpointError
 
     cfg = tiny_cfg(tmp_path, "train.epochs=1", "train.ema_decay=0.5", "eval.grid=false", "train.lr=1e-2")
     Trainer(cfg).fit()
@@ -414,9 +429,9 @@ def test_eval_weights_choose_the_ema_or_the_trained_weights(tmp_path):
         torch.testing.assert_close(got.detach().float(), ck[key][name].float(), rtol=0, atol=0)
     no_ema = {"trainable": ck["trainable"]}
     assert _checkpoint_weights(no_ema, "ck", "auto") is ck["trainable"]
-    with pytest.raises(SystemExit, match="no EMA weights.*--weights trained"):
+    with pytest.raises(CheckpointError, match="no EMA weights.*--weights trained"):
         _checkpoint_weights(no_ema, "ck", "ema")
-    with pytest.raises(SystemExit, match="auto, ema, trained"):
+    with pytest.raises(CheckpointError, match="auto, ema, trained"):
         _checkpoint_weights(ck, "ck", "best")
 
 
@@ -455,7 +470,8 @@ def test_drop_zero_advantage_groups(tmp_path):
     tr = Trainer(tiny_cfg(tmp_path, "train.drop_zero_adv_groups=true"))
     batch = tr.rollout(epoch=0)
     scores = torch.tensor([[1.0], [1.0], [1.0], [1.0], [0.0], [1.0], [0.5], [0.2]])  # group 0 all equal
-    adv, keep = tr.advantages(batch, scores)
+    adv, keep, invalid = tr.advantages(batch, scores)
+    assert invalid == 0
     assert keep.tolist() == [False] * 4 + [True] * 4
     assert torch.equal(adv[:4], torch.zeros(4))
 

@@ -257,3 +257,45 @@ def test_gdpo_combination_fills_none_with_the_group_mean():
     # the None of sample 0's second reward takes its group's mean of that reward, (1 + 0 + 0) / 3
     filled = torch.tensor([[1.0, 1 / 3], [0.0, 1.0], [1.0, 0.0], [0.0, 0.0]], dtype=torch.float64)
     torch.testing.assert_close(adv, gdpo_advantages(filled, [0] * 4, weights=[1.0, 0.5]), rtol=0, atol=1e-12)
+
+
+TRL_REWARD = '''
+import asyncio
+
+seen_steps = []
+
+def length_bonus(prompts, completions, completion_ids, trainer_state, log_metric, log_extra, answer, **kwargs):
+    """A TRL-style reward: reads trainer_state and a dataset column, logs a metric and an extra column."""
+    seen_steps.append((trainer_state.global_step, trainer_state.epoch))
+    log_metric("mean_len", sum(len(c) for c in completions) / len(completions))
+    log_extra("answer_seen", list(answer))
+    return [float(len(ids)) / 4 for ids in completion_ids]
+
+async def async_zero(prompts, completions, **kwargs):
+    await asyncio.sleep(0)
+    return [None if i % 4 == 0 else 0.0 for i in range(len(completions))]
+'''
+
+
+def test_trl_reward_functions_work_unchanged_in_the_loop(tiny_lm, tmp_path, monkeypatch):
+    """A TRL reward file plugged in by path: it sees trainer_state (the optimizer steps so far) and the dataset's
+    columns, its log_metric lands in metrics.jsonl and its log_extra in completions.jsonl; an async one is
+    awaited."""
+    import sys
+
+    (tmp_path / "trl_rewards.py").write_text(TRL_REWARD)
+    monkeypatch.chdir(tmp_path)
+    cfg = text_cfg(tiny_lm, tmp_path / "run", "train.epochs=2", "eval.grid=false",
+                   "rewards=[{name: 'trl_rewards.py:length_bonus'}, {name: 'trl_rewards.py:async_zero', weight: 0.5}]")
+    tr = Trainer(cfg)
+    tr.fit()
+    module = next(m for name, m in sys.modules.items() if name.endswith("trl_rewards") or
+                  getattr(m, "__file__", "") == str(tmp_path / "trl_rewards.py"))
+    assert (0, 0.0) in module.seen_steps and any(step >= 1 and ep == 1.0 for step, ep in module.seen_steps), \
+        module.seen_steps
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r for r in rows if "policy/loss" in r]
+    assert all(r["reward_log/mean_len"] > 0 for r in epochs)
+    assert all(r["reward/trl_rewards.py:async_zero_applies"] == 0.75 for r in epochs)  # None: does not apply
+    table = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert all(row["answer_seen"] == str(int(row["prompt"][:2]) + int(row["prompt"][3:5])) for row in table)

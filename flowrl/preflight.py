@@ -1,0 +1,94 @@
+"""Checks that run before any model loads, so that a typo costs seconds, not a model load: the prompt data, the
+rewards' names and options, the model's pipeline class and image size (from its config files only), the loggers,
+and the run directory. Each failure is one FlowrlError line saying what was wrong and what would be right."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .errors import FlowrlError
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .data import PromptSet
+
+
+class PreflightError(FlowrlError, ValueError):
+    """A config that cannot run, found before the model loaded."""
+
+
+def _checked(what: str, fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`, its ValueError/TypeError/LookupError/OSError as a PreflightError (message kept)."""
+    try:
+        return fn(*args, **kwargs)
+    except FlowrlError:
+        raise
+    except (ValueError, TypeError, LookupError, OSError, ImportError) as e:
+        message = str(e).strip("'\"") if isinstance(e, KeyError) else str(e)
+        raise PreflightError(message if what in message else f"{what}: {message}") from e
+
+
+def load_prompt_sets(cfg: Config) -> tuple[PromptSet, PromptSet]:
+    """The training and eval prompt sets of `cfg` (eval: the training prompts when none are given), with the
+    columns that data.balance_by and eval.group_by need checked."""
+    from .data import load_config_prompts, require_column
+    from .train_utils import eval_plan
+
+    d = cfg.data
+    train_set = _checked("data.train_prompts", load_config_prompts, d, "train")
+    eval_set = _checked("data.eval_prompts", load_config_prompts, d, "eval") if d.eval_prompts else train_set
+    if d.balance_by:
+        _checked("data.balance_by", train_set.strata, d.balance_by)
+    if cfg.eval.group_by:
+        _checked("eval.group_by", require_column, eval_set.head(cfg.eval.num_prompts)[1], cfg.eval.group_by,
+                 f"eval.group_by={cfg.eval.group_by!r}")
+        _checked("eval.images_per_group", eval_plan, eval_set, cfg.eval)
+    return train_set, eval_set
+
+
+def check_rewards(cfg: Config) -> None:
+    """Every reward name resolves (registered, or a plug-in `module:function` / `file.py:function`) and takes the
+    given kwargs; nothing is built, no weights load."""
+    import rewards
+
+    kind = "text" if cfg.backend == "text" else "image"
+    for i, spec in enumerate(cfg.rewards):
+        _checked(f"rewards[{i}] ({spec.name})", rewards.check, spec.name, dict(spec.kwargs), kind)
+
+
+def check_model(cfg: Config) -> str | None:
+    """Image backend: the model's pipeline class is driven by a family, and the image size suits it (from the
+    model's config files); returns the family. Text backend: None."""
+    if cfg.backend != "image":
+        return None
+    from .backends.image import preflight_image_model
+
+    m, s = cfg.model, cfg.sample
+    return _checked(f"model.path={m.path}", preflight_image_model, m.path, m.family, height=s.height, width=s.width,
+                    drop_t5=m.drop_t5)
+
+
+def check_loggers(cfg: Config) -> None:
+    for flag, module, extra in (("tensorboard", "tensorboard", "tensorboard"), ("wandb", "wandb", "wandb")):
+        if getattr(cfg.log, flag):
+            try:
+                __import__(module)
+            except ImportError:
+                raise PreflightError(f"log.{flag}=true needs the `{module}` package: pip install 'flowrl[{extra}]' "
+                                     f"(or set log.{flag}=false)") from None
+
+
+def preflight(cfg: Config, *, claim_run_dir: bool = True, main_process: bool = True) -> tuple[PromptSet, PromptSet]:
+    """All checks before the model loads; returns the (train, eval) prompt sets. With `claim_run_dir` (training)
+    the run directory must be writable and may not hold another run unless the run resumes or overwrites it
+    (with log.overwrite the other run's files are deleted, last, once everything else passed)."""
+    from . import rundir
+
+    train_set, eval_set = load_prompt_sets(cfg)
+    check_rewards(cfg)
+    check_model(cfg)
+    check_loggers(cfg)
+    if claim_run_dir and main_process:
+        rundir.check_writable(cfg.log.run_dir)
+        rundir.claim(cfg.log.run_dir, resume=cfg.checkpoint.resume, overwrite=cfg.log.overwrite)
+    return train_set, eval_set

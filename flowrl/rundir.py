@@ -1,0 +1,155 @@
+"""A run directory belongs to one run: a new run refuses a directory that holds another run's files unless it
+resumes that run or is told to overwrite it, and a resumed run's logs carry no rows of epochs it redoes.
+
+Only the files flowrl writes are ever touched (a run directory may be a folder that holds other things too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from .checkpoint import CKPT_RE, TEMP_RE, list_checkpoints
+from .errors import RunDirError
+
+#: Files and directories a run writes into its run_dir (besides ckpt-XXXXXX/ and the temporary checkpoint dirs).
+RUN_FILES = ("metrics.jsonl", "completions.jsonl", "curves.png", "before_after.png")
+RUN_GLOBS = ("eval-*.png", "eval-*.tmp.png")
+TRACKER_DIRS = ("flowrl",)  # accelerate's TensorBoard logs (project_dir/<project name>)
+
+
+def run_files(run_dir: str | Path) -> list[Path]:
+    """The files and directories of a run in `run_dir` (empty when there is none)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = [p for p in run_dir.iterdir() if CKPT_RE.match(p.name) or TEMP_RE.match(p.name)]
+    found += [run_dir / n for n in RUN_FILES if (run_dir / n).exists()]
+    found += [p for g in RUN_GLOBS for p in run_dir.glob(g)]
+    found += [run_dir / n for n in TRACKER_DIRS if (run_dir / n).is_dir()]
+    return sorted(set(found))
+
+
+def holds_a_run(run_dir: str | Path) -> bool:
+    """True when `run_dir` holds checkpoints or logged metrics of a run."""
+    run_dir = Path(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    has_metrics = metrics.is_file() and metrics.stat().st_size > 0
+    return has_metrics or any(CKPT_RE.match(p.name) for p in run_files(run_dir))
+
+
+def describe_run(run_dir: str | Path) -> str:
+    """A short account of what `run_dir` holds, e.g. "2 checkpoints (newest ckpt-000040), metrics to epoch 40"."""
+    run_dir = Path(run_dir)
+    ckpts = sorted(p.name for p in run_files(run_dir) if CKPT_RE.match(p.name))
+    parts = []
+    if ckpts:
+        parts.append(f"{len(ckpts)} checkpoint{'s' if len(ckpts) > 1 else ''} (newest {ckpts[-1]})")
+    epochs = [row.get("epoch") for row in _rows(run_dir / "metrics.jsonl")]
+    epochs = [e for e in epochs if isinstance(e, (int, float))]
+    if epochs:
+        parts.append(f"metrics to epoch {int(max(epochs))}")
+    return ", ".join(parts) or "files of a run"
+
+
+def check_writable(run_dir: str | Path) -> None:
+    """Create `run_dir` if needed and make sure a file can be written in it (before any model loads)."""
+    run_dir = Path(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".flowrl-write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise RunDirError(f"log.run_dir={str(run_dir)!r} is not writable ({e.strerror or e}); choose a directory "
+                          "you can write to with log.run_dir=PATH") from None
+
+
+def claim(run_dir: str | Path, *, resume: str | None, overwrite: bool) -> None:
+    """Make `run_dir` this run's: an error when it holds another run and the run neither resumes nor overwrites;
+    with `overwrite`, that run's files are deleted (and nothing else)."""
+    run_dir = Path(run_dir)
+    if not holds_a_run(run_dir):
+        return
+    if overwrite:
+        for p in run_files(run_dir):
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        return
+    if resume == "auto" and not list_checkpoints(run_dir):
+        raise RunDirError(f"log.run_dir={str(run_dir)!r} holds a run ({describe_run(run_dir)}) but no intact checkpoint "
+                          "to resume from (checkpoint.resume=auto); start over there with log.overwrite=true (deletes "
+                          "that run's files), or pick a new log.run_dir")
+    if resume:
+        return
+    raise RunDirError(f"log.run_dir={str(run_dir)!r} already holds a run ({describe_run(run_dir)}). Continue it with "
+                      "checkpoint.resume=auto, start over there with log.overwrite=true (deletes that run's files), "
+                      "or pick a new log.run_dir")
+
+
+def _rows(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a kill mid-write
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def truncate_logs(run_dir: str | Path, epochs_done: int) -> int:
+    """Drop what a resumed run will log again: rows of metrics.jsonl past `epochs_done` (its `epoch` counts epochs
+    done), rows of completions.jsonl of epochs >= `epochs_done` (0-based epoch index), and lines cut short by a kill.
+    Rewritten atomically; returns the number of rows dropped."""
+    run_dir = Path(run_dir)
+    dropped = 0
+    for name, keep in (("metrics.jsonl", lambda r: r.get("epoch", 0) <= epochs_done and epochs_done > 0),
+                       ("completions.jsonl", lambda r: r.get("epoch", 0) < epochs_done)):
+        path = run_dir / name
+        if not path.is_file():
+            continue
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        rows = _rows(path)
+        kept = [r for r in rows if keep(r)]
+        if len(kept) == len(lines):
+            continue
+        dropped += len(lines) - len(kept)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        os.replace(tmp, path)
+    return dropped
+
+
+#: Config keys a resumed run may not change: they decide the trained weights' shapes (model, adapter) or the batch
+#: a checkpoint's optimizer and counters were made for. Other changes are allowed with a warning.
+SHAPE_KEYS = ("backend", "model.path", "model.family", "model.drop_t5", "lora.enabled", "lora.rank", "lora.alpha",
+              "lora.target_modules", "sample.group_size", "sample.prompts_per_epoch", "train.minibatch_size")
+#: Keys whose change says nothing about the run (where it logs, how it resumes).
+IGNORED_KEYS = ("checkpoint.resume", "log.overwrite", "log.progress", "log.run_dir")
+
+
+def _flatten(tree, prefix: str = "") -> dict:
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def compare_configs(saved: dict, current: dict) -> tuple[list[str], list[str]]:
+    """(refused, allowed): the keys that differ between a checkpoint's config and the current one, as
+    "key: old -> new" lines; `refused` are those of SHAPE_KEYS (a list of sections, e.g. rewards, compares whole)."""
+    old, new = _flatten(saved), _flatten(current)
+    refused, allowed = [], []
+    for key in sorted(set(old) | set(new)):
+        if key in IGNORED_KEYS or old.get(key) == new.get(key):
+            continue
+        line = f"{key}: {old.get(key, '(unset)')!r} -> {new.get(key, '(unset)')!r}"
+        (refused if key in SHAPE_KEYS else allowed).append(line)
+    return refused, allowed

@@ -1,0 +1,125 @@
+"""The command line answers mistakes with one line naming what was wrong and what would be right (no traceback,
+exit code != 0), checks before any model loads, and reads key=value overrides anywhere after the command."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flowrl.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_CFG = str(ROOT / "configs" / "tiny_cpu.yaml")
+TINY = ["sample.height=32", "sample.width=32", "sample.num_steps=3", "sample.max_sequence_length=16",
+        "eval.num_steps=2", "eval.num_prompts=2", "log.progress=false", "model.device=cpu"]
+
+
+def one_line_error(capsys, code, rc) -> str:
+    err = capsys.readouterr().err.strip()
+    assert rc == code, err
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if a model is loaded: the checks under test must come first."""
+    import flowrl.policies
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the mistake was reported")
+
+    monkeypatch.setattr(flowrl.policies, "build_policy", refuse)
+
+
+def test_report_on_a_missing_or_empty_run_directory(tmp_path, capsys):
+    err = one_line_error(capsys, 1, main(["report", str(tmp_path / "nowhere")]))
+    assert "nowhere is not a run directory: it does not exist" in err
+    err = one_line_error(capsys, 1, main(["report", str(tmp_path)]))
+    assert "no metrics.jsonl" in err
+
+
+def test_eval_and_sample_with_a_missing_or_incomplete_checkpoint(tmp_path, capsys, no_model_load):
+    err = one_line_error(capsys, 1, main(["eval", TINY_CFG, "--checkpoint", str(tmp_path / "ckpt-000009")]))
+    assert "ckpt-000009' does not exist" in err
+    half = tmp_path / "ckpt-000001"
+    half.mkdir()
+    (half / "state.json").write_text("{}")
+    err = one_line_error(capsys, 1, main(["sample", TINY_CFG, "--checkpoint", str(half), "--prompt", "a cat"]))
+    assert f"{half / 'trainable.safetensors'} is missing: the checkpoint is incomplete" in err
+
+
+def test_a_model_directory_no_family_drives(tmp_path, capsys, no_model_load):
+    model = tmp_path / "kandinsky"
+    model.mkdir()
+    (model / "model_index.json").write_text(json.dumps({"_class_name": "KandinskyPipeline", "unet": ["diffusers",
+                                                                                                     "UNet2DModel"]}))
+    rc = main(["train", TINY_CFG, *TINY, f"model.path={model}", f"log.run_dir={tmp_path / 'run'}"])
+    err = one_line_error(capsys, 1, rc)
+    assert "KandinskyPipeline" in err and "StableDiffusion3Pipeline" in err
+
+
+def test_a_preset_whose_prompt_file_is_missing(tmp_path, capsys, no_model_load, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("data:\n  train_prompts: data/animals.txt\n")
+    err = one_line_error(capsys, 1, main(["train", str(cfg), *TINY]))
+    assert "data.train_prompts" in err and "data/animals.txt" in err
+
+
+def test_reward_mistakes_and_an_unwritable_run_dir_fail_before_the_model_loads(tmp_path, capsys, no_model_load):
+    run = f"log.run_dir={tmp_path / 'run'}"
+    err = one_line_error(capsys, 1, main(["train", TINY_CFG, *TINY, run, "rewards=[{name: pickscroe}]"]))
+    assert "pickscroe" in err and "pickscore" in err
+    err = one_line_error(capsys, 1, main(["train", TINY_CFG, *TINY, run,
+                                          "rewards=[{name: jpeg_compressibility, kwargs: {qualty: 50}}]"]))
+    assert "qualty" in err
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    err = one_line_error(capsys, 1, main(["train", TINY_CFG, *TINY, f"log.run_dir={blocker / 'run'}"]))
+    assert "is not writable" in err and "log.run_dir" in err
+
+
+def test_overrides_after_options_and_a_stray_argument(tmp_path, capsys):
+    out = tmp_path / "ev"
+    assert main(["eval", TINY_CFG, "--out", str(out), *TINY, "eval.num_prompts=1"]) == 0
+    assert json.loads((out / "eval.json").read_text())["num_samples"] == 1
+    with pytest.raises(SystemExit):
+        main(["eval", TINY_CFG, "--out", str(out), "stray"])
+    assert "unrecognized arguments: stray" in capsys.readouterr().err
+
+
+def test_sample_names_files_by_prompt_and_seed_and_each_image_is_its_seeds(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    both = tmp_path / "both"
+    assert main(["sample", TINY_CFG, *TINY, "--prompt", "a red circle", "--prompt", "a blue square", "--num", "2",
+                 "--seed", "5", "--out", str(both)]) == 0
+    names = sorted(p.name for p in both.glob("*.png"))
+    assert names == ["000_seed5.png", "000_seed6.png", "001_seed5.png", "001_seed6.png"]
+    listed = [json.loads(line) for line in (both / "samples.jsonl").read_text().splitlines()]
+    assert {(r["file"], r["prompt"], r["seed"]) for r in listed} >= {("001_seed6.png", "a blue square", 6)}
+    alone = tmp_path / "alone"
+    assert main(["sample", TINY_CFG, *TINY, "--prompt", "a blue square", "--seed", "6", "--out", str(alone)]) == 0
+    a = np.asarray(Image.open(both / "001_seed6.png"), dtype=np.int16)
+    b = np.asarray(Image.open(alone / "000_seed6.png"), dtype=np.int16)
+    assert np.abs(a - b).max() <= 1  # the same image whatever is sampled beside it
+
+
+def test_the_readmes_own_reward_example_trains(tmp_path, monkeypatch):
+    """The README's plug-in example, as written there: a file reward named in YAML with kwargs."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("**Your own reward**"):]
+    yaml_block = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
+    py_block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_scores.py").write_text(py_block)
+    (tmp_path / "c.yaml").write_text(yaml_block)
+    run = tmp_path / "run"
+    assert main(["train", "c.yaml", *TINY, "train.epochs=1", "eval.grid=false", f"log.run_dir={run}"]) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    values = [r["reward/my_scores.py:brightness_mean"] for r in rows if "reward/my_scores.py:brightness_mean" in r]
+    assert values and 0 < values[0] < 2.0  # gain 2 x a mean brightness in (0, 1)

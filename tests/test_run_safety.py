@@ -1,0 +1,263 @@
+"""Nothing lost, nothing poisoned: run directories are not mixed, non-finite numbers never reach the weights or a
+checkpoint, interrupts and broken checkpoints leave a resumable run. Tiny SD3 on the CPU."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from flowrl.checkpoint import list_checkpoints, write_checkpoint
+from flowrl.config import load_config
+from flowrl.errors import CheckpointError, NonFiniteError, RunDirError
+from flowrl.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["sample.height=32", "sample.width=32", "sample.num_steps=3", "sample.max_sequence_length=16",
+        "sample.prompts_per_epoch=2", "sample.group_size=4", "eval.num_steps=2", "eval.num_prompts=2",
+        "log.progress=false", "model.device=cpu", "train.lr=3e-3", "train.clip_low=0.2"]
+
+
+def tiny_cfg(run_dir, *extra):
+    return load_config(None, [*TINY, f"log.run_dir={run_dir}", *extra])
+
+
+def metric_rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def scripted_reward():
+    """A registered image reward whose values per call come from a list the test sets (then the mean pixel)."""
+    from rewards.registry import REWARDS, register
+
+    plan: list = []
+
+    @register("test_scripted", kind="image")
+    def factory():
+        def fn(images, prompts, **metadata):
+            base = torch.tensor([float(np.asarray(im, dtype=np.float32).mean()) / 255 for im in images])
+            return torch.tensor(plan.pop(0), dtype=torch.float32) if plan else base
+
+        return fn
+
+    yield plan
+    REWARDS._items.pop("test_scripted", None)
+
+
+# ------------------------------------------------------------------------------------------ run directories
+
+
+def test_a_new_run_refuses_a_directory_holding_another_run_before_the_model_loads(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    Trainer(tiny_cfg(run, "train.epochs=1", "eval.grid=false")).fit()
+    import flowrl.policies
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the run directory was checked")
+
+    monkeypatch.setattr(flowrl.policies, "build_policy", no_load)
+    with pytest.raises(RunDirError, match=r"already holds a run \(1 checkpoint \(newest ckpt-000001\), metrics to "
+                                          r"epoch 1\).*checkpoint\.resume=auto.*log\.overwrite=true"):
+        Trainer(tiny_cfg(run, "train.epochs=1"))
+
+
+def test_a_shorter_run_overwriting_a_longer_one_keeps_its_checkpoints_and_only_its_metrics(tmp_path):
+    run = tmp_path / "run"
+    Trainer(tiny_cfg(run, "train.epochs=4", "checkpoint.every=1", "checkpoint.keep=2", "eval.grid=false")).fit()
+    assert [p.name for p in list_checkpoints(run)] == ["ckpt-000003", "ckpt-000004"]
+    (run / "notes.txt").write_text("the user's own file")
+    Trainer(tiny_cfg(run, "train.epochs=2", "checkpoint.every=1", "checkpoint.keep=2", "eval.grid=false",
+                     "log.overwrite=true")).fit()
+    # today's bug: the new ckpt-000001/2 were deleted as the oldest of four, and the metrics mixed both runs
+    assert [p.name for p in list_checkpoints(run)] == ["ckpt-000001", "ckpt-000002"]
+    epochs = [r["epoch"] for r in metric_rows(run) if "policy/loss" in r]
+    assert epochs == [1, 2]
+    assert (run / "notes.txt").read_text() == "the user's own file"  # only flowrl's files go
+
+
+def test_retention_never_deletes_the_checkpoint_just_written_nor_later_ones(tmp_path):
+    w = {"w": torch.ones(2)}
+    for epoch in (80, 90):  # another run's, later epochs
+        write_checkpoint(tmp_path, epoch, trainable=w)
+    for epoch in (1, 2, 3):
+        write_checkpoint(tmp_path, epoch, trainable=w, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-000002", "ckpt-000003", "ckpt-000080",
+                                                           "ckpt-000090"]
+
+
+def test_resume_refuses_a_changed_adapter_and_warns_of_other_changes(tmp_path):
+    run = tmp_path / "run"
+    Trainer(tiny_cfg(run, "train.epochs=1", "eval.grid=false")).fit()
+    with pytest.raises(CheckpointError, match=r"lora\.rank: 8 -> 4.*sample\.group_size: 4 -> 2"):
+        Trainer(tiny_cfg(run, "train.epochs=2", "checkpoint.resume=auto", "lora.rank=4",
+                         "sample.group_size=2")).fit()
+    tr = Trainer(tiny_cfg(run, "train.epochs=2", "checkpoint.resume=auto", "train.lr=1e-3", "eval.grid=false"))
+    with pytest.warns(UserWarning, match=r"changed config: .*train\.epochs: 1 -> 2.*train\.lr: 0\.003 -> 0\.001"):
+        tr.fit()
+    assert tr.state.epochs_done == 2
+
+
+def test_a_resume_redoes_epochs_without_duplicating_rows_and_clears_temporary_dirs(tmp_path):
+    run = tmp_path / "run"
+    Trainer(tiny_cfg(run, "train.epochs=4", "checkpoint.every=2", "checkpoint.keep=0", "eval.grid=false")).fit()
+    import shutil
+
+    shutil.rmtree(run / "ckpt-000004")  # as if the run had died after epoch 4's metrics, before its checkpoint
+    (run / ".tmp-ckpt-000004-12345").mkdir()  # and a kill had cut a checkpoint write short
+    (run / ".tmp-ckpt-000004-12345" / "trainable.safetensors").write_bytes(b"half")
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"epoch": 4, "reward/total_m')  # a row cut by the kill
+    Trainer(tiny_cfg(run, "train.epochs=4", "checkpoint.every=2", "checkpoint.keep=0", "eval.grid=false",
+                     "checkpoint.resume=auto")).fit()
+    assert not (run / ".tmp-ckpt-000004-12345").exists()
+    trained = [r["epoch"] for r in metric_rows(run) if "policy/loss" in r]
+    assert trained == [1, 2, 3, 4]
+    finals = [r["epoch"] for r in metric_rows(run) if r.get("final")]
+    assert finals == [4]
+
+
+def test_a_corrupt_checkpoint_is_named_and_auto_falls_back_to_an_older_one(tmp_path):
+    run = tmp_path / "run"
+    Trainer(tiny_cfg(run, "train.epochs=2", "checkpoint.every=1", "checkpoint.keep=0", "eval.grid=false")).fit()
+    bad = run / "ckpt-000002" / "trainable.safetensors"
+    bad.write_bytes(bad.read_bytes()[:100])  # truncated
+    with pytest.raises(CheckpointError, match=rf"{bad}.*corrupt or truncated"):
+        Trainer(tiny_cfg(run, "train.epochs=3", f"checkpoint.resume={run / 'ckpt-000002'}")).fit()
+    tr = Trainer(tiny_cfg(run, "train.epochs=3", "checkpoint.resume=auto", "eval.grid=false"))
+    with pytest.warns(UserWarning, match=r"skipping .*ckpt-000002.*trainable\.safetensors.*older checkpoint"):
+        tr.fit()
+    assert tr.state.epochs_done == 3
+    assert [r["epoch"] for r in metric_rows(run) if "policy/loss" in r] == [1, 2, 3]  # epoch 2 redone, once
+
+
+# ------------------------------------------------------------------------------------------ non-finite numbers
+
+
+def test_non_finite_rewards_are_left_out_of_the_advantages(tmp_path):
+    tr = Trainer(tiny_cfg(tmp_path / "run"))
+    batch = tr.rollout(epoch=0)
+    scores = torch.tensor([[1.0], [float("nan")], [0.0], [3.0], [2.0], [float("inf")], [-1.0], [0.5]])
+    with pytest.warns(UserWarning, match=r"2 of 8 samples have a non-finite reward"):
+        adv, keep, invalid = tr.advantages(batch, scores)
+    assert invalid == 2
+    assert keep.tolist() == [True, False, True, True, True, False, True, True]
+    assert adv[1] == 0 and adv[5] == 0
+    from flowrl.core import group_advantages
+
+    # each group's advantages are those of its finite samples alone (NaN is not 0, inf does not swamp the std)
+    torch.testing.assert_close(adv[[0, 2, 3]], group_advantages(torch.tensor([1.0, 0.0, 3.0]), [0, 0, 0]))
+    torch.testing.assert_close(adv[[4, 6, 7]], group_advantages(torch.tensor([2.0, -1.0, 0.5]), [1, 1, 1]))
+
+
+def test_an_infinite_reward_does_not_poison_the_weights_or_the_checkpoint(tmp_path, scripted_reward):
+    run = tmp_path / "run"
+    scripted_reward.extend([[0.1, 0.5, float("inf"), 0.2, 0.9, 0.3, float("nan"), 0.4]])
+    tr = Trainer(tiny_cfg(run, "train.epochs=1", "eval.grid=false", "eval.before=false",
+                          "rewards=[{name: test_scripted}]"))
+    with pytest.warns(UserWarning, match="non-finite reward"):
+        tr.fit()
+    assert all(torch.isfinite(p).all() for p in tr.params)
+    row = next(r for r in metric_rows(run) if "policy/loss" in r)
+    assert row["reward/nonfinite_count"] == 2 and math.isfinite(row["reward/total_mean"])
+    assert math.isfinite(row["policy/loss"]) and row["adv/kept_frac"] == 0.75
+    from safetensors.torch import load_file
+
+    saved = load_file(run / "ckpt-000001" / "trainable.safetensors")
+    assert all(torch.isfinite(t).all() for t in saved.values())
+
+
+def test_non_finite_losses_skip_steps_then_stop_the_run(tmp_path, monkeypatch):
+    tr = Trainer(tiny_cfg(tmp_path / "run", "train.epochs=3", "train.minibatch_size=4", "eval.before=false",
+                          "train.max_nonfinite_steps=3"))
+    before = {n: p.detach().clone() for n, p in tr.named_params.items()}
+    evaluate = tr.policy.evaluate
+
+    def poisoned(*args, **kwargs):
+        out = evaluate(*args, **kwargs)
+        out.log_prob = out.log_prob * float("nan")
+        return out
+
+    monkeypatch.setattr(tr.policy, "evaluate", poisoned)
+    with pytest.warns(UserWarning, match=r"non-finite loss or gradient.*no optimizer step \(1 in a row of at most 3"):
+        with pytest.raises(NonFiniteError, match=r"NaN/inf in 3 minibatches in a row.*weights and the last "
+                                                 r"checkpoint are finite"):
+            tr.fit()
+    for n, p in tr.named_params.items():  # no step was taken on a NaN gradient
+        assert torch.equal(p.detach(), before[n])
+    assert tr.state.optimizer_steps == 0
+
+
+def test_a_good_minibatch_resets_the_count_of_bad_ones(tmp_path, monkeypatch):
+    tr = Trainer(tiny_cfg(tmp_path / "run", "train.epochs=2", "train.minibatch_size=4", "eval.before=false",
+                          "eval.grid=false", "train.max_nonfinite_steps=2", "train.steps_per_forward=8"))
+    evaluate, calls = tr.policy.evaluate, []
+
+    def every_other(*args, **kwargs):  # minibatches (one model call each) alternate bad, good, bad, good
+        out = evaluate(*args, **kwargs)
+        calls.append(1)
+        if len(calls) % 2:
+            out.log_prob = out.log_prob * float("nan")
+        return out
+
+    monkeypatch.setattr(tr.policy, "evaluate", every_other)
+    with pytest.warns(UserWarning, match="non-finite loss"):
+        metrics = tr.fit()
+    assert tr.state.optimizer_steps == 2 and metrics["policy/skipped_nonfinite"] == 1
+
+
+def test_a_checkpoint_with_non_finite_weights_is_never_written(tmp_path):
+    with pytest.raises(NonFiniteError, match=r"trainable/w"):
+        write_checkpoint(tmp_path, 1, trainable={"w": torch.tensor([1.0, float("nan")])})
+    with pytest.raises(NonFiniteError, match=r"optimizer/state\.0\.exp_avg"):
+        write_checkpoint(tmp_path, 1, trainable={"w": torch.ones(2)},
+                         optimizer={"state": {0: {"exp_avg": torch.tensor([float("inf")])}}, "param_groups": []})
+    assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------------------ signals
+
+
+SIGNAL_REWARD = '''
+import os, signal
+calls = 0
+
+def brightness(images, prompts, signal_on_call=2, signum=2, **metadata):
+    """Mean pixel; sends this process signal `signum` during its call number `signal_on_call` (counted in training
+    rollouts and evals alike)."""
+    global calls
+    calls += 1
+    if calls == signal_on_call:
+        os.kill(os.getpid(), signum)
+    return [sum(im.convert("L").getdata()) / (255.0 * im.width * im.height) for im in images]
+'''
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_writes_a_checkpoint_and_says_how_to_resume(tmp_path, signum):
+    """`flowrl train` in a subprocess receives the signal during epoch 2's reward (call 3: eval before, epoch 1,
+    epoch 2): it stops before that epoch's update, checkpoints epoch 1's end, exits 128 + signum with one line;
+    the resumed run finishes with one row per epoch."""
+    (tmp_path / "scores.py").write_text(SIGNAL_REWARD)
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "flowrl", "train", *TINY, f"log.run_dir={run}", "train.epochs=3",
+            "checkpoint.every=0", "eval.grid=false",
+            f"rewards=[{{name: 'scores.py:brightness', kwargs: {{signal_on_call: 3, signum: {int(signum)}}}}}]"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 128 + signum, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("flowrl train: stopped by") and "checkpoint.resume=auto" in last, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert [p.name for p in list_checkpoints(run)] == ["ckpt-000001"]
+    resumed = subprocess.run([*args[:-1], "checkpoint.resume=auto",
+                              "rewards=[{name: 'scores.py:brightness', kwargs: {signal_on_call: 0}}]"],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert [r["epoch"] for r in metric_rows(run) if "policy/loss" in r] == [1, 2, 3]
