@@ -261,3 +261,25 @@ def test_a_signal_writes_a_checkpoint_and_says_how_to_resume(tmp_path, signum):
                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert [r["epoch"] for r in metric_rows(run) if "policy/loss" in r] == [1, 2, 3]
+
+
+# ------------------------------------------------------------------------------------------ what a person sees
+
+
+def test_eval_grids_go_to_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    Trainer(tiny_cfg(tmp_path / "run", "train.epochs=1", "log.tensorboard=true")).fit()
+    events = sorted((tmp_path / "run").rglob("events.out.tfevents.*"))
+    tags = set()
+    for path in events:
+        acc = EventAccumulator(str(path), size_guidance={"images": 0})
+        acc.Reload()
+        tags |= set(acc.Tags()["images"])
+    assert {"eval/epoch000000", "eval/final"} <= tags
+
+
+def test_the_progress_bar_names_the_on_policy_ratio(tmp_path, capsys):
+    Trainer(tiny_cfg(tmp_path / "run", "train.epochs=1", "eval.grid=false", "log.progress=true")).fit()
+    err = capsys.readouterr().err
+    assert "on_policy_ratio=1.00000" in err and "ratio0" not in err
