@@ -594,6 +594,7 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
     parts = key.split(".")
     node: dict = tree
     cls: Any = Config
+    item_cls: Any = None  # the item type of the list of sections being indexed (cls is None meanwhile)
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
         prefix = ".".join(parts[:i])

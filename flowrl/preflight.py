@@ -1,6 +1,6 @@
 """Checks that run before any model loads, so that a typo costs seconds, not a model load: the prompt data, the
-rewards' names and options, the model's pipeline class and image size (from its config files only), the loggers,
-and the run directory. Each failure is one FlowrlError line saying what was wrong and what would be right."""
+rewards' names and options, the model's pipeline class and image size (from its config files only), the loggers.
+Each failure is one FlowrlError line saying what was wrong and what would be right."""
 
 from __future__ import annotations
 
@@ -78,17 +78,11 @@ def check_loggers(cfg: Config) -> None:
                                      f"(or set log.{flag}=false)") from None
 
 
-def preflight(cfg: Config, *, claim_run_dir: bool = True, main_process: bool = True) -> tuple[PromptSet, PromptSet]:
-    """All checks before the model loads; returns the (train, eval) prompt sets. With `claim_run_dir` (training)
-    the run directory must be writable and may not hold another run unless the run resumes or overwrites it
-    (with log.overwrite the other run's files are deleted, last, once everything else passed)."""
-    from . import rundir
-
+def preflight(cfg: Config) -> tuple[PromptSet, PromptSet]:
+    """All checks of `cfg` that need no model, before it loads; returns the (train, eval) prompt sets. (The run
+    directory is the trainer's to check: `flowrl.rundir`.)"""
     train_set, eval_set = load_prompt_sets(cfg)
     check_rewards(cfg)
     check_model(cfg)
     check_loggers(cfg)
-    if claim_run_dir and main_process:
-        rundir.check_writable(cfg.log.run_dir)
-        rundir.claim(cfg.log.run_dir, resume=cfg.checkpoint.resume, overwrite=cfg.log.overwrite)
     return train_set, eval_set

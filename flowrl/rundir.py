@@ -78,14 +78,19 @@ def claim(run_dir: str | Path, *, resume: str | None, overwrite: bool) -> None:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
         return
     if resume == "auto" and not list_checkpoints(run_dir):
-        raise RunDirError(f"log.run_dir={str(run_dir)!r} holds a run ({describe_run(run_dir)}) but no intact checkpoint "
-                          "to resume from (checkpoint.resume=auto); start over there with log.overwrite=true (deletes "
-                          "that run's files), or pick a new log.run_dir")
+        raise nothing_to_resume(run_dir)
     if resume:
         return
     raise RunDirError(f"log.run_dir={str(run_dir)!r} already holds a run ({describe_run(run_dir)}). Continue it with "
                       "checkpoint.resume=auto, start over there with log.overwrite=true (deletes that run's files), "
                       "or pick a new log.run_dir")
+
+
+def nothing_to_resume(run_dir: str | Path) -> RunDirError:
+    """The error for checkpoint.resume=auto in a run directory that holds a run but no intact checkpoint."""
+    return RunDirError(f"log.run_dir={str(run_dir)!r} holds a run ({describe_run(run_dir)}) but no intact checkpoint "
+                       "to resume from (checkpoint.resume=auto); start over there with log.overwrite=true (deletes "
+                       "that run's files), or pick a new log.run_dir")
 
 
 def _rows(path: Path) -> list[dict]:

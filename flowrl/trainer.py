@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from . import core, rundir
 from .checkpoint import remove_temporary, resolve_resume, set_rng_state, write_checkpoint
 from .config import Config, to_dict
-from .errors import CheckpointError, Interrupted, NonFiniteError, RunDirError
+from .errors import CheckpointError, Interrupted, NonFiniteError
 from .preflight import preflight
 from .train_utils import EMA, MetricsLog, Timer, eval_plan, eval_summary, lr_lambda, read_metrics, seed_everything
 
@@ -139,7 +139,7 @@ class Trainer:
 
         # everything that can be checked without the model (prompts, rewards, the model's class and image size,
         # loggers) fails now, before it loads
-        self.train_set, self.eval_set = preflight(cfg, claim_run_dir=False)
+        self.train_set, self.eval_set = preflight(cfg)
         self.cfg = cfg
         self.acc = accelerator or Accelerator(
             cpu=cfg.model.device == "cpu",
@@ -169,7 +169,8 @@ class Trainer:
                              f"{self.batch_local} is not a multiple of group_size {cfg.sample.group_size}")
         self.minibatch = t.minibatch_size or self.batch_local
         if self.batch_local % self.minibatch:
-            raise ValueError(f"train.minibatch_size={self.minibatch} must divide the per-process batch {self.batch_local}")
+            raise ValueError(f"train.minibatch_size={self.minibatch} must divide the per-process batch "
+                             f"{self.batch_local}")
         self.opt = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.adam_betas), eps=t.adam_eps,
                                      weight_decay=t.weight_decay)
         # the lr is a function of the minibatch's slot in the run, set before each optimizer step: resuming needs
@@ -195,9 +196,7 @@ class Trainer:
         if found is not None:
             self.load(*found)
         elif cfg.checkpoint.resume == "auto" and self.main and rundir.holds_a_run(self.run_dir):
-            raise RunDirError(f"log.run_dir={str(self.run_dir)!r} holds a run ({rundir.describe_run(self.run_dir)}) but "
-                              "no intact checkpoint to resume from; start over there with log.overwrite=true (deletes "
-                              "that run's files), or pick a new log.run_dir")
+            raise rundir.nothing_to_resume(self.run_dir)  # its checkpoints are all corrupt
         if self.main:  # the epochs after the checkpoint are redone: their old rows go
             rundir.truncate_logs(self.run_dir, self.state.epochs_done)
         self.acc.wait_for_everyone()
@@ -355,7 +354,8 @@ class Trainer:
         valid = ~invalid
         n_bad = int(invalid.sum())
         if n_bad:
-            bad_rewards = [r.name for k, r in enumerate(self.cfg.rewards) if not torch.isfinite(all_scores[invalid, k]).all()]
+            bad_rewards = [r.name for k, r in enumerate(self.cfg.rewards)
+                           if not torch.isfinite(all_scores[invalid, k]).all()]
             warnings.warn(f"epoch {epoch}: {n_bad} of {len(all_scores)} samples have a non-finite reward "
                           f"({', '.join(bad_rewards)}: NaN or inf); they are left out of the advantages and the loss",
                           stacklevel=2)
@@ -379,7 +379,7 @@ class Trainer:
     def update(self, batch, adv: torch.Tensor, keep: torch.Tensor, epoch: int) -> dict:
         """`inner_epochs` passes over the batch in minibatches; each minibatch accumulates the loss of every
         trained step (in units of `steps_per_forward`) and takes one optimizer step."""
-        cfg, t = self.cfg, self.cfg.train
+        t = self.cfg.train
         units = self.policy.train_units(batch, t.steps_per_forward)
         n_units = sum(len(u) for u in units)
         sums: dict[str, float] = {}

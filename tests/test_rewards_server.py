@@ -42,20 +42,28 @@ class MeanPixel:
         return mean + offset
 
 
-@pytest.fixture
-def serve():
+@contextlib.contextmanager
+def running_servers():
+    """A `run(server) -> url` that serves each server in a thread; all are shut down on exit."""
     servers = []
 
-    def start(reward, **kwargs):
-        server = make_server(reward, "127.0.0.1", 0, quiet=True, **kwargs)
+    def run(server) -> str:
         threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
         servers.append(server)
         return f"http://127.0.0.1:{server.server_address[1]}"
 
-    yield start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
+    try:
+        yield run
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+
+
+@pytest.fixture
+def serve():
+    with running_servers() as run:
+        yield lambda reward, **kwargs: run(make_server(reward, "127.0.0.1", 0, quiet=True, **kwargs))
 
 
 def test_remote_scores_equal_local_scores_and_carry_metadata_and_components(serve):
@@ -257,19 +265,13 @@ class Garbage(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def garbage_server():
-    servers = []
-
     def start(reply: bytes) -> str:
         server = ThreadingHTTPServer(("127.0.0.1", 0), type("Reply", (Garbage,), {"reply": reply}))
         server.daemon_threads = True
-        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
-        servers.append(server)
-        return f"http://127.0.0.1:{server.server_address[1]}"
+        return run(server)
 
-    yield start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
+    with running_servers() as run:
+        yield start
 
 
 @pytest.mark.parametrize("reply, kind, problem", [
