@@ -622,3 +622,13 @@ def test_dropped_norm_minibatch_gives_the_gradient_of_not_dropping(tmp_path):
     for n, g in full.items():
         torch.testing.assert_close(by_batch[n], g, rtol=1e-4, atol=1e-9)
         torch.testing.assert_close(by_kept[n], 2 * g, rtol=1e-4, atol=1e-9)      # 8 samples / 4 kept
+
+
+def test_model_drop_t5_trains_without_the_t5_encoder(tmp_path):
+    tr = Trainer(tiny_cfg(tmp_path, "model.drop_t5=true", "train.epochs=1", "eval.grid=false"))
+    pipe = tr.policy.backend.pipe
+    assert pipe.text_encoder_3 is None and pipe.tokenizer_3 is None
+    metrics = tr.fit()
+    assert math.isfinite(metrics["policy/loss"]) and (tmp_path / "ckpt-000001" / "lora").is_dir()
+    with pytest.raises(Exception, match="SD3"):
+        tiny_cfg(tmp_path / "b", "model.drop_t5=true", "model.family=flux")
