@@ -48,7 +48,7 @@ def main(argv=None) -> float:
     transformers_logging.set_verbosity_error()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from flowrl.backends.image import load_image_backend
+    from flowrl.families import load_image_backend
 
     backend = load_image_backend(
         args.model,

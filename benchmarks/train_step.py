@@ -83,7 +83,7 @@ def main(argv=None) -> int:
             elapsed = time.perf_counter() - t0
             model = min(model or elapsed, elapsed)
         tr.opt.zero_grad(set_to_none=True)
-        units = out["_trained_units"]
+        units = out["policy/trained_units"]
         print(f"steps_per_forward={k}: {units / best:8.1f} trained steps x samples / s   "
               f"update {best * 1e3:7.1f} ms   model fwd/bwd alone {model * 1e3:7.1f} ms   "
               f"outside model {100 * max(0.0, 1 - model / best):5.1f}%   ({len(calls)} denoiser calls, "

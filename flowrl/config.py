@@ -34,10 +34,11 @@ class ConfigError(FlowrlError, ValueError):
 @dataclass
 class ModelConfig:
     path: str = "tiny-sd3"
-    """Hub id (e.g. `stabilityai/stable-diffusion-3.5-medium`), local directory, or `tiny-sd3` / `tiny-flux` /
-    `tiny-sd15` for a tiny random-weight pipeline built in code (tests, smoke runs)."""
-    family: Literal["auto", "sd3", "flux", "sd15"] = "auto"
-    """Pipeline family; `auto` detects it from the pipeline class."""
+    """Hub id (e.g. `stabilityai/stable-diffusion-3.5-medium`), local directory, or `tiny-<family>` (`tiny-sd3`,
+    `tiny-flux`, ...) for a tiny random-weight pipeline built in code (tests, smoke runs)."""
+    family: str = "auto"
+    """Pipeline family (a module of flowrl.families: sd3, flux, sd15, ...); `auto` detects it from the pipeline
+    class."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the frozen weights and the forward pass (step math is float32 whatever this is)."""
     device: str = "auto"
@@ -754,6 +755,31 @@ def range_problems(cfg: Config) -> list[str]:
     return problems
 
 
+def _family_problems(cfg: Config) -> list[str]:
+    """model.family against the registered families (flowrl.families), and what the family allows: its step
+    kernels (sample.sde_type), drop_t5."""
+    from .families import FAMILIES, family_names
+
+    names = family_names()
+    m, s = cfg.model, cfg.sample
+    if m.family == "auto":
+        return []
+    if m.family not in names:
+        close = difflib.get_close_matches(m.family, names, n=1, cutoff=0.5)
+        hint = f" Did you mean {close[0]}?" if close else ""
+        return [f"model.family: {m.family!r} is not a registered family; valid: auto, {', '.join(names)}.{hint}"]
+    fam = FAMILIES.get(m.family)
+    problems = []
+    kernels = [k for k in fam.sde_types if k != "ode"]
+    if s.sde_type != "auto" and s.sde_type not in kernels:
+        problems.append(f"sample.sde_type={s.sde_type} does not fit model.family={m.family}: it takes "
+                        f"{', '.join(kernels)} (ddim is for epsilon-prediction UNets, sde/cps/dance for flow models)")
+    if m.drop_t5 and not fam.t5_components:
+        problems.append(f"model.drop_t5 is for families with an optional T5 encoder (SD3/SD3.5), not "
+                        f"model.family={m.family}")
+    return problems
+
+
 def validate(cfg: Config) -> None:
     """Value checks that need more than a type: every numeric field's range, and relations between keys."""
     s, t = cfg.sample, cfg.train
@@ -783,13 +809,8 @@ def validate(cfg: Config) -> None:
     elif not any(r.weight for r in cfg.rewards):
         problems.append(f"rewards: every weight is 0 ({', '.join(r.name for r in cfg.rewards)}), so there is nothing "
                         "to train on; give at least one reward a non-zero weight (weight 0 = report only)")
-    if s.sde_type == "ddim" and cfg.model.family in ("sd3", "flux") or \
-            s.sde_type in ("sde", "cps", "dance") and cfg.model.family == "sd15":
-        problems.append(f"sample.sde_type={s.sde_type} does not fit model.family={cfg.model.family}: ddim is for "
-                        "epsilon-prediction UNets (sd15); flow models (sd3, flux) take sde, cps or dance")
-    if cfg.model.drop_t5 and cfg.model.family not in ("auto", "sd3"):
-        problems.append(f"model.drop_t5 is for SD3/SD3.5 (its third text encoder), not model.family="
-                        f"{cfg.model.family}")
+    if cfg.backend == "image":
+        problems.extend(_family_problems(cfg))
     if t.step_weighting == "ratio_norm" and s.sde_type not in ("auto", "sde", "dance"):
         problems.append("train.step_weighting=ratio_norm needs a Gaussian SDE step (sample.sde_type sde or dance)")
     from .core import ADVANTAGE_ESTIMATORS, POLICY_LOSSES

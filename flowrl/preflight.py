@@ -61,7 +61,7 @@ def check_model(cfg: Config) -> str | None:
     model's config files); returns the family. Text backend: None."""
     if cfg.backend != "image":
         return None
-    from .backends.image import preflight_image_model
+    from .families import preflight_image_model
 
     m, s = cfg.model, cfg.sample
     return _checked(f"model.path={m.path}", preflight_image_model, m.path, m.family, height=s.height, width=s.width,

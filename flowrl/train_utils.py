@@ -1,4 +1,4 @@
-"""Small pieces around the training loop: EMA, the learning-rate schedule, metrics, seeding."""
+"""Small pieces around the training loop: EMA, the learning-rate schedule, metrics, eval plans."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import random
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
@@ -16,12 +15,6 @@ import torch
 
 if TYPE_CHECKING:
     from .config import EvalConfig
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % (2**32))
-    torch.manual_seed(seed)
 
 
 class EMA:

@@ -1,8 +1,8 @@
 """The training loop: rollout -> reward -> advantage -> per-step GRPO update -> log / eval / checkpoint.
 
-One loop for every backend. What differs between images and text lives in a small `Policy` object
-(`flowrl.policies`): how to roll out, how to re-evaluate recorded steps with gradients, and how to get
-the reference policy (the adapter switched off). The math is the core's.
+One loop for every backend. What differs between images and text lives in a `Policy` (`flowrl.policy`): how
+to roll out, how to recompute recorded steps' log-probs with gradients, and how to get the reference policy
+(the adapter switched off). The math is the core's.
 """
 
 from __future__ import annotations
@@ -24,19 +24,12 @@ from .checkpoint import remove_temporary, resolve_resume, set_rng_state, write_c
 from .config import Config, to_dict
 from .errors import CheckpointError, Interrupted, NonFiniteError
 from .preflight import preflight
-from .train_utils import EMA, MetricsLog, Timer, eval_plan, eval_summary, lr_lambda, read_metrics, seed_everything
+from .seeding import derive_seed, seed_everything
+from .train_utils import EMA, MetricsLog, Timer, eval_plan, eval_summary, lr_lambda, read_metrics
 
 #: |ratio - 1| above this on the first (on-policy) minibatch of an epoch means the recomputed
 #: log-probs do not match the recorded ones: a warning, and `policy/ratio_first` shows it.
 ON_POLICY_TOL = 1e-4
-
-
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed from integers (seed, epoch, rank, ...), the same on every run and machine."""
-    h = 1469598103934665603
-    for p in parts:
-        h = ((h ^ (int(p) & 0xFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
-    return h
 
 
 def build_reward_fns(cfg: Config, kind: str):
@@ -233,7 +226,7 @@ class Trainer:
             seconds = time.perf_counter() - t0
             metrics.update({f"time/{k}": v for k, v in self.timer.pop().items()})
             metrics["perf/samples_per_s"] = self.batch_total / seconds
-            metrics["perf/trained_steps_x_samples_per_s"] = metrics.pop("_trained_units", 0) / seconds
+            metrics["perf/trained_steps_x_samples_per_s"] = metrics["policy/trained_units"] / seconds
             metrics["lr"] = self.opt.param_groups[0]["lr"]
             if cfg.eval.every and (epoch + 1) % cfg.eval.every == 0 and epoch + 1 < cfg.train.epochs:
                 metrics.update(self.evaluate(tag=f"epoch{epoch + 1:06d}"))
@@ -401,7 +394,7 @@ class Trainer:
                 mb_stats: dict[str, list] = {}
                 finite = True
                 for unit in units if len(idx) else ():
-                    out = self.policy.evaluate(batch, idx, unit, with_reference=t.beta > 0)
+                    out = self.policy.unit_log_probs(batch, idx, unit, with_reference=t.beta > 0)
                     loss, stats = self.unit_loss(out, adv[idx], keep[idx])
                     finite = finite and bool(torch.isfinite(loss))
                     # each unit's loss is a mean over its steps; weight by its share of all trained steps
@@ -448,7 +441,7 @@ class Trainer:
                 warnings.warn(f"epoch {epoch}: the first minibatch is not on-policy: max |ratio - 1| = {dev:.2e} > "
                               f"{ON_POLICY_TOL:g}; recomputed log-probs differ from the rollout's (non-deterministic "
                               "kernels, dropout, or a sampler/trainer mismatch)", stacklevel=2)
-        out["_trained_units"] = trained
+        out["policy/trained_units"] = trained  # steps x samples whose loss was computed
         out["policy/skipped_nonfinite"] = skipped
         return out
 

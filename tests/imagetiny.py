@@ -10,7 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from flowrl.backends.image import load_image_backend  # noqa: E402
+from flowrl.families import load_image_backend  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -14,14 +14,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from flowrl.backends import (  # noqa: E402
-    ImageModelError,
-    SD3Backend,
-    load_image_backend,
-    preflight_image_model,
-    tiny_config_files,
-    tiny_sd3_pipeline,
-)
+from flowrl.families import ImageModelError, load_image_backend, preflight_image_model, tiny_models  # noqa: E402
+from flowrl.families.sd3 import SD3Backend, tiny_sd3_pipeline  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -111,7 +105,7 @@ def test_tiny_names_are_known_without_building_them(family):
     name = f"tiny-{family}"
     backend = load_image_backend(name)
     denoiser_file = f"{backend.denoiser_attr}/config.json"
-    files = tiny_config_files(name)
+    files = tiny_models()[name].tiny_config_files()
     assert set(files) == {"model_index.json", denoiser_file, "vae/config.json"}
     assert files["model_index.json"]["_class_name"] == type(backend.pipe).__name__
     for key, value in files[denoiser_file].items():

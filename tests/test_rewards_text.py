@@ -199,7 +199,7 @@ def test_text_policy_calls_trl_rewards_and_pops_their_logs(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from flowrl.arith import arith_tokenizer
-    from flowrl.backends.text import TextPolicy
+    from flowrl.policies.text import TextPolicy
     from flowrl.config import load_config
 
     tok = arith_tokenizer()

@@ -15,7 +15,10 @@ from imagetiny import (
     tiny_rollout,
 )
 
-from flowrl.backends import FluxBackend, SD3Backend, SD15Backend, detect_family, load_image_backend
+from flowrl.families import detect_family, load_image_backend
+from flowrl.families.flux import FluxBackend
+from flowrl.families.sd3 import SD3Backend
+from flowrl.families.sd15 import SD15Backend
 from flowrl.sampling import SDEWindow, Trajectory
 
 CASES = [(family, sde_type) for family in FAMILIES for sde_type in STOCHASTIC_SDE_TYPES[family]]
@@ -283,9 +286,9 @@ def test_rollout_errors_name_the_fix():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tiny_pipelines_are_deterministic_and_leave_the_rng_alone(family):
-    from flowrl.backends import TINY_PIPELINES
+    from flowrl.families import tiny_models
 
-    build = TINY_PIPELINES[f"tiny-{family}"]
+    build = tiny_models()[f"tiny-{family}"].tiny_pipeline
     state = torch.random.get_rng_state()
     a, b, c = build(0), build(0), build(1)
     assert torch.equal(torch.random.get_rng_state(), state)

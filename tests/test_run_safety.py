@@ -177,14 +177,14 @@ def test_non_finite_losses_skip_steps_then_stop_the_run(tmp_path, monkeypatch):
     tr = Trainer(tiny_cfg(tmp_path / "run", "train.epochs=3", "train.minibatch_size=4", "eval.before=false",
                           "train.max_nonfinite_steps=3"))
     before = {n: p.detach().clone() for n, p in tr.named_params.items()}
-    evaluate = tr.policy.evaluate
+    evaluate = tr.policy.unit_log_probs
 
     def poisoned(*args, **kwargs):
         out = evaluate(*args, **kwargs)
         out.log_prob = out.log_prob * float("nan")
         return out
 
-    monkeypatch.setattr(tr.policy, "evaluate", poisoned)
+    monkeypatch.setattr(tr.policy, "unit_log_probs", poisoned)
     with pytest.warns(UserWarning, match=r"non-finite loss or gradient.*no optimizer step \(1 in a row of at most 3"):
         with pytest.raises(NonFiniteError, match=r"NaN/inf in 3 minibatches in a row.*weights and the last "
                                                  r"checkpoint are finite"):
@@ -197,7 +197,7 @@ def test_non_finite_losses_skip_steps_then_stop_the_run(tmp_path, monkeypatch):
 def test_a_good_minibatch_resets_the_count_of_bad_ones(tmp_path, monkeypatch):
     tr = Trainer(tiny_cfg(tmp_path / "run", "train.epochs=2", "train.minibatch_size=4", "eval.before=false",
                           "eval.grid=false", "train.max_nonfinite_steps=2", "train.steps_per_forward=8"))
-    evaluate, calls = tr.policy.evaluate, []
+    evaluate, calls = tr.policy.unit_log_probs, []
 
     def every_other(*args, **kwargs):  # minibatches (one model call each) alternate bad, good, bad, good
         out = evaluate(*args, **kwargs)
@@ -206,7 +206,7 @@ def test_a_good_minibatch_resets_the_count_of_bad_ones(tmp_path, monkeypatch):
             out.log_prob = out.log_prob * float("nan")
         return out
 
-    monkeypatch.setattr(tr.policy, "evaluate", every_other)
+    monkeypatch.setattr(tr.policy, "unit_log_probs", every_other)
     with pytest.warns(UserWarning, match="non-finite loss"):
         metrics = tr.fit()
     assert tr.state.optimizer_steps == 2 and metrics["policy/skipped_nonfinite"] == 1

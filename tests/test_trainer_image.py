@@ -58,7 +58,7 @@ def test_two_epochs_train_lora_log_finite_and_export(tmp_path):
     assert (tmp_path / "run" / "eval-final.png").exists()
 
     # the exported LoRA loads into a fresh diffusers pipeline and reproduces the trained denoiser
-    from flowrl.backends.tiny import tiny_sd3_pipeline
+    from flowrl.families.sd3 import tiny_sd3_pipeline
 
     ckpt = tmp_path / "run" / "ckpt-000002"
     pipe = tiny_sd3_pipeline()
@@ -108,7 +108,7 @@ def _grads_with_units(tr, batch, adv, k):
     keep = torch.ones(len(adv), dtype=torch.bool)
     idx = torch.arange(len(adv))
     for unit in units:
-        loss, _ = tr.unit_loss(tr.policy.evaluate(batch, idx, unit, with_reference=True), adv, keep)
+        loss, _ = tr.unit_loss(tr.policy.unit_log_probs(batch, idx, unit, with_reference=True), adv, keep)
         (loss * (len(unit) / n)).backward()
     return [p.grad.clone() for p in tr.params]
 
@@ -129,7 +129,7 @@ def test_steps_per_forward_gives_the_same_gradients(tmp_path, weighting):
 
 
 def test_reference_is_the_base_model_with_the_adapter_off(tmp_path):
-    from flowrl.backends.tiny import tiny_sd3_pipeline
+    from flowrl.families.sd3 import tiny_sd3_pipeline
 
     tr = Trainer(tiny_cfg(tmp_path, "train.beta=0.1"))
     with torch.no_grad():
@@ -163,7 +163,7 @@ def test_kl_matches_gaussian_kl_of_the_means(tmp_path):
         tr = Trainer(tiny_cfg(tmp_path / kl_std, "train.beta=0.1", f"train.kl_std={kl_std}"))
         batch = tr.rollout(epoch=0)
         # LoRA B starts at zero: before any update the policy IS the reference, so the KL is exactly 0
-        fresh = tr.policy.evaluate(batch, torch.arange(2), batch.traj.train_steps, with_reference=True)
+        fresh = tr.policy.unit_log_probs(batch, torch.arange(2), batch.traj.train_steps, with_reference=True)
         assert fresh.kl.abs().max().item() == 0.0
         with torch.no_grad():
             for n, p in tr.named_params.items():
@@ -171,7 +171,7 @@ def test_kl_matches_gaussian_kl_of_the_means(tmp_path):
         batch = tr.rollout(epoch=0)
         idx = torch.arange(3)
         unit = batch.traj.train_steps[1:3]
-        out = tr.policy.evaluate(batch, idx, unit, with_reference=True)
+        out = tr.policy.unit_log_probs(batch, idx, unit, with_reference=True)
         backend = tr.policy.backend
         with torch.no_grad():
             _, mean, std = backend.step_log_prob(batch.traj, unit, sample_indices=idx)
@@ -192,7 +192,7 @@ def test_noise_weights_follow_the_transition_std(tmp_path):
     batch = tr.rollout(epoch=0)
     steps = batch.traj.train_steps
     stds = batch.traj.stds[steps]
-    out = tr.policy.evaluate(batch, torch.arange(2), steps, with_reference=False)
+    out = tr.policy.unit_log_probs(batch, torch.arange(2), steps, with_reference=False)
     torch.testing.assert_close(out.weight.flatten(), (stds / stds.mean()).float(), rtol=1e-6, atol=0)
     # and TempFlow-GRPO's premise: the std differs across steps, so the weights are not all 1
     assert out.weight.max() - out.weight.min() > 1e-3
@@ -297,12 +297,12 @@ def test_dropped_samples_are_not_computed_and_the_update_is_unchanged(tmp_path):
     keep = adv != 0
 
     def spy(tr, seen):
-        evaluate = tr.policy.evaluate
+        evaluate = tr.policy.unit_log_probs
 
         def wrapped(b, idx, unit, **kw):
             seen.append(idx.clone())
             return evaluate(b, idx, unit, **kw)
-        tr.policy.evaluate = wrapped
+        tr.policy.unit_log_probs = wrapped
 
     fast_idx, masked_idx = [], []
     spy(fast, fast_idx), spy(masked, masked_idx)
@@ -337,7 +337,7 @@ def test_dropped_samples_are_not_computed_and_the_update_is_unchanged(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out = fast.update(batch, torch.zeros(8), none, epoch=1)
-    assert not fast_idx and "policy/ratio_first" not in out and out["_trained_units"] == 0
+    assert not fast_idx and "policy/ratio_first" not in out and out["policy/trained_units"] == 0
     assert all(torch.equal(p, before[n]) for n, p in fast.named_params.items())
     assert fast.state.optimizer_steps == steps
 
@@ -348,7 +348,7 @@ def test_an_empty_leading_minibatch_does_not_step_before_the_on_policy_check(tmp
     schedule follows the minibatch's slot in the run, so the skipped slot does not delay it."""
     import warnings
 
-    from flowrl.trainer import derive_seed
+    from flowrl.seeding import derive_seed
 
     tr = Trainer(tiny_cfg(tmp_path, "train.drop_zero_adv_groups=true", "train.minibatch_size=2", "eval.grid=false",
                           "train.lr=1e-2", "train.epochs=2", "train.schedule=cosine", "train.decay_frac=0.5"))
@@ -454,7 +454,7 @@ def test_ratio_norm_runs_on_policy(tmp_path):
     tr = Trainer(tiny_cfg(tmp_path, "train.step_weighting=ratio_norm", "train.epochs=1", "eval.grid=false"))
     batch = tr.rollout(epoch=0)
     assert batch.traj.means is not None                              # RatioNorm needs the recorded means
-    out = tr.policy.evaluate(batch, torch.arange(3), batch.traj.train_steps[:2], with_reference=False)
+    out = tr.policy.unit_log_probs(batch, torch.arange(3), batch.traj.train_steps[:2], with_reference=False)
     # on-policy: mu_theta = mu_old, so b_t = 0 and log rho = (log p - log p_old) * std = 0
     assert out.log_ratio.abs().max().item() <= 1e-6
     metrics = tr.fit()
@@ -480,7 +480,7 @@ def test_rollout_in_chunks_is_one_batch(tmp_path):
     tr = Trainer(tiny_cfg(tmp_path, "sample.rollout_batch_size=2"))
     batch = tr.rollout(epoch=0)
     assert len(batch.traj) == 8 and len(batch.images) == 8 and batch.prompts == batch.traj.prompts
-    out = tr.policy.evaluate(batch, torch.arange(8), batch.traj.train_steps, with_reference=False)
+    out = tr.policy.unit_log_probs(batch, torch.arange(8), batch.traj.train_steps, with_reference=False)
     assert (out.log_prob - out.old_log_prob).abs().max().item() <= 1e-5  # still on-policy after the join
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flowrl.config import LOSS_PRESETS, load_config
-from flowrl.policies import UnitOutput
+from flowrl.policy import UnitOutput
 from flowrl.trainer import Trainer, combine_advantages, unit_loss
 
 
@@ -235,7 +235,7 @@ def test_truncated_completions_masked_and_chat_template(tiny_lm, tmp_path):
     tr = Trainer(text_cfg(tiny_lm, tmp_path, "text.mask_truncated=true", "text.max_new_tokens=2"))
     batch = tr.rollout(epoch=0)
     assert batch.truncated.any()  # 2 tokens cannot hold most sums and their EOS
-    out = tr.policy.evaluate(batch, torch.arange(len(batch.prompts)), [0, 1], with_reference=False)
+    out = tr.policy.unit_log_probs(batch, torch.arange(len(batch.prompts)), [0, 1], with_reference=False)
     assert torch.equal(out.mask[batch.truncated], torch.zeros_like(out.mask[batch.truncated]))
     assert torch.equal(out.mask[~batch.truncated], batch.completion_mask[~batch.truncated])
     # a tokenizer with a chat template wraps the prompt in it

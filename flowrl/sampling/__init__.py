@@ -1,6 +1,6 @@
 """Step kernels with log-probs (flow SDE / CPS / Dance / Euler, DDIM) and the rollout recorder.
 
-Pure torch: nothing here imports diffusers. The backends in `flowrl.backends` drive the models.
+Pure torch: nothing here imports diffusers. The families in `flowrl.families` drive the models.
 """
 
 from flowrl.sampling.ddim import ddim_sigma, ddim_step, ddim_transition

@@ -1,14 +1,32 @@
-"""SD1.5-style UNet backend (epsilon prediction), stepped with DDPO's DDIM step."""
+"""SD1.5-style UNet (StableDiffusionPipeline): epsilon prediction, CFG, one CLIP text encoder; sampled with DDPO's
+DDIM step."""
 
 from __future__ import annotations
 
 import torch
 
-from flowrl.backends.image import IMAGE_BACKENDS, ImageBackend, Schedule, SizeRule
 from flowrl.sampling import ddim_step
 
+from . import _tiny as tiny
+from ._base import ImageBackend, Schedule, SizeRule, register_family
 
-@IMAGE_BACKENDS.register("sd15")
+# the tiny test model's UNet (`tiny-sd15`)
+TINY_UNET = dict(
+    sample_size=tiny.TINY_IMAGE_SIZE // 2,
+    in_channels=4,
+    out_channels=4,
+    layers_per_block=1,
+    block_out_channels=(8, 16),
+    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+    cross_attention_dim=32,
+    attention_head_dim=2,
+    norm_num_groups=4,
+)
+
+
+
+@register_family
 class SD15Backend(ImageBackend):
     """StableDiffusionPipeline with a DDIM scheduler (swapped in from the pipeline's config, as DDPO
     does), epsilon prediction. sde_type "ddim" samples with eta = noise_level (DDPO: 1.0); "ode" is
@@ -17,7 +35,10 @@ class SD15Backend(ImageBackend):
     family = "sd15"
     pipeline_classes = ("StableDiffusionPipeline",)
     denoiser_attr = "unet"
+    denoiser_class = "UNet2DConditionModel"
     sde_types = ("ddim", "ode")
+    lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
+    tiny_denoiser = TINY_UNET
     default_sde_type = "ddim"
     default_guidance_scale = 5.0
     uses_cfg_encodings = True
@@ -97,3 +118,53 @@ class SD15Backend(ImageBackend):
 
     def _to_vae_latents(self, latents, height, width):
         return latents / self.pipe.vae.config.scaling_factor
+
+    parity_guidance = (1.0, 5.0)
+
+    def pipeline_call_kwargs(self, guidance_scale: float) -> dict:
+        return {"guidance_scale": guidance_scale, "eta": 0.0}  # the deterministic DDIM step
+
+    @classmethod
+    def export_lora(cls, pipeline_class, directory, state, metadata):
+        """The UNet's LoRA in the diffusers key format the SD pipelines' `load_lora_weights` reads."""
+        from diffusers.utils import convert_state_dict_to_diffusers
+
+        pipeline_class.save_lora_weights(directory, unet_lora_layers=convert_state_dict_to_diffusers(state),
+                                         unet_lora_adapter_metadata=metadata, safe_serialization=True)
+
+    @classmethod
+    def tiny_pipeline(cls, seed: int = 0):
+        """A StableDiffusionPipeline with a 2-block UNet and SD1.5's DDIM schedule (scaled-linear betas)."""
+        from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+        from transformers import CLIPTextModel
+
+        tok = tiny.clip_tokenizer()
+        with tiny.Seeded(seed) as build:
+            text_encoder = build(CLIPTextModel, tiny.clip_config(tok))
+            unet = build(UNet2DConditionModel, **TINY_UNET)
+            vae = build(tiny.vae, flow=False)
+        scheduler = DDIMScheduler(
+            num_train_timesteps=1000,
+            beta_start=0.00085,
+            beta_end=0.012,
+            beta_schedule="scaled_linear",
+            clip_sample=False,
+            set_alpha_to_one=False,
+            steps_offset=1,
+        )
+        pipe = StableDiffusionPipeline(
+            vae=vae,
+            text_encoder=text_encoder,
+            tokenizer=tok,
+            unet=unet,
+            scheduler=scheduler,
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
+        return tiny.finish(pipe)
+
+
+def tiny_sd15_pipeline(seed: int = 0):
+    """The `tiny-sd15` pipeline (see SD15Backend.tiny_pipeline)."""
+    return SD15Backend.tiny_pipeline(seed)

@@ -1,66 +1,18 @@
-"""What the training loop needs from a backend, for images (and, later, text).
-
-A policy rolls out a batch without gradients, re-evaluates chosen recorded steps of a minibatch with
-gradients (a "unit" of steps, evaluated in one model call), gives the reference policy (the LoRA adapter
-switched off, or a frozen copy for full fine-tuning), and exports its weights.
-"""
+"""A diffusers text-to-image pipeline as the policy: rollouts through the family's SDE sampler, LoRA (or full
+fine-tuning with a frozen reference copy), deterministic steps with the LoRA merged, eval grids."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from . import core
-
-
-@dataclass
-class UnitOutput:
-    """One unit of steps of a minibatch of b samples, K steps (denoising steps or tokens)."""
-
-    log_prob: Tensor                 # [b, K] with grad
-    old_log_prob: Tensor             # [b, K] recorded at rollout
-    mask: Tensor                     # [b, K] 1 = the step counts
-    weight: Tensor | None = None     # [K] or [b, K] per-step loss weight
-    kl: Tensor | None = None         # [b, K] KL to the reference (with grad)
-    log_ratio: Tensor | None = None  # [b, K] a replacement log-ratio (GRPO-Guard's RatioNorm)
-    entropy: Tensor | None = None    # [b, K] policy entropy per step (text: for the entropy bonus)
-
-
-@dataclass
-class ImageBatch:
-    traj: Any                        # flowrl.sampling.Trajectory
-    prompts: list[str]
-    metadata: list[dict]
-    images: list
-    group_ids: Tensor | None = None
-    epoch_prompts: list[str] = field(default_factory=list)
-
-
-# LoRA targets per family: the attention projections of both streams (Flow-GRPO's choice for SD3).
-LORA_TARGETS = {
-    "sd3": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-            "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"],
-    "flux": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-             "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"],
-    "sd15": ["to_q", "to_k", "to_v", "to_out.0"],
-}
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def build_policy(cfg, device):
-    """The policy of `cfg.backend`: "image" (diffusers pipelines) or "text" (causal LMs)."""
-    if cfg.backend == "text":
-        from flowrl.backends.text import TextPolicy
-
-        return TextPolicy(cfg, device)
-    return ImagePolicy(cfg, device)
+from flowrl import core
+from flowrl.policy import DTYPES, ImageBatch, UnitOutput
+from flowrl.seeding import derive_seed
 
 
 class ImagePolicy:
@@ -70,10 +22,8 @@ class ImagePolicy:
     entropy_coef = 0.0
 
     def __init__(self, cfg, device):
-        from flowrl.backends.image import load_image_backend
+        from flowrl.families import load_image_backend
         from flowrl.sampling import SDEWindow
-
-        from .trainer import derive_seed
 
         self.cfg = cfg
         m, s = cfg.model, cfg.sample
@@ -100,7 +50,7 @@ class ImagePolicy:
             torch.manual_seed(derive_seed(cfg.train.seed, 0x10BA))
             lcfg = LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                               init_lora_weights="gaussian",
-                              target_modules=cfg.lora.target_modules or LORA_TARGETS[self.family])
+                              target_modules=cfg.lora.target_modules or list(self.backend.lora_targets))
             den.add_adapter(lcfg)
             if cfg.lora.init_path:
                 self.load_adapter(cfg.lora.init_path)
@@ -259,7 +209,8 @@ class ImagePolicy:
         dt = (sig[unit] - sig[[u + 1 for u in unit]]).view(1, len(unit), *([1] * (std.ndim - 2)))
         return std / dt.sqrt()
 
-    def evaluate(self, batch: ImageBatch, idx: Tensor, unit: list[int], *, with_reference: bool) -> UnitOutput:
+    def unit_log_probs(self, batch: ImageBatch, idx: Tensor, unit: list[int], *, with_reference: bool
+                       ) -> UnitOutput:
         traj = batch.traj
         lp, mean, std = self.backend.step_log_prob(traj, unit, sample_indices=idx)           # [b,K] [b,K,...]
         dev = traj.log_probs.device
@@ -340,7 +291,7 @@ class ImagePolicy:
     def save_eval_outputs(self, images, prompts, path: Path, scores=None) -> Path:
         """`path`.png: the eval images in a grid, each row captioned with its prompt and each image with its score
         (`scores`: one number per image, or None)."""
-        from .images import eval_grid
+        from flowrl.images import eval_grid
 
         grid = eval_grid(images, prompts, None if scores is None else [float(x) for x in scores])
         path = Path(str(path) + ".png")
@@ -363,15 +314,7 @@ class ImagePolicy:
         state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(den).items()}
         # the adapter's config (rank, alpha, targets) travels with the weights, so alpha / r is restored
         metadata = den.peft_config["default"].to_dict()
-        pipe_cls = type(self.backend.pipe)
-        if self.family == "sd15":
-            from diffusers.utils import convert_state_dict_to_diffusers
-
-            pipe_cls.save_lora_weights(directory, unet_lora_layers=convert_state_dict_to_diffusers(state),
-                                       unet_lora_adapter_metadata=metadata, safe_serialization=True)
-        else:
-            pipe_cls.save_lora_weights(directory, transformer_lora_layers=state,
-                                       transformer_lora_adapter_metadata=metadata, safe_serialization=True)
+        self.backend.export_lora(type(self.backend.pipe), directory, state, metadata)
 
     def load_adapter(self, directory: str) -> None:
         from peft.utils import set_peft_model_state_dict

@@ -1,7 +1,7 @@
-"""Text backend: a Hugging Face causal LM as the policy. A step is a token; the mask is the completion mask.
+"""A Hugging Face causal LM as the policy. A step is a token; the mask is the completion mask.
 
 The same trainer loop drives it: `rollout` samples `n` completions per prompt (KV cache, temperature / top-p /
-top-k) and records the old token log-probs from a forward pass under the same temperature; `evaluate`
+top-k) and records the old token log-probs from a forward pass under the same temperature; `unit_log_probs`
 recomputes them with gradients for a minibatch; the reference is the model with its LoRA adapter disabled
 (or a frozen copy). Log-probs, KL and entropy come from `flowrl.core`.
 """
@@ -11,36 +11,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from flowrl import core
-
-
-@dataclass
-class TextBatch:
-    prompts: list[str]  # [B] the raw prompts (before any chat template)
-    metadata: list[dict]  # [B] the prompt rows' other columns (answer, solution, ...)
-    input_ids: Tensor  # [B, Lp + T] left-padded prompt, then the completion (right-padded)
-    attention_mask: Tensor  # [B, Lp + T]
-    prompt_len: int  # Lp
-    completion_ids: Tensor  # [B, T]
-    completion_mask: Tensor  # [B, T] 1 through the first EOS (inclusive)
-    truncated: Tensor  # [B] bool: no EOS within max_new_tokens
-    old_log_probs: Tensor  # [B, T] float32 under the sampling temperature
-    completions: list[str]  # [B] decoded completions (up to the EOS)
-    completion_id_lists: list[list[int]]  # [B] completion token ids through the EOS (TRL's completion_ids)
-    ref_log_probs: Tensor | None = None  # [B, T] when the KL goes into the reward
-    kl_penalty: Tensor | None = None  # [B] beta * sum_t KL_t, subtracted from the reward
-    group_ids: Tensor | None = None
-    epoch_prompts: list[str] = field(default_factory=list)
-
-    @property
-    def images(self):  # the trainer's reward call is backend-specific; kept for symmetry of attributes
-        return None
+from flowrl.policy import DTYPES, TextBatch, UnitOutput
+from flowrl.seeding import derive_seed
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -63,9 +41,6 @@ class TextPolicy:
 
     def __init__(self, cfg, device):
         from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from flowrl.policies import DTYPES
-        from flowrl.trainer import derive_seed
 
         self.cfg = cfg
         self.text = cfg.text
@@ -259,9 +234,8 @@ class TextPolicy:
     def train_units(self, batch: TextBatch, steps_per_forward: int) -> list[list[int]]:
         return [list(range(batch.completion_ids.shape[1]))]  # one forward covers every token
 
-    def evaluate(self, batch: TextBatch, idx: Tensor, unit: list[int], *, with_reference: bool):
-        from flowrl.policies import UnitOutput
-
+    def unit_log_probs(self, batch: TextBatch, idx: Tensor, unit: list[int], *, with_reference: bool
+                       ) -> UnitOutput:
         t = self.text
         idx = idx.to(self.device)
         ids, attn = batch.input_ids[idx], batch.attention_mask[idx]

@@ -1,9 +1,7 @@
-"""Image backends: a diffusers text-to-image pipeline run as a stochastic policy.
+"""The interface every image family implements: a diffusers text-to-image pipeline run as a stochastic policy.
 
-One interface (ImageBackend, here), one class per family, registered by name in IMAGE_BACKENDS:
-    SD3Backend   (image_flow.py) StableDiffusion3Pipeline (SD3 / SD3.5): flow matching, CFG, sde/cps/dance/ode.
-    FluxBackend  (image_flow.py) FluxPipeline (FLUX.1): flow matching, guidance embedding (no CFG), packed latents.
-    SD15Backend  (image_sd15.py) StableDiffusionPipeline (SD1.5-style UNet, epsilon prediction): DDPO's DDIM step.
+A family is one module of `flowrl.families` holding one ImageBackend subclass registered in FAMILIES (see the
+package's docstring); this module holds what they share.
 
     backend = load_image_backend("stabilityai/stable-diffusion-3.5-medium", dtype=torch.bfloat16, device="cuda")
     traj = backend.rollout(prompts, group_size=8, num_steps=10, sde_window=SDEWindow.fixed(0, 4), seed=0)
@@ -20,9 +18,6 @@ them but the size's before it loads.
 
 from __future__ import annotations
 
-import json
-import os
-import posixpath
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -46,7 +41,7 @@ from flowrl.sampling import (
 )
 from flowrl.sampling.step import check_reduce
 
-IMAGE_BACKENDS: Registry[type[ImageBackend]] = Registry("image model family")
+FAMILIES: Registry[type[ImageBackend]] = Registry("image model family")
 
 
 class ImageModelError(ValueError):
@@ -117,17 +112,67 @@ class Schedule:
         return cls(move(traj.timesteps), move(traj.sigmas), move(traj.alphas_cumprod), move(traj.alphas_cumprod_prev))
 
 
-class ImageBackend:
-    """A text-to-image pipeline as a policy. Subclasses fill in the family-specific hooks below."""
+def register_family(cls: type[ImageBackend]) -> type[ImageBackend]:
+    """Class decorator: register a family's backend under its `family` name (what `model.family` takes)."""
+    return FAMILIES.register(cls.family)(cls)
 
-    family: ClassVar[str]
+
+class ImageBackend:
+    """A text-to-image pipeline as a policy. A family subclasses it, declares itself in the class attributes
+    below and fills in the hooks at the end."""
+
+    # ---- what a family declares ----------------------------------------------------------------
+    family: ClassVar[str]  # its name: model.family, the tiny model "tiny-<family>"
     pipeline_classes: ClassVar[tuple[str, ...]]  # diffusers pipeline class names this backend drives
-    denoiser_attr: ClassVar[str]  # "transformer" | "unet"
-    sde_types: ClassVar[tuple[str, ...]]
+    denoiser_attr: ClassVar[str]  # the pipeline's trained component: "transformer" | "unet"
+    denoiser_class: ClassVar[str]  # its diffusers model class, e.g. "SD3Transformer2DModel"
+    sde_types: ClassVar[tuple[str, ...]]  # the step kernels it can sample with ("ode": deterministic)
     default_sde_type: ClassVar[str]
     default_guidance_scale: ClassVar[float]
     default_max_sequence_length: ClassVar[int | None] = None
+    lora_targets: ClassVar[tuple[str, ...]]  # the denoiser's modules a LoRA adapts by default
     t5_components: ClassVar[tuple[str, ...]] = ()  # a T5 encoder the family runs without (drop_t5)
+    tiny_denoiser: ClassVar[dict]  # the denoiser config of its tiny random-weight test model
+
+    @classmethod
+    def tiny_pipeline(cls, seed: int = 0, **options):
+        """A tiny random-weight pipeline of this family, built offline in code (tests, smoke runs); its weights
+        depend only on `seed`."""
+        raise NotImplementedError
+
+    @classmethod
+    def tiny_config_files(cls) -> dict[str, dict]:
+        """What a check before loading reads of the tiny model (model_index.json, the denoiser's and the
+        VAE's config.json), without building it: the entries that matter, not every key save_pretrained
+        writes."""
+        from ._tiny import VAE_BLOCK_OUT_CHANNELS
+
+        return {
+            "model_index.json": {"_class_name": cls.pipeline_classes[0], cls.denoiser_attr: ["diffusers",
+                                                                                              cls.denoiser_class],
+                                 "vae": ["diffusers", "AutoencoderKL"]},
+            f"{cls.denoiser_attr}/config.json": {"_class_name": cls.denoiser_class, **cls.tiny_denoiser},
+            "vae/config.json": {"_class_name": "AutoencoderKL", "block_out_channels": list(VAE_BLOCK_OUT_CHANNELS)},
+        }
+
+    #: guidance scales the parity test samples `pipe(...)` with (with and without CFG where the family has it)
+    parity_guidance: ClassVar[tuple[float, ...]] = (1.0, 4.5)
+
+    def pipeline_call_kwargs(self, guidance_scale: float) -> dict:
+        """The keyword arguments with which the pipeline's own `pipe(prompts, ...)` samples as a deterministic
+        rollout with `guidance_scale` does (besides prompts, steps, size, latents): what the parity test and
+        users comparing against diffusers pass."""
+        kwargs = {"guidance_scale": guidance_scale}
+        if self.default_max_sequence_length is not None:
+            kwargs["max_sequence_length"] = self.max_sequence_length
+        return kwargs
+
+    @classmethod
+    def export_lora(cls, pipeline_class, directory, state: dict, metadata: dict) -> None:
+        """Write a trained LoRA (peft state dict of the denoiser, and its adapter config) in the format the
+        pipeline's own `load_lora_weights(directory)` reads."""
+        kwargs = {f"{cls.denoiser_attr}_lora_layers": state, f"{cls.denoiser_attr}_lora_adapter_metadata": metadata}
+        pipeline_class.save_lora_weights(directory, safe_serialization=True, **kwargs)
 
     def __init__(self, pipe, *, max_sequence_length: int | None = None, prompt_cache_size: int = 1024):
         """pipe: a loaded diffusers pipeline of this family (see `load_image_backend`).
@@ -473,265 +518,3 @@ class ImageBackend:
 
     def _to_vae_latents(self, latents: Tensor, height: int | None, width: int | None) -> Tensor:
         raise NotImplementedError
-
-
-def _load_families() -> None:
-    # The family classes register themselves in IMAGE_BACKENDS when their modules are imported.
-    from flowrl.backends import image_flow, image_sd15  # noqa: F401
-
-
-def _supported_pipelines() -> str:
-    """The pipeline classes the families drive, with their families ("StableDiffusion3Pipeline (sd3), ..."),
-    for error messages."""
-    _load_families()
-    return ", ".join(f"{c} ({n})" for n in IMAGE_BACKENDS for c in IMAGE_BACKENDS.get(n).pipeline_classes)
-
-
-def _family_of_class(cls_or_name: type | str) -> str | None:
-    """The family driving a pipeline class (or a subclass of one), or a pipeline class name; None if no
-    family does."""
-    _load_families()
-    by_name = {c: n for n in IMAGE_BACKENDS for c in IMAGE_BACKENDS.get(n).pipeline_classes}
-    names = [cls_or_name] if isinstance(cls_or_name, str) else [c.__name__ for c in cls_or_name.__mro__]
-    return next((by_name[name] for name in names if name in by_name), None)
-
-
-def detect_family(pipe) -> str:
-    """The backend family of a pipeline, from its class (or a base class)."""
-    family = _family_of_class(type(pipe))
-    if family is None:
-        raise ImageModelError(
-            f"no image backend drives {type(pipe).__name__}; supported pipelines: {_supported_pipelines()}"
-        )
-    return family
-
-
-# ---- before loading: the model's configuration files only ----------------------------------------------
-
-
-def _hub_offline() -> bool:
-    """HF_HUB_OFFLINE as huggingface_hub read it at import, or as the environment says now."""
-    from huggingface_hub import constants
-
-    return constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
-
-
-def _read_local_json(directory: str, name: str) -> dict:
-    """The JSON file `name` (e.g. "vae/config.json") of a local pipeline directory."""
-    file = os.path.join(directory, *name.split("/"))
-    if not os.path.isfile(file):
-        raise ImageModelError(
-            f"{directory} has no {name}: not a diffusers pipeline directory (write one with pipe.save_pretrained(DIR))"
-        )
-    with open(file, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def _read_hub_json(repo_id: str, name: str, **hub_kwargs) -> dict:
-    """The JSON file `name` of a hub model, from the huggingface_hub cache or downloaded (never with
-    HF_HUB_OFFLINE set: then a file not cached fails at once)."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import (
-        EntryNotFoundError,
-        HFValidationError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-    )
-
-    offline = _hub_offline()
-    subfolder, filename = posixpath.split(name)
-    hub_kwargs["local_files_only"] = hub_kwargs.get("local_files_only", False) or offline
-    try:
-        file = hf_hub_download(repo_id, filename, subfolder=subfolder or None, **hub_kwargs)
-    except HFValidationError:
-        raise ImageModelError(
-            f"{repo_id!r} is neither a local directory nor a hub id (ORG/NAME), nor one of the tiny test models"
-        ) from None
-    except LocalEntryNotFoundError:
-        why = "HF_HUB_OFFLINE=1 forbids downloading it" if offline else "the hub could not be reached"
-        raise ImageModelError(
-            f"hub model {repo_id}: {name} is not in the Hugging Face cache and {why}; download the model once "
-            f"online (without HF_HUB_OFFLINE) or pass a local directory (pipe.save_pretrained(DIR))"
-        ) from None
-    except (RepositoryNotFoundError, EntryNotFoundError) as e:
-        raise ImageModelError(
-            f"hub model {repo_id} has no {name} ({type(e).__name__}): not a diffusers pipeline repository"
-        ) from None
-    with open(file, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def _config_reader(path: str, **hub_kwargs) -> Callable[[str], dict]:
-    """A reader of the model's JSON configuration files by their path inside it ("model_index.json",
-    "transformer/config.json"): from a tiny model's known configs, a local directory, or the hub.
-    hub_kwargs: revision, cache_dir, token, local_files_only (hub ids only)."""
-    from flowrl.backends.tiny import TINY_PIPELINES, tiny_config_files
-
-    if path in TINY_PIPELINES and not os.path.exists(path):
-        files = tiny_config_files(path)
-        return lambda name: files[name]
-    if os.path.isdir(path):
-        return lambda name: _read_local_json(path, name)
-    if os.path.exists(path):
-        raise ImageModelError(f"{path} is a file; a model is a diffusers pipeline directory or a hub id (ORG/NAME)")
-    return lambda name: _read_hub_json(path, name, **hub_kwargs)
-
-
-def _class_name(model_index: Mapping) -> str:
-    """The pipeline class model_index.json names (a custom pipeline's [module, class] gives its class)."""
-    name = model_index.get("_class_name")
-    return name[-1] if isinstance(name, (list, tuple)) else str(name)
-
-
-def _null_components(model_index: Mapping) -> list[str]:
-    """The components model_index.json records as absent ([null, null]: saved as None)."""
-    return [
-        name
-        for name, value in model_index.items()
-        if not name.startswith("_") and (value is None or (isinstance(value, (list, tuple)) and value[0] is None))
-    ]
-
-
-def _vae_scale_factor(read: Callable[[str], dict], model_index: Mapping) -> int:
-    """The VAE's downsampling factor as the pipelines compute it (8 without a VAE)."""
-    if "vae" not in model_index or "vae" in _null_components(model_index):
-        return 8
-    return 2 ** (len(read("vae/config.json")["block_out_channels"]) - 1)
-
-
-def _checked_backend(source: str, model_index: Mapping, family: str, drop_t5: bool) -> type[ImageBackend]:
-    """The backend class for a model_index.json: an ImageModelError if no family drives its pipeline
-    class, if `family` (unless "auto") is another one, or if drop_t5 is asked of a family with no
-    optional T5."""
-    _load_families()
-    class_name = _class_name(model_index)
-    detected = _family_of_class(class_name)
-    if detected is None:
-        raise ImageModelError(
-            f"{source}: no image backend drives {class_name} (model_index.json's _class_name); "
-            f"supported pipelines: {_supported_pipelines()}"
-        )
-    if family != "auto":
-        IMAGE_BACKENDS.get(family)  # an unknown name: the error lists the valid ones
-        if family != detected:
-            raise ImageModelError(
-                f"{source} is a {class_name}, a {detected!r} model, not {family!r}: pass family={detected!r} or 'auto'"
-            )
-    backend_cls = IMAGE_BACKENDS.get(detected)
-    if drop_t5:
-        _check_drop_t5(backend_cls, source)
-    return backend_cls
-
-
-def _check_drop_t5(backend_cls: type[ImageBackend], source: str) -> None:
-    """An ImageModelError if the family cannot run without its T5 encoder."""
-    if not backend_cls.t5_components:
-        can = [n for n in IMAGE_BACKENDS if IMAGE_BACKENDS.get(n).t5_components]
-        raise ImageModelError(
-            f"drop_t5 is SD3-only (families with an optional T5: {can}); {source} is a {backend_cls.family!r} model"
-        )
-
-
-def preflight_image_model(path: str, family: str = "auto", *, height: int, width: int, drop_t5: bool = False) -> str:
-    """Check that the model at `path` can be run as asked, from its configuration files alone (never its
-    weights), and return its family.
-
-    path: a local pipeline directory (its model_index.json, the denoiser's config.json and the VAE's),
-        a hub id (the same files from the huggingface_hub cache, or downloaded unless HF_HUB_OFFLINE is
-        set), or a tiny test model name ("tiny-sd3", ...).
-    family: "auto" or the family the caller expects ("sd3", "flux", "sd15").
-    height, width: the image size in pixels the run will ask for.
-    drop_t5: the run will leave the T5 encoder out (SD3 only).
-    Raises ImageModelError (a ValueError) naming what is wrong and what would be right: a pipeline class
-    no family drives (with the supported ones), another family than `family`, a size the model cannot
-    make (with the nearest valid ones), drop_t5 for a family without an optional T5, a missing file.
-    """
-    path = os.fspath(path)
-    read = _config_reader(path)
-    model_index = read("model_index.json")
-    backend_cls = _checked_backend(path, model_index, family, drop_t5)
-    denoiser_config = read(f"{backend_cls.denoiser_attr}/config.json")
-    backend_cls.size_rule(denoiser_config, _vae_scale_factor(read, model_index)).check(height, width)
-    return backend_cls.family
-
-
-# ---- loading -----------------------------------------------------------------------------------------------
-
-_HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only")
-
-
-def _without(pipe, components: Sequence[str]):
-    """A new pipeline of pipe's class sharing its modules, with `components` set to None."""
-    return type(pipe)(**{**pipe.components, **{name: None for name in components}})
-
-
-def _load_pipeline(path: str, family: str, dtype, drop_t5: bool, from_pretrained_kwargs: dict):
-    """A pipeline from a tiny model name, a local directory or a hub id, its configuration checked first
-    (see preflight_image_model) so that a model no family drives fails before any weight is read."""
-    from flowrl.backends.tiny import TINY_PIPELINES
-
-    hub_kwargs = {k: from_pretrained_kwargs[k] for k in _HUB_KWARGS if k in from_pretrained_kwargs}
-    model_index = _config_reader(path, **hub_kwargs)("model_index.json")
-    backend_cls = _checked_backend(path, model_index, family, drop_t5)
-    if path in TINY_PIPELINES and not os.path.exists(path):
-        build = TINY_PIPELINES[path]
-        return build(drop_t5=True) if drop_t5 else build()
-    from diffusers import DiffusionPipeline
-    from diffusers.pipelines import pipeline_utils
-
-    # diffusers renamed `torch_dtype` to `dtype` (and deprecated the old name) in late 0.3x
-    dtype_kwarg = "dtype" if hasattr(pipeline_utils, "_resolve_dtype") else "torch_dtype"
-    kwargs = {dtype_kwarg: dtype or torch.float32}
-    # a component saved as None ([null, null], e.g. an SD3 saved without T5) must be passed as None again
-    kwargs.update({name: None for name in _null_components(model_index)})
-    if drop_t5:  # never read the T5 weights
-        kwargs.update({name: None for name in backend_cls.t5_components})
-    return DiffusionPipeline.from_pretrained(path, **{**kwargs, **from_pretrained_kwargs})
-
-
-def load_image_backend(
-    path_or_pipe,
-    family: str = "auto",
-    *,
-    dtype: torch.dtype | None = None,
-    device: str | torch.device | None = None,
-    max_sequence_length: int | None = None,
-    prompt_cache_size: int = 1024,
-    drop_t5: bool = False,
-    **from_pretrained_kwargs,
-) -> ImageBackend:
-    """An ImageBackend for a pipeline object, a hub id, a local directory, or a tiny test pipeline
-    ("tiny-sd3", "tiny-flux", "tiny-sd15", random weights, see flowrl.backends.tiny).
-
-    family: "auto" (from the pipeline class), "sd3", "flux" or "sd15".
-    dtype, device: where the whole pipeline goes (weights of a path are loaded in `dtype`).
-    drop_t5: SD3 only: leave the T5 encoder out (never loaded); prompts are encoded by the CLIP encoders
-        and T5's part of the embedding is zeros, as diffusers does for a pipeline saved without T5 (which
-        loads without drop_t5 too).
-    A path is checked from its configuration files before any weight is loaded (a pipeline class no
-    family drives, another family than `family`, drop_t5: an ImageModelError naming the fix).
-    Hub loads honour HF_HUB_OFFLINE and the usual huggingface_hub cache settings.
-    """
-    _load_families()
-    if isinstance(path_or_pipe, (str, os.PathLike)):
-        pipe = _load_pipeline(os.fspath(path_or_pipe), family, dtype, drop_t5, from_pretrained_kwargs)
-    else:
-        pipe = path_or_pipe
-    if family == "auto":
-        family = detect_family(pipe)
-    backend_cls = IMAGE_BACKENDS.get(family)
-    try:
-        detected = detect_family(pipe)
-    except ValueError:  # a pipeline class we do not know: trust the family we were given
-        detected = family
-    if detected != family:
-        raise ValueError(f"{type(pipe).__name__} is a {detected!r} pipeline, not {family!r}: pass family={detected!r}")
-    if drop_t5 and not isinstance(path_or_pipe, (str, os.PathLike)):
-        _check_drop_t5(backend_cls, f"this {type(pipe).__name__}")
-        pipe = _without(pipe, backend_cls.t5_components)
-    denoiser = getattr(pipe, backend_cls.denoiser_attr)
-    current = next(denoiser.parameters())
-    moves = device is not None and torch.device(device) != current.device
-    if moves or (dtype is not None and dtype != current.dtype):
-        pipe.to(device=device, dtype=dtype)
-    return backend_cls(pipe, max_sequence_length=max_sequence_length, prompt_cache_size=prompt_cache_size)

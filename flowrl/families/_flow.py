@@ -1,0 +1,42 @@
+"""What the flow-matching families share: the scheduler's sigmas, flow_sde_step (sde, cps, dance, ode), the VAE's
+scale and shift."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from flowrl.sampling import flow_sde_step
+
+from ._base import ImageBackend, Schedule
+
+
+class FlowMatchingBackend(ImageBackend):
+    """A flow-matching family: FlowMatchEulerDiscreteScheduler sigmas, flow_sde_step."""
+
+    sde_types = ("sde", "cps", "dance", "ode")
+    default_sde_type = "sde"
+
+    def _set_scheduler(self, num_steps: int, **kwargs) -> Schedule:
+        scheduler = self.pipe.scheduler
+        scheduler.set_timesteps(device=self.device, **kwargs)
+        timesteps, sigmas = scheduler.timesteps.clone(), scheduler.sigmas.clone()
+        if len(timesteps) != num_steps or len(sigmas) != num_steps + 1:
+            raise RuntimeError(f"scheduler gave {len(timesteps)} timesteps for {num_steps} steps")
+        return Schedule(timesteps=timesteps.float(), sigmas=sigmas.float())
+
+    def _step(self, model_output, x, steps, schedule, settings, *, stochastic, prev_latents=None, generator=None):
+        return flow_sde_step(
+            model_output,
+            x,
+            schedule.sigmas[steps],
+            schedule.sigmas[steps + 1],
+            noise_level=settings.noise_level,
+            sde_type=settings.sde_type if stochastic else "ode",
+            prev_latents=prev_latents,
+            generator=generator,
+            logprob_reduce=settings.logprob_reduce,
+        )
+
+    def _scale_shift(self, latents: Tensor) -> Tensor:
+        config = self.pipe.vae.config
+        return latents / config.scaling_factor + (config.shift_factor or 0.0)

@@ -1,0 +1,121 @@
+"""What the training loop needs from a policy, and the data it passes.
+
+A policy rolls out a batch without gradients, recomputes the log-probs of chosen recorded steps of a minibatch
+with gradients (a "unit" of steps, evaluated in one model call), gives the reference policy (its LoRA adapter
+switched off, or a frozen copy for full fine-tuning), scores batches with the rewards, samples the held-out
+eval, and exports its weights. The trainer talks to a policy only through `Policy`; `flowrl.policies` holds the
+image (diffusers) and text (causal LM) ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class UnitOutput:
+    """One unit of steps of a minibatch of b samples, K steps (denoising steps or tokens)."""
+
+    log_prob: Tensor                 # [b, K] with grad
+    old_log_prob: Tensor             # [b, K] recorded at rollout
+    mask: Tensor                     # [b, K] 1 = the step counts
+    weight: Tensor | None = None     # [K] or [b, K] per-step loss weight
+    kl: Tensor | None = None         # [b, K] KL to the reference (with grad)
+    log_ratio: Tensor | None = None  # [b, K] a replacement log-ratio (GRPO-Guard's RatioNorm)
+    entropy: Tensor | None = None    # [b, K] policy entropy per step (text: for the entropy bonus)
+
+
+@dataclass
+class ImageBatch:
+    """One epoch's rollout of this process: B images (a prompt repeats over its group)."""
+
+    traj: Any                        # flowrl.sampling.Trajectory (None for eval samples)
+    prompts: list[str]               # [B]
+    metadata: list[dict]             # [B] the prompt rows' other columns
+    images: list                     # [B] PIL images
+    group_ids: Tensor | None = None  # [B] set by the trainer
+    epoch_prompts: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TextBatch:
+    """One epoch's rollout of this process: B completions (a prompt repeats over its group), T tokens."""
+
+    prompts: list[str]  # [B] the raw prompts (before any chat template)
+    metadata: list[dict]  # [B] the prompt rows' other columns (answer, solution, ...)
+    input_ids: Tensor  # [B, Lp + T] left-padded prompt, then the completion (right-padded)
+    attention_mask: Tensor  # [B, Lp + T]
+    prompt_len: int  # Lp
+    completion_ids: Tensor  # [B, T]
+    completion_mask: Tensor  # [B, T] 1 through the first EOS (inclusive)
+    truncated: Tensor  # [B] bool: no EOS within max_new_tokens
+    old_log_probs: Tensor  # [B, T] float32 under the sampling temperature
+    completions: list[str]  # [B] decoded completions (up to the EOS)
+    completion_id_lists: list[list[int]]  # [B] completion token ids through the EOS (TRL's completion_ids)
+    ref_log_probs: Tensor | None = None  # [B, T] when the KL goes into the reward
+    kl_penalty: Tensor | None = None  # [B] beta * sum_t KL_t, subtracted from the reward
+    group_ids: Tensor | None = None
+    epoch_prompts: list[str] = field(default_factory=list)
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """What the loop needs from a policy (image or text). Shapes: B samples of this process, b of a minibatch,
+    K steps of a unit (denoising steps or tokens)."""
+
+    reward_kind: str      # "image" | "text": the kind of reward it calls (rewards.registry)
+    aggregation: str      # how the loss over [b, K] becomes a number (core.aggregate_loss mode)
+    entropy_coef: float   # the entropy bonus's weight (text)
+    can_export: bool      # whether `export` writes something loadable
+    reward_state: Any     # TRL's `trainer_state` for rewards that ask for it (the trainer keeps it current)
+
+    def named_trainable_parameters(self) -> list[tuple[str, torch.nn.Parameter]]: ...
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]: ...
+
+    def rollout(self, prompts: list[str], metadata: list[dict], *, epoch: int,
+                generator: torch.Generator) -> ImageBatch | TextBatch:
+        """One sample per entry of `prompts` (a group's prompt repeats), recorded for training."""
+
+    def call_reward(self, fn: Callable, batch, columns: dict) -> Tensor:
+        """One reward's scores [B] float32 for a batch (NaN: does not apply)."""
+
+    def reward_penalty(self, batch) -> Tensor | None:
+        """[B] subtracted from the total reward (the KL-in-reward term), or None."""
+
+    def pop_reward_logs(self) -> dict[str, float]:
+        """What the rewards logged since the last call (`reward_log/<name>` -> mean)."""
+
+    def pop_reward_extra(self) -> dict[str, list]:
+        """Per-sample columns the rewards logged since the last call."""
+
+    def train_units(self, batch, steps_per_forward: int) -> list[list[int]]:
+        """The trained steps of a batch, grouped into units evaluated in one model call each."""
+
+    def unit_log_probs(self, batch, idx: Tensor, unit: list[int], *, with_reference: bool) -> UnitOutput:
+        """The log-probs (with grad) of steps `unit` of samples `idx` [b], beside the recorded ones, and with
+        `with_reference` the KL to the reference policy."""
+
+    def reference(self) -> contextlib.AbstractContextManager:
+        """A context in which the policy is the reference policy."""
+
+    def evaluate_prompts(self, prompts: list[str], metadata: list[dict], reward_fns: list, eval_cfg,
+                         part: slice | None = None) -> tuple[list, list[Tensor], dict[str, Tensor]]:
+        """Held-out eval of `prompts[part]` (deterministic): (outputs, per-reward scores, components)."""
+
+    def save_eval_outputs(self, outputs: list, prompts: list[str], path: Path, scores=None) -> Path:
+        """Write eval outputs next to `path` (an image grid, a JSONL of completions); returns the file."""
+
+    def describe_outputs(self, batch) -> list[str] | None:
+        """Text for the completions table (None: outputs are not text)."""
+
+    def export(self, directory: Path) -> None:
+        """The trained weights in the format their library loads (diffusers LoRA, peft adapter, model)."""
