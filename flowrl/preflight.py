@@ -56,10 +56,37 @@ def check_rewards(cfg: Config) -> None:
         _checked(f"rewards[{i}] ({spec.name})", rewards.check, spec.name, dict(spec.kwargs), kind)
 
 
+def check_text_model(path: str) -> None:
+    """A causal LM's path is a local directory with a config.json, or a hub id whose config.json is in the cache
+    or can be downloaded (never under HF_HUB_OFFLINE: then it fails at once, naming the id)."""
+    import os
+
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise PreflightError(f"model.path={path}: no config.json there; a causal LM directory is what "
+                                 "model.save_pretrained(DIR) writes")
+        return
+    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+    try:
+        hf_hub_download(path, "config.json", local_files_only=offline)
+    except HFValidationError:
+        raise PreflightError(f"model.path={path!r} is neither a local directory nor a hub id (ORG/NAME)") from None
+    except LocalEntryNotFoundError:
+        why = "HF_HUB_OFFLINE=1 forbids downloading it" if offline else "the hub could not be reached"
+        raise PreflightError(f"model.path={path}: the hub model is not in the Hugging Face cache and {why}; "
+                             "download it once online (without HF_HUB_OFFLINE) or pass a local directory") from None
+    except RepositoryNotFoundError:
+        raise PreflightError(f"model.path={path}: no such model on the hub") from None
+
+
 def check_model(cfg: Config) -> str | None:
     """Image backend: the model's pipeline class is driven by a family, and the image size suits it (from the
-    model's config files); returns the family. Text backend: None."""
+    model's config files); returns the family. Text backend: the model's config is reachable; None."""
     if cfg.backend != "image":
+        check_text_model(cfg.model.path)
         return None
     from .families import preflight_image_model
 
