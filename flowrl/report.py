@@ -211,6 +211,6 @@ def plot_curves(run_dir: str | Path, out: str | Path | None = None, title: str |
     fig = curves_figure(load_metrics(run_dir), title)
     out = Path(out) if out else run_dir / "curves.png"
     tmp = out.with_name(out.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    fig.savefig(tmp, dpi=110, bbox_inches="tight")
     tmp.replace(out)
     return out
