@@ -152,6 +152,14 @@ class TrainConfig:
     """Samples per optimizer minibatch (0 = the whole batch); must divide the epoch batch."""
     steps_per_forward: int = 1
     """Trained denoising steps evaluated in one model call (stacked along the batch)."""
+    micro_batch_size: int = 0
+    """Samples per forward and backward pass (0 = the whole minibatch): the minibatch is split into micro-batches
+    whose losses (with the minibatch's normalizer) add up to its loss, and takes one optimizer step. Memory of the
+    update's activations scales with it; the gradient does not change."""
+    gradient_checkpointing: bool = False
+    """Recompute the trained model's activations in the backward pass instead of keeping them (diffusers'
+    enable_gradient_checkpointing for the denoiser, transformers' for a causal LM): less memory, ~30% more time,
+    the same gradient."""
     lr: float = 3e-4
     """AdamW learning rate."""
     weight_decay: float = 1e-4
@@ -437,7 +445,7 @@ RANGES: dict[str, Range] = {
     "text.max_new_tokens": AT_LEAST_1, "text.max_prompt_length": AT_LEAST_1, "text.temperature": POSITIVE,
     "text.top_p": FRACTION, "text.top_k": AT_LEAST_0, "text.entropy_coef": AT_LEAST_0,
     "train.epochs": AT_LEAST_0, "train.inner_epochs": AT_LEAST_1, "train.minibatch_size": AT_LEAST_0,
-    "train.steps_per_forward": AT_LEAST_1, "train.lr": POSITIVE, "train.weight_decay": AT_LEAST_0,
+    "train.steps_per_forward": AT_LEAST_1, "train.micro_batch_size": AT_LEAST_0, "train.lr": POSITIVE, "train.weight_decay": AT_LEAST_0,
     "train.adam_betas": Range(0, 1, hi_open=True), "train.adam_eps": POSITIVE, "train.warmup_steps": AT_LEAST_0,
     "train.decay_frac": FRACTION, "train.max_grad_norm": AT_LEAST_0, "train.clip_low": FRACTION,
     "train.clip_high": POSITIVE, "train.dual_clip": Range(1, lo_open=True), "train.adv_clip_max": POSITIVE,

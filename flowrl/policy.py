@@ -100,6 +100,10 @@ class Policy(Protocol):
     def train_units(self, batch, steps_per_forward: int) -> list[list[int]]:
         """The trained steps of a batch, grouped into units evaluated in one model call each."""
 
+    def step_mask(self, batch, idx: Tensor, unit: list[int]) -> Tensor:
+        """Which steps of `unit` count for samples `idx` [b, K] (1/0), known without a forward pass: what the loss's
+        normalizer of a minibatch is computed from before its micro-batches run."""
+
     def unit_log_probs(self, batch, idx: Tensor, unit: list[int], *, with_reference: bool) -> UnitOutput:
         """The log-probs (with grad) of steps `unit` of samples `idx` [b], beside the recorded ones, and with
         `with_reference` the KL to the reference policy."""

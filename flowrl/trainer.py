@@ -82,13 +82,15 @@ def combine_advantages(cfg: Config, scores: torch.Tensor, group_ids: torch.Tenso
     return adv.clamp(-t.adv_clip_max, t.adv_clip_max)
 
 
-def unit_loss(out, adv: torch.Tensor, keep: torch.Tensor, t, aggregation: str, entropy_coef: float = 0.0
-              ) -> tuple[torch.Tensor, dict]:
+def unit_loss(out, adv: torch.Tensor, keep: torch.Tensor, t, aggregation: str, entropy_coef: float = 0.0,
+              normalizer: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """The GRPO loss of one unit of steps for a minibatch of b samples: the policy loss from the core's registry
     (or the clipped surrogate on GRPO-Guard's normalised log-ratio) x per-step weight, aggregated by `aggregation`,
     plus beta x KL, minus entropy_coef x entropy. `t` is the config's train section.
 
-    out: a UnitOutput ([b, K] tensors); adv: [b]; keep: [b] bool -> (scalar loss, stats).
+    out: a UnitOutput ([b, K] tensors); adv: [b]; keep: [b] bool -> (scalar loss, stats). `normalizer`: the
+    aggregation's normalizer of the whole minibatch when these b samples are one of its micro-batches
+    (core.loss_normalizer), so that the micro-batches' losses add up to the minibatch's.
     """
     mask = out.mask * keep[:, None].to(out.mask.dtype)                                        # [b, K]
     clip = dict(clip_low=t.clip_low, clip_high=t.clip_high, dual_clip=t.dual_clip, mask=mask)
@@ -98,19 +100,34 @@ def unit_loss(out, adv: torch.Tensor, keep: torch.Tensor, t, aggregation: str, e
         loss, stats = core.get_policy_loss(t.policy_loss)(out.log_prob, out.old_log_prob, adv, **clip)
     if out.weight is not None:
         loss = loss * out.weight                                                             # [b, K]
-    total = core.aggregate_loss(loss, mask, aggregation)
+    total = core.aggregate_loss(loss, mask, aggregation, normalizer=normalizer)
     stats["policy_loss"] = total.detach()
     if out.entropy is not None:
-        entropy = core.aggregate_loss(out.entropy, mask, aggregation)
+        entropy = core.aggregate_loss(out.entropy, mask, aggregation, normalizer=normalizer)
         if entropy_coef:
             total = total - entropy_coef * entropy
         stats["entropy"] = entropy.detach()
     if t.beta > 0 and out.kl is not None:
-        kl = core.aggregate_loss(out.kl, mask, aggregation)
+        kl = core.aggregate_loss(out.kl, mask, aggregation, normalizer=normalizer)
         total = total + t.beta * kl
         stats["kl"] = kl.detach()
     stats["loss"] = total.detach()
     return total, stats
+
+
+#: unit_loss stats that are aggregates of the loss's terms: a micro-batch's value is its part of the sum
+ADDITIVE_STATS = ("policy_loss", "entropy", "kl", "loss")
+
+
+def merge_micro_stats(parts: list[dict]) -> dict[str, float]:
+    """One unit's stats from its micro-batches' (one dict each): the aggregated terms summed (each micro-batch
+    holds its share of the minibatch's sum), *_min / *_max the min / max, the rest (fractions, estimates) averaged."""
+    merged = {}
+    for k in parts[0]:
+        values = [float(p[k]) for p in parts]
+        merged[k] = (sum(values) if k in ADDITIVE_STATS else max(values) if k.endswith("_max")
+                     else min(values) if k.endswith("_min") else sum(values) / len(values))
+    return merged
 
 
 @dataclass
@@ -394,13 +411,14 @@ class Trainer:
                 mb_stats: dict[str, list] = {}
                 finite = True
                 for unit in units if len(idx) else ():
-                    out = self.policy.unit_log_probs(batch, idx, unit, with_reference=t.beta > 0)
-                    loss, stats = self.unit_loss(out, adv[idx], keep[idx])
-                    finite = finite and bool(torch.isfinite(loss))
-                    # each unit's loss is a mean over its steps; weight by its share of all trained steps
-                    (loss * (len(unit) / n_units * norm)).backward()
-                    for k, v in stats.items():
-                        mb_stats.setdefault(k, []).append(float(v))
+                    parts = []
+                    for loss, stats in self.micro_batch_losses(batch, idx, unit, adv, keep):
+                        finite = finite and bool(torch.isfinite(loss))
+                        # each unit's loss is a mean over its steps; weight by its share of all trained steps
+                        (loss * (len(unit) / n_units * norm)).backward()
+                        parts.append(stats)
+                    for k, v in merge_micro_stats(parts).items():
+                        mb_stats.setdefault(k, []).append(v)
                 trained += len(idx) * n_units
                 if not self.any_process(len(idx) > 0):
                     # nothing to learn from anywhere: no optimizer step (AdamW would move the weights on a zero
@@ -460,8 +478,27 @@ class Trainer:
         warnings.warn(f"epoch {epoch}: non-finite loss or gradient (grad norm {grad_norm}); this minibatch takes no "
                       f"optimizer step ({self.nonfinite_streak} in a row of at most {limit})", stacklevel=2)
 
-    def unit_loss(self, out, adv: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        return unit_loss(out, adv, keep, self.cfg.train, self.policy.aggregation, self.policy.entropy_coef)
+    def unit_loss(self, out, adv: torch.Tensor, keep: torch.Tensor, normalizer: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, dict]:
+        return unit_loss(out, adv, keep, self.cfg.train, self.policy.aggregation, self.policy.entropy_coef,
+                         normalizer)
+
+    def micro_batch_losses(self, batch, idx: torch.Tensor, unit: list[int], adv: torch.Tensor, keep: torch.Tensor):
+        """The loss of `unit` for the minibatch's samples `idx`, one micro-batch (train.micro_batch_size samples)
+        at a time: yields (loss, stats) per micro-batch, each loss with the whole minibatch's normalizer, so that
+        their backward passes add up to the minibatch's gradient while only one micro-batch's activations live.
+        The aggregated terms' stats are then parts of a sum (see `merge_micro_stats`)."""
+        t = self.cfg.train
+        micro = t.micro_batch_size
+        if not micro or micro >= len(idx):
+            out = self.policy.unit_log_probs(batch, idx, unit, with_reference=t.beta > 0)
+            yield self.unit_loss(out, adv[idx], keep[idx])
+            return
+        mask = self.policy.step_mask(batch, idx, unit) * keep[idx][:, None].to(torch.float32)        # [b, K]
+        normalizer = core.loss_normalizer(mask, self.policy.aggregation, length=mask.shape[-1])
+        for chunk in idx.split(micro):
+            out = self.policy.unit_log_probs(batch, chunk, unit, with_reference=t.beta > 0)
+            yield self.unit_loss(out, adv[chunk], keep[chunk], normalizer.to(out.log_prob.device))
 
     def set_lr(self, slot: int) -> None:
         """The scheduled lr of minibatch slot `slot` (0-based over the whole run)."""

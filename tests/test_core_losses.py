@@ -222,3 +222,28 @@ def test_unknown_names():
         aggregate_loss(torch.zeros(1, 1), torch.ones(1, 1), "mean")
     with pytest.raises(ValueError, match="ppo_clip"):
         get_policy_loss("ppo")
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm", "seq-mean-token-sum-max-len"])
+def test_micro_batches_with_the_minibatch_normalizer_add_up_to_the_minibatch(mode):
+    """Split a minibatch's rows in micro-batches: with the whole minibatch's normalizer, their aggregates (and so
+    their gradients) sum to the minibatch's aggregate, whatever the masks."""
+    from flowrl.core import loss_normalizer
+
+    gen = torch.Generator().manual_seed(11)
+    loss = torch.randn(8, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    mask = (torch.rand(8, 6, generator=gen) > 0.4).double()
+    mask[3] = 0  # a fully masked row
+    whole = aggregate_loss(loss, mask, mode)
+    norm = loss_normalizer(mask, mode, length=6)
+    parts = [aggregate_loss(loss[rows], mask[rows], mode, normalizer=norm) for rows in (slice(0, 3), slice(3, 5),
+                                                                                          slice(5, 8))]
+    assert abs(sum(p.item() for p in parts) - whole.item()) < 1e-12
+    (g_whole,) = torch.autograd.grad(whole, loss)
+    (g_parts,) = torch.autograd.grad(sum(parts), loss)
+    torch.testing.assert_close(g_parts, g_whole, rtol=0, atol=1e-12)
+    # a micro-batch's own normalizer would not do for the modes that count: the test can tell the two apart
+    own = sum(aggregate_loss(loss[r], mask[r], mode) for r in (slice(0, 3), slice(3, 5), slice(5, 8)))
+    if mode != "seq-mean-token-sum-norm":
+        assert abs(own.item() - whole.item()) > 1e-6

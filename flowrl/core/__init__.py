@@ -25,6 +25,8 @@ from .losses import (
     clipped_surrogate,
     get_policy_loss,
     gspo_loss,
+    loss_normalizer,
+    loss_numerator,
     ppo_clip_loss,
     sequence_log_ratio,
 )

@@ -155,7 +155,8 @@ AGGREGATION_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", 
                      "seq-mean-token-sum-max-len")
 
 
-def aggregate_loss(loss: Tensor, mask: Tensor, mode: str = "token-mean", horizon: int | None = None) -> Tensor:
+def aggregate_loss(loss: Tensor, mask: Tensor, mode: str = "token-mean", horizon: int | None = None, *,
+                   normalizer: Tensor | float | None = None) -> Tensor:
     """Reduce a per-element loss [B, T] to a scalar over the positions where `mask` is 1.
 
     - ``token-mean``:              sum_bt m l / sum_bt m  (every token weighs the same; DAPO)
@@ -167,23 +168,44 @@ def aggregate_loss(loss: Tensor, mask: Tensor, mode: str = "token-mean", horizon
       mean over the batch's sequences)
     The seq-mean modes average over the rows with at least one unmasked position: a fully masked row
     is not a sample and contributes nothing (never NaN); an all-masked batch gives 0.
+
+    Every mode is `loss_numerator / loss_normalizer`. `normalizer` replaces the second: the normalizer of a whole
+    minibatch makes the aggregates of its micro-batches add up to the minibatch's aggregate exactly.
     """
+    if normalizer is None:
+        normalizer = loss_normalizer(mask if loss.ndim > 1 else mask.unsqueeze(-1), mode, horizon,
+                                     length=loss.shape[-1] if loss.ndim > 1 else 1)
+    return loss_numerator(loss, mask, mode, horizon) / normalizer
+
+
+def loss_numerator(loss: Tensor, mask: Tensor, mode: str = "token-mean", horizon: int | None = None) -> Tensor:
+    """The sum `aggregate_loss` divides by `loss_normalizer`: additive over the rows of a batch. [B, T] -> scalar."""
     if loss.ndim == 1:
         loss, mask = loss.unsqueeze(-1), mask.unsqueeze(-1)
     m = mask.to(loss.dtype)
-    if mode == "token-mean":
-        return masked_mean(loss, m)
-    row_sum = (loss * m).sum(-1)
-    row_count = m.sum(-1)
-    rows = (row_count > 0).to(loss.dtype)
-    if mode == "seq-mean-token-sum":
-        per_row = row_sum
-    elif mode == "seq-mean-token-mean":
-        per_row = row_sum / row_count.clamp(min=1)
-    elif mode == "seq-mean-token-sum-norm":
+    row_sum = (loss * m).sum(-1)                                                                  # [B]
+    if mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        return row_sum.sum()
+    if mode == "seq-mean-token-mean":
+        return (row_sum / m.sum(-1).clamp(min=1)).sum()
+    if mode == "seq-mean-token-sum-max-len":
         return row_sum.sum() / float(horizon if horizon is not None else loss.shape[-1])
-    elif mode == "seq-mean-token-sum-max-len":
-        per_row = row_sum / float(horizon if horizon is not None else loss.shape[-1])
-    else:
-        raise ValueError(f"unknown loss aggregation mode {mode!r}; valid: {', '.join(AGGREGATION_MODES)}")
-    return (per_row * rows).sum() / rows.sum().clamp(min=1)
+    raise ValueError(f"unknown loss aggregation mode {mode!r}; valid: {', '.join(AGGREGATION_MODES)}")
+
+
+def loss_normalizer(mask: Tensor, mode: str = "token-mean", horizon: int | None = None, *,
+                    length: int | None = None) -> Tensor:
+    """What `aggregate_loss` divides the numerator by, from the mask [B, T] alone (so that it can be computed for a
+    whole minibatch before its micro-batches run): the number of masked elements (token-mean), of non-empty rows
+    (the seq-mean modes), or the constant T (seq-mean-token-sum-norm: `horizon`, else `length`, else T).
+    Counts are clamped to at least 1 (an all-masked batch aggregates to 0, not NaN)."""
+    m = mask.to(torch.float64 if mask.dtype == torch.float64 else torch.float32)
+    if m.ndim == 1:
+        m = m.unsqueeze(-1)
+    if mode == "token-mean":
+        return m.sum().clamp(min=1)
+    if mode == "seq-mean-token-sum-norm":
+        return m.new_tensor(float(horizon if horizon is not None else (length or m.shape[-1])))
+    if mode in ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-max-len"):
+        return (m.sum(-1) > 0).sum().to(m.dtype).clamp(min=1)
+    raise ValueError(f"unknown loss aggregation mode {mode!r}; valid: {', '.join(AGGREGATION_MODES)}")

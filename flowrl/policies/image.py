@@ -62,6 +62,11 @@ class ImagePolicy:
             if cfg.train.beta > 0:
                 self.ref_copy = copy.deepcopy(den).requires_grad_(False).eval()
             den.requires_grad_(True)
+        if cfg.train.gradient_checkpointing:
+            if not getattr(den, "_supports_gradient_checkpointing", False):
+                raise ValueError(f"train.gradient_checkpointing: {type(den).__name__} does not support it in this "
+                                 "diffusers version; set train.gradient_checkpointing=false")
+            den.enable_gradient_checkpointing()  # diffusers recomputes the blocks when grad is enabled
 
     # ---------------------------------------------------------------------------- rewards' view
 
@@ -208,6 +213,9 @@ class ImagePolicy:
         sig = traj.sigmas.to(std.device).float()
         dt = (sig[unit] - sig[[u + 1 for u in unit]]).view(1, len(unit), *([1] * (std.ndim - 2)))
         return std / dt.sqrt()
+
+    def step_mask(self, batch: ImageBatch, idx: Tensor, unit: list[int]) -> Tensor:
+        return torch.ones(len(idx), len(unit))  # every trained denoising step counts
 
     def unit_log_probs(self, batch: ImageBatch, idx: Tensor, unit: list[int], *, with_reference: bool
                        ) -> UnitOutput:

@@ -80,6 +80,20 @@ class TextPolicy:
                 self.ref_copy = copy.deepcopy(model).eval()
             model.requires_grad_(True)
         self.model = model
+        self.checkpointing = cfg.train.gradient_checkpointing
+        if self.checkpointing:
+            # transformers recomputes layers only in train mode: dropout is zeroed so that train mode changes
+            # nothing else (the recomputed log-probs must equal the recorded ones)
+            for module in model.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
+            for key in ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout"):
+                if hasattr(model.config, key):
+                    setattr(model.config, key, 0.0)
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.aggregation = self.text.loss_agg
         self.entropy_coef = self.text.entropy_coef
         self.use_chat = self.text.chat_template and getattr(self.tokenizer, "chat_template", None) is not None
@@ -92,6 +106,18 @@ class TextPolicy:
 
     def trainable_parameters(self):
         return [p for _, p in self.named_trainable_parameters()]
+
+    @contextlib.contextmanager
+    def _checkpointing(self):
+        """Train mode (where transformers' gradient checkpointing acts) for a forward with grad, when it is on."""
+        if not (self.checkpointing and torch.is_grad_enabled()):
+            yield
+            return
+        self.model.train()
+        try:
+            yield
+        finally:
+            self.model.eval()
 
     @contextlib.contextmanager
     def reference(self):
@@ -234,17 +260,24 @@ class TextPolicy:
     def train_units(self, batch: TextBatch, steps_per_forward: int) -> list[list[int]]:
         return [list(range(batch.completion_ids.shape[1]))]  # one forward covers every token
 
+    def step_mask(self, batch: TextBatch, idx: Tensor, unit: list[int]) -> Tensor:
+        """The completion tokens through the EOS (none of a truncated completion with text.mask_truncated)."""
+        idx = idx.to(batch.completion_mask.device)
+        mask = batch.completion_mask[idx].clone()
+        if self.text.mask_truncated:
+            mask = mask * (~batch.truncated[idx]).float()[:, None]
+        return mask
+
     def unit_log_probs(self, batch: TextBatch, idx: Tensor, unit: list[int], *, with_reference: bool
                        ) -> UnitOutput:
         t = self.text
         idx = idx.to(self.device)
         ids, attn = batch.input_ids[idx], batch.attention_mask[idx]
-        lp, ent = self._forward_log_probs(
-            self.model, ids, attn, batch.prompt_len, t.temperature, with_entropy=self.entropy_coef > 0
-        )
-        mask = batch.completion_mask[idx].clone()
-        if t.mask_truncated:
-            mask = mask * (~batch.truncated[idx]).float()[:, None]
+        with self._checkpointing():
+            lp, ent = self._forward_log_probs(
+                self.model, ids, attn, batch.prompt_len, t.temperature, with_entropy=self.entropy_coef > 0
+            )
+        mask = self.step_mask(batch, idx, unit)
         out = UnitOutput(log_prob=lp, old_log_prob=batch.old_log_probs[idx], mask=mask, entropy=ent)
         if with_reference and not t.kl_in_reward:
             with torch.no_grad(), self.reference() as ref:
