@@ -14,7 +14,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from flowrl.families import ImageModelError, load_image_backend, preflight_image_model, tiny_models  # noqa: E402
+from flowrl.families import (  # noqa: E402
+    ImageModelError,
+    family_names,
+    load_image_backend,
+    preflight_image_model,
+    tiny_models,
+)
 from flowrl.families.sd3 import SD3Backend, tiny_sd3_pipeline  # noqa: E402
 
 torch.set_num_threads(1)
@@ -61,8 +67,8 @@ def test_saved_sd3_passes_preflight_from_its_config_files_alone(sd3_dirs, tmp_pa
     assert preflight_image_model(bare, "sd3", height=64, width=48, drop_t5=True) == "sd3"
     with pytest.raises(ValueError, match=r"a 'sd3' model, not 'flux': pass family='sd3'"):
         preflight_image_model(bare, "flux", height=32, width=32)
-    with pytest.raises(ValueError, match="Valid: flux, sd15, sd3"):
-        preflight_image_model(bare, "sdxl", height=32, width=32)
+    with pytest.raises(ValueError, match=f"Valid: {', '.join(family_names())}"):
+        preflight_image_model(bare, "nosuchfamily", height=32, width=32)
     with pytest.raises(ValueError, match="has no model_index.json: not a diffusers pipeline directory"):
         preflight_image_model(str(tmp_path), height=32, width=32)
     with pytest.raises(ValueError, match="neither a local directory nor a hub id"):
@@ -100,7 +106,7 @@ def test_sizes_are_checked_against_the_multiple_and_the_positional_embedding(sd3
         load_image_backend(full).check_image_size(96, 32)
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux", "sd15"])
+@pytest.mark.parametrize("family", family_names())
 def test_tiny_names_are_known_without_building_them(family):
     name = f"tiny-{family}"
     backend = load_image_backend(name)

@@ -170,7 +170,10 @@ def _vae_scale_factor(read: Callable[[str], dict], model_index: Mapping) -> int:
     """The VAE's downsampling factor as the pipelines compute it (8 without a VAE)."""
     if "vae" not in model_index or "vae" in _null_components(model_index):
         return 8
-    return 2 ** (len(read("vae/config.json")["block_out_channels"]) - 1)
+    config = read("vae/config.json")
+    # AutoencoderKL's block_out_channels; AutoencoderDC's (SANA) encoder_block_out_channels, as SanaPipeline reads it
+    channels = config.get("block_out_channels") or config["encoder_block_out_channels"]
+    return 2 ** (len(channels) - 1)
 
 
 def _checked_backend(source: str, model_index: Mapping, family: str, drop_t5: bool) -> type[ImageBackend]:
