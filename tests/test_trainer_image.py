@@ -257,6 +257,36 @@ def test_two_processes_stay_in_sync(tmp_path):
     assert a.shape == b.shape and np.abs(a - b).max() <= 2
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="gloo multi-process test written for linux")
+def test_two_processes_update_as_one_process_over_the_same_global_batch(tmp_path):
+    """The update of a 2-process run (each process its half of the global batch, gradients averaged over the
+    processes) takes the weights where a 1-process update over the whole batch takes them: 3 optimizer steps, the
+    reference KL on, within 1e-5 relative."""
+    from safetensors.torch import load_file
+
+    extra = ["train.inner_epochs=3", "train.beta=0.05", "train.steps_per_forward=2", "eval.grid=false"]
+    one = Trainer(tiny_cfg(tmp_path / "one", *extra))
+    batch = one.rollout(epoch=0)
+    adv = torch.tensor([1.2, -0.4, 0.3, -1.1, 0.8, -0.9, 0.5, -0.4])
+    torch.save({"traj": batch.traj, "prompts": batch.prompts, "metadata": batch.metadata, "adv": adv},
+               tmp_path / "batch.pt")
+    one.update(batch, adv, torch.ones(8, dtype=torch.bool), epoch=0)
+    assert one.state.optimizer_steps == 3
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    accelerate = Path(sys.executable).parent / "accelerate"
+    cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", str(Path(__file__).parent / "dist_update.py"),
+           str(tmp_path / "batch.pt"), str(tmp_path / "two.safetensors"), *TINY, *extra,
+           f"log.run_dir={tmp_path / 'two'}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "optimizer steps 3" in proc.stdout
+    two = load_file(tmp_path / "two.safetensors")
+    top = max(p.detach().abs().max().item() for p in one.named_params.values())
+    for name, p in one.named_params.items():
+        assert (two[name] - p.detach()).abs().max().item() <= 1e-5 * top, name
+
+
 def test_same_noise_per_group_shares_the_initial_noise(tmp_path):
     tr = Trainer(tiny_cfg(tmp_path, "sample.same_noise_per_group=true"))
     batch = tr.rollout(epoch=0)
