@@ -79,6 +79,12 @@ class Policy(Protocol):
 
     def named_trainable_parameters(self) -> list[tuple[str, torch.nn.Parameter]]: ...
 
+    def wrap_trained(self, prepare: Callable) -> None:
+        """Route the forward passes with grad through `prepare(module)` (accelerate.prepare: DDP), whose backward
+        passes average the gradients over the processes."""
+
+    trained_module: torch.nn.Module  # what those forward passes run through (for accelerate's no_sync)
+
     def trainable_parameters(self) -> list[torch.nn.Parameter]: ...
 
     def rollout(self, prompts: list[str], metadata: list[dict], *, epoch: int,

@@ -143,7 +143,7 @@ class Trainer:
     """Holds the pieces the loop needs; `fit()` is the loop."""
 
     def __init__(self, cfg: Config, accelerator=None):
-        from accelerate import Accelerator
+        from accelerate import Accelerator, DistributedDataParallelKwargs
 
         from .policies import build_policy
 
@@ -153,6 +153,8 @@ class Trainer:
         self.cfg = cfg
         self.acc = accelerator or Accelerator(
             cpu=cfg.model.device == "cpu",
+            # no buffer broadcast on every forward: the rollouts' forward passes run through the wrapper too
+            kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
             log_with=(["tensorboard"] if cfg.log.tensorboard else []) + (["wandb"] if cfg.log.wandb else []) or None,
             project_dir=cfg.log.run_dir)
         self.run_dir = Path(cfg.log.run_dir)
@@ -165,6 +167,8 @@ class Trainer:
         seed_everything(cfg.train.seed)
         device = self.acc.device if cfg.model.device == "auto" else torch.device(cfg.model.device)
         self.policy = build_policy(cfg, device)
+        if self.acc.num_processes > 1:  # DDP: backward passes average the gradients over the processes
+            self.policy.wrap_trained(self.acc.prepare)
         self.params = [p for p in self.policy.trainable_parameters()]
         self.named_params = dict(self.policy.named_trainable_parameters())
         t = cfg.train
@@ -408,27 +412,15 @@ class Trainer:
                 # the loss is a mean over the kept samples; `minibatch` rescales it to a mean over the slot
                 norm = len(idx) / n_slot if t.dropped_norm == "minibatch" else 1.0
                 self.opt.zero_grad(set_to_none=True)
-                mb_stats: dict[str, list] = {}
-                finite = True
-                for unit in units if len(idx) else ():
-                    parts = []
-                    for loss, stats in self.micro_batch_losses(batch, idx, unit, adv, keep):
-                        finite = finite and bool(torch.isfinite(loss))
-                        # each unit's loss is a mean over its steps; weight by its share of all trained steps
-                        (loss * (len(unit) / n_units * norm)).backward()
-                        parts.append(stats)
-                    for k, v in merge_micro_stats(parts).items():
-                        mb_stats.setdefault(k, []).append(v)
-                trained += len(idx) * n_units
                 if not self.any_process(len(idx) > 0):
                     # nothing to learn from anywhere: no optimizer step (AdamW would move the weights on a zero
                     # gradient, by its momentum and weight decay)
                     self.stop_if_asked(epoch, mid_epoch=stepped)
                     continue
-                if not len(idx):  # only this process's slice is empty: it adds zero gradients to the average
-                    for p in self.params:
-                        p.grad = torch.zeros_like(p)
-                grad_norm = self.sync_and_clip()
+                mb_stats, finite = self.minibatch_backward(batch, units, idx, adv, keep, norm,
+                                                           placeholder=perm[mb_start: mb_start + 1])
+                trained += len(idx) * n_units
+                grad_norm = self.clip_gradients()
                 if not math.isfinite(grad_norm) or self.any_process(not finite):
                     self.skip_nonfinite(epoch, grad_norm)
                     skipped += 1
@@ -483,38 +475,69 @@ class Trainer:
         return unit_loss(out, adv, keep, self.cfg.train, self.policy.aggregation, self.policy.entropy_coef,
                          normalizer)
 
-    def micro_batch_losses(self, batch, idx: torch.Tensor, unit: list[int], adv: torch.Tensor, keep: torch.Tensor):
-        """The loss of `unit` for the minibatch's samples `idx`, one micro-batch (train.micro_batch_size samples)
-        at a time: yields (loss, stats) per micro-batch, each loss with the whole minibatch's normalizer, so that
-        their backward passes add up to the minibatch's gradient while only one micro-batch's activations live.
-        The aggregated terms' stats are then parts of a sum (see `merge_micro_stats`)."""
-        t = self.cfg.train
-        micro = t.micro_batch_size
+    def micro_batches(self, batch, idx: torch.Tensor, unit: list[int], keep: torch.Tensor
+                      ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The minibatch's samples `idx` in micro-batches of train.micro_batch_size, each with the normalizer of the
+        whole minibatch's loss for `unit` (None: one micro-batch, its own normalizer is the minibatch's), so that
+        their losses, and gradients, add up to the minibatch's while one micro-batch's activations live."""
+        micro = self.cfg.train.micro_batch_size
+        if not len(idx):
+            return []
         if not micro or micro >= len(idx):
-            out = self.policy.unit_log_probs(batch, idx, unit, with_reference=t.beta > 0)
-            yield self.unit_loss(out, adv[idx], keep[idx])
-            return
+            return [(idx, None)]
         mask = self.policy.step_mask(batch, idx, unit) * keep[idx][:, None].to(torch.float32)        # [b, K]
         normalizer = core.loss_normalizer(mask, self.policy.aggregation, length=mask.shape[-1])
-        for chunk in idx.split(micro):
-            out = self.policy.unit_log_probs(batch, chunk, unit, with_reference=t.beta > 0)
-            yield self.unit_loss(out, adv[chunk], keep[chunk], normalizer.to(out.log_prob.device))
+        return [(chunk, normalizer) for chunk in idx.split(micro)]
+
+    def minibatch_backward(self, batch, units: list[list[int]], idx: torch.Tensor, adv: torch.Tensor,
+                           keep: torch.Tensor, norm: float, placeholder: torch.Tensor) -> tuple[dict, bool]:
+        """Accumulate the minibatch's gradient: the loss of every unit of steps for the samples `idx`, one
+        micro-batch at a time, each weighted by its unit's share of the trained steps (x `norm`). With several
+        processes the passes run through the DDP-wrapped model inside accelerate's `no_sync`, but for the last,
+        whose backward averages the accumulated gradients over the processes; a process whose share is empty
+        (all its samples dropped) runs one pass of weight 0 on `placeholder` to take part in that average.
+        Returns (stats per unit, whether every loss was finite)."""
+        t = self.cfg.train
+        n_units = sum(len(u) for u in units)
+        work = [(u, unit, chunk, normalizer) for u, unit in enumerate(units)
+                for chunk, normalizer in self.micro_batches(batch, idx, unit, keep)]
+        empty = not work
+        if empty:
+            work = [(0, units[0], placeholder, None)]
+        parts: dict[int, list[dict]] = {}
+        finite = True
+        for k, (u, unit, chunk, normalizer) in enumerate(work):
+            last = k == len(work) - 1
+            sync = contextlib.nullcontext() if self.world == 1 or last else self.acc.no_sync(
+                self.policy.trained_module)
+            with sync:
+                out = self.policy.unit_log_probs(batch, chunk, unit, with_reference=t.beta > 0)
+                if normalizer is not None:
+                    normalizer = normalizer.to(out.log_prob.device)
+                loss, stats = self.unit_loss(out, adv[chunk], keep[chunk], normalizer)
+                if empty:  # zero gradients, but through every trained weight: the average needs this process
+                    (loss.nan_to_num() * 0.0).backward()
+                    continue
+                finite = finite and bool(torch.isfinite(loss))
+                # each unit's loss is a mean over its steps; weight by its share of all trained steps
+                (loss * (len(unit) / n_units * norm)).backward()
+            parts.setdefault(u, []).append(stats)
+        mb_stats: dict[str, list] = {}
+        for unit_parts in parts.values():
+            for key, v in merge_micro_stats(unit_parts).items():
+                mb_stats.setdefault(key, []).append(v)
+        return mb_stats, finite
 
     def set_lr(self, slot: int) -> None:
         """The scheduled lr of minibatch slot `slot` (0-based over the whole run)."""
         for g in self.opt.param_groups:
             g["lr"] = self.cfg.train.lr * self.lr_factor(slot)
 
-    def sync_and_clip(self) -> float:
-        """Average gradients over processes (one flat all-reduce), then clip by global norm; returns the norm."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        if self.world > 1:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            flat = self.acc.reduce(flat, reduction="mean")
-            offset = 0
-            for p, g in zip(self.params, grads):
-                p.grad = flat[offset: offset + g.numel()].view_as(p).clone()
-                offset += g.numel()
+    def clip_gradients(self) -> float:
+        """Clip the (process-averaged: DDP did it in the last backward) gradient by global norm; returns the norm."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         max_norm = self.cfg.train.max_grad_norm
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else float("inf"))
         return float(norm)

@@ -340,8 +340,8 @@ def test_dropped_samples_are_not_computed_and_the_update_is_unchanged(tmp_path):
     start = {n: p.detach().clone() for n, p in fast.named_params.items()}
     real_keep = {"keep": keep}
     # the reference: every sample forwarded, the dropped ones masked out of the loss by the real keep
-    masked.unit_loss = lambda out, a, k: unit_loss(out, a, real_keep["keep"][masked_idx[-1]], cfg.train,
-                                                   masked.policy.aggregation, masked.policy.entropy_coef)
+    masked.unit_loss = lambda out, a, k, normalizer=None: unit_loss(
+        out, a, real_keep["keep"][masked_idx[-1]], cfg.train, masked.policy.aggregation, masked.policy.entropy_coef)
     # ... whose minibatches of dropped samples only take no optimizer step (AdamW moves on a zero gradient)
     opt_step = masked.opt.step
 

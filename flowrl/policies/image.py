@@ -88,7 +88,23 @@ class ImagePolicy:
     # ---------------------------------------------------------------------------- parameters
 
     def named_trainable_parameters(self):
-        return [(n, p) for n, p in self.backend.denoiser.named_parameters() if p.requires_grad]
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The trained denoiser itself (inside the DDP wrapper that `wrap_trained` may have put around it)."""
+        den = self.backend.denoiser
+        return den.module if isinstance(den, torch.nn.parallel.DistributedDataParallel) else den
+
+    def wrap_trained(self, prepare) -> None:
+        """Put `prepare(denoiser)` (accelerate's DDP wrapper) where the backend calls the denoiser: forward passes
+        then go through it, and backward passes average the gradients over the processes."""
+        self.backend.denoiser = prepare(self.module)
+
+    @property
+    def trained_module(self) -> torch.nn.Module:
+        """What the forward passes with grad run through (the DDP wrapper when there is one)."""
+        return self.backend.denoiser
 
     def trainable_parameters(self):
         return [p for _, p in self.named_trainable_parameters()]
@@ -146,7 +162,7 @@ class ImagePolicy:
                 m.enable_adapters(True)
 
     def _lora_layers(self) -> list:
-        den = self.backend.denoiser
+        den = self.module
         if getattr(self, "_lora_cache", (None,))[0] is not den:
             from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -312,7 +328,7 @@ class ImagePolicy:
     def export(self, directory: Path) -> None:
         """The trained weights in the format diffusers loads: the LoRA for `pipe.load_lora_weights(dir)`,
         or the full denoiser with `save_pretrained`."""
-        den = self.backend.denoiser
+        den = self.module
         directory = Path(directory)
         if not self.cfg.lora.enabled:
             den.save_pretrained(directory / self.backend.denoiser_attr)
@@ -334,4 +350,4 @@ class ImagePolicy:
         state = load_file(files[0])
         prefix = self.backend.denoiser_attr + "."
         state = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
-        set_peft_model_state_dict(self.backend.denoiser, state)
+        set_peft_model_state_dict(self.module, state)

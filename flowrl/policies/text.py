@@ -80,6 +80,7 @@ class TextPolicy:
                 self.ref_copy = copy.deepcopy(model).eval()
             model.requires_grad_(True)
         self.model = model
+        self.train_model = model  # forward passes with grad run through it: a DDP wrapper after `wrap_trained`
         self.checkpointing = cfg.train.gradient_checkpointing
         if self.checkpointing:
             # transformers recomputes layers only in train mode: dropout is zeroed so that train mode changes
@@ -106,6 +107,15 @@ class TextPolicy:
 
     def trainable_parameters(self):
         return [p for _, p in self.named_trainable_parameters()]
+
+    def wrap_trained(self, prepare) -> None:
+        """Run the forward passes with grad through `prepare(model)` (accelerate's DDP wrapper), so that backward
+        passes average the gradients over the processes; generation and the reference use the model itself."""
+        self.train_model = prepare(self.model)
+
+    @property
+    def trained_module(self) -> torch.nn.Module:
+        return self.train_model
 
     @contextlib.contextmanager
     def _checkpointing(self):
@@ -275,7 +285,7 @@ class TextPolicy:
         ids, attn = batch.input_ids[idx], batch.attention_mask[idx]
         with self._checkpointing():
             lp, ent = self._forward_log_probs(
-                self.model, ids, attn, batch.prompt_len, t.temperature, with_entropy=self.entropy_coef > 0
+                self.train_model, ids, attn, batch.prompt_len, t.temperature, with_entropy=self.entropy_coef > 0
             )
         mask = self.step_mask(batch, idx, unit)
         out = UnitOutput(log_prob=lp, old_log_prob=batch.old_log_probs[idx], mask=mask, entropy=ent)
