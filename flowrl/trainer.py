@@ -475,19 +475,30 @@ class Trainer:
         return unit_loss(out, adv, keep, self.cfg.train, self.policy.aggregation, self.policy.entropy_coef,
                          normalizer)
 
-    def micro_batches(self, batch, idx: torch.Tensor, unit: list[int], keep: torch.Tensor
-                      ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """The minibatch's samples `idx` in micro-batches of train.micro_batch_size, each with the normalizer of the
-        whole minibatch's loss for `unit` (None: one micro-batch, its own normalizer is the minibatch's), so that
-        their losses, and gradients, add up to the minibatch's while one micro-batch's activations live."""
+    def minibatch_normalizer(self, batch, idx: torch.Tensor, unit: list[int], keep: torch.Tensor
+                             ) -> torch.Tensor | None:
+        """What this process's loss of `unit` divides by so that the minibatch's loss is the same whatever the number
+        of processes and micro-batches: the aggregation's normalizer of the whole minibatch (over every process:
+        the counts summed, e.g. kept samples or tokens), divided by the number of processes (DDP averages the
+        gradients). None: one process and one micro-batch, where each loss's own normalizer is that."""
+        micro = self.cfg.train.micro_batch_size
+        if self.world == 1 and (not micro or micro >= len(idx)):
+            return None
+        mask = self.policy.step_mask(batch, idx, unit) * keep[idx][:, None].to(torch.float32)        # [b, K]
+        mode, length = self.policy.aggregation, mask.shape[-1]
+        if self.world == 1:
+            return core.loss_normalizer(mask, mode, length=length)
+        count = core.loss_normalizer(mask, mode, length=length, clamp=False)
+        if mode != "seq-mean-token-sum-norm":  # a count: summed over the processes (every process calls this)
+            count = self.acc.reduce(count.reshape(1).to(self.acc.device), reduction="sum").cpu()[0].clamp(min=1)
+        return count / self.world
+
+    def micro_batches(self, idx: torch.Tensor) -> list[torch.Tensor]:
+        """The minibatch's samples `idx` in micro-batches of train.micro_batch_size (one when it is 0)."""
         micro = self.cfg.train.micro_batch_size
         if not len(idx):
             return []
-        if not micro or micro >= len(idx):
-            return [(idx, None)]
-        mask = self.policy.step_mask(batch, idx, unit) * keep[idx][:, None].to(torch.float32)        # [b, K]
-        normalizer = core.loss_normalizer(mask, self.policy.aggregation, length=mask.shape[-1])
-        return [(chunk, normalizer) for chunk in idx.split(micro)]
+        return list(idx.split(micro)) if micro and micro < len(idx) else [idx]
 
     def minibatch_backward(self, batch, units: list[list[int]], idx: torch.Tensor, adv: torch.Tensor,
                            keep: torch.Tensor, norm: float, placeholder: torch.Tensor) -> tuple[dict, bool]:
@@ -499,8 +510,8 @@ class Trainer:
         Returns (stats per unit, whether every loss was finite)."""
         t = self.cfg.train
         n_units = sum(len(u) for u in units)
-        work = [(u, unit, chunk, normalizer) for u, unit in enumerate(units)
-                for chunk, normalizer in self.micro_batches(batch, idx, unit, keep)]
+        normalizers = [self.minibatch_normalizer(batch, idx, unit, keep) for unit in units]
+        work = [(u, unit, chunk, normalizers[u]) for u, unit in enumerate(units) for chunk in self.micro_batches(idx)]
         empty = not work
         if empty:
             work = [(0, units[0], placeholder, None)]

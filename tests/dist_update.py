@@ -19,10 +19,11 @@ rows = list(range(rank * n, rank * n + n))
 traj = saved["traj"].select(rows)
 batch = ImageBatch(traj=traj, prompts=[saved["prompts"][i] for i in rows],
                    metadata=[saved["metadata"][i] for i in rows], images=[])
-metrics = tr.update(batch, saved["adv"][rows], torch.ones(n, dtype=torch.bool), epoch=0)
+keep = saved.get("keep", torch.ones(len(saved["adv"]), dtype=torch.bool))[rows]
+metrics = tr.update(batch, saved["adv"][rows], keep, epoch=0)
 if tr.main:
     save_file({k: v.detach().contiguous() for k, v in tr.named_params.items()}, out_file)
-    print("optimizer steps", tr.state.optimizer_steps, "ratio_first_dev", metrics["policy/ratio_first_dev"])
+    print("optimizer steps", tr.state.optimizer_steps, "ratio_first_dev", metrics.get("policy/ratio_first_dev"))
 tr.acc.wait_for_everyone()
 if torch.distributed.is_initialized():
     torch.distributed.destroy_process_group()

@@ -19,7 +19,8 @@ def minibatch_grads(tr, batch, adv) -> list[torch.Tensor]:
     n = sum(len(u) for u in units)
     idx, keep = torch.arange(len(adv)), torch.ones(len(adv), dtype=torch.bool)
     for unit in units:
-        for chunk, normalizer in tr.micro_batches(batch, idx, unit, keep):
+        normalizer = tr.minibatch_normalizer(batch, idx, unit, keep)
+        for chunk in tr.micro_batches(idx):
             out = tr.policy.unit_log_probs(batch, chunk, unit, with_reference=tr.cfg.train.beta > 0)
             loss, _ = tr.unit_loss(out, adv[chunk], keep[chunk], normalizer)
             (loss * (len(unit) / n)).backward()

@@ -258,19 +258,23 @@ def test_two_processes_stay_in_sync(tmp_path):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo multi-process test written for linux")
-def test_two_processes_update_as_one_process_over_the_same_global_batch(tmp_path):
+@pytest.mark.parametrize("dropped", [False, True])
+def test_two_processes_update_as_one_process_over_the_same_global_batch(tmp_path, dropped):
     """The update of a 2-process run (each process its half of the global batch, gradients averaged over the
     processes) takes the weights where a 1-process update over the whole batch takes them: 3 optimizer steps, the
-    reference KL on, within 1e-5 relative."""
+    reference KL on, within 1e-5 relative. `dropped`: the second process's samples and one of the first's are left
+    out of the loss (zero-advantage groups): the loss is still the mean over the kept samples of the whole batch,
+    the second process taking part in the gradient average with nothing to add."""
     from safetensors.torch import load_file
 
     extra = ["train.inner_epochs=3", "train.beta=0.05", "train.steps_per_forward=2", "eval.grid=false"]
     one = Trainer(tiny_cfg(tmp_path / "one", *extra))
     batch = one.rollout(epoch=0)
     adv = torch.tensor([1.2, -0.4, 0.3, -1.1, 0.8, -0.9, 0.5, -0.4])
-    torch.save({"traj": batch.traj, "prompts": batch.prompts, "metadata": batch.metadata, "adv": adv},
-               tmp_path / "batch.pt")
-    one.update(batch, adv, torch.ones(8, dtype=torch.bool), epoch=0)
+    keep = torch.tensor([True, True, False, True] + [not dropped] * 4)
+    torch.save({"traj": batch.traj, "prompts": batch.prompts, "metadata": batch.metadata, "adv": adv,
+                "keep": keep}, tmp_path / "batch.pt")
+    one.update(batch, adv, keep, epoch=0)
     assert one.state.optimizer_steps == 3
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     accelerate = Path(sys.executable).parent / "accelerate"

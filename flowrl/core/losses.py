@@ -194,18 +194,20 @@ def loss_numerator(loss: Tensor, mask: Tensor, mode: str = "token-mean", horizon
 
 
 def loss_normalizer(mask: Tensor, mode: str = "token-mean", horizon: int | None = None, *,
-                    length: int | None = None) -> Tensor:
+                    length: int | None = None, clamp: bool = True) -> Tensor:
     """What `aggregate_loss` divides the numerator by, from the mask [B, T] alone (so that it can be computed for a
     whole minibatch before its micro-batches run): the number of masked elements (token-mean), of non-empty rows
     (the seq-mean modes), or the constant T (seq-mean-token-sum-norm: `horizon`, else `length`, else T).
-    Counts are clamped to at least 1 (an all-masked batch aggregates to 0, not NaN)."""
+    Counts are clamped to at least 1 (an all-masked batch aggregates to 0, not NaN); `clamp=False` leaves them as
+    they are, to be summed over processes first."""
     m = mask.to(torch.float64 if mask.dtype == torch.float64 else torch.float32)
     if m.ndim == 1:
         m = m.unsqueeze(-1)
+    low = 1 if clamp else 0
     if mode == "token-mean":
-        return m.sum().clamp(min=1)
+        return m.sum().clamp(min=low)
     if mode == "seq-mean-token-sum-norm":
         return m.new_tensor(float(horizon if horizon is not None else (length or m.shape[-1])))
     if mode in ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-max-len"):
-        return (m.sum(-1) > 0).sum().to(m.dtype).clamp(min=1)
+        return (m.sum(-1) > 0).sum().to(m.dtype).clamp(min=low)
     raise ValueError(f"unknown loss aggregation mode {mode!r}; valid: {', '.join(AGGREGATION_MODES)}")
