@@ -48,3 +48,14 @@ def test_a_hub_preset_fails_at_once_offline_naming_the_model(preset, tmp_path, m
     err = capsys.readouterr().err.strip()
     assert rc == 1 and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert model in err and "HF_HUB_OFFLINE" in err, err
+
+
+def test_the_accelerate_configs_are_valid_accelerate_configs():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    files = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))
+    assert {f.stem for f in files} >= {"ddp_8gpu", "multinode_2x8gpu", "cpu_2proc"}
+    for f in files:
+        cfg = load_config_from_file(str(f))
+        assert cfg.distributed_type.value == "MULTI_GPU" and cfg.num_processes >= 2, f
+        assert cfg.num_processes % cfg.num_machines == 0, f

@@ -227,8 +227,8 @@ def test_two_processes_stay_in_sync(tmp_path):
     are averaged, and both ranks end with the same weights."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     accelerate = Path(sys.executable).parent / "accelerate"
-    cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "flowrl", "train", *TINY,
+    config = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "cpu_2proc.yaml"  # the shipped one
+    cmd = [str(accelerate), "launch", "--config_file", str(config), "-m", "flowrl", "train", *TINY,
            "train.epochs=1", "sample.prompts_per_epoch=3", "sample.group_size=2", "eval.num_prompts=3",
            "eval.images_per_prompt=2", f"log.run_dir={tmp_path}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
