@@ -61,8 +61,9 @@ def _pipe_latents(backend, latents, num_steps, guidance_scale):
         captured.append(tensors["latents"].clone())
         return {}
 
-    backend.pipe(list(PROMPTS), num_images_per_prompt=2, num_inference_steps=num_steps, height=SIZE, width=SIZE,
-                 latents=latents.clone(), callback_on_step_end=keep, callback_on_step_end_tensor_inputs=["latents"],
+    backend.pipe(prompt=list(PROMPTS), num_images_per_prompt=2, num_inference_steps=num_steps, height=SIZE,
+                 width=SIZE, latents=backend.pipeline_latents(latents.clone(), SIZE, SIZE),
+                 callback_on_step_end=keep, callback_on_step_end_tensor_inputs=["latents"],
                  output_type="latent", **backend.pipeline_call_kwargs(guidance_scale))
     return torch.stack(captured, dim=1)
 

@@ -167,6 +167,12 @@ class ImageBackend:
             kwargs["max_sequence_length"] = self.max_sequence_length
         return kwargs
 
+    def pipeline_latents(self, latents: Tensor, height: int, width: int) -> Tensor:
+        """Initial latents [B, ...] of a rollout (the denoiser's layout) as the pipeline's `pipe(latents=...)`
+        takes them, for sampling the same images with diffusers (the denoising loop's own latents, which
+        callbacks see, are in the denoiser's layout). The same tensor unless the pipeline packs its input."""
+        return latents
+
     @classmethod
     def export_lora(cls, pipeline_class, directory, state: dict, metadata: dict) -> None:
         """Write a trained LoRA (peft state dict of the denoiser, and its adapter config) in the format the
