@@ -171,6 +171,8 @@ def _vae_scale_factor(read: Callable[[str], dict], model_index: Mapping) -> int:
     if "vae" not in model_index or "vae" in _null_components(model_index):
         return 8
     config = read("vae/config.json")
+    if "temperal_downsample" in config:  # AutoencoderKLQwenImage: 2 ** len(temperal_downsample), as QwenImagePipeline
+        return 2 ** len(config["temperal_downsample"])
     # AutoencoderKL's block_out_channels; AutoencoderDC's (SANA) encoder_block_out_channels, as SanaPipeline reads it
     channels = config.get("block_out_channels") or config["encoder_block_out_channels"]
     return 2 ** (len(channels) - 1)
