@@ -156,6 +156,11 @@ class TrainConfig:
     """Samples per forward and backward pass (0 = the whole minibatch): the minibatch is split into micro-batches
     whose losses (with the minibatch's normalizer) add up to its loss, and takes one optimizer step. Memory of the
     update's activations scales with it; the gradient does not change."""
+    sharding: Literal["none", "fsdp"] = "none"
+    """With several processes: `none` = DDP (every process holds the whole model; the gradients are averaged);
+    `fsdp` = FSDP2 (torch's fully_shard on every block and on the denoiser): its weights, the LoRA's gradients
+    and optimizer states are sharded over the processes, each block gathered for its forward. Image backend and
+    LoRA only for now."""
     gradient_checkpointing: bool = False
     """Recompute the trained model's activations in the backward pass instead of keeping them (diffusers'
     enable_gradient_checkpointing for the denoiser, transformers' for a causal LM): less memory, ~30% more time,
@@ -819,6 +824,9 @@ def validate(cfg: Config) -> None:
                         "to train on; give at least one reward a non-zero weight (weight 0 = report only)")
     if cfg.backend == "image":
         problems.extend(_family_problems(cfg))
+    if t.sharding == "fsdp" and (cfg.backend != "image" or not cfg.lora.enabled):
+        problems.append("train.sharding=fsdp is for the image backend with a LoRA (lora.enabled=true) for now; "
+                        "use train.sharding=none (DDP)")
     if t.step_weighting == "ratio_norm" and s.sde_type not in ("auto", "sde", "dance"):
         problems.append("train.step_weighting=ratio_norm needs a Gaussian SDE step (sample.sde_type sde or dance)")
     from .core import ADVANTAGE_ESTIMATORS, POLICY_LOSSES

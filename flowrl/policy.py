@@ -20,6 +20,11 @@ from torch import Tensor
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def full_tensor(t: Tensor) -> Tensor:
+    """A DTensor shard's whole tensor (a collective: every process calls it; FSDP2), any other tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 @dataclass
 class UnitOutput:
     """One unit of steps of a minibatch of b samples, K steps (denoising steps or tokens)."""
@@ -84,6 +89,7 @@ class Policy(Protocol):
         passes average the gradients over the processes."""
 
     trained_module: torch.nn.Module  # what those forward passes run through (for accelerate's no_sync)
+    sharded: bool         # FSDP2: its weights are DTensor shards (`shard()`), gathered to be saved
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]: ...
 

@@ -23,6 +23,7 @@ from . import core, rundir
 from .checkpoint import remove_temporary, resolve_resume, set_rng_state, write_checkpoint
 from .config import Config, to_dict
 from .errors import CheckpointError, Interrupted, NonFiniteError
+from .policy import full_tensor
 from .preflight import preflight
 from .seeding import derive_seed, seed_everything
 from .train_utils import EMA, MetricsLog, Timer, eval_plan, eval_summary, lr_lambda, read_metrics
@@ -167,7 +168,9 @@ class Trainer:
         seed_everything(cfg.train.seed)
         device = self.acc.device if cfg.model.device == "auto" else torch.device(cfg.model.device)
         self.policy = build_policy(cfg, device)
-        if self.acc.num_processes > 1:  # DDP: backward passes average the gradients over the processes
+        if self.acc.num_processes > 1 and cfg.train.sharding == "fsdp":  # FSDP2: sharded over the processes
+            self.policy.shard()
+        elif self.acc.num_processes > 1:  # DDP: backward passes average the gradients over the processes
             self.policy.wrap_trained(self.acc.prepare)
         self.params = [p for p in self.policy.trainable_parameters()]
         self.named_params = dict(self.policy.named_trainable_parameters())
@@ -273,7 +276,7 @@ class Trainer:
                 plot_curves(self.run_dir, title=f"{cfg.model.path}: {headline}" if headline else None)
                 if cfg.eval.before:  # else an eval-epoch000000.png here would be an earlier run's
                     write_before_after(self.run_dir, rows, headline)
-        if self.world > 1:
+        if self.world > 1 and not self.policy.sharded:  # (sharded weights differ by design)
             last["dist/replica_max_abs_diff"] = self.replica_divergence()
             self.log.log({"dist/replica_max_abs_diff": last["dist/replica_max_abs_diff"]}, step=self.state.epochs_done)
         self.acc.wait_for_everyone()
@@ -506,27 +509,28 @@ class Trainer:
         micro-batch at a time, each weighted by its unit's share of the trained steps (x `norm`). With several
         processes the passes run through the DDP-wrapped model inside accelerate's `no_sync`, but for the last,
         whose backward averages the accumulated gradients over the processes; a process whose share is empty
-        (all its samples dropped) runs one pass of weight 0 on `placeholder` to take part in that average.
+        (all its samples dropped) runs one pass of weight 0 on `placeholder` to take part in that average (when
+        sharded, as many as the busiest process runs).
         Returns (stats per unit, whether every loss was finite)."""
         t = self.cfg.train
         n_units = sum(len(u) for u in units)
         normalizers = [self.minibatch_normalizer(batch, idx, unit, keep) for unit in units]
         work = [(u, unit, chunk, normalizers[u]) for u, unit in enumerate(units) for chunk in self.micro_batches(idx)]
-        empty = not work
-        if empty:
-            work = [(0, units[0], placeholder, None)]
+        n_real = len(work)
+        # every process makes the same number of passes when sharded (each forward gathers the weights: a
+        # collective), else at least one (its backward takes part in the gradient average): placeholders of weight 0
+        n_passes = self.max_over_processes(n_real) if self.policy.sharded else max(n_real, 1)
+        work += [(0, units[0], placeholder, None)] * (n_passes - n_real)
         parts: dict[int, list[dict]] = {}
         finite = True
         for k, (u, unit, chunk, normalizer) in enumerate(work):
             last = k == len(work) - 1
-            sync = contextlib.nullcontext() if self.world == 1 or last else self.acc.no_sync(
-                self.policy.trained_module)
-            with sync:
+            with self.gradient_sync(last):
                 out = self.policy.unit_log_probs(batch, chunk, unit, with_reference=t.beta > 0)
                 if normalizer is not None:
                     normalizer = normalizer.to(out.log_prob.device)
                 loss, stats = self.unit_loss(out, adv[chunk], keep[chunk], normalizer)
-                if empty:  # zero gradients, but through every trained weight: the average needs this process
+                if k >= n_real:  # zero gradients, but through every trained weight
                     (loss.nan_to_num() * 0.0).backward()
                     continue
                 finite = finite and bool(torch.isfinite(loss))
@@ -544,6 +548,17 @@ class Trainer:
         for g in self.opt.param_groups:
             g["lr"] = self.cfg.train.lr * self.lr_factor(slot)
 
+    def gradient_sync(self, sync: bool):
+        """A context for one forward/backward pass of a minibatch: with several processes, gradients are averaged
+        (DDP) or reduce-scattered (FSDP) only in the pass with `sync`, the minibatch's last (accelerate's no_sync
+        for DDP; FSDP2's set_requires_gradient_sync)."""
+        if self.world == 1:
+            return contextlib.nullcontext()
+        if self.policy.sharded:
+            self.policy.trained_module.set_requires_gradient_sync(sync)
+            return contextlib.nullcontext()
+        return contextlib.nullcontext() if sync else self.acc.no_sync(self.policy.trained_module)
+
     def clip_gradients(self) -> float:
         """Clip the (process-averaged: DDP did it in the last backward) gradient by global norm; returns the norm."""
         for p in self.params:
@@ -551,7 +566,13 @@ class Trainer:
                 p.grad = torch.zeros_like(p)
         max_norm = self.cfg.train.max_grad_norm
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else float("inf"))
-        return float(norm)
+        return float(full_tensor(norm))
+
+    def max_over_processes(self, n: int) -> int:
+        """The largest `n` of all processes (a collective: every process must call it)."""
+        if self.world == 1:
+            return n
+        return int(self.acc.reduce(torch.tensor([float(n)], device=self.acc.device), reduction="max").item())
 
     def any_process(self, flag: bool) -> bool:
         """True when `flag` holds on some process (a collective: every process must call it)."""
@@ -618,16 +639,18 @@ class Trainer:
         and draws the grid."""
         cfg = self.cfg
         prompts, meta, eval_cfg = eval_plan(self.eval_set, cfg.eval)
-        share = -(-len(prompts) // self.world)
-        part = slice(min(len(prompts), self.acc.process_index * share),
-                     min(len(prompts), (self.acc.process_index + 1) * share))
+        # sharded weights: every forward pass is a collective, so every process samples every prompt
+        world = 1 if self.policy.sharded else self.world
+        share = -(-len(prompts) // world)
+        rank = 0 if world == 1 else self.acc.process_index
+        part = slice(min(len(prompts), rank * share), min(len(prompts), (rank + 1) * share))
         ctx = self.ema.applied() if self.ema is not None else contextlib.nullcontext()
         with ctx:
             outputs, per_reward, components = self.policy.evaluate_prompts(prompts, meta, self.rewards, eval_cfg,
                                                                            part=part)
         scores = {spec.name: vals for spec, vals in zip(cfg.rewards, per_reward)}
         scores.update(components)
-        if self.world > 1:
+        if world > 1:
             from accelerate.utils import gather_object
 
             shares = gather_object([(outputs, {k: v.cpu() for k, v in scores.items()})])
@@ -661,24 +684,38 @@ class Trainer:
                 tracker.log({f"eval/{tag}": wandb.Image(grid)}, step=step)
 
     def save(self) -> Path | None:
+        """Write a checkpoint (main process). Sharded weights are gathered first, by every process."""
         path = None
+        sharded = self.policy.sharded
+        if sharded:  # collectives: every process takes part, the main one writes
+            trainable = {n: full_tensor(p.detach()) for n, p in self.named_params.items()}
+            optimizer = {"state": {k: {s: full_tensor(v) if torch.is_tensor(v) else v for s, v in st.items()}
+                                   for k, st in self.opt.state_dict()["state"].items()},
+                         "param_groups": self.opt.state_dict()["param_groups"]}
+            ema = {n: full_tensor(v) for n, v in self.ema.state_dict().items()} if self.ema else None
+            with self.ema.applied() if self.ema else contextlib.nullcontext():
+                lora = self.policy.lora_state()
         if self.main:
             st = {"counters": vars(self.state),
                   "tracker": self.tracker.state_dict() if self.tracker else None, "config": to_dict(self.cfg)}
             extra = {}
             if self.policy.can_export:
-                if self.ema is not None:
+                if sharded:
+                    def export(p):
+                        self.policy.export(p, lora_state=lora)
+                elif self.ema is not None:
                     def export(p):
                         with self.ema.applied():
                             self.policy.export(p)
                 else:
                     export = self.policy.export
                 extra["lora" if self.cfg.lora.enabled else "model"] = export
-            path = write_checkpoint(
-                self.run_dir, self.state.epochs_done,
-                trainable={n: p for n, p in self.named_params.items()},
-                optimizer=self.opt.state_dict(), ema=self.ema.state_dict() if self.ema else None,
-                state=st, extra_dirs=extra, keep=self.cfg.checkpoint.keep)
+            if not sharded:
+                trainable = dict(self.named_params)
+                optimizer = self.opt.state_dict()
+                ema = self.ema.state_dict() if self.ema else None
+            path = write_checkpoint(self.run_dir, self.state.epochs_done, trainable=trainable, optimizer=optimizer,
+                                    ema=ema, state=st, extra_dirs=extra, keep=self.cfg.checkpoint.keep)
         self.acc.wait_for_everyone()
         return path
 
@@ -700,18 +737,30 @@ class Trainer:
                                   "or LoRA config?)")
         with torch.no_grad():
             for n, p in self.named_params.items():
-                p.copy_(ck["trainable"][n].to(p.dtype))
+                p.copy_(like(ck["trainable"][n].to(p.dtype), p))
         if "optimizer" in ck:
-            self.opt.load_state_dict(ck["optimizer"])
+            params = [p for group in self.opt.param_groups for p in group["params"]]
+            state = {k: {s: like(v, params[int(k)]) if torch.is_tensor(v) and v.ndim else v for s, v in st.items()}
+                     for k, st in ck["optimizer"]["state"].items()}
+            self.opt.load_state_dict({"state": state, "param_groups": ck["optimizer"]["param_groups"]})
         st = ck["state"]
         if self.ema is not None and "ema" in ck:
-            self.ema.load_state_dict(ck["ema"])
+            self.ema.load_state_dict({n: like(v, self.named_params[n]) for n, v in ck["ema"].items()})
         if self.tracker is not None and st.get("tracker"):
             self.tracker.load_state_dict(st["tracker"])
         self.state = State(**st["counters"])
         set_rng_state(ck["rng_tensors"], st["rng"])
         if self.main:
             print(f"resumed from {path} after {self.state.epochs_done} epochs")
+
+
+def like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A whole tensor laid out as `param` is: this process's shard when `param` is a DTensor (FSDP2)."""
+    if hasattr(param, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+    return value
 
 
 def adv_metrics(adv: torch.Tensor, keep: torch.Tensor) -> dict:

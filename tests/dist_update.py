@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from flowrl.config import load_config
-from flowrl.policy import ImageBatch
+from flowrl.policy import ImageBatch, full_tensor
 from flowrl.trainer import Trainer
 
 torch.set_num_threads(1)
@@ -21,8 +21,9 @@ batch = ImageBatch(traj=traj, prompts=[saved["prompts"][i] for i in rows],
                    metadata=[saved["metadata"][i] for i in rows], images=[])
 keep = saved.get("keep", torch.ones(len(saved["adv"]), dtype=torch.bool))[rows]
 metrics = tr.update(batch, saved["adv"][rows], keep, epoch=0)
+weights = {k: full_tensor(v.detach()).contiguous() for k, v in tr.named_params.items()}  # every process: FSDP
 if tr.main:
-    save_file({k: v.detach().contiguous() for k, v in tr.named_params.items()}, out_file)
+    save_file(weights, out_file)
     print("optimizer steps", tr.state.optimizer_steps, "ratio_first_dev", metrics.get("policy/ratio_first_dev"))
 tr.acc.wait_for_everyone()
 if torch.distributed.is_initialized():

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from flowrl import core
-from flowrl.policy import DTYPES, ImageBatch, UnitOutput
+from flowrl.policy import DTYPES, ImageBatch, UnitOutput, full_tensor
 from flowrl.seeding import derive_seed
 
 
@@ -19,6 +19,7 @@ class ImagePolicy:
     reward_kind = "image"
     aggregation = "token-mean"  # the mean over samples and trained steps, as Flow-GRPO / DDPO
     can_export = True
+    sharded = False  # FSDP2 (see `shard`)
     entropy_coef = 0.0
 
     def __init__(self, cfg, device):
@@ -106,6 +107,28 @@ class ImagePolicy:
         """What the forward passes with grad run through (the DDP wrapper when there is one)."""
         return self.backend.denoiser
 
+    def shard(self) -> None:
+        """FSDP2 over the processes: torch's `fully_shard` on every block of the denoiser (its classes are the
+        model's `_no_split_modules`), innermost first, then on the denoiser. Its parameters become DTensor shards;
+        each block is gathered for its forward and its gradients reduce-scattered in the backward."""
+        from torch.distributed.fsdp import fully_shard
+
+        den = self.module
+        blocks = set(getattr(den, "_no_split_modules", None) or ())
+        for module in reversed(list(den.modules())):
+            if module is not den and type(module).__name__ in blocks:
+                fully_shard(module)
+        fully_shard(den)
+        self.sharded = True
+
+    def lora_state(self) -> dict[str, Tensor]:
+        """The LoRA's weights (peft names) as whole tensors on the CPU: gathered from every process when sharded
+        (a collective: every process calls it)."""
+        from peft.utils import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(self.module)
+        return {k: full_tensor(v).detach().cpu().contiguous() for k, v in state.items()}
+
     def trainable_parameters(self):
         return [p for _, p in self.named_trainable_parameters()]
 
@@ -139,7 +162,7 @@ class ImagePolicy:
         so nothing drifts. Without a plain LoRA (no adapter, DoRA, dropout) it changes nothing."""
         from peft.tuners.lora.layer import Linear as LoraLinear
 
-        layers = self._lora_layers() if self.cfg.lora.enabled and self.ref_copy is None else []
+        layers = self._lora_layers() if self.cfg.lora.enabled and self.ref_copy is None and not self.sharded else []
         # plain LoRA layers, active (not inside `reference()`), and a pass without gradient; else as it is
         if (not layers or self.cfg.lora.dropout > 0 or torch.is_grad_enabled()
                 or not all(isinstance(m, LoraLinear) and not m.merged and not m.disable_adapters
@@ -325,17 +348,16 @@ class ImagePolicy:
         tmp.replace(path)
         return path
 
-    def export(self, directory: Path) -> None:
+    def export(self, directory: Path, lora_state: dict[str, Tensor] | None = None) -> None:
         """The trained weights in the format diffusers loads: the LoRA for `pipe.load_lora_weights(dir)`,
-        or the full denoiser with `save_pretrained`."""
+        or the full denoiser with `save_pretrained`. `lora_state`: the LoRA's weights already gathered
+        (`lora_state()`, which a sharded policy needs every process to call)."""
         den = self.module
         directory = Path(directory)
         if not self.cfg.lora.enabled:
             den.save_pretrained(directory / self.backend.denoiser_attr)
             return
-        from peft.utils import get_peft_model_state_dict
-
-        state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(den).items()}
+        state = lora_state if lora_state is not None else self.lora_state()
         # the adapter's config (rank, alpha, targets) travels with the weights, so alpha / r is restored
         metadata = den.peft_config["default"].to_dict()
         self.backend.export_lora(type(self.backend.pipe), directory, state, metadata)

@@ -38,6 +38,7 @@ def completion_mask_from_ids(completion_ids: Tensor, eos_token_id: int) -> tuple
 class TextPolicy:
     reward_kind = "text"
     can_export = True
+    sharded = False  # FSDP is image-only for now
 
     def __init__(self, cfg, device):
         from transformers import AutoModelForCausalLM, AutoTokenizer
