@@ -112,6 +112,30 @@ class Schedule:
         return cls(move(traj.timesteps), move(traj.sigmas), move(traj.alphas_cumprod), move(traj.alphas_cumprod_prev))
 
 
+def encode_prompt_per_prompt(pipe) -> None:
+    """Make `pipe.encode_prompt` give each image its own prompt's encodings: it encodes once per prompt and repeats
+    every output per prompt. SanaPipeline's and QwenImagePipeline's (as of diffusers 0.42.1) repeat the embeddings
+    per prompt ([p0, p0, p1, p1]) but the attention masks per batch ([m0, m1, m0, m1]), so with several prompts
+    and num_images_per_prompt > 1 an image attends through another prompt's padding mask; with this, `pipe(...)`
+    conditions every image as a rollout does (correct whether or not diffusers fixes it). Applied once."""
+    import inspect
+
+    encode = pipe.encode_prompt
+    if getattr(encode, "_flowrl_per_prompt", False):
+        return
+    signature = inspect.signature(encode)
+
+    def encode_prompt(*args, **kwargs):
+        arguments = signature.bind(*args, **kwargs).arguments
+        n = arguments.pop("num_images_per_prompt", 1) or 1
+        out = encode(**arguments, num_images_per_prompt=1)
+        return tuple(t if t is None else t.repeat_interleave(n, dim=0) for t in out)
+
+    encode_prompt._flowrl_per_prompt = True
+    encode_prompt.__doc__ = encode.__doc__
+    pipe.encode_prompt = encode_prompt
+
+
 def register_family(cls: type[ImageBackend]) -> type[ImageBackend]:
     """Class decorator: register a family's backend under its `family` name (what `model.family` takes)."""
     return FAMILIES.register(cls.family)(cls)

@@ -10,7 +10,7 @@ What differs from SD3 / FLUX, all mirrored from `QwenImagePipeline.__call__`:
   prompt's length) and `prompt_embeds_mask` [P, max_sequence_length], and cut back before the transformer to the
   longest prompt of the rows it runs on; the mask is left out (None) when those rows are all full, as
   `encode_prompt` does. Its encode_prompt pairs each prompt's embeddings with another prompt's mask when
-  num_images_per_prompt > 1: the backend makes it repeat the masks per prompt (see `per_prompt_masks`);
+  num_images_per_prompt > 1: the backend makes it repeat the masks per prompt (see `encode_prompt_per_prompt`);
 - true CFG: a second forward with the negative prompt's encoding (Flow-GRPO's and the model card's " "), then
   `neg + g (cond - neg)` rescaled per token to the norm of the conditional prediction (over the packed channels),
   on when g > 1. The guidance scale here is the pipeline's `true_cfg_scale` (its `guidance_scale` is for
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from . import _tiny as tiny
-from ._base import SizeRule, register_family
+from ._base import SizeRule, encode_prompt_per_prompt, register_family
 from ._flow import FlowMatchingBackend
 
 # QwenImagePipeline packs the latents in 2x2 patches whatever the transformer's patch_size says
@@ -138,33 +138,6 @@ def _tiny_text_encoder(tokenizer):
     return Qwen2_5_VLForConditionalGeneration(config)
 
 
-def per_prompt_masks(pipe) -> None:
-    """Make `pipe.encode_prompt` give each image its own prompt's mask.
-
-    QwenImagePipeline.encode_prompt (as of diffusers 0.42.1) repeats the prompt embeddings per prompt
-    ([p0, p0, p1, p1]) but their masks per batch ([m0, m1, m0, m1]: `mask.repeat(1, n, 1).view(B * n, L)`): with
-    prompts of different lengths and num_images_per_prompt > 1, an image attends through another prompt's padding
-    mask. Here encode_prompt encodes once per prompt and repeats both outputs per prompt, so that `pipe(...)`
-    conditions every image as a rollout does (correct whether or not diffusers fixes it). Applied once per
-    pipeline."""
-    import inspect
-
-    encode = pipe.encode_prompt
-    if getattr(encode, "_flowrl_per_prompt_masks", False):
-        return
-    signature = inspect.signature(encode)
-
-    def encode_prompt(*args, **kwargs):
-        arguments = signature.bind(*args, **kwargs).arguments
-        n = arguments.pop("num_images_per_prompt", 1) or 1
-        out = encode(**arguments, num_images_per_prompt=1)
-        return tuple(t if t is None else t.repeat_interleave(n, dim=0) for t in out)
-
-    encode_prompt._flowrl_per_prompt_masks = True
-    encode_prompt.__doc__ = encode.__doc__
-    pipe.encode_prompt = encode_prompt
-
-
 @register_family
 class QwenImageBackend(FlowMatchingBackend):
     """QwenImagePipeline (Qwen/Qwen-Image, Qwen/Qwen-Image-2512). True CFG with the pipeline's norm rescale when
@@ -194,7 +167,7 @@ class QwenImageBackend(FlowMatchingBackend):
         if pipe.transformer.config.get("guidance_embeds", False):
             raise ValueError("guidance-distilled Qwen-Image transformers (guidance_embeds=True) are not supported: "
                              "this backend's guidance_scale is the pipeline's true_cfg_scale")
-        per_prompt_masks(pipe)
+        encode_prompt_per_prompt(pipe)
         super().__init__(pipe, **kwargs)
         self._num_prompts = 1  # the prompts of the last rollout (see pipeline_call_kwargs)
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from . import _tiny as tiny
-from ._base import SizeRule, register_family
+from ._base import SizeRule, encode_prompt_per_prompt, register_family
 from ._flow import FlowMatchingBackend
 
 # the tiny test model's transformer (`tiny-sana`)
@@ -51,30 +51,6 @@ TINY_TEXT_HIDDEN = 32
 _TINY_CHARS = string.ascii_letters + string.digits + string.punctuation + "\n"  # covers the instruction's text
 
 
-def per_prompt_attention_masks(pipe) -> None:
-    """Make `pipe.encode_prompt` give each image its own prompt's attention mask.
-
-    SanaPipeline.encode_prompt (as of diffusers 0.42.1) repeats the prompt embeddings per prompt ([p0, p0, p1, p1])
-    but the attention masks per batch ([m0, m1, m0, m1]): with several prompts and num_images_per_prompt > 1, an
-    image attends through another prompt's padding mask. Here encode_prompt encodes once per prompt and repeats all
-    four outputs per prompt, so that `pipe(...)` conditions every image as a rollout does (correct whether or not
-    diffusers fixes it). Applied once per pipeline."""
-    encode = pipe.encode_prompt
-    if getattr(encode, "_flowrl_per_prompt_masks", False):
-        return
-    signature = inspect.signature(encode)
-
-    def encode_prompt(*args, **kwargs):
-        arguments = signature.bind(*args, **kwargs).arguments
-        n = arguments.pop("num_images_per_prompt", 1) or 1
-        out = encode(**arguments, num_images_per_prompt=1)
-        return tuple(t if t is None else t.repeat_interleave(n, dim=0) for t in out)
-
-    encode_prompt._flowrl_per_prompt_masks = True
-    encode_prompt.__doc__ = encode.__doc__
-    pipe.encode_prompt = encode_prompt
-
-
 def pipeline_complex_human_instruction() -> list[str]:
     """The instruction SanaPipeline prefixes prompts with by default (its `complex_human_instruction`)."""
     from diffusers import SanaPipeline
@@ -89,7 +65,7 @@ class SanaBackend(FlowMatchingBackend):
     unless the backend is made with `complex_human_instruction=()`; `pipeline_call_kwargs` passes the same to
     `pipe(...)`. The checkpoint's flow DPM-Solver is swapped for FlowMatchEulerDiscreteScheduler with its flow shift
     (the SDE kernels need Euler sigmas), and its encode_prompt is made to repeat attention masks per prompt as it
-    repeats the embeddings (see `per_prompt_attention_masks`)."""
+    repeats the embeddings (see `encode_prompt_per_prompt`)."""
 
     family = "sana"
     pipeline_classes = ("SanaPipeline",)
@@ -123,7 +99,7 @@ class SanaBackend(FlowMatchingBackend):
             )
         elif pipe.scheduler.config.get("use_dynamic_shifting", False):
             raise ValueError("SanaPipeline passes no `mu`: a scheduler with use_dynamic_shifting cannot sample it")
-        per_prompt_attention_masks(pipe)
+        encode_prompt_per_prompt(pipe)
         if complex_human_instruction is None:
             complex_human_instruction = pipeline_complex_human_instruction()
         self.complex_human_instruction = list(complex_human_instruction) or None

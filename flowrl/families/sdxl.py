@@ -37,6 +37,22 @@ TINY_UNET = dict(
 )
 
 
+# SDXL base's scheduler_config.json (an Euler scheduler; the backend swaps in DDIM from this config, as DDPO does)
+SDXL_SCHEDULER = dict(
+    num_train_timesteps=1000,
+    beta_start=0.00085,
+    beta_end=0.012,
+    beta_schedule="scaled_linear",
+    prediction_type="epsilon",
+    timestep_spacing="leading",
+    steps_offset=1,
+    clip_sample=False,
+    set_alpha_to_one=False,
+    interpolation_type="linear",
+    use_karras_sigmas=False,
+)
+
+
 @register_family
 class SDXLBackend(SD15Backend):
     """StableDiffusionXLPipeline with a DDIM scheduler (swapped in from the pipeline's config, as DDPO does),
@@ -100,13 +116,41 @@ class SDXLBackend(SD15Backend):
             out = uncond + settings.guidance_scale * (text - uncond)
         return out
 
+    # ---- decoding --------------------------------------------------------------------------------
+
+    def _to_vae_latents(self, latents, height, width):
+        """As the pipeline does before vae.decode: x * std / scaling_factor + mean when the VAE's config has
+        latents_mean and latents_std, else x / scaling_factor (SDXL base)."""
+        config = self.pipe.vae.config
+        mean, std = config.get("latents_mean"), config.get("latents_std")
+        if mean is None or std is None:
+            return latents / config.scaling_factor
+        shape = (1, len(mean), 1, 1)
+        mean = torch.tensor(mean, device=latents.device, dtype=latents.dtype).view(shape)
+        std = torch.tensor(std, device=latents.device, dtype=latents.dtype).view(shape)
+        return latents * std / config.scaling_factor + mean
+
+    @torch.no_grad()
+    def decode(self, latents, *, height=None, width=None):
+        """As the base class does; a float16 VAE with `force_upcast` (SDXL's overflows in float16) decodes in
+        float32 and is cast back, as the pipeline does."""
+        vae = self.pipe.vae
+        if not (vae.dtype == torch.float16 and vae.config.get("force_upcast", False)):
+            return super().decode(latents, height=height, width=width)
+        vae.to(torch.float32)
+        try:
+            return super().decode(latents, height=height, width=width)
+        finally:
+            vae.to(torch.float16)
+
     # ---- the tiny model --------------------------------------------------------------------------
 
     @classmethod
     def tiny_pipeline(cls, seed: int = 0):
         """A StableDiffusionXLPipeline: CLIPTextModel + CLIPTextModelWithProjection (32 dims each), a 2-block UNet
-        with SDXL's text-time conditioning, SDXL's DDIM schedule (scaled-linear betas); no watermarker."""
-        from diffusers import DDIMScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+        with SDXL's text-time conditioning, SDXL base's Euler scheduler config (the backend swaps in DDIM from it,
+        as on the real model); no watermarker."""
+        from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
         from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
         tok, tok_2 = tiny.clip_tokenizer(), tiny.clip_tokenizer()
@@ -115,15 +159,7 @@ class SDXLBackend(SD15Backend):
             text_encoder_2 = build(CLIPTextModelWithProjection, tiny.clip_config(tok_2))
             unet = build(UNet2DConditionModel, **TINY_UNET)
             vae = build(tiny.vae, flow=False)
-        scheduler = DDIMScheduler(
-            num_train_timesteps=1000,
-            beta_start=0.00085,
-            beta_end=0.012,
-            beta_schedule="scaled_linear",
-            clip_sample=False,
-            set_alpha_to_one=False,
-            steps_offset=1,
-        )
+        scheduler = EulerDiscreteScheduler.from_config(SDXL_SCHEDULER)
         pipe = StableDiffusionXLPipeline(
             vae=vae,
             text_encoder=text_encoder,
