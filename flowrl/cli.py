@@ -6,6 +6,7 @@
     flowrl sample CONFIG [--checkpoint DIR] --prompt TEXT ...   save images
     flowrl serve-reward NAME [--host 127.0.0.1] [--port 8000]  serve a reward over HTTP
     flowrl report RUN_DIR                        plot the reward and eval curves to RUN_DIR/curves.png
+    flowrl plan CONFIG [--gpus N] [--gpu-memory 80GiB]   memory per GPU, estimated before renting them
     flowrl demo                                  the embedded default
 """
 
@@ -158,6 +159,15 @@ def _sample(args) -> int:
     return 0
 
 
+def _plan(args) -> int:
+    """`flowrl plan CONFIG`: the memory estimate per GPU (flowrl.plan); exit 1 when the config fits no strategy."""
+    from .plan import main as plan_main
+
+    if args.gpus < 1:
+        raise SystemExit(f"flowrl plan: --gpus must be >= 1, got {args.gpus}")
+    return plan_main(args.config, args.overrides, gpus=args.gpus, gpu_memory=args.gpu_memory)
+
+
 def _report(args) -> int:
     from .errors import RunDirError
     from .report import plot_curves
@@ -263,6 +273,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("overrides", nargs="*", metavar="key=value")
     demo.add_argument("--toy", action="store_true", help="the tabular GRPO toy instead (seconds)")
     demo.set_defaults(func=_demo)
+
+    pl = sub.add_parser("plan", help="estimate the memory a config needs per GPU, before renting them")
+    pl.add_argument("--gpus", type=int, default=1, help="GPUs (processes) the run will use")
+    pl.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU, e.g. 80GiB, 24GiB, 40960MiB")
+    with_config(pl, optional=False)
+    pl.set_defaults(func=_plan)
 
     sub.add_parser("serve-reward", add_help=False,
                    help="serve a registered reward over HTTP (see `flowrl serve-reward --help`)")
