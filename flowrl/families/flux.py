@@ -134,14 +134,7 @@ class FluxBackend(FlowMatchingBackend):
             text_encoder_2 = build(tiny.t5_encoder, tok_2, d_model=32)
             transformer = build(FluxTransformer2DModel, **TINY_TRANSFORMER)
             vae = build(tiny.vae)
-        scheduler = FlowMatchEulerDiscreteScheduler(
-            shift=3.0,
-            use_dynamic_shifting=True,
-            base_shift=0.5,
-            max_shift=1.15,
-            base_image_seq_len=256,
-            max_image_seq_len=4096,
-        )
+        scheduler = FlowMatchEulerDiscreteScheduler(**tiny.DYNAMIC_SHIFT_SCHEDULER)
         pipe = FluxPipeline(
             scheduler=scheduler,
             vae=vae,

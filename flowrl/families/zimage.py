@@ -258,14 +258,7 @@ class ZImageBackend(FlowMatchingBackend):
             text_encoder = build(_tiny_qwen3, tokenizer, hidden=TINY_TRANSFORMER["cap_feat_dim"])
             transformer = build(_tiny_transformer)
             vae = build(tiny.vae)
-        scheduler = FlowMatchEulerDiscreteScheduler(
-            shift=3.0,
-            use_dynamic_shifting=True,
-            base_shift=0.5,
-            max_shift=1.15,
-            base_image_seq_len=256,
-            max_image_seq_len=4096,
-        )
+        scheduler = FlowMatchEulerDiscreteScheduler(**tiny.DYNAMIC_SHIFT_SCHEDULER)
         pipe = ZImagePipeline(
             scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
         )
