@@ -33,28 +33,46 @@ TEMP_RE = re.compile(r"^\.(tmp|old)-ckpt-\d{6}-\d+$")
 
 
 def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    """Contiguous CPU tensors, none sharing memory with another (safetensors refuses shared storage: e.g.
+    bitsandbytes' quantisation maps, one tensor in every parameter's state)."""
+    out, seen = {}, set()
+    for k, v in tensors.items():
+        v = v.detach().contiguous().cpu()
+        if v.numel() and v.untyped_storage().data_ptr() in seen:
+            v = v.clone()
+        seen.add(v.untyped_storage().data_ptr())
+        out[k] = v
+    return out
 
 
 def optimizer_to_files(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    """Split `optimizer.state_dict()` into tensors ("state.{param}.{key}") and a JSON-able rest."""
+    """Split `optimizer.state_dict()` into tensors ("state.{param}.{key}[.{subkey}...]": nested dicts, such as
+    bitsandbytes' quantisation state, are flattened) and a JSON-able rest."""
     tensors, meta = {}, {"param_groups": state["param_groups"], "state": {}}
-    for pid, pstate in state["state"].items():
-        meta["state"][str(pid)] = {}
-        for key, value in pstate.items():
+
+    def split(prefix: str, entries: dict) -> dict:
+        out = {}
+        for key, value in entries.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"state.{pid}.{key}"] = value
-                meta["state"][str(pid)][key] = {"tensor": True}
+                tensors[f"{prefix}.{key}"] = value
+                out[key] = {"tensor": True}
+            elif isinstance(value, dict):
+                out[key] = {"dict": split(f"{prefix}.{key}", value)}
             else:
-                meta["state"][str(pid)][key] = {"value": value}
+                out[key] = {"value": value}
+        return out
+
+    for pid, pstate in state["state"].items():
+        meta["state"][str(pid)] = split(f"state.{pid}", pstate)
     return tensors, meta
 
 
 def optimizer_from_files(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
-    state = {}
-    for pid, entries in meta["state"].items():
-        state[int(pid)] = {k: tensors[f"state.{pid}.{k}"] if e.get("tensor") else e["value"]
-                           for k, e in entries.items()}
+    def join(prefix: str, entries: dict) -> dict:
+        return {k: tensors[f"{prefix}.{k}"] if e.get("tensor") else join(f"{prefix}.{k}", e["dict"]) if "dict" in e
+                else e["value"] for k, e in entries.items()}
+
+    state = {int(pid): join(f"state.{pid}", entries) for pid, entries in meta["state"].items()}
     return {"state": state, "param_groups": meta["param_groups"]}
 
 

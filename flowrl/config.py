@@ -158,13 +158,24 @@ class TrainConfig:
     update's activations scales with it; the gradient does not change."""
     sharding: Literal["none", "fsdp"] = "none"
     """With several processes: `none` = DDP (every process holds the whole model; the gradients are averaged);
-    `fsdp` = FSDP2 (torch's fully_shard on every block and on the denoiser): its weights, the LoRA's gradients
-    and optimizer states are sharded over the processes, each block gathered for its forward. Image backend and
-    LoRA only for now."""
+    `fsdp` = FSDP2 (torch's fully_shard on every block and on the model: the denoiser's blocks, or a causal LM's
+    decoder layers): its weights, the trained weights' gradients and optimizer states are sharded over the
+    processes, each block gathered for its forward; full fine-tuning's frozen reference copy is sharded alike (a
+    LoRA's reference is the adapter off); text generation runs with `synced_gpus`."""
     gradient_checkpointing: bool = False
     """Recompute the trained model's activations in the backward pass instead of keeping them (diffusers'
     enable_gradient_checkpointing for the denoiser, transformers' for a causal LM): less memory, ~30% more time,
     the same gradient."""
+    offload: bool = False
+    """Keep off the accelerator what the update does not use: the text encoders (on it only while prompts are
+    encoded; encodings are cached), the VAE (only while it decodes) and the local reward models (only while they
+    score); the optimizer's states, its float32 master weights and the EMA stay in CPU memory, the optimizer step
+    running there (with train.sharding=fsdp: FSDP2's CPU offload of the sharded weights, gradients and states).
+    Less accelerator memory for host memory and transfer time; off by default (tiny runs gain nothing)."""
+    optimizer: Literal["adamw", "adamw_8bit"] = "adamw"
+    """`adamw` = torch's AdamW with float32 states; `adamw_8bit` = bitsandbytes' AdamW8bit (block-wise 8-bit
+    states: 2 bytes per trained parameter instead of 8; `pip install 'flowrl[bnb]'`). Trained weights that are
+    not float32 (full fine-tuning in bf16/fp16) are stepped through float32 master copies either way."""
     lr: float = 3e-4
     """AdamW learning rate."""
     weight_decay: float = 1e-4
@@ -481,12 +492,13 @@ ALIASES: dict[str, str] = {
     "pretrained_model_name_or_path": "model.path", "mixed_precision": "model.dtype", "torch_dtype": "model.dtype",
     "num_inference_steps": "sample.num_steps", "resolution": "sample.height", "lora_rank": "lora.rank",
     "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout", "use_lora": "lora.enabled",
-    "train_batch_size": "train.minibatch_size", "gradient_checkpointing": "train.steps_per_forward",
+    "train_batch_size": "train.minibatch_size", "gradient_checkpointing": "train.gradient_checkpointing",
     # Flow-GRPO / DDPO
     "clip_range": "train.clip_low", "num_image_per_prompt": "sample.group_size", "num_epochs": "train.epochs",
     "eval_num_steps": "eval.num_steps", "global_std": "train.adv_scale", "ema": "train.ema_decay",
     "per_prompt_stat_tracking": "train.per_prompt_stats", "sde_window_size": "sample.window.size",
     "sde_window_range": "sample.window.start", "timestep_fraction": "sample.window.size",
+    "use_8bit_adam": "train.optimizer", "offload_optimizer": "train.offload", "cpu_offload": "train.offload",
     "save_freq": "checkpoint.every", "eval_freq": "eval.every", "logdir": "log.run_dir",
     "num_batches_per_epoch": "sample.prompts_per_epoch", "kl_reward": "text.kl_in_reward",
 }
@@ -824,9 +836,9 @@ def validate(cfg: Config) -> None:
                         "to train on; give at least one reward a non-zero weight (weight 0 = report only)")
     if cfg.backend == "image":
         problems.extend(_family_problems(cfg))
-    if t.sharding == "fsdp" and (cfg.backend != "image" or not cfg.lora.enabled):
-        problems.append("train.sharding=fsdp is for the image backend with a LoRA (lora.enabled=true) for now; "
-                        "use train.sharding=none (DDP)")
+    if t.optimizer == "adamw_8bit" and t.sharding == "fsdp":
+        problems.append("train.optimizer=adamw_8bit cannot step FSDP's sharded weights (bitsandbytes' 8-bit states "
+                        "are per whole tensor); use train.optimizer=adamw with train.sharding=fsdp, or sharding=none")
     if t.step_weighting == "ratio_norm" and s.sde_type not in ("auto", "sde", "dance"):
         problems.append("train.step_weighting=ratio_norm needs a Gaussian SDE step (sample.sde_type sde or dance)")
     from .core import ADVANTAGE_ESTIMATORS, POLICY_LOSSES

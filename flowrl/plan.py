@@ -981,10 +981,26 @@ class _Training:
 
     n_trained: int  # trained parameters
     lora_label: str | None  # "LoRA r32 on 191 layers" (their weights are extra), None: full fine-tuning
-    dtype: str  # of the trained parameters, their gradients and AdamW states
+    dtype: str  # of the trained parameters and their gradients
     ema: bool
     reference: float | None  # bytes of a frozen reference copy (0: the adapter off), None: no reference pass
     gather: float  # bytes FSDP gathers at once (two blocks)
+    optimizer: str = "adamw"  # train.optimizer
+
+    @property
+    def state_bytes(self) -> float:
+        """The optimizer's two states per trained parameter: float32 (AdamW) or 8-bit (AdamW8bit)."""
+        return (2 if self.optimizer == "adamw_8bit" else 8) * self.n_trained
+
+    @property
+    def master_bytes(self) -> float:
+        """float32 master copies of trained weights that are not float32 (flowrl steps those in float32)."""
+        return 0.0 if self.dtype == "float32" else 4 * self.n_trained
+
+    def host_bytes(self) -> float:
+        """What the offload strategy keeps in CPU memory for the update: the optimizer's states, float32 master
+        weights of every trained parameter (the CPU step works on them), the EMA."""
+        return self.state_bytes + 4 * self.n_trained + (4 * self.n_trained if self.ema else 0)
 
 
 def _training_rows(tr: _Training, gpus: int) -> list[Row]:
@@ -997,7 +1013,12 @@ def _training_rows(tr: _Training, gpus: int) -> list[Row]:
     if tr.lora_label:
         rows.append(Row(f"{tr.lora_label} ({tr.dtype})", tr.n_trained / 1e9, sharded(tr.n_trained * b)))
     rows.append(Row(f"gradients ({tr.dtype})", None, sharded(tr.n_trained * b)))
-    rows.append(Row(f"AdamW states (2 x {tr.dtype})", None, in_cpu(2 * tr.n_trained * b)))
+    if tr.optimizer == "adamw_8bit":
+        rows.append(Row("AdamW8bit states (2 x uint8)", None, in_cpu(tr.state_bytes)))
+    else:
+        rows.append(Row("AdamW states (2 x float32)", None, in_cpu(tr.state_bytes)))
+    if tr.master_bytes:
+        rows.append(Row("float32 master weights", None, in_cpu(tr.master_bytes)))
     if tr.ema:
         rows.append(Row("EMA of the trained parameters (float32)", None, in_cpu(4 * tr.n_trained)))
     if tr.reference is not None:
@@ -1014,8 +1035,8 @@ def _finish(facts, rows: list[Row], update: UpdateEstimate, rollout: RolloutEsti
     everything in GiB."""
     t = cfg.train
     static = {k: sum(r.gib[k] or 0.0 for r in rows) for k in STRATEGIES}
-    step = tr.n_trained * DTYPE_BYTES[tr.dtype]  # AdamW's foreach step: a temporary the size of a state
-    sync = 2 * update.grads if gpus > 1 else 0.0  # flowrl's flat all-reduce: the flat copy, the re-split grads
+    step = tr.state_bytes / 2  # AdamW's foreach step: a temporary the size of a state
+    sync = update.grads if gpus > 1 else 0.0  # DDP's gradient buckets: a copy of the gradients
     transient = {"DDP": max(step, sync), "FSDP": step / gpus, "offload": sync}
     update = dataclasses.replace(update, transient=transient["DDP"])
     fits = _verdicts(static, transient, update.activation_peak, micro, t.gradient_checkpointing, gpu_memory_gib)
@@ -1082,7 +1103,7 @@ def _plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
     tr = _Training(n_trained, f"LoRA r{cfg.lora.rank} on {len(adapted)} layers" if cfg.lora.enabled else None,
                    "float32" if cfg.lora.enabled else dtype, t.ema_decay > 0,
                    (0.0 if cfg.lora.enabled else den.weight_bytes) if t.beta > 0 else None,
-                   2 * _block_params(den.module, layout.blocks) * b)
+                   2 * _block_params(den.module, layout.blocks) * b, t.optimizer)
 
     # what the rollout leaves on the GPU for the update: the trajectory and the prompt encodings
     shape = image_shape(components, fam.denoiser_attr, s.height, s.width, s.max_sequence_length)
@@ -1138,7 +1159,7 @@ def _plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
         ("GPUs", f"{gpus} x {gpu_memory_gib:g} GiB"),
     ]
     notes.append(f"activations of {den.class_name}: {calibration(den.class_name).measured}")
-    host = sum(c.weight_bytes for c in off_gpu) + 2 * update.grads + (4 * n_trained if tr.ema else 0)
+    host = sum(c.weight_bytes for c in off_gpu) + tr.host_bytes()
     return _finish(facts, rows, update, rollout, tr, micro, minibatch, local, cfg, gpus, gpu_memory_gib, host, notes,
                    rows_note)
 
@@ -1185,7 +1206,7 @@ def _plan_text(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
     tr = _Training(n_trained, f"LoRA r{cfg.lora.rank} on {len(adapted)} layers" if cfg.lora.enabled else None,
                    "float32" if cfg.lora.enabled else dtype, t.ema_decay > 0,
                    (0.0 if cfg.lora.enabled else model.weight_bytes) if t.beta > 0 else None,
-                   2 * _block_params(model.module, LM_BLOCKS) * b)
+                   2 * _block_params(model.module, LM_BLOCKS) * b, t.optimizer)
     tokens = x.max_prompt_length + x.max_new_tokens  # prompts are left-padded to the batch's longest
     layers, vocab = lm_layers(module, tokens, adapted)
     terms = activation_terms(layers, dtype)
@@ -1216,7 +1237,7 @@ def _plan_text(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
     gamma_chunk = calibration("causal LM").gamma_chunk
     rollout = RolloutEstimate(local, {"generate (KV cache)": (kv * head_dim * tokens * b, False),
                                       LOGITS_PHASE: (logits, False)}, lambda n: gamma_chunk * 4 * update.chunk_units(n))
-    host = 2 * update.grads + (4 * n_trained if tr.ema else 0)
+    host = tr.host_bytes()
     return _finish(facts, rows, update, rollout, tr, micro, minibatch, local, cfg, gpus, gpu_memory_gib, host, notes,
                    rows_note)
 

@@ -133,5 +133,36 @@ class Policy(Protocol):
     def describe_outputs(self, batch) -> list[str] | None:
         """Text for the completions table (None: outputs are not text)."""
 
-    def export(self, directory: Path) -> None:
-        """The trained weights in the format their library loads (diffusers LoRA, peft adapter, model)."""
+    def export_state(self) -> dict[str, Tensor]:
+        """The weights `export` writes, whole (gathered from the shards: a collective when sharded)."""
+
+    def export(self, directory: Path, state: dict[str, Tensor] | None = None) -> None:
+        """The trained weights in the format their library loads (diffusers LoRA, peft adapter, model); `state`:
+        `export_state()`'s, needed when sharded."""
+
+
+def shard_blocks(model: torch.nn.Module, *, offload: bool = False) -> None:
+    """torch's FSDP2 `fully_shard` on every block of `model` (the classes its `_no_split_modules` names),
+    innermost first, then on `model`: its parameters become DTensor shards over the processes, each block
+    gathered for its forward and its gradients reduce-scattered in the backward. `offload`: the shards, their
+    gradients and the optimizer step live in CPU memory (FSDP2's CPUOffloadPolicy)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    options = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())} if offload else {}
+    trained = [p for p in model.parameters() if p.requires_grad]
+    low = {p.dtype for p in trained} - {torch.float32}
+    if low and len(trained) == len(list(model.parameters())):
+        # full fine-tuning in bf16/fp16: the shards are float32 master weights (so the optimizer's states are
+        # float32), gathered in the model's dtype for the forward, gradients reduced in float32
+        for p in trained:
+            p.data = p.data.float()
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=low.pop(), reduce_dtype=torch.float32,
+                                                     cast_forward_inputs=False)  # as the plain model gets them
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in reversed(list(model.modules())) if m is not model and type(m).__name__ in blocks]
+    if not layers:
+        raise ValueError(f"train.sharding=fsdp: {type(model).__name__} names no block class in _no_split_modules "
+                         f"({sorted(blocks)}) to shard by; use train.sharding=none (DDP)")
+    for layer in layers:
+        fully_shard(layer, **options)
+    fully_shard(model, **options)

@@ -105,6 +105,14 @@ def check_loggers(cfg: Config) -> None:
                                      f"(or set log.{flag}=false)") from None
 
 
+def check_optimizer(cfg: Config) -> None:
+    """train.optimizer=adamw_8bit: bitsandbytes imports (else one line saying how to install it)."""
+    if cfg.train.optimizer == "adamw_8bit":
+        from .train_utils import import_bitsandbytes
+
+        import_bitsandbytes()
+
+
 def preflight(cfg: Config) -> tuple[PromptSet, PromptSet]:
     """All checks of `cfg` that need no model, before it loads; returns the (train, eval) prompt sets. (The run
     directory is the trainer's to check: `flowrl.rundir`.)"""
@@ -112,4 +120,5 @@ def preflight(cfg: Config) -> tuple[PromptSet, PromptSet]:
     check_rewards(cfg)
     check_model(cfg)
     check_loggers(cfg)
+    check_optimizer(cfg)
     return train_set, eval_set

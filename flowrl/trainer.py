@@ -26,7 +26,9 @@ from .errors import CheckpointError, Interrupted, NonFiniteError
 from .policy import full_tensor
 from .preflight import preflight
 from .seeding import derive_seed, seed_everything
-from .train_utils import EMA, MetricsLog, Timer, eval_plan, eval_summary, lr_lambda, read_metrics
+from .offload import Parked, modules_in, visiting
+from .train_utils import (EMA, MetricsLog, Timer, build_optimizer, eval_plan, eval_summary, lr_lambda,
+                          read_metrics)
 
 #: |ratio - 1| above this on the first (on-policy) minibatch of an epoch means the recomputed
 #: log-probs do not match the recorded ones: a warning, and `policy/ratio_first` shows it.
@@ -38,6 +40,16 @@ def build_reward_fns(cfg: Config, kind: str):
     import rewards
 
     return [rewards.build(spec.name, dict(spec.kwargs), kind) for spec in cfg.rewards]
+
+
+def parallel_strategy(cfg: Config, num_processes: int, distributed_type) -> str:
+    """How the processes share the training: "none" (one process), "fsdp" (train.sharding=fsdp, or an accelerate
+    config of distributed_type FSDP: flowrl shards with its own FSDP2 path, not accelerate's plugin) or "ddp"."""
+    if num_processes == 1:
+        return "none"
+    if cfg.train.sharding == "fsdp" or str(distributed_type).rpartition(".")[2] == "FSDP":
+        return "fsdp"
+    return "ddp"
 
 
 def invalid_scores(scores: torch.Tensor, weights: torch.Tensor, nan_is_missing: bool) -> torch.Tensor:
@@ -168,9 +180,10 @@ class Trainer:
         seed_everything(cfg.train.seed)
         device = self.acc.device if cfg.model.device == "auto" else torch.device(cfg.model.device)
         self.policy = build_policy(cfg, device)
-        if self.acc.num_processes > 1 and cfg.train.sharding == "fsdp":  # FSDP2: sharded over the processes
+        strategy = parallel_strategy(cfg, self.acc.num_processes, self.acc.distributed_type)
+        if strategy == "fsdp":  # FSDP2: sharded over the processes
             self.policy.shard()
-        elif self.acc.num_processes > 1:  # DDP: backward passes average the gradients over the processes
+        elif strategy == "ddp":  # DDP: backward passes average the gradients over the processes
             self.policy.wrap_trained(self.acc.prepare)
         self.params = [p for p in self.policy.trainable_parameters()]
         self.named_params = dict(self.policy.named_trainable_parameters())
@@ -188,15 +201,18 @@ class Trainer:
         if self.batch_local % self.minibatch:
             raise ValueError(f"train.minibatch_size={self.minibatch} must divide the per-process batch "
                              f"{self.batch_local}")
-        self.opt = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.adam_betas), eps=t.adam_eps,
-                                     weight_decay=t.weight_decay)
+        self.opt = build_optimizer(self.params, t, sharded=self.policy.sharded)
         # the lr is a function of the minibatch's slot in the run, set before each optimizer step: resuming needs
         # no scheduler state, and a minibatch that takes no step (all its groups dropped) does not delay it
         self.slots_per_epoch = t.inner_epochs * (self.batch_local // self.minibatch)
         self.lr_factor = lr_lambda(t.warmup_steps, t.epochs * self.slots_per_epoch, t.schedule, t.decay_frac)
-        self.ema = EMA(self.named_params.items(), t.ema_decay) if t.ema_decay > 0 else None
+        self.ema = EMA(self.named_params.items(), t.ema_decay, device="cpu" if t.offload else None
+                       ) if t.ema_decay > 0 else None
         self.tracker = core.PerPromptStatTracker(t.stat_buffer_size, t.stat_min_count) if t.per_prompt_stats else None
         self.rewards = build_reward_fns(cfg, self.policy.reward_kind)
+        # train.offload: each local reward model in CPU memory, on its device only while it scores
+        self.parked_rewards = [Parked(modules_in(fn)) if t.offload and modules_in(fn) else None
+                               for fn in self.rewards]
         self.state = State()
         self.log = MetricsLog(self.run_dir / "metrics.jsonl", self.acc, enabled=self.main)
         if self.main:
@@ -354,8 +370,9 @@ class Trainer:
         state.max_steps = self.cfg.train.epochs * self.slots_per_epoch
         columns = {k: [m.get(k) for m in batch.metadata] for k in {k for m in batch.metadata for k in m}}
         scores, components = [], {}
-        for spec, fn in zip(self.cfg.rewards, self.rewards):
-            s = self.policy.call_reward(fn, batch, columns)
+        for spec, fn, parked in zip(self.cfg.rewards, self.rewards, self.parked_rewards):
+            with visiting(parked):
+                s = self.policy.call_reward(fn, batch, columns)
             scores.append(s)
             for name, v in (getattr(fn, "last_components", None) or {}).items():
                 components[f"{spec.name}/{name}"] = torch.as_tensor(v, dtype=torch.float32).reshape(-1)
@@ -645,7 +662,9 @@ class Trainer:
         rank = 0 if world == 1 else self.acc.process_index
         part = slice(min(len(prompts), rank * share), min(len(prompts), (rank + 1) * share))
         ctx = self.ema.applied() if self.ema is not None else contextlib.nullcontext()
-        with ctx:
+        with ctx, contextlib.ExitStack() as rewards_on_device:
+            for parked in self.parked_rewards:
+                rewards_on_device.enter_context(visiting(parked))
             outputs, per_reward, components = self.policy.evaluate_prompts(prompts, meta, self.rewards, eval_cfg,
                                                                            part=part)
         scores = {spec.name: vals for spec, vals in zip(cfg.rewards, per_reward)}
@@ -694,7 +713,7 @@ class Trainer:
                          "param_groups": self.opt.state_dict()["param_groups"]}
             ema = {n: full_tensor(v) for n, v in self.ema.state_dict().items()} if self.ema else None
             with self.ema.applied() if self.ema else contextlib.nullcontext():
-                lora = self.policy.lora_state()
+                exported = self.policy.export_state()  # the LoRA's or the whole model's tensors, gathered
         if self.main:
             st = {"counters": vars(self.state),
                   "tracker": self.tracker.state_dict() if self.tracker else None, "config": to_dict(self.cfg)}
@@ -702,7 +721,7 @@ class Trainer:
             if self.policy.can_export:
                 if sharded:
                     def export(p):
-                        self.policy.export(p, lora_state=lora)
+                        self.policy.export(p, state=exported)
                 elif self.ema is not None:
                     def export(p):
                         with self.ema.applied():
@@ -738,6 +757,8 @@ class Trainer:
         with torch.no_grad():
             for n, p in self.named_params.items():
                 p.copy_(like(ck["trainable"][n].to(p.dtype), p))
+        if hasattr(self.opt, "sync_masters"):  # float32 master copies (offload, bf16 weights): from the loaded ones
+            self.opt.sync_masters()
         if "optimizer" in ck:
             params = [p for group in self.opt.param_groups for p in group["params"]]
             state = {k: {s: like(v, params[int(k)]) if torch.is_tensor(v) and v.ndim else v for s, v in st.items()}

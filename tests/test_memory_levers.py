@@ -1,6 +1,8 @@
 """Memory levers change memory, not the update: a minibatch split into micro-batches, and gradient checkpointing,
 give the same gradient as the plain update (image and text), and the first minibatch stays on-policy."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -161,3 +163,30 @@ def test_bf16_base_weights_with_fp32_lora_stay_on_policy(tmp_path):
     states = [s for st in tr.opt.state.values() for s in st.values() if torch.is_tensor(s) and s.ndim > 0]
     assert states and all(s.dtype == torch.float32 for s in states)
     assert all(p.dtype == torch.float32 for p in tr.params)
+
+
+def test_parallel_strategy_follows_the_sharding_key_and_an_fsdp_accelerate_config():
+    from accelerate.utils import DistributedType
+
+    from flowrl.trainer import parallel_strategy
+
+    plain, fsdp = load_config(None, []), load_config(None, ["train.sharding=fsdp"])
+    assert parallel_strategy(plain, 1, DistributedType.NO) == "none"
+    assert parallel_strategy(fsdp, 1, DistributedType.NO) == "none"  # one process: nothing to shard over
+    assert parallel_strategy(plain, 8, DistributedType.MULTI_GPU) == "ddp"
+    assert parallel_strategy(fsdp, 8, DistributedType.MULTI_GPU) == "fsdp"
+    assert parallel_strategy(plain, 8, DistributedType.FSDP) == "fsdp"  # a user's own accelerate FSDP config
+
+
+def test_shipped_accelerate_configs_parse_and_name_their_launch():
+    """Every file in configs/accelerate is an accelerate config (YAML with a distributed_type and a process
+    count) whose header shows the command that uses it."""
+    import yaml
+
+    files = sorted((Path(__file__).resolve().parents[1] / "configs" / "accelerate").glob("*.yaml"))
+    assert {"ddp_8gpu.yaml", "fsdp_8gpu.yaml", "multinode_2x8gpu.yaml", "cpu_2proc.yaml"} <= {f.name for f in files}
+    for f in files:
+        cfg = yaml.safe_load(f.read_text())
+        assert cfg["distributed_type"] in ("MULTI_GPU", "DEEPSPEED", "FSDP"), f.name
+        assert cfg["num_processes"] >= 2, f.name
+        assert f"--config_file configs/accelerate/{f.name}" in f.read_text(), f.name

@@ -286,7 +286,13 @@ def test_strategies_offload_and_full_fine_tuning():
     ref = next(r for r in full.rows if r.label.startswith("reference"))
     assert ref.gib["DDP"] == pytest.approx(full.rows[0].gib["DDP"])  # a frozen copy of the denoiser
     adam = next(r for r in full.rows if r.label.startswith("AdamW"))
-    assert adam.gib["DDP"] == pytest.approx(2 * full.rows[0].gib["DDP"], rel=0.1)  # 2 states in bfloat16
+    assert adam.gib["DDP"] == pytest.approx(4 * full.rows[0].gib["DDP"], rel=0.1)  # 2 float32 states of bf16 weights
+    masters = next(r for r in full.rows if r.label == "float32 master weights")
+    assert masters.gib["DDP"] == pytest.approx(2 * full.rows[0].gib["DDP"], rel=0.1) and masters.gib["offload"] is None
+    assert not any(r.label == "float32 master weights" for r in lora.rows)  # the LoRA is float32 already
+    eight = plan(_preset("sd35m_pickscore", "lora.enabled=false", "train.optimizer=adamw_8bit"))
+    adam8 = next(r for r in eight.rows if r.label.startswith("AdamW8bit"))
+    assert adam8.gib["DDP"] == pytest.approx(adam.gib["DDP"] / 4)  # 2 bytes per parameter instead of 8
     assert full.fits["DDP"].static_gib > lora.fits["DDP"].static_gib
     no_t5 = plan(_preset("sd35m_pickscore", "model.drop_t5=true"))
     assert not any(r.label.startswith("text_encoder_3") for r in no_t5.rows)

@@ -290,16 +290,53 @@ def test_fsdp_trains_checkpoints_exports_and_resumes_over_two_processes(tmp_path
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo multi-process test written for linux")
-@pytest.mark.parametrize("dropped,sharding", [(False, "none"), (True, "none"), (True, "fsdp")])
-def test_two_processes_update_as_one_process_over_the_same_global_batch(tmp_path, dropped, sharding):
+def test_fsdp_full_fine_tuning_exports_the_gathered_model(tmp_path):
+    """Full fine-tuning of bf16 weights under FSDP on 2 CPU processes, its frozen reference sharded too
+    (train.beta > 0): the shards are float32 master weights gathered in bf16 for the forward, so the first
+    minibatch is on-policy and its KL to the (bf16) reference is exactly 0; the checkpoint's exported denoiser,
+    gathered from the shards, loads with diffusers' from_pretrained and holds the trained weights, which moved."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    accelerate = Path(sys.executable).parent / "accelerate"
+    config = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "cpu_2proc.yaml"
+    cmd = [str(accelerate), "launch", "--config_file", str(config), "-m", "flowrl", "train", *TINY,
+           "train.sharding=fsdp", "lora.enabled=false", "model.dtype=bfloat16", "train.lr=1e-4", "train.beta=0.05",
+           "train.epochs=1",
+           "sample.prompts_per_epoch=2", "sample.group_size=2", "eval.num_prompts=2", "eval.grid=false",
+           "checkpoint.every=1", f"log.run_dir={tmp_path}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from diffusers import SD3Transformer2DModel
+    from safetensors.torch import load_file
+
+    from flowrl.families.sd3 import tiny_sd3_pipeline
+
+    row = next(json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+               if "policy/kl" in line)
+    assert row["policy/kl"] == 0.0 and row["policy/ratio_first_dev"] == 0.0
+    trained = load_file(tmp_path / "ckpt-000001" / "trainable.safetensors")
+    assert {v.dtype for v in trained.values()} == {torch.float32}  # the master weights
+    model = SD3Transformer2DModel.from_pretrained(tmp_path / "ckpt-000001" / "model" / "transformer")
+    state = model.state_dict()
+    assert set(trained) <= set(state)
+    assert all(torch.equal(state[k], trained[k]) for k in trained)
+    base = tiny_sd3_pipeline().transformer.state_dict()
+    assert max((state[k] - base[k].bfloat16().float()).abs().max().item() for k in trained) > 0
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="gloo multi-process test written for linux")
+@pytest.mark.parametrize("dropped,sharding,lora", [(False, "none", True), (True, "none", True), (True, "fsdp", True),
+                                                   (False, "fsdp", False)])
+def test_two_processes_update_as_one_process_over_the_same_global_batch(tmp_path, dropped, sharding, lora):
     """The update of a 2-process run (each process its half of the global batch, gradients averaged over the
     processes) takes the weights where a 1-process update over the whole batch takes them: 3 optimizer steps, the
     reference KL on, within 1e-5 relative. `dropped`: the second process's samples and one of the first's are left
     out of the loss (zero-advantage groups): the loss is still the mean over the kept samples of the whole batch,
-    the second process taking part in the gradient average with nothing to add."""
+    the second process taking part in the gradient average with nothing to add. `lora` False: full fine-tuning,
+    whose reference is a frozen copy of the denoiser (sharded too under FSDP)."""
     from safetensors.torch import load_file
 
-    extra = ["train.inner_epochs=3", "train.beta=0.05", "train.steps_per_forward=2", "eval.grid=false"]
+    extra = ["train.inner_epochs=3", "train.beta=0.05", "train.steps_per_forward=2", "eval.grid=false",
+             f"lora.enabled={str(lora).lower()}"] + ([] if lora else ["train.lr=1e-4"])
     one = Trainer(tiny_cfg(tmp_path / "one", *extra))
     batch = one.rollout(epoch=0)
     adv = torch.tensor([1.2, -0.4, 0.3, -1.1, 0.8, -0.9, 0.5, -0.4])

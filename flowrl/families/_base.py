@@ -215,6 +215,8 @@ class ImageBackend:
         self._prompt_cache: OrderedDict[str, dict[str, Tensor]] = OrderedDict()
         self._shared: dict[str, Tensor] | None = None
         self._negative: dict[str, Tensor] | None = None
+        self._parked_text = self._parked_vae = None  # train.offload (see `offload`)
+        self.compute_dtype: torch.dtype | None = None  # see `dtype`
 
     # ---- the model -------------------------------------------------------------------------------
 
@@ -239,10 +241,29 @@ class ImageBackend:
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.denoiser.parameters()).dtype
+        """The denoiser's compute dtype: its weights', or `compute_dtype` when they are float32 masters gathered
+        in another dtype for the forward (full fine-tuning in bf16 under FSDP)."""
+        return self.compute_dtype or next(self.denoiser.parameters()).dtype
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({type(self.pipe).__name__}, dtype={self.dtype}, device={self.device})"
+
+    def offload(self, device: torch.device | str) -> None:
+        """Keep the text encoders and the VAE in CPU memory, on `device` only while they run: the encoders while
+        prompts are encoded (encodings are cached, so once per new prompt), the VAE while a rollout decodes."""
+        from flowrl.offload import Parked
+
+        modules = {n: m for n, m in self.pipe.components.items()
+                   if isinstance(m, torch.nn.Module) and n != self.denoiser_attr}
+        self._parked_vae = Parked([m for n, m in modules.items() if n == "vae"], device)
+        self._parked_text = Parked([m for n, m in modules.items() if n != "vae"], device)
+
+    def _encode(self, prompts: list[str]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """`_encode_text`, with the text encoders on the device for it when they are offloaded."""
+        from flowrl.offload import visiting
+
+        with visiting(self._parked_text):
+            return self._encode_text(prompts)
 
     # ---- prompts ---------------------------------------------------------------------------------
 
@@ -253,7 +274,7 @@ class ImageBackend:
         distinct = list(dict.fromkeys(prompts))
         missing = [p for p in distinct if p not in self._prompt_cache]
         if missing:
-            per_prompt, shared = self._encode_text(missing)
+            per_prompt, shared = self._encode(missing)
             if self._shared is None:
                 self._shared = shared
             for i, p in enumerate(missing):
@@ -265,7 +286,7 @@ class ImageBackend:
         while len(self._prompt_cache) > max(self.prompt_cache_size, len(distinct)):
             self._prompt_cache.popitem(last=False)
         if self.uses_cfg_encodings and self._negative is None:
-            self._negative, _ = self._encode_text([""])
+            self._negative, _ = self._encode([""])
         negative = self._negative if self.uses_cfg_encodings else None
         return PromptEncodings(distinct, per_prompt, dict(self._shared or {}), negative)
 
@@ -420,7 +441,10 @@ class ImageBackend:
             means=chain.means,
         )
         if decode:
-            traj.images = self.decode(traj.final_latents, height=settings.height, width=settings.width)
+            from flowrl.offload import visiting
+
+            with visiting(self._parked_vae):
+                traj.images = self.decode(traj.final_latents, height=settings.height, width=settings.width)
         return traj
 
     def step_log_prob(

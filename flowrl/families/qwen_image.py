@@ -179,7 +179,7 @@ class QwenImageBackend(FlowMatchingBackend):
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         self._num_prompts = len(prompts)
         if self._negative is None:
-            self._negative, _ = self._encode_text([self.negative_prompt])
+            self._negative, _ = self._encode([self.negative_prompt])
         return super().encode_prompts(prompts)
 
     def _encode_text(self, prompts):

@@ -11,8 +11,28 @@ import torch
 from torch import Tensor
 
 from flowrl import core
-from flowrl.policy import DTYPES, ImageBatch, UnitOutput, full_tensor
+from flowrl.policy import DTYPES, ImageBatch, UnitOutput, full_tensor, shard_blocks
 from flowrl.seeding import derive_seed
+
+
+def save_model_state(model, directory: Path, state: dict[str, Tensor], max_shard_size: str = "10GB") -> None:
+    """`model.save_pretrained(directory)` with the weights `state` (whole tensors: gathered from FSDP's
+    shards): its config, and safetensors files split as diffusers splits them (with their index)."""
+    import json
+
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_config(directory)
+    split = split_torch_state_dict_into_shards(state, filename_pattern="diffusion_pytorch_model{suffix}.safetensors",
+                                               max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({n: state[n].contiguous() for n in names}, directory / filename, metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        (directory / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 class ImagePolicy:
@@ -28,8 +48,13 @@ class ImagePolicy:
 
         self.cfg = cfg
         m, s = cfg.model, cfg.sample
-        self.backend = load_image_backend(m.path, m.family, dtype=DTYPES[m.dtype], device=device,
+        offload = cfg.train.offload  # the pipeline loads into CPU memory; only the denoiser goes to the device
+        self.backend = load_image_backend(m.path, m.family, dtype=DTYPES[m.dtype],
+                                          device="cpu" if offload else device,
                                           max_sequence_length=s.max_sequence_length, drop_t5=m.drop_t5)
+        if offload:
+            self.backend.denoiser.to(device)
+            self.backend.offload(device)
         self.family = self.backend.family
         self.sde_type = self.backend.default_sde_type if s.sde_type == "auto" else s.sde_type
         if self.sde_type not in self.backend.sde_types or self.sde_type == "ode":
@@ -111,14 +136,11 @@ class ImagePolicy:
         """FSDP2 over the processes: torch's `fully_shard` on every block of the denoiser (its classes are the
         model's `_no_split_modules`), innermost first, then on the denoiser. Its parameters become DTensor shards;
         each block is gathered for its forward and its gradients reduce-scattered in the backward."""
-        from torch.distributed.fsdp import fully_shard
-
-        den = self.module
-        blocks = set(getattr(den, "_no_split_modules", None) or ())
-        for module in reversed(list(den.modules())):
-            if module is not den and type(module).__name__ in blocks:
-                fully_shard(module)
-        fully_shard(den)
+        dtype = self.backend.dtype  # before the sharding: full fine-tuning's bf16 weights become float32 masters
+        for model in (self.module, self.ref_copy):  # full fine-tuning's frozen reference: sharded alike
+            if model is not None:
+                shard_blocks(model, offload=self.cfg.train.offload)
+        self.backend.compute_dtype = dtype
         self.sharded = True
 
     def lora_state(self) -> dict[str, Tensor]:
@@ -128,6 +150,13 @@ class ImagePolicy:
 
         state = get_peft_model_state_dict(self.module)
         return {k: full_tensor(v).detach().cpu().contiguous() for k, v in state.items()}
+
+    def export_state(self) -> dict[str, Tensor]:
+        """What `export` writes, as whole tensors on the CPU, gathered from every process when sharded (a
+        collective: every process calls it): the LoRA's weights, or the whole denoiser's state."""
+        if self.cfg.lora.enabled:
+            return self.lora_state()
+        return {k: full_tensor(v).detach().cpu().contiguous() for k, v in self.module.state_dict().items()}
 
     def trainable_parameters(self):
         return [p for _, p in self.named_trainable_parameters()]
@@ -348,16 +377,19 @@ class ImagePolicy:
         tmp.replace(path)
         return path
 
-    def export(self, directory: Path, lora_state: dict[str, Tensor] | None = None) -> None:
+    def export(self, directory: Path, state: dict[str, Tensor] | None = None) -> None:
         """The trained weights in the format diffusers loads: the LoRA for `pipe.load_lora_weights(dir)`,
-        or the full denoiser with `save_pretrained`. `lora_state`: the LoRA's weights already gathered
-        (`lora_state()`, which a sharded policy needs every process to call)."""
+        or the full denoiser as `save_pretrained` writes it (`from_pretrained(dir / "transformer")`). `state`:
+        the weights already gathered (`export_state()`, which a sharded policy needs every process to call)."""
         den = self.module
         directory = Path(directory)
         if not self.cfg.lora.enabled:
-            den.save_pretrained(directory / self.backend.denoiser_attr)
+            if state is None:
+                den.save_pretrained(directory / self.backend.denoiser_attr)
+            else:
+                save_model_state(den, directory / self.backend.denoiser_attr, state)
             return
-        state = lora_state if lora_state is not None else self.lora_state()
+        state = state if state is not None else self.lora_state()
         # the adapter's config (rank, alpha, targets) travels with the weights, so alpha / r is restored
         metadata = den.peft_config["default"].to_dict()
         self.backend.export_lora(type(self.backend.pipe), directory, state, metadata)

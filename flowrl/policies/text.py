@@ -3,7 +3,9 @@
 The same trainer loop drives it: `rollout` samples `n` completions per prompt (KV cache, temperature / top-p /
 top-k) and records the old token log-probs from a forward pass under the same temperature; `unit_log_probs`
 recomputes them with gradients for a minibatch; the reference is the model with its LoRA adapter disabled
-(or a frozen copy). Log-probs, KL and entropy come from `flowrl.core`.
+(or a frozen copy). Log-probs, KL and entropy come from `flowrl.core`. With `train.sharding=fsdp` the model is
+sharded over the processes with FSDP2 (`shard`); every forward pass is then a collective, so generation runs with
+`synced_gpus` (a process whose completions have ended keeps stepping until every process's have).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from torch import Tensor
 
 from flowrl import core
-from flowrl.policy import DTYPES, TextBatch, UnitOutput
+from flowrl.policy import DTYPES, TextBatch, UnitOutput, full_tensor, shard_blocks
 from flowrl.seeding import derive_seed
 
 
@@ -38,7 +40,7 @@ def completion_mask_from_ids(completion_ids: Tensor, eos_token_id: int) -> tuple
 class TextPolicy:
     reward_kind = "text"
     can_export = True
-    sharded = False  # FSDP is image-only for now
+    sharded = False  # FSDP2 (see `shard`)
 
     def __init__(self, cfg, device):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -115,8 +117,41 @@ class TextPolicy:
         self.train_model = prepare(self.model)
 
     @property
+    def base_model(self) -> torch.nn.Module:
+        """The transformers model itself: inside the peft wrapper with a LoRA, else `self.model`."""
+        return self.model.get_base_model() if self.cfg.lora.enabled else self.model
+
+    @property
     def trained_module(self) -> torch.nn.Module:
-        return self.train_model
+        """What the forward passes with grad run through (the DDP wrapper, for accelerate's no_sync), or when sharded
+        the FSDP root, whose `set_requires_gradient_sync` the trainer switches."""
+        return self.base_model if self.sharded else self.train_model
+
+    def shard(self) -> None:
+        """FSDP2 over the processes (`flowrl.policy.shard_blocks`): the transformers model, inside the peft wrapper with a
+        LoRA (peft's forward and generate() both end in its forward, where the root's hooks gather what no layer
+        holds), and the frozen reference copy of full fine-tuning, sharded the same way. The LoRA's weights, the
+        gradients and the optimizer's states are sharded with the layers they belong to."""
+        for model in (self.base_model, self.ref_copy):
+            if model is not None:
+                shard_blocks(model, offload=self.cfg.train.offload)
+        self.sharded = True
+
+    def lora_state(self) -> dict[str, Tensor]:
+        """The LoRA's weights (peft's names, as in adapter_model.safetensors) as whole tensors on the CPU: gathered
+        from every process when sharded (a collective: every process calls it)."""
+        from peft.utils import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(self.model)
+        return {k: full_tensor(v).detach().cpu().contiguous() for k, v in state.items()}
+
+    def model_state(self) -> dict[str, Tensor]:
+        """The whole model's weights (transformers' names), gathered from the shards onto the CPU of the main
+        process (the others get {}: only one writes them). A collective: every process calls it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.base_model,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     @contextlib.contextmanager
     def _checkpointing(self):
@@ -199,6 +234,7 @@ class TextPolicy:
             use_cache=True,
             pad_token_id=tok.pad_token_id,
             eos_token_id=tok.eos_token_id,
+            synced_gpus=self.sharded,  # sharded: every step's forward is a collective, on every process
         )
         completion = out[:, prompt_len:]
         if completion.shape[1] < t.max_new_tokens:  # every row ended early: pad to a fixed T
@@ -316,6 +352,7 @@ class TextPolicy:
             use_cache=True,
             pad_token_id=tok.pad_token_id,
             eos_token_id=tok.eos_token_id,
+            synced_gpus=self.sharded,  # sharded: every step's forward is a collective, on every process
         )
         comp = out[:, input_ids.shape[1] :]
         mask, _ = completion_mask_from_ids(comp, tok.eos_token_id)
@@ -361,7 +398,34 @@ class TextPolicy:
     def describe_outputs(self, batch: TextBatch) -> list[str]:
         return batch.completions
 
-    def export(self, directory: Path) -> None:
-        """The adapter (peft format) or the full model, with the tokenizer, loadable with from_pretrained."""
-        self.model.save_pretrained(directory, safe_serialization=True)
+    def export_state(self) -> dict[str, Tensor]:
+        """What `export` writes, gathered from every process when sharded (a collective: every process calls it):
+        the LoRA's weights, or the whole model's (on the main process only)."""
+        return self.lora_state() if self.cfg.lora.enabled else self.model_state()
+
+    def export(self, directory: Path, state: dict[str, Tensor] | None = None) -> None:
+        """The adapter (peft format) or the full model, with the tokenizer, loadable with from_pretrained. Sharded,
+        the weights come already gathered (`state`: `export_state()`, which needs every process); this writes
+        them (main process)."""
+        directory = Path(directory)
+        if state is None and self.sharded:
+            raise ValueError("export of a sharded policy needs its weights gathered by every process first: pass "
+                             "state=policy.export_state()")
+        if state is None:
+            self.model.save_pretrained(directory, safe_serialization=True)
+        elif self.cfg.lora.enabled:
+            self._save_adapter(directory, state)
+        else:
+            self.base_model.save_pretrained(directory, state_dict=state, safe_serialization=True)
         self.tokenizer.save_pretrained(directory)
+
+    def _save_adapter(self, directory: Path, state: dict[str, Tensor]) -> None:
+        """Gathered LoRA weights as peft's save_pretrained writes an adapter: adapter_config.json (inference mode)
+        and adapter_model.safetensors, for PeftModel.from_pretrained."""
+        from safetensors.torch import save_file
+
+        config = copy.deepcopy(self.model.peft_config["default"])
+        config.inference_mode = True
+        directory.mkdir(parents=True, exist_ok=True)
+        config.save_pretrained(str(directory))
+        save_file(state, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
