@@ -30,6 +30,20 @@ from .losses import (
     ppo_clip_loss,
     sequence_log_ratio,
 )
+from .objectives import (
+    AWM_WEIGHTINGS,
+    OBJECTIVE_LOSSES,
+    awm_loss,
+    awm_matching_loss,
+    best_worst_pairs,
+    dpo_loss,
+    forward_noising,
+    get_objective_loss,
+    nft_loss,
+    optimality_probability,
+    soft_update_,
+    soft_update_decay,
+)
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten
 from .registry import Registry, unknown_name_error
 from .steps import STEP_WEIGHTINGS, inverse_dt_step_weights, noise_step_weights, ratio_norm_log_ratio
