@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from flowrl.config import load_config
+from launching import accelerate_launch
 from flowrl.trainer import Trainer
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="gloo multi-process tests written for linux")
 
 TESTS = Path(__file__).resolve().parent
-ACCELERATE = Path(sys.executable).parent / "accelerate"
-TWO_PROCESSES = [str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+TWO_PROCESSES = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                  "--mixed_precision", "no", "--dynamo_backend", "no"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(TESTS.parent)}
 
@@ -104,7 +104,8 @@ def test_sharded_update_generation_and_export_equal_one_process(tiny_lm, tmp_pat
     torch.save({"batch": fields, "adv": adv, "keep": keep}, tmp_path / "batch.pt")
 
     out = tmp_path / "two"
-    proc = run([*TWO_PROCESSES, str(TESTS / "dist_update_text.py"), str(tmp_path / "batch.pt"), str(out),
+    proc = run([*accelerate_launch(), *TWO_PROCESSES, str(TESTS / "dist_update_text.py"), str(tmp_path / "batch.pt"),
+                str(out),
                 *text_args(tiny_lm, tmp_path / "two-run", *extra, "train.sharding=fsdp")])
     assert "sharded True optimizer steps 3" in proc.stdout
     assert "whole parameters 0" in proc.stdout  # the model's and the reference copy's, all sharded
@@ -141,7 +142,7 @@ def test_flowrl_train_sharded_trains_checkpoints_and_resumes(tiny_lm, tmp_path):
     from safetensors.torch import load_file
 
     config = TESTS.parent / "configs" / "accelerate" / "cpu_2proc.yaml"
-    base = [str(ACCELERATE), "launch", "--config_file", str(config), "-m", "flowrl", "train",
+    base = [*accelerate_launch(), "--config_file", str(config), "-m", "flowrl", "train",
             *text_args(tiny_lm, tmp_path, "train.sharding=fsdp", "checkpoint.every=1", "checkpoint.keep=0",
                        "log.completions_every=1")]
     run([*base, "train.epochs=2"])

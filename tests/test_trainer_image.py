@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from flowrl.config import load_config
+from launching import accelerate_launch
 from flowrl.trainer import Trainer
 
 TINY = ["sample.height=32", "sample.width=32", "sample.num_steps=4", "sample.max_sequence_length=16",
@@ -226,9 +227,8 @@ def test_two_processes_stay_in_sync(tmp_path):
     """`accelerate launch -m flowrl train` with 2 CPU processes (gloo): groups span the processes, gradients
     are averaged, and both ranks end with the same weights."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    accelerate = Path(sys.executable).parent / "accelerate"
     config = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "cpu_2proc.yaml"  # the shipped one
-    cmd = [str(accelerate), "launch", "--config_file", str(config), "-m", "flowrl", "train", *TINY,
+    cmd = [*accelerate_launch(), "--config_file", str(config), "-m", "flowrl", "train", *TINY,
            "train.epochs=1", "sample.prompts_per_epoch=3", "sample.group_size=2", "eval.num_prompts=3",
            "eval.images_per_prompt=2", f"log.run_dir={tmp_path}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -263,9 +263,8 @@ def test_fsdp_trains_checkpoints_exports_and_resumes_over_two_processes(tmp_path
     reference KL through the adapter switched off, a checkpoint gathered from the shards, its exported LoRA
     loading into a fresh pipeline, and a resume that continues to epoch 3."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    accelerate = Path(sys.executable).parent / "accelerate"
     config = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "cpu_2proc.yaml"
-    base = [str(accelerate), "launch", "--config_file", str(config), "-m", "flowrl", "train", *TINY,
+    base = [*accelerate_launch(), "--config_file", str(config), "-m", "flowrl", "train", *TINY,
             "train.sharding=fsdp", "train.beta=0.05", "sample.prompts_per_epoch=2", "sample.group_size=2",
             "eval.num_prompts=3", "checkpoint.every=1", "checkpoint.keep=0", f"log.run_dir={tmp_path}"]
     proc = subprocess.run([*base, "train.epochs=2"], env=env, capture_output=True, text=True, timeout=600)
@@ -296,9 +295,8 @@ def test_fsdp_full_fine_tuning_exports_the_gathered_model(tmp_path):
     minibatch is on-policy and its KL to the (bf16) reference is exactly 0; the checkpoint's exported denoiser,
     gathered from the shards, loads with diffusers' from_pretrained and holds the trained weights, which moved."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    accelerate = Path(sys.executable).parent / "accelerate"
     config = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "cpu_2proc.yaml"
-    cmd = [str(accelerate), "launch", "--config_file", str(config), "-m", "flowrl", "train", *TINY,
+    cmd = [*accelerate_launch(), "--config_file", str(config), "-m", "flowrl", "train", *TINY,
            "train.sharding=fsdp", "lora.enabled=false", "model.dtype=bfloat16", "train.lr=1e-4", "train.beta=0.05",
            "train.epochs=1",
            "sample.prompts_per_epoch=2", "sample.group_size=2", "eval.num_prompts=2", "eval.grid=false",
@@ -346,8 +344,7 @@ def test_two_processes_update_as_one_process_over_the_same_global_batch(tmp_path
     one.update(batch, adv, keep, epoch=0)
     assert one.state.optimizer_steps == 3
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    accelerate = Path(sys.executable).parent / "accelerate"
-    cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+    cmd = [*accelerate_launch(), "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", str(Path(__file__).parent / "dist_update.py"),
            str(tmp_path / "batch.pt"), str(tmp_path / "two.safetensors"), *TINY, *extra,
            f"log.run_dir={tmp_path / 'two'}", f"train.sharding={sharding}"]
