@@ -10,6 +10,7 @@
 VENV   ?= .venv
 PYTHON ?= python3
 TORCH  ?= torch==2.14.1 torchvision==0.29.1
+DEEPSPEED ?= deepspeed>=0.17
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 # The editable install is redone when pyproject.toml changes or the checkout moves.
@@ -29,10 +30,12 @@ install: venv
 		$(PIP) install -e . && echo "$(STAMP)" > $(VENV)/.flowrl-install; \
 	fi
 
+# DeepSpeed (its ZeRO tests) ships as a source archive whose build imports torch: built against the venv's torch
+# (--no-build-isolation), else pip would fetch a torch of its own into the build environment.
 install-dev: venv
 	@if [ "$$(cat $(VENV)/.flowrl-install-dev 2>/dev/null)" != "$(STAMP)" ]; then \
-		$(PIP) install -e ".[dev]" && echo "$(STAMP)" > $(VENV)/.flowrl-install-dev \
-		&& echo "$(STAMP)" > $(VENV)/.flowrl-install; \
+		$(PIP) install -e ".[dev]" && $(PIP) install --no-build-isolation "$(DEEPSPEED)" \
+		&& echo "$(STAMP)" > $(VENV)/.flowrl-install-dev && echo "$(STAMP)" > $(VENV)/.flowrl-install; \
 	fi
 
 demo: install

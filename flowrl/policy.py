@@ -21,7 +21,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def full_tensor(t: Tensor) -> Tensor:
-    """A DTensor shard's whole tensor (a collective: every process calls it; FSDP2), any other tensor as it is."""
+    """A DTensor shard's whole tensor (a collective: every process calls it; FSDP2), a ZeRO-3 partitioned trained
+    weight's whole float32 weight (as well), any other tensor as it is."""
+    if hasattr(t, "ds_id"):
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return safe_get_full_fp32_param(t)
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import threading
 import time
@@ -43,11 +44,16 @@ def build_reward_fns(cfg: Config, kind: str):
 
 
 def parallel_strategy(cfg: Config, num_processes: int, distributed_type) -> str:
-    """How the processes share the training: "none" (one process), "fsdp" (train.sharding=fsdp, or an accelerate
-    config of distributed_type FSDP: flowrl shards with its own FSDP2 path, not accelerate's plugin) or "ddp"."""
+    """How the processes share the training: "deepspeed" (an accelerate config of distributed_type DEEPSPEED:
+    accelerate prepares the model and optimizer together), "none" (one process), "fsdp" (train.sharding=fsdp, or an
+    accelerate config of distributed_type FSDP: flowrl shards with its own FSDP2 path, not accelerate's plugin) or
+    "ddp"."""
+    kind = str(distributed_type).rpartition(".")[2]
+    if kind == "DEEPSPEED":
+        return "deepspeed"
     if num_processes == 1:
         return "none"
-    if cfg.train.sharding == "fsdp" or str(distributed_type).rpartition(".")[2] == "FSDP":
+    if cfg.train.sharding == "fsdp" or kind == "FSDP":
         return "fsdp"
     return "ddp"
 
@@ -156,7 +162,7 @@ class Trainer:
     """Holds the pieces the loop needs; `fit()` is the loop."""
 
     def __init__(self, cfg: Config, accelerator=None):
-        from accelerate import Accelerator, DistributedDataParallelKwargs
+        from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
 
         from .policies import build_policy
 
@@ -164,12 +170,21 @@ class Trainer:
         # loggers) fails now, before it loads
         self.train_set, self.eval_set = preflight(cfg)
         self.cfg = cfg
+        # `accelerate launch` with a DEEPSPEED config: accelerate drops DeepSpeed when told cpu=True, and on the CPU
+        # it must be told gloo (else it counts one process)
+        deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
         self.acc = accelerator or Accelerator(
-            cpu=cfg.model.device == "cpu",
+            cpu=cfg.model.device == "cpu" and not deepspeed,
             # no buffer broadcast on every forward: the rollouts' forward passes run through the wrapper too
-            kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
+            kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)] + (
+                [InitProcessGroupKwargs(backend="gloo")]
+                if deepspeed and (cfg.model.device == "cpu" or not torch.cuda.is_available()) else []),
             log_with=(["tensorboard"] if cfg.log.tensorboard else []) + (["wandb"] if cfg.log.wandb else []) or None,
             project_dir=cfg.log.run_dir)
+        if deepspeed:  # else with ZeRO-3 transformers partitions every model it builds (text encoders, rewards)
+            from transformers.integrations import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
         self.run_dir = Path(cfg.log.run_dir)
         self.main = self.acc.is_main_process
         if self.main:  # writable, and not another run's (unless resuming it or told to overwrite it)
@@ -180,6 +195,7 @@ class Trainer:
         seed_everything(cfg.train.seed)
         device = self.acc.device if cfg.model.device == "auto" else torch.device(cfg.model.device)
         self.policy = build_policy(cfg, device)
+        self.engine = None  # DeepSpeed's (`prepare_deepspeed`)
         strategy = parallel_strategy(cfg, self.acc.num_processes, self.acc.distributed_type)
         if strategy == "fsdp":  # FSDP2: sharded over the processes
             self.policy.shard()
@@ -201,7 +217,9 @@ class Trainer:
         if self.batch_local % self.minibatch:
             raise ValueError(f"train.minibatch_size={self.minibatch} must divide the per-process batch "
                              f"{self.batch_local}")
-        self.opt = build_optimizer(self.params, t, sharded=self.policy.sharded)
+        self.opt = build_optimizer(self.params, t, sharded=self.policy.sharded or strategy == "deepspeed")
+        if strategy == "deepspeed":  # after the optimizer: DeepSpeed prepares both together
+            self.policy.wrap_trained(self.prepare_deepspeed)
         # the lr is a function of the minibatch's slot in the run, set before each optimizer step: resuming needs
         # no scheduler state, and a minibatch that takes no step (all its groups dropped) does not delay it
         self.slots_per_epoch = t.inner_epochs * (self.batch_local // self.minibatch)
@@ -448,7 +466,7 @@ class Trainer:
                     continue
                 self.nonfinite_streak = 0
                 self.set_lr(slot)
-                self.opt.step()
+                (self.engine or self.opt).step()  # DeepSpeed's clips to train.max_grad_norm itself
                 if self.ema is not None:
                     self.ema.update()
                 self.state.optimizer_steps += 1
@@ -478,6 +496,8 @@ class Trainer:
     def skip_nonfinite(self, epoch: int, grad_norm: float) -> None:
         """A minibatch whose loss or gradient is NaN/inf: no optimizer step (the weights stay finite), a warning;
         train.max_nonfinite_steps of them in a row stop the run with NonFiniteError."""
+        if self.engine is not None:
+            self.engine.step()  # DeepSpeed takes no step on a non-finite gradient (see minibatch_backward): drops it
         self.opt.zero_grad(set_to_none=True)
         self.nonfinite_streak = getattr(self, "nonfinite_streak", 0) + 1
         limit = self.cfg.train.max_nonfinite_steps
@@ -536,7 +556,7 @@ class Trainer:
         n_real = len(work)
         # every process makes the same number of passes when sharded (each forward gathers the weights: a
         # collective), else at least one (its backward takes part in the gradient average): placeholders of weight 0
-        n_passes = self.max_over_processes(n_real) if self.policy.sharded else max(n_real, 1)
+        n_passes = self.max_over_processes(n_real) if self.policy.sharded or self.engine else max(n_real, 1)
         work += [(0, units[0], placeholder, None)] * (n_passes - n_real)
         parts: dict[int, list[dict]] = {}
         finite = True
@@ -551,6 +571,8 @@ class Trainer:
                     (loss.nan_to_num() * 0.0).backward()
                     continue
                 finite = finite and bool(torch.isfinite(loss))
+                if self.engine is not None and not torch.isfinite(loss):
+                    loss = loss * float("nan")  # a NaN gradient everywhere: DeepSpeed's step skips it on every process
                 # each unit's loss is a mean over its steps; weight by its share of all trained steps
                 (loss * (len(unit) / n_units * norm)).backward()
             parts.setdefault(u, []).append(stats)
@@ -560,6 +582,42 @@ class Trainer:
                 mb_stats.setdefault(key, []).append(v)
         return mb_stats, finite
 
+    def prepare_deepspeed(self, module: torch.nn.Module) -> torch.nn.Module:
+        """DeepSpeed ZeRO (`accelerate launch` with a DEEPSPEED config): the trained module and the optimizer become
+        its engine, which partitions the optimizer state (stage 1), the gradients (2) and the weights (3) over the
+        processes. flowrl accumulates a minibatch's passes itself (the last is the accumulation boundary) and the
+        engine's step clips to train.max_grad_norm; the precision stays flowrl's (model.dtype, float32 trained
+        weights): DeepSpeed's bf16 / fp16 would cast the trained weights too."""
+        ds = self.acc.state.deepspeed_plugin.deepspeed_config
+        if any(ds.get(k, {}).get("enabled") in (True, "auto") for k in ("bf16", "fp16")):
+            raise ValueError("DeepSpeed's bf16 / fp16 would cast flowrl's float32 trained weights: set "
+                             "mixed_precision: \"no\" in the accelerate config (model.dtype=bfloat16 keeps the frozen "
+                             "weights in bf16)")
+        if self.cfg.train.optimizer != "adamw":
+            raise ValueError(f"train.optimizer={self.cfg.train.optimizer} under DeepSpeed: its ZeRO optimizer wraps "
+                             "torch's AdamW; use train.optimizer=adamw (ZeRO already partitions the states)")
+        if any(p.dtype != torch.float32 for p in self.params):
+            raise ValueError("full fine-tuning of bf16/fp16 weights under DeepSpeed would keep their optimizer states "
+                             "in that dtype: use train.sharding=fsdp (float32 master shards) or model.dtype=float32")
+        ds.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1,
+                  gradient_clipping=max(self.cfg.train.max_grad_norm, 0.0))
+        if ds.get("zero_optimization", {}).get("stage") == 3:  # the weights partitioned, as FSDP's (`sharded`)
+            if not hasattr(self.policy, "shard") or self.cfg.train.ema_decay > 0:
+                raise ValueError("DeepSpeed ZeRO-3 trains image models without train.ema_decay (as train.sharding="
+                                 "fsdp); use ZeRO-2 (configs/accelerate/deepspeed_zero2.yaml)")
+            self.policy.sharded = True
+        self.engine, _ = self.acc.prepare(module, self.opt)
+        return self.engine
+
+    def gathered(self, modifier_rank: int | None = None):
+        """A context in which ZeRO-3's partitioned trained weights are whole (a collective; `modifier_rank`'s changes
+        are kept); else nothing."""
+        if self.engine is None or not self.engine.zero_optimization_partition_weights():
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(self.params, modifier_rank=modifier_rank)
+
     def set_lr(self, slot: int) -> None:
         """The scheduled lr of minibatch slot `slot` (0-based over the whole run)."""
         for g in self.opt.param_groups:
@@ -568,7 +626,10 @@ class Trainer:
     def gradient_sync(self, sync: bool):
         """A context for one forward/backward pass of a minibatch: with several processes, gradients are averaged
         (DDP) or reduce-scattered (FSDP) only in the pass with `sync`, the minibatch's last (accelerate's no_sync
-        for DDP; FSDP2's set_requires_gradient_sync)."""
+        for DDP; FSDP2's set_requires_gradient_sync; DeepSpeed's accumulation boundary)."""
+        if self.engine is not None:
+            self.engine.set_gradient_accumulation_boundary(sync)
+            return contextlib.nullcontext()
         if self.world == 1:
             return contextlib.nullcontext()
         if self.policy.sharded:
@@ -578,6 +639,13 @@ class Trainer:
 
     def clip_gradients(self) -> float:
         """Clip the (process-averaged: DDP did it in the last backward) gradient by global norm; returns the norm."""
+        if self.engine is not None:  # the norm of ZeRO's partitioned gradient; its step does the clipping
+            from deepspeed.runtime.utils import combine_grad_norm_groups
+
+            zero = self.engine.optimizer
+            norm = (zero.scaled_global_norm() if hasattr(zero, "scaled_global_norm")
+                    else combine_grad_norm_groups(zero._get_norm_groups()))
+            return float(norm)
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -706,13 +774,15 @@ class Trainer:
         """Write a checkpoint (main process). Sharded weights are gathered first, by every process."""
         path = None
         sharded = self.policy.sharded
+        # DeepSpeed's: gathered from ZeRO's partitions (a collective) as a plain AdamW's
+        opt_state = self.deepspeed_optimizer_state() if self.engine is not None else self.opt.state_dict()
         if sharded:  # collectives: every process takes part, the main one writes
-            trainable = {n: full_tensor(p.detach()) for n, p in self.named_params.items()}
+            trainable = {n: full_tensor(p).detach() for n, p in self.named_params.items()}
             optimizer = {"state": {k: {s: full_tensor(v) if torch.is_tensor(v) else v for s, v in st.items()}
-                                   for k, st in self.opt.state_dict()["state"].items()},
-                         "param_groups": self.opt.state_dict()["param_groups"]}
+                                   for k, st in opt_state["state"].items()},
+                         "param_groups": opt_state["param_groups"]}
             ema = {n: full_tensor(v) for n, v in self.ema.state_dict().items()} if self.ema else None
-            with self.ema.applied() if self.ema else contextlib.nullcontext():
+            with self.ema.applied() if self.ema else contextlib.nullcontext(), self.gathered():
                 exported = self.policy.export_state()  # the LoRA's or the whole model's tensors, gathered
         if self.main:
             st = {"counters": vars(self.state),
@@ -731,12 +801,50 @@ class Trainer:
                 extra["lora" if self.cfg.lora.enabled else "model"] = export
             if not sharded:
                 trainable = dict(self.named_params)
-                optimizer = self.opt.state_dict()
+                optimizer = opt_state
                 ema = self.ema.state_dict() if self.ema else None
             path = write_checkpoint(self.run_dir, self.state.epochs_done, trainable=trainable, optimizer=optimizer,
                                     ema=ema, state=st, extra_dirs=extra, keep=self.cfg.checkpoint.keep)
         self.acc.wait_for_everyone()
         return path
+
+    def deepspeed_optimizer_state(self) -> dict:
+        """The optimizer's state as a plain AdamW's state_dict (an entry of whole tensors per trained weight), gathered
+        from ZeRO's partitions (a collective: every process calls it)."""
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        steps = [st["step"] for st in self.opt.state.values() if "step" in st]
+        state = {}
+        for i, p in enumerate(self.params):
+            moments = {k: safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")}
+            if steps and all(v is not None for v in moments.values()):
+                state[i] = {"step": steps[0].clone(), **{k: v.detach().cpu() for k, v in moments.items()}}
+        group = {k: v for k, v in self.opt.param_groups[0].items() if k != "params"}
+        return {"state": state, "param_groups": [{**group, "params": list(range(len(self.params)))}]}
+
+    def load_deepspeed(self, ck: dict) -> None:
+        """A checkpoint's trained weights and plain-AdamW state into ZeRO's float32 weights and partitioned state
+        (the module's weights were copied already)."""
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        for n, p in self.named_params.items():
+            safe_set_full_fp32_param(p, ck["trainable"][n].to(p.device, torch.float32))
+        states = {int(k): st for k, st in ck.get("optimizer", {}).get("state", {}).items()}
+        if not states:
+            return
+        step = next(iter(states.values()))["step"]
+        zero = self.engine.optimizer
+        # this process's partition of the float32 weights (ZeRO-3's, ZeRO-1/2's): an AdamW state to fill
+        flats = getattr(zero, "fp32_partitioned_groups_flat", None) or zero.single_partition_of_fp32_groups
+        for flat in flats:
+            self.opt.state[flat] = {"step": torch.as_tensor(step).clone().float(),
+                                    **{k: torch.zeros_like(flat) for k in ("exp_avg", "exp_avg_sq")}}
+        if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2: (re)link the weights' views into it
+            zero._hp_optimizer_states_linked = False
+            zero._lazy_init_hp_params_optimizer_state()
+        for i, p in enumerate(self.params):
+            for k in ("exp_avg", "exp_avg_sq"):
+                safe_set_full_optimizer_state(p, states[i][k].to(p.device), k)
 
     def load(self, path: Path, ck: dict) -> None:
         """Continue from checkpoint `path` (read: `ck`). A changed model, adapter or batch shape is refused with the
@@ -754,12 +862,14 @@ class Trainer:
         if missing:
             raise CheckpointError(f"checkpoint {path} lacks trained weights {sorted(missing)[:3]} (a different model "
                                   "or LoRA config?)")
-        with torch.no_grad():
+        with torch.no_grad(), self.gathered(modifier_rank=0):
             for n, p in self.named_params.items():
                 p.copy_(like(ck["trainable"][n].to(p.dtype), p))
         if hasattr(self.opt, "sync_masters"):  # float32 master copies (offload, bf16 weights): from the loaded ones
             self.opt.sync_masters()
-        if "optimizer" in ck:
+        if self.engine is not None:
+            self.load_deepspeed(ck)
+        elif "optimizer" in ck:
             params = [p for group in self.opt.param_groups for p in group["params"]]
             state = {k: {s: like(v, params[int(k)]) if torch.is_tensor(v) and v.ndim else v for s, v in st.items()}
                      for k, st in ck["optimizer"]["state"].items()}

@@ -1,11 +1,15 @@
 """Run by tests/test_trainer_image.py under `accelerate launch --num_processes 2`: each process takes its half of a
-recorded global batch and runs the trainer's update on it; rank 0 saves the trained weights."""
+recorded global batch and runs the trainer's update on it; rank 0 saves the trained weights. As `fit` does, it first
+resumes from a checkpoint with checkpoint.resume set, and after the update writes one with DIST_UPDATE_SAVE=1;
+DIST_UPDATE_POISON=rank makes that process's first model call give NaN log-probs."""
 
+import os
 import sys
 
 import torch
 from safetensors.torch import save_file
 
+from flowrl.checkpoint import resolve_resume
 from flowrl.config import load_config
 from flowrl.policy import ImageBatch, full_tensor
 from flowrl.trainer import Trainer
@@ -20,11 +24,29 @@ traj = saved["traj"].select(rows)
 batch = ImageBatch(traj=traj, prompts=[saved["prompts"][i] for i in rows],
                    metadata=[saved["metadata"][i] for i in rows], images=[])
 keep = saved.get("keep", torch.ones(len(saved["adv"]), dtype=torch.bool))[rows]
-metrics = tr.update(batch, saved["adv"][rows], keep, epoch=0)
-weights = {k: full_tensor(v.detach()).contiguous() for k, v in tr.named_params.items()}  # every process: FSDP
+if os.environ.get("DIST_UPDATE_POISON") == str(rank):  # this process's first model call gives NaN log-probs
+    unit_log_probs, calls = tr.policy.unit_log_probs, []
+
+    def poisoned(*args, **kwargs):
+        out = unit_log_probs(*args, **kwargs)
+        if not calls:
+            out.log_prob = out.log_prob * float("nan")
+        calls.append(1)
+        return out
+
+    tr.policy.unit_log_probs = poisoned
+found = resolve_resume(tr.cfg.checkpoint.resume, tr.run_dir)
+if found is not None:
+    tr.load(*found)
+metrics = tr.update(batch, saved["adv"][rows], keep, epoch=tr.state.epochs_done)
+if os.environ.get("DIST_UPDATE_SAVE") == "1":
+    tr.state.epochs_done += 1
+    tr.save()
+weights = {k: full_tensor(v).detach().contiguous() for k, v in tr.named_params.items()}  # every process: FSDP, ZeRO-3
 if tr.main:
     save_file(weights, out_file)
-    print("optimizer steps", tr.state.optimizer_steps, "ratio_first_dev", metrics.get("policy/ratio_first_dev"))
+    print("optimizer steps", tr.state.optimizer_steps, "ratio_first_dev", metrics.get("policy/ratio_first_dev"),
+          "skipped", metrics["policy/skipped_nonfinite"], "engine", type(tr.engine).__name__)
 tr.acc.wait_for_everyone()
 if torch.distributed.is_initialized():
     torch.distributed.destroy_process_group()

@@ -118,9 +118,11 @@ class ImagePolicy:
 
     @property
     def module(self) -> torch.nn.Module:
-        """The trained denoiser itself (inside the DDP wrapper that `wrap_trained` may have put around it)."""
+        """The trained denoiser itself (inside the DDP wrapper or DeepSpeed engine `wrap_trained` may have put around
+        it)."""
         den = self.backend.denoiser
-        return den.module if isinstance(den, torch.nn.parallel.DistributedDataParallel) else den
+        wrapped = isinstance(den, torch.nn.parallel.DistributedDataParallel) or type(den).__name__ == "DeepSpeedEngine"
+        return den.module if wrapped else den
 
     def wrap_trained(self, prepare) -> None:
         """Put `prepare(denoiser)` (accelerate's DDP wrapper) where the backend calls the denoiser: forward passes
