@@ -323,7 +323,7 @@ def test_fsdp_full_fine_tuning_exports_the_gathered_model(tmp_path):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo multi-process test written for linux")
 @pytest.mark.parametrize("dropped,sharding,lora", [(False, "none", True), (True, "none", True), (True, "fsdp", True),
-                                                   (False, "fsdp", False)])
+                                                   (False, "none", False), (False, "fsdp", False)])
 def test_two_processes_update_as_one_process_over_the_same_global_batch(tmp_path, dropped, sharding, lora):
     """The update of a 2-process run (each process its half of the global batch, gradients averaged over the
     processes) takes the weights where a 1-process update over the whole batch takes them: 3 optimizer steps, the
