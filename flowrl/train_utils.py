@@ -280,12 +280,20 @@ def eval_plan(prompt_set, eval_cfg) -> tuple[list[str], list[dict], EvalConfig]:
             dataclasses.replace(eval_cfg, images_per_prompt=1))
 
 
-def eval_summary(scores: dict, metadata: list[dict], group_by: str = "") -> dict[str, float]:
+def eval_summary(scores: dict, metadata: list[dict], group_by: str = "",
+                 base: dict[str, dict[str, float]] | None = None) -> dict[str, float]:
     """{name: per-sample scores [P * n]} -> {"eval/<name>_mean": mean} plus, with `group_by`, the
-    `grouped_means` of every score (shared by the trainer's evaluations and `flowrl eval`)."""
+    `grouped_means` of every score (shared by the trainer's evaluations and `flowrl eval`). Free-attribute counts
+    (`flowrl.diversity`: "<reward>/free_<attribute>=<value>") are not averaged: they become the distribution's
+    entropy and, given the base model's histograms `base`, its total variation distance from them."""
+    from .diversity import distribution_metrics, histograms, is_count
+
     out: dict[str, float] = {}
     for name, vals in scores.items():
+        if is_count(name):
+            continue
         out[f"eval/{name}_mean"] = float(vals.mean())
         if group_by:
             out.update(grouped_means(name, vals, metadata, group_by))
+    out.update(distribution_metrics(histograms(scores), base))
     return out

@@ -27,6 +27,7 @@ from .errors import CheckpointError, Interrupted, NonFiniteError
 from .policy import full_tensor
 from .preflight import preflight
 from .seeding import derive_seed, seed_everything
+from .diversity import BaseDistribution, distribution_metrics, histograms, is_count
 from .offload import Parked, modules_in, visiting
 from .train_utils import (EMA, MetricsLog, Timer, build_optimizer, eval_plan, eval_summary, lr_lambda,
                           read_metrics)
@@ -711,8 +712,13 @@ class Trainer:
         scored = ~torch.isinf(all_scores).any(1)
         total = (all_scores[scored] * torch.tensor([r.weight for r in self.cfg.rewards])).nansum(1)
         m["reward/total_mean"] = total.mean().item() if len(total) else float("nan")
+        counts = {}
         for name, v in components.items():
-            m[f"reward/{name}_mean"] = self.gather(v).mean().item()
+            if is_count(name):  # free-attribute counts: a distribution, not a mean
+                counts[name] = self.gather(v)
+            else:
+                m[f"reward/{name}_mean"] = self.gather(v).mean().item()
+        m.update(distribution_metrics(histograms(counts), prefix="reward/diversity/"))
         return m
 
     # ------------------------------------------------------------------------------ eval, checkpoints
@@ -745,7 +751,14 @@ class Trainer:
             scores = {k: torch.cat([sc[k] for _, sc in shares]) for k in scores}
         results = {}
         if self.main:
-            results.update(eval_summary(scores, meta, cfg.eval.group_by))
+            # the base model's distribution of what prompts leave free (colours...): the first eval's, kept
+            base_file = BaseDistribution(self.run_dir)
+            base = base_file.load()
+            hists = histograms(scores)
+            if base is None and hists and self.state.optimizer_steps == 0:
+                base_file.save(hists)
+                base = hists
+            results.update(eval_summary(scores, meta, cfg.eval.group_by, base))
             if cfg.eval.grid:
                 headline = scores[cfg.rewards[0].name]
                 path = self.policy.save_eval_outputs(outputs, prompts, self.run_dir / f"eval-{tag}", scores=headline)

@@ -15,7 +15,8 @@ from rewards.registry import IMAGE, register
 @register("shapes_geneval", kind=IMAGE)
 class ShapesGenEval:
     """reward(images, prompts, objects=[...], relation=[...]) -> Tensor[B] (fraction of clauses that hold);
-    `last_components`: `strict` [B] (all clauses hold) and `fraction` [B]."""
+    `last_components`: `strict` [B] (all clauses hold), `fraction` [B], and `free_color=<colour>` [B]: how many
+    objects the prompt left uncoloured came out in that colour (`free_color_counts`)."""
 
     kind = IMAGE
 
@@ -35,9 +36,25 @@ class ShapesGenEval:
         relation = relation if relation is not None else [None] * len(images)
         metadata = [{"objects": o, "relation": r} for o, r in zip(objects, relation)]
         strict, fraction, details = score_images(images, metadata)
-        self.last_components = {"strict": torch.from_numpy(strict), "fraction": torch.from_numpy(fraction)}
+        self.last_components = {"strict": torch.from_numpy(strict), "fraction": torch.from_numpy(fraction),
+                                **free_color_counts(details, metadata)}
         self.last_details = details
         return torch.from_numpy(fraction if self.score == "fraction" else strict).float()
+
+
+def free_color_counts(details: list[dict], metadata: list[dict]) -> dict[str, torch.Tensor]:
+    """Per image, how many objects of a shape the prompt asked for without a colour came out in each colour:
+    {"free_color=<colour>": [B] counts} for every colour of the palette (see flowrl.diversity: summed over an
+    eval they are the model's colour distribution where the prompt leaves colour free)."""
+    from flowrl.shapes import COLORS
+
+    counts = {c: torch.zeros(len(details)) for c in COLORS}
+    for i, (found, meta) in enumerate(zip(details, metadata)):
+        free = {o["shape"] for o in meta["objects"] or () if o.get("color") is None}
+        for d in found["objects"]:
+            if d["shape"] in free and d["color"] in counts:
+                counts[d["color"]][i] += 1
+    return {f"free_color={c}": v for c, v in counts.items()}
 
 
 @register("shapes_soft", kind=IMAGE)

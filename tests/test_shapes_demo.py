@@ -41,6 +41,11 @@ def test_shapes_preset_one_epoch(tmp_path, monkeypatch):
     # the preset breaks eval down by GenEval family and logs their mean (GenEval's overall)
     assert any("eval/shapes_geneval/strict_family_mean" in r for r in rows)
     assert (tmp_path / "eval-epoch000000.png").exists() and (tmp_path / "eval-final.png").exists()
+    # the diversity metric: the colours of objects the prompts left uncoloured, against the first eval's
+    evals = [r for r in rows if "eval/diversity/shapes_geneval/color_entropy_bits" in r]
+    assert len(evals) == 2 and evals[0]["eval/diversity/shapes_geneval/color_tv_from_base"] == 0.0
+    assert 0.0 <= evals[1]["eval/diversity/shapes_geneval/color_tv_from_base"] <= 1.0
+    assert (tmp_path / "eval-base-distribution.json").exists()
     # `flowrl train` itself draws the figures the issue asks of the demo, not only `flowrl demo`
     assert (tmp_path / "before_after.png").stat().st_size > 0 and (tmp_path / "curves.png").stat().st_size > 0
     if epoch["adv/abs_max"] > 0:  # a group with different rewards moved the LoRA

@@ -1,0 +1,86 @@
+"""The diversity metric: the colour distribution where prompts leave colour free, its entropy and its total variation
+distance from the base model's, computed by hand; the shapes reward's counts on rendered scenes; eval summaries."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from flowrl.diversity import (BaseDistribution, distribution_metrics, entropy_bits, histograms, is_count,
+                              total_variation)
+from flowrl.train_utils import eval_summary
+
+
+def test_entropy_and_total_variation_by_hand():
+    p = {"red": 0.5, "green": 0.25, "blue": 0.25}
+    assert entropy_bits(p) == pytest.approx(1.5)                      # 0.5*1 + 2 * 0.25*2
+    assert entropy_bits({"red": 1.0}) == 0.0
+    q = {"red": 0.25, "green": 0.25, "yellow": 0.5}
+    # |0.5-0.25| + |0.25-0.25| + |0.25-0| + |0-0.5| = 1.0 -> TV 0.5
+    assert total_variation(p, q) == pytest.approx(0.5)
+    assert total_variation(p, p) == 0.0
+    assert total_variation({"red": 1.0}, {"blue": 1.0}) == 1.0
+
+
+def test_same_entropy_different_distribution_is_caught_by_tv():
+    """A drift that keeps the spread (mostly green -> mostly red) leaves the entropy alone; TV sees it."""
+    before = {"red": 10.0, "green": 70.0, "blue": 20.0}
+    after = {"red": 70.0, "green": 10.0, "blue": 20.0}
+    m = distribution_metrics({"r/color": after}, {"r/color": before})
+    assert m["eval/diversity/r/color_entropy_bits"] == pytest.approx(
+        distribution_metrics({"r/color": before})["eval/diversity/r/color_entropy_bits"])
+    assert m["eval/diversity/r/color_tv_from_base"] == pytest.approx(0.6)   # 0.5 * (0.6 + 0.6 + 0)
+    assert m["eval/diversity/r/color_count"] == 100.0
+
+
+def test_histograms_sum_counts_and_eval_summary_leaves_them_out_of_the_means():
+    scores = {"shapes_geneval": torch.tensor([1.0, 0.0, 1.0]),
+              "shapes_geneval/free_color=red": torch.tensor([1.0, 2.0, 0.0]),
+              "shapes_geneval/free_color=blue": torch.tensor([0.0, 0.0, 1.0])}
+    assert is_count("shapes_geneval/free_color=red") and not is_count("shapes_geneval/strict")
+    assert histograms(scores) == {"shapes_geneval/color": {"red": 3.0, "blue": 1.0}}
+    base = {"shapes_geneval/color": {"red": 1.0, "blue": 3.0}}
+    out = eval_summary(scores, [{}, {}, {}], base=base)
+    assert set(out) == {"eval/shapes_geneval_mean", "eval/diversity/shapes_geneval/color_entropy_bits",
+                        "eval/diversity/shapes_geneval/color_count", "eval/diversity/shapes_geneval/color_tv_from_base"}
+    assert out["eval/diversity/shapes_geneval/color_tv_from_base"] == pytest.approx(0.5)   # 0.75 vs 0.25
+    h = -(0.75 * math.log2(0.75) + 0.25 * math.log2(0.25))
+    assert out["eval/diversity/shapes_geneval/color_entropy_bits"] == pytest.approx(h)
+
+
+def test_base_distribution_round_trips(tmp_path):
+    store = BaseDistribution(tmp_path)
+    assert store.load() is None
+    store.save({"r/color": {"red": 2.0}})
+    assert store.load() == {"r/color": {"red": 2.0}}
+
+
+def test_shapes_reward_counts_the_colours_of_objects_the_prompt_left_uncoloured():
+    """Rendered scenes: "a square" (free colour) drawn red counts red; "a blue circle" (colour fixed) counts
+    nothing; "two triangles" (free) count both triangles' colours."""
+    import rewards
+    from flowrl.shapes.render import render
+
+    rows = [{"objects": [{"shape": "square", "color": None, "count": 1}], "relation": None},
+            {"objects": [{"shape": "circle", "color": "blue", "count": 1}], "relation": None},
+            {"objects": [{"shape": "triangle", "color": None, "count": 2}], "relation": None}]
+    rng = np.random.default_rng(3)
+    images, scenes = [], []
+    for r in rows:
+        pixels, scene = render(r, rng)
+        images.append(Image.fromarray(pixels))
+        scenes.append(scene)
+    fn = rewards.get("shapes_geneval")
+    fn(images, ["", "", ""], objects=[r["objects"] for r in rows], relation=[None] * 3)
+    counts = {k.split("=")[1]: v for k, v in fn.last_components.items() if k.startswith("free_color=")}
+    expected = torch.zeros(3, len(counts))
+    names = list(counts)
+    for obj in scenes[0]:
+        expected[0, names.index(obj.color)] += 1
+    for obj in scenes[2]:
+        expected[2, names.index(obj.color)] += 1
+    got = torch.stack([counts[c] for c in names], 1)
+    assert torch.equal(got, expected), (got, expected)
+    assert got[1].sum() == 0 and got[0].sum() == 1 and got[2].sum() == 2
