@@ -361,3 +361,32 @@ def test_score_images_accepts_pil_and_float_images_and_checks_lengths():
     assert strict.tolist() == [1, 1]
     with pytest.raises(ValueError, match="one each"):
         score_images([image], [meta, meta])
+
+
+def test_out_of_template_split_is_new_wording_scored_by_the_same_reward():
+    """The out-of-template split (samples/shapes/out_of_template.jsonl, what `out_of_template_prompts` writes):
+    48 prompts, 12 per family, none a training or test prompt's text; each family is what it says (a colour
+    with a count, a colour with a relation, the paraphrased wordings); rendered ground truth passes every
+    clause of the detector, so the shapes reward scores them as it scores the test split."""
+    from pathlib import Path
+
+    from flowrl.shapes.detect import score_images
+    from flowrl.shapes.prompts import all_prompts, load_jsonl, out_of_template_prompts
+    from flowrl.shapes.render import render
+
+    records = out_of_template_prompts()
+    shipped = load_jsonl(Path(__file__).resolve().parents[1] / "samples" / "shapes" / "out_of_template.jsonl")
+    assert shipped == records
+    assert len(records) == 48 and len({r["prompt"] for r in records}) == 48
+    assert {r["family"]: sum(x["family"] == r["family"] for x in records) for r in records} == {
+        "paraphrased_position": 12, "paraphrased_counting": 12, "color_counting": 12, "color_position": 12}
+    assert not {r["prompt"] for r in records} & {r["prompt"] for r in all_prompts()}
+    for r in records:
+        if r["family"] == "color_counting":
+            assert r["objects"][0]["count"] > 1 and r["objects"][0]["color"] and r["relation"] is None
+        if r["family"] == "color_position":
+            assert all(o["color"] for o in r["objects"]) and r["relation"] is not None
+    rng = np.random.default_rng(0)
+    images = [render(r, rng)[0] for r in records]
+    strict, _, _ = score_images(images, records)
+    assert strict.tolist() == [1.0] * len(records)
