@@ -54,8 +54,11 @@ def test_the_accelerate_configs_are_valid_accelerate_configs():
     from accelerate.commands.config.config_args import load_config_from_file
 
     files = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))
-    assert {f.stem for f in files} >= {"ddp_8gpu", "multinode_2x8gpu", "cpu_2proc"}
+    assert {f.stem for f in files} >= {"ddp_8gpu", "multinode_2x8gpu", "cpu_2proc", "fsdp_8gpu", "deepspeed_zero2",
+                                       "deepspeed_zero3"}
     for f in files:
         cfg = load_config_from_file(str(f))
-        assert cfg.distributed_type.value == "MULTI_GPU" and cfg.num_processes >= 2, f
+        expected = "DEEPSPEED" if f.stem.startswith("deepspeed") else "MULTI_GPU"
+        assert cfg.distributed_type.value == expected and cfg.num_processes >= 2, f
+        assert f"--config_file configs/accelerate/{f.name}" in f.read_text(), f  # its header shows the launch
         assert cfg.num_processes % cfg.num_machines == 0, f

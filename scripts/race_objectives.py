@@ -1,0 +1,176 @@
+"""Race the training objectives on the shapes world at an equal wall-clock budget (issue 23).
+
+    python scripts/race_objectives.py --minutes 10 --seeds 0 1 2 3 4 --jobs 2 --out runs/race
+
+Every (objective, seed) run is `flowrl train configs/shapes.yaml` with `train.objective=<name>`, the objective's
+settings from OBJECTIVE_SETTINGS, `train.max_minutes=<budget>` and an eval every `--eval-every` epochs on the test
+split (GenEval-style strict accuracy, the mean over the prompt families, and the diversity metric: the colour
+distribution's total variation from the base model's where prompts leave colour free). After training, the final
+weights and the base model are evaluated on the out-of-template split (samples/shapes/out_of_template.jsonl).
+
+Writes to --out: one run directory per (objective, seed), `race.json` (every run's curve and figures),
+`race.md` (the table: per objective, the median and range over seeds of the gain on the test split, the minutes to
+reach +0.20, the colour TV from the base, the out-of-template accuracy before and after) and `race.png` (test
+accuracy against wall-clock minutes: the median over seeds per objective, the band from the worst to the best).
+`--jobs 2` runs two trainings at once, each with one torch thread (the figure's minutes are then each run's own).
+A finished run is not run again (its metrics.jsonl holds a final row), so the race resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "shapes.yaml"
+OUT_OF_TEMPLATE = ROOT / "samples" / "shapes" / "out_of_template.jsonl"
+HEADLINE = "eval/shapes_geneval/strict_family_mean"
+TV = "eval/diversity/shapes_geneval/color_tv_from_base"
+TARGET_GAIN = 0.20
+
+#: Each objective's settings on the shapes world (key=value overrides of configs/shapes.yaml).
+OBJECTIVE_SETTINGS: dict[str, list[str]] = {
+    "grpo": [],
+    "nft": ["train.objective=nft"],
+    "awm": ["train.objective=awm"],
+    "dpo": ["train.objective=dpo"],
+}
+
+
+def run_dir(out: Path, objective: str, seed: int) -> Path:
+    return out / f"{objective}-seed{seed}"
+
+
+def finished(directory: Path) -> bool:
+    metrics = directory / "metrics.jsonl"
+    return metrics.exists() and any(json.loads(line).get("final") for line in metrics.read_text().splitlines()
+                                    if line.strip())
+
+
+def train(out: Path, objective: str, seed: int, minutes: float, eval_every: int, extra: list[str]) -> Path:
+    """One training run (skipped when already finished); its stdout and stderr go to train.log beside it."""
+    directory = run_dir(out, objective, seed)
+    if finished(directory):
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "flowrl", "train", str(CONFIG), *OBJECTIVE_SETTINGS[objective], f"train.seed={seed}",
+           f"train.max_minutes={minutes}", "train.epochs=100000", f"eval.every={eval_every}", "log.progress=false",
+           f"log.run_dir={directory}", "log.overwrite=true", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    with open(directory / "train.log", "w") as log:
+        subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+    return directory
+
+
+def evaluate(directory: Path, checkpoint: Path | None, out_name: str, extra: list[str]) -> dict:
+    """`flowrl eval` of a checkpoint (None: the base model) on the out-of-template split."""
+    target = directory / out_name
+    if (target / "eval.json").exists():
+        return json.loads((target / "eval.json").read_text())
+    cmd = [sys.executable, "-m", "flowrl", "eval", str(CONFIG), f"data.eval_prompts={OUT_OF_TEMPLATE}",
+           "eval.num_prompts=48", "eval.images_per_group=0", "eval.images_per_prompt=2", "--out", str(target), *extra]
+    if checkpoint is not None:
+        cmd += ["--checkpoint", str(checkpoint)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    return json.loads((target / "eval.json").read_text())
+
+
+def curve(directory: Path) -> dict:
+    """A run's eval curve: minutes since its first row, the headline accuracy, the colour TV."""
+    rows = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    t0 = rows[0]["time"]
+    evals = [r for r in rows if HEADLINE in r]
+    return {"minutes": [(r["time"] - t0) / 60 for r in evals], "accuracy": [r[HEADLINE] for r in evals],
+            "tv": [r.get(TV) for r in evals], "epochs": [r["epoch"] for r in evals]}
+
+
+def minutes_to_gain(c: dict, gain: float) -> float | None:
+    """The first eval's minutes at which accuracy is `gain` above the first eval's (None: never)."""
+    start = c["accuracy"][0]
+    return next((m for m, a in zip(c["minutes"], c["accuracy"]) if a - start >= gain), None)
+
+
+def summarise(results: dict) -> list[str]:
+    lines = ["| objective | seeds | gain on test, median (min - max) | minutes to +0.20, median | colour TV from "
+             "base, median (max) | out-of-template before -> after, median |", "| --- | --- | --- | --- | --- | --- |"]
+    for objective, runs in results.items():
+        gains = [r["curve"]["accuracy"][-1] - r["curve"]["accuracy"][0] for r in runs]
+        reach = [minutes_to_gain(r["curve"], TARGET_GAIN) for r in runs]
+        reached = [m for m in reach if m is not None]
+        tvs = [r["curve"]["tv"][-1] for r in runs if r["curve"]["tv"][-1] is not None]
+        before = [r["oot_before"] for r in runs]
+        after = [r["oot_after"] for r in runs]
+        lines.append(
+            f"| {objective} | {len(runs)} | {statistics.median(gains):+.3f} ({min(gains):+.3f} - {max(gains):+.3f}) | "
+            + (f"{statistics.median(reached):.1f} ({len(reached)}/{len(runs)} reached)" if reached else "not reached")
+            + " | " + (f"{statistics.median(tvs):.3f} ({max(tvs):.3f})" if tvs else "-")
+            + f" | {statistics.median(before):.3f} -> {statistics.median(after):.3f} |")
+    return lines
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for objective, runs in results.items():
+        grid = np.linspace(0, max(max(r["curve"]["minutes"]) for r in runs), 50)
+        ys = np.stack([np.interp(grid, r["curve"]["minutes"], r["curve"]["accuracy"]) for r in runs])
+        ax.plot(grid, np.median(ys, 0), label=f"{objective} (median of {len(runs)})")
+        ax.fill_between(grid, ys.min(0), ys.max(0), alpha=0.2)
+    ax.set_xlabel("wall-clock minutes (one run, 1 torch thread)")
+    ax.set_ylabel("test strict accuracy (family mean)")
+    ax.set_title("objectives on the shapes world, equal wall-clock")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--objectives", nargs="+", default=list(OBJECTIVE_SETTINGS), choices=list(OBJECTIVE_SETTINGS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
+    parser.add_argument("--minutes", type=float, default=10.0, help="wall-clock budget of each training run")
+    parser.add_argument("--eval-every", type=int, default=5, help="epochs between evals on the test split")
+    parser.add_argument("--jobs", type=int, default=2, help="training runs at once")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "race")
+    parser.add_argument("extra", nargs="*", metavar="key=value", help="overrides for every run")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = [(o, s) for o in args.objectives for s in args.seeds]
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        dirs = list(pool.map(lambda w: train(args.out, w[0], w[1], args.minutes, args.eval_every, args.extra), work))
+    base = evaluate(args.out, None, "oot-base", args.extra)
+    results: dict[str, list[dict]] = {}
+    for (objective, seed), directory in zip(work, dirs):
+        after = evaluate(directory, directory / f"ckpt-{_last_ckpt(directory):06d}", "oot-final", args.extra)
+        results.setdefault(objective, []).append({
+            "seed": seed, "curve": curve(directory), "oot_before": base["eval/shapes_geneval/strict_family_mean"],
+            "oot_after": after["eval/shapes_geneval/strict_family_mean"]})
+    (args.out / "race.json").write_text(json.dumps(results, indent=1))
+    table = summarise(results)
+    (args.out / "race.md").write_text("\n".join(table) + "\n")
+    plot(results, args.out / "race.png")
+    print("\n".join(table))
+    return 0
+
+
+def _last_ckpt(directory: Path) -> int:
+    numbers = [int(p.name.split("-")[1]) for p in directory.glob("ckpt-*") if p.is_dir()]
+    if not numbers:
+        raise SystemExit(f"{directory} has no checkpoint (see its train.log)")
+    return max(numbers)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
