@@ -234,6 +234,10 @@ class TrainConfig:
     """std in the Gaussian KL: the transition std (`step`), or Flow-GRPO's convention leaving sqrt(dt) out."""
     ema_decay: float = 0.0
     """EMA of the trained weights used for eval and checkpoints (0 = off; e.g. 0.9)."""
+    max_minutes: float = 0.0
+    """Wall-clock budget of the training in minutes (0 = none): the epoch during which it runs out is the last; the
+    final eval and checkpoint follow as after the last epoch. Counted from the start of this call (a resumed run
+    gets the budget again)."""
     max_nonfinite_steps: int = 3
     """A minibatch whose loss or gradient is NaN/inf takes no optimizer step (a warning says so); this many such
     minibatches in a row stop the run with an error (the weights and checkpoints stay finite)."""
@@ -466,7 +470,8 @@ RANGES: dict[str, Range] = {
     "train.decay_frac": FRACTION, "train.max_grad_norm": AT_LEAST_0, "train.clip_low": FRACTION,
     "train.clip_high": POSITIVE, "train.dual_clip": Range(1, lo_open=True), "train.adv_clip_max": POSITIVE,
     "train.stat_buffer_size": AT_LEAST_1, "train.stat_min_count": AT_LEAST_1, "train.beta": AT_LEAST_0,
-    "train.ema_decay": Range(0, 1, hi_open=True), "train.max_nonfinite_steps": AT_LEAST_1, "train.seed": AT_LEAST_0,
+    "train.ema_decay": Range(0, 1, hi_open=True), "train.max_nonfinite_steps": AT_LEAST_1,
+    "train.max_minutes": AT_LEAST_0, "train.seed": AT_LEAST_0,
     "rewards.weight": Range(),
     "eval.every": AT_LEAST_0, "eval.num_steps": AT_LEAST_1, "eval.guidance_scale": AT_LEAST_0,
     "eval.num_prompts": AT_LEAST_0, "eval.images_per_prompt": AT_LEAST_1, "eval.images_per_group": AT_LEAST_0,

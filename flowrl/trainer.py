@@ -260,6 +260,7 @@ class Trainer:
         last = {}
         if cfg.eval.before and self.state.epochs_done == 0 and cfg.train.epochs > 0:
             self.log.log(self.evaluate(tag="epoch000000"), step=0)
+        started = time.perf_counter()
         bar = tqdm(range(self.state.epochs_done, cfg.train.epochs), desc="epochs", disable=not (
             self.main and cfg.log.progress), initial=self.state.epochs_done, total=cfg.train.epochs)
         for epoch in bar:
@@ -287,9 +288,12 @@ class Trainer:
             metrics["perf/samples_per_s"] = self.batch_total / seconds
             metrics["perf/trained_steps_x_samples_per_s"] = metrics["policy/trained_units"] / seconds
             metrics["lr"] = self.opt.param_groups[0]["lr"]
+            # train.max_minutes: the epoch that reaches the budget is the last (every process stops together)
+            out_of_time = bool(cfg.train.max_minutes) and self.any_process(
+                time.perf_counter() - started >= 60 * cfg.train.max_minutes)
             if cfg.eval.every and (epoch + 1) % cfg.eval.every == 0 and epoch + 1 < cfg.train.epochs:
                 metrics.update(self.evaluate(tag=f"epoch{epoch + 1:06d}"))
-            if (epoch + 1) % cfg.log.every == 0 or epoch + 1 == cfg.train.epochs:
+            if (epoch + 1) % cfg.log.every == 0 or epoch + 1 == cfg.train.epochs or out_of_time:
                 self.log.log(metrics, step=epoch + 1)
             if cfg.checkpoint.every and (epoch + 1) % cfg.checkpoint.every == 0 and epoch + 1 < cfg.train.epochs:
                 self.save()
@@ -298,6 +302,11 @@ class Trainer:
                             on_policy_ratio="-" if ratio0 is None else f"{ratio0:.5f}")
             last = metrics
             self.stop_if_asked(epoch + 1, mid_epoch=False)
+            if out_of_time:
+                if self.main:
+                    print(f"train.max_minutes={cfg.train.max_minutes:g} reached after {epoch + 1} epochs: the final "
+                          "eval and checkpoint follow")
+                break
         if last:  # some epoch ran in this call (a resume of a finished run does nothing)
             final = self.evaluate(tag="final")
             self.log.log({**final, "final": True}, step=self.state.epochs_done)

@@ -283,3 +283,16 @@ def test_the_progress_bar_names_the_on_policy_ratio(tmp_path, capsys):
     Trainer(tiny_cfg(tmp_path / "run", "train.epochs=1", "eval.grid=false", "log.progress=true")).fit()
     err = capsys.readouterr().err
     assert "on_policy_ratio=1.00000" in err and "ratio0" not in err
+
+
+def test_a_wall_clock_budget_ends_the_run_after_the_epoch_that_spends_it(tmp_path):
+    """train.max_minutes: the epoch during which the budget runs out is the last one; its metrics are logged (with
+    log.every larger than 1), then the final eval and the checkpoint, as after the last epoch."""
+    from flowrl.trainer import Trainer
+
+    tr = Trainer(tiny_cfg(tmp_path, "train.epochs=5", "train.max_minutes=0.0001", "log.every=4"))
+    tr.fit()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows if "policy/loss" in r] == [1]
+    assert rows[-1].get("final") and rows[-1]["epoch"] == 1
+    assert tr.state.epochs_done == 1 and (tmp_path / "ckpt-000001").is_dir()
