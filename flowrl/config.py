@@ -143,7 +143,83 @@ class TextConfig:
 
 
 @dataclass
+class NFTConfig:
+    beta: float = 1.0
+    """DiffusionNFT's beta: the implicit policies v+- = v_old +- beta (v_theta - v_old) (the reference: 1; 0.1 for OCR
+    and its multi-reward run)."""
+    adaptive_weight: bool = True
+    """Weigh each squared error by its own detached mean absolute error in x0-space (the reference's default)."""
+    adv_clip: float = 5.0
+    """r = 1/2 + 1/2 clip(A / adv_clip, -1, 1), the optimality probability of a sample with advantage A (the
+    reference: 5, its adv_clip_max; it normalises by the batch's std: train.adv_scale=batch)."""
+    policy_scale: float = 5.0
+    """The policy term's factor before the KL term is added (the reference multiplies it by its adv_clip_max, 5)."""
+    kl_coef: float = 1e-4
+    """Velocity-space penalty kl_coef ||v_theta - v_ref||^2 toward the reference (the adapter off; a frozen copy in
+    full fine-tuning); 0 skips the reference's forward pass (the reference: 1e-4)."""
+    decay_rate: float = 1e-3
+    """After each epoch's update the old (sampling) policy moves toward the trained one: old <- lambda old +
+    (1 - lambda) theta with lambda = min(decay_rate (step - decay_start), decay_cap), step = optimizer steps so far
+    (the reference: 1e-3, cap 0.5, start 0; OCR: 7.5e-3, cap 0.999, start 75)."""
+    decay_cap: float = 0.5
+    """The largest lambda (see decay_rate)."""
+    decay_start: int = 0
+    """Optimizer steps before which lambda = 0 (the old policy is a copy of the trained one)."""
+    timesteps: int = 0
+    """Training times per sample: that many steps of the rollout's schedule, a random order per sample, each with
+    fresh noise; 0 = int(0.99 x sample.num_steps) (the reference's timestep_fraction 0.99: 9 of its 10 steps)."""
+
+
+@dataclass
+class AWMConfig:
+    weighting: Literal["uniform", "t", "t2", "huber", "ghuber"] = "ghuber"
+    """The weighting m(l, t) of a sample's flow-matching error l (core.awm_matching_loss; the reference: ghuber)."""
+    ghuber_power: float = 0.25
+    """p of the generalised Huber weighting t / p ((l + d)^p - d^p) (the reference: 0.25)."""
+    advantage_clip: float = 5.0
+    """Advantages are clipped to +- this, then divided by it (the reference: 5)."""
+    kl_coef: float = 1e-3
+    """Velocity-space penalty toward the reference (the adapter off; a frozen copy in full fine-tuning); 0 skips its
+    forward pass (the reference: 1e-3 GenEval, 3e-3 OCR, 1e-4 PickScore)."""
+    ema_kl_coef: float = 0.0
+    """Penalty ||v_theta - v_ema||^2 toward an EMA of the policy (a second adapter, soft-updated after every
+    optimizer step), one more forward pass per time; 0 = off (the reference's runs use 1)."""
+    ema_decay_rate: float = 1e-3
+    """The EMA policy's lambda = min(ema_decay_rate x step, ema_decay_cap) (the reference: 1e-3, 0.3)."""
+    ema_decay_cap: float = 0.3
+    """The EMA policy's largest lambda."""
+    timesteps: int = 6
+    """Training times per sample: one index per stratum of the rollout's steps [1, int(timestep_fraction x S))
+    (the first step, pure noise, is left out), each with fresh noise, drawn per sample (the reference: 6 strata
+    shared by its batch)."""
+    timestep_fraction: float = 0.9
+    """The share of the rollout's S steps the training times come from (the reference: 0.9)."""
+
+
+@dataclass
+class DPOConfig:
+    beta: float = 5000.0
+    """Diffusion-DPO's beta: the loss is -log sigmoid(-beta/2 w(t) D), D the winner's minus the loser's
+    (model - reference) error difference. 5000 is the paper's (SD1.5 / SDXL) for noise errors, which the default
+    weighting=noise reproduces for every family; with weighting=velocity divide it by about 3 (E[(1-t)^2] for
+    uniform t) for the same strength."""
+    weighting: Literal["noise", "velocity"] = "noise"
+    """`noise`: w(t) = (1 - t)^2, which turns velocity errors into the paper's noise errors exactly (eps - eps_hat =
+    (1 - t)(v - v_hat)); `velocity`: w = 1, Flow-DPO's form on velocity errors."""
+    timesteps: int = 0
+    """Training times per pair (the same time and noise for winner and loser): that many steps of the rollout's
+    schedule in a random order per pair; 0 = all of them (an online batch has one pair per prompt; the paper draws
+    one time per pair and step)."""
+
+
+@dataclass
 class TrainConfig:
+    objective: Literal["grpo", "nft", "awm", "dpo"] = "grpo"
+    """What the update optimises (flowrl.objectives): `grpo` = the policy loss on the sampler's own stochastic steps
+    (Flow-GRPO / DDPO); on the forward (noising) process of ODE samples' clean latents, with the CFG-free model:
+    `nft` = DiffusionNFT (train.nft), `awm` = Advantage Weighted Matching (train.awm), `dpo` = online Diffusion-DPO
+    on each group's best and worst image (train.dpo). Those three are for backend=image and ignore GRPO's step keys
+    (sample.window, sde_type, noise_level, step_weighting, the clip ranges, beta)."""
     epochs: int = 2
     """Epochs; one epoch = one rollout batch and `inner_epochs` passes of updates over it."""
     inner_epochs: int = 1
@@ -151,7 +227,8 @@ class TrainConfig:
     minibatch_size: int = 0
     """Samples per optimizer minibatch (0 = the whole batch); must divide the epoch batch."""
     steps_per_forward: int = 1
-    """Trained denoising steps evaluated in one model call (stacked along the batch)."""
+    """Trained denoising steps (another objective's training times) evaluated in one model call (stacked along the
+    batch)."""
     micro_batch_size: int = 0
     """Samples per forward and backward pass (0 = the whole minibatch): the minibatch is split into micro-batches
     whose losses (with the minibatch's normalizer) add up to its loss, and takes one optimizer step. Memory of the
@@ -243,6 +320,12 @@ class TrainConfig:
     minibatches in a row stop the run with an error (the weights and checkpoints stay finite)."""
     seed: int = 0
     """Seed of everything: prompts order, initial noise, SDE noise, LoRA init."""
+    nft: NFTConfig = field(default_factory=NFTConfig)
+    """DiffusionNFT (train.objective=nft)."""
+    awm: AWMConfig = field(default_factory=AWMConfig)
+    """Advantage Weighted Matching (train.objective=awm)."""
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    """Online Diffusion-DPO (train.objective=dpo)."""
 
 
 @dataclass
@@ -350,7 +433,7 @@ class Config:
     text: TextConfig = field(default_factory=TextConfig)
     """Text rollouts and the token-level loss (backend: text)."""
     train: TrainConfig = field(default_factory=TrainConfig)
-    """The GRPO update."""
+    """The update: GRPO, or another objective (train.objective)."""
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
     """Rewards and their weights."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -472,6 +555,14 @@ RANGES: dict[str, Range] = {
     "train.stat_buffer_size": AT_LEAST_1, "train.stat_min_count": AT_LEAST_1, "train.beta": AT_LEAST_0,
     "train.ema_decay": Range(0, 1, hi_open=True), "train.max_nonfinite_steps": AT_LEAST_1,
     "train.max_minutes": AT_LEAST_0, "train.seed": AT_LEAST_0,
+    "train.nft.beta": POSITIVE, "train.nft.adv_clip": POSITIVE, "train.nft.policy_scale": POSITIVE,
+    "train.nft.kl_coef": AT_LEAST_0, "train.nft.decay_rate": AT_LEAST_0, "train.nft.decay_cap": Range(0, 1),
+    "train.nft.decay_start": AT_LEAST_0, "train.nft.timesteps": AT_LEAST_0,
+    "train.awm.ghuber_power": POSITIVE, "train.awm.advantage_clip": POSITIVE, "train.awm.kl_coef": AT_LEAST_0,
+    "train.awm.ema_kl_coef": AT_LEAST_0, "train.awm.ema_decay_rate": AT_LEAST_0,
+    "train.awm.ema_decay_cap": Range(0, 1),
+    "train.awm.timesteps": AT_LEAST_1, "train.awm.timestep_fraction": FRACTION,
+    "train.dpo.beta": POSITIVE, "train.dpo.timesteps": AT_LEAST_0,
     "rewards.weight": Range(),
     "eval.every": AT_LEAST_0, "eval.num_steps": AT_LEAST_1, "eval.guidance_scale": AT_LEAST_0,
     "eval.num_prompts": AT_LEAST_0, "eval.images_per_prompt": AT_LEAST_1, "eval.images_per_group": AT_LEAST_0,
@@ -810,6 +901,36 @@ def _family_problems(cfg: Config) -> list[str]:
     return problems
 
 
+#: GRPO's keys about the sampler's stochastic steps -> their defaults: another objective refuses other values
+GRPO_ONLY_KEYS = {"sample.window.kind": "all", "sample.sde_type": "auto", "sample.noise_level": None,
+                  "train.step_weighting": "none", "train.beta": 0.0, "train.policy_loss": "ppo_clip",
+                  "train.dual_clip": None, "train.kl_std": "step"}
+
+
+def _objective_problems(cfg: Config) -> list[str]:
+    """What a forward-process objective (train.objective nft / awm / dpo) cannot take."""
+    s, t = cfg.sample, cfg.train
+    name = t.objective
+    if cfg.backend != "image":
+        return [f"train.objective={name} trains image generators only for now (backend=image); use "
+                f"train.objective=grpo with backend={cfg.backend}"]
+    problems = []
+    changed = [k for k, default in GRPO_ONLY_KEYS.items() if _get_dotted(cfg, k) != default]
+    if changed:
+        problems.append(f"{', '.join(f'{k}={_get_dotted(cfg, k)}' for k in changed)}: GRPO's setting(s) of the "
+                        f"sampler's stochastic steps; train.objective={name} samples with the ODE and trains at its "
+                        f"own times (train.{name}.*: its KL is train.{name}.kl_coef). Leave them at their defaults "
+                        f"({', '.join(f'{k}={GRPO_ONLY_KEYS[k]}' for k in changed)}), or use train.objective=grpo")
+    if s.same_noise_per_group:
+        problems.append(f"sample.same_noise_per_group: with train.objective={name} the ODE rollout would make every "
+                        "image of a group the same; set it to false")
+    times = getattr(t, name).timesteps
+    if name in ("nft", "dpo") and times > s.num_steps:
+        problems.append(f"train.{name}.timesteps={times} exceeds sample.num_steps={s.num_steps}: the training times "
+                        f"are distinct steps of the rollout's schedule; use at most {s.num_steps} (0 = the default)")
+    return problems
+
+
 def validate(cfg: Config) -> None:
     """Value checks that need more than a type: every numeric field's range, and relations between keys."""
     s, t = cfg.sample, cfg.train
@@ -844,6 +965,8 @@ def validate(cfg: Config) -> None:
     if t.optimizer == "adamw_8bit" and t.sharding == "fsdp":
         problems.append("train.optimizer=adamw_8bit cannot step FSDP's sharded weights (bitsandbytes' 8-bit states "
                         "are per whole tensor); use train.optimizer=adamw with train.sharding=fsdp, or sharding=none")
+    if t.objective != "grpo":
+        problems.extend(_objective_problems(cfg))
     if t.step_weighting == "ratio_norm" and s.sde_type not in ("auto", "sde", "dance"):
         problems.append("train.step_weighting=ratio_norm needs a Gaussian SDE step (sample.sde_type sde or dance)")
     from .core import ADVANTAGE_ESTIMATORS, POLICY_LOSSES

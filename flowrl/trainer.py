@@ -2,7 +2,9 @@
 
 One loop for every backend. What differs between images and text lives in a `Policy` (`flowrl.policy`): how
 to roll out, how to recompute recorded steps' log-probs with gradients, and how to get the reference policy
-(the adapter switched off). The math is the core's.
+(the adapter switched off). What differs between objectives (GRPO, or DiffusionNFT / AWM / Diffusion-DPO on the
+forward process) lives in an `Objective` (`flowrl.objectives`): what the rollout records, the units of the update
+and their loss. The math is the core's.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from . import core, rundir
 from .checkpoint import remove_temporary, resolve_resume, set_rng_state, write_checkpoint
 from .config import Config, to_dict
 from .errors import CheckpointError, Interrupted, NonFiniteError
+from .objectives import build_objective
 from .policy import full_tensor
 from .preflight import preflight
 from .seeding import derive_seed, seed_everything
@@ -197,6 +200,8 @@ class Trainer:
         device = self.acc.device if cfg.model.device == "auto" else torch.device(cfg.model.device)
         self.policy = build_policy(cfg, device)
         self.engine = None  # DeepSpeed's (`prepare_deepspeed`)
+        # before wrapping or sharding: an objective may add to the model (NFT's "old" adapter)
+        self.objective = build_objective(cfg, self.policy, self.acc.num_processes)
         strategy = parallel_strategy(cfg, self.acc.num_processes, self.acc.distributed_type)
         if strategy == "fsdp":  # FSDP2: sharded over the processes
             self.policy.shard()
@@ -386,7 +391,7 @@ class Trainer:
         start = self.acc.process_index * self.batch_local
         gids = [i // G for i in range(start, start + self.batch_local)]
         gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, epoch, self.acc.process_index))
-        batch = self.policy.rollout([prompts[g] for g in gids], [meta[g] for g in gids], epoch=epoch, generator=gen)
+        batch = self.objective.rollout([prompts[g] for g in gids], [meta[g] for g in gids], epoch=epoch, generator=gen)
         batch.group_ids = torch.tensor(gids)
         batch.epoch_prompts = prompts
         return batch
@@ -442,7 +447,8 @@ class Trainer:
         """`inner_epochs` passes over the batch in minibatches; each minibatch accumulates the loss of every
         trained step (in units of `steps_per_forward`) and takes one optimizer step."""
         t = self.cfg.train
-        units = self.policy.train_units(batch, t.steps_per_forward)
+        keep = self.objective.prepare(batch, adv, keep, epoch=epoch, process_index=self.acc.process_index)
+        units = self.objective.train_units(batch, t.steps_per_forward)
         n_units = sum(len(u) for u in units)
         sums: dict[str, float] = {}
         first_ratio, trained, stepped, skipped = None, 0, False, 0
@@ -480,8 +486,9 @@ class Trainer:
                 if self.ema is not None:
                     self.ema.update()
                 self.state.optimizer_steps += 1
+                self.objective.after_optimizer_step(self.state.optimizer_steps)
                 # on-policy check: the first minibatch that trained here, if no step has moved the weights before
-                if first_ratio is None and mb_stats and not stepped:
+                if first_ratio is None and "ratio_min" in mb_stats and not stepped:
                     first_ratio = (min(mb_stats["ratio_min"]), max(mb_stats["ratio_max"]))
                 stepped = True
                 mb_stats["grad_norm"] = [grad_norm]
@@ -501,6 +508,7 @@ class Trainer:
                               "kernels, dropout, or a sampler/trainer mismatch)", stacklevel=2)
         out["policy/trained_units"] = trained  # steps x samples whose loss was computed
         out["policy/skipped_nonfinite"] = skipped
+        out.update(self.objective.after_update(self.state.optimizer_steps))
         return out
 
     def skip_nonfinite(self, epoch: int, grad_norm: float) -> None:
@@ -525,6 +533,17 @@ class Trainer:
         return unit_loss(out, adv, keep, self.cfg.train, self.policy.aggregation, self.policy.entropy_coef,
                          normalizer)
 
+    def unit_forward(self, batch, idx: torch.Tensor, unit: list[int], adv: torch.Tensor, keep: torch.Tensor,
+                     normalizer: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+        """The loss (with grad) and stats of `unit` for samples `idx`: GRPO's unit_loss on the recomputed log-probs, or
+        the objective's own (its forward passes at its training times)."""
+        if not self.objective.uses_log_probs:
+            return self.objective.unit_loss(batch, idx, unit, adv, keep, normalizer)
+        out = self.policy.unit_log_probs(batch, idx, unit, with_reference=self.cfg.train.beta > 0)
+        if normalizer is not None:
+            normalizer = normalizer.to(out.log_prob.device)
+        return self.unit_loss(out, adv[idx], keep[idx], normalizer)
+
     def minibatch_normalizer(self, batch, idx: torch.Tensor, unit: list[int], keep: torch.Tensor
                              ) -> torch.Tensor | None:
         """What this process's loss of `unit` divides by so that the minibatch's loss is the same whatever the number
@@ -534,7 +553,7 @@ class Trainer:
         micro = self.cfg.train.micro_batch_size
         if self.world == 1 and (not micro or micro >= len(idx)):
             return None
-        mask = self.policy.step_mask(batch, idx, unit) * keep[idx][:, None].to(torch.float32)        # [b, K]
+        mask = self.objective.step_mask(batch, idx, unit) * keep[idx][:, None].to(torch.float32)     # [b, K]
         mode, length = self.policy.aggregation, mask.shape[-1]
         if self.world == 1:
             return core.loss_normalizer(mask, mode, length=length)
@@ -559,7 +578,6 @@ class Trainer:
         (all its samples dropped) runs one pass of weight 0 on `placeholder` to take part in that average (when
         sharded, as many as the busiest process runs).
         Returns (stats per unit, whether every loss was finite)."""
-        t = self.cfg.train
         n_units = sum(len(u) for u in units)
         normalizers = [self.minibatch_normalizer(batch, idx, unit, keep) for unit in units]
         work = [(u, unit, chunk, normalizers[u]) for u, unit in enumerate(units) for chunk in self.micro_batches(idx)]
@@ -573,10 +591,7 @@ class Trainer:
         for k, (u, unit, chunk, normalizer) in enumerate(work):
             last = k == len(work) - 1
             with self.gradient_sync(last):
-                out = self.policy.unit_log_probs(batch, chunk, unit, with_reference=t.beta > 0)
-                if normalizer is not None:
-                    normalizer = normalizer.to(out.log_prob.device)
-                loss, stats = self.unit_loss(out, adv[chunk], keep[chunk], normalizer)
+                loss, stats = self.unit_forward(batch, chunk, unit, adv, keep, normalizer)
                 if k >= n_real:  # zero gradients, but through every trained weight
                     (loss.nan_to_num() * 0.0).backward()
                     continue
@@ -798,6 +813,7 @@ class Trainer:
         sharded = self.policy.sharded
         # DeepSpeed's: gathered from ZeRO's partitions (a collective) as a plain AdamW's
         opt_state = self.deepspeed_optimizer_state() if self.engine is not None else self.opt.state_dict()
+        objective = self.objective.state_dict()  # e.g. NFT's old adapter (gathered when sharded: every process)
         if sharded:  # collectives: every process takes part, the main one writes
             trainable = {n: full_tensor(p).detach() for n, p in self.named_params.items()}
             optimizer = {"state": {k: {s: full_tensor(v) if torch.is_tensor(v) else v for s, v in st.items()}
@@ -826,7 +842,8 @@ class Trainer:
                 optimizer = opt_state
                 ema = self.ema.state_dict() if self.ema else None
             path = write_checkpoint(self.run_dir, self.state.epochs_done, trainable=trainable, optimizer=optimizer,
-                                    ema=ema, state=st, extra_dirs=extra, keep=self.cfg.checkpoint.keep)
+                                    ema=ema, state=st, extra_dirs=extra, keep=self.cfg.checkpoint.keep,
+                                    objective=objective or None)
         self.acc.wait_for_everyone()
         return path
 
@@ -901,6 +918,7 @@ class Trainer:
             self.ema.load_state_dict({n: like(v, self.named_params[n]) for n, v in ck["ema"].items()})
         if self.tracker is not None and st.get("tracker"):
             self.tracker.load_state_dict(st["tracker"])
+        self.objective.load_state_dict(ck.get("objective", {}), like)
         self.state = State(**st["counters"])
         set_rng_state(ck["rng_tensors"], st["rng"])
         if self.main:

@@ -6,6 +6,11 @@ package's docstring); this module holds what they share.
     backend = load_image_backend("stabilityai/stable-diffusion-3.5-medium", dtype=torch.bfloat16, device="cuda")
     traj = backend.rollout(prompts, group_size=8, num_steps=10, sde_window=SDEWindow.fixed(0, 4), seed=0)
     log_prob, mean, std = backend.step_log_prob(traj, traj.train_steps)      # with grad
+    pred = backend.flow_prediction(x0, eps, t, prompt_ids, traj.prompt_encodings, traj.sampler)  # with grad
+
+The first two are what GRPO trains (the sampler's own transitions); `flow_prediction` is what the forward-process
+objectives (DiffusionNFT, AWM, Diffusion-DPO) train: the model's output at a re-noised clean sample, as a
+rectified-flow velocity, for every family (a DDPM UNet's epsilon converted).
 
 The denoiser is always reached through `backend.denoiser` (the pipeline's `transformer` / `unet`),
 never a cached bound method, so a LoRA wrapper put in its place is what runs.
@@ -21,7 +26,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, NamedTuple
 
 import numpy as np
@@ -86,6 +91,16 @@ class SizeRule(NamedTuple):
         if self.max_side is not None:
             below, above = min(below, self.max_side), min(above, self.max_side)
         return sorted({below, above})
+
+
+class FlowPrediction(NamedTuple):
+    """The model at a point of the rectified-flow path x_t = (1 - t) x0 + t eps (t in (0, 1], 1 = noise), as a
+    velocity: what the forward-process objectives train (see `ImageBackend.flow_prediction`). All float32."""
+
+    velocity: Tensor  # [N, ...] the model's prediction v_hat (with grad when grad is enabled)
+    target: Tensor  # [N, ...] v = eps - x0
+    x_t: Tensor  # [N, ...] (1 - t) x0 + t eps, so x0 = x_t - t v
+    t: Tensor  # [N] the flow time of the pass (a DDPM family's nearest training timestep's)
 
 
 class StepLogProb(NamedTuple):
@@ -311,6 +326,7 @@ class ImageBackend:
         width: int | None = None,
         latents: Tensor | None = None,
         record_means: bool = False,
+        keep_steps: bool = True,
         decode: bool = True,
         logprob_reduce: str = "mean",
         deterministic_context: Callable[[], AbstractContextManager] | None = None,
@@ -334,6 +350,8 @@ class ImageBackend:
         height, width: image size in pixels (default: the pipeline's).
         latents: [B, ...] initial noise in the denoiser's layout, instead of drawing it.
         record_means: also keep the transition means [B, S, ...] (float32; memory heavy).
+        keep_steps: False keeps only the final sample (traj.latents [B, 1, ...], no log-probs): what the
+            forward-process objectives need, without S copies of the latents.
         decode: decode the final latents to PIL images (`traj.images`).
         logprob_reduce: "mean" | "sum" of the per-element log-density.
         deterministic_context: a context the deterministic steps run in (their outputs are neither trained
@@ -423,7 +441,8 @@ class ImageBackend:
                 model_output, x, steps, schedule, settings, stochastic=stochastic, generator=step_generator
             )
 
-        chain = record_chain(denoise, step, latents, sde_mask.to(self.device), record_means=record_means)
+        chain = record_chain(denoise, step, latents, sde_mask.to(self.device), record_means=record_means,
+                             keep_steps=keep_steps)
         traj = Trajectory(
             latents=chain.latents,
             log_probs=chain.log_probs,
@@ -465,6 +484,9 @@ class ImageBackend:
         """
         if traj.sampler.family != self.family:
             raise ValueError(f"this trajectory was recorded by a {traj.sampler.family} backend, not {self.family}")
+        if not traj.records_steps:
+            raise ValueError("this trajectory kept only its final sample (a rollout with keep_steps=False): it has no "
+                             "recorded step to score; roll out with keep_steps=True")
         single = isinstance(step_indices, (int, np.integer)) or (
             isinstance(step_indices, Tensor) and step_indices.ndim == 0
         )
@@ -499,6 +521,56 @@ class ImageBackend:
             return t[:, 0] if single else t
 
         return StepLogProb(per_sample(out.log_prob), per_sample(out.mean), per_sample(out.std))
+
+    def flow_prediction(
+        self,
+        x0: Tensor,
+        noise: Tensor,
+        t: Tensor | float,
+        prompt_ids: Tensor,
+        encodings: PromptEncodings,
+        settings: SamplerSettings,
+    ) -> FlowPrediction:
+        """The model's prediction at a re-noised clean sample, as a rectified-flow velocity, WITH grad (when grad is
+        enabled) and without CFG: what DiffusionNFT, AWM and Diffusion-DPO train.
+
+        x0: [N, ...] clean latents in the denoiser's layout (a rollout's `final_latents`); noise: [N, ...] eps;
+        t: [N] (or a float) flow times in (0, 1], 1 = noise; prompt_ids: [N] rows of `encodings`;
+        settings: the rollout's SamplerSettings (its size; its guidance scale becomes the CFG-free value of
+        `training_guidance_scale`, one forward pass).
+        Flow families evaluate x_t = (1 - t) x0 + t eps at the denoiser timestep of t (the scheduler's
+        num_train_timesteps x t, what a rollout at sigma = t passes); their `_predict` already returns the velocity
+        in flowrl's convention (Z-Image's negation included). DDPM families evaluate x = alpha x0 + sigma eps at
+        the training timestep whose flow time sigma / (alpha + sigma) is nearest t (exact for a rollout's own
+        schedule times, `flow_times`) and convert the prediction (`ddpm_velocity`); x / (alpha + sigma) is x_t.
+        Returns FlowPrediction(velocity, target = eps - x0, x_t, t) in float32; `t` is the time actually used.
+        """
+        if x0.shape != noise.shape:
+            raise ValueError(f"x0 {tuple(x0.shape)} and noise {tuple(noise.shape)} must have one shape")
+        n = x0.shape[0]
+        t = torch.as_tensor(t, dtype=torch.float32, device=self.device)
+        t = t.expand(n) if t.ndim == 0 else t.reshape(-1)
+        if t.shape != (n,):
+            raise ValueError(f"t must be a float or [N] = [{n}] flow times, got shape {tuple(t.shape)}")
+        if not bool(((t > 0) & (t <= 1)).all()):
+            raise ValueError(f"flow times must lie in (0, 1] (1 = noise), got {t.min().item():g}..{t.max().item():g}")
+        x0, noise = x0.to(self.device, torch.float32), noise.to(self.device, torch.float32)
+        t, x_in, timesteps, to_velocity = self._flow_input(x0, noise, t)
+        train_settings = replace(settings, guidance_scale=self.training_guidance_scale(settings.guidance_scale))
+        cond = self._condition(encodings, prompt_ids)
+        out = self._predict(x_in.to(self.dtype), timesteps, cond, encodings, train_settings)
+        tc = t.view(n, *([1] * (x0.ndim - 1)))
+        return FlowPrediction(to_velocity(out).float(), noise - x0, (1 - tc) * x0 + tc * noise, t)
+
+    def flow_times(self, traj: Trajectory) -> Tensor:
+        """[S] float32: the flow time t in (0, 1] of each step of a rollout's schedule (where step i starts)."""
+        raise NotImplementedError
+
+    def training_guidance_scale(self, guidance_scale: float) -> float:
+        """The guidance value of a CFG-free forward pass for a rollout sampled with `guidance_scale`: 1 (no CFG) for
+        families whose CFG is on above 1. A family whose guidance is an embedding (FLUX.1 / FLUX.2 dev) keeps the
+        rollout's value (it costs no second pass), one whose CFG is on above 0 (Z-Image) returns 0."""
+        return 1.0
 
     @torch.no_grad()
     def decode(self, latents: Tensor, *, height: int | None = None, width: int | None = None) -> list:
@@ -568,6 +640,11 @@ class ImageBackend:
         raise NotImplementedError
 
     def _step(self, model_output, x, steps, schedule, settings, *, stochastic, prev_latents=None, generator=None):
+        raise NotImplementedError
+
+    def _flow_input(self, x0: Tensor, noise: Tensor, t: Tensor) -> tuple[Tensor, Tensor, Tensor, Callable]:
+        """For `flow_prediction`: x0, noise [N, ...] float32, t [N] flow times -> (t used [N], the model's input
+        latents [N, ...] float32, its denoiser timesteps [N], a function model output -> flow velocity)."""
         raise NotImplementedError
 
     def _to_vae_latents(self, latents: Tensor, height: int | None, width: int | None) -> Tensor:

@@ -3,6 +3,7 @@ scale and shift."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from flowrl.sampling import flow_sde_step
@@ -37,6 +38,22 @@ class FlowMatchingBackend(ImageBackend):
             logprob_reduce=settings.logprob_reduce,
         )
 
+    def flow_times(self, traj) -> Tensor:
+        """The flow time of step i is its sigma (the schedule's sigmas[:S])."""
+        return traj.sigmas[:-1].float()
+
+    def _flow_input(self, x0, noise, t):
+        """x_t = (1 - t) x0 + t eps at the denoiser timestep num_train_timesteps x t (the scheduler's timesteps are
+        its sigmas x num_train_timesteps, so a rollout step at sigma = t passes the same); `_predict`'s output is
+        the velocity."""
+        tc = t.view(-1, *([1] * (x0.ndim - 1)))
+        timesteps = t * float(self.pipe.scheduler.config.num_train_timesteps)
+        return t, (1 - tc) * x0 + tc * noise, timesteps, _identity
+
     def _scale_shift(self, latents: Tensor) -> Tensor:
         config = self.pipe.vae.config
         return latents / config.scaling_factor + (config.shift_factor or 0.0)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x

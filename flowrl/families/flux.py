@@ -95,6 +95,10 @@ class FluxBackend(FlowMatchingBackend):
             return self._set_scheduler(num_steps, num_inference_steps=num_steps, mu=mu)
         return self._set_scheduler(num_steps, sigmas=sigmas, mu=mu)
 
+    def training_guidance_scale(self, guidance_scale):
+        """FLUX.1 has no CFG: dev's guidance is an embedding, kept at the rollout's value."""
+        return guidance_scale if self.denoiser_config.guidance_embeds else 1.0
+
     def _predict(self, x, t, cond, encodings, settings):
         h, w = self._latent_hw(settings.height, settings.width)
         img_ids = self.pipe._prepare_latent_image_ids(None, h // 2, w // 2, self.device, x.dtype)

@@ -326,6 +326,10 @@ class Flux2Backend(FlowMatchingBackend):
             return self._set_scheduler(num_steps, num_inference_steps=num_steps, mu=mu)
         return self._set_scheduler(num_steps, sigmas=sigmas, mu=mu)
 
+    def training_guidance_scale(self, guidance_scale):
+        """FLUX.2 [dev]'s guidance is an embedding, kept at the rollout's value; klein's true CFG is off at 1."""
+        return 1.0 if self.klein else guidance_scale
+
     def _predict(self, x, t, cond, encodings, settings):
         n, g = x.shape[0], settings.guidance_scale
         h, w = self._grid(settings.height, settings.width)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from flowrl.sampling import ddim_step
+from flowrl.sampling import ddim_step, ddpm_flow_time, ddpm_velocity
 
 from . import _tiny as tiny
 from ._base import ImageBackend, Schedule, SizeRule, register_family
@@ -115,6 +115,26 @@ class SD15Backend(ImageBackend):
             logprob_reduce=settings.logprob_reduce,
             clip_sample_range=config.clip_sample_range if config.clip_sample else None,
         )
+
+    def flow_times(self, traj) -> torch.Tensor:
+        """The flow time of step i: sigma / (alpha + sigma) at its timestep's alpha-bar (`ddpm_flow_time`)."""
+        return ddpm_flow_time(traj.alphas_cumprod)
+
+    def _flow_input(self, x0, noise, t):
+        """The training timestep tau whose flow time is nearest t: x = alpha x0 + sigma eps (alpha = sqrt(a_tau),
+        sigma = sqrt(1 - a_tau)); the UNet's epsilon (or v) becomes a velocity by `ddpm_velocity`."""
+        alphas = self.pipe.scheduler.alphas_cumprod.to(self.device, torch.float32)                # [T]
+        times = ddpm_flow_time(alphas)                                                          # [T] increasing
+        tau = (times[None, :] - t[:, None]).abs().argmin(1)                                     # [N]
+        alpha, sigma = alphas[tau].sqrt(), (1 - alphas[tau]).sqrt()
+        shape = (-1, *([1] * (x0.ndim - 1)))
+        x = alpha.view(shape) * x0 + sigma.view(shape) * noise
+        kind = self.pipe.scheduler.config.prediction_type
+
+        def to_velocity(out):
+            return ddpm_velocity(out, x, alpha, sigma, kind)
+
+        return times[tau], x, tau, to_velocity
 
     def _to_vae_latents(self, latents, height, width):
         return latents / self.pipe.vae.config.scaling_factor

@@ -219,6 +219,10 @@ class ZImageBackend(FlowMatchingBackend):
         sigmas = torch.linspace(1.0, 1 / num_steps, num_steps).tolist()  # get_default_z_image_sigmas
         return self._set_scheduler(num_steps, sigmas=sigmas, mu=mu)
 
+    def training_guidance_scale(self, guidance_scale):
+        """Z-Image's CFG is on for any guidance > 0: 0 is its CFG-free pass."""
+        return 0.0
+
     def _predict(self, x, t, cond, encodings, settings):
         n = x.shape[0]
         guidance = settings.guidance_scale

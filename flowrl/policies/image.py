@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from pathlib import Path
 
 import torch
@@ -70,6 +71,7 @@ class ImagePolicy:
                 module.requires_grad_(False)
         den = self.backend.denoiser
         self.ref_copy = None
+        self.shadows: dict[str, tuple[torch.nn.Module | None, dict[str, Tensor]]] = {}  # see `add_shadow`
         if cfg.lora.enabled:
             from peft import LoraConfig
 
@@ -139,7 +141,8 @@ class ImagePolicy:
         model's `_no_split_modules`), innermost first, then on the denoiser. Its parameters become DTensor shards;
         each block is gathered for its forward and its gradients reduce-scattered in the backward."""
         dtype = self.backend.dtype  # before the sharding: full fine-tuning's bf16 weights become float32 masters
-        for model in (self.module, self.ref_copy):  # full fine-tuning's frozen reference: sharded alike
+        copies = [c for c, _ in self.shadows.values() if c is not None]
+        for model in (self.module, self.ref_copy, *copies):  # full fine-tuning's frozen copies: sharded alike
             if model is not None:
                 shard_blocks(model, offload=self.cfg.train.offload)
         self.backend.compute_dtype = dtype
@@ -225,12 +228,18 @@ class ImagePolicy:
 
     # ---------------------------------------------------------------------------- rollout
 
-    def rollout(self, prompts: list[str], metadata: list[dict], *, epoch: int, generator) -> ImageBatch:
+    def rollout(self, prompts: list[str], metadata: list[dict], *, epoch: int, generator,
+                final_only: bool = False) -> ImageBatch:
         """Roll out one image per entry of `prompts` (a group's prompt repeats). With same_noise_per_group the
-        entries come in whole groups, and each group starts from one shared initial noise."""
+        entries come in whole groups, and each group starts from one shared initial noise.
+        final_only: what the forward-process objectives train on: deterministic ODE sampling (no log-prob
+        bookkeeping, the policy's LoRA merged for every step) keeping only the final latents (traj.latents
+        [B, 1, ...], traj.log_probs None); the images are decoded as usual."""
         from flowrl.sampling import Trajectory
 
         s, t = self.cfg.sample, self.cfg.train
+        if final_only:
+            return self._final_rollout(prompts, metadata, epoch=epoch, generator=generator)
         G = s.group_size if s.same_noise_per_group else 1
         chunk = s.rollout_batch_size or len(prompts)  # images per rollout call (memory), whole groups with G > 1
         chunk = max(G, chunk - chunk % G)
@@ -244,6 +253,106 @@ class ImagePolicy:
                 deterministic_context=self.merged_adapter))
         traj = parts[0] if len(parts) == 1 else Trajectory.cat(parts)
         return ImageBatch(traj=traj, prompts=list(prompts), metadata=list(metadata), images=traj.images)
+
+    def _final_rollout(self, prompts: list[str], metadata: list[dict], *, epoch: int, generator) -> ImageBatch:
+        """`rollout(final_only=True)`: ODE samples with sample.guidance_scale, only their final latents kept."""
+        from flowrl.sampling import Trajectory
+
+        s = self.cfg.sample
+        chunk = s.rollout_batch_size or len(prompts)
+        parts = [self.backend.rollout(prompts[start: start + chunk], group_size=1, num_steps=s.num_steps,
+                                      guidance_scale=s.guidance_scale, sde_type="ode", epoch=epoch,
+                                      generator=generator, height=s.height, width=s.width, keep_steps=False,
+                                      deterministic_context=self.merged_adapter)
+                 for start in range(0, len(prompts), chunk)]
+        traj = parts[0] if len(parts) == 1 else Trajectory.cat(parts)
+        return ImageBatch(traj=traj, prompts=list(prompts), metadata=list(metadata), images=traj.images)
+
+    # ---------------------------------------------------------------------------- the forward process
+
+    def flow_times(self, batch: ImageBatch) -> Tensor:
+        """[S] float32 on the CPU: the flow time of each step of the batch's rollout schedule (1 = noise)."""
+        return self.backend.flow_times(batch.traj).float().cpu()
+
+    def flow_prediction(self, batch: ImageBatch, rows: Tensor, t: Tensor, noise: Tensor):
+        """The policy (whatever is active: trained, `reference()`, `shadow(...)`) at the clean samples `rows` [N]
+        of the batch re-noised with `noise` [N, ...] at flow times `t` [N], without CFG: a FlowPrediction
+        (velocity, target, x_t, t) in float32, with grad when grad is enabled (`ImageBackend.flow_prediction`)."""
+        traj = batch.traj
+        x0 = traj.final_latents[rows.to(traj.latents.device)]
+        prompt_ids = traj.prompt_ids[rows.to(traj.prompt_ids.device)]
+        return self.backend.flow_prediction(x0, noise, t, prompt_ids, traj.prompt_encodings, traj.sampler)
+
+    def sample_shape(self, batch: ImageBatch) -> tuple[int, ...]:
+        """The shape of one clean sample (the denoiser's latent layout), e.g. [C, h, w] or FLUX's packed [L, C]."""
+        return tuple(batch.traj.final_latents.shape[1:])
+
+    def ensure_reference(self) -> None:
+        """The reference policy for an objective that needs one: a LoRA's is the adapter off; full fine-tuning keeps a
+        frozen copy of the starting denoiser (made here if train.beta did not make it). Before wrapping or sharding."""
+        if not self.cfg.lora.enabled and self.ref_copy is None:
+            self.ref_copy = copy.deepcopy(self.module).requires_grad_(False).eval()
+
+    # ---------------------------------------------------------------------------- shadow policies
+
+    def add_shadow(self, name: str) -> None:
+        """A second set of the trained weights that forward passes can run instead (`shadow(name)`), never trained,
+        moved only by the objective (core.soft_update_): DiffusionNFT's sampling policy ("old"), AWM's EMA policy.
+        With a LoRA, a second peft adapter `name` in every adapted layer (float32); in full fine-tuning, a frozen
+        copy of the denoiser. It starts as a copy of the trained weights. Call it before the trained model is wrapped
+        (DDP) or sharded (FSDP), which then take it in as they take the rest."""
+        if name in self.shadows or name == "default":
+            raise ValueError(f"a shadow policy {name!r} exists already (or is the trained adapter's name)")
+        trained = self.named_trainable_parameters()
+        den = self.module
+        if self.cfg.lora.enabled:
+            with torch.random.fork_rng(), warnings.catch_warnings():  # its random init is overwritten: RNG untouched
+                warnings.filterwarnings("ignore", message="Already found a `peft_config`")  # a second adapter, yes
+                den.add_adapter(copy.deepcopy(den.peft_config["default"]), adapter_name=name)
+            for m in self._lora_layers():  # add_adapter made the new one active: the trained one is, alone with grad
+                m.set_adapter("default")
+            params = dict(den.named_parameters())
+            missing = [n for n, _ in trained if n.replace(".default.", f".{name}.") not in params]
+            if missing:
+                raise RuntimeError(f"shadow adapter {name!r} lacks the copies of {missing[:2]}")
+            weights = {n: params[n.replace(".default.", f".{name}.")] for n, _ in trained}
+            module = None
+        else:
+            module = copy.deepcopy(den).requires_grad_(False).eval()
+            params = dict(module.named_parameters())
+            weights = {n: params[n] for n, _ in trained}
+        with torch.no_grad():
+            for n, p in trained:
+                weights[n].data = p.detach().to(torch.float32 if self.cfg.lora.enabled else p.dtype, copy=True)
+                weights[n].requires_grad_(False)
+        self.shadows[name] = (module, weights)
+
+    def shadow_parameters(self, name: str) -> dict[str, Tensor]:
+        """Shadow `name`'s weights by the name of the trained parameter each copies (named_trainable_parameters')."""
+        if name not in self.shadows:
+            raise KeyError(f"no shadow policy {name!r}; have {sorted(self.shadows)}")
+        return self.shadows[name][1]
+
+    @contextlib.contextmanager
+    def shadow(self, name: str):
+        """Shadow policy `name` in place of the trained one for the forward passes of the block (no gradient to it)."""
+        module, _ = self.shadows[name]
+        if module is not None:
+            live = self.backend.denoiser
+            self.backend.denoiser = module
+            try:
+                yield
+            finally:
+                self.backend.denoiser = live
+            return
+        layers = self._lora_layers()
+        for m in layers:
+            m.set_adapter(name, inference_mode=True)
+        try:
+            yield
+        finally:
+            for m in layers:
+                m.set_adapter("default")
 
     @staticmethod
     def call_reward(fn, batch: ImageBatch, columns: dict) -> Tensor:

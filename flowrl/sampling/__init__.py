@@ -3,7 +3,7 @@
 Pure torch: nothing here imports diffusers. The families in `flowrl.families` drive the models.
 """
 
-from flowrl.sampling.ddim import ddim_sigma, ddim_step, ddim_transition
+from flowrl.sampling.ddim import ddim_sigma, ddim_step, ddim_transition, ddpm_flow_time, ddpm_velocity
 from flowrl.sampling.flow_sde import (
     DEFAULT_NOISE_LEVEL,
     FLOW_KERNELS,
@@ -36,6 +36,8 @@ __all__ = [
     "ddim_sigma",
     "ddim_step",
     "ddim_transition",
+    "ddpm_flow_time",
+    "ddpm_velocity",
     "euler_transition",
     "flow_grpo_noise_scale",
     "flow_grpo_transition",

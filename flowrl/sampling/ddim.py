@@ -89,3 +89,39 @@ def ddim_step(
         log_density=gaussian_log_density if eta > 0 else None,
         logprob_reduce=logprob_reduce,
     )
+
+
+def ddpm_flow_time(alpha_prod: Tensor) -> Tensor:
+    """The flow time of a DDPM noise level: with x = alpha x0 + sigma eps (alpha = sqrt(a), sigma = sqrt(1 - a),
+    a = alphas_cumprod), x / (alpha + sigma) = (1 - t) x0 + t eps lies on the rectified-flow path at
+    t = sigma / (alpha + sigma). Increasing in the DDPM timestep (a decreases). [...] -> [...] float32."""
+    a = alpha_prod.float()
+    alpha, sigma = a.sqrt(), (1 - a).sqrt()
+    return sigma / (alpha + sigma)
+
+
+def ddpm_velocity(model_output: Tensor, x: Tensor, alpha: Tensor, sigma: Tensor,
+                  prediction_type: str = "epsilon") -> Tensor:
+    """A DDPM model's output at x = alpha x0 + sigma eps as a rectified-flow velocity v_hat = eps_hat - x0_hat
+    (the flow path's target is v = eps - x0, so v_hat = v when the model predicts eps exactly).
+
+    - epsilon:      eps_hat = output, x0_hat = (x - sigma eps_hat) / alpha;
+    - v_prediction: (alpha^2 + sigma^2 = 1) eps_hat = sigma x + alpha output, x0_hat = alpha x - sigma output.
+
+    Both are linear in the output. With t = sigma / (alpha + sigma), eps - eps_hat = (1 - t) (v - v_hat): a velocity
+    error is the noise error divided by 1 - t.
+    model_output, x: [N, ...] any float dtype; alpha, sigma: [N] -> v_hat [N, ...] float32.
+    """
+    out, x = model_output.float(), x.float()
+    alpha = batch_column(alpha.float(), x.shape[0], x.ndim, x.device)
+    sigma = batch_column(sigma.float(), x.shape[0], x.ndim, x.device)
+    if prediction_type == "epsilon":
+        eps_hat = out
+        x0_hat = (x - sigma * eps_hat) / alpha
+    elif prediction_type == "v_prediction":
+        eps_hat = sigma * x + alpha * out
+        x0_hat = alpha * x - sigma * out
+    else:
+        raise ValueError(f"prediction_type {prediction_type!r} has no velocity form here; valid: epsilon, "
+                         "v_prediction")
+    return eps_hat - x0_hat

@@ -101,9 +101,9 @@ def as_sde_window(spec: SDEWindow | tuple[int, int] | str | None) -> SDEWindow:
 
 
 class Chain(NamedTuple):
-    latents: Tensor  # [B, S+1, ...] in the latents' dtype
-    log_probs: Tensor  # [B, S] float32
-    stds: Tensor  # [S] float32
+    latents: Tensor  # [B, S+1, ...] in the latents' dtype ([B, 1, ...], the final sample, without keep_steps)
+    log_probs: Tensor | None  # [B, S] float32 (None without keep_steps)
+    stds: Tensor | None  # [S] float32 (None without keep_steps)
     means: Tensor | None  # [B, S, ...] float32, if recorded
 
 
@@ -114,13 +114,23 @@ def record_chain(
     sde_mask: Tensor,
     *,
     record_means: bool = False,
+    keep_steps: bool = True,
 ) -> Chain:
     """Run S = len(sde_mask) steps from `latents` [B, ...] and record each one.
 
     denoise(x, i) -> model output at step i;  step(model_output, x, i, stochastic) -> StepOutput.
     The latents fed to step i + 1 are exactly the recorded latents[:, i + 1].
+    keep_steps=False keeps only the final sample (latents [B, 1, ...], no log-probs, stds or means): what a
+    forward-process objective trains on, without S copies of the latents in memory.
     """
     batch, num_steps = latents.shape[0], len(sde_mask)
+    if not keep_steps:
+        if record_means:
+            raise ValueError("record_means needs keep_steps=True (the means of steps that are not kept)")
+        x = latents
+        for i, stochastic in enumerate(sde_mask.tolist()):
+            x = step(denoise(x, i), x, i, stochastic).prev_latents
+        return Chain(x.unsqueeze(1), None, None, None)
     all_latents = latents.new_empty((batch, num_steps + 1, *latents.shape[1:]))
     all_latents[:, 0] = latents
     log_probs = torch.zeros(batch, num_steps, dtype=torch.float32, device=latents.device)

@@ -101,9 +101,11 @@ class Trajectory:
     """A batch of B denoising trajectories of S steps.
 
     latents:      [B, S+1, ...] latents in the denoiser's layout and dtype (FLUX: packed [B, S+1, L, C]);
-                  latents[:, 0] is the initial noise, latents[:, S] the final sample.
-    log_probs:    [B, S] float32 log-prob of each recorded transition (0 on deterministic steps).
-    stds:         [S] float32 std of each step's transition (0 on deterministic steps).
+                  latents[:, 0] is the initial noise, latents[:, S] the final sample. A rollout that kept only
+                  its final sample (`keep_steps=False`: what the forward-process objectives train on) holds
+                  [B, 1, ...], and no log_probs or stds (`records_steps` is False).
+    log_probs:    [B, S] float32 log-prob of each recorded transition (0 on deterministic steps), or None.
+    stds:         [S] float32 std of each step's transition (0 on deterministic steps), or None.
     timesteps:    [S] the denoiser's timestep at each step (float32 for flow models, int64 for DDIM).
     sde_mask:     [S] bool, True where the step was stochastic: the steps that are trained.
     prompts:      [B] the prompt of each sample.
@@ -119,8 +121,8 @@ class Trajectory:
     """
 
     latents: Tensor
-    log_probs: Tensor
-    stds: Tensor
+    log_probs: Tensor | None
+    stds: Tensor | None
     timesteps: Tensor
     sde_mask: Tensor
     prompts: list[str]
@@ -142,7 +144,12 @@ class Trajectory:
 
     @property
     def num_steps(self) -> int:
-        return self.log_probs.shape[1]
+        return len(self.timesteps)
+
+    @property
+    def records_steps(self) -> bool:
+        """Whether every step's latents and log-prob were kept (False: only the final sample)."""
+        return self.log_probs is not None
 
     @property
     def train_steps(self) -> list[int]:

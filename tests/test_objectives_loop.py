@@ -1,0 +1,415 @@
+"""The forward-process objectives (train.objective nft / awm / dpo) in the one training loop, on every family's tiny
+pipeline:
+- the backend primitive `flow_prediction` is the velocity the family's own sampler steps with (flow and DDPM
+  families alike), its DDPM conversion equals a hand computation, and its gradient reaches the LoRA;
+- GRPO's rollout records every step's log-prob, the other objectives' only the final latents;
+- one epoch of each objective on each family trains the LoRA with a finite loss and writes a checkpoint that loads
+  (and a resumed run equals an uninterrupted one);
+- NFT: the old policy samples, starts as a copy (so the first loss is nft_loss's hand value with v_old = v_theta)
+  and is soft-updated by exactly the decay formula; AWM's EMA policy likewise; DPO pairs each group's best and worst
+  sample with one noise and time.
+"""
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flowrl import core
+from flowrl.checkpoint import read_checkpoint
+from flowrl.config import ConfigError, describe, load_config
+from flowrl.families import family_names
+from flowrl.sampling import ddpm_flow_time, ddpm_velocity
+from flowrl.trainer import Trainer
+
+torch.set_num_threads(1)
+
+FAMILIES = [*family_names(), "flux2-klein"]
+OBJECTIVES = ("nft", "awm", "dpo")
+TINY = ["sample.height=32", "sample.width=32", "sample.num_steps=4", "sample.max_sequence_length=16",
+        "sample.prompts_per_epoch=2", "sample.group_size=4", "eval.num_steps=2", "eval.num_prompts=1",
+        "eval.before=false", "eval.grid=false", "log.progress=false", "model.device=cpu", "train.lr=3e-3"]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    """model.path of a family's tiny model; FLUX.2 klein (base, true CFG) is a tiny Flux2KleinPipeline saved once."""
+    saved = {}
+
+    def path(name: str) -> str:
+        if name != "flux2-klein":
+            return f"tiny-{name}"
+        if name not in saved:
+            from flowrl.families.flux2 import tiny_flux2_pipeline
+
+            d = tmp_path_factory.mktemp("klein")
+            tiny_flux2_pipeline(klein=True).save_pretrained(d)
+            saved[name] = str(d)
+        return saved[name]
+
+    return path
+
+
+def tiny_cfg(run_dir, *extra):
+    return load_config(None, [*TINY, f"log.run_dir={run_dir}", *extra])
+
+
+def trained(tr) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in tr.named_params.items()}
+
+
+def shadow(tr, name: str) -> dict[str, torch.Tensor]:
+    return {n: w.detach().clone() for n, w in tr.policy.shadow_parameters(name).items()}
+
+
+def max_change(a: dict, b: dict) -> float:
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+# ------------------------------------------------------------------------------------ the backend primitive
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_flow_prediction_is_the_velocity_the_sampler_steps_with(name, model_path, tmp_path):
+    """From a CFG-free ODE rollout (the family's own sampler, its own time scaling and sign): step i moves the
+    flow-path point y (the latent itself for a flow family, x / (alpha + sigma) for a DDPM one, whose deterministic
+    DDIM step is Euler's on that path) by (t_{i+1} - t_i) v. Re-noising an x0 that lands exactly on latents[:, i] at
+    t_i must give that v, x_t = y and x0 = x_t - t target. And the prediction's gradient reaches the LoRA."""
+    from flowrl.policies.image import ImagePolicy
+
+    policy = ImagePolicy(tiny_cfg(tmp_path, f"model.path={model_path(name)}"), "cpu")
+    backend = policy.backend
+    g = backend.training_guidance_scale(backend.default_guidance_scale)
+    traj = backend.rollout(["a red cat", "a blue dog"], 2, num_steps=4, sde_type="ode", guidance_scale=g, seed=0,
+                           height=32, width=32, decode=False)
+    times = backend.flow_times(traj)
+    i = 1
+    x_i, x_next = traj.latents[:, i].float(), traj.latents[:, i + 1].float()
+    eps = torch.randn(x_i.shape, generator=torch.Generator().manual_seed(1))
+    if traj.sigmas is not None:  # flow: x_t = (1 - t) x0 + t eps
+        t_next = times[i + 1]
+        x0 = (x_i - times[i] * eps) / (1 - times[i])
+        y_i, y_next = x_i, x_next
+    else:  # DDPM: x = alpha x0 + sigma eps
+        a, s = traj.alphas_cumprod[i].sqrt(), (1 - traj.alphas_cumprod[i]).sqrt()
+        a2, s2 = traj.alphas_cumprod_prev[i].sqrt(), (1 - traj.alphas_cumprod_prev[i]).sqrt()
+        x0 = (x_i - s * eps) / a
+        y_i, y_next, t_next = x_i / (a + s), x_next / (a2 + s2), s2 / (a2 + s2)
+        assert math.isclose(float(times[i]), float(s / (a + s)), rel_tol=1e-6)
+    v_sampler = (y_next - y_i) / (t_next - times[i])
+    pred = backend.flow_prediction(x0, eps, times[i], traj.prompt_ids, traj.prompt_encodings, traj.sampler)
+    scale = max(1.0, v_sampler.abs().max().item())
+    assert (pred.velocity.detach() - v_sampler).abs().max().item() <= 2e-5 * scale
+    assert torch.equal(pred.t, times[i].expand(len(x0)))  # a schedule time is used as it is (DDPM: its timestep)
+    assert (pred.x_t - y_i).abs().max().item() <= 2e-6 * max(1.0, y_i.abs().max().item())
+    torch.testing.assert_close(pred.target, eps - x0)
+    torch.testing.assert_close(pred.x_t - pred.t.view(-1, *[1] * (x0.ndim - 1)) * pred.target, x0,
+                               rtol=0, atol=2e-6 * max(1.0, x0.abs().max().item()))
+    # the gradient of anything of the velocity reaches the trained LoRA (lora_B starts at 0: its gradient is not)
+    pred.velocity.square().mean().backward()
+    grads = {n: p.grad for n, p in policy.named_trainable_parameters()}
+    assert grads and all("lora" in n for n in grads)
+    assert any(g is not None and g.abs().max() > 0 for n, g in grads.items() if "lora_B" in n)
+
+
+def test_ddpm_velocity_by_hand():
+    """x = alpha x0 + sigma eps with alpha = 0.6, sigma = 0.8: an epsilon (or v) prediction becomes
+    v_hat = eps_hat - x0_hat with x0_hat = (x - sigma eps_hat) / alpha, computed here number by number; the exact
+    prediction gives v = eps - x0, and eps - eps_hat = (1 - t)(v - v_hat) with t = sigma / (alpha + sigma)."""
+    alpha, sigma = torch.tensor([0.6]), torch.tensor([0.8])
+    x0, eps = torch.tensor([[2.0, -1.0]]), torch.tensor([[0.5, 1.5]])
+    x = 0.6 * x0 + 0.8 * eps                                                    # [[1.6, 0.6]]
+    eps_hat = torch.tensor([[1.0, 2.0]])
+    # x0_hat = ((1.6 - 0.8) / 0.6, (0.6 - 1.6) / 0.6) = (4/3, -5/3); v_hat = eps_hat - x0_hat = (-1/3, 11/3)
+    torch.testing.assert_close(ddpm_velocity(eps_hat, x, alpha, sigma), torch.tensor([[-1 / 3, 11 / 3]]))
+    torch.testing.assert_close(ddpm_velocity(eps, x, alpha, sigma), eps - x0)
+    v_model = 0.6 * eps - 0.8 * x0                                              # the v-prediction target
+    torch.testing.assert_close(ddpm_velocity(v_model, x, alpha, sigma, "v_prediction"), eps - x0)
+    t = ddpm_flow_time(torch.tensor(0.36))
+    assert math.isclose(float(t), 0.8 / 1.4, rel_tol=1e-6)
+    v_hat = ddpm_velocity(eps_hat, x, alpha, sigma)
+    torch.testing.assert_close(eps - eps_hat, (1 - t) * ((eps - x0) - v_hat))
+    with pytest.raises(ValueError, match="sample"):
+        ddpm_velocity(eps_hat, x, alpha, sigma, "sample")
+
+
+# ------------------------------------------------------------------------------------ rollouts
+
+
+def test_grpo_records_log_probs_and_the_other_objectives_only_final_latents(tmp_path):
+    grpo = Trainer(tiny_cfg(tmp_path / "grpo"))
+    traj = grpo.rollout(epoch=0).traj
+    assert traj.records_steps and traj.log_probs.shape == (8, 4) and traj.latents.shape[1] == 5
+    assert traj.sde_mask.all() and traj.sampler.sde_type == "sde" and traj.log_probs.abs().sum() > 0
+    for name in OBJECTIVES:
+        tr = Trainer(tiny_cfg(tmp_path / name, f"train.objective={name}"))
+        batch = tr.rollout(epoch=0)
+        traj = batch.traj
+        assert not traj.records_steps and traj.log_probs is None and traj.stds is None and traj.means is None
+        assert traj.latents.shape[:2] == (8, 1) and traj.num_steps == 4
+        assert traj.sampler.sde_type == "ode" and not traj.sde_mask.any()
+        assert traj.sampler.guidance_scale == tr.cfg.sample.guidance_scale  # the user's CFG at rollout
+        assert len(batch.images) == 8  # decoded for the rewards
+        with pytest.raises(ValueError, match="final sample"):
+            tr.policy.backend.step_log_prob(traj, [0])
+
+
+def test_nft_samples_with_the_old_policy(tmp_path):
+    tr = Trainer(tiny_cfg(tmp_path, "train.objective=nft"))
+    with torch.no_grad():
+        for p in tr.params:
+            p.add_(0.3 * torch.randn_like(p))  # the trained adapter leaves the old one
+    policy = tr.policy
+
+    def final(fn):
+        return fn(["a red cat"] * 2, [{}] * 2, epoch=0, generator=torch.Generator().manual_seed(0)).traj.final_latents
+
+    nft = final(tr.objective.rollout)
+    with policy.shadow("old"):
+        old = final(lambda *a, **k: policy.rollout(*a, **k, final_only=True))
+    current = final(lambda *a, **k: policy.rollout(*a, **k, final_only=True))
+    assert torch.equal(nft, old)
+    assert (nft - current).abs().max() > 1e-4
+
+
+# ------------------------------------------------------------------------------------ one epoch, every family
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_one_epoch_trains_and_checkpoints(name, objective, model_path, tmp_path):
+    run = tmp_path / "run"
+    tr = Trainer(tiny_cfg(run, f"model.path={model_path(name)}", f"train.objective={objective}", "train.epochs=1",
+                          "train.minibatch_size=4", "train.micro_batch_size=2"))
+    before = trained(tr)
+    tr.fit()
+    after = trained(tr)
+    assert max_change(after, before) > 1e-6, f"{objective} did not change the LoRA of {name}"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    epoch = next(r for r in rows if "policy/loss" in r)
+    assert math.isfinite(epoch["policy/loss"]) and epoch["policy/skipped_nonfinite"] == 0
+    assert epoch["policy/trained_units"] > 0 and "policy/ratio_first" not in epoch
+    ckpt = run / "ckpt-000001"
+    assert (ckpt / "trainable.safetensors").exists() and (ckpt / "lora").is_dir()
+    assert (ckpt / "objective.safetensors").exists() == (objective == "nft")
+    # loading it restores the trained weights (and NFT's old policy) after they were changed
+    old = shadow(tr, "old") if objective == "nft" else {}
+    with torch.no_grad():
+        for p in tr.params:
+            p.add_(1.0)
+        for w in tr.policy.shadow_parameters("old").values() if old else []:
+            w.add_(1.0)
+    tr.load(ckpt, read_checkpoint(ckpt))
+    assert max_change(trained(tr), after) == 0.0
+    if old:
+        assert max_change(shadow(tr, "old"), old) == 0.0
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_resume_equals_an_uninterrupted_run(objective, tmp_path):
+    extra = [f"train.objective={objective}", "train.epochs=2", "checkpoint.every=1", "checkpoint.keep=0",
+             "train.nft.decay_rate=0.3", "train.minibatch_size=4"]
+    straight = Trainer(tiny_cfg(tmp_path / "a", *extra))
+    straight.fit()
+    resumed = Trainer(tiny_cfg(tmp_path / "b", *extra, f"checkpoint.resume={tmp_path / 'a' / 'ckpt-000001'}"))
+    resumed.fit()
+    assert resumed.state.epochs_done == 2
+    assert max_change(trained(resumed), trained(straight)) <= 1e-6
+    if objective == "nft":
+        assert max_change(shadow(resumed, "old"), shadow(straight, "old")) <= 1e-6
+
+
+# ------------------------------------------------------------------------------------ NFT, AWM, DPO
+
+
+def _epoch_inputs(tr, epoch=0):
+    batch = tr.rollout(epoch)
+    scores, _ = tr.score(batch, epoch)
+    adv, keep, _ = tr.advantages(batch, scores, epoch)
+    return batch, scores, adv, keep
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_an_update_moves_the_model_toward_the_best_and_away_from_the_worst(objective, tmp_path):
+    """The direction of every objective: after one epoch's update the flow-matching error ||v_hat - v||^2 (at the
+    epoch's own times and noise) of each group's best sample went down and that of its worst went up (measured:
+    -2e-4 / +9e-4 for all three; the same signs under seeds 0-2)."""
+    tr = Trainer(tiny_cfg(tmp_path, f"train.objective={objective}"))
+    batch, _, adv, keep = _epoch_inputs(tr)
+    obj, g = tr.objective, batch.group_ids
+    best = torch.stack([(g == k).nonzero().flatten()[adv[g == k].argmax()] for k in g.unique()])
+    worst = torch.stack([(g == k).nonzero().flatten()[adv[g == k].argmin()] for k in g.unique()])
+
+    def error(rows):
+        obj.prepare(batch, adv, keep, epoch=0, process_index=0)
+        r, t, noise = obj.inputs(batch, rows, list(range(obj.plan.steps.shape[1])))
+        with torch.no_grad():
+            pred = tr.policy.flow_prediction(batch, r, t, noise)
+        return (pred.velocity - pred.target).square().mean().item()
+
+    best_before, worst_before = error(best), error(worst)
+    tr.update(batch, adv, keep, epoch=0)
+    assert error(best) < best_before and error(worst) > worst_before
+
+
+def test_nft_old_policy_is_soft_updated_by_the_decay_formula(tmp_path):
+    """After the epoch's update: old = lambda old_before + (1 - lambda) theta_after, lambda =
+    min(decay_rate x optimizer steps, decay_cap); here 2 steps x 0.2 = 0.4."""
+    tr = Trainer(tiny_cfg(tmp_path, "train.objective=nft", "train.nft.decay_rate=0.2", "train.minibatch_size=4"))
+    batch, _, adv, keep = _epoch_inputs(tr)
+    old_before = shadow(tr, "old")
+    theta_before = trained(tr)
+    assert max_change(old_before, theta_before) == 0.0  # the old policy starts as a copy
+    metrics = tr.update(batch, adv, keep, epoch=0)
+    assert tr.state.optimizer_steps == 2 and metrics["objective/nft_old_decay"] == pytest.approx(0.4)
+    theta_after, old_after = trained(tr), shadow(tr, "old")
+    assert max_change(theta_after, theta_before) > 1e-6
+    for n in old_after:
+        want = old_before[n] * 0.4 + theta_after[n] * (1 - 0.4)
+        torch.testing.assert_close(old_after[n], want, rtol=0, atol=1e-7)
+    # a second epoch: lambda = min(0.2 x 4, 0.5) = 0.5 (the cap)
+    batch, _, adv, keep = _epoch_inputs(tr, 1)
+    old_before = shadow(tr, "old")
+    assert tr.update(batch, adv, keep, epoch=1)["objective/nft_old_decay"] == pytest.approx(0.5)
+    theta_after = trained(tr)
+    for n, w in shadow(tr, "old").items():
+        torch.testing.assert_close(w, old_before[n] * 0.5 + theta_after[n] * 0.5, rtol=0, atol=1e-7)
+
+
+def test_nft_full_fine_tuning_keeps_a_frozen_copy_as_the_old_policy(tmp_path):
+    tr = Trainer(tiny_cfg(tmp_path, "train.objective=nft", "lora.enabled=false", "train.lr=1e-4", "train.epochs=1",
+                          "train.nft.decay_rate=0.2"))
+    module, weights = tr.policy.shadows["old"]
+    assert module is not None and module is not tr.policy.module and tr.policy.ref_copy is not None
+    assert set(weights) == set(tr.named_params) and not any(w.requires_grad for w in weights.values())
+    theta_before = trained(tr)
+    tr.fit()
+    theta_after = trained(tr)
+    assert tr.state.optimizer_steps == 1 and max_change(theta_after, theta_before) > 1e-6
+    saved = read_checkpoint(tmp_path / "ckpt-000001")["objective"]
+    assert set(saved) == {f"old/{n}" for n in theta_before}
+    for n, w in shadow(tr, "old").items():  # lambda = min(0.2 x 1, 0.5)
+        want = theta_before[n] * 0.2 + theta_after[n] * 0.8
+        torch.testing.assert_close(w, want, rtol=0, atol=1e-7)
+        torch.testing.assert_close(saved[f"old/{n}"], w, rtol=0, atol=0)
+
+
+def test_nft_first_loss_is_the_hand_value_with_v_old_equal_to_v_theta(tmp_path):
+    """Before any update the old adapter is a copy of the trained one: v_old = v_theta at every point, so v+ = v- =
+    v_theta and, whatever r, nft_loss is policy_scale / beta x t ||v - v_theta||^2 / sg(t mean |v - v_theta|) (its
+    adaptive weight, in x0-space), the reference KL 0 (lora_B = 0: the adapter off changes nothing). Checked
+    against the objective's loss of one unit, computed here from the primitive's outputs by hand."""
+    tr = Trainer(tiny_cfg(tmp_path, "train.objective=nft", "train.nft.beta=0.5", "train.nft.policy_scale=5"))
+    batch, _, adv, keep = _epoch_inputs(tr)
+    obj, policy = tr.objective, tr.policy
+    keep = obj.prepare(batch, adv, keep, epoch=0, process_index=0)
+    idx, unit = torch.arange(len(keep)), [0, 1]
+    loss, stats = obj.unit_loss(batch, idx, unit, adv, keep, None)
+    rows, t, noise = obj.inputs(batch, idx, unit)
+    with torch.no_grad():
+        pred = policy.flow_prediction(batch, rows, t, noise)
+        with policy.shadow("old"):
+            v_old = policy.flow_prediction(batch, rows, t, noise).velocity
+    assert torch.equal(v_old, pred.velocity)
+    err = pred.t.view(-1, 1, 1, 1) * (pred.target - pred.velocity)                # x0+ - x0 = -t (v+ - v)
+    per_row = err.square().flatten(1).mean(1) / err.abs().flatten(1).mean(1)
+    hand = 5 / 0.5 * per_row.mean()
+    torch.testing.assert_close(loss.detach(), hand, rtol=1e-5, atol=0)
+    assert stats["nft_old_deviation"] == 0 and stats["nft_kl"] == 0
+    # the times of a sample are distinct steps of its rollout's schedule (3 of 4 by default)
+    assert obj.plan.steps.shape == (8, 3) and all(len(set(r.tolist())) == 3 for r in obj.plan.steps)
+
+
+def test_awm_ema_policy_is_soft_updated_after_every_optimizer_step(tmp_path):
+    tr = Trainer(tiny_cfg(tmp_path, "train.objective=awm", "train.awm.ema_kl_coef=1", "train.awm.ema_decay_rate=0.1",
+                          "train.minibatch_size=4"))
+    batch, _, adv, keep = _epoch_inputs(tr)
+    ema = shadow(tr, "ema")
+    thetas = []
+    step = tr.opt.step
+
+    def step_and_keep():
+        step()
+        thetas.append(trained(tr))
+
+    tr.opt.step = step_and_keep
+    metrics = tr.update(batch, adv, keep, epoch=0)
+    assert tr.state.optimizer_steps == 2 and math.isfinite(metrics["policy/awm_ema_kl"])
+    for k, theta in enumerate(thetas, start=1):  # lambda = min(0.1 k, 0.3)
+        ema = {n: ema[n] * (0.1 * k) + theta[n] * (1 - 0.1 * k) for n in ema}
+    for n, w in shadow(tr, "ema").items():
+        torch.testing.assert_close(w, ema[n], rtol=0, atol=1e-7)
+
+
+def test_dpo_pairs_each_groups_best_and_worst_sample(tmp_path):
+    tr = Trainer(tiny_cfg(tmp_path, "train.objective=dpo"))
+    batch, scores, adv, keep = _epoch_inputs(tr)
+    obj = tr.objective
+    winners = obj.prepare(batch, adv, keep, epoch=0, process_index=0)
+    total = scores[:, 0]
+    for g in batch.group_ids.unique():
+        members = (batch.group_ids == g).nonzero().flatten()
+        best, worst = members[total[members].argmax()], members[total[members].argmin()]
+        assert winners[members].tolist() == [bool(i == best) for i in members]
+        assert obj.partner[best] == worst
+    # from the advantages of the batch: ties go to the first, a group whose values all tie has no pair, and a
+    # sample without a finite reward (keep False) takes no part
+    adv = torch.tensor([0.1, 0.9, -0.5, 0.3, 0.2, 0.2, 0.2, 0.2])
+    keep = torch.ones(8, dtype=torch.bool)
+    assert obj.prepare(batch, adv, keep, epoch=0, process_index=0).nonzero().flatten().tolist() == [1]
+    assert obj.partner.tolist() == [-1, 2, -1, -1, -1, -1, -1, -1]
+    keep[1] = False
+    assert obj.prepare(batch, adv, keep, epoch=0, process_index=0).nonzero().flatten().tolist() == [3]
+    assert obj.partner[3] == 2
+    # winner and loser are evaluated at one noise and time: the rows of a pass are [winners; losers]
+    seen = []
+    predict = tr.policy.flow_prediction
+
+    def spy(batch_, rows, t, noise):
+        seen.append((rows, t, noise))
+        return predict(batch_, rows, t, noise)
+
+    tr.policy.flow_prediction = spy
+    obj.unit_loss(batch, torch.tensor([3]), [0, 1], adv, keep, None)
+    for rows, t, noise in seen:
+        assert rows.tolist() == [3, 3, 2, 2]
+        assert torch.equal(t[:2], t[2:]) and torch.equal(noise[:2], noise[2:]) and not torch.equal(t[0], t[1])
+
+
+# ------------------------------------------------------------------------------------ config
+
+
+def test_the_objectives_refuse_what_they_cannot_take(tmp_path):
+    def problems(*extra):
+        with pytest.raises(ConfigError) as e:
+            tiny_cfg(tmp_path, *extra)
+        return str(e.value)
+
+    msg = problems("train.objective=nft", "sample.window.kind=fixed", "sample.window.size=2", "train.beta=0.1")
+    assert "sample.window.kind=fixed" in msg and "train.beta=0.1" in msg and "train.nft.kl_coef" in msg
+    assert "train.objective=grpo" in problems("backend=text", "train.objective=dpo")
+    assert "same_noise_per_group" in problems("train.objective=awm", "sample.same_noise_per_group=true")
+    assert "at most 4" in problems("train.objective=nft", "train.nft.timesteps=5")
+    assert "train.objective" in problems("train.objective=ppo")
+    assert tiny_cfg(tmp_path, "train.objective=dpo", "train.dpo.timesteps=4").train.dpo.timesteps == 4
+    # DPO pairs within a process: groups may not span two
+    from flowrl.objectives import DPO
+
+    cfg = tiny_cfg(tmp_path, "train.objective=dpo", "sample.prompts_per_epoch=3")
+    stub = SimpleNamespace(ensure_reference=lambda: None)
+    with pytest.raises(ValueError, match="splits groups"):
+        DPO(cfg, stub, num_processes=2)
+    DPO(cfg, stub, num_processes=3)
+
+
+def test_help_documents_the_objectives():
+    docs = {key: doc for key, _, _, doc in describe()}
+    assert "DiffusionNFT" in docs["train.objective"] and "grpo" in docs["train.objective"]
+    for key in ("train.nft.beta", "train.nft.decay_rate", "train.nft.timesteps", "train.awm.weighting",
+                "train.awm.kl_coef", "train.dpo.beta", "train.dpo.weighting"):
+        assert "reference" in docs[key] or "paper" in docs[key] or "Flow-DPO" in docs[key], key
+    from flowrl.objectives import OBJECTIVES as REGISTRY
+
+    assert REGISTRY.names() == sorted(["grpo", *OBJECTIVES]) == sorted(core.OBJECTIVE_LOSSES.names() + ["grpo"])
