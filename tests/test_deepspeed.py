@@ -22,7 +22,9 @@ from test_trainer_image import TINY, tiny_cfg
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "accelerate"
 
 pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed (make test installs it: pip install --no-build-isolation deepspeed)"),
+    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                       reason="deepspeed is not installed (make test installs it: pip install --no-build-isolation "
+                              "deepspeed)"),
     pytest.mark.skipif(sys.platform != "linux", reason="gloo multi-process test written for linux"),
 ]
 

@@ -110,7 +110,8 @@ def test_adamw_8bit_trains_checkpoints_and_resumes(tmp_path):
     tr.fit()
     moved = max((p.detach() - before[n]).abs().max().item() for n, p in tr.named_params.items())
     assert moved > 0
-    eight_bit = [v for st in tr.opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dtype == torch.uint8]
+    eight_bit = [v for st in tr.opt.state.values() for v in st.values()
+                 if torch.is_tensor(v) and v.dtype == torch.uint8]
     assert eight_bit, "no parameter got 8-bit states"
     again = Trainer(tiny_cfg(tmp_path, *base, "train.epochs=2", "checkpoint.resume=auto"))
     from flowrl.checkpoint import resolve_resume
