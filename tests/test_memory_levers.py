@@ -88,25 +88,6 @@ def test_image_gradient_checkpointing_gives_the_same_gradient_and_stays_on_polic
     assert out["policy/ratio_first_dev"] <= 1e-5
 
 
-@pytest.fixture(scope="module")
-def tiny_lm(tmp_path_factory):
-    import json
-
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from flowrl.arith import arith_tokenizer
-
-    d = tmp_path_factory.mktemp("tiny_gpt2")
-    tok = arith_tokenizer()
-    torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=32, n_embd=32, n_layer=2, n_head=2,
-                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                               pad_token_id=tok.pad_token_id)).save_pretrained(d)
-    tok.save_pretrained(d)
-    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10, 14) for b in range(20, 23)]
-    (d / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return d
-
 
 def text_trainer(model_dir, run_dir, *extra):
     return Trainer(load_config(None, [

@@ -26,25 +26,6 @@ TWO_PROCESSES = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1",
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(TESTS.parent)}
 
 
-@pytest.fixture(scope="module")
-def tiny_lm(tmp_path_factory):
-    """A tiny random GPT-2 (2 blocks: GPT2Block is its _no_split_modules) with the arithmetic tokenizer and
-    prompts."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from flowrl.arith import arith_tokenizer
-
-    d = tmp_path_factory.mktemp("tiny_gpt2")
-    tok = arith_tokenizer()
-    torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=32, n_embd=32, n_layer=2, n_head=2,
-                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                               pad_token_id=tok.pad_token_id)).save_pretrained(d)
-    tok.save_pretrained(d)
-    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10, 14) for b in range(20, 23)]
-    (d / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return d
-
 
 def text_args(model_dir, run_dir, *extra) -> list[str]:
     return ["backend=text", f"model.path={model_dir}", "model.device=cpu",
