@@ -235,8 +235,8 @@ class Trainer:
         self.tracker = core.PerPromptStatTracker(t.stat_buffer_size, t.stat_min_count) if t.per_prompt_stats else None
         self.rewards = build_reward_fns(cfg, self.policy.reward_kind)
         # train.offload: each local reward model in CPU memory, on its device only while it scores
-        self.parked_rewards = [Parked(modules_in(fn)) if t.offload and modules_in(fn) else None
-                               for fn in self.rewards]
+        reward_modules = [modules_in(fn) if t.offload else [] for fn in self.rewards]
+        self.parked_rewards = [Parked(modules) if modules else None for modules in reward_modules]
         self.state = State()
         self.log = MetricsLog(self.run_dir / "metrics.jsonl", self.acc, enabled=self.main)
         if self.main:
