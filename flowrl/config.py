@@ -314,7 +314,13 @@ class TrainConfig:
     max_minutes: float = 0.0
     """Wall-clock budget of the training in minutes (0 = none): the epoch during which it runs out is the last; the
     final eval and checkpoint follow as after the last epoch. Counted from the start of this call (a resumed run
-    gets the budget again)."""
+    gets the budget again), on the clock `budget_clock` names."""
+    budget_clock: Literal["wall", "process"] = "wall"
+    """What `max_minutes` counts: `wall` = wall-clock since the start, evals included; `process` = this process's
+    CPU time in training epochs (rollout, reward, update; evals not counted). With one torch thread `process`
+    equals the wall-clock of an idle machine whatever else runs beside it: the fair budget for comparing runs
+    (scripts/race_objectives.py) on a shared machine. Every logged row carries both, as
+    `time/train_wall_minutes` and `time/train_process_minutes` (evals excluded from both)."""
     max_nonfinite_steps: int = 3
     """A minibatch whose loss or gradient is NaN/inf takes no optimizer step (a warning says so); this many such
     minibatches in a row stop the run with an error (the weights and checkpoints stay finite)."""

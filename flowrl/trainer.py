@@ -266,10 +266,11 @@ class Trainer:
         if cfg.eval.before and self.state.epochs_done == 0 and cfg.train.epochs > 0:
             self.log.log(self.evaluate(tag="epoch000000"), step=0)
         started = time.perf_counter()
+        train_wall = train_cpu = 0.0  # seconds spent in this call's epochs, evals excluded
         bar = tqdm(range(self.state.epochs_done, cfg.train.epochs), desc="epochs", disable=not (
             self.main and cfg.log.progress), initial=self.state.epochs_done, total=cfg.train.epochs)
         for epoch in bar:
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             with self.timer("rollout"):
                 batch = self.rollout(epoch)
             with self.timer("reward"):
@@ -289,13 +290,15 @@ class Trainer:
             self.state.epochs_done = epoch + 1
             self.state.samples_seen += self.batch_total
             seconds = time.perf_counter() - t0
+            train_wall, train_cpu = train_wall + seconds, train_cpu + time.process_time() - cpu0
             metrics.update({f"time/{k}": v for k, v in self.timer.pop().items()})
+            metrics["time/train_wall_minutes"], metrics["time/train_process_minutes"] = train_wall / 60, train_cpu / 60
             metrics["perf/samples_per_s"] = self.batch_total / seconds
             metrics["perf/trained_steps_x_samples_per_s"] = metrics["policy/trained_units"] / seconds
             metrics["lr"] = self.opt.param_groups[0]["lr"]
             # train.max_minutes: the epoch that reaches the budget is the last (every process stops together)
-            out_of_time = bool(cfg.train.max_minutes) and self.any_process(
-                time.perf_counter() - started >= 60 * cfg.train.max_minutes)
+            spent = train_cpu if cfg.train.budget_clock == "process" else time.perf_counter() - started
+            out_of_time = bool(cfg.train.max_minutes) and self.any_process(spent >= 60 * cfg.train.max_minutes)
             if cfg.eval.every and (epoch + 1) % cfg.eval.every == 0 and epoch + 1 < cfg.train.epochs:
                 metrics.update(self.evaluate(tag=f"epoch{epoch + 1:06d}"))
             if (epoch + 1) % cfg.log.every == 0 or epoch + 1 == cfg.train.epochs or out_of_time:
@@ -309,8 +312,8 @@ class Trainer:
             self.stop_if_asked(epoch + 1, mid_epoch=False)
             if out_of_time:
                 if self.main:
-                    print(f"train.max_minutes={cfg.train.max_minutes:g} reached after {epoch + 1} epochs: the final "
-                          "eval and checkpoint follow")
+                    print(f"train.max_minutes={cfg.train.max_minutes:g} ({cfg.train.budget_clock} clock) reached "
+                          f"after {epoch + 1} epochs: the final eval and checkpoint follow")
                 break
         if last:  # some epoch ran in this call (a resume of a finished run does nothing)
             final = self.evaluate(tag="final")

@@ -296,3 +296,21 @@ def test_a_wall_clock_budget_ends_the_run_after_the_epoch_that_spends_it(tmp_pat
     assert [r["epoch"] for r in rows if "policy/loss" in r] == [1]
     assert rows[-1].get("final") and rows[-1]["epoch"] == 1
     assert tr.state.epochs_done == 1 and (tmp_path / "ckpt-000001").is_dir()
+
+
+def test_a_process_clock_budget_counts_training_cpu_time_and_every_row_carries_both_clocks(tmp_path):
+    """train.budget_clock=process: the budget is this process's CPU time in training epochs; the rows log the
+    cumulative training time on both clocks, growing from epoch to epoch."""
+    from flowrl.trainer import Trainer
+
+    tr = Trainer(tiny_cfg(tmp_path, "train.epochs=5", "train.max_minutes=0.00001", "train.budget_clock=process"))
+    tr.fit()
+    assert tr.state.epochs_done == 1
+    tr = Trainer(tiny_cfg(tmp_path / "b", "train.epochs=3", "train.max_minutes=1000", "train.budget_clock=process"))
+    tr.fit()
+    rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "policy/loss" in r]
+    assert tr.state.epochs_done == 3 and len(train_rows) == 3
+    for key in ("time/train_wall_minutes", "time/train_process_minutes"):
+        values = [r[key] for r in train_rows]
+        assert 0 < values[0] < values[1] < values[2], (key, values)
