@@ -162,6 +162,18 @@ class State:
     samples_seen: int = 0
 
 
+def merge_eval_shares(shares: list[tuple[list, dict[str, torch.Tensor]]]) -> tuple[list, dict[str, torch.Tensor]]:
+    """The processes' eval shares [(outputs [n_p], {column: [n_p]})] in process order, as one (outputs [N],
+    {column: [N]}). A process whose share of the prompts was empty (fewer prompts than processes) has no rows and
+    may lack the reward components' columns; a share with rows that lacks a column is an error naming it."""
+    keys = list(dict.fromkeys(k for out, sc in shares if out for k in sc))
+    for p, (out, sc) in enumerate(shares):
+        if out and set(sc) != set(keys):
+            raise RuntimeError(f"eval: process {p}'s scores have the columns {sorted(sc)}, the others {keys}")
+    outputs = [o for out, _ in shares for o in out]
+    return outputs, {k: torch.cat([sc[k] for out, sc in shares if out]) for k in keys}
+
+
 class Trainer:
     """Holds the pieces the loop needs; `fit()` is the loop."""
 
@@ -773,9 +785,7 @@ class Trainer:
         if world > 1:
             from accelerate.utils import gather_object
 
-            shares = gather_object([(outputs, {k: v.cpu() for k, v in scores.items()})])
-            outputs = [o for out, _ in shares for o in out]
-            scores = {k: torch.cat([sc[k] for _, sc in shares]) for k in scores}
+            outputs, scores = merge_eval_shares(gather_object([(outputs, {k: v.cpu() for k, v in scores.items()})]))
         results = {}
         if self.main:
             # the base model's distribution of what prompts leave free (colours...): the first eval's, kept

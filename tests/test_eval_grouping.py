@@ -77,3 +77,19 @@ def test_images_per_group_needs_group_by():
         load_config(None, ["eval.images_per_group=48"])
     with pytest.raises(ConfigError, match=r"eval.images_per_prompt must be >= 1"):
         load_config(None, ["eval.images_per_prompt=0"])
+
+
+def test_eval_shares_merge_in_process_order_and_an_empty_share_adds_nothing():
+    """Fewer eval prompts than processes: a process samples nothing and has no reward components."""
+    import torch
+
+    from flowrl.trainer import merge_eval_shares
+
+    shares = [(["a", "b"], {"r": torch.tensor([1.0, 2.0]), "r/strict": torch.tensor([0.0, 1.0])}),
+              ([], {"r": torch.zeros(0)}),
+              (["c"], {"r": torch.tensor([3.0]), "r/strict": torch.tensor([1.0])})]
+    outputs, scores = merge_eval_shares(shares)
+    assert outputs == ["a", "b", "c"]
+    assert scores["r"].tolist() == [1.0, 2.0, 3.0] and scores["r/strict"].tolist() == [0.0, 1.0, 1.0]
+    with pytest.raises(RuntimeError, match="process 1's scores have the columns"):
+        merge_eval_shares([shares[0], (["c"], {"r": torch.tensor([3.0])})])
