@@ -12,8 +12,9 @@ even a 20B denoiser plans in seconds on a laptop. Per GPU, in GiB, it reports:
 - the trained parameters (LoRA: rank `lora.rank` on the family's `lora_targets`, float32 as flowrl makes them;
   full fine-tuning: the whole denoiser, in `model.dtype` as flowrl trains it), their gradients, the AdamW
   states (2 per parameter) and the EMA copy (`train.ema_decay`);
-- the reference pass (`train.beta` > 0): LoRA runs the base model with the adapter off (no extra weights);
-  full fine-tuning keeps a frozen copy of the denoiser;
+- the reference pass (`train.beta` > 0; for the other objectives their KL coefficients, always for DPO): LoRA runs
+  the base model with the adapter off (no extra weights); full fine-tuning keeps a frozen copy of the denoiser;
+  NFT's old policy and AWM's EMA policy (ema_kl_coef > 0) are a second adapter or a frozen copy;
 - what the rollout leaves on the GPU for the update: the trajectory's latents and the prompt-encoding cache;
 - the activations of one sample of the update (forward and backward of `train.steps_per_forward` steps,
   doubled by classifier-free guidance where the family batches it), with and without gradient
@@ -1080,6 +1081,35 @@ def vae_decode_bytes(vae: Mapping, height: int, width: int, b: int) -> float | N
     return None if channels is None else VAE_DECODE_FACTOR * b * height * width * channels(vae)
 
 
+class ObjectiveTerms(NamedTuple):
+    """What `train.objective` adds to the update's memory (flowrl.objectives): a reference pass (the adapter off, or
+    a frozen copy), shadow policies (a second adapter or a frozen copy: NFT's "old", AWM's "ema"), and for the
+    forward-process objectives the re-noised times per sample and the images per trained sample."""
+
+    name: str
+    reference: bool
+    reference_note: str
+    shadows: tuple[str, ...] = ()
+    times: int = 0
+    images_per_sample: int = 1
+
+
+def objective_terms(cfg) -> ObjectiveTerms:
+    """The ObjectiveTerms of an image config, from the same settings the objectives read."""
+    t, steps = cfg.train, cfg.sample.num_steps
+    if t.objective == "nft":
+        n = t.nft
+        return ObjectiveTerms("nft", n.kl_coef > 0, f"nft kl_coef {n.kl_coef:g}", ("old",),
+                              n.timesteps or max(1, int(0.99 * steps)))
+    if t.objective == "awm":
+        a = t.awm
+        return ObjectiveTerms("awm", a.kl_coef > 0, f"awm kl_coef {a.kl_coef:g}",
+                              ("ema",) if a.ema_kl_coef > 0 else (), a.timesteps)
+    if t.objective == "dpo":
+        return ObjectiveTerms("dpo", True, f"dpo beta {t.dpo.beta:g}", (), t.dpo.timesteps or steps, 2)
+    return ObjectiveTerms("grpo", t.beta > 0, f"beta {t.beta:g}")
+
+
 def _plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
     m, s, t = cfg.model, cfg.sample, cfg.train
     fam = _family_of(m.path, m.family)
@@ -1100,14 +1130,16 @@ def _plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
         n_trained = lora_parameters(den_module)
     else:
         den_module, adapted, n_trained = den.module, {}, den.params
+    obj = objective_terms(cfg)
     tr = _Training(n_trained, f"LoRA r{cfg.lora.rank} on {len(adapted)} layers" if cfg.lora.enabled else None,
                    "float32" if cfg.lora.enabled else dtype, t.ema_decay > 0,
-                   (0.0 if cfg.lora.enabled else den.weight_bytes) if t.beta > 0 else None,
+                   (0.0 if cfg.lora.enabled else den.weight_bytes) if obj.reference else None,
                    2 * _block_params(den.module, layout.blocks) * b, t.optimizer)
 
     # what the rollout leaves on the GPU for the update: the trajectory and the prompt encodings
     shape = image_shape(components, fam.denoiser_attr, s.height, s.width, s.max_sequence_length)
-    trajectory = local * (s.num_steps + 1) * shape.latent_elements * b
+    kept = s.num_steps + 1 if obj.name == "grpo" else 1  # the forward-process objectives keep the final latents
+    trajectory = local * kept * shape.latent_elements * b
     if t.step_weighting == "ratio_norm":  # the transition means, float32
         trajectory += local * s.num_steps * shape.latent_elements * 4
     counted = [_count_prompts(f) for f in {cfg.data.train_prompts, cfg.data.eval_prompts or cfg.data.train_prompts}]
@@ -1119,8 +1151,12 @@ def _plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
                              text_tokens=shape.text_tokens, levels=shape.levels, lora_targets=adapted)
     terms = activation_terms(layers, dtype)
     cfg_rows = 2 if (fam.uses_cfg_encodings and s.guidance_scale > 1) else 1
-    steps = min(t.steps_per_forward, s.num_steps if s.window.kind == "all" else s.window.size)
-    update = UpdateEstimate(den.class_name, dtype, steps * cfg_rows, terms,
+    if obj.name == "grpo":
+        update_cfg_rows = cfg_rows
+        steps = min(t.steps_per_forward, s.num_steps if s.window.kind == "all" else s.window.size)
+    else:  # the CFG-free model at `times` re-noised times per sample (DPO: a winner brings its loser)
+        update_cfg_rows, steps = obj.images_per_sample, min(t.steps_per_forward, obj.times)
+    update = UpdateEstimate(den.class_name, dtype, steps * update_cfg_rows, terms,
                             activation_bytes(terms, den.class_name, dtype), n_trained * DTYPE_BYTES[tr.dtype], 0.0)
 
     # the rollout, without gradients: `chunk` images through the denoiser (their CFG rows), then the VAE decoder
@@ -1144,16 +1180,27 @@ def _plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
                                                                 "offload": None}, "" if c.dtype == dtype else c.dtype)
              for c in off_gpu]
     rows += _training_rows(tr, gpus)
-    rows.append(Row(f"trajectory latents ({local} samples x {s.num_steps + 1})", None, everywhere(trajectory)))
+    for name in obj.shadows:  # NFT's old policy, AWM's EMA policy: a second adapter, or a frozen copy
+        if cfg.lora.enabled:
+            rows.append(Row(f"{obj.name}: shadow adapter '{name}' (float32)", None,
+                            {"DDP": 4 * n_trained, "FSDP": 4 * n_trained / gpus, "offload": 4 * n_trained}))
+        else:
+            rows.append(Row(f"{obj.name}: shadow policy '{name}', a frozen copy", None,
+                            {"DDP": den.weight_bytes, "FSDP": den.weight_bytes / gpus, "offload": den.weight_bytes}))
+    rows.append(Row(f"trajectory latents ({local} samples x {kept})", None, everywhere(trajectory)))
     rows.append(Row(f"prompt-encoding cache ({n_prompts} prompts)", None, everywhere(prompt_cache)))
 
-    rows_note = f"{update.rows_per_sample} model rows: {steps} step(s)" + (" x 2 (CFG)" if cfg_rows == 2 else "")
+    if obj.name == "grpo":
+        rows_note = f"{update.rows_per_sample} model rows: {steps} step(s)" + (" x 2 (CFG)" if cfg_rows == 2 else "")
+    else:
+        rows_note = (f"objective {obj.name}: {update.rows_per_sample} model rows: {steps} time(s)"
+                     + (" x 2 (winner and loser)" if obj.images_per_sample == 2 else "") + ", without CFG")
     lora = (f"LoRA r{cfg.lora.rank} alpha {cfg.lora.alpha:g} on {', '.join(targets)}" if cfg.lora.enabled
             else f"full fine-tuning of the {fam.denoiser_attr} (weights, gradients, AdamW in {dtype})")
     facts = [
         ("model", f"{m.path} ({fam.family}, {pipeline_class}; configuration: {source})"),
         ("update", f"{lora}; {dtype}; {s.height}x{s.width} px = {shape.image_tokens} image + {shape.text_tokens} "
-                   f"text tokens; {rows_note}; beta {t.beta:g}"),
+                   f"text tokens; {rows_note}; {obj.reference_note}"),
         ("batch", f"{local} samples per GPU per epoch, minibatch {minibatch}, micro-batch {micro}, "
                   f"gradient checkpointing {'on' if t.gradient_checkpointing else 'off'}"),
         ("GPUs", f"{gpus} x {gpu_memory_gib:g} GiB"),

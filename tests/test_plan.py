@@ -395,3 +395,31 @@ def test_main_prints_the_table_and_says_whether_it_fits(capsys):
     assert "tiny-sd3" in out and "DDP" in out and "FSDP" in out and "offload" in out
     assert main(str(ROOT / "configs" / "flux_dev_pickscore.yaml"), ["lora.enabled=false"], gpu_memory="24GiB") == 1
     assert "NO" in capsys.readouterr().out
+
+
+#: the GRPO preset's stochastic-step keys back to their defaults, as a forward-process objective needs them
+FORWARD = ["sample.sde_type=auto", "sample.noise_level=null", "train.beta=0", "train.kl_std=step"]
+
+
+def test_objectives_rows_references_shadows_and_update_rows():
+    """train.objective: NFT keeps a second adapter (LoRA) or a frozen copy (full fine-tuning) and a reference pass
+    while its kl_coef > 0; DPO always has a reference; the forward-process objectives keep only the final latents
+    and train without CFG (DPO: winner and loser)."""
+    grpo = plan(_preset("sd35m_pickscore"))
+    lora = next(r for r in grpo.rows if r.label.startswith("LoRA r32"))
+    nft = plan(_preset("sd35m_pickscore", "train.objective=nft", "train.nft.timesteps=3", *FORWARD))
+    gib = {r.label: r.gib for r in nft.rows}
+    assert gib["nft: shadow adapter 'old' (float32)"]["DDP"] == pytest.approx(lora.gib["DDP"])
+    assert gib["nft: shadow adapter 'old' (float32)"]["FSDP"] == pytest.approx(lora.gib["DDP"])  # 1 GPU
+    assert "reference: the adapter off (no weights)" in gib
+    assert gib["trajectory latents (1152 samples x 1)"]["DDP"] == pytest.approx(1152 * 16 * 64 * 64 * 2 / GIB)
+    assert nft.update.rows_per_sample == 1  # one time per forward (steps_per_forward 1), no CFG
+    no_kl = plan(_preset("sd35m_pickscore", "train.objective=awm", "train.awm.kl_coef=0", *FORWARD))
+    assert not any(r.label.startswith("reference") or "shadow" in r.label for r in no_kl.rows)
+    ema = plan(_preset("sd35m_pickscore", "train.objective=awm", "train.awm.ema_kl_coef=1", *FORWARD,
+                       "lora.enabled=false"))
+    copy = next(r for r in ema.rows if r.label == "awm: shadow policy 'ema', a frozen copy")
+    assert copy.gib["DDP"] == pytest.approx(ema.rows[0].gib["DDP"])
+    dpo = plan(_preset("sd35m_pickscore", "train.objective=dpo", "train.steps_per_forward=2", *FORWARD))
+    assert dpo.update.rows_per_sample == 4  # 2 times x (winner, loser)
+    assert any(r.label.startswith("reference") for r in dpo.rows) and "objective dpo" in dpo.render()
