@@ -1,25 +1,31 @@
-"""Race the training objectives on the shapes world at an equal wall-clock budget (issue 23).
+"""Race the training objectives on the shapes world at an equal training budget (issue 23).
 
-    python scripts/race_objectives.py --minutes 10 --seeds 0 1 2 3 4 --jobs 2 --out runs/race
+    python scripts/race_objectives.py --minutes 15 --seeds 0 1 2 3 4 --jobs 2
 
-Every (objective, seed) run is `flowrl train configs/shapes.yaml` with `train.objective=<name>`, the objective's
-settings from OBJECTIVE_SETTINGS, `train.max_minutes=<budget>` and an eval every `--eval-every` epochs on the test
-split (GenEval-style strict accuracy, the mean over the prompt families, and the diversity metric: the colour
-distribution's total variation from the base model's where prompts leave colour free). After training, the final
-weights and the base model are evaluated on the out-of-template split (samples/shapes/out_of_template.jsonl).
+Every (objective, seed) run is `flowrl train configs/shapes.yaml` with `train.objective=<name>` and the objective's
+settings from OBJECTIVE_SETTINGS, one torch thread, and a budget of `--minutes` of training CPU time
+(`train.max_minutes` on `train.budget_clock=process`: rollout, reward and update count, evals do not; at one thread
+this is the wall-clock of the same run on an idle machine, and it does not change when other work shares the
+machine). An eval on the test split (GenEval-style strict accuracy, the mean over the prompt families, and the
+diversity metric: the colour distribution's total variation from the base model's where prompts leave colour free)
+runs every few epochs; after training, the final weights and the base model are evaluated on the out-of-template
+split (samples/shapes/out_of_template.jsonl).
 
-Writes to --out: one run directory per (objective, seed), `race.json` (every run's curve and figures),
-`race.md` (the table: per objective, the median and range over seeds of the gain on the test split, the minutes to
-reach +0.20, the colour TV from the base, the out-of-template accuracy before and after) and `race.png` (test
-accuracy against wall-clock minutes: the median over seeds per objective, the band from the worst to the best).
-`--jobs 2` runs two trainings at once, each with one torch thread (the figure's minutes are then each run's own).
-A finished run is not run again (its metrics.jsonl holds a final row), so the race resumes where it stopped.
+Each finished (objective, seed) leaves a small JSON in --results (default samples/shapes/race/runs, committed): its
+curve, its settings and its out-of-template accuracy. A run with a result file is not run again, so the race resumes
+where it stopped, on this machine or another; a result raced with other settings is an error, not a silent mix.
+Beside --results (in its parent folder) go `race.json` (every run), `race.md` (per objective: the median and range
+over seeds of the gain on the test split, the training minutes to reach +0.20, the colour TV from the base, the
+out-of-template accuracy before and after) and `race.png` (test accuracy against training minutes: the median over
+seeds per objective, the band from the worst seed to the best). Run directories (checkpoints, logs) go to --out.
+`--jobs 2` runs two trainings at once, each on one thread.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -60,18 +66,41 @@ def finished(directory: Path) -> bool:
 
 
 def train(out: Path, objective: str, seed: int, minutes: float, eval_every: int, extra: list[str]) -> Path:
-    """One training run (skipped when already finished); its stdout and stderr go to train.log beside it."""
+    """One training run (skipped when already finished); its stdout and stderr go to train.log beside it. The
+    budget is training CPU minutes (`train.budget_clock=process`, one torch thread): a machine busy with other
+    work slows a run's wall-clock, not its budget."""
     directory = run_dir(out, objective, seed)
     if finished(directory):
         return directory
     directory.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "flowrl", "train", str(CONFIG), *OBJECTIVE_SETTINGS[objective], f"train.seed={seed}",
-           f"train.max_minutes={minutes}", "train.epochs=100000", f"eval.every={eval_every}", "log.progress=false",
-           f"log.run_dir={directory}", "log.overwrite=true", *extra]
+    cmd = [sys.executable, "-m", "flowrl", "train", str(CONFIG), f"train.seed={seed}", f"train.max_minutes={minutes}",
+           "train.budget_clock=process", "train.epochs=100000", f"eval.every={eval_every}", "log.progress=false",
+           f"log.run_dir={directory}", "log.overwrite=true", *OBJECTIVE_SETTINGS[objective], *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     with open(directory / "train.log", "w") as log:
         subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
     return directory
+
+
+def race_run(out: Path, results: Path, objective: str, seed: int, args) -> dict:
+    """One (objective, seed): its result file in `results` when there (the race resumes across machines from the
+    committed files), else train, evaluate the final weights on the out-of-template split and write it."""
+    settings = {"settings": OBJECTIVE_SETTINGS[objective] + args.extra, "minutes": args.minutes}
+    path = results / f"{objective}-seed{seed}.json"
+    if path.exists():
+        result = json.loads(path.read_text())
+        if {k: result.get(k) for k in settings} != settings:
+            raise SystemExit(f"{path} was raced with other settings ({ {k: result.get(k) for k in settings} }, now "
+                             f"{settings}): delete it to race it again, or pass another --results")
+        return result
+    directory = train(out, objective, seed, args.minutes, args.eval_every, args.extra)
+    after = evaluate(directory, directory / f"ckpt-{_last_ckpt(directory):06d}", "oot-final", args.extra)
+    result = {"objective": objective, "seed": seed, **settings, "curve": curve(directory),
+              "oot_after": after[HEADLINE]}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(path)
+    return result
 
 
 def evaluate(directory: Path, checkpoint: Path | None, out_name: str, extra: list[str]) -> dict:
@@ -89,12 +118,16 @@ def evaluate(directory: Path, checkpoint: Path | None, out_name: str, extra: lis
 
 
 def curve(directory: Path) -> dict:
-    """A run's eval curve: minutes since its first row, the headline accuracy, the colour TV."""
+    """A run's eval curve: at each eval, the training minutes spent so far (this process's CPU time in training
+    epochs, evals excluded: `time/train_process_minutes`), the headline accuracy, the colour TV."""
     rows = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    t0 = rows[0]["time"]
-    evals = [r for r in rows if HEADLINE in r]
-    return {"minutes": [(r["time"] - t0) / 60 for r in evals], "accuracy": [r[HEADLINE] for r in evals],
-            "tv": [r.get(TV) for r in evals], "epochs": [r["epoch"] for r in evals]}
+    minutes, out = 0.0, {"minutes": [], "accuracy": [], "tv": [], "epochs": []}
+    for r in rows:
+        minutes = r.get("time/train_process_minutes", minutes)  # the final eval's row follows the last epoch's
+        if HEADLINE in r:
+            for key, value in zip(out, (minutes, r[HEADLINE], r.get(TV), r["epoch"])):
+                out[key].append(value)
+    return out
 
 
 def minutes_to_gain(c: dict, gain: float) -> float | None:
@@ -110,12 +143,14 @@ def summarise(results: dict) -> list[str]:
         gains = [r["curve"]["accuracy"][-1] - r["curve"]["accuracy"][0] for r in runs]
         reach = [minutes_to_gain(r["curve"], TARGET_GAIN) for r in runs]
         reached = [m for m in reach if m is not None]
+        median_reach = statistics.median([math.inf if m is None else m for m in reach])  # a miss counts as never
         tvs = [r["curve"]["tv"][-1] for r in runs if r["curve"]["tv"][-1] is not None]
         before = [r["oot_before"] for r in runs]
         after = [r["oot_after"] for r in runs]
         lines.append(
             f"| {objective} | {len(runs)} | {statistics.median(gains):+.3f} ({min(gains):+.3f} - {max(gains):+.3f}) | "
-            + (f"{statistics.median(reached):.1f} ({len(reached)}/{len(runs)} reached)" if reached else "not reached")
+            + (f"{median_reach:.1f}" if median_reach < math.inf else f"> {runs[0]['minutes']:g}")
+            + f" ({len(reached)}/{len(runs)} reached)"
             + " | " + (f"{statistics.median(tvs):.3f} ({max(tvs):.3f})" if tvs else "-")
             + f" | {statistics.median(before):.3f} -> {statistics.median(after):.3f} |")
     return lines
@@ -134,9 +169,9 @@ def plot(results: dict, path: Path) -> None:
         ys = np.stack([np.interp(grid, r["curve"]["minutes"], r["curve"]["accuracy"]) for r in runs])
         ax.plot(grid, np.median(ys, 0), label=f"{objective} (median of {len(runs)})")
         ax.fill_between(grid, ys.min(0), ys.max(0), alpha=0.2)
-    ax.set_xlabel("wall-clock minutes (one run, 1 torch thread)")
+    ax.set_xlabel("training minutes (CPU time of one run at 1 torch thread, evals excluded)")
     ax.set_ylabel("test strict accuracy (family mean)")
-    ax.set_title("objectives on the shapes world, equal wall-clock")
+    ax.set_title("objectives on the shapes world, equal training budget")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -146,27 +181,31 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--objectives", nargs="+", default=list(OBJECTIVE_SETTINGS), choices=list(OBJECTIVE_SETTINGS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
-    parser.add_argument("--minutes", type=float, default=10.0, help="wall-clock budget of each training run")
+    parser.add_argument("--minutes", type=float, default=15.0, help="training CPU minutes of each run")
     parser.add_argument("--eval-every", type=int, default=5, help="epochs between evals on the test split")
     parser.add_argument("--jobs", type=int, default=2, help="training runs at once")
-    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "race")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "race", help="run directories, table, plot")
+    parser.add_argument("--results", type=Path, default=ROOT / "samples" / "shapes" / "race" / "runs",
+                        help="one small JSON per finished (objective, seed): commit them, the race resumes from them")
     parser.add_argument("extra", nargs="*", metavar="key=value", help="overrides for every run")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    work = [(o, s) for o in args.objectives for s in args.seeds]
+    args.results.mkdir(parents=True, exist_ok=True)
+    work = [(o, s) for s in args.seeds for o in args.objectives]  # seed by seed: a partial race covers every objective
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        dirs = list(pool.map(lambda w: train(args.out, w[0], w[1], args.minutes, args.eval_every, args.extra), work))
-    base = evaluate(args.out, None, "oot-base", args.extra)
+        runs = list(pool.map(lambda w: race_run(args.out, args.results, w[0], w[1], args), work))
+    base_file = args.results / "oot-base.json"
+    if not base_file.exists():
+        base_file.write_text(json.dumps(evaluate(args.out, None, "oot-base", args.extra), indent=1))
+    base = json.loads(base_file.read_text())[HEADLINE]
     results: dict[str, list[dict]] = {}
-    for (objective, seed), directory in zip(work, dirs):
-        after = evaluate(directory, directory / f"ckpt-{_last_ckpt(directory):06d}", "oot-final", args.extra)
-        results.setdefault(objective, []).append({
-            "seed": seed, "curve": curve(directory), "oot_before": base["eval/shapes_geneval/strict_family_mean"],
-            "oot_after": after["eval/shapes_geneval/strict_family_mean"]})
-    (args.out / "race.json").write_text(json.dumps(results, indent=1))
+    for run in runs:
+        results.setdefault(run["objective"], []).append({**run, "oot_before": base})
+    report = args.results.parent
+    (report / "race.json").write_text(json.dumps(results, indent=1))
     table = summarise(results)
-    (args.out / "race.md").write_text("\n".join(table) + "\n")
-    plot(results, args.out / "race.png")
+    (report / "race.md").write_text("\n".join(table) + "\n")
+    plot(results, report / "race.png")
     print("\n".join(table))
     return 0
 
