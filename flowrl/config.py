@@ -354,6 +354,9 @@ class DataConfig:
     prompt_template: str = "{prompt}"
     """How the prompt column becomes the prompt: a format string over the row's columns, `{prompt}` being the
     prompt column (e.g. `"{prompt} Put the final answer in \\boxed{{}}."`)."""
+    image_column: str = "image"
+    """The .jsonl column of a prompt's conditioning images (image editing, image-to-video): a path or a list of
+    paths relative to the .jsonl file, checked before the model loads; "" = the column is plain metadata."""
     hf_config: str = ""
     """`hf:` datasets: the dataset's configuration (subset) name, e.g. `main` for `openai/gsm8k`; "" = its default."""
     train_split: str = "train"

@@ -1,5 +1,6 @@
-"""Checks that run before any model loads, so that a typo costs seconds, not a model load: the prompt data, the
-rewards' names and options, the model's pipeline class and image size (from its config files only), the loggers.
+"""Checks that run before any model loads, so that a typo costs seconds, not a model load: the prompt data (with
+its conditioning images, and their count for the model's family), the rewards' names and options, the model's
+pipeline class and image size (from its config files only), the loggers.
 Each failure is one FlowrlError line saying what was wrong and what would be right."""
 
 from __future__ import annotations
@@ -95,6 +96,20 @@ def check_model(cfg: Config) -> str | None:
                     drop_t5=m.drop_t5)
 
 
+def check_conditioning(cfg: Config, family_name: str | None, *prompt_sets: PromptSet) -> None:
+    """Every prompt carries as many conditioning images (`data.image_column`) as the image family takes: none for
+    text-to-image, its count for an editing family; the error names the prompt's file and line."""
+    if family_name is None:
+        return
+    from .conditioning import check_image_counts
+    from .families import family
+
+    accepts = family(family_name).condition_images
+    for key, prompts in zip(("data.train_prompts", "data.eval_prompts"), prompt_sets):
+        _checked(key, check_image_counts, prompts.metadata, prompts.origins, cfg.data.image_column, accepts,
+                 family_name)
+
+
 def check_loggers(cfg: Config) -> None:
     for flag, module, extra in (("tensorboard", "tensorboard", "tensorboard"), ("wandb", "wandb", "wandb")):
         if getattr(cfg.log, flag):
@@ -118,7 +133,7 @@ def preflight(cfg: Config) -> tuple[PromptSet, PromptSet]:
     directory is the trainer's to check: `flowrl.rundir`.)"""
     train_set, eval_set = load_prompt_sets(cfg)
     check_rewards(cfg)
-    check_model(cfg)
+    check_conditioning(cfg, check_model(cfg), train_set, eval_set)
     check_loggers(cfg)
     check_optimizer(cfg)
     return train_set, eval_set

@@ -247,6 +247,7 @@ class ImagePolicy:
         for start in range(0, len(prompts), chunk):
             parts.append(self.backend.rollout(
                 prompts[start: start + chunk: G], group_size=G, num_steps=s.num_steps,
+                images=self.condition_images(metadata[start: start + chunk: G]),
                 guidance_scale=s.guidance_scale, noise_level=s.noise_level, sde_type=self.sde_type,
                 sde_window=self.window, epoch=epoch, same_noise_per_group=G > 1, generator=generator,
                 height=s.height, width=s.width, record_means=t.step_weighting == "ratio_norm",
@@ -261,12 +262,25 @@ class ImagePolicy:
         s = self.cfg.sample
         chunk = s.rollout_batch_size or len(prompts)
         parts = [self.backend.rollout(prompts[start: start + chunk], group_size=1, num_steps=s.num_steps,
+                                      images=self.condition_images(metadata[start: start + chunk]),
                                       guidance_scale=s.guidance_scale, sde_type="ode", epoch=epoch,
                                       generator=generator, height=s.height, width=s.width, keep_steps=False,
                                       deterministic_context=self.merged_adapter)
                  for start in range(0, len(prompts), chunk)]
         traj = parts[0] if len(parts) == 1 else Trajectory.cat(parts)
         return ImageBatch(traj=traj, prompts=list(prompts), metadata=list(metadata), images=traj.images)
+
+    def condition_images(self, metadata: list[dict]) -> list[list] | None:
+        """The conditioning images of prompts with these metadata rows (their `data.image_column` paths, loaded and
+        fitted to the model's size multiple), one list per row; None when the family takes none (the counts were
+        checked before the model loaded; the backend checks them again)."""
+        from flowrl.conditioning import load_images
+
+        column = self.cfg.data.image_column
+        if self.backend.condition_images[1] == 0 and not any(column and column in m for m in metadata):
+            return None
+        multiple = self.backend.size_multiple
+        return [load_images(m.get(column) if column else None, multiple) for m in metadata]
 
     # ---------------------------------------------------------------------------- the forward process
 
@@ -281,7 +295,8 @@ class ImagePolicy:
         traj = batch.traj
         x0 = traj.final_latents[rows.to(traj.latents.device)]
         prompt_ids = traj.prompt_ids[rows.to(traj.prompt_ids.device)]
-        return self.backend.flow_prediction(x0, noise, t, prompt_ids, traj.prompt_encodings, traj.sampler)
+        conditions = {name: c[rows.to(c.device)] for name, c in traj.conditions.items()}
+        return self.backend.flow_prediction(x0, noise, t, prompt_ids, traj.prompt_encodings, traj.sampler, conditions)
 
     def sample_shape(self, batch: ImageBatch) -> tuple[int, ...]:
         """The shape of one clean sample (the denoiser's latent layout), e.g. [C, h, w] or FLUX's packed [L, C]."""
@@ -441,6 +456,7 @@ class ImagePolicy:
             noise = self._noise(len(prompts) * n, eval_cfg.seed, eval_cfg.guidance_scale)
             latents, seed = noise[part.start * n: part.stop * n], None
         traj = self.backend.rollout(mine, group_size=n, num_steps=eval_cfg.num_steps,
+                                    images=self.condition_images(mine_meta),
                                     guidance_scale=eval_cfg.guidance_scale, sde_type="ode", seed=seed, latents=latents,
                                     height=s.height, width=s.width, deterministic_context=self.merged_adapter)
         rep_prompts = [p for p in mine for _ in range(n)]
