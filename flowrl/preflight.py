@@ -93,7 +93,7 @@ def check_model(cfg: Config) -> str | None:
 
     m, s = cfg.model, cfg.sample
     return _checked(f"model.path={m.path}", preflight_image_model, m.path, m.family, height=s.height, width=s.width,
-                    drop_t5=m.drop_t5)
+                    drop_t5=m.drop_t5, num_frames=s.num_frames)
 
 
 def check_conditioning(cfg: Config, family_name: str | None, *prompt_sets: PromptSet) -> None:

@@ -173,6 +173,9 @@ class ImageBackend:
     t5_components: ClassVar[tuple[str, ...]] = ()  # a T5 encoder the family runs without (drop_t5)
     #: conditioning images per prompt, (fewest, most): (0, 0) text-to-image, (1, 1) single-image editing
     condition_images: ClassVar[tuple[int, int]] = (0, 0)
+    video: ClassVar[bool] = False  # a video family: its samples are frames [F, H, W, C] (`flowrl.video`)
+    default_num_frames: ClassVar[int] = 1  # frames per sample when none are asked for (the pipeline's default)
+    tiny_num_frames: ClassVar[int] = 1  # frames per sample of the tiny test model's runs
     tiny_denoiser: ClassVar[dict]  # the denoiser config of its tiny random-weight test model
 
     @classmethod
@@ -195,6 +198,18 @@ class ImageBackend:
             f"{cls.denoiser_attr}/config.json": {"_class_name": cls.denoiser_class, **cls.tiny_denoiser},
             "vae/config.json": {"_class_name": "AutoencoderKL", "block_out_channels": list(VAE_BLOCK_OUT_CHANNELS)},
         }
+
+    @classmethod
+    def check_num_frames(cls, num_frames: int | None) -> int:
+        """The frames per sample to make: `num_frames`, or the family's default for None or 0; an
+        ImageModelError if the family cannot make that many (an image family makes 1)."""
+        if not num_frames:
+            return cls.default_num_frames
+        if not cls.video and num_frames != 1:
+            raise ImageModelError(f"{cls.family} makes images: sample.num_frames must be 1 (or 0), got {num_frames}")
+        if num_frames < 1:
+            raise ImageModelError(f"sample.num_frames must be >= 1 (or 0 = {cls.default_num_frames}), got {num_frames}")
+        return num_frames
 
     #: guidance scales the parity test samples `pipe(...)` with (with and without CFG where the family has it)
     parity_guidance: ClassVar[tuple[float, ...]] = (1.0, 4.5)
@@ -327,6 +342,7 @@ class ImageBackend:
         height: int | None = None,
         width: int | None = None,
         latents: Tensor | None = None,
+        num_frames: int | None = None,
         images: Sequence[Sequence] | None = None,
         record_means: bool = False,
         keep_steps: bool = True,
@@ -352,6 +368,7 @@ class ImageBackend:
             model's device from a generator seeded by it.
         height, width: image size in pixels (default: the pipeline's).
         latents: [B, ...] initial noise in the denoiser's layout, instead of drawing it.
+        num_frames: a video family's frames per sample (default: the family's, `default_num_frames`); images: 1.
         images: the conditioning images of each prompt (P lists of PIL images, each the count the family takes,
             `condition_images`), or None for none; encoded once per prompt by `_encode_conditions` and kept per
             sample in `traj.conditions`.
@@ -385,6 +402,7 @@ class ImageBackend:
             logprob_reduce=logprob_reduce,
             height=height,
             width=width,
+            num_frames=self.check_num_frames(num_frames),
         )
         sde_mask = as_sde_window(sde_window).mask(num_steps, epoch)
         if sde_type == "ode":
@@ -588,7 +606,7 @@ class ImageBackend:
 
     @torch.no_grad()
     def decode(self, latents: Tensor, *, height: int | None = None, width: int | None = None) -> list:
-        """[B, ...] final latents (denoiser layout) -> B PIL images."""
+        """[B, ...] final latents (denoiser layout) -> B PIL images (a video family: B uint8 arrays [F, H, W, C])."""
         vae = self.pipe.vae
         image = vae.decode(self._to_vae_latents(latents, height, width).to(vae.device, vae.dtype), return_dict=False)[0]
         return self.pipe.image_processor.postprocess(image, output_type="pil")
@@ -637,7 +655,14 @@ class ImageBackend:
     @property
     def size_multiple(self) -> int:
         """What each side of an image this model makes (and of a conditioning image) is a multiple of, in pixels."""
-        return self.size_rule(self.denoiser_config, self.pipe.vae_scale_factor).multiple
+        return self.size_rule(self.denoiser_config, self.spatial_vae_factor).multiple
+
+    @property
+    def spatial_vae_factor(self) -> int:
+        """How many pixels a latent spans a side: the pipeline's `vae_scale_factor` (a video pipeline's
+        `vae_scale_factor_spatial`)."""
+        factor = getattr(self.pipe, "vae_scale_factor", None)
+        return factor if factor is not None else self.pipe.vae_scale_factor_spatial
 
     def _negative_like(self, encodings: PromptEncodings, n: int) -> dict[str, Tensor]:
         return {name: t.to(self.device) for name, t in encodings.negative_rows(n).items()}
@@ -647,7 +672,7 @@ class ImageBackend:
         cannot make that size (see `size_rule`)."""
         default = self._default_image_size()
         height, width = height or default, width or default
-        self.size_rule(self.denoiser_config, self.pipe.vae_scale_factor).check(height, width)
+        self.size_rule(self.denoiser_config, self.spatial_vae_factor).check(height, width)
         return height, width
 
     def _default_sequence_length(self) -> int | None:

@@ -94,6 +94,7 @@ class SamplerSettings:
     logprob_reduce: str  # "mean" | "sum"
     height: int
     width: int
+    num_frames: int = 1  # a video family's frames per sample (1: an image)
 
 
 @dataclass
@@ -116,7 +117,8 @@ class Trajectory:
     alphas_cumprod: [S] float32 alpha-bar at each step's t (DDIM), or None.
     alphas_cumprod_prev: [S] float32 alpha-bar at the t each step goes to (DDIM), or None.
     means:        [B, S, ...] float32 transition means, when the rollout was asked to record them.
-    images:       B PIL images decoded from latents[:, S], or None.
+    images:       B samples decoded from latents[:, S]: PIL images, or a video family's uint8 frames
+                  [F, H, W, C] (`flowrl.video`); or None.
     conditions:   name -> [B, ...] the samples' encoded conditioning inputs (an editing family's source-image
                   latents), {} for a text-only rollout; per sample, like the latents.
     sampler:      the SamplerSettings the steps were taken with.
