@@ -57,6 +57,24 @@ def check_rewards(cfg: Config) -> None:
         _checked(f"rewards[{i}] ({spec.name})", rewards.check, spec.name, dict(spec.kwargs), kind)
 
 
+def check_reward_samples(cfg: Config, family_name: str | None) -> None:
+    """An image family's samples are images: a reward that scores videos only cannot score them (a video family's
+    videos suit every image reward, which then scores some of their frames)."""
+    if family_name is None:
+        return
+    from rewards.registry import declared_accepts
+
+    from .families import family
+
+    if family(family_name).video:
+        return
+    for i, spec in enumerate(cfg.rewards):
+        accepts = _checked(f"rewards[{i}] ({spec.name})", declared_accepts, spec.name)
+        if "image" not in accepts:
+            raise PreflightError(f"rewards[{i}] ({spec.name}) scores videos only ({', '.join(accepts)}), and "
+                                 f"{family_name} makes images; use an image reward or a video model")
+
+
 def check_text_model(path: str) -> None:
     """A causal LM's path is a local directory with a config.json, or a hub id whose config.json is in the cache
     or can be downloaded (never under HF_HUB_OFFLINE: then it fails at once, naming the id)."""
@@ -133,7 +151,9 @@ def preflight(cfg: Config) -> tuple[PromptSet, PromptSet]:
     directory is the trainer's to check: `flowrl.rundir`.)"""
     train_set, eval_set = load_prompt_sets(cfg)
     check_rewards(cfg)
-    check_conditioning(cfg, check_model(cfg), train_set, eval_set)
+    family_name = check_model(cfg)
+    check_conditioning(cfg, family_name, train_set, eval_set)
+    check_reward_samples(cfg, family_name)
     check_loggers(cfg)
     check_optimizer(cfg)
     return train_set, eval_set

@@ -167,6 +167,15 @@ def accepts_of(reward: Callable[..., Any]) -> tuple[str, ...]:
     return ("image",) if declared is None else _check_accepts(getattr(reward, "__name__", repr(reward)), declared)
 
 
+def declared_accepts(name: str) -> tuple[str, ...]:
+    """What the image reward ``name`` (registered or a plug-in) says it scores, without building it: its
+    registration's ``accepts`` or the plug-in's ``.accepts``; ("image",) when it does not say."""
+    if is_plugin(name):
+        return accepts_of(load_plugin(name))
+    load_all()
+    return tuple(getattr(REWARDS.get(name), "reward_accepts", (IMAGE,)))
+
+
 def kind_of(reward: Callable[..., Any], default: str | None = None) -> str:
     """The kind ("image"/"text") of a reward callable; ``default`` for unmarked ones (e.g. TRL's)."""
     kind = getattr(reward, "kind", default)

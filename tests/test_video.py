@@ -148,6 +148,22 @@ def test_the_config_carries_the_frame_knobs_to_the_built_rewards():
         load_config(None, ["rewards.0.video_frames=0"])
 
 
+def test_preflight_refuses_a_video_only_reward_for_an_image_model(tmp_path, monkeypatch):
+    from flowrl import families
+    from flowrl.config import load_config
+    from flowrl.preflight import PreflightError, preflight
+
+    monkeypatch.setattr(families, "load_image_backend", lambda *a, **k: pytest.fail("preflight loaded a model"))
+    plugin = tmp_path / "clips.py"
+    plugin.write_text("def motion(videos, prompts):\n    return [0.0] * len(videos)\n\n\nmotion.accepts = ('video',)\n")
+    image_run = ["model.path=tiny-sd3", "sample.height=32", "sample.width=32", f"rewards.0.name={plugin}:motion"]
+    with pytest.raises(PreflightError, match=r"rewards\[0\] \(.*clips.py:motion\) scores videos only .* sd3 makes"):
+        preflight(load_config(None, image_run))
+    video_run = ["model.path=tiny-wan", "sample.height=32", "sample.width=32", "sample.num_frames=5"]
+    preflight(load_config(None, [*video_run, f"rewards.0.name={plugin}:motion"]))
+    preflight(load_config(None, [*video_run, "rewards.0.name=jpeg_compressibility"]))  # frames of each video
+
+
 # ------------------------------------------------------------------------------------------ outputs
 
 
