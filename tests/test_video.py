@@ -130,6 +130,24 @@ def test_a_registered_image_reward_scores_videos_through_build():
     assert reward.last_components["jpeg_kb"].shape == (2,)
 
 
+def test_a_registered_video_reward_carries_its_declaration(monkeypatch):
+    from rewards import registry
+
+    registry.load_all()
+    monkeypatch.setattr(registry.REWARDS, "_items", dict(registry.REWARDS._items))  # registered for this test only
+
+    class Motion:
+        def __call__(self, videos, prompts):
+            return motion(videos, prompts)
+
+    registry.register("test_motion", kind="image", accepts=("video",))(Motion)
+    assert registry.declared_accepts("test_motion") == ("video",)
+    assert registry.declared_accepts("jpeg_compressibility") == ("image",)
+    built = rewards.build("test_motion", {}, "image", video_frames=2)
+    assert built.accepts == ("video",)
+    assert built([_clip(5)], ["a"]).item() == pytest.approx(motion([_clip(5)], ["a"])[0])  # the clip, not 2 frames
+
+
 def test_bad_video_settings_and_declarations_are_config_errors():
     with pytest.raises(RewardConfigError, match="video_frames must be >= 1"):
         rewards.build("jpeg_compressibility", {}, "image", video_frames=0)
