@@ -131,7 +131,8 @@ def _eval(args) -> int:
 
 def _sample(args) -> int:
     """Images of each --prompt with seeds --seed, --seed + 1, ... (--num of them), named `PPP_seedS.png` (prompt
-    index, seed); image (prompt, seed) is the same whatever else is sampled beside it. samples.jsonl lists them."""
+    index, seed; a video model's `PPP_seedS.webp`, eval.video_format); image (prompt, seed) is the same whatever
+    else is sampled beside it. samples.jsonl lists them."""
     from pathlib import Path
 
     from .preflight import check_model
@@ -151,8 +152,7 @@ def _sample(args) -> int:
     rows = []
     for i, prompt in enumerate(args.prompt):
         for k, seed in enumerate(seeds):
-            path = out / f"{i:03d}_seed{seed}.png"
-            images[i * len(seeds) + k].save(path)
+            path = policy.save_sample(images[i * len(seeds) + k], out / f"{i:03d}_seed{seed}")
             rows.append({"file": path.name, "prompt": prompt, "seed": seed})
     (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"wrote {len(rows)} images to {out} (listed in samples.jsonl)")

@@ -108,6 +108,8 @@ class SampleConfig:
     """Images per rollout forward (0 = the whole epoch batch at once)."""
     max_sequence_length: int = 77
     """T5 tokens for SD3/FLUX prompts (tiny runs: 16-32)."""
+    num_frames: int = 0
+    """Video families: frames per video (Wan: 4k + 1); 0 = the family's default (81 for Wan, 1 for images)."""
 
 
 @dataclass
@@ -342,6 +344,11 @@ class RewardSpec:
     """Weight in the combination (0 = computed and reported, not trained on)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the reward's constructor (paths, device, scale, ...)."""
+    video_frames: int = 4
+    """Video models: the frames of each video an image reward scores, evenly spaced from the first to the last
+    (a video-native reward gets the whole clip)."""
+    video_aggregate: Literal["mean", "min", "max"] = "mean"
+    """Video models: how an image reward's frame scores make the video's score."""
 
 
 @dataclass
@@ -360,6 +367,9 @@ class DataConfig:
     prompt_template: str = "{prompt}"
     """How the prompt column becomes the prompt: a format string over the row's columns, `{prompt}` being the
     prompt column (e.g. `"{prompt} Put the final answer in \\boxed{{}}."`)."""
+    image_column: str = "image"
+    """The .jsonl column of a prompt's conditioning images (image editing, image-to-video): a path or a list of
+    paths relative to the .jsonl file, checked before the model loads; "" = the column is plain metadata."""
     hf_config: str = ""
     """`hf:` datasets: the dataset's configuration (subset) name, e.g. `main` for `openai/gsm8k`; "" = its default."""
     train_split: str = "train"
@@ -389,7 +399,13 @@ class EvalConfig:
     seed: int = 1234
     """Seed of the eval noise (the same every evaluation, so grids compare)."""
     grid: bool = True
-    """Save an image grid of the eval samples in the run directory."""
+    """Save an image grid of the eval samples in the run directory (videos: a contact sheet of each one's first,
+    middle and last frames, and each video as an animation beside the grid)."""
+    video_format: Literal["webp", "gif", "mp4"] = "webp"
+    """Video models: how eval (and `flowrl sample`) videos are written: animated WebP or GIF (Pillow), or MP4
+    where imageio[ffmpeg] is installed (else WebP, with a warning)."""
+    fps: float = 8.0
+    """Video models: frames per second of the written videos."""
     group_by: str = ""
     """A metadata column of the eval prompts (e.g. `family`) to break every eval score down by: logs
     `eval/<score>_by_<column>/<value>` and `eval/<score>_<column>_mean`, the unweighted mean over the groups
@@ -570,10 +586,10 @@ RANGES: dict[str, Range] = {
     "train.awm.ema_decay_cap": Range(0, 1),
     "train.awm.timesteps": AT_LEAST_1, "train.awm.timestep_fraction": FRACTION,
     "train.dpo.beta": POSITIVE, "train.dpo.timesteps": AT_LEAST_0,
-    "rewards.weight": Range(),
+    "rewards.weight": Range(), "rewards.video_frames": AT_LEAST_1,
     "eval.every": AT_LEAST_0, "eval.num_steps": AT_LEAST_1, "eval.guidance_scale": AT_LEAST_0,
     "eval.num_prompts": AT_LEAST_0, "eval.images_per_prompt": AT_LEAST_1, "eval.images_per_group": AT_LEAST_0,
-    "eval.seed": AT_LEAST_0,
+    "eval.seed": AT_LEAST_0, "eval.fps": POSITIVE, "sample.num_frames": AT_LEAST_0,
     "log.every": AT_LEAST_1, "log.completions_every": AT_LEAST_0,
     "checkpoint.every": AT_LEAST_0, "checkpoint.keep": AT_LEAST_0,
 }
@@ -608,7 +624,8 @@ ALIASES: dict[str, str] = {
 
 
 def _all_keys(cls: type = Config, prefix: str = "") -> list[str]:
-    return [row[0] for row in describe(cls, prefix)] + (["rewards.name", "rewards.weight", "rewards.kwargs"]
+    return [row[0] for row in describe(cls, prefix)] + (["rewards.name", "rewards.weight", "rewards.kwargs",
+                                                          "rewards.video_frames", "rewards.video_aggregate"]
                                                          if cls is Config and not prefix else [])
 
 

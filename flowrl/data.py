@@ -1,7 +1,12 @@
 """Prompt sets: a .txt file (one prompt per line), a .jsonl file (one JSON object per line: a prompt column, the
 other keys are metadata that reaches the reward functions, e.g. GenEval-style object lists), or `hf:ORG/NAME`, a
 Hugging Face dataset (`hf:DIR` for a local copy). Every error names the source and line (or dataset row), what
-was wrong and what would be right, in one line: `PromptFileError`."""
+was wrong and what would be right, in one line: `PromptFileError`.
+
+A .jsonl row may carry conditioning images in its `image` column (`data.image_column`): a path or a list of paths,
+relative to the .jsonl file (a source image to edit, several for multi-image editing). Each is checked when the
+file is read (it exists and Pillow can read it) and kept in the row's metadata as an absolute path, always a list;
+`flowrl.conditioning` loads them for the rollout."""
 
 from __future__ import annotations
 
@@ -28,12 +33,15 @@ BUILTIN_PROMPTS = [
 class PromptSet:
     prompts: list[str]
     metadata: list[dict] = field(default_factory=list)
+    origins: list[str] = field(default_factory=list)  # where each prompt came from ("file:line"), for errors
 
     def __post_init__(self):
         if not self.metadata:
             self.metadata = [{} for _ in self.prompts]
-        if len(self.metadata) != len(self.prompts):
-            raise ValueError("prompts and metadata differ in length")
+        if not self.origins:
+            self.origins = [f"prompt {i}" for i in range(len(self.prompts))]
+        if len(self.metadata) != len(self.prompts) or len(self.origins) != len(self.prompts):
+            raise ValueError("prompts, metadata and origins differ in length")
         if not self.prompts:
             raise ValueError("a prompt set needs at least one prompt")
 
@@ -133,7 +141,7 @@ class _MissingPromptFile(PromptFileError, FileNotFoundError):
 
 
 def load_prompts(path: str | Path | None, *, column: str = "prompt", template: str = "{prompt}",
-                 split: str = "train", hf_config: str = "") -> PromptSet:
+                 split: str = "train", hf_config: str = "", image_column: str = "image") -> PromptSet:
     """The prompts of a .txt file (one per line), a .jsonl file (one JSON object per line) or `hf:ORG/NAME` (a
     Hugging Face dataset; `hf:DIR` a local one); an empty path gives the built-in prompts.
 
@@ -141,6 +149,8 @@ def load_prompts(path: str | Path | None, *, column: str = "prompt", template: s
         which reaches the rewards. A .txt line is that column, with no metadata.
     template: a format string over the row's columns that makes the prompt; `{prompt}` is the prompt column.
     split, hf_config: the split and the configuration of a `hf:` dataset ("" = its default configuration).
+    image_column: the .jsonl column of conditioning images (a path or a list of paths relative to the file), each
+        checked to exist and to be readable as an image, and stored as a list of absolute paths; "" = none.
     Raises PromptFileError, whose one-line message names the file and line (or dataset row) and the fix."""
     if not path:
         return PromptSet(list(BUILTIN_PROMPTS))
@@ -152,7 +162,10 @@ def load_prompts(path: str | Path | None, *, column: str = "prompt", template: s
     if path.suffix not in (".txt", ".jsonl"):
         raise PromptFileError(f"prompt source {source!r}: unknown format {path.suffix or '(no extension)'!r}; "
                               f"valid: {FORMATS}")
-    return _prompt_set(_file_rows(path, column), column, template, fields)
+    rows = _file_rows(path, column)
+    if image_column and path.suffix == ".jsonl":
+        rows = ((where, _with_images(row, where, image_column, path.parent)) for where, row in rows)
+    return _prompt_set(rows, column, template, fields)
 
 
 def load_config_prompts(data: DataConfig, part: str = "train") -> PromptSet:
@@ -166,7 +179,7 @@ def load_config_prompts(data: DataConfig, part: str = "train") -> PromptSet:
         key, source, split = "eval_prompts", data.eval_prompts, data.eval_split
     try:
         return load_prompts(source, column=data.prompt_column, template=data.prompt_template, split=split,
-                            hf_config=data.hf_config)
+                            hf_config=data.hf_config, image_column=data.image_column)
     except PromptFileError as e:
         raise type(e)(f"data.{key}: {e}") from e
 
@@ -197,12 +210,13 @@ def _template_columns(template: str) -> list[str]:
 
 def _prompt_set(rows: Iterable[tuple[str, dict]], column: str, template: str, fields: list[str]) -> PromptSet:
     """The PromptSet of (where, row) pairs; `where` (file:line or dataset row) starts any error message."""
-    prompts, metadata = [], []
+    prompts, metadata, origins = [], [], []
     for where, row in rows:
         prompt, meta = _row_prompt(row, where, column, template, fields)
         prompts.append(prompt)
         metadata.append(meta)
-    return PromptSet(prompts, metadata)
+        origins.append(where)
+    return PromptSet(prompts, metadata, origins)
 
 
 def _row_prompt(row: dict, where: str, column: str, template: str, fields: list[str]) -> tuple[str, dict]:
@@ -293,6 +307,45 @@ def _jsonl_row(line: str, where: str, column: str) -> dict:
         raise PromptFileError(f"{where}: a row must be a JSON object with a {column!r} key, got {kind}: "
                               f"{_clip(line.strip())}")
     return row
+
+
+def _with_images(row: dict, where: str, column: str, base: Path) -> dict:
+    """`row` with its `column` (a path or a list of paths, relative to `base`) as a list of absolute paths, each
+    an existing file Pillow reads; a row without the column is returned as it is."""
+    if column not in row:
+        return row
+    value = row[column]
+    paths = [value] if isinstance(value, str) else value
+    if not isinstance(paths, list) or not paths or not all(isinstance(p, str) and p.strip() for p in paths):
+        raise PromptFileError(f"{where}: {column!r} must be an image path or a non-empty list of image paths "
+                              f"(relative to the .jsonl file), got {_clip(repr(value))} (data.image_column)")
+    resolved = []
+    for given in paths:
+        file = (base / Path(given).expanduser()).resolve()
+        if not file.is_file():
+            state = "is a directory" if file.is_dir() else "does not exist"
+            raise PromptFileError(f"{where}: image {given!r} {state} (looked for {file}; paths are relative to the "
+                                  f".jsonl file's folder {base})")
+        problem = _unreadable_image(file)
+        if problem:
+            raise PromptFileError(f"{where}: image {given!r} ({file}) is not an image Pillow can read: {problem}; "
+                                  f"give a PNG, JPEG or WebP file")
+        resolved.append(str(file))
+    return {**row, column: resolved}
+
+
+def _unreadable_image(file: Path) -> str:
+    """Why Pillow cannot read image `file` ("" when it can): its header is identified and its data decoded."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(file) as im:
+            im.load()
+    except UnidentifiedImageError:
+        return "not a known image format"
+    except (OSError, SyntaxError, ValueError) as e:  # truncated or corrupt data
+        return " ".join(str(e).split()) or type(e).__name__
+    return ""
 
 
 # ------------------------------------------------------------------------------------------ hf: datasets

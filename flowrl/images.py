@@ -1,4 +1,5 @@
-"""Image utilities: grids for eval outputs (captioned with their prompts and scores) and before/after comparisons."""
+"""Image utilities: grids for eval outputs (captioned with their prompts and scores; a video is shown by a contact
+sheet of its first, middle and last frames) and before/after comparisons."""
 
 from __future__ import annotations
 
@@ -60,7 +61,11 @@ def eval_grid(images: list, prompts: list[str], scores=None, cols: int | None = 
     images: [P * n] prompt-major (n images of prompt 0, then of prompt 1, ...); prompts: the P prompts (a prompt
     listed several times in a row, as `eval_plan` lists them, is one prompt with more images); scores: [P * n]
     numbers (a list or a tensor) or None. cols: n when n > 1, else up to 8 images a row (several prompts a row).
-    A row holding several prompts is captioned "3x first prompt | 5x second prompt", left to right."""
+    A row holding several prompts is captioned "3x first prompt | 5x second prompt", left to right.
+    A video sample (frames [F, H, W, C], `flowrl.video`) is shown as its contact sheet (`video.contact_sheet`)."""
+    from .video import contact_sheet, is_video
+
+    images = [contact_sheet(x) if is_video(x) else x for x in images]
     if not prompts or len(images) % len(prompts):
         raise ValueError(f"eval_grid: {len(images)} images do not split evenly over {len(prompts)} prompts")
     n = len(images) // len(prompts)

@@ -1,5 +1,6 @@
-"""Checks that run before any model loads, so that a typo costs seconds, not a model load: the prompt data, the
-rewards' names and options, the model's pipeline class and image size (from its config files only), the loggers.
+"""Checks that run before any model loads, so that a typo costs seconds, not a model load: the prompt data (with
+its conditioning images, and their count for the model's family), the rewards' names and options, the model's
+pipeline class and image size (from its config files only), the loggers.
 Each failure is one FlowrlError line saying what was wrong and what would be right."""
 
 from __future__ import annotations
@@ -56,6 +57,24 @@ def check_rewards(cfg: Config) -> None:
         _checked(f"rewards[{i}] ({spec.name})", rewards.check, spec.name, dict(spec.kwargs), kind)
 
 
+def check_reward_samples(cfg: Config, family_name: str | None) -> None:
+    """An image family's samples are images: a reward that scores videos only cannot score them (a video family's
+    videos suit every image reward, which then scores some of their frames)."""
+    if family_name is None:
+        return
+    from rewards.registry import declared_accepts
+
+    from .families import family
+
+    if family(family_name).video:
+        return
+    for i, spec in enumerate(cfg.rewards):
+        accepts = _checked(f"rewards[{i}] ({spec.name})", declared_accepts, spec.name)
+        if "image" not in accepts:
+            raise PreflightError(f"rewards[{i}] ({spec.name}) scores videos only ({', '.join(accepts)}), and "
+                                 f"{family_name} makes images; use an image reward or a video model")
+
+
 def check_text_model(path: str) -> None:
     """A causal LM's path is a local directory with a config.json, or a hub id whose config.json is in the cache
     or can be downloaded (never under HF_HUB_OFFLINE: then it fails at once, naming the id)."""
@@ -92,7 +111,21 @@ def check_model(cfg: Config) -> str | None:
 
     m, s = cfg.model, cfg.sample
     return _checked(f"model.path={m.path}", preflight_image_model, m.path, m.family, height=s.height, width=s.width,
-                    drop_t5=m.drop_t5)
+                    drop_t5=m.drop_t5, num_frames=s.num_frames)
+
+
+def check_conditioning(cfg: Config, family_name: str | None, *prompt_sets: PromptSet) -> None:
+    """Every prompt carries as many conditioning images (`data.image_column`) as the image family takes: none for
+    text-to-image, its count for an editing family; the error names the prompt's file and line."""
+    if family_name is None:
+        return
+    from .conditioning import check_image_counts
+    from .families import family
+
+    accepts = family(family_name).condition_images
+    for key, prompts in zip(("data.train_prompts", "data.eval_prompts"), prompt_sets):
+        _checked(key, check_image_counts, prompts.metadata, prompts.origins, cfg.data.image_column, accepts,
+                 family_name)
 
 
 def check_loggers(cfg: Config) -> None:
@@ -118,7 +151,9 @@ def preflight(cfg: Config) -> tuple[PromptSet, PromptSet]:
     directory is the trainer's to check: `flowrl.rundir`.)"""
     train_set, eval_set = load_prompt_sets(cfg)
     check_rewards(cfg)
-    check_model(cfg)
+    family_name = check_model(cfg)
+    check_conditioning(cfg, family_name, train_set, eval_set)
+    check_reward_samples(cfg, family_name)
     check_loggers(cfg)
     check_optimizer(cfg)
     return train_set, eval_set

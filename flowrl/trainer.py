@@ -44,7 +44,8 @@ def build_reward_fns(cfg: Config, kind: str):
     """The configured rewards, built (registered names and plug-ins `module:function` / `file.py:function`)."""
     import rewards
 
-    return [rewards.build(spec.name, dict(spec.kwargs), kind) for spec in cfg.rewards]
+    return [rewards.build(spec.name, dict(spec.kwargs), kind, video_frames=spec.video_frames,
+                          video_aggregate=spec.video_aggregate) for spec in cfg.rewards]
 
 
 def parallel_strategy(cfg: Config, num_processes: int, distributed_type) -> str:

@@ -9,15 +9,16 @@
     reward = rewards.build("path/to/scores.py:brightness", {"gain": 2}, "image")
 
 Image rewards: ``reward(images: list[PIL.Image], prompts: list[str], **metadata) -> Tensor[B]``, with
-extra per-image values in ``reward.last_components``. Text rewards have TRL's signature
-``(prompts, completions, **columns) -> list[float | None]``. Each built reward carries ``.kind``.
+extra per-image values in ``reward.last_components``; ``reward.accepts`` says whether it scores images, videos
+(uint8 frames ``[F, H, W, C]``) or both, and a built image-only reward scores a video by some of its frames.
+Text rewards have TRL's signature ``(prompts, completions, **columns) -> list[float | None]``. Each built reward carries ``.kind``.
 A name ``"package.module:function"`` or ``"path/to/file.py:function"`` is a plug-in: that function of
 the user's code is the reward. See ``rewards/registry.py`` for how to register a new reward.
 Importing this package loads no model.
 """
 
-from rewards.registry import (IMAGE, KINDS, REWARDS, TEXT, NamedReward, RewardConfigError, RewardError, available,
-                              build, check, get, kind_of, register)
+from rewards.registry import (IMAGE, KINDS, REWARDS, TEXT, VIDEO, NamedReward, RewardConfigError, RewardError,
+                              accepts_of, available, build, check, get, kind_of, register)
 
 
 def combine(named, weights=None):
@@ -27,5 +28,5 @@ def combine(named, weights=None):
     return _combine(named, weights)
 
 
-__all__ = ["IMAGE", "KINDS", "REWARDS", "TEXT", "NamedReward", "RewardConfigError", "RewardError", "available",
-           "build", "check", "combine", "get", "kind_of", "register"]
+__all__ = ["IMAGE", "KINDS", "REWARDS", "TEXT", "VIDEO", "NamedReward", "RewardConfigError", "RewardError",
+           "accepts_of", "available", "build", "check", "combine", "get", "kind_of", "register"]

@@ -23,6 +23,12 @@ options and which returns the reward callable:
 
 A factory whose kind depends on its options (``remote``) has ``check_options(kwargs, kind) -> kind``.
 
+What an image reward scores: ``register(name, kind=IMAGE, accepts=("video",))`` (or a ``.accepts`` attribute
+on the reward or plug-in function) declares the samples it takes, ``"image"`` (PIL images, the default) and/or
+``"video"`` (uint8 arrays of frames ``[F, H, W, C]``, see ``flowrl.video``). A video-native reward gets whole
+clips; an image-only reward given videos scores ``video_frames`` frames of each, chosen evenly from the first to
+the last, and each video's score is their mean (``video_aggregate``: mean, min or max), its components alike.
+
 Plug-ins: a reward named ``"package.module:function"`` or ``"path/to/file.py:function"`` (relative to
 the working directory) is that function of the user's code, called on every batch with the config's
 ``kwargs`` as keyword arguments; its kind is the backend's unless it declares ``.kind``.
@@ -54,6 +60,8 @@ from rewards._common import (TRL_EXTRAS, accepted_kwargs, image_scores, invoke_t
 IMAGE = "image"
 TEXT = "text"
 KINDS = (IMAGE, TEXT)
+VIDEO = "video"
+SAMPLE_TYPES = (IMAGE, VIDEO)  # what an image-kind reward may accept
 
 REWARDS: Registry[Callable[..., Any]] = Registry("reward")
 
@@ -69,13 +77,19 @@ class RewardError(RuntimeError):
     """A built reward failed; the message starts with its name and the error is chained."""
 
 
-def register(name: str, *, kind: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator: register a reward factory under ``name``; ``kind`` is "image" or "text"."""
+def register(name: str, *, kind: str, accepts: tuple[str, ...] | None = None
+             ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: register a reward factory under ``name``; ``kind`` is "image" or "text". An image reward's
+    ``accepts`` says which samples it scores: ("image",) by default, ("video",) for a video-native one, or both."""
     if kind not in KINDS:
         raise ValueError(f"reward {name!r}: kind must be one of {KINDS}, got {kind!r}")
+    if accepts is not None:
+        _check_accepts(name, accepts)
 
     def deco(factory: Callable[..., Any]) -> Callable[..., Any]:
         factory.reward_kind = kind  # type: ignore[attr-defined]
+        if accepts is not None:
+            factory.reward_accepts = tuple(accepts)  # type: ignore[attr-defined]
         return REWARDS.register(name)(factory)
 
     return deco
@@ -130,11 +144,36 @@ def get(name: str, **kwargs: Any) -> Callable[..., Any]:
     reward = factory(**kwargs)
     if getattr(reward, "kind", None) is None:
         reward.kind = getattr(factory, "reward_kind", None)
+    if getattr(reward, "accepts", None) is None and hasattr(factory, "reward_accepts"):
+        reward.accepts = factory.reward_accepts
     if reward.kind not in KINDS:
         raise ValueError(f"reward {name!r} built a callable of kind {reward.kind!r}; valid kinds: {KINDS}")
     if not hasattr(reward, "__name__"):
         reward.__name__ = name
     return reward
+
+
+def _check_accepts(name: str, accepts: Any) -> tuple[str, ...]:
+    if isinstance(accepts, str):
+        accepts = (accepts,)
+    if not isinstance(accepts, (tuple, list)) or not accepts or any(a not in SAMPLE_TYPES for a in accepts):
+        raise ValueError(f"reward {name!r}: accepts must be a non-empty tuple of {SAMPLE_TYPES}, got {accepts!r}")
+    return tuple(accepts)
+
+
+def accepts_of(reward: Callable[..., Any]) -> tuple[str, ...]:
+    """The samples an image reward scores (its ``.accepts``): ("image",) when it does not say."""
+    declared = getattr(reward, "accepts", None)
+    return ("image",) if declared is None else _check_accepts(getattr(reward, "__name__", repr(reward)), declared)
+
+
+def declared_accepts(name: str) -> tuple[str, ...]:
+    """What the image reward ``name`` (registered or a plug-in) says it scores, without building it: its
+    registration's ``accepts`` or the plug-in's ``.accepts``; ("image",) when it does not say."""
+    if is_plugin(name):
+        return accepts_of(load_plugin(name))
+    load_all()
+    return tuple(getattr(REWARDS.get(name), "reward_accepts", (IMAGE,)))
 
 
 def kind_of(reward: Callable[..., Any], default: str | None = None) -> str:
@@ -163,20 +202,23 @@ def check(name: str, kwargs: Mapping[str, Any], kind: str) -> None:
     _checked(name, dict(kwargs or {}), kind)
 
 
-def build(name: str, kwargs: Mapping[str, Any], kind: str) -> "NamedReward":
+def build(name: str, kwargs: Mapping[str, Any], kind: str, *, video_frames: int = 4,
+          video_aggregate: str = "mean") -> "NamedReward":
     """The reward ``name`` with options ``kwargs``, for a backend of ``kind``, checked first (see
-    ``check``) and wrapped in a ``NamedReward``: ``.kind``, ``.__name__ == name``, failures named."""
+    ``check``) and wrapped in a ``NamedReward``: ``.kind``, ``.__name__ == name``, failures named.
+    video_frames, video_aggregate: how an image-only reward scores a video (see ``NamedReward``)."""
     kwargs = dict(kwargs or {})
+    video = dict(video_frames=video_frames, video_aggregate=video_aggregate)
     plugin = _checked(name, kwargs, kind)
     if plugin is not None:
-        return NamedReward(plugin, name, kind, options=kwargs)
+        return NamedReward(plugin, name, kind, options=kwargs, **video)
     try:
         reward = get(name, **kwargs)
     except (ValueError, TypeError) as e:  # a bad option value, found by the reward itself
         raise RewardConfigError(f"reward {name!r}: {e}") from e
     except Exception as e:  # weights missing, optional package absent, ...
         raise RewardError(f"reward {name!r} could not be built: {type(e).__name__}: {e}") from e
-    return NamedReward(reward, name, kind_of(reward))
+    return NamedReward(reward, name, kind_of(reward), **video)
 
 
 def _checked(name: str, kwargs: dict[str, Any], kind: str) -> Callable[..., Any] | None:
@@ -261,6 +303,11 @@ def _check_plugin(name: str, kwargs: dict[str, Any], kind: str) -> Callable[...,
     if declared is not None and declared != kind:
         raise RewardConfigError(f"reward {name!r} is {_a(declared)} reward (its .kind); "
                                 f"this backend needs {kind} rewards")
+    if kind == IMAGE:
+        try:
+            accepts_of(fn)
+        except ValueError as e:
+            raise RewardConfigError(str(e)) from None
     _check_plugin_signature(name, fn, kwargs, kind)
     return fn
 
@@ -418,13 +465,27 @@ class NamedReward:
     as ``RewardError("reward 'NAME' failed: ...")`` (chained); the output is checked and returned as
     ``Tensor[B]`` float32 (image) or ``list[float | None]`` (text). An async reward gives an awaitable,
     checked the same way when awaited. ``last_components`` and other attributes are the wrapped reward's.
+
+    Videos (image kind): a batch of videos (uint8 arrays [F, H, W, C]) goes whole to a reward that accepts
+    "video"; to an image-only reward go ``video_frames`` frames of each video (``flowrl.video.frame_indices``:
+    evenly from the first to the last), as images, with each video's prompt and columns repeated per frame; the
+    per-frame scores and components are reduced per video by ``video_aggregate`` (mean, min or max).
     """
 
-    def __init__(self, reward: Callable[..., Any], name: str, kind: str, options: Mapping[str, Any] | None = None):
+    def __init__(self, reward: Callable[..., Any], name: str, kind: str, options: Mapping[str, Any] | None = None,
+                 *, video_frames: int = 4, video_aggregate: str = "mean"):
+        from flowrl.video import AGGREGATES
+
         self.reward = reward
         self.__name__ = name
         self.kind = kind
         self.options = dict(options or {})
+        if video_frames < 1 or video_aggregate not in AGGREGATES:
+            raise RewardConfigError(f"reward {name!r}: video_frames must be >= 1 and video_aggregate one of "
+                                    f"{AGGREGATES}, got {video_frames} and {video_aggregate!r}")
+        self.video_frames, self.video_aggregate = int(video_frames), video_aggregate
+        self.accepts = accepts_of(reward) if kind == IMAGE else ()
+        self._frame_components: dict[str, Any] | None = None  # the last call's, when it scored frames
         try:  # the wrapped reward's signature, without the bound options: what callers may pass
             signature = inspect.signature(reward)
             self.__signature__ = signature.replace(
@@ -434,11 +495,13 @@ class NamedReward:
 
     @property
     def last_components(self) -> dict[str, Any]:
-        """The wrapped reward's extra per-sample values of its last call."""
+        """The wrapped reward's extra per-sample values of its last call (per video when it scored frames)."""
+        if self._frame_components is not None:
+            return self._frame_components
         return getattr(self.reward, "last_components", None) or {}
 
     def __getattr__(self, attr: str) -> Any:  # url, health(), weights, ... of the wrapped reward
-        if attr in ("reward", "__setstate__"):  # not yet set (unpickling, copying): no recursion
+        if attr in ("reward", "__setstate__", "_frame_components"):  # not yet set (unpickling): no recursion
             raise AttributeError(attr)
         return getattr(self.reward, attr)
 
@@ -451,6 +514,11 @@ class NamedReward:
             raise RewardError(f"reward {self.__name__!r}: option(s) {', '.join(map(repr, clash))} also came as "
                               f"call argument(s) (a dataset column of the same name?); rename the option")
         size = self._batch_size(args, kwargs)
+        self._frame_components = None
+        if self.kind == IMAGE:
+            videos = self._videos(args, kwargs)
+            if videos and VIDEO not in self.accepts:
+                return self._call_on_frames(args, kwargs)
         if self.kind == TEXT and len(args) > 2:
             raise TypeError(f"reward {self.__name__!r} takes (prompts, completions, **columns), got {len(args)} "
                             f"positional arguments")
@@ -472,6 +540,70 @@ class NamedReward:
         except Exception as e:
             raise self._failure(e) from e
         return self._scores(out, size)
+
+    def _videos(self, args: tuple, kwargs: dict[str, Any]) -> bool:
+        """Whether the batch holds videos; a RewardError for a mixed batch, or images for a video-only reward."""
+        from flowrl.video import is_video
+
+        batch = args[0] if args else kwargs.get("images")
+        if not isinstance(batch, (list, tuple)) or not batch:
+            return False
+        flags = {is_video(x) for x in batch}
+        if len(flags) > 1:
+            raise RewardError(f"reward {self.__name__!r}: a batch holds both images and videos; give one or the other")
+        videos = flags.pop()
+        if not videos and IMAGE not in self.accepts:
+            raise RewardError(f"reward {self.__name__!r} scores videos (frames [F, H, W, C]) only; this model makes "
+                              f"images: use an image reward")
+        return videos
+
+    def _call_on_frames(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """An image-only reward on a batch of B videos: it scores `video_frames` frames of each, with the video's
+        prompt and per-sample columns repeated per frame; the result is per video."""
+        from flowrl.video import sampled_frames
+
+        args, kwargs = list(args), dict(kwargs)
+        videos = args[0] if args else kwargs.pop("images")
+        frames, counts = sampled_frames(list(videos), self.video_frames)
+
+        def per_frame(value: Any) -> Any:  # a per-video list (prompts, a column) -> one entry per frame
+            if isinstance(value, (list, tuple)) and len(value) == len(videos):
+                return [v for v, n in zip(value, counts) for _ in range(n)]
+            return value
+
+        rest = [per_frame(a) for a in args[1:]]
+        kwargs = {k: per_frame(v) for k, v in kwargs.items()}
+        try:
+            out = self.reward(frames, *rest, **accepted_kwargs(self.reward, {**kwargs, **self.options}))
+        except Exception as e:
+            raise self._failure(e) from e
+        if inspect.isawaitable(out):
+            return self._finish_frames(out, counts)
+        return self._frame_scores(out, counts)
+
+    async def _finish_frames(self, pending: Any, counts: list[int]) -> Any:
+        try:
+            out = await pending
+        except Exception as e:
+            raise self._failure(e) from e
+        return self._frame_scores(out, counts)
+
+    def _frame_scores(self, out: Any, counts: list[int]) -> Any:
+        """Per-frame scores (and components) -> per video, by `video_aggregate`."""
+        import torch
+
+        from flowrl.video import aggregate
+
+        try:
+            scores = image_scores(out, sum(counts), self.__name__)
+        except ValueError as e:
+            raise RewardError(f"{e} (frames of {len(counts)} videos)") from None
+        components = getattr(self.reward, "last_components", None) or {}
+        self._frame_components = {
+            name: torch.from_numpy(aggregate(torch.as_tensor(v, dtype=torch.float32).reshape(-1).numpy(), counts,
+                                             self.video_aggregate))
+            for name, v in components.items()}
+        return torch.from_numpy(aggregate(scores.numpy(), counts, self.video_aggregate))
 
     def _failure(self, error: Exception) -> RewardError:
         return RewardError(f"reward {self.__name__!r} failed: {type(error).__name__}: {error}")

@@ -7,11 +7,11 @@ import typing
 
 import pytest
 
-from flowrl.config import ALIASES, RANGES, Config, ConfigError, Range, _hints, describe, load_config
+from flowrl.config import ALIASES, RANGES, Config, ConfigError, Range, RewardSpec, _hints, describe, load_config
 
 
 def _numeric_keys() -> list[str]:
-    """Every leaf whose type is int or float (or optional / a list of them), plus the reward list's weight."""
+    """Every leaf whose type is int or float (or optional / a list of them), plus the reward list items' ones."""
     keys = []
     for key, _, _, _ in describe(Config):
         cls, tp = Config, None
@@ -22,7 +22,7 @@ def _numeric_keys() -> list[str]:
         inner = typing.get_args(args[0]) if typing.get_origin(args[0]) is list else args
         if inner and inner[0] in (int, float):
             keys.append(key)
-    return keys + ["rewards.weight"]
+    return keys + [f"rewards.{f.name}" for f in dataclasses.fields(RewardSpec) if f.type in ("int", "float")]
 
 
 def _outside(r: Range, is_int: bool) -> list[float]:
@@ -48,13 +48,14 @@ def test_every_numeric_field_has_a_range():
 @pytest.mark.parametrize("key", sorted(RANGES))
 def test_each_field_refuses_a_value_outside_its_range(key):
     r = RANGES[key]
-    is_int = key != "rewards.weight" and _is_int(key)
+    is_int = _is_int(key)
     values = _outside(r, is_int)
     assert values, f"{key}: a range with no bound and no float: nothing can be out of it"
     for bad in values:
-        if key == "rewards.weight":
-            override = f"rewards=[{{name: jpeg_compressibility, weight: {bad}}}]"
-            shown = r"rewards\[0\]\.weight"
+        if key.startswith("rewards."):
+            name = key.split(".")[1]
+            override = f"rewards=[{{name: jpeg_compressibility, {name}: {bad}}}]"
+            shown = rf"rewards\[0\]\.{name}"
         elif key == "train.adam_betas":
             override, shown = f"train.adam_betas=[0.9, {bad}]", r"train.adam_betas\[1\]"
         else:
@@ -64,6 +65,8 @@ def test_each_field_refuses_a_value_outside_its_range(key):
 
 
 def _is_int(key: str) -> bool:
+    if key.startswith("rewards."):
+        return _hints(RewardSpec)[key.split(".")[1]] is int
     cls = Config
     for part in key.split("."):
         tp = _hints(cls)[part]

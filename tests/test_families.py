@@ -5,6 +5,7 @@ flowrl.families, not by copying tests), on its tiny random-weight pipeline:
 - the exported LoRA loads with the pipeline's `load_lora_weights` and reproduces the trained model;
 - a directory written by diffusers' own `save_pretrained` trains one `flowrl train` epoch that changes the LoRA
   and writes a checkpoint `flowrl sample` loads.
+A video family's tiny model samples `tiny_num_frames` frames (`pipe(num_frames=...)`, `sample.num_frames`).
 """
 
 import json
@@ -32,6 +33,11 @@ def test_every_family_is_registered_and_declares_itself():
         assert cls.default_sde_type in cls.sde_types and "ode" in cls.sde_types
 
 
+def _train(name: str) -> list[str]:
+    """TRAIN with the family's tiny frame count."""
+    return [*TRAIN, f"sample.num_frames={family(name).tiny_num_frames}"]
+
+
 @pytest.fixture(scope="module")
 def backends():
     cache = {}
@@ -47,7 +53,8 @@ def backends():
 @pytest.mark.parametrize("name", FAMILIES)
 def test_recomputed_log_probs_equal_the_recorded_ones(name, backends):
     backend = backends(name)
-    traj = backend.rollout(PROMPTS, 2, num_steps=4, seed=3, height=SIZE, width=SIZE, decode=False)
+    traj = backend.rollout(PROMPTS, 2, num_steps=4, seed=3, height=SIZE, width=SIZE, decode=False,
+                           num_frames=backend.tiny_num_frames)
     assert traj.sde_mask.all() and torch.isfinite(traj.log_probs).all()
     lp, _, _ = backend.step_log_prob(traj, traj.train_steps)                          # [B, K]
     assert (lp - traj.log_probs[:, traj.train_steps].to(lp)).abs().max().item() <= 1e-5
@@ -61,7 +68,9 @@ def _pipe_latents(backend, latents, num_steps, guidance_scale):
         captured.append(tensors["latents"].clone())
         return {}
 
-    backend.pipe(prompt=list(PROMPTS), num_images_per_prompt=2, num_inference_steps=num_steps, height=SIZE,
+    per_prompt = {"num_videos_per_prompt": 2, "num_frames": backend.tiny_num_frames} if backend.video else \
+        {"num_images_per_prompt": 2}
+    backend.pipe(prompt=list(PROMPTS), num_inference_steps=num_steps, height=SIZE, **per_prompt,
                  width=SIZE, latents=backend.pipeline_latents(latents.clone(), SIZE, SIZE),
                  callback_on_step_end=keep, callback_on_step_end_tensor_inputs=["latents"],
                  output_type="latent", **backend.pipeline_call_kwargs(guidance_scale))
@@ -72,7 +81,7 @@ def _pipe_latents(backend, latents, num_steps, guidance_scale):
 def test_the_ode_rollout_is_the_pipelines_own_sampling(name, guidance, backends):
     backend = backends(name)
     traj = backend.rollout(PROMPTS, 2, num_steps=4, sde_type="ode", guidance_scale=guidance, seed=5,
-                           height=SIZE, width=SIZE, decode=False)
+                           height=SIZE, width=SIZE, decode=False, num_frames=backend.tiny_num_frames)
     expected = _pipe_latents(backend, traj.latents[:, 0], 4, guidance)
     assert expected.shape == traj.latents[:, 1:].shape
     assert (traj.latents[:, 1:].float() - expected.float()).abs().max().item() <= 1e-5
@@ -84,7 +93,7 @@ def test_the_exported_lora_loads_in_the_pipeline_and_reproduces_the_trained_mode
     from flowrl.config import load_config
     from flowrl.policies.image import ImagePolicy
 
-    policy = ImagePolicy(load_config(None, [*TRAIN, f"model.path=tiny-{name}"]), "cpu")
+    policy = ImagePolicy(load_config(None, [*_train(name), f"model.path=tiny-{name}"]), "cpu")
     with torch.no_grad():  # lora_B starts at zero: perturb it so that the adapter does something
         for n, p in policy.named_trainable_parameters():
             p.add_(0.5 * torch.randn_like(p))
@@ -93,7 +102,8 @@ def test_the_exported_lora_loads_in_the_pipeline_and_reproduces_the_trained_mode
     pipe.load_lora_weights(tmp_path / "lora")
     loaded = load_image_backend(pipe, max_sequence_length=16)
     base = load_image_backend(tiny_pipeline(f"tiny-{name}"), max_sequence_length=16)
-    kwargs = dict(num_steps=3, sde_type="ode", seed=1, height=SIZE, width=SIZE, decode=False)
+    kwargs = dict(num_steps=3, sde_type="ode", seed=1, height=SIZE, width=SIZE, decode=False,
+                  num_frames=family(name).tiny_num_frames)
     ours = policy.backend.rollout(PROMPTS, 1, **kwargs).final_latents
     theirs = loaded.rollout(PROMPTS, 1, **kwargs).final_latents
     untrained = base.rollout(PROMPTS, 1, **kwargs).final_latents
@@ -110,7 +120,7 @@ def test_a_saved_pipeline_trains_one_epoch_and_flowrl_sample_loads_its_checkpoin
     model = tmp_path / "model"
     tiny_pipeline(f"tiny-{name}").save_pretrained(model)  # diffusers' own format, not flowrl's builder
     run = tmp_path / "run"
-    tr = Trainer(load_config(None, [*TRAIN, f"model.path={model}", "train.epochs=1", f"log.run_dir={run}"]))
+    tr = Trainer(load_config(None, [*_train(name), f"model.path={model}", "train.epochs=1", f"log.run_dir={run}"]))
     assert tr.policy.family == name
     before = {n: p.detach().clone() for n, p in tr.named_params.items()}
     tr.fit()
@@ -118,6 +128,13 @@ def test_a_saved_pipeline_trains_one_epoch_and_flowrl_sample_loads_its_checkpoin
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert next(r for r in rows if "policy/loss" in r)["policy/ratio_first_dev"] <= 1e-5
     out = tmp_path / "samples"
-    assert main(["sample", *TRAIN, f"model.path={model}", "--checkpoint", str(run / "ckpt-000001"),
+    assert main(["sample", *_train(name), f"model.path={model}", "--checkpoint", str(run / "ckpt-000001"),
                  "--prompt", "a red cat", "--steps", "2", "--out", str(out)]) == 0
-    assert (out / "000_seed0.png").exists()
+    if family(name).video:  # an animation of the tiny model's frames
+        from PIL import Image
+
+        with Image.open(out / "000_seed0.webp") as im:
+            assert im.n_frames == family(name).tiny_num_frames
+        assert list(run.glob("eval-*/000.webp")) and list(run.glob("eval-*.png"))  # animations beside the grid
+    else:
+        assert (out / "000_seed0.png").exists()

@@ -20,7 +20,7 @@ import torch
 from flowrl import core
 from flowrl.checkpoint import read_checkpoint
 from flowrl.config import ConfigError, describe, load_config
-from flowrl.families import family_names
+from flowrl.families import family, family_names
 from flowrl.sampling import ddpm_flow_time, ddpm_velocity
 from flowrl.trainer import Trainer
 
@@ -52,6 +52,11 @@ def model_path(tmp_path_factory):
     return path
 
 
+def frames(name: str) -> str:
+    """The override giving a family's tiny model its frame count (a video family's few frames; images: 1)."""
+    return f"sample.num_frames={family(name).tiny_num_frames if name in family_names() else 1}"
+
+
 def tiny_cfg(run_dir, *extra):
     return load_config(None, [*TINY, f"log.run_dir={run_dir}", *extra])
 
@@ -79,11 +84,11 @@ def test_flow_prediction_is_the_velocity_the_sampler_steps_with(name, model_path
     t_i must give that v, x_t = y and x0 = x_t - t target. And the prediction's gradient reaches the LoRA."""
     from flowrl.policies.image import ImagePolicy
 
-    policy = ImagePolicy(tiny_cfg(tmp_path, f"model.path={model_path(name)}"), "cpu")
+    policy = ImagePolicy(tiny_cfg(tmp_path, f"model.path={model_path(name)}", frames(name)), "cpu")
     backend = policy.backend
     g = backend.training_guidance_scale(backend.default_guidance_scale)
     traj = backend.rollout(["a red cat", "a blue dog"], 2, num_steps=4, sde_type="ode", guidance_scale=g, seed=0,
-                           height=32, width=32, decode=False)
+                           height=32, width=32, decode=False, num_frames=policy.cfg.sample.num_frames)
     times = backend.flow_times(traj)
     i = 1
     x_i, x_next = traj.latents[:, i].float(), traj.latents[:, i + 1].float()
@@ -182,7 +187,7 @@ def test_nft_samples_with_the_old_policy(tmp_path):
 def test_one_epoch_trains_and_checkpoints(name, objective, model_path, tmp_path):
     run = tmp_path / "run"
     tr = Trainer(tiny_cfg(run, f"model.path={model_path(name)}", f"train.objective={objective}", "train.epochs=1",
-                          "train.minibatch_size=4", "train.micro_batch_size=2"))
+                          "train.minibatch_size=4", "train.micro_batch_size=2", frames(name)))
     before = trained(tr)
     tr.fit()
     after = trained(tr)

@@ -171,6 +171,11 @@ class ImageBackend:
     default_max_sequence_length: ClassVar[int | None] = None
     lora_targets: ClassVar[tuple[str, ...]]  # the denoiser's modules a LoRA adapts by default
     t5_components: ClassVar[tuple[str, ...]] = ()  # a T5 encoder the family runs without (drop_t5)
+    #: conditioning images per prompt, (fewest, most): (0, 0) text-to-image, (1, 1) single-image editing
+    condition_images: ClassVar[tuple[int, int]] = (0, 0)
+    video: ClassVar[bool] = False  # a video family: its samples are frames [F, H, W, C] (`flowrl.video`)
+    default_num_frames: ClassVar[int] = 1  # frames per sample when none are asked for (the pipeline's default)
+    tiny_num_frames: ClassVar[int] = 1  # frames per sample of the tiny test model's runs
     tiny_denoiser: ClassVar[dict]  # the denoiser config of its tiny random-weight test model
 
     @classmethod
@@ -193,6 +198,18 @@ class ImageBackend:
             f"{cls.denoiser_attr}/config.json": {"_class_name": cls.denoiser_class, **cls.tiny_denoiser},
             "vae/config.json": {"_class_name": "AutoencoderKL", "block_out_channels": list(VAE_BLOCK_OUT_CHANNELS)},
         }
+
+    @classmethod
+    def check_num_frames(cls, num_frames: int | None) -> int:
+        """The frames per sample to make: `num_frames`, or the family's default for None or 0; an
+        ImageModelError if the family cannot make that many (an image family makes 1)."""
+        if not num_frames:
+            return cls.default_num_frames
+        if not cls.video and num_frames != 1:
+            raise ImageModelError(f"{cls.family} makes images: sample.num_frames must be 1 (or 0), got {num_frames}")
+        if num_frames < 1:
+            raise ImageModelError(f"sample.num_frames must be >= 1 (or 0 = {cls.default_num_frames}), got {num_frames}")
+        return num_frames
 
     #: guidance scales the parity test samples `pipe(...)` with (with and without CFG where the family has it)
     parity_guidance: ClassVar[tuple[float, ...]] = (1.0, 4.5)
@@ -325,6 +342,8 @@ class ImageBackend:
         height: int | None = None,
         width: int | None = None,
         latents: Tensor | None = None,
+        num_frames: int | None = None,
+        images: Sequence[Sequence] | None = None,
         record_means: bool = False,
         keep_steps: bool = True,
         decode: bool = True,
@@ -349,6 +368,10 @@ class ImageBackend:
             model's device from a generator seeded by it.
         height, width: image size in pixels (default: the pipeline's).
         latents: [B, ...] initial noise in the denoiser's layout, instead of drawing it.
+        num_frames: a video family's frames per sample (default: the family's, `default_num_frames`); images: 1.
+        images: the conditioning images of each prompt (P lists of PIL images, each the count the family takes,
+            `condition_images`), or None for none; encoded once per prompt by `_encode_conditions` and kept per
+            sample in `traj.conditions`.
         record_means: also keep the transition means [B, S, ...] (float32; memory heavy).
         keep_steps: False keeps only the final sample (traj.latents [B, 1, ...], no log-probs): what the
             forward-process objectives need, without S copies of the latents.
@@ -379,6 +402,7 @@ class ImageBackend:
             logprob_reduce=logprob_reduce,
             height=height,
             width=width,
+            num_frames=self.check_num_frames(num_frames),
         )
         sde_mask = as_sde_window(sde_window).mask(num_steps, epoch)
         if sde_type == "ode":
@@ -387,6 +411,7 @@ class ImageBackend:
             generator = torch.Generator(device="cpu").manual_seed(seed)
 
         encodings = self.encode_prompts(prompts)
+        conditions = self.encode_conditions(images, len(prompts), settings, group_size)
         batch = len(prompts) * group_size
         prompt_ids = encodings.ids_for(prompts).repeat_interleave(group_size)
         group_ids = torch.arange(len(prompts)).repeat_interleave(group_size)
@@ -416,8 +441,11 @@ class ImageBackend:
             seed_for_steps = int(torch.randint(0, 2**62, (1,), generator=generator))
             step_generator = torch.Generator(device=self.device).manual_seed(seed_for_steps)
         schedule = self._schedule(num_steps, settings)
-        cond = self._condition(encodings, prompt_ids)
-        cond_per_group = self._condition(encodings, prompt_ids[::group_size]) if shared_until else None
+        cond = self._condition(encodings, prompt_ids, conditions)
+        cond_per_group = None
+        if shared_until:
+            per_group = {name: t[::group_size] for name, t in conditions.items()}
+            cond_per_group = self._condition(encodings, prompt_ids[::group_size], per_group)
 
         stochastic_steps = sde_mask.tolist()
 
@@ -458,6 +486,7 @@ class ImageBackend:
             alphas_cumprod=schedule.alphas_cumprod,
             alphas_cumprod_prev=schedule.alphas_cumprod_prev,
             means=chain.means,
+            conditions=conditions,
         )
         if decode:
             from flowrl.offload import visiting
@@ -511,7 +540,8 @@ class ImageBackend:
         x_prev = traj.latents[rows_k, steps_k + 1].to(self.device)
         schedule = Schedule.of(traj, self.device)
         encodings = traj.prompt_encodings
-        cond = self._condition(encodings, traj.prompt_ids[rows_k.to(traj.prompt_ids.device)])
+        cond = self._condition(encodings, traj.prompt_ids[rows_k.to(traj.prompt_ids.device)],
+                               {name: t[rows_k.to(t.device)] for name, t in traj.conditions.items()})
         steps_dev = steps_k.to(self.device)
         model_output = self._predict(x, schedule.timesteps[steps_dev], cond, encodings, traj.sampler)
         out = self._step(model_output, x, steps_dev, schedule, traj.sampler, stochastic=True, prev_latents=x_prev)
@@ -530,6 +560,7 @@ class ImageBackend:
         prompt_ids: Tensor,
         encodings: PromptEncodings,
         settings: SamplerSettings,
+        conditions: Mapping[str, Tensor] | None = None,
     ) -> FlowPrediction:
         """The model's prediction at a re-noised clean sample, as a rectified-flow velocity, WITH grad (when grad is
         enabled) and without CFG: what DiffusionNFT, AWM and Diffusion-DPO train.
@@ -537,7 +568,8 @@ class ImageBackend:
         x0: [N, ...] clean latents in the denoiser's layout (a rollout's `final_latents`); noise: [N, ...] eps;
         t: [N] (or a float) flow times in (0, 1], 1 = noise; prompt_ids: [N] rows of `encodings`;
         settings: the rollout's SamplerSettings (its size; its guidance scale becomes the CFG-free value of
-        `training_guidance_scale`, one forward pass).
+        `training_guidance_scale`, one forward pass); conditions: name -> [N, ...] the rows' encoded conditioning
+        inputs (a rollout's `traj.conditions` at those rows), for a family that takes them.
         Flow families evaluate x_t = (1 - t) x0 + t eps at the denoiser timestep of t (the scheduler's
         num_train_timesteps x t, what a rollout at sigma = t passes); their `_predict` already returns the velocity
         in flowrl's convention (Z-Image's negation included). DDPM families evaluate x = alpha x0 + sigma eps at
@@ -557,7 +589,7 @@ class ImageBackend:
         x0, noise = x0.to(self.device, torch.float32), noise.to(self.device, torch.float32)
         t, x_in, timesteps, to_velocity = self._flow_input(x0, noise, t)
         train_settings = replace(settings, guidance_scale=self.training_guidance_scale(settings.guidance_scale))
-        cond = self._condition(encodings, prompt_ids)
+        cond = self._condition(encodings, prompt_ids, conditions)
         out = self._predict(x_in.to(self.dtype), timesteps, cond, encodings, train_settings)
         tc = t.view(n, *([1] * (x0.ndim - 1)))
         return FlowPrediction(to_velocity(out).float(), noise - x0, (1 - tc) * x0 + tc * noise, t)
@@ -574,16 +606,63 @@ class ImageBackend:
 
     @torch.no_grad()
     def decode(self, latents: Tensor, *, height: int | None = None, width: int | None = None) -> list:
-        """[B, ...] final latents (denoiser layout) -> B PIL images."""
+        """[B, ...] final latents (denoiser layout) -> B PIL images (a video family: B uint8 arrays [F, H, W, C])."""
         vae = self.pipe.vae
         image = vae.decode(self._to_vae_latents(latents, height, width).to(vae.device, vae.dtype), return_dict=False)[0]
         return self.pipe.image_processor.postprocess(image, output_type="pil")
 
     # ---- shared helpers --------------------------------------------------------------------------
 
-    def _condition(self, encodings: PromptEncodings, prompt_ids: Tensor) -> dict[str, Tensor]:
+    def _condition(self, encodings: PromptEncodings, prompt_ids: Tensor,
+                   conditions: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
+        """What `_predict` conditions on for N samples: the prompt encodings' rows `prompt_ids` [N] and the
+        samples' encoded conditioning inputs (name -> [N, ...], names distinct from the encodings')."""
         cond = encodings.gather(prompt_ids)
+        clash = sorted(set(cond) & set(conditions or {}))
+        if clash:
+            raise ValueError(f"{self.family}: conditioning inputs {clash} have the names of prompt encodings")
+        cond.update(conditions or {})
         return {name: t.to(self.device) for name, t in cond.items()}
+
+    def encode_conditions(self, images: Sequence[Sequence] | None, num_prompts: int, settings: SamplerSettings,
+                          group_size: int = 1) -> dict[str, Tensor]:
+        """The conditioning images of P prompts (P lists of PIL images, or None) encoded for `_predict`, one row
+        per sample: name -> [P x group_size, ...] (prompt-major). A ValueError when a prompt's count is not what
+        the family takes (`condition_images`); {} for a family that takes none."""
+        from flowrl.conditioning import count_problem
+
+        images = [[] for _ in range(num_prompts)] if images is None else [list(x) for x in images]
+        if len(images) != num_prompts:
+            raise ValueError(f"images: one list of conditioning images per prompt, got {len(images)} lists for "
+                             f"{num_prompts} prompts")
+        for p, given in enumerate(images):
+            problem = count_problem(len(given), self.condition_images, self.family)
+            if problem:
+                raise ValueError(f"images of prompt {p}: {problem}")
+        if self.condition_images[1] == 0:
+            return {}
+        with torch.no_grad():
+            per_prompt = self._encode_conditions(images, settings)
+        return {name: t.repeat_interleave(group_size, dim=0) for name, t in per_prompt.items()}
+
+    def _encode_conditions(self, images: list[list], settings: SamplerSettings) -> dict[str, Tensor]:
+        """A family that takes conditioning images: P prompts' images (each list the count it takes) -> name ->
+        [P, ...] tensors on the model's device, which `_predict` finds in its `cond` (e.g. the VAE latents of a
+        source image)."""
+        raise NotImplementedError(f"{self.family} declares condition_images={self.condition_images} but does not "
+                                  f"encode them (_encode_conditions)")
+
+    @property
+    def size_multiple(self) -> int:
+        """What each side of an image this model makes (and of a conditioning image) is a multiple of, in pixels."""
+        return self.size_rule(self.denoiser_config, self.spatial_vae_factor).multiple
+
+    @property
+    def spatial_vae_factor(self) -> int:
+        """How many pixels a latent spans a side: the pipeline's `vae_scale_factor` (a video pipeline's
+        `vae_scale_factor_spatial`)."""
+        factor = getattr(self.pipe, "vae_scale_factor", None)
+        return factor if factor is not None else self.pipe.vae_scale_factor_spatial
 
     def _negative_like(self, encodings: PromptEncodings, n: int) -> dict[str, Tensor]:
         return {name: t.to(self.device) for name, t in encodings.negative_rows(n).items()}
@@ -593,7 +672,7 @@ class ImageBackend:
         cannot make that size (see `size_rule`)."""
         default = self._default_image_size()
         height, width = height or default, width or default
-        self.size_rule(self.denoiser_config, self.pipe.vae_scale_factor).check(height, width)
+        self.size_rule(self.denoiser_config, self.spatial_vae_factor).check(height, width)
         return height, width
 
     def _default_sequence_length(self) -> int | None:

@@ -171,6 +171,8 @@ def _vae_scale_factor(read: Callable[[str], dict], model_index: Mapping) -> int:
     if "vae" not in model_index or "vae" in _null_components(model_index):
         return 8
     config = read("vae/config.json")
+    if "scale_factor_spatial" in config:  # AutoencoderKLWan: WanPipeline's vae_scale_factor_spatial
+        return config["scale_factor_spatial"]
     if "temperal_downsample" in config:  # AutoencoderKLQwenImage: 2 ** len(temperal_downsample), as QwenImagePipeline
         return 2 ** len(config["temperal_downsample"])
     # AutoencoderKL's block_out_channels; AutoencoderDC's (SANA) encoder_block_out_channels, as SanaPipeline reads it
@@ -211,7 +213,8 @@ def _check_drop_t5(backend_cls: type[ImageBackend], source: str) -> None:
         )
 
 
-def preflight_image_model(path: str, family: str = "auto", *, height: int, width: int, drop_t5: bool = False) -> str:
+def preflight_image_model(path: str, family: str = "auto", *, height: int, width: int, drop_t5: bool = False,
+                          num_frames: int = 0) -> str:
     """Check that the model at `path` can be run as asked, from its configuration files alone (never its
     weights), and return its family.
 
@@ -221,6 +224,7 @@ def preflight_image_model(path: str, family: str = "auto", *, height: int, width
     family: "auto" or the family the caller expects (`family_names()`).
     height, width: the image size in pixels the run will ask for.
     drop_t5: the run will leave the T5 encoder out (SD3 only).
+    num_frames: the frames per sample the run will ask for (0: the family's default; image families make 1).
     Raises ImageModelError (a ValueError) naming what is wrong and what would be right: a pipeline class
     no family drives (with the supported ones), another family than `family`, a size the model cannot
     make (with the nearest valid ones), drop_t5 for a family without an optional T5, a missing file.
@@ -231,6 +235,7 @@ def preflight_image_model(path: str, family: str = "auto", *, height: int, width
     backend_cls = _checked_backend(path, model_index, family, drop_t5)
     denoiser_config = read(f"{backend_cls.denoiser_attr}/config.json")
     backend_cls.size_rule(denoiser_config, _vae_scale_factor(read, model_index)).check(height, width)
+    backend_cls.check_num_frames(num_frames)
     return backend_cls.family
 
 

@@ -247,10 +247,11 @@ class ImagePolicy:
         for start in range(0, len(prompts), chunk):
             parts.append(self.backend.rollout(
                 prompts[start: start + chunk: G], group_size=G, num_steps=s.num_steps,
+                images=self.condition_images(metadata[start: start + chunk: G]),
                 guidance_scale=s.guidance_scale, noise_level=s.noise_level, sde_type=self.sde_type,
                 sde_window=self.window, epoch=epoch, same_noise_per_group=G > 1, generator=generator,
-                height=s.height, width=s.width, record_means=t.step_weighting == "ratio_norm",
-                deterministic_context=self.merged_adapter))
+                height=s.height, width=s.width, num_frames=s.num_frames,
+                record_means=t.step_weighting == "ratio_norm", deterministic_context=self.merged_adapter))
         traj = parts[0] if len(parts) == 1 else Trajectory.cat(parts)
         return ImageBatch(traj=traj, prompts=list(prompts), metadata=list(metadata), images=traj.images)
 
@@ -261,12 +262,26 @@ class ImagePolicy:
         s = self.cfg.sample
         chunk = s.rollout_batch_size or len(prompts)
         parts = [self.backend.rollout(prompts[start: start + chunk], group_size=1, num_steps=s.num_steps,
+                                      images=self.condition_images(metadata[start: start + chunk]),
                                       guidance_scale=s.guidance_scale, sde_type="ode", epoch=epoch,
-                                      generator=generator, height=s.height, width=s.width, keep_steps=False,
+                                      generator=generator, height=s.height, width=s.width,
+                                      num_frames=s.num_frames, keep_steps=False,
                                       deterministic_context=self.merged_adapter)
                  for start in range(0, len(prompts), chunk)]
         traj = parts[0] if len(parts) == 1 else Trajectory.cat(parts)
         return ImageBatch(traj=traj, prompts=list(prompts), metadata=list(metadata), images=traj.images)
+
+    def condition_images(self, metadata: list[dict]) -> list[list] | None:
+        """The conditioning images of prompts with these metadata rows (their `data.image_column` paths, loaded and
+        fitted to the model's size multiple), one list per row; None when the family takes none (the counts were
+        checked before the model loaded; the backend checks them again)."""
+        from flowrl.conditioning import load_images
+
+        column = self.cfg.data.image_column
+        if self.backend.condition_images[1] == 0 and not any(column and column in m for m in metadata):
+            return None
+        multiple = self.backend.size_multiple
+        return [load_images(m.get(column) if column else None, multiple) for m in metadata]
 
     # ---------------------------------------------------------------------------- the forward process
 
@@ -281,7 +296,8 @@ class ImagePolicy:
         traj = batch.traj
         x0 = traj.final_latents[rows.to(traj.latents.device)]
         prompt_ids = traj.prompt_ids[rows.to(traj.prompt_ids.device)]
-        return self.backend.flow_prediction(x0, noise, t, prompt_ids, traj.prompt_encodings, traj.sampler)
+        conditions = {name: c[rows.to(c.device)] for name, c in traj.conditions.items()}
+        return self.backend.flow_prediction(x0, noise, t, prompt_ids, traj.prompt_encodings, traj.sampler, conditions)
 
     def sample_shape(self, batch: ImageBatch) -> tuple[int, ...]:
         """The shape of one clean sample (the denoiser's latent layout), e.g. [C, h, w] or FLUX's packed [L, C]."""
@@ -441,8 +457,10 @@ class ImagePolicy:
             noise = self._noise(len(prompts) * n, eval_cfg.seed, eval_cfg.guidance_scale)
             latents, seed = noise[part.start * n: part.stop * n], None
         traj = self.backend.rollout(mine, group_size=n, num_steps=eval_cfg.num_steps,
+                                    images=self.condition_images(mine_meta),
                                     guidance_scale=eval_cfg.guidance_scale, sde_type="ode", seed=seed, latents=latents,
-                                    height=s.height, width=s.width, deterministic_context=self.merged_adapter)
+                                    height=s.height, width=s.width, num_frames=s.num_frames,
+                                    deterministic_context=self.merged_adapter)
         rep_prompts = [p for p in mine for _ in range(n)]
         rep_meta = [m for m in mine_meta for _ in range(n)]
         batch = ImageBatch(traj=None, prompts=rep_prompts, metadata=rep_meta, images=traj.images)
@@ -461,7 +479,8 @@ class ImagePolicy:
         s = self.cfg.sample
         h, w = self.backend.check_image_size(s.height, s.width)
         settings = SamplerSettings(family=self.family, sde_type="ode", noise_level=0.0, guidance_scale=guidance_scale,
-                                   logprob_reduce="mean", height=h, width=w)
+                                   logprob_reduce="mean", height=h, width=w,
+                                   num_frames=self.backend.check_num_frames(s.num_frames))
         return self.backend._initial_noise(n, settings, torch.Generator(device="cpu").manual_seed(seed))
 
     @torch.no_grad()
@@ -472,13 +491,15 @@ class ImagePolicy:
         s = self.cfg.sample
         traj = self.backend.rollout(prompts, group_size=len(seeds), num_steps=num_steps, guidance_scale=guidance_scale,
                                     sde_type="ode", latents=noise, height=s.height, width=s.width,
-                                    deterministic_context=self.merged_adapter)
+                                    num_frames=s.num_frames, deterministic_context=self.merged_adapter)
         return traj.images
 
     def save_eval_outputs(self, images, prompts, path: Path, scores=None) -> Path:
         """`path`.png: the eval images in a grid, each row captioned with its prompt and each image with its score
-        (`scores`: one number per image, or None)."""
+        (`scores`: one number per image, or None). Videos: the grid holds each one's contact sheet (first, middle
+        and last frames), and the videos themselves go to the folder `path`/ as `NNN.webp` (eval.video_format)."""
         from flowrl.images import eval_grid
+        from flowrl.video import is_video
 
         grid = eval_grid(images, prompts, None if scores is None else [float(x) for x in scores])
         path = Path(str(path) + ".png")
@@ -486,7 +507,29 @@ class ImagePolicy:
         tmp = path.with_suffix(".tmp.png")
         grid.save(tmp)
         tmp.replace(path)
+        if images and is_video(images[0]):
+            for i, video in enumerate(images):
+                self.save_sample(video, path.with_suffix("") / f"{i:03d}")
         return path
+
+    def save_sample(self, sample, stem: Path) -> Path:
+        """One sample at `stem` + its suffix: an image as .png, a video as an animation in eval.video_format at
+        eval.fps (MP4 needs imageio[ffmpeg]: without it WebP, with a warning). Returns the file written."""
+        from flowrl.video import animation_suffix, is_video, save_animation
+
+        stem = Path(stem)
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        if not is_video(sample):
+            path = stem.with_name(stem.name + ".png")
+            sample.save(path)
+            return path
+        wanted = "." + self.cfg.eval.video_format
+        suffix = animation_suffix(wanted)
+        if suffix != wanted and not getattr(self, "_warned_mp4", False):
+            self._warned_mp4 = True
+            warnings.warn("eval.video_format=mp4 needs imageio[ffmpeg] (pip install 'imageio[ffmpeg]'); writing "
+                          "animated WebP instead", stacklevel=2)
+        return save_animation(sample, stem.with_name(stem.name + suffix), fps=self.cfg.eval.fps)
 
     def export(self, directory: Path, state: dict[str, Tensor] | None = None) -> None:
         """The trained weights in the format diffusers loads: the LoRA for `pipe.load_lora_weights(dir)`,

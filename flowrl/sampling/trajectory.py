@@ -94,6 +94,7 @@ class SamplerSettings:
     logprob_reduce: str  # "mean" | "sum"
     height: int
     width: int
+    num_frames: int = 1  # a video family's frames per sample (1: an image)
 
 
 @dataclass
@@ -116,7 +117,10 @@ class Trajectory:
     alphas_cumprod: [S] float32 alpha-bar at each step's t (DDIM), or None.
     alphas_cumprod_prev: [S] float32 alpha-bar at the t each step goes to (DDIM), or None.
     means:        [B, S, ...] float32 transition means, when the rollout was asked to record them.
-    images:       B PIL images decoded from latents[:, S], or None.
+    images:       B samples decoded from latents[:, S]: PIL images, or a video family's uint8 frames
+                  [F, H, W, C] (`flowrl.video`); or None.
+    conditions:   name -> [B, ...] the samples' encoded conditioning inputs (an editing family's source-image
+                  latents), {} for a text-only rollout; per sample, like the latents.
     sampler:      the SamplerSettings the steps were taken with.
     """
 
@@ -135,6 +139,7 @@ class Trajectory:
     alphas_cumprod_prev: Tensor | None = None
     means: Tensor | None = None
     images: list | None = None
+    conditions: dict[str, Tensor] = field(default_factory=dict)
 
     # Fields indexed by sample in `select`; everything else is per step or shared.
     _PER_SAMPLE = ("latents", "log_probs", "prompt_ids", "group_ids", "means")
@@ -177,6 +182,7 @@ class Trajectory:
         changes["prompts"] = [self.prompts[i] for i in il]
         if self.images is not None:
             changes["images"] = [self.images[i] for i in il]
+        changes["conditions"] = {name: t[idx.to(t.device)] for name, t in self.conditions.items()}
         return replace(self, **changes)
 
     @classmethod
@@ -215,6 +221,10 @@ class Trajectory:
             return None if any(v is None for v in values) else torch.cat(values)
 
         prompt_ids = [r.to(t.prompt_ids.device)[t.prompt_ids] for r, t in zip(remaps, trajectories, strict=True)]
+        names = [sorted(t.conditions) for t in trajectories]
+        if any(n != names[0] for n in names):
+            raise ValueError(f"Trajectory.cat joins rollouts with the same conditioning inputs, got {names}")
+        conditions = {name: torch.cat([t.conditions[name] for t in trajectories]) for name in names[0]}
         images = None
         if all(t.images is not None for t in trajectories):
             images = [image for t in trajectories for image in t.images]
@@ -229,6 +239,7 @@ class Trajectory:
             group_ids=torch.cat(group_ids),
             prompt_encodings=encodings,
             images=images,
+            conditions=conditions,
         )
 
     def to(self, device) -> Trajectory:
