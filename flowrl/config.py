@@ -369,7 +369,8 @@ class DataConfig:
     prompt column (e.g. `"{prompt} Put the final answer in \\boxed{{}}."`)."""
     image_column: str = "image"
     """The .jsonl column of a prompt's conditioning images (image editing, image-to-video): a path or a list of
-    paths relative to the .jsonl file, checked before the model loads; "" = the column is plain metadata."""
+    paths relative to the .jsonl file, checked before the model loads; "" = the column is plain metadata (always so
+    for backend=text)."""
     hf_config: str = ""
     """`hf:` datasets: the dataset's configuration (subset) name, e.g. `main` for `openai/gsm8k`; "" = its default."""
     train_split: str = "train"

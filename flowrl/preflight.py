@@ -5,6 +5,8 @@ Each failure is one FlowrlError line saying what was wrong and what would be rig
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import TYPE_CHECKING
 
 from .errors import FlowrlError
@@ -36,6 +38,8 @@ def load_prompt_sets(cfg: Config) -> tuple[PromptSet, PromptSet]:
     from .train_utils import eval_plan
 
     d = cfg.data
+    if cfg.backend == "text":  # a text model takes no images: its `image` column, if any, is plain metadata
+        d = dataclasses.replace(d, image_column="")
     train_set = _checked("data.train_prompts", load_config_prompts, d, "train")
     eval_set = _checked("data.eval_prompts", load_config_prompts, d, "eval") if d.eval_prompts else train_set
     if d.balance_by:

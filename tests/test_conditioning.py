@@ -123,6 +123,19 @@ def test_preflight_rejects_images_for_a_text_to_image_family_naming_the_line(tmp
     preflight(cfg)
 
 
+def test_a_text_run_keeps_an_image_column_as_plain_metadata(tmp_path):
+    """backend=text takes no images: a JSONL `image` column that names no file is metadata, not an error."""
+    from flowrl.config import load_config
+    from flowrl.preflight import load_prompt_sets
+
+    path = _jsonl(tmp_path / "q.jsonl", [{"prompt": "describe it", "image": "not a file"}])
+    text = load_config(None, ["backend=text", f"data.train_prompts={path}"])
+    train, _ = load_prompt_sets(text)
+    assert train.metadata[0]["image"] == "not a file"
+    with pytest.raises(Exception, match="does not exist"):
+        load_prompt_sets(load_config(None, [f"data.train_prompts={path}"]))
+
+
 # ------------------------------------------------------------------------------------------ the rollout
 
 
