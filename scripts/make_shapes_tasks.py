@@ -22,7 +22,7 @@ def write_edit_task(out: Path, per_instruction: int, seed: int) -> dict[str, int
     """The edit JSONLs and their PNGs under `out`/edit; PNGs of an earlier run not written again are removed."""
     from PIL import Image
 
-    from flowrl.shapes import write_jsonl
+    from flowrl.shapes import draw, write_jsonl
     from flowrl.shapes.edit import edit_records
 
     folder = out / "edit"
@@ -30,9 +30,9 @@ def write_edit_task(out: Path, per_instruction: int, seed: int) -> dict[str, int
     written, counts = set(), {}
     for split in ("train", "test"):
         records = []
-        for i, (record, pixels) in enumerate(edit_records(split, per_instruction, seed)):
+        for i, (record, scene) in enumerate(edit_records(split, per_instruction, seed)):
             name = f"images/{split}_{i:03d}.png"
-            Image.fromarray(pixels).save(folder / name, optimize=True)
+            Image.fromarray(draw(scene)).save(folder / name, optimize=True)
             written.add(folder / name)
             records.append({"prompt": record["prompt"], "image": name, **{k: record[k] for k in record
                                                                              if k != "prompt"}})

@@ -179,3 +179,24 @@ def test_one_cut_costs_one_pair_and_stride_skips_frames(backbones):
     assert strided([np.stack([a, b, a, b, a])], ["p"]).item() == pytest.approx(1.0, abs=1e-5)
     with pytest.raises(ValueError, match="video 0 has 1 frame"):
         reward([a[None]], ["p"])
+
+
+def test_a_correct_shapes_edit_keeps_everything_outside_the_records_edit_region(backbones):
+    """The shipped edit records' `edit_region` holds what a correct recolour or removal changes: with it,
+    edit_consistency scores those edits 1; without it (global), less."""
+    from pathlib import Path
+
+    from flowrl.data import load_prompts
+    from flowrl.shapes import draw
+    from flowrl.shapes.edit import apply_edit, edit_records
+
+    shipped = load_prompts(Path(__file__).resolve().parents[1] / "samples" / "shapes" / "edit" / "test.jsonl")
+    pairs = [(meta, scene) for meta, (_, scene) in zip(shipped.metadata, edit_records("test", 4))
+             if meta["edit"]["op"] != "add"][:4]
+    rows = [meta for meta, _ in pairs]
+    edited = [Image.fromarray(draw(apply_edit(scene, meta["edit"], np.random.default_rng(0)))) for meta, scene in pairs]
+    reward = rewards.get("edit_consistency", model=backbones["dinov2"][0], device="cpu")
+    columns = {"image": [m["image"] for m in rows], "edit_region": [m["edit_region"] for m in rows]}
+    assert reward(edited, ["p"] * 4, **columns).tolist() == pytest.approx([1.0] * 4, abs=1e-5)
+    globally = rewards.get("edit_consistency", model=backbones["dinov2"][0], device="cpu", region_column="")
+    assert max(globally(edited, ["p"] * 4, **columns).tolist()) < 1 - 1e-4

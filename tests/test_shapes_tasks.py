@@ -93,12 +93,11 @@ def test_correct_edits_of_the_shipped_records_score_1():
     """The renderer's correct edit (apply_edit) of every shipped test source scores 1, through the built reward and
     the columns the data loader gives."""
     prompts = load_prompts(EDIT / "test.jsonl")
+    made = edit_records("test", per_instruction=4, seed=0)  # the shipped rows' scenes, as the script drew them
+    assert [r["prompt"] for r, _ in made] == prompts.prompts
     rng = np.random.default_rng(0)
-    edited = []
-    for meta in prompts.metadata:
-        scene = [ShapeObject(d.shape, d.color, d.x0, d.y0, d.x1 - d.x0)
-                 for d in detect_objects([Image.open(meta["image"][0])])[0]]
-        edited.append(Image.fromarray(draw(apply_edit(scene, meta["edit"], rng))))
+    edited = [Image.fromarray(draw(apply_edit(scene, meta["edit"], rng)))
+              for (_, scene), meta in zip(made, prompts.metadata)]
     columns = {k: [m[k] for m in prompts.metadata] for k in prompts.metadata[0]}
     reward = _reward()
     scores = reward(edited, prompts.prompts, **columns)

@@ -31,7 +31,7 @@ from dataclasses import asdict
 import numpy as np
 
 from .detect import Detection, detect_objects, to_uint8_batch
-from .render import COLORS, GAP, GRID, IMAGE_SIZE, SHAPES, SIDES, ShapeObject, _apart, _random_box, _scaled_layout, draw
+from .render import COLORS, GAP, GRID, IMAGE_SIZE, SHAPES, SIDES, ShapeObject, _apart, _random_box, _scaled_layout
 
 OPS: tuple[str, ...] = ("recolor", "add", "remove")
 TOLERANCE = 0.06  # of the image's side: 3.8 px at 64, less than the 4-px layout grid
@@ -118,9 +118,10 @@ def edit_region(scene: list[ShapeObject], edit: dict, size: int = IMAGE_SIZE) ->
     return [x0 / size, y0 / size, x1 / size, y1 / size]
 
 
-def edit_records(split: str, per_instruction: int, seed: int = 0) -> list[tuple[dict, np.ndarray]]:
-    """(record, source image uint8[64, 64, 3]) pairs of one split: `per_instruction` source scenes per instruction
-    of the split, in a fixed order. Records: prompt, edit, edit_region, split (the writer adds the image path)."""
+def edit_records(split: str, per_instruction: int, seed: int = 0) -> list[tuple[dict, list[ShapeObject]]]:
+    """(record, source scene) pairs of one split: `per_instruction` source scenes per instruction of the split, in a
+    fixed order (`draw` makes the 64x64 source image). Records: prompt, edit, edit_region, split (the writer adds
+    the image path)."""
     if split not in ("train", "test"):
         raise ValueError(f"unknown split {split!r}; expected 'train' or 'test'")
     rng = np.random.default_rng(seed)
@@ -131,7 +132,7 @@ def edit_records(split: str, per_instruction: int, seed: int = 0) -> list[tuple[
             continue
         record = {"prompt": instruction(edit), "edit": edit, "edit_region": edit_region(scene, edit),
                   "split": split}
-        out.append((record, draw(scene)))
+        out.append((record, scene))
     return out
 
 
