@@ -30,7 +30,11 @@ class ImageEncoder:
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.model_type = AutoConfig.from_pretrained(model).model_type
+        try:
+            self.model_type = AutoConfig.from_pretrained(model).model_type
+        except OSError as e:
+            raise OSError(f"backbone {model!r} is neither a local directory nor a hub id that could be loaded here "
+                          f"(offline: is it in the Hugging Face cache?): {str(e).splitlines()[0]}") from e
         if self.model_type not in BACKBONES:
             raise ValueError(f"{model!r} is a {self.model_type!r} checkpoint; the similarity rewards take one of "
                              f"{', '.join(BACKBONES)} (e.g. facebook/dinov2-small or openai/clip-vit-large-patch14)")

@@ -125,6 +125,11 @@ def test_edit_consistency_errors_name_what_is_missing(backbones, tmp_path):
         rewards.get("edit_consistency", model=str(tmp_path / "vit"), device="cpu")
 
 
+def test_a_backbone_that_is_not_here_offline_fails_when_built_naming_it():
+    with pytest.raises(RewardError, match="'temporal_consistency' could not be built.*no-such-org/no-such-dino"):
+        build("temporal_consistency", {"model": "no-such-org/no-such-dino", "device": "cpu"}, "image")
+
+
 # ---------------------------------------------------------------------------- temporal consistency
 
 

@@ -210,6 +210,22 @@ def test_shapes_motion_scores_wrong_clips_less():
     assert components["travel"].tolist() == pytest.approx([1, 0, 0, 0, 1])
 
 
+def test_the_geneval_reward_scores_the_frames_of_motion_prompts():
+    """The motion records carry the image prompts' `objects` and `relation`: shapes_geneval scores their clips frame
+    by frame (the frames a reward samples), 1 for rendered clips, less when the colour is wrong."""
+    records = motion_prompts("test")
+    videos = [render_motion(r, np.random.default_rng(i)) for i, r in enumerate(records)]
+    columns = {"objects": [r["objects"] for r in records], "relation": [r["relation"] for r in records]}
+    reward = build("shapes_geneval", {}, "image", video_frames=3)
+    assert reward(videos, [r["prompt"] for r in records], **columns).tolist() == [1.0] * len(records)
+    colored = next(i for i, r in enumerate(records) if r["objects"][0]["color"])
+    other = next(c for c in COLORS if c != records[colored]["objects"][0]["color"])
+    wrong = render_motion({**records[colored], "objects": [{**records[colored]["objects"][0], "color": other}]},
+                          np.random.default_rng(0))
+    one = {k: [v[colored]] for k, v in columns.items()}
+    assert reward([wrong], [records[colored]["prompt"]], **one).item() < 1
+
+
 def test_shapes_motion_takes_videos_only_and_names_its_columns():
     reward = _motion()
     with pytest.raises(RewardError, match="scores videos"):
