@@ -122,6 +122,27 @@ def save_tiny_clip(directory: str | os.PathLike, *, projection_dim: int = 16, im
     return model
 
 
+# ---- tiny DINOv2 (transformers) ------------------------------------------------------------------
+
+def save_tiny_dinov2(directory: str | os.PathLike, *, image_size: int = 32, seed: int = 0) -> "torch.nn.Module":
+    """Save a 1-layer random ``Dinov2Model`` (width 32, patch 8) and the ``BitImageProcessor`` DINOv2 checkpoints
+    use (resize the short side, centre crop to ``image_size``, ImageNet mean/std) to ``directory``. Returns the model
+    (eval mode)."""
+    from transformers import BitImageProcessor, Dinov2Config, Dinov2Model
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    BitImageProcessor(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size},
+                      image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225],
+                      do_convert_rgb=True).save_pretrained(str(directory))
+    torch.manual_seed(seed)
+    config = Dinov2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, mlp_ratio=2,
+                          image_size=image_size, patch_size=8)
+    model = Dinov2Model(config).eval()
+    model.save_pretrained(str(directory))
+    return model
+
+
 # ---- tiny open_clip (HPSv2 architecture) ------------------------------------------------------
 
 TINY_OPEN_CLIP = {
