@@ -205,7 +205,10 @@ def _demo(args: argparse.Namespace) -> int:
     if not path.exists():
         raise SystemExit(f"flowrl demo: {path} not found; run it from the repository root (where configs/ is)")
     cfg = load_config(path, args.overrides)
-    print(f"flowrl demo: GRPO + LoRA on {cfg.model.path}, trained on {describe_rewards(cfg.rewards)}, "
+    objective = {"grpo": "GRPO", "nft": "DiffusionNFT", "awm": "AWM", "dpo": "online Diffusion-DPO"}.get(
+        cfg.train.objective, cfg.train.objective)
+    adapter = "LoRA" if cfg.lora.enabled else "full fine-tuning"
+    print(f"flowrl demo: {objective} + {adapter} on {cfg.model.path}, trained on {describe_rewards(cfg.rewards)}, "
           f"{cfg.train.epochs} epochs of {cfg.sample.prompts_per_epoch} prompts x {cfg.sample.group_size} images, "
           f"on the CPU")
     t0 = time.perf_counter()
