@@ -142,13 +142,16 @@ def _sample(args) -> int:
         raise SystemExit("flowrl sample: draws images; for a text config use flowrl eval")
     if args.num < 1 or args.steps < 0:
         raise SystemExit(f"flowrl sample: --num must be >= 1 and --steps >= 0, got {args.num} and {args.steps}")
+    missing = [path for path in args.image or [] if not Path(path).is_file()]
+    if missing:
+        raise SystemExit(f"flowrl sample: --image {missing[0]!r} is not a file")
     check_model(cfg)  # the model's class and the image size, before it loads
     policy = _policy_from_checkpoint(cfg, args.checkpoint, args.weights)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     seeds = [args.seed + k for k in range(args.num)]
     images = policy.sample(args.prompt, seeds, num_steps=args.steps or cfg.eval.num_steps,
-                           guidance_scale=cfg.eval.guidance_scale)
+                           guidance_scale=cfg.eval.guidance_scale, image_paths=args.image)
     rows = []
     for i, prompt in enumerate(args.prompt):
         for k, seed in enumerate(seeds):
@@ -256,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     sa.add_argument("--checkpoint", default=None)
     sa.add_argument("--weights", choices=WEIGHTS, default="auto", help="as for eval")
     sa.add_argument("--prompt", action="append", required=True, help="repeatable")
+    sa.add_argument("--image", action="append", default=None,
+                    help="repeatable: a conditioning image of every prompt (an editing or image-to-video model)")
     sa.add_argument("--num", type=int, default=1, help="images per prompt")
     sa.add_argument("--steps", type=int, default=0, help="ODE steps (default eval.num_steps)")
     sa.add_argument("--seed", type=int, default=0)

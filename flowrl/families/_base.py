@@ -223,6 +223,21 @@ class ImageBackend:
             kwargs["max_sequence_length"] = self.max_sequence_length
         return kwargs
 
+    def pipeline_batch_kwargs(self, prompts: Sequence[str], per_prompt: int) -> dict:
+        """The `pipe(...)` arguments asking for `per_prompt` samples of each prompt, prompt-major as a rollout orders
+        them: the prompts and `num_images_per_prompt` (a video pipeline's `num_videos_per_prompt`)."""
+        key = "num_videos_per_prompt" if self.video else "num_images_per_prompt"
+        return {"prompt": list(prompts), key: per_prompt}
+
+    def pipeline_condition_kwargs(self, images: Sequence, height: int, width: int) -> dict:
+        """The `pipe(...)` arguments that give every prompt of the call the conditioning images `images` (one prompt's
+        list, the count the family takes) as a rollout of height x width pixels encodes them: e.g. the source
+        image of an edit. {} for a family that takes none."""
+        if self.condition_images[1]:
+            raise NotImplementedError(f"{self.family} takes conditioning images but does not say how pipe(...) takes "
+                                      f"them (pipeline_condition_kwargs)")
+        return {}
+
     def pipeline_latents(self, latents: Tensor, height: int, width: int) -> Tensor:
         """Initial latents [B, ...] of a rollout (the denoiser's layout) as the pipeline's `pipe(latents=...)`
         takes them, for sampling the same images with diffusers (the denoising loop's own latents, which
