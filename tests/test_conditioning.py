@@ -132,7 +132,7 @@ class ProbeEdit(SD3Backend):
     family = "probe_edit"
     condition_images = (1, 1)
 
-    def _encode_conditions(self, images, settings):
+    def _encode_conditions(self, images, settings, prompts=None):
         from diffusers.image_processor import VaeImageProcessor
 
         pixels = VaeImageProcessor(vae_scale_factor=self.pipe.vae_scale_factor).preprocess(

@@ -65,20 +65,26 @@ def test_recomputed_log_probs_equal_the_recorded_ones(name, backends):
 
 def _pipe_latents(backend, latents, num_steps, guidance_scale):
     """Every step's latents of pipe(...) from `latents` [B, S, ...] (every prompt with the same conditioning images,
-    if the family takes them)."""
-    captured = []
+    if the family takes them), in the calls the family makes a batch of (`pipeline_batches`)."""
+    per_call = []
+    start = 0
+    for call in backend.pipeline_batches(PROMPTS, 2):
+        n = len(call["prompt"]) * call.get("num_images_per_prompt", call.get("num_videos_per_prompt", 1))
+        captured = []
 
-    def keep(pipe, i, t, tensors):
-        captured.append(tensors["latents"].clone())
-        return {}
+        def keep(pipe, i, t, tensors):
+            captured.append(tensors["latents"].clone())
+            return {}
 
-    per_prompt = {"num_frames": backend.tiny_num_frames} if backend.video else {}
-    backend.pipe(**backend.pipeline_batch_kwargs(PROMPTS, 2), num_inference_steps=num_steps, height=SIZE, **per_prompt,
-                 width=SIZE, latents=backend.pipeline_latents(latents.clone(), SIZE, SIZE),
-                 callback_on_step_end=keep, callback_on_step_end_tensor_inputs=["latents"],
-                 output_type="latent", **backend.pipeline_call_kwargs(guidance_scale),
-                 **backend.pipeline_condition_kwargs(images_per_prompt(backend.family), SIZE, SIZE))
-    return torch.stack(captured, dim=1)
+        frames = {"num_frames": backend.tiny_num_frames} if backend.video else {}
+        backend.pipe(**call, num_inference_steps=num_steps, height=SIZE, width=SIZE, **frames,
+                     latents=backend.pipeline_latents(latents[start: start + n].clone(), SIZE, SIZE),
+                     callback_on_step_end=keep, callback_on_step_end_tensor_inputs=["latents"],
+                     output_type="latent", **backend.pipeline_call_kwargs(guidance_scale),
+                     **backend.pipeline_condition_kwargs(images_per_prompt(backend.family), SIZE, SIZE))
+        per_call.append(torch.stack(captured, dim=1))
+        start += n
+    return torch.cat(per_call)
 
 
 @pytest.mark.parametrize("name,guidance", [(n, g) for n in FAMILIES for g in family(n).parity_guidance])

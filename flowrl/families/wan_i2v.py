@@ -37,7 +37,7 @@ class WanImageToVideoBackend(WanBackend):
         _, frames, h, w = super()._latent_shape(settings)
         return (self.pipe.vae.config.z_dim, frames, h, w)
 
-    def _encode_conditions(self, images, settings):
+    def _encode_conditions(self, images, settings, prompts=None):
         """P prompts' first frames -> {"image_embeds": [P, T, D] CLIP vision features, "first_frame": [P, 4 + C, F',
         H', W'] the mask and the normalised latents of the image-then-zeros clip}, each image resized to the video's
         size and encoded alone, as the pipeline encodes its one image."""
@@ -90,10 +90,10 @@ class WanImageToVideoBackend(WanBackend):
             out = uncond + settings.guidance_scale * (out - uncond)
         return out
 
-    def pipeline_batch_kwargs(self, prompts, per_prompt):
+    def pipeline_batches(self, prompts, per_prompt):
         """Each prompt repeated, one video each: WanImageToVideoPipeline (diffusers 0.42) repeats the image features
         once per prompt, not per video, so `num_videos_per_prompt` > 1 fails in its transformer call."""
-        return {"prompt": [p for p in prompts for _ in range(per_prompt)], "num_videos_per_prompt": 1}
+        return [{"prompt": [p for p in prompts for _ in range(per_prompt)], "num_videos_per_prompt": 1}]
 
     def pipeline_condition_kwargs(self, images, height, width):
         """The first frame, resized to the video's size as a rollout resizes it."""
