@@ -142,10 +142,8 @@ def _sample(args) -> int:
         raise SystemExit("flowrl sample: draws images; for a text config use flowrl eval")
     if args.num < 1 or args.steps < 0:
         raise SystemExit(f"flowrl sample: --num must be >= 1 and --steps >= 0, got {args.num} and {args.steps}")
-    missing = [path for path in args.image or [] if not Path(path).is_file()]
-    if missing:
-        raise SystemExit(f"flowrl sample: --image {missing[0]!r} is not a file")
-    check_model(cfg)  # the model's class and the image size, before it loads
+    family_name = check_model(cfg)  # the model's class and the image size, before it loads
+    _check_sample_images(family_name, args.image or [])
     policy = _policy_from_checkpoint(cfg, args.checkpoint, args.weights)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -160,6 +158,25 @@ def _sample(args) -> int:
     (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"wrote {len(rows)} images to {out} (listed in samples.jsonl)")
     return 0
+
+
+def _check_sample_images(family_name: str, paths: list[str]) -> None:
+    """`flowrl sample --image`: each path a file Pillow reads, as many as the model's family takes per prompt."""
+    from PIL import Image, UnidentifiedImageError
+
+    from .conditioning import count_problem
+    from .families import family
+    from .preflight import PreflightError
+
+    for path in paths:
+        try:
+            with Image.open(path) as im:
+                im.verify()
+        except (OSError, UnidentifiedImageError) as e:
+            raise PreflightError(f"--image {path!r} is not an image Pillow reads ({e})") from None
+    problem = count_problem(len(paths), family(family_name).condition_images, family_name)
+    if problem:
+        raise PreflightError(f"--image: {problem} (give each image with its own --image)")
 
 
 def _plan(args) -> int:
