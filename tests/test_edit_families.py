@@ -7,6 +7,8 @@ generated source image per prompt):
   VAE's of the image followed by black frames;
 - FLUX.1-Kontext's source tokens are appended (the policy's latents stay the generated tokens only)."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -61,11 +63,11 @@ def test_qwen_edit_rows_of_different_source_layouts_sample_as_they_do_alone(qwen
     assert (lp - traj.log_probs[:, traj.train_steps]).abs().max().item() <= 1e-5
 
 
-def _settings(backend):
+def _settings(backend, num_frames: int = 1):
     from flowrl.sampling import SamplerSettings
 
     return SamplerSettings(family=backend.family, sde_type="ode", noise_level=0.0, guidance_scale=4.0,
-                           logprob_reduce="mean", height=SIZE, width=SIZE)
+                           logprob_reduce="mean", height=SIZE, width=SIZE, num_frames=num_frames)
 
 
 def test_qwen_edit_refuses_an_instruction_longer_than_its_budget(qwen_edit):
@@ -100,3 +102,34 @@ def test_kontext_samples_the_generated_tokens_and_conditions_on_the_sources():
     patch = backend.pipe.vae_scale_factor * 2  # 2x2 packed patches of the VAE's latents
     tokens = (SIZE // patch) * (48 // patch)
     assert traj.latents.shape[2] == tokens and traj.conditions["image_latents"].shape[1] == tokens
+
+
+@pytest.mark.parametrize("name", ["flux_kontext", "wan_i2v", "qwen_image_edit"])
+def test_offloaded_encoders_and_vae_visit_their_device_around_the_conditions(name, monkeypatch):
+    """With train.offload, what encodes the conditioning images (a vision-language or vision encoder, the VAE) is
+    brought to the compute device around `_encode_conditions` and parked after, as around the prompts' encoding."""
+    from flowrl.offload import Parked
+
+    backend = load_image_backend(f"tiny-{name}", max_sequence_length=16)
+    backend.offload("cpu")
+    visits = []
+    real_visit = Parked.visit
+
+    def visit(self):
+        visits.append(("in", id(self)))
+        with real_visit(self):
+            yield
+        visits.append(("out", id(self)))
+
+    monkeypatch.setattr(Parked, "visit", contextlib.contextmanager(visit))
+    real_encode = backend._encode_conditions
+
+    def encode(*args, **kwargs):
+        visits.append(("encode",))
+        return real_encode(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "_encode_conditions", encode)
+    backend.encode_conditions([SOURCES[:1]], 1, _settings(backend, backend.tiny_num_frames), prompts=["make it blue"])
+    k = visits.index(("encode",))
+    for parked in (backend._parked_text, backend._parked_vae):
+        assert ("in", id(parked)) in visits[:k] and ("out", id(parked)) in visits[k:]

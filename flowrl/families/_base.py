@@ -658,7 +658,10 @@ class ImageBackend:
                 raise ValueError(f"images of prompt {p}: {problem}")
         if self.condition_images[1] == 0:
             return {}
-        with torch.no_grad():
+        from flowrl.offload import visiting
+
+        # the image encoders and the VAE run here: on the device for it when train.offload parks them
+        with torch.no_grad(), visiting(self._parked_text), visiting(self._parked_vae):
             per_prompt = self._encode_conditions(images, settings, list(prompts) if prompts is not None else None)
         return {name: t.repeat_interleave(group_size, dim=0) for name, t in per_prompt.items()}
 
