@@ -1,7 +1,9 @@
 """Write samples/edit/: a few source images (plain shapes on a light background, 256 x 256 PNG) and editing
-instructions for them, `train.jsonl` and `test.jsonl` with an `image` column relative to the files. They are what the
-editing presets (configs/flux_kontext_edit.yaml, configs/qwen_image_edit_plus_pickscore.yaml) train on out of the
-box: a placeholder for a real editing set (Flow-GRPO's counting_edit, Flow-Factory's sharegpt4o_image_mini).
+instructions for them, `train.jsonl` and `test.jsonl` with an `image` column relative to the files; and
+samples/i2v/{train,test}.jsonl: motion prompts starting from the same images (first frames). They are what the
+editing presets (configs/flux_kontext_edit.yaml, configs/qwen_image_edit_plus_pickscore.yaml) and the image-to-video
+preset (configs/wan21_i2v_pickscore.yaml) train on out of the box: placeholders for real sets (Flow-GRPO's
+counting_edit, Flow-Factory's sharegpt4o_image_mini).
 
     python scripts/make_edit_samples.py
 """
@@ -26,6 +28,13 @@ SOURCES = [
      ["add one more circle", "make the middle circle blue"]),
 ]
 TEST = {"three_circles.png"}  # held out for eval
+#: first frame -> what happens next (samples/i2v)
+MOTIONS = {
+    "red_circle.png": ["the red circle rolls slowly to the right", "the red circle bounces up and down"],
+    "blue_square.png": ["the blue square spins in place", "the blue square slides to the left"],
+    "two_shapes.png": ["the circle and the square move towards each other"],
+    "three_circles.png": ["the three circles drift apart"],
+}
 
 
 def draw(shapes) -> Image.Image:
@@ -45,6 +54,12 @@ def main() -> None:
         rows[split] += [{"prompt": text, "image": name} for text in instructions]
     for split, items in rows.items():
         (OUT / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in items))
+    i2v = OUT.parent / "i2v"
+    i2v.mkdir(exist_ok=True)
+    for split in ("train", "test"):
+        items = [{"prompt": text, "image": f"../edit/{name}"} for name, texts in MOTIONS.items() for text in texts
+                 if (name in TEST) == (split == "test")]
+        (i2v / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in items))
 
 
 if __name__ == "__main__":
