@@ -28,7 +28,8 @@ from .qwen_image import PACK, TINY_TRANSFORMER, QwenImageBackend, _tiny_text_enc
 #: the share by which an image's token count may exceed its nominal area's (the pipeline rounds each side to 32 px,
 #: the Qwen2-VL processor to 28 px): the padding budget per image; a longer encoding is an error naming it
 _SLACK = 1.25
-_SOURCE_CACHE = 64  # source images whose VAE latents a backend keeps
+_SOURCE_CACHE = 64  # source images whose VAE latents are kept (see _cached_source_latents)
+_SOURCES: OrderedDict = OrderedDict()
 _VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 #: the tiny VAE: AutoencoderKLQwenImage compressing 8x (three downsamplings), so that a 1024 x 1024 source is 64 x 64
 #: packed tokens, as with the real model
@@ -137,19 +138,32 @@ class QwenImageEditPlusBackend(QwenImageBackend):
         return {f"{name}_embeds": padded, f"{name}_mask": padded_mask}
 
     def _cached_source_latents(self, image, height: int, width: int) -> torch.Tensor:
-        """`_source_latents` of a PIL image resized to height x width, kept for the last _SOURCE_CACHE images (by
-        their pixels): a prompt's sources are encoded at ~1 megapixel every time it is drawn otherwise."""
+        """`_source_latents` of a PIL image resized to height x width, kept (per process, for the last _SOURCE_CACHE
+        images) by the image's pixels and the VAE's weights: a prompt's sources are encoded at ~1 megapixel each
+        time it is drawn otherwise."""
         import hashlib
 
-        cache = self.__dict__.setdefault("_source_cache", OrderedDict())
-        key = (hashlib.sha1(image.tobytes()).hexdigest(), image.size, image.mode, height, width)
-        if key not in cache:
+        key = (self._vae_fingerprint(), hashlib.sha1(image.tobytes()).hexdigest(), image.size, image.mode, height,
+               width, str(self.device), self.dtype)
+        if key not in _SOURCES:
             pixels = self.pipe.image_processor.preprocess(image, height, width).unsqueeze(2)
-            cache[key] = self._source_latents(pixels)
-            while len(cache) > _SOURCE_CACHE:
-                cache.popitem(last=False)
-        cache.move_to_end(key)
-        return cache[key]
+            _SOURCES[key] = self._source_latents(pixels)
+            while len(_SOURCES) > _SOURCE_CACHE:
+                _SOURCES.popitem(last=False)
+        _SOURCES.move_to_end(key)
+        return _SOURCES[key]
+
+    def _vae_fingerprint(self) -> str:
+        """A hash of the VAE's weights (computed once per backend: they are never trained)."""
+        import hashlib
+
+        if getattr(self, "_vae_hash", None) is None:
+            digest = hashlib.sha1()
+            for name, tensor in sorted(self.pipe.vae.state_dict().items()):
+                digest.update(name.encode())
+                digest.update(tensor.detach().float().cpu().numpy().tobytes())
+            self._vae_hash = digest.hexdigest()
+        return self._vae_hash
 
     def _source_latents(self, pixels: torch.Tensor) -> torch.Tensor:
         """[1, 3, 1, H, W] pixels in [-1, 1] -> [1, (h/2)(w/2), 4C]: the VAE's mode, normalised per channel, packed."""
