@@ -31,8 +31,8 @@ _SLACK = 1.25
 _SOURCE_CACHE = 64  # source images whose VAE latents are kept (see _cached_source_latents)
 _SOURCES: OrderedDict = OrderedDict()
 _VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-#: the tiny VAE: AutoencoderKLQwenImage compressing 8x (three downsamplings), so that a 1024 x 1024 source is 64 x 64
-#: packed tokens, as with the real model
+#: the tiny VAE: AutoencoderKLQwenImage compressing 16x (four downsamplings, two of them spatial-only), so that the
+#: pipeline's ~1 megapixel sources are 32 x 32 packed tokens (the real 8x VAE makes 64 x 64) and cheap to attend to
 TINY_EDIT_VAE = dict(base_dim=2, z_dim=4, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=1,
                      temperal_downsample=[False, False, True, True], latents_mean=[0.1, -0.2, 0.3, 0.0],
                      latents_std=[1.5, 0.8, 1.2, 2.0])
@@ -193,6 +193,8 @@ class QwenImageEditPlusBackend(QwenImageBackend):
         return out
 
     def _predict_layout(self, x, t, cond, layout, settings):
+        """`_predict` for n rows sharing one source layout (each image's packed grid, (0, 0) for none): x [n, L, 4C],
+        t [n] -> [n, L, 4C]."""
         n, length = x.shape[0], x.shape[1]
         h, w = self._latent_hw(settings.height, settings.width)
         sources = [(1, a, b) for a, b in layout if a]
@@ -239,7 +241,7 @@ class QwenImageEditPlusBackend(QwenImageBackend):
     def tiny_pipeline(cls, seed: int = 0):
         """A QwenImageEditPlusPipeline: the tiny Qwen-Image parts with a tokenizer whose editing-template words are
         single tokens (its 64 dropped tokens are the template's) plus the vision tokens, a Qwen2-VL processor
-        shrinking every image to at most 56 x 56 pixels (4 image tokens), and an 8x VAE."""
+        shrinking every image to at most 56 x 56 pixels (a few image tokens), and a 16x VAE."""
         from diffusers import (
             AutoencoderKLQwenImage,
             FlowMatchEulerDiscreteScheduler,
