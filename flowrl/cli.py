@@ -142,13 +142,14 @@ def _sample(args) -> int:
         raise SystemExit("flowrl sample: draws images; for a text config use flowrl eval")
     if args.num < 1 or args.steps < 0:
         raise SystemExit(f"flowrl sample: --num must be >= 1 and --steps >= 0, got {args.num} and {args.steps}")
-    check_model(cfg)  # the model's class and the image size, before it loads
+    family_name = check_model(cfg)  # the model's class and the image size, before it loads
+    _check_sample_images(family_name, args.image or [])
     policy = _policy_from_checkpoint(cfg, args.checkpoint, args.weights)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     seeds = [args.seed + k for k in range(args.num)]
     images = policy.sample(args.prompt, seeds, num_steps=args.steps or cfg.eval.num_steps,
-                           guidance_scale=cfg.eval.guidance_scale)
+                           guidance_scale=cfg.eval.guidance_scale, image_paths=args.image)
     rows = []
     for i, prompt in enumerate(args.prompt):
         for k, seed in enumerate(seeds):
@@ -157,6 +158,25 @@ def _sample(args) -> int:
     (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"wrote {len(rows)} images to {out} (listed in samples.jsonl)")
     return 0
+
+
+def _check_sample_images(family_name: str, paths: list[str]) -> None:
+    """`flowrl sample --image`: each path a file Pillow reads, as many as the model's family takes per prompt."""
+    from PIL import Image, UnidentifiedImageError
+
+    from .conditioning import count_problem
+    from .families import family
+    from .preflight import PreflightError
+
+    for path in paths:
+        try:
+            with Image.open(path) as im:
+                im.verify()
+        except (OSError, UnidentifiedImageError) as e:
+            raise PreflightError(f"--image {path!r} is not an image Pillow reads ({e})") from None
+    problem = count_problem(len(paths), family(family_name).condition_images, family_name)
+    if problem:
+        raise PreflightError(f"--image: {problem} (give each image with its own --image)")
 
 
 def _plan(args) -> int:
@@ -259,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     sa.add_argument("--checkpoint", default=None)
     sa.add_argument("--weights", choices=WEIGHTS, default="auto", help="as for eval")
     sa.add_argument("--prompt", action="append", required=True, help="repeatable")
+    sa.add_argument("--image", action="append", default=None,
+                    help="repeatable: a conditioning image of every prompt (an editing or image-to-video model)")
     sa.add_argument("--num", type=int, default=1, help="images per prompt")
     sa.add_argument("--steps", type=int, default=0, help="ODE steps (default eval.num_steps)")
     sa.add_argument("--seed", type=int, default=0)

@@ -123,3 +123,18 @@ def test_the_readmes_own_reward_example_trains(tmp_path, monkeypatch):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     values = [r["reward/my_scores.py:brightness_mean"] for r in rows if "reward/my_scores.py:brightness_mean" in r]
     assert values and 0 < values[0] < 2.0  # gain 2 x a mean brightness in (0, 1)
+
+
+def test_sample_checks_its_images_before_the_model_loads(tmp_path, capsys, no_model_load):
+    from PIL import Image
+
+    kontext = [*TINY, "model.path=tiny-flux_kontext"]
+    err = one_line_error(capsys, 1, main(["sample", TINY_CFG, *kontext, "--prompt", "make it blue"]))
+    assert "--image: flux_kontext takes exactly 1 image per prompt, got 0" in err
+    err = one_line_error(capsys, 1, main(["sample", TINY_CFG, *kontext, "--prompt", "make it blue",
+                                          "--image", str(tmp_path / "nope.png")]))
+    assert "nope.png' is not an image" in err
+    Image.new("RGB", (32, 32)).save(tmp_path / "a.png")
+    err = one_line_error(capsys, 1, main(["sample", TINY_CFG, *TINY, "--prompt", "a cat", "--image",
+                                          str(tmp_path / "a.png")]))
+    assert "sd3 is a text-to-image family and takes no conditioning image, got 1" in err

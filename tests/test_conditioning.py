@@ -3,8 +3,10 @@ checked before any model loads (missing, not an image, wrong count for the famil
 loaded and fitted to the model's size multiple, and carried through the rollout to the family's `_predict`, per
 sample, so that recomputed log-probs still equal the recorded ones.
 
-No family of the repository takes conditioning images yet, so the rollout plumbing is checked on `ProbeEdit`: the
-tiny SD3 pipeline taught to take one image per prompt (its VAE latents added to the transformer's input)."""
+The rollout plumbing is checked here on `ProbeEdit`, the tiny SD3 pipeline taught to take one image per prompt (its
+VAE latents added to the transformer's input), independent of any real editing family; those (flux_kontext,
+qwen_image_edit, wan_i2v) get the shared guarantees in tests/test_families.py and more in
+tests/test_edit_families.py."""
 
 import json
 from pathlib import Path
@@ -145,7 +147,7 @@ class ProbeEdit(SD3Backend):
     family = "probe_edit"
     condition_images = (1, 1)
 
-    def _encode_conditions(self, images, settings):
+    def _encode_conditions(self, images, settings, prompts=None):
         from diffusers.image_processor import VaeImageProcessor
 
         pixels = VaeImageProcessor(vae_scale_factor=self.pipe.vae_scale_factor).preprocess(

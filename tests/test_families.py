@@ -5,7 +5,8 @@ flowrl.families, not by copying tests), on its tiny random-weight pipeline:
 - the exported LoRA loads with the pipeline's `load_lora_weights` and reproduces the trained model;
 - a directory written by diffusers' own `save_pretrained` trains one `flowrl train` epoch that changes the LoRA
   and writes a checkpoint `flowrl sample` loads.
-A video family's tiny model samples `tiny_num_frames` frames (`pipe(num_frames=...)`, `sample.num_frames`).
+A video family's tiny model samples `tiny_num_frames` frames (`pipe(num_frames=...)`, `sample.num_frames`); a family
+taking conditioning images (an editor, image-to-video) gets a small generated source image per prompt (`conditioned`).
 """
 
 import json
@@ -14,6 +15,8 @@ import pytest
 import torch
 
 from flowrl.families import family, family_names, load_image_backend, tiny_pipeline
+
+from conditioned import condition_images, images_per_prompt, prompt_data, sample_args
 
 torch.set_num_threads(1)
 
@@ -54,34 +57,42 @@ def backends():
 def test_recomputed_log_probs_equal_the_recorded_ones(name, backends):
     backend = backends(name)
     traj = backend.rollout(PROMPTS, 2, num_steps=4, seed=3, height=SIZE, width=SIZE, decode=False,
-                           num_frames=backend.tiny_num_frames)
+                           num_frames=backend.tiny_num_frames, images=condition_images(name, len(PROMPTS)))
     assert traj.sde_mask.all() and torch.isfinite(traj.log_probs).all()
     lp, _, _ = backend.step_log_prob(traj, traj.train_steps)                          # [B, K]
     assert (lp - traj.log_probs[:, traj.train_steps].to(lp)).abs().max().item() <= 1e-5
 
 
 def _pipe_latents(backend, latents, num_steps, guidance_scale):
-    """Every step's latents of pipe(...) from `latents` [B, S, ...]."""
-    captured = []
+    """Every step's latents of pipe(...) from `latents` [B, S, ...] (every prompt with the same conditioning images,
+    if the family takes them), in the calls the family makes a batch of (`pipeline_batches`)."""
+    per_call = []
+    start = 0
+    for call in backend.pipeline_batches(PROMPTS, 2):
+        n = len(call["prompt"]) * call.get("num_images_per_prompt", call.get("num_videos_per_prompt", 1))
+        captured = []
 
-    def keep(pipe, i, t, tensors):
-        captured.append(tensors["latents"].clone())
-        return {}
+        def keep(pipe, i, t, tensors):
+            captured.append(tensors["latents"].clone())
+            return {}
 
-    per_prompt = {"num_videos_per_prompt": 2, "num_frames": backend.tiny_num_frames} if backend.video else \
-        {"num_images_per_prompt": 2}
-    backend.pipe(prompt=list(PROMPTS), num_inference_steps=num_steps, height=SIZE, **per_prompt,
-                 width=SIZE, latents=backend.pipeline_latents(latents.clone(), SIZE, SIZE),
-                 callback_on_step_end=keep, callback_on_step_end_tensor_inputs=["latents"],
-                 output_type="latent", **backend.pipeline_call_kwargs(guidance_scale))
-    return torch.stack(captured, dim=1)
+        frames = {"num_frames": backend.tiny_num_frames} if backend.video else {}
+        backend.pipe(**call, num_inference_steps=num_steps, height=SIZE, width=SIZE, **frames,
+                     latents=backend.pipeline_latents(latents[start: start + n].clone(), SIZE, SIZE),
+                     callback_on_step_end=keep, callback_on_step_end_tensor_inputs=["latents"],
+                     output_type="latent", **backend.pipeline_call_kwargs(guidance_scale),
+                     **backend.pipeline_condition_kwargs(images_per_prompt(backend.family), SIZE, SIZE))
+        per_call.append(torch.stack(captured, dim=1))
+        start += n
+    return torch.cat(per_call)
 
 
 @pytest.mark.parametrize("name,guidance", [(n, g) for n in FAMILIES for g in family(n).parity_guidance])
 def test_the_ode_rollout_is_the_pipelines_own_sampling(name, guidance, backends):
     backend = backends(name)
     traj = backend.rollout(PROMPTS, 2, num_steps=4, sde_type="ode", guidance_scale=guidance, seed=5,
-                           height=SIZE, width=SIZE, decode=False, num_frames=backend.tiny_num_frames)
+                           height=SIZE, width=SIZE, decode=False, num_frames=backend.tiny_num_frames,
+                           images=condition_images(name, len(PROMPTS)))
     expected = _pipe_latents(backend, traj.latents[:, 0], 4, guidance)
     assert expected.shape == traj.latents[:, 1:].shape
     assert (traj.latents[:, 1:].float() - expected.float()).abs().max().item() <= 1e-5
@@ -103,7 +114,7 @@ def test_the_exported_lora_loads_in_the_pipeline_and_reproduces_the_trained_mode
     loaded = load_image_backend(pipe, max_sequence_length=16)
     base = load_image_backend(tiny_pipeline(f"tiny-{name}"), max_sequence_length=16)
     kwargs = dict(num_steps=3, sde_type="ode", seed=1, height=SIZE, width=SIZE, decode=False,
-                  num_frames=family(name).tiny_num_frames)
+                  num_frames=family(name).tiny_num_frames, images=condition_images(name, len(PROMPTS)))
     ours = policy.backend.rollout(PROMPTS, 1, **kwargs).final_latents
     theirs = loaded.rollout(PROMPTS, 1, **kwargs).final_latents
     untrained = base.rollout(PROMPTS, 1, **kwargs).final_latents
@@ -120,7 +131,9 @@ def test_a_saved_pipeline_trains_one_epoch_and_flowrl_sample_loads_its_checkpoin
     model = tmp_path / "model"
     tiny_pipeline(f"tiny-{name}").save_pretrained(model)  # diffusers' own format, not flowrl's builder
     run = tmp_path / "run"
-    tr = Trainer(load_config(None, [*_train(name), f"model.path={model}", "train.epochs=1", f"log.run_dir={run}"]))
+    data = prompt_data(name, tmp_path / "data", PROMPTS)
+    tr = Trainer(load_config(None, [*_train(name), f"model.path={model}", "train.epochs=1", f"log.run_dir={run}",
+                                    *data]))
     assert tr.policy.family == name
     before = {n: p.detach().clone() for n, p in tr.named_params.items()}
     tr.fit()
@@ -129,7 +142,7 @@ def test_a_saved_pipeline_trains_one_epoch_and_flowrl_sample_loads_its_checkpoin
     assert next(r for r in rows if "policy/loss" in r)["policy/ratio_first_dev"] <= 1e-5
     out = tmp_path / "samples"
     assert main(["sample", *_train(name), f"model.path={model}", "--checkpoint", str(run / "ckpt-000001"),
-                 "--prompt", "a red cat", "--steps", "2", "--out", str(out)]) == 0
+                 "--prompt", "a red cat", "--steps", "2", "--out", str(out), *sample_args(name, tmp_path)]) == 0
     if family(name).video:  # an animation of the tiny model's frames
         from PIL import Image
 
@@ -138,3 +151,58 @@ def test_a_saved_pipeline_trains_one_epoch_and_flowrl_sample_loads_its_checkpoin
         assert list(run.glob("eval-*/000.webp")) and list(run.glob("eval-*.png"))  # animations beside the grid
     else:
         assert (out / "000_seed0.png").exists()
+
+
+CONDITIONED = [n for n in FAMILIES if family(n).condition_images[1] > 0]
+
+
+@pytest.mark.parametrize("name", CONDITIONED)
+def test_a_conditioned_familys_samples_follow_their_source_image(name, backends):
+    """Two prompts with one text and different source images sample differently from one noise; the same source
+    samples the same."""
+    from conditioned import source_image
+
+    backend = backends(name)
+    fewest = family(name).condition_images[0]
+    first, second = [source_image(seed=k) for k in range(fewest)], [source_image(seed=10 + k) for k in range(fewest)]
+    final = backend.rollout(["make it blue"] * 3, 1, num_steps=2, sde_type="ode", height=SIZE, width=SIZE,
+                            decode=False, num_frames=backend.tiny_num_frames, images=[first, second, first],
+                            latents=_one_noise(backend, 3)).final_latents
+    assert (final[0] - final[1]).abs().max() > 1e-4 and (final[0] - final[2]).abs().max() <= 1e-6
+
+
+def _one_noise(backend, n: int) -> torch.Tensor:
+    """One initial noise of a SIZE x SIZE sample, repeated n times: [n, ...]."""
+    from flowrl.sampling import SamplerSettings
+
+    settings = SamplerSettings(family=backend.family, sde_type="ode", noise_level=0.0, guidance_scale=1.0,
+                               logprob_reduce="mean", height=SIZE, width=SIZE, num_frames=backend.tiny_num_frames)
+    noise = backend._initial_noise(1, settings, torch.Generator().manual_seed(0))
+    return noise.repeat(n, *[1] * (noise.ndim - 1))
+
+
+@pytest.mark.parametrize("name", CONDITIONED)
+def test_a_wrong_image_count_in_the_prompt_file_stops_the_run_naming_file_and_line(name, tmp_path, monkeypatch):
+    from flowrl import families
+    from flowrl.config import load_config
+    from flowrl.preflight import PreflightError, preflight
+
+    from conditioned import source_image
+
+    monkeypatch.setattr(families, "load_image_backend", lambda *a, **k: pytest.fail("preflight loaded a model"))
+    low, high = family(name).condition_images
+    for k in range(high + 1):
+        source_image(seed=k).save(tmp_path / f"s{k}.png")
+    rows = [{"prompt": "fine", "image": [f"s{k}.png" for k in range(low)]},
+            {"prompt": "too many", "image": [f"s{k}.png" for k in range(high + 1)]}]
+    path = tmp_path / "edits.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(None, [f"model.path=tiny-{name}", f"data.train_prompts={path}", "sample.height=32",
+                             "sample.width=32", f"sample.num_frames={family(name).tiny_num_frames}"])
+    with pytest.raises(PreflightError) as info:
+        preflight(cfg)
+    message = str(info.value)
+    assert "\n" not in message and f"{path}:2: {name} takes" in message and f"got {high + 1}" in message
+    path.write_text(json.dumps({"prompt": "no image"}) + "\n")
+    with pytest.raises(PreflightError, match=f"{path}:1: {name} takes .* got 0"):
+        preflight(cfg)

@@ -24,6 +24,8 @@ from flowrl.families import family, family_names
 from flowrl.sampling import ddpm_flow_time, ddpm_velocity
 from flowrl.trainer import Trainer
 
+from conditioned import condition_images, prompt_data
+
 torch.set_num_threads(1)
 
 FAMILIES = [*family_names(), "flux2-klein"]
@@ -88,7 +90,8 @@ def test_flow_prediction_is_the_velocity_the_sampler_steps_with(name, model_path
     backend = policy.backend
     g = backend.training_guidance_scale(backend.default_guidance_scale)
     traj = backend.rollout(["a red cat", "a blue dog"], 2, num_steps=4, sde_type="ode", guidance_scale=g, seed=0,
-                           height=32, width=32, decode=False, num_frames=policy.cfg.sample.num_frames)
+                           height=32, width=32, decode=False, num_frames=policy.cfg.sample.num_frames,
+                           images=condition_images(name, 2))
     times = backend.flow_times(traj)
     i = 1
     x_i, x_next = traj.latents[:, i].float(), traj.latents[:, i + 1].float()
@@ -104,7 +107,8 @@ def test_flow_prediction_is_the_velocity_the_sampler_steps_with(name, model_path
         y_i, y_next, t_next = x_i / (a + s), x_next / (a2 + s2), s2 / (a2 + s2)
         assert math.isclose(float(times[i]), float(s / (a + s)), rel_tol=1e-6)
     v_sampler = (y_next - y_i) / (t_next - times[i])
-    pred = backend.flow_prediction(x0, eps, times[i], traj.prompt_ids, traj.prompt_encodings, traj.sampler)
+    pred = backend.flow_prediction(x0, eps, times[i], traj.prompt_ids, traj.prompt_encodings, traj.sampler,
+                                   traj.conditions)
     scale = max(1.0, v_sampler.abs().max().item())
     assert (pred.velocity.detach() - v_sampler).abs().max().item() <= 2e-5 * scale
     assert torch.equal(pred.t, times[i].expand(len(x0)))  # a schedule time is used as it is (DDPM: its timestep)
@@ -187,7 +191,8 @@ def test_nft_samples_with_the_old_policy(tmp_path):
 def test_one_epoch_trains_and_checkpoints(name, objective, model_path, tmp_path):
     run = tmp_path / "run"
     tr = Trainer(tiny_cfg(run, f"model.path={model_path(name)}", f"train.objective={objective}", "train.epochs=1",
-                          "train.minibatch_size=4", "train.micro_batch_size=2", frames(name)))
+                          "train.minibatch_size=4", "train.micro_batch_size=2", frames(name),
+                          *prompt_data(name, tmp_path / "data", ["a red cat", "a blue dog"])))
     before = trained(tr)
     tr.fit()
     after = trained(tr)

@@ -223,6 +223,22 @@ class ImageBackend:
             kwargs["max_sequence_length"] = self.max_sequence_length
         return kwargs
 
+    def pipeline_batches(self, prompts: Sequence[str], per_prompt: int) -> list[dict]:
+        """The `pipe(...)` calls that make `per_prompt` samples of each prompt, prompt-major as a rollout orders
+        them: each call's prompts and `num_images_per_prompt` (a video pipeline's `num_videos_per_prompt`); the
+        calls' samples, in order, are the rollout's. One call unless the pipeline cannot take the batch at once."""
+        key = "num_videos_per_prompt" if self.video else "num_images_per_prompt"
+        return [{"prompt": list(prompts), key: per_prompt}]
+
+    def pipeline_condition_kwargs(self, images: Sequence, height: int, width: int) -> dict:
+        """The `pipe(...)` arguments that give every prompt of the call the conditioning images `images` (one prompt's
+        list, the count the family takes) as a rollout of height x width pixels encodes them: e.g. the source
+        image of an edit. {} for a family that takes none."""
+        if self.condition_images[1]:
+            raise NotImplementedError(f"{self.family} takes conditioning images but does not say how pipe(...) takes "
+                                      f"them (pipeline_condition_kwargs)")
+        return {}
+
     def pipeline_latents(self, latents: Tensor, height: int, width: int) -> Tensor:
         """Initial latents [B, ...] of a rollout (the denoiser's layout) as the pipeline's `pipe(latents=...)`
         takes them, for sampling the same images with diffusers (the denoising loop's own latents, which
@@ -411,7 +427,7 @@ class ImageBackend:
             generator = torch.Generator(device="cpu").manual_seed(seed)
 
         encodings = self.encode_prompts(prompts)
-        conditions = self.encode_conditions(images, len(prompts), settings, group_size)
+        conditions = self.encode_conditions(images, len(prompts), settings, group_size, prompts=prompts)
         batch = len(prompts) * group_size
         prompt_ids = encodings.ids_for(prompts).repeat_interleave(group_size)
         group_ids = torch.arange(len(prompts)).repeat_interleave(group_size)
@@ -625,10 +641,11 @@ class ImageBackend:
         return {name: t.to(self.device) for name, t in cond.items()}
 
     def encode_conditions(self, images: Sequence[Sequence] | None, num_prompts: int, settings: SamplerSettings,
-                          group_size: int = 1) -> dict[str, Tensor]:
+                          group_size: int = 1, prompts: Sequence[str] | None = None) -> dict[str, Tensor]:
         """The conditioning images of P prompts (P lists of PIL images, or None) encoded for `_predict`, one row
         per sample: name -> [P x group_size, ...] (prompt-major). A ValueError when a prompt's count is not what
-        the family takes (`condition_images`); {} for a family that takes none."""
+        the family takes (`condition_images`); {} for a family that takes none. prompts: the P prompts' texts,
+        for a family that encodes them together with their images (Qwen-Image-Edit's vision-language encoder)."""
         from flowrl.conditioning import count_problem
 
         images = [[] for _ in range(num_prompts)] if images is None else [list(x) for x in images]
@@ -641,14 +658,18 @@ class ImageBackend:
                 raise ValueError(f"images of prompt {p}: {problem}")
         if self.condition_images[1] == 0:
             return {}
-        with torch.no_grad():
-            per_prompt = self._encode_conditions(images, settings)
+        from flowrl.offload import visiting
+
+        # the image encoders and the VAE run here: on the device for it when train.offload parks them
+        with torch.no_grad(), visiting(self._parked_text), visiting(self._parked_vae):
+            per_prompt = self._encode_conditions(images, settings, list(prompts) if prompts is not None else None)
         return {name: t.repeat_interleave(group_size, dim=0) for name, t in per_prompt.items()}
 
-    def _encode_conditions(self, images: list[list], settings: SamplerSettings) -> dict[str, Tensor]:
+    def _encode_conditions(self, images: list[list], settings: SamplerSettings,
+                           prompts: list[str] | None = None) -> dict[str, Tensor]:
         """A family that takes conditioning images: P prompts' images (each list the count it takes) -> name ->
         [P, ...] tensors on the model's device, which `_predict` finds in its `cond` (e.g. the VAE latents of a
-        source image)."""
+        source image). prompts: the P prompts' texts (None when the caller has none)."""
         raise NotImplementedError(f"{self.family} declares condition_images={self.condition_images} but does not "
                                   f"encode them (_encode_conditions)")
 

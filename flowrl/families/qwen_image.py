@@ -76,40 +76,43 @@ _TEMPLATE_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n"
 _SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
-def tiny_qwen_tokenizer():
+def tiny_qwen_tokenizer(template: str = _TEMPLATE_PREFIX + _TEMPLATE_SUFFIX,
+                        special_tokens: tuple[str, ...] = _SPECIAL_TOKENS):
     """A byte-level Qwen2Tokenizer (Qwen2.5-VL's class) over the 256 byte symbols, with merges that make each
-    word of QwenImagePipeline's prompt template one token (so that its 34 dropped template tokens are the
-    template's, as with Qwen's own vocabulary); other words are split into pieces. <|endoftext|> pads."""
+    word of a pipeline's prompt `template` one token (QwenImagePipeline's by default, so that its 34 dropped
+    template tokens are the template's, as with Qwen's own vocabulary); other words are split into pieces.
+    `special_tokens` (the first, <|endoftext|>, pads) are single tokens."""
     import re
 
     from tokenizers import AddedToken, pre_tokenizers
     from transformers import Qwen2Tokenizer
 
-    vocab = {token: i for i, token in enumerate(_SPECIAL_TOKENS)}
+    vocab = {token: i for i, token in enumerate(special_tokens)}
     for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
         vocab[symbol] = len(vocab)
     splitter = Qwen2Tokenizer(vocab=dict(vocab), merges=[])._tokenizer.pre_tokenizer
-    special = "|".join(re.escape(t) for t in _SPECIAL_TOKENS)
+    special = "|".join(re.escape(t) for t in special_tokens)
     pieces = [
         piece
-        for text in re.split(special, _TEMPLATE_PREFIX + _TEMPLATE_SUFFIX)
+        for text in re.split(special, template)
         for piece, _ in splitter.pre_tokenize_str(text)
     ]
     merges = []
-    for piece in dict.fromkeys(pieces):
+    for piece in sorted(dict.fromkeys(pieces), key=len, reverse=True):  # longer words first: their merges win
         for i in range(1, len(piece)):
             head, merged = piece[:i], piece[: i + 1]
             if merged not in vocab:
                 vocab[merged] = len(vocab)
                 merges.append((head, piece[i]))
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges)
-    tokenizer.add_tokens([AddedToken(token, special=True) for token in _SPECIAL_TOKENS[1:]])
+    tokenizer.add_tokens([AddedToken(token, special=True) for token in special_tokens[1:]])
     return tokenizer
 
 
-def _tiny_text_encoder(tokenizer):
+def _tiny_text_encoder(tokenizer, **token_ids):
     """A Qwen2_5_VLForConditionalGeneration with one decoder layer (the pipeline reads the last hidden state) and
-    a one-block vision tower (never run: prompts only)."""
+    a one-block vision tower (run by the editing pipelines only, whose `token_ids` say where the image tokens
+    are: image_token_id, video_token_id, vision_start_token_id)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     vocab_size = tiny.vocab_size(tokenizer)
@@ -134,6 +137,7 @@ def _tiny_text_encoder(tokenizer):
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
         eos_token_id=tokenizer.pad_token_id,
+        **token_ids,
     )
     return Qwen2_5_VLForConditionalGeneration(config)
 

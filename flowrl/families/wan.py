@@ -174,19 +174,25 @@ class WanBackend(FlowMatchingBackend):
         """A WanPipeline: a 1-layer UMT5 encoder over the character tokenizer, a 1-block Wan transformer, the Wan
         VAE of diffusers' own tests (8x space, 4x time), Euler flow matching with Wan2.1's shift."""
         from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
-        from transformers import UMT5Config, UMT5EncoderModel
 
         tok = tiny.t5_tokenizer()
-        config = UMT5Config(vocab_size=tiny.vocab_size(tok), d_model=32, d_kv=8, d_ff=37, num_layers=1, num_heads=4,
-                            relative_attention_num_buckets=8, pad_token_id=tok.pad_token_id,
-                            eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.pad_token_id)
         with tiny.Seeded(seed) as build:
-            text_encoder = build(UMT5EncoderModel, config)
+            text_encoder = build(tiny_umt5, tok)
             transformer = build(WanTransformer3DModel, **TINY_TRANSFORMER)
             vae = build(AutoencoderKLWan, **TINY_VAE)
         pipe = WanPipeline(tokenizer=tok, text_encoder=text_encoder, transformer=transformer, vae=vae,
                            scheduler=FlowMatchEulerDiscreteScheduler(shift=TINY_FLOW_SHIFT))
         return tiny.finish(pipe)
+
+
+def tiny_umt5(tokenizer):
+    """The tiny Wan pipelines' text encoder: a 1-layer UMT5 encoder of width 32 over `tokenizer`."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    config = UMT5Config(vocab_size=tiny.vocab_size(tokenizer), d_model=32, d_kv=8, d_ff=37, num_layers=1, num_heads=4,
+                        relative_attention_num_buckets=8, pad_token_id=tokenizer.pad_token_id,
+                        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id)
+    return UMT5EncoderModel(config)
 
 
 def tiny_wan_pipeline(seed: int = 0):

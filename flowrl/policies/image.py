@@ -484,13 +484,20 @@ class ImagePolicy:
         return self.backend._initial_noise(n, settings, torch.Generator(device="cpu").manual_seed(seed))
 
     @torch.no_grad()
-    def sample(self, prompts: list[str], seeds: list[int], *, num_steps: int, guidance_scale: float) -> list:
+    def sample(self, prompts: list[str], seeds: list[int], *, num_steps: int, guidance_scale: float,
+               image_paths: list[str] | None = None) -> list:
         """ODE images, prompt-major: for each prompt one image per seed, image (prompt, seed) starting from the noise
-        that seed draws, so it is the same whatever is sampled beside it."""
+        that seed draws, so it is the same whatever is sampled beside it. image_paths: the conditioning images of
+        every prompt (a family that takes them: the source image of an edit, the first frame of a video)."""
+        from flowrl.conditioning import load_images
+
         noise = torch.cat([self._noise(1, seed, guidance_scale) for _ in prompts for seed in seeds])
         s = self.cfg.sample
+        images = None
+        if image_paths or self.backend.condition_images[1]:
+            images = [load_images(list(image_paths or []), self.backend.size_multiple) for _ in prompts]
         traj = self.backend.rollout(prompts, group_size=len(seeds), num_steps=num_steps, guidance_scale=guidance_scale,
-                                    sde_type="ode", latents=noise, height=s.height, width=s.width,
+                                    sde_type="ode", latents=noise, height=s.height, width=s.width, images=images,
                                     num_frames=s.num_frames, deterministic_context=self.merged_adapter)
         return traj.images
 

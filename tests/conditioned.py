@@ -1,0 +1,62 @@
+"""Conditioning images for the shared family tests: a family that takes them (`condition_images`, an editor or an
+image-to-video model) gets a small generated source image per prompt, the fewest it takes, so that every test runs
+it as it is meant to run, without a case per family."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from flowrl.families import family, family_names
+
+
+def source_image(size: int = 32, seed: int = 0) -> Image.Image:
+    """A size x size RGB image: a colour gradient with a square on it, the same for the same seed."""
+    rng = np.random.default_rng(seed)
+    ramp = np.linspace(0, 255, size, dtype=np.float32)
+    pixels = np.stack([np.add.outer(ramp, ramp) / 2, np.add.outer(ramp, -ramp) / 2 + 128,
+                       np.full((size, size), float(rng.integers(0, 256)))], axis=-1)
+    pixels[size // 4: size // 2, size // 4: size // 2] = rng.integers(0, 256, 3)
+    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+
+
+def takes_images(name: str) -> bool:
+    """Whether a family takes conditioning images (False for a name that is no family, e.g. a saved variant's)."""
+    return name in family_names() and family(name).condition_images[0] > 0
+
+
+def images_per_prompt(name: str) -> list[Image.Image]:
+    """One prompt's conditioning images for a family: the fewest it takes (none for text-to-image)."""
+    return [source_image(seed=k) for k in range(family(name).condition_images[0])] if takes_images(name) else []
+
+
+def condition_images(name: str, num_prompts: int) -> list[list[Image.Image]] | None:
+    """`rollout(images=...)` for num_prompts prompts (the same images for each, as `pipe(image=...)` takes one set
+    for the whole call), or None for a text-to-image family."""
+    return [images_per_prompt(name) for _ in range(num_prompts)] if takes_images(name) else None
+
+
+def prompt_data(name: str, directory: Path, prompts: list[str]) -> list[str]:
+    """The config overrides giving a run these prompts with their conditioning images: a .jsonl with an `image`
+    column beside the saved images for a family that takes them, nothing for a text-to-image family."""
+    if not takes_images(name):
+        return []
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for k, im in enumerate(images_per_prompt(name)):
+        im.save(directory / f"source{k}.png")
+        paths.append(f"source{k}.png")
+    path = directory / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "image": paths}) + "\n" for p in prompts))
+    return [f"data.train_prompts={path}", f"data.eval_prompts={path}"]
+
+
+def sample_args(name: str, directory: Path) -> list[str]:
+    """`flowrl sample` arguments giving its prompts a family's conditioning images (saved in `directory`)."""
+    args = []
+    directory.mkdir(parents=True, exist_ok=True)
+    for k, im in enumerate(images_per_prompt(name)):
+        im.save(directory / f"sample_source{k}.png")
+        args += ["--image", str(directory / f"sample_source{k}.png")]
+    return args
