@@ -1,7 +1,8 @@
 """A Hugging Face causal LM as the policy. A step is a token; the mask is the completion mask.
 
 The same trainer loop drives it: `rollout` samples `n` completions per prompt (KV cache, temperature / top-p /
-top-k) and records the old token log-probs from a forward pass under the same temperature; `unit_log_probs`
+top-k) and records the old token log-probs under the same temperature, from the sampling pass's own logits
+(`text.old_log_probs=sampling`, `SampledLogProbs`) or from a second forward pass (`forward`); `unit_log_probs`
 recomputes them with gradients for a minibatch; the reference is the model with its LoRA adapter disabled
 (or a frozen copy). Log-probs, KL and entropy come from `flowrl.core`. With `train.sharding=fsdp` the model is
 sharded over the processes with FSDP2 (`shard`); every forward pass is then a collective, so generation runs with
@@ -35,6 +36,48 @@ def completion_mask_from_ids(completion_ids: Tensor, eos_token_id: int) -> tuple
     mask = (seen_before == 0).float()
     truncated = ~is_eos.any(dim=1)
     return mask, truncated
+
+
+class SampledLogProbs:
+    """A logits processor that records log softmax(z_t / temperature)[y_t] of every sampled token during generate().
+
+    Placed in generate()'s `logits_processor` list, it runs before the temperature / top-k / top-p warpers that
+    transformers appends after the caller's processors, so it sees the model's raw next-token logits z_t [B, V]
+    (generate's float32 copy) and passes them on unchanged. The token y_t sampled from step t's logits is only
+    known at the next call (the last column of its `input_ids`) or, for the last step, from the returned sequences
+    (`finish`): so one step's logits are held back, never a [B, T, V] stack. The log-prob is the one the update's
+    forward computes (`core.token_log_probs`: float32, row-chunked, over the whole vocabulary under the
+    temperature); top-k / top-p truncation is left out on purpose, as the update's log-probs leave it out too and
+    the importance ratio must compare like with like.
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature = float(temperature)
+        self.held: Tensor | None = None  # [B, V]: the last step's logits, until its sampled token is known
+        self.steps: list[Tensor] = []  # [B] float32 per generated token
+
+    def _take(self, tokens: Tensor) -> None:
+        """Log-prob of `tokens` [B] under the held logits [B, V]."""
+        lp = core.token_log_probs(self.held[:, None, :], tokens[:, None], self.temperature)
+        self.steps.append(lp[:, 0])
+        self.held = None
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        if self.held is not None:
+            self._take(input_ids[:, -1])
+        self.held = scores
+        return scores
+
+    def finish(self, sequences: Tensor, n_new: int) -> Tensor:
+        """The generated tokens' log-probs [B, n_new], `sequences` being generate()'s output (prompt + n_new)."""
+        if self.held is not None:
+            self._take(sequences[:, -1])
+        if len(self.steps) != n_new:
+            raise RuntimeError(f"recorded {len(self.steps)} sampling steps for {n_new} generated tokens: the "
+                               "logits processor was not called once per token; use text.old_log_probs=forward")
+        if not self.steps:
+            return sequences.new_zeros((sequences.shape[0], 0), dtype=torch.float32)
+        return torch.stack(self.steps, 1)
 
 
 class TextPolicy:
@@ -223,6 +266,7 @@ class TextPolicy:
         prompt_len = input_ids.shape[1]
         # generate() draws from torch's global RNG: seed it from this epoch/process's generator
         torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
+        recorder = SampledLogProbs(t.temperature) if t.old_log_probs == "sampling" else None
         out = self.model.generate(
             input_ids=input_ids,
             attention_mask=attn,
@@ -235,16 +279,21 @@ class TextPolicy:
             pad_token_id=tok.pad_token_id,
             eos_token_id=tok.eos_token_id,
             synced_gpus=self.sharded,  # sharded: every step's forward is a collective, on every process
+            logits_processor=[recorder] if recorder is not None else None,
         )
         completion = out[:, prompt_len:]
-        if completion.shape[1] < t.max_new_tokens:  # every row ended early: pad to a fixed T
-            pad = completion.new_full((completion.shape[0], t.max_new_tokens - completion.shape[1]), tok.pad_token_id)
+        n_new = completion.shape[1]
+        if n_new < t.max_new_tokens:  # every row ended early: pad to a fixed T
+            pad = completion.new_full((completion.shape[0], t.max_new_tokens - n_new), tok.pad_token_id)
             completion = torch.cat([completion, pad], 1)
         cmask, truncated = completion_mask_from_ids(completion, tok.eos_token_id)
         completion = torch.where(cmask > 0, completion, torch.full_like(completion, tok.pad_token_id))
         full_ids = torch.cat([input_ids, completion], 1)
         full_attn = torch.cat([attn, cmask.long()], 1)
-        old_lp, _ = self._forward_log_probs(self.model, full_ids, full_attn, prompt_len, t.temperature)
+        if recorder is not None:
+            old_lp = torch.nn.functional.pad(recorder.finish(out, n_new), (0, t.max_new_tokens - n_new))
+        else:
+            old_lp, _ = self._forward_log_probs(self.model, full_ids, full_attn, prompt_len, t.temperature)
         texts, id_lists = self.decode_completions(completion, cmask)
         batch = TextBatch(
             prompts=list(prompts),
