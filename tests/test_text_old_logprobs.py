@@ -128,3 +128,58 @@ def test_first_minibatch_check_catches_a_temperature_mismatch(tiny_lm, tmp_path)
 def test_unknown_old_log_probs_source_lists_the_valid_ones():
     with pytest.raises(ConfigError, match=r"text\.old_log_probs: 'cached' is not a valid choice; valid: sampling, forward"):
         load_config(None, ["backend=text", "text.old_log_probs=cached", "rewards=[{name: accuracy}]"])
+
+
+@pytest.fixture(scope="module")
+def hostile_lm(tiny_lm, tmp_path_factory):
+    """The tiny GPT-2 whose generation_config.json would reshape sampling (as Qwen2.5-Instruct's does): a
+    repetition penalty, no repeated tokens, top-k 1, a low temperature."""
+    import json
+    import shutil
+
+    d = tmp_path_factory.mktemp("hostile") / "lm"
+    shutil.copytree(tiny_lm, d)
+    gen = json.loads((d / "generation_config.json").read_text()) if (d / "generation_config.json").exists() else {}
+    gen.update(do_sample=True, repetition_penalty=3.0, no_repeat_ngram_size=1, top_k=1, temperature=0.2, top_p=0.5)
+    (d / "generation_config.json").write_text(json.dumps(gen))
+    return d
+
+
+def nucleus_probs(logits, temperature, top_p):
+    """softmax(logits / temperature) kept on the smallest set of most probable tokens whose mass reaches top_p,
+    renormalised [V] (written out here, not transformers' warper)."""
+    p = torch.softmax(logits.double() / temperature, -1)
+    order = torch.argsort(p, descending=True)
+    before = torch.cumsum(p[order], 0) - p[order]  # mass of the tokens ranked above
+    keep = torch.zeros_like(p, dtype=torch.bool)
+    keep[order[before < top_p]] = True
+    q = torch.where(keep, p, torch.zeros_like(p))
+    return q / q.sum()
+
+
+def test_rollout_draws_the_tempered_nucleus_whatever_the_model_generation_config(hostile_lm, tmp_path):
+    n, temperature, top_p = 3000, 0.7, 0.8
+    tr = Trainer(text_cfg(hostile_lm, tmp_path, f"text.temperature={temperature}", f"text.top_p={top_p}",
+                          "text.max_new_tokens=1"))
+    prompt = "12+21="
+    batch = tr.policy.rollout([prompt] * n, [{"answer": "33"}] * n, epoch=0,
+                              generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ids, attn = tr.policy.encode_prompts([prompt])
+        logits = tr.policy.model(input_ids=ids, attention_mask=attn).logits[0, -1]
+    want = nucleus_probs(logits, temperature, top_p)
+    assert (want > 0).sum() >= 3  # a real draw among several tokens, not the model config's top-k 1
+    freq = torch.bincount(batch.completion_ids[:, 0], minlength=len(want)).double() / n
+    sigma = (want * (1 - want) / n).sqrt()
+    assert ((freq - want).abs() <= 4.5 * sigma + 1e-12).all(), (freq, want)
+    # and the untruncated tempered softmax would have been told apart
+    full = torch.softmax(logits.double() / temperature, -1)
+    assert ((freq - full).abs() > 4.5 * (full * (1 - full) / n).sqrt()).any()
+
+
+def test_model_generation_config_leaves_the_recorded_log_probs_alone(hostile_lm, tmp_path):
+    tr = Trainer(text_cfg(hostile_lm, tmp_path, "text.temperature=1.0"))
+    batch = tr.rollout(epoch=0)
+    assert batch.completion_mask.sum(1).max() > 2
+    want, _ = independent_log_probs(tr.policy.model, batch, 1.0)
+    torch.testing.assert_close(batch.old_log_probs.double(), want * batch.completion_mask, rtol=0, atol=1e-4)

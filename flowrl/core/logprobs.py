@@ -64,6 +64,25 @@ def token_log_probs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) ->
     return _TokenLogProb.apply(logits, tokens.long(), float(temperature))
 
 
+def sample_categorical(logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One draw per row from softmax(logits), by inverse CDF: [B, V] -> [B] long.
+
+    Row b's token is the first k whose cumulative probability (float64) exceeds u_b * total_b, u_b ~ U[0, 1): one
+    uniform per row, where torch.multinomial draws V exponentials per row (on a CPU, tens of ms for 64 x 32k).
+    Tokens of probability 0 (logits -inf, e.g. outside a top-p nucleus) are never drawn. A row without any finite
+    probability mass is an error.
+    """
+    probs = torch.softmax(logits.float() if logits.dtype != torch.float64 else logits, dim=-1)
+    cdf = probs.cumsum(-1, dtype=torch.float64)  # [B, V]
+    total = cdf[:, -1:]
+    if not bool(((total > 0) & torch.isfinite(total)).all()):
+        bad = (~((total > 0) & torch.isfinite(total))).flatten().nonzero().flatten().tolist()
+        raise ValueError(f"rows {bad[:8]} of the logits have no finite probability mass (NaN, or every logit -inf): "
+                         "nothing can be sampled; every row needs at least one finite logit")
+    u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device, generator=generator) * total
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1).squeeze(1)
+
+
 def entropy_from_logits(logits: Tensor) -> Tensor:
     """Entropy of softmax(logits) over the last dim: H = logsumexp(z) - sum_k softmax(z)_k z_k.
 

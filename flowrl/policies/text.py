@@ -1,7 +1,7 @@
 """A Hugging Face causal LM as the policy. A step is a token; the mask is the completion mask.
 
 The same trainer loop drives it: `rollout` samples `n` completions per prompt (KV cache, temperature / top-p /
-top-k) and records the old token log-probs under the same temperature, from the sampling pass's own logits
+top-k; the draw itself by inverse CDF, `InverseCdfSampler`) and records the old token log-probs under the same temperature, from the sampling pass's own logits
 (`text.old_log_probs=sampling`, `SampledLogProbs`) or from a second forward pass (`forward`); `unit_log_probs`
 recomputes them with gradients for a minibatch; the reference is the model with its LoRA adapter disabled
 (or a frozen copy). Log-probs, KL and entropy come from `flowrl.core`. With `train.sharding=fsdp` the model is
@@ -41,9 +41,10 @@ def completion_mask_from_ids(completion_ids: Tensor, eos_token_id: int) -> tuple
 class SampledLogProbs:
     """A logits processor that records log softmax(z_t / temperature)[y_t] of every sampled token during generate().
 
-    Placed in generate()'s `logits_processor` list, it runs before the temperature / top-k / top-p warpers that
-    transformers appends after the caller's processors, so it sees the model's raw next-token logits z_t [B, V]
-    (generate's float32 copy) and passes them on unchanged. The token y_t sampled from step t's logits is only
+    First in generate()'s `logits_processor` list, before the temperature / top-k / top-p warpers and the sampler
+    (`sampling_processors`), it sees the model's raw next-token logits z_t [B, V] (generate's float32 copy; the
+    settings that would add processors of transformers' own are neutralised, `NEUTRAL_GENERATION`) and passes
+    them on unchanged. The token y_t sampled from step t's logits is only
     known at the next call (the last column of its `input_ids`) or, for the last step, from the returned sequences
     (`finish`): so one step's logits are held back, never a [B, T, V] stack. The log-prob is the one the update's
     forward computes (`core.token_log_probs`: float32, row-chunked, over the whole vocabulary under the
@@ -78,6 +79,58 @@ class SampledLogProbs:
         if not self.steps:
             return sequences.new_zeros((sequences.shape[0], 0), dtype=torch.float32)
         return torch.stack(self.steps, 1)
+
+
+class InverseCdfSampler:
+    """The last logits processor of a rollout's generate() call, which runs in greedy mode (do_sample=False): it
+    draws each row's next token from softmax(scores) (`core.sample_categorical`, inverse CDF) and returns scores
+    that are 0 at that token and -inf elsewhere, so that greedy decoding's argmax emits the draw.
+
+    Why not generate's own sampling mode: it draws with torch.multinomial, which fills a [B, V] tensor with
+    exponential random numbers at every step; on a CPU that is ~85 ms per step for 64 rows x 32k tokens, more
+    than the model's own step (benchmarks/text_step.py). The distribution is the same: the scores arrive here
+    through transformers' own temperature / top-k / top-p warpers, in generate's order (`sampling_processors`).
+    """
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        tokens = core.sample_categorical(scores)
+        return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)
+
+
+def sampling_processors(temperature: float, top_k: int, top_p: float) -> list:
+    """transformers' warpers of generate's sampling mode, in its order (temperature, top-k, top-p; one token
+    kept at least), for `temperature` / `top_k` (0 = off) / `top_p` (1 = off), followed by the sampler."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    out = []
+    if temperature != 1.0:
+        out.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        out.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
+    if top_p < 1.0:
+        out.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+    return out + [InverseCdfSampler()]
+
+
+#: generate() settings that would add logits processors (or, sampling, warpers) of their own: set to their
+#: neutral value so that a model's generation_config.json (Qwen2.5-Instruct's sets repetition_penalty, top_k,
+#: top_p, temperature) cannot change the distribution sampled from behind the log-probs' back.
+NEUTRAL_GENERATION = {
+    "temperature": None, "top_k": None, "top_p": None, "min_p": None, "typical_p": None, "top_h": None,
+    "epsilon_cutoff": None, "eta_cutoff": None, "repetition_penalty": None, "encoder_repetition_penalty": None,
+    "no_repeat_ngram_size": None, "encoder_no_repeat_ngram_size": None, "bad_words_ids": None,
+    "min_length": None, "min_new_tokens": None, "sequence_bias": None, "forced_bos_token_id": None,
+    "forced_eos_token_id": None, "exponential_decay_length_penalty": None, "suppress_tokens": None,
+    "begin_suppress_tokens": None, "guidance_scale": None, "renormalize_logits": False, "watermarking_config": None,
+}
+
+
+def neutral_generation_kwargs() -> dict:
+    """`NEUTRAL_GENERATION` restricted to the settings this transformers version's GenerationConfig knows."""
+    from transformers import GenerationConfig
+
+    known = GenerationConfig()
+    return {k: v for k, v in NEUTRAL_GENERATION.items() if hasattr(known, k)}
 
 
 class TextPolicy:
@@ -260,6 +313,8 @@ class TextPolicy:
 
     @torch.no_grad()
     def rollout(self, prompts: list[str], metadata: list[dict], *, epoch: int, generator) -> TextBatch:
+        from transformers import LogitsProcessorList
+
         t = self.text
         tok = self.tokenizer
         input_ids, attn = self.encode_prompts(prompts)
@@ -267,19 +322,19 @@ class TextPolicy:
         # generate() draws from torch's global RNG: seed it from this epoch/process's generator
         torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
         recorder = SampledLogProbs(t.temperature) if t.old_log_probs == "sampling" else None
+        processors = [recorder] if recorder is not None else []
+        processors += sampling_processors(t.temperature, t.top_k, t.top_p)
         out = self.model.generate(
             input_ids=input_ids,
             attention_mask=attn,
-            do_sample=True,
-            temperature=t.temperature,
-            top_p=t.top_p,
-            top_k=t.top_k or None,
+            do_sample=False,  # greedy over InverseCdfSampler's one-hot scores: it samples (see there)
             max_new_tokens=t.max_new_tokens,
             use_cache=True,
             pad_token_id=tok.pad_token_id,
             eos_token_id=tok.eos_token_id,
             synced_gpus=self.sharded,  # sharded: every step's forward is a collective, on every process
-            logits_processor=[recorder] if recorder is not None else None,
+            logits_processor=LogitsProcessorList(processors),
+            **neutral_generation_kwargs(),
         )
         completion = out[:, prompt_len:]
         n_new = completion.shape[1]
