@@ -100,6 +100,24 @@ def test_token_log_probs_equal_log_softmax_gather_and_grad(temperature, monkeypa
     torch.testing.assert_close(logits.grad, ref_logits.grad, **TOL)
 
 
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_token_log_probs_grad_in_place_per_chunk(dtype, atol, monkeypatch):
+    """Lower-precision logits, many chunks: values and gradients equal a float64 log-softmax's."""
+    monkeypatch.setattr(logprobs_mod, "_CHUNK_FLOATS", 40)
+    gen = torch.Generator().manual_seed(6)
+    logits = (torch.randn(4, 3, 13, generator=gen) * 2).to(dtype).requires_grad_()
+    tokens = torch.randint(0, 13, (4, 3), generator=gen)
+    w = torch.randn(4, 3, generator=gen)
+    got = token_log_probs(logits, tokens, 0.7)
+    (got * w).sum().backward()
+    ref = logits.detach().double().requires_grad_()
+    want = torch.log_softmax(ref / 0.7, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    (want * w.double()).sum().backward()
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+    assert logits.grad.dtype == dtype
+    torch.testing.assert_close(logits.grad.double(), ref.grad, rtol=0, atol=atol)
+
+
 def test_token_log_probs_gradcheck():
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(2, 3, 7, generator=gen, dtype=torch.float64, requires_grad=True)

@@ -16,7 +16,11 @@ def _row_chunks(n_rows: int, vocab: int):
 
 
 class _TokenLogProb(torch.autograd.Function):
-    """log softmax(z / tau)[y] computed row-chunk by row-chunk in float32; backward likewise."""
+    """log softmax(z / tau)[y] computed row-chunk by row-chunk in float32; backward likewise.
+
+    Both passes use torch's fused (log-)softmax kernels on each chunk: the forward keeps only the picked
+    log-probs [N], the backward recomputes softmax(z / tau) per chunk and writes the gradient in place.
+    """
 
     @staticmethod
     def forward(ctx, logits: Tensor, tokens: Tensor, temperature: float) -> Tensor:
@@ -24,29 +28,35 @@ class _TokenLogProb(torch.autograd.Function):
         flat = logits.reshape(-1, v)
         idx = tokens.reshape(-1, 1)
         out_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        lse = torch.empty(flat.shape[0], dtype=out_dtype, device=logits.device)
+        out = torch.empty(flat.shape[0], dtype=out_dtype, device=logits.device)
         for rows in _row_chunks(flat.shape[0], v):
-            lse[rows] = torch.logsumexp(flat[rows].to(out_dtype) / temperature, dim=-1)
-        picked = flat.gather(1, idx).squeeze(1).to(out_dtype) / temperature
-        ctx.save_for_backward(logits, tokens, lse)
+            z = flat[rows].to(out_dtype)
+            z = z / temperature if temperature != 1.0 else z
+            out[rows] = torch.log_softmax(z, dim=-1).gather(1, idx[rows]).squeeze(1)
+        ctx.save_for_backward(logits, tokens)
         ctx.temperature = temperature
-        return (picked - lse).view(tokens.shape)
+        return out.view(tokens.shape)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        logits, tokens, lse = ctx.saved_tensors
+        logits, tokens = ctx.saved_tensors
         tau = ctx.temperature
         v = logits.shape[-1]
         flat = logits.reshape(-1, v)
-        g = grad_out.reshape(-1).to(lse.dtype)
+        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        g = grad_out.reshape(-1).to(dtype) / tau
         idx = tokens.reshape(-1, 1)
         grad = torch.empty_like(flat)
         # d/dz_k [z_y / tau - logsumexp(z / tau)] = (1[k = y] - softmax(z / tau)_k) / tau
         for rows in _row_chunks(flat.shape[0], v):
-            p = torch.exp(flat[rows].to(lse.dtype) / tau - lse[rows, None])
-            gr = -p * (g[rows, None] / tau)
-            gr.scatter_add_(1, idx[rows], (g[rows, None] / tau))
-            grad[rows] = gr.to(grad.dtype)
+            z = flat[rows].to(dtype)
+            p = torch.softmax(z / tau if tau != 1.0 else z, dim=-1)
+            if grad.dtype == dtype:  # write straight into the gradient
+                gr = torch.mul(p, g[rows, None].neg(), out=grad[rows])
+                gr.scatter_add_(1, idx[rows], g[rows, None])
+            else:
+                p.mul_(g[rows, None].neg()).scatter_add_(1, idx[rows], g[rows, None])
+                grad[rows] = p.to(grad.dtype)
         return grad.view_as(logits), None, None
 
 
