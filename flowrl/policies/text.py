@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import inspect
 import json
 from pathlib import Path
 
@@ -36,6 +38,19 @@ def completion_mask_from_ids(completion_ids: Tensor, eos_token_id: int) -> tuple
     mask = (seen_before == 0).float()
     truncated = ~is_eos.any(dim=1)
     return mask, truncated
+
+
+def logits_kept(model, n: int) -> dict:
+    """The forward keyword that makes `model` (a transformers causal LM) compute the logits of its last `n`
+    positions only: `logits_to_keep` (transformers >= 4.50), `num_logits_to_keep` (4.45-4.49), or none (all)."""
+    name = _logits_kept_name(type(model))
+    return {name: n} if name else {}
+
+
+@functools.lru_cache(maxsize=None)
+def _logits_kept_name(cls) -> str | None:
+    params = inspect.signature(cls.forward).parameters
+    return next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in params), None)
 
 
 class SampledLogProbs:
@@ -298,14 +313,19 @@ class TextPolicy:
         return self.tokenizer.batch_decode(ids, skip_special_tokens=True), ids
 
     def _forward_log_probs(self, model, input_ids, attention_mask, prompt_len, temperature, with_entropy=False):
-        """Token log-probs of the completion part [B, T] (and entropies [B, T]) from one forward."""
+        """Token log-probs of the completion part [B, T] (and entropies [B, T]) from one forward.
+
+        Only the last T + 1 positions go through the LM head (`logits_kept`): the prompt's logits are never used,
+        and with a large vocabulary they would be a large share of the forward's and the backward's work."""
+        n = input_ids.shape[1] - prompt_len  # T
         out = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids_from_mask(attention_mask),
             use_cache=False,
+            **logits_kept(self.base_model, n + 1),
         )
-        logits = out.logits[:, prompt_len - 1 : -1]  # [B, T, V]
+        logits = out.logits[:, -(n + 1) : -1]  # [B, T, V]: the positions that predict the completion's tokens
         targets = input_ids[:, prompt_len:]  # [B, T]
         lp = core.token_log_probs(logits, targets, temperature)
         ent = core.entropy_from_logits(logits.float() / temperature) if with_entropy else None
