@@ -37,6 +37,52 @@ import warnings
 import torch
 
 PHASES = ("generate", "rollout", "reward+adv", "update", "step")
+#: Each setting's work per step: prompts x group completions of at most max_new_tokens tokens.
+SETTINGS = {"tiny": {"prompts": 32, "group": 8, "max_new_tokens": 4},
+            "realistic": {"prompts": 2, "group": 8, "max_new_tokens": 128}}
+
+#: The realistic setting's model: a random-weight Qwen2 (the Qwen2.5 family's architecture: GQA, SwiGLU, RMSNorm,
+#: RoPE, tied embeddings) at a small width, with a real-sized vocabulary.
+REALISTIC = {"vocab_size": 32768, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 2}
+#: Its prompts: an addition in a sentence, ~80 tokens with the character-level tokenizer.
+REALISTIC_TEMPLATE = ("Question: Tom has some apples and buys more at the market. What is {prompt}? Think it through "
+                      "and answer with a number.")
+
+
+def build_realistic_model(directory: str) -> str:
+    """A random Qwen2 (`REALISTIC`) and a tokenizer of its vocabulary saved to `directory`, with prompts.jsonl.
+
+    The tokenizer maps every printable ASCII character to one token (prompts encode character by character) and
+    fills the rest of the vocabulary with word-like tokens, so that every id the model samples decodes to text.
+    No download: the weights are random (seed 0).
+    """
+    import json
+    from pathlib import Path
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    specials = ["<|pad|>", "<|endoftext|>"]
+    chars = [chr(c) for c in range(32, 127)]
+    fillers = [f" w{i}" for i in range(REALISTIC["vocab_size"] - len(specials) - len(chars))]
+    vocab = {t: i for i, t in enumerate(specials + chars + fillers)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="?"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<|pad|>", eos_token="<|endoftext|>")
+    tok.save_pretrained(d)
+    torch.manual_seed(0)
+    cfg = Qwen2Config(**REALISTIC, max_position_embeddings=512, tie_word_embeddings=True,
+                      pad_token_id=vocab["<|pad|>"], eos_token_id=vocab["<|endoftext|>"],
+                      bos_token_id=vocab["<|endoftext|>"])
+    Qwen2ForCausalLM(cfg).save_pretrained(d)
+    rows = [{"prompt": REALISTIC_TEMPLATE.format(prompt=f"{a}+{b}"), "answer": str(a + b)}
+            for a in range(10, 50) for b in range(10, 50)]
+    (d / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(d)
 
 
 def timed(fn, sink: list):
@@ -51,6 +97,21 @@ def timed(fn, sink: list):
     return wrapper
 
 
+def even_token_share(prompts, completions, completion_ids, **kwargs):
+    """The realistic setting's reward: the share of a completion's tokens with an even id (random weights write
+    no arithmetic; this varies from completion to completion, so the advantages are not all 0)."""
+    return [sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
+
+
+def setting_overrides(args) -> list[str]:
+    """flowrl config overrides of the setting (the realistic one builds its model in a temporary directory)."""
+    if args.setting == "tiny":
+        return []
+    d = build_realistic_model(tempfile.mkdtemp(prefix="flowrl-text-bench-model-"))
+    return [f"model.path={d}", f"data.train_prompts={d}/prompts.jsonl", f"data.eval_prompts={d}/prompts.jsonl",
+            "rewards=[{name: 'benchmarks/text_step.py:even_token_share'}]", "text.max_prompt_length=256"]
+
+
 def build_flowrl(args):
     from flowrl.config import load_config
     from flowrl.trainer import Trainer
@@ -59,7 +120,7 @@ def build_flowrl(args):
         f"sample.prompts_per_epoch={args.prompts}", f"sample.group_size={args.group}",
         f"text.max_new_tokens={args.max_new_tokens}", "text.temperature=1.0", "train.beta=0.0",
         "log.progress=false", "log.completions_every=0", "log.tensorboard=false", "log.wandb=false",
-        f"log.run_dir={tempfile.mkdtemp(prefix='flowrl-text-bench-')}"])
+        f"log.run_dir={tempfile.mkdtemp(prefix='flowrl-text-bench-')}", *setting_overrides(args), *args.overrides])
     return Trainer(cfg)
 
 
@@ -77,26 +138,36 @@ def flowrl_epoch(tr, epoch: int, gen_times: list) -> dict:
             "step": t3 - t0, "tokens": float(batch.completion_mask.sum()), "samples": len(batch.prompts)}
 
 
-def run_flowrl(args) -> dict:
-    tr = build_flowrl(args)
-    gen_times: list[float] = []
-    tr.policy.model.generate = timed(tr.policy.model.generate, gen_times)
-    rows = [flowrl_epoch(tr, e, gen_times) for e in range(args.warmup + args.repeats)][args.warmup:]
-    if args.profile:
-        import cProfile
-        import pstats
+class FlowrlRun:
+    """flowrl's trainer with generate() timed; `epoch(e)` runs and records one timed epoch."""
 
-        prof = cProfile.Profile()
-        prof.enable()
-        flowrl_epoch(tr, args.warmup + args.repeats, gen_times)
-        prof.disable()
-        print(f"\ncProfile of one flowrl epoch (threads {torch.get_num_threads()}):")
-        pstats.Stats(prof).sort_stats("cumulative").print_stats(35)
-    return {"rows": rows, "train_set": tr.train_set, "cfg": tr.cfg}
+    def __init__(self, args):
+        self.args = args
+        self.tr = build_flowrl(args)
+        self.gen_times: list[float] = []
+        self.tr.policy.model.generate = timed(self.tr.policy.model.generate, self.gen_times)
+        self.rows: list[dict] = []
+
+    def epoch(self, e: int) -> None:
+        self.rows.append(flowrl_epoch(self.tr, e, self.gen_times))
+
+    def result(self) -> dict:
+        if self.args.profile:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            flowrl_epoch(self.tr, len(self.rows), self.gen_times)
+            prof.disable()
+            print(f"\ncProfile of one flowrl epoch (threads {torch.get_num_threads()}):")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        return {"rows": self.rows[self.args.warmup:]}
 
 
-def run_trl(args, flowrl_cfg, train_set) -> dict | str:
-    """TRL's GRPOTrainer on the same work, or the reason it was skipped."""
+def run_trl(args, flowrl_cfg, train_set, between=None) -> dict | str:
+    """TRL's GRPOTrainer on the same work, or the reason it was skipped. `between(e)` runs after TRL's step e
+    (outside its timing): flowrl's epoch e, so that both see the same load of a shared machine."""
     try:
         import trl
         from datasets import Dataset
@@ -125,7 +196,8 @@ def run_trl(args, flowrl_cfg, train_set) -> dict | str:
         disable_tqdm=True, shuffle_dataset=False, log_completions=False, seed=t.seed, dataloader_num_workers=0)
     tok = AutoTokenizer.from_pretrained(flowrl_cfg.model.path)
     model = AutoModelForCausalLM.from_pretrained(flowrl_cfg.model.path, dtype=torch.float32)
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=[rewards.get("accuracy")], args=config,
+    reward = rewards.get("accuracy") if args.setting == "tiny" else even_token_share
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=[reward], args=config,
                               train_dataset=dataset, processing_class=tok)
     torch.set_num_threads(args.threads)  # in case the set-up changed it
 
@@ -150,6 +222,8 @@ def run_trl(args, flowrl_cfg, train_set) -> dict | str:
 
         def on_step_end(self, args_, state, control, **kw):
             step_times.append(time.perf_counter() - self.t0)
+            if between is not None:
+                between(len(step_times) - 1)
 
     trainer.add_callback(StepTimer())
     trainer.remove_callback(PrinterCallback)  # no end-of-training metrics dump
@@ -192,14 +266,20 @@ def main(argv=None) -> dict:
     ap.add_argument("--config", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
                                                       "text_arith.yaml"))
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=4)
+    ap.add_argument("--setting", choices=sorted(SETTINGS), default="tiny",
+                    help="tiny: samples/arith; realistic: a random Qwen2, vocabulary 32768, 128-token completions")
+    ap.add_argument("--prompts", type=int, help="prompts per step (default: the setting's)")
+    ap.add_argument("--group", type=int, help="completions per prompt (default: the setting's)")
+    ap.add_argument("--max-new-tokens", type=int, help="default: the setting's")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--no-trl", action="store_true", help="flowrl only")
     ap.add_argument("--profile", action="store_true", help="cProfile one more flowrl epoch")
+    ap.add_argument("overrides", nargs="*", help="flowrl config overrides key=value (flowrl's half only)")
     args = ap.parse_args(argv)
+    for key, value in SETTINGS[args.setting].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -211,17 +291,22 @@ def main(argv=None) -> dict:
     try:
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-        print(f"text GRPO step: {args.prompts} prompts x {args.group}, max_new_tokens {args.max_new_tokens}, "
+        print(f"text GRPO step, {args.setting} setting: {args.prompts} prompts x {args.group}, "
+              f"max_new_tokens {args.max_new_tokens}, "
               f"temperature 1, beta 0, 1 optimizer step per batch; warm-up {args.warmup}, repeats {args.repeats}; "
               f"threads {torch.get_num_threads()}")
-        fl = run_flowrl(args)
-        fl_m = medians(fl["rows"])
-        tr_m, trl_out = None, "skipped (--no-trl)" if args.no_trl else run_trl(args, fl["cfg"], fl["train_set"])
+        flowrl = FlowrlRun(args)
+        trl_out = "skipped (--no-trl)" if args.no_trl else run_trl(args, flowrl.tr.cfg, flowrl.tr.train_set,
+                                                                   between=flowrl.epoch)
+        for e in range(len(flowrl.rows), args.warmup + args.repeats):  # without TRL (or if it failed early)
+            flowrl.epoch(e)
+        fl_m, tr_m = medians(flowrl.result()["rows"]), None
         if isinstance(trl_out, str):
             print(f"TRL: {trl_out}")
         else:
             tr_m = medians(trl_out["rows"])
-            print(f"TRL {trl_out['version']} GRPOTrainer on the same prompts (threads {torch.get_num_threads()})")
+            print(f"TRL {trl_out['version']} GRPOTrainer on the same prompts, its steps and flowrl's epochs taking "
+                  f"turns (threads {torch.get_num_threads()})")
         print_table(fl_m, tr_m, torch.get_num_threads(), args.repeats)
     finally:
         os.chdir(cwd)
