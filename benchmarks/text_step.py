@@ -236,6 +236,45 @@ def run_trl(args, flowrl_cfg, train_set, between=None) -> dict | str:
     return {"rows": rows, "version": trl.__version__}
 
 
+def generate_ab(args) -> dict:
+    """generate() alone, the same model and inputs, the calls taking turns: flowrl's rollout call (with and without
+    the log-prob recorder) and the call TRL 1.16 makes (its GenerationConfig: do_sample, multinomial draws)."""
+    from transformers import GenerationConfig
+
+    from flowrl.policies.text import SampledLogProbs
+
+    run = FlowrlRun(args)
+    pol, t = run.tr.policy, run.tr.policy.text
+    tok, model = pol.tokenizer, pol.model
+    prompts, _ = run.tr.train_set.draw(args.prompts, 0, run.tr.cfg.train.seed)
+    ids, attn = pol.encode_prompts([p for p in prompts for _ in range(args.group)])
+    trl_config = GenerationConfig(max_new_tokens=t.max_new_tokens, do_sample=True, pad_token_id=tok.pad_token_id,
+                                  bos_token_id=tok.bos_token_id, eos_token_id=[tok.eos_token_id],
+                                  temperature=t.temperature, top_p=t.top_p, top_k=t.top_k, min_p=None,
+                                  repetition_penalty=1.0, cache_implementation=None, disable_compile=True)
+    variants = {
+        "flowrl: inverse CDF + recorder": lambda: pol.generate_samples(ids, attn, SampledLogProbs(t.temperature)),
+        "flowrl: inverse CDF": lambda: pol.generate_samples(ids, attn),
+        "TRL's call: multinomial": lambda: model.generate(input_ids=ids, attention_mask=attn,
+                                                          generation_config=trl_config),
+    }
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    with torch.no_grad():
+        for rep in range(args.warmup + args.repeats):
+            for name, call in variants.items():
+                torch.manual_seed(rep)
+                t0 = time.perf_counter()
+                call()
+                if rep >= args.warmup:
+                    times[name].append(time.perf_counter() - t0)
+    out = {k: statistics.median(v) for k, v in times.items()}
+    print(f"\ngenerate() alone, {ids.shape[0]} rows x {t.max_new_tokens} new tokens, the calls taking turns; median "
+          f"of {args.repeats}, threads {torch.get_num_threads()}")
+    for name, sec in out.items():
+        print(f"{name:34s}{sec:10.4g} s   [threads {torch.get_num_threads()}]")
+    return out
+
+
 def medians(rows: list[dict]) -> dict:
     m = {k: statistics.median(r[k] for r in rows) for k in (*PHASES, "tokens")}
     m["tok/s"] = statistics.median(r["tokens"] / r["rollout"] for r in rows)
@@ -275,6 +314,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--no-trl", action="store_true", help="flowrl only")
     ap.add_argument("--profile", action="store_true", help="cProfile one more flowrl epoch")
+    ap.add_argument("--generate-ab", action="store_true",
+                    help="time generate() alone: flowrl's call beside TRL's, taking turns (no training)")
     ap.add_argument("overrides", nargs="*", help="flowrl config overrides key=value (flowrl's half only)")
     args = ap.parse_args(argv)
     for key, value in SETTINGS[args.setting].items():
@@ -295,6 +336,8 @@ def main(argv=None) -> dict:
               f"max_new_tokens {args.max_new_tokens}, "
               f"temperature 1, beta 0, 1 optimizer step per batch; warm-up {args.warmup}, repeats {args.repeats}; "
               f"threads {torch.get_num_threads()}")
+        if args.generate_ab:
+            return {"generate_ab": generate_ab(args), "threads": torch.get_num_threads()}
         flowrl = FlowrlRun(args)
         trl_out = "skipped (--no-trl)" if args.no_trl else run_trl(args, flowrl.tr.cfg, flowrl.tr.train_set,
                                                                    between=flowrl.epoch)

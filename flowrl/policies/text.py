@@ -325,26 +325,24 @@ class TextPolicy:
             use_cache=False,
             **logits_kept(self.base_model, n + 1),
         )
-        logits = out.logits[:, -(n + 1) : -1]  # [B, T, V]: the positions that predict the completion's tokens
-        targets = input_ids[:, prompt_len:]  # [B, T]
-        lp = core.token_log_probs(logits, targets, temperature)
-        ent = core.entropy_from_logits(logits.float() / temperature) if with_entropy else None
+        # [B, T + 1, V]: position prompt_len - 1 + t predicts completion token t; the last one predicts past the
+        # sequence and gets a stand-in target, its log-prob dropped. Slicing it off the logits instead would make
+        # them non-contiguous, and token_log_probs would copy all of them (a [B, T, V] copy, each way).
+        logits = out.logits[:, -(n + 1) :]
+        targets = torch.cat([input_ids[:, prompt_len:], input_ids[:, -1:]], 1)  # [B, T + 1]
+        lp = core.token_log_probs(logits, targets, temperature)[:, :-1]
+        ent = core.entropy_from_logits(logits[:, :-1].float() / temperature) if with_entropy else None
         return lp, ent
 
-    @torch.no_grad()
-    def rollout(self, prompts: list[str], metadata: list[dict], *, epoch: int, generator) -> TextBatch:
+    def generate_samples(self, input_ids: Tensor, attn: Tensor, recorder: SampledLogProbs | None = None) -> Tensor:
+        """generate() sampling under text.temperature / top_k / top_p: prompt + completion ids [B, Lp + n]. The draw
+        is `InverseCdfSampler`'s (greedy mode over its one-hot scores); `recorder` first, when given."""
         from transformers import LogitsProcessorList
 
-        t = self.text
-        tok = self.tokenizer
-        input_ids, attn = self.encode_prompts(prompts)
-        prompt_len = input_ids.shape[1]
-        # generate() draws from torch's global RNG: seed it from this epoch/process's generator
-        torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
-        recorder = SampledLogProbs(t.temperature) if t.old_log_probs == "sampling" else None
+        t, tok = self.text, self.tokenizer
         processors = [recorder] if recorder is not None else []
         processors += sampling_processors(t.temperature, t.top_k, t.top_p)
-        out = self.model.generate(
+        return self.model.generate(
             input_ids=input_ids,
             attention_mask=attn,
             do_sample=False,  # greedy over InverseCdfSampler's one-hot scores: it samples (see there)
@@ -356,6 +354,17 @@ class TextPolicy:
             logits_processor=LogitsProcessorList(processors),
             **neutral_generation_kwargs(),
         )
+
+    @torch.no_grad()
+    def rollout(self, prompts: list[str], metadata: list[dict], *, epoch: int, generator) -> TextBatch:
+        t = self.text
+        tok = self.tokenizer
+        input_ids, attn = self.encode_prompts(prompts)
+        prompt_len = input_ids.shape[1]
+        # generate() draws from torch's global RNG: seed it from this epoch/process's generator
+        torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
+        recorder = SampledLogProbs(t.temperature) if t.old_log_probs == "sampling" else None
+        out = self.generate_samples(input_ids, attn, recorder)
         completion = out[:, prompt_len:]
         n_new = completion.shape[1]
         if n_new < t.max_new_tokens:  # every row ended early: pad to a fixed T
