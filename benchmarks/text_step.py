@@ -1,18 +1,28 @@
-"""Speed of one text GRPO step on the tiny model, flowrl beside TRL's GRPOTrainer on the same work.
+"""Speed of one text GRPO step, flowrl beside TRL's GRPOTrainer on the same work, at two settings.
 
-    python benchmarks/text_step.py                    # configs/text_arith.yaml (samples/arith), 1 thread
+    python benchmarks/text_step.py                        # tiny: configs/text_arith.yaml (samples/arith), 1 thread
+    python benchmarks/text_step.py --setting realistic    # a random Qwen2, vocabulary 32768, 128-token completions
     python benchmarks/text_step.py --repeats 20 --threads 2
-    python benchmarks/text_step.py --no-trl --profile # flowrl only, with a cProfile of one epoch
+    python benchmarks/text_step.py --no-trl --profile     # flowrl only, with a cProfile of one more epoch
+    python benchmarks/text_step.py --generate-ab          # generate() alone: flowrl's call and TRL's, in turns
 
-The same work for both: the char-level GPT-2 in samples/arith, the same 32 prompts x 8 completions per step
-(flowrl's epoch e and TRL's step e draw the same prompts), max 4 new tokens, temperature 1, top_p 1, no top-k,
-full fine-tuning, AdamW (lr, betas, eps, weight decay as flowrl), grad-norm clip 1, one optimizer step per
-batch, no KL (beta 0), clip 0.2, group-normalised advantages, token-mean loss (TRL's `dapo`), the `accuracy`
-reward. TRL runs when `import trl` works (the `benchmark` extra); otherwise it is skipped with the reason.
+Settings (per step: prompts x group completions of at most max_new_tokens tokens):
+  tiny       the char-level GPT-2 of samples/arith (0.1M parameters, 19 tokens), 32 prompts x 8, 4 new tokens,
+             the `accuracy` reward;
+  realistic  a random-weight Qwen2 (the Qwen2.5 architecture: GQA, SwiGLU, RMSNorm, RoPE, tied embeddings; hidden
+             256, 4 layers, 12M parameters, vocabulary 32768, built here, nothing downloaded), 2 prompts x 8,
+             128 new tokens (random weights never end early), ~120-token prompts, a reward that varies between
+             completions (`even_token_share`).
+The same work for both frameworks otherwise: the same prompts per step (flowrl's epoch e and TRL's step e draw the
+same ones), temperature 1, top_p 1, no top-k, full fine-tuning, AdamW (lr, betas, eps, weight decay as flowrl),
+grad-norm clip 1, one optimizer step per batch, no KL (beta 0), clip 0.2, group-normalised advantages,
+token-mean loss (TRL's `dapo`). TRL runs when `import trl` works (the `benchmark` extra); otherwise it is
+skipped with the reason. TRL's steps and flowrl's epochs take turns in one process (flowrl's epoch e runs after
+TRL's step e, outside its timing), so that both see the same load of a shared machine.
 
 Phases (median over `--repeats` steps after `--warmup` steps; every step samples fresh completions):
-  generate        the model.generate call alone (the same transformers function in both);
-  rollout         flowrl: Trainer.rollout (generate + the old log-prob forward + decode);
+  generate        the model.generate call alone;
+  rollout         flowrl: Trainer.rollout (generate, recording the old log-probs on the way, + decode);
                   TRL: GRPOTrainer._generate (generate + decode; TRL skips the old log-prob forward when
                   generation and optimisation are aligned, as here);
   reward+adv      flowrl: Trainer.score + Trainer.advantages; TRL: the rest of _generate_and_score_completions;
@@ -22,6 +32,20 @@ Phases (median over `--repeats` steps after `--warmup` steps; every step samples
 Rollout tokens/s counts the completion tokens through the first EOS over the rollout time. The last column is
 TRL time / flowrl time (for tokens/s: flowrl rate / TRL rate): > 1 means flowrl is faster.
 Use 1 thread on a shared machine: with 2 threads on 2 busy cores the tiny ops run ~20x slower for both.
+
+Why generate() differed (issue 25 measured flowrl's at 0.84x TRL's, tiny setting): not its configuration. The
+same model and inputs, flowrl's former call (do_sample=True with keyword arguments) and TRL's (its
+GenerationConfig) taking turns (`--generate-ab`, its last two lines): GENERATE_AB_OLD.
+The two calls build the same logits processors and run the same steps; a cProfile of single calls inside the
+benchmark showed the same call structure with every kernel up to 4x slower in some calls: the load of other jobs
+on this 2-core machine, which the former order (all flowrl steps, then all TRL steps) let fall on one side (two
+back-to-back runs of that version gave generate ratios of 1.12 and 1.30). The frameworks now take turns.
+Two real differences were found and changed: flowrl's keyword call let a model's generation_config.json add its
+own processors (Qwen2.5-Instruct's repetition_penalty) to the distribution sampled from, which TRL's call
+overrides (flowrl now neutralises them, NEUTRAL_GENERATION); and generate's sampling mode draws with
+torch.multinomial, whose CPU kernel fills a [B, V] tensor with exponential random numbers at every step (~85 ms
+for 64 x 32768, more than the model's step): flowrl now draws by inverse CDF (flowrl.policies.text.
+InverseCdfSampler). `--generate-ab` now: GENERATE_AB_NEW.
 """
 
 from __future__ import annotations
@@ -238,7 +262,8 @@ def run_trl(args, flowrl_cfg, train_set, between=None) -> dict | str:
 
 def generate_ab(args) -> dict:
     """generate() alone, the same model and inputs, the calls taking turns: flowrl's rollout call (with and without
-    the log-prob recorder) and the call TRL 1.16 makes (its GenerationConfig: do_sample, multinomial draws)."""
+    the log-prob recorder), the call TRL 1.16 makes (its GenerationConfig: do_sample, multinomial draws) and
+    flowrl's call before issue 25 (do_sample with keyword arguments)."""
     from transformers import GenerationConfig
 
     from flowrl.policies.text import SampledLogProbs
@@ -257,6 +282,10 @@ def generate_ab(args) -> dict:
         "flowrl: inverse CDF": lambda: pol.generate_samples(ids, attn),
         "TRL's call: multinomial": lambda: model.generate(input_ids=ids, attention_mask=attn,
                                                           generation_config=trl_config),
+        "flowrl's former call: multinomial": lambda: model.generate(
+            input_ids=ids, attention_mask=attn, do_sample=True, temperature=t.temperature, top_p=t.top_p,
+            top_k=t.top_k or None, max_new_tokens=t.max_new_tokens, use_cache=True, pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id, synced_gpus=False),
     }
     times: dict[str, list[float]] = {k: [] for k in variants}
     with torch.no_grad():

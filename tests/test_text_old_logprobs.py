@@ -183,3 +183,21 @@ def test_model_generation_config_leaves_the_recorded_log_probs_alone(hostile_lm,
     assert batch.completion_mask.sum(1).max() > 2
     want, _ = independent_log_probs(tr.policy.model, batch, 1.0)
     torch.testing.assert_close(batch.old_log_probs.double(), want * batch.completion_mask, rtol=0, atol=1e-4)
+
+
+def test_forward_puts_only_the_completion_positions_through_the_lm_head(tiny_lm, tmp_path):
+    """The update's forward: the LM head sees T + 1 positions per row (not the prompt's), the log-probs unchanged."""
+    tr = Trainer(text_cfg(tiny_lm, tmp_path, "text.temperature=0.7"))
+    batch = tr.rollout(epoch=0)
+    seen = []
+    head = tr.policy.base_model.get_output_embeddings()
+    hook = head.register_forward_hook(lambda mod, args, out: seen.append(tuple(args[0].shape)))
+    try:
+        lp, _ = tr.policy._forward_log_probs(tr.policy.model, batch.input_ids, batch.attention_mask,
+                                             batch.prompt_len, 0.7)
+    finally:
+        hook.remove()
+    n_rows, n_new = batch.completion_ids.shape
+    assert batch.prompt_len > 1 and seen == [(n_rows, n_new + 1, head.in_features)]
+    want, _ = independent_log_probs(tr.policy.model, batch, 0.7)
+    torch.testing.assert_close(lp.double() * batch.completion_mask, want * batch.completion_mask, rtol=0, atol=1e-5)
