@@ -69,7 +69,7 @@ SETTINGS = {"tiny": {"prompts": 32, "group": 8, "max_new_tokens": 4},
 #: RoPE, tied embeddings) at a small width, with a real-sized vocabulary.
 REALISTIC = {"vocab_size": 32768, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
              "num_attention_heads": 4, "num_key_value_heads": 2}
-#: Its prompts: an addition in a sentence, ~80 tokens with the character-level tokenizer.
+#: Its prompts: an addition in a sentence, ~115 tokens with the character-level tokenizer.
 REALISTIC_TEMPLATE = ("Question: Tom has some apples and buys more at the market. What is {prompt}? Think it through "
                       "and answer with a number.")
 
@@ -77,25 +77,26 @@ REALISTIC_TEMPLATE = ("Question: Tom has some apples and buys more at the market
 def build_realistic_model(directory: str) -> str:
     """A random Qwen2 (`REALISTIC`) and a tokenizer of its vocabulary saved to `directory`, with prompts.jsonl.
 
-    The tokenizer maps every printable ASCII character to one token (prompts encode character by character) and
-    fills the rest of the vocabulary with word-like tokens, so that every id the model samples decodes to text.
-    No download: the weights are random (seed 0).
+    The tokenizer is byte-level BPE as Qwen2's (transformers loads it as Qwen2Tokenizer whatever is saved) without
+    merges: every printable ASCII character is one token (prompts encode character by character) and the rest of
+    the vocabulary is word-like tokens, so that every id the model samples decodes to text. No download: the
+    weights are random (seed 0).
     """
     import json
     from pathlib import Path
 
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     specials = ["<|pad|>", "<|endoftext|>"]
-    chars = [chr(c) for c in range(32, 127)]
-    fillers = [f" w{i}" for i in range(REALISTIC["vocab_size"] - len(specials) - len(chars))]
+    chars = ["\u0120"] + [chr(c) for c in range(33, 127)]  # byte-level BPE writes the space as U+0120
+    fillers = [f"\u0120w{i}" for i in range(REALISTIC["vocab_size"] - len(specials) - len(chars))]
     vocab = {t: i for i, t in enumerate(specials + chars + fillers)}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="?"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
     tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<|pad|>", eos_token="<|endoftext|>")
     tok.save_pretrained(d)
     torch.manual_seed(0)
