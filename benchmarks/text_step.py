@@ -35,17 +35,20 @@ Use 1 thread on a shared machine: with 2 threads on 2 busy cores the tiny ops ru
 
 Why generate() differed (issue 25 measured flowrl's at 0.84x TRL's, tiny setting): not its configuration. The
 same model and inputs, flowrl's former call (do_sample=True with keyword arguments) and TRL's (its
-GenerationConfig) taking turns (`--generate-ab`, its last two lines): GENERATE_AB_OLD.
-The two calls build the same logits processors and run the same steps; a cProfile of single calls inside the
-benchmark showed the same call structure with every kernel up to 4x slower in some calls: the load of other jobs
-on this 2-core machine, which the former order (all flowrl steps, then all TRL steps) let fall on one side (two
-back-to-back runs of that version gave generate ratios of 1.12 and 1.30). The frameworks now take turns.
+GenerationConfig) taking turns (`--generate-ab`, its last two lines), tiny setting (256 rows x 4 new tokens,
+median of 10, 1 thread): 55.5 ms and 57.7 ms under load, 32.3 and 32.1 ms in a quieter run. The two calls build
+the same logits processors and run the same steps; a cProfile of single calls inside the benchmark showed the same
+call structure with every kernel up to 4x slower in some calls: the load of other jobs on this 2-core machine,
+which the former order (all flowrl steps, then all TRL steps) let fall on one side (two back-to-back runs of that
+version gave generate ratios of 1.12 and 1.30). The frameworks now take turns.
 Two real differences were found and changed: flowrl's keyword call let a model's generation_config.json add its
 own processors (Qwen2.5-Instruct's repetition_penalty) to the distribution sampled from, which TRL's call
 overrides (flowrl now neutralises them, NEUTRAL_GENERATION); and generate's sampling mode draws with
 torch.multinomial, whose CPU kernel fills a [B, V] tensor with exponential random numbers at every step (~85 ms
-for 64 x 32768, more than the model's step): flowrl now draws by inverse CDF (flowrl.policies.text.
-InverseCdfSampler). `--generate-ab` now: GENERATE_AB_NEW.
+for 64 x 32768, more than the model's step): flowrl now draws by inverse CDF (InverseCdfSampler in
+flowrl/policies/text.py). `--generate-ab` now, realistic setting (16 rows x 128 new tokens, median of 5, 1
+thread): flowrl's call 4.64 s (4.88 s with the log-prob recorder), TRL's 6.41 s, flowrl's former call 6.42 s;
+tiny setting: 52.8 ms (57.4 ms with the recorder), 57.7 ms, 55.5 ms.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ from flowrl.trainer import Trainer
 
 def text_cfg(model_dir, run_dir, *extra):
     return load_config(None, [
-        "backend=text", f"model.path={model_dir}", "model.device=cpu", f"data.train_prompts={model_dir / 'prompts.jsonl'}",
+        "backend=text", f"model.path={model_dir}", "model.device=cpu",
+        f"data.train_prompts={model_dir / 'prompts.jsonl'}",
         "rewards=[{name: accuracy}]", "sample.prompts_per_epoch=3", "sample.group_size=4", "text.max_new_tokens=6",
         "train.lr=1e-2", "log.progress=false", f"log.run_dir={run_dir}", "log.completions_every=0", *extra])
 
@@ -126,7 +127,8 @@ def test_first_minibatch_check_catches_a_temperature_mismatch(tiny_lm, tmp_path)
 
 
 def test_unknown_old_log_probs_source_lists_the_valid_ones():
-    with pytest.raises(ConfigError, match=r"text\.old_log_probs: 'cached' is not a valid choice; valid: sampling, forward"):
+    with pytest.raises(ConfigError,
+                       match=r"text\.old_log_probs: 'cached' is not a valid choice; valid: sampling, forward"):
         load_config(None, ["backend=text", "text.old_log_probs=cached", "rewards=[{name: accuracy}]"])
 
 

@@ -1,8 +1,9 @@
 """A Hugging Face causal LM as the policy. A step is a token; the mask is the completion mask.
 
 The same trainer loop drives it: `rollout` samples `n` completions per prompt (KV cache, temperature / top-p /
-top-k; the draw itself by inverse CDF, `InverseCdfSampler`) and records the old token log-probs under the same temperature, from the sampling pass's own logits
-(`text.old_log_probs=sampling`, `SampledLogProbs`) or from a second forward pass (`forward`); `unit_log_probs`
+top-k; the draw itself by inverse CDF, `InverseCdfSampler`) and records the old token log-probs under the same
+temperature, from the sampling pass's own logits (`text.old_log_probs=sampling`, `SampledLogProbs`) or from a
+second forward pass (`forward`); `unit_log_probs`
 recomputes them with gradients for a minibatch; the reference is the model with its LoRA adapter disabled
 (or a frozen copy). Log-probs, KL and entropy come from `flowrl.core`. With `train.sharding=fsdp` the model is
 sharded over the processes with FSDP2 (`shard`); every forward pass is then a collective, so generation runs with
@@ -59,9 +60,9 @@ class SampledLogProbs:
     First in generate()'s `logits_processor` list, before the temperature / top-k / top-p warpers and the sampler
     (`sampling_processors`), it sees the model's raw next-token logits z_t [B, V] (generate's float32 copy; the
     settings that would add processors of transformers' own are neutralised, `NEUTRAL_GENERATION`) and passes
-    them on unchanged. The token y_t sampled from step t's logits is only
-    known at the next call (the last column of its `input_ids`) or, for the last step, from the returned sequences
-    (`finish`): so one step's logits are held back, never a [B, T, V] stack. The log-prob is the one the update's
+    them on unchanged. The token y_t sampled from step t's logits is only known at the next call (the last column
+    of its `input_ids`) or, for the last step, from the returned sequences (`finish`): so one step's logits are
+    held back, never a [B, T, V] stack. The log-prob is the one the update's
     forward computes (`core.token_log_probs`: float32, row-chunked, over the whole vocabulary under the
     temperature); top-k / top-p truncation is left out on purpose, as the update's log-probs leave it out too and
     the importance ratio must compare like with like.
