@@ -203,3 +203,15 @@ def test_forward_puts_only_the_completion_positions_through_the_lm_head(tiny_lm,
     assert batch.prompt_len > 1 and seen == [(n_rows, n_new + 1, head.in_features)]
     want, _ = independent_log_probs(tr.policy.model, batch, 0.7)
     torch.testing.assert_close(lp.double() * batch.completion_mask, want * batch.completion_mask, rtol=0, atol=1e-5)
+
+
+def test_repeated_prompts_encode_as_one_call_per_row_would(tiny_lm, tmp_path):
+    """encode_prompts tokenizes each distinct prompt once: the same ids and mask as the tokenizer on every row."""
+    tr = Trainer(text_cfg(tiny_lm, tmp_path))
+    prompts = ["12+21=", "3+4=", "12+21=", "110+2=", "3+4=", "12+21="]
+    ids, attn = tr.policy.encode_prompts(prompts)
+    tok = tr.policy.tokenizer
+    want = tok(prompts, return_tensors="pt", padding=True, truncation=True,
+               max_length=tr.cfg.text.max_prompt_length, add_special_tokens=True)
+    assert tok.padding_side == "left" and attn.min() == 0  # rows of different lengths, left-padded
+    assert torch.equal(ids, want["input_ids"]) and torch.equal(attn, want["attention_mask"])

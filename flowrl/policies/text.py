@@ -296,16 +296,20 @@ class TextPolicy:
         return prompt
 
     def encode_prompts(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
-        """Left-padded, left-truncated prompt ids and attention mask [B, Lp] on the model's device."""
+        """Left-padded, left-truncated prompt ids and attention mask [B, Lp] on the model's device. Each distinct
+        prompt is tokenized once (a rollout holds every prompt group_size times) and its rows repeated."""
+        distinct = list(dict.fromkeys(prompts))
         enc = self.tokenizer(
-            [self.format_prompt(p) for p in prompts],
+            [self.format_prompt(p) for p in distinct],
             return_tensors="pt",
             padding=True,
             truncation=True,
             max_length=self.text.max_prompt_length,
             add_special_tokens=not self.use_chat,
         )
-        return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
+        where = {p: i for i, p in enumerate(distinct)}
+        rows = torch.tensor([where[p] for p in prompts], dtype=torch.long)
+        return enc["input_ids"][rows].to(self.device), enc["attention_mask"][rows].to(self.device)
 
     def decode_completions(self, completion: Tensor, mask: Tensor) -> tuple[list[str], list[list[int]]]:
         """[B, T] ids and their completion mask -> (texts, id lists through the EOS), in one batched decode."""
