@@ -1,18 +1,28 @@
-"""Speed of one text GRPO step on the tiny model, flowrl beside TRL's GRPOTrainer on the same work.
+"""Speed of one text GRPO step, flowrl beside TRL's GRPOTrainer on the same work, at two settings.
 
-    python benchmarks/text_step.py                    # configs/text_arith.yaml (samples/arith), 1 thread
+    python benchmarks/text_step.py                        # tiny: configs/text_arith.yaml (samples/arith), 1 thread
+    python benchmarks/text_step.py --setting realistic    # a random Qwen2, vocabulary 32768, 128-token completions
     python benchmarks/text_step.py --repeats 20 --threads 2
-    python benchmarks/text_step.py --no-trl --profile # flowrl only, with a cProfile of one epoch
+    python benchmarks/text_step.py --no-trl --profile     # flowrl only, with a cProfile of one more epoch
+    python benchmarks/text_step.py --generate-ab          # generate() alone: flowrl's call and TRL's, in turns
 
-The same work for both: the char-level GPT-2 in samples/arith, the same 32 prompts x 8 completions per step
-(flowrl's epoch e and TRL's step e draw the same prompts), max 4 new tokens, temperature 1, top_p 1, no top-k,
-full fine-tuning, AdamW (lr, betas, eps, weight decay as flowrl), grad-norm clip 1, one optimizer step per
-batch, no KL (beta 0), clip 0.2, group-normalised advantages, token-mean loss (TRL's `dapo`), the `accuracy`
-reward. TRL runs when `import trl` works (the `benchmark` extra); otherwise it is skipped with the reason.
+Settings (per step: prompts x group completions of at most max_new_tokens tokens):
+  tiny       the char-level GPT-2 of samples/arith (0.1M parameters, 19 tokens), 32 prompts x 8, 4 new tokens,
+             the `accuracy` reward;
+  realistic  a random-weight Qwen2 (the Qwen2.5 architecture: GQA, SwiGLU, RMSNorm, RoPE, tied embeddings; hidden
+             256, 4 layers, 12M parameters, vocabulary 32768, built here, nothing downloaded), 2 prompts x 8,
+             128 new tokens (random weights never end early), ~120-token prompts, a reward that varies between
+             completions (`even_token_share`).
+The same work for both frameworks otherwise: the same prompts per step (flowrl's epoch e and TRL's step e draw the
+same ones), temperature 1, top_p 1, no top-k, full fine-tuning, AdamW (lr, betas, eps, weight decay as flowrl),
+grad-norm clip 1, one optimizer step per batch, no KL (beta 0), clip 0.2, group-normalised advantages,
+token-mean loss (TRL's `dapo`). TRL runs when `import trl` works (the `benchmark` extra); otherwise it is
+skipped with the reason. TRL's steps and flowrl's epochs take turns in one process (flowrl's epoch e runs after
+TRL's step e, outside its timing), so that both see the same load of a shared machine.
 
 Phases (median over `--repeats` steps after `--warmup` steps; every step samples fresh completions):
-  generate        the model.generate call alone (the same transformers function in both);
-  rollout         flowrl: Trainer.rollout (generate + the old log-prob forward + decode);
+  generate        the model.generate call alone;
+  rollout         flowrl: Trainer.rollout (generate, recording the old log-probs on the way, + decode);
                   TRL: GRPOTrainer._generate (generate + decode; TRL skips the old log-prob forward when
                   generation and optimisation are aligned, as here);
   reward+adv      flowrl: Trainer.score + Trainer.advantages; TRL: the rest of _generate_and_score_completions;
@@ -22,6 +32,23 @@ Phases (median over `--repeats` steps after `--warmup` steps; every step samples
 Rollout tokens/s counts the completion tokens through the first EOS over the rollout time. The last column is
 TRL time / flowrl time (for tokens/s: flowrl rate / TRL rate): > 1 means flowrl is faster.
 Use 1 thread on a shared machine: with 2 threads on 2 busy cores the tiny ops run ~20x slower for both.
+
+Why generate() differed (issue 25 measured flowrl's at 0.84x TRL's, tiny setting): not its configuration. The
+same model and inputs, flowrl's former call (do_sample=True with keyword arguments) and TRL's (its
+GenerationConfig) taking turns (`--generate-ab`, its last two lines), tiny setting (256 rows x 4 new tokens,
+median of 10, 1 thread): 55.5 ms and 57.7 ms under load, 32.3 and 32.1 ms in a quieter run. The two calls build
+the same logits processors and run the same steps; a cProfile of single calls inside the benchmark showed the same
+call structure with every kernel up to 4x slower in some calls: the load of other jobs on this 2-core machine,
+which the former order (all flowrl steps, then all TRL steps) let fall on one side (two back-to-back runs of that
+version gave generate ratios of 1.12 and 1.30). The frameworks now take turns.
+Two real differences were found and changed: flowrl's keyword call let a model's generation_config.json add its
+own processors (Qwen2.5-Instruct's repetition_penalty) to the distribution sampled from, which TRL's call
+overrides (flowrl now neutralises them, NEUTRAL_GENERATION); and generate's sampling mode draws with
+torch.multinomial, whose CPU kernel fills a [B, V] tensor with exponential random numbers at every step (~85 ms
+for 64 x 32768, more than the model's step): flowrl now draws by inverse CDF (InverseCdfSampler in
+flowrl/policies/text.py). `--generate-ab` now, realistic setting (16 rows x 128 new tokens, median of 5, 1
+thread): flowrl's call 4.64 s (4.88 s with the log-prob recorder), TRL's 6.41 s, flowrl's former call 6.42 s;
+tiny setting: 52.8 ms (57.4 ms with the recorder), 57.7 ms, 55.5 ms.
 """
 
 from __future__ import annotations
@@ -37,6 +64,53 @@ import warnings
 import torch
 
 PHASES = ("generate", "rollout", "reward+adv", "update", "step")
+#: Each setting's work per step: prompts x group completions of at most max_new_tokens tokens.
+SETTINGS = {"tiny": {"prompts": 32, "group": 8, "max_new_tokens": 4},
+            "realistic": {"prompts": 2, "group": 8, "max_new_tokens": 128}}
+
+#: The realistic setting's model: a random-weight Qwen2 (the Qwen2.5 family's architecture: GQA, SwiGLU, RMSNorm,
+#: RoPE, tied embeddings) at a small width, with a real-sized vocabulary.
+REALISTIC = {"vocab_size": 32768, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 2}
+#: Its prompts: an addition in a sentence, ~115 tokens with the character-level tokenizer.
+REALISTIC_TEMPLATE = ("Question: Tom has some apples and buys more at the market. What is {prompt}? Think it through "
+                      "and answer with a number.")
+
+
+def build_realistic_model(directory: str) -> str:
+    """A random Qwen2 (`REALISTIC`) and a tokenizer of its vocabulary saved to `directory`, with prompts.jsonl.
+
+    The tokenizer is byte-level BPE as Qwen2's (transformers loads it as Qwen2Tokenizer whatever is saved) without
+    merges: every printable ASCII character is one token (prompts encode character by character) and the rest of
+    the vocabulary is word-like tokens, so that every id the model samples decodes to text. No download: the
+    weights are random (seed 0).
+    """
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    specials = ["<|pad|>", "<|endoftext|>"]
+    chars = ["\u0120"] + [chr(c) for c in range(33, 127)]  # byte-level BPE writes the space as U+0120
+    fillers = [f"\u0120w{i}" for i in range(REALISTIC["vocab_size"] - len(specials) - len(chars))]
+    vocab = {t: i for i, t in enumerate(specials + chars + fillers)}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<|pad|>", eos_token="<|endoftext|>")
+    tok.save_pretrained(d)
+    torch.manual_seed(0)
+    cfg = Qwen2Config(**REALISTIC, max_position_embeddings=512, tie_word_embeddings=True,
+                      pad_token_id=vocab["<|pad|>"], eos_token_id=vocab["<|endoftext|>"],
+                      bos_token_id=vocab["<|endoftext|>"])
+    Qwen2ForCausalLM(cfg).save_pretrained(d)
+    rows = [{"prompt": REALISTIC_TEMPLATE.format(prompt=f"{a}+{b}"), "answer": str(a + b)}
+            for a in range(10, 50) for b in range(10, 50)]
+    (d / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(d)
 
 
 def timed(fn, sink: list):
@@ -51,6 +125,21 @@ def timed(fn, sink: list):
     return wrapper
 
 
+def even_token_share(prompts, completions, completion_ids, **kwargs):
+    """The realistic setting's reward: the share of a completion's tokens with an even id (random weights write
+    no arithmetic; this varies from completion to completion, so the advantages are not all 0)."""
+    return [sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
+
+
+def setting_overrides(args) -> list[str]:
+    """flowrl config overrides of the setting (the realistic one builds its model in a temporary directory)."""
+    if args.setting == "tiny":
+        return []
+    d = build_realistic_model(tempfile.mkdtemp(prefix="flowrl-text-bench-model-"))
+    return [f"model.path={d}", f"data.train_prompts={d}/prompts.jsonl", f"data.eval_prompts={d}/prompts.jsonl",
+            "rewards=[{name: 'benchmarks/text_step.py:even_token_share'}]", "text.max_prompt_length=256"]
+
+
 def build_flowrl(args):
     from flowrl.config import load_config
     from flowrl.trainer import Trainer
@@ -59,7 +148,7 @@ def build_flowrl(args):
         f"sample.prompts_per_epoch={args.prompts}", f"sample.group_size={args.group}",
         f"text.max_new_tokens={args.max_new_tokens}", "text.temperature=1.0", "train.beta=0.0",
         "log.progress=false", "log.completions_every=0", "log.tensorboard=false", "log.wandb=false",
-        f"log.run_dir={tempfile.mkdtemp(prefix='flowrl-text-bench-')}"])
+        f"log.run_dir={tempfile.mkdtemp(prefix='flowrl-text-bench-')}", *setting_overrides(args), *args.overrides])
     return Trainer(cfg)
 
 
@@ -77,26 +166,36 @@ def flowrl_epoch(tr, epoch: int, gen_times: list) -> dict:
             "step": t3 - t0, "tokens": float(batch.completion_mask.sum()), "samples": len(batch.prompts)}
 
 
-def run_flowrl(args) -> dict:
-    tr = build_flowrl(args)
-    gen_times: list[float] = []
-    tr.policy.model.generate = timed(tr.policy.model.generate, gen_times)
-    rows = [flowrl_epoch(tr, e, gen_times) for e in range(args.warmup + args.repeats)][args.warmup:]
-    if args.profile:
-        import cProfile
-        import pstats
+class FlowrlRun:
+    """flowrl's trainer with generate() timed; `epoch(e)` runs and records one timed epoch."""
 
-        prof = cProfile.Profile()
-        prof.enable()
-        flowrl_epoch(tr, args.warmup + args.repeats, gen_times)
-        prof.disable()
-        print(f"\ncProfile of one flowrl epoch (threads {torch.get_num_threads()}):")
-        pstats.Stats(prof).sort_stats("cumulative").print_stats(35)
-    return {"rows": rows, "train_set": tr.train_set, "cfg": tr.cfg}
+    def __init__(self, args):
+        self.args = args
+        self.tr = build_flowrl(args)
+        self.gen_times: list[float] = []
+        self.tr.policy.model.generate = timed(self.tr.policy.model.generate, self.gen_times)
+        self.rows: list[dict] = []
+
+    def epoch(self, e: int) -> None:
+        self.rows.append(flowrl_epoch(self.tr, e, self.gen_times))
+
+    def result(self) -> dict:
+        if self.args.profile:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            flowrl_epoch(self.tr, len(self.rows), self.gen_times)
+            prof.disable()
+            print(f"\ncProfile of one flowrl epoch (threads {torch.get_num_threads()}):")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        return {"rows": self.rows[self.args.warmup:]}
 
 
-def run_trl(args, flowrl_cfg, train_set) -> dict | str:
-    """TRL's GRPOTrainer on the same work, or the reason it was skipped."""
+def run_trl(args, flowrl_cfg, train_set, between=None) -> dict | str:
+    """TRL's GRPOTrainer on the same work, or the reason it was skipped. `between(e)` runs after TRL's step e
+    (outside its timing): flowrl's epoch e, so that both see the same load of a shared machine."""
     try:
         import trl
         from datasets import Dataset
@@ -125,7 +224,8 @@ def run_trl(args, flowrl_cfg, train_set) -> dict | str:
         disable_tqdm=True, shuffle_dataset=False, log_completions=False, seed=t.seed, dataloader_num_workers=0)
     tok = AutoTokenizer.from_pretrained(flowrl_cfg.model.path)
     model = AutoModelForCausalLM.from_pretrained(flowrl_cfg.model.path, dtype=torch.float32)
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=[rewards.get("accuracy")], args=config,
+    reward = rewards.get("accuracy") if args.setting == "tiny" else even_token_share
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=[reward], args=config,
                               train_dataset=dataset, processing_class=tok)
     torch.set_num_threads(args.threads)  # in case the set-up changed it
 
@@ -150,6 +250,8 @@ def run_trl(args, flowrl_cfg, train_set) -> dict | str:
 
         def on_step_end(self, args_, state, control, **kw):
             step_times.append(time.perf_counter() - self.t0)
+            if between is not None:
+                between(len(step_times) - 1)
 
     trainer.add_callback(StepTimer())
     trainer.remove_callback(PrinterCallback)  # no end-of-training metrics dump
@@ -160,6 +262,50 @@ def run_trl(args, flowrl_cfg, train_set) -> dict | str:
     rows = [{"generate": g, "rollout": r, "reward+adv": p - r, "update": s - p, "step": s, "tokens": n,
              "samples": batch} for g, r, p, s, n in zip(gen, rollout, prep, step_times, tokens)][args.warmup:]
     return {"rows": rows, "version": trl.__version__}
+
+
+def generate_ab(args) -> dict:
+    """generate() alone, the same model and inputs, the calls taking turns: flowrl's rollout call (with and without
+    the log-prob recorder), the call TRL 1.16 makes (its GenerationConfig: do_sample, multinomial draws) and
+    flowrl's call before issue 25 (do_sample with keyword arguments)."""
+    from transformers import GenerationConfig
+
+    from flowrl.policies.text import SampledLogProbs
+
+    run = FlowrlRun(args)
+    pol, t = run.tr.policy, run.tr.policy.text
+    tok, model = pol.tokenizer, pol.model
+    prompts, _ = run.tr.train_set.draw(args.prompts, 0, run.tr.cfg.train.seed)
+    ids, attn = pol.encode_prompts([p for p in prompts for _ in range(args.group)])
+    trl_config = GenerationConfig(max_new_tokens=t.max_new_tokens, do_sample=True, pad_token_id=tok.pad_token_id,
+                                  bos_token_id=tok.bos_token_id, eos_token_id=[tok.eos_token_id],
+                                  temperature=t.temperature, top_p=t.top_p, top_k=t.top_k, min_p=None,
+                                  repetition_penalty=1.0, cache_implementation=None, disable_compile=True)
+    variants = {
+        "flowrl: inverse CDF + recorder": lambda: pol.generate_samples(ids, attn, SampledLogProbs(t.temperature)),
+        "flowrl: inverse CDF": lambda: pol.generate_samples(ids, attn),
+        "TRL's call: multinomial": lambda: model.generate(input_ids=ids, attention_mask=attn,
+                                                          generation_config=trl_config),
+        "flowrl's former call: multinomial": lambda: model.generate(
+            input_ids=ids, attention_mask=attn, do_sample=True, temperature=t.temperature, top_p=t.top_p,
+            top_k=t.top_k or None, max_new_tokens=t.max_new_tokens, use_cache=True, pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id, synced_gpus=False),
+    }
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    with torch.no_grad():
+        for rep in range(args.warmup + args.repeats):
+            for name, call in variants.items():
+                torch.manual_seed(rep)
+                t0 = time.perf_counter()
+                call()
+                if rep >= args.warmup:
+                    times[name].append(time.perf_counter() - t0)
+    out = {k: statistics.median(v) for k, v in times.items()}
+    print(f"\ngenerate() alone, {ids.shape[0]} rows x {t.max_new_tokens} new tokens, the calls taking turns; median "
+          f"of {args.repeats}, threads {torch.get_num_threads()}")
+    for name, sec in out.items():
+        print(f"{name:34s}{sec:10.4g} s   [threads {torch.get_num_threads()}]")
+    return out
 
 
 def medians(rows: list[dict]) -> dict:
@@ -192,14 +338,22 @@ def main(argv=None) -> dict:
     ap.add_argument("--config", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
                                                       "text_arith.yaml"))
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=4)
+    ap.add_argument("--setting", choices=sorted(SETTINGS), default="tiny",
+                    help="tiny: samples/arith; realistic: a random Qwen2, vocabulary 32768, 128-token completions")
+    ap.add_argument("--prompts", type=int, help="prompts per step (default: the setting's)")
+    ap.add_argument("--group", type=int, help="completions per prompt (default: the setting's)")
+    ap.add_argument("--max-new-tokens", type=int, help="default: the setting's")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--no-trl", action="store_true", help="flowrl only")
     ap.add_argument("--profile", action="store_true", help="cProfile one more flowrl epoch")
+    ap.add_argument("--generate-ab", action="store_true",
+                    help="time generate() alone: flowrl's call beside TRL's, taking turns (no training)")
+    ap.add_argument("overrides", nargs="*", help="flowrl config overrides key=value (flowrl's half only)")
     args = ap.parse_args(argv)
+    for key, value in SETTINGS[args.setting].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -211,17 +365,24 @@ def main(argv=None) -> dict:
     try:
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-        print(f"text GRPO step: {args.prompts} prompts x {args.group}, max_new_tokens {args.max_new_tokens}, "
+        print(f"text GRPO step, {args.setting} setting: {args.prompts} prompts x {args.group}, "
+              f"max_new_tokens {args.max_new_tokens}, "
               f"temperature 1, beta 0, 1 optimizer step per batch; warm-up {args.warmup}, repeats {args.repeats}; "
               f"threads {torch.get_num_threads()}")
-        fl = run_flowrl(args)
-        fl_m = medians(fl["rows"])
-        tr_m, trl_out = None, "skipped (--no-trl)" if args.no_trl else run_trl(args, fl["cfg"], fl["train_set"])
+        if args.generate_ab:
+            return {"generate_ab": generate_ab(args), "threads": torch.get_num_threads()}
+        flowrl = FlowrlRun(args)
+        trl_out = "skipped (--no-trl)" if args.no_trl else run_trl(args, flowrl.tr.cfg, flowrl.tr.train_set,
+                                                                   between=flowrl.epoch)
+        for e in range(len(flowrl.rows), args.warmup + args.repeats):  # without TRL (or if it failed early)
+            flowrl.epoch(e)
+        fl_m, tr_m = medians(flowrl.result()["rows"]), None
         if isinstance(trl_out, str):
             print(f"TRL: {trl_out}")
         else:
             tr_m = medians(trl_out["rows"])
-            print(f"TRL {trl_out['version']} GRPOTrainer on the same prompts (threads {torch.get_num_threads()})")
+            print(f"TRL {trl_out['version']} GRPOTrainer on the same prompts, its steps and flowrl's epochs taking "
+                  f"turns (threads {torch.get_num_threads()})")
         print_table(fl_m, tr_m, torch.get_num_threads(), args.repeats)
     finally:
         os.chdir(cwd)

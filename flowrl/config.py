@@ -120,6 +120,11 @@ class TextConfig:
     """Prompts are truncated (from the left) to this many tokens."""
     temperature: float = 1.0
     """Sampling temperature; the old and new log-probs are taken under it too."""
+    old_log_probs: Literal["sampling", "forward"] = "sampling"
+    """Where the rollout's (old) token log-probs come from: `sampling`, the logits of generate()'s own cached
+    decoding steps (no second pass); `forward`, a separate forward over prompt + completion without a cache, as the
+    update computes them (for models whose cached and uncached numerics differ: `policy/ratio_first` shows it).
+    Both are log softmax(logits / temperature) over the whole vocabulary; top-k / top-p are left out of both."""
     top_p: float = 1.0
     """Nucleus sampling mass."""
     top_k: int = 0

@@ -100,6 +100,24 @@ def test_token_log_probs_equal_log_softmax_gather_and_grad(temperature, monkeypa
     torch.testing.assert_close(logits.grad, ref_logits.grad, **TOL)
 
 
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_token_log_probs_grad_in_place_per_chunk(dtype, atol, monkeypatch):
+    """Lower-precision logits, many chunks: values and gradients equal a float64 log-softmax's."""
+    monkeypatch.setattr(logprobs_mod, "_CHUNK_FLOATS", 40)
+    gen = torch.Generator().manual_seed(6)
+    logits = (torch.randn(4, 3, 13, generator=gen) * 2).to(dtype).requires_grad_()
+    tokens = torch.randint(0, 13, (4, 3), generator=gen)
+    w = torch.randn(4, 3, generator=gen)
+    got = token_log_probs(logits, tokens, 0.7)
+    (got * w).sum().backward()
+    ref = logits.detach().double().requires_grad_()
+    want = torch.log_softmax(ref / 0.7, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    (want * w.double()).sum().backward()
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+    assert logits.grad.dtype == dtype
+    torch.testing.assert_close(logits.grad.double(), ref.grad, rtol=0, atol=atol)
+
+
 def test_token_log_probs_gradcheck():
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(2, 3, 7, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -154,3 +172,31 @@ def test_core_imports_no_backend():
                 continue
             for n in names:
                 assert n.split(".")[0] in allowed, f"{py.name} imports {n}"
+
+
+def test_sample_categorical_draws_softmax_frequencies():
+    """Inverse-CDF draws match softmax(logits) row by row (4.5 binomial sigmas), never a -inf token."""
+    from flowrl.core import sample_categorical
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.tensor([[2.0, 0.5, -1.0, 0.0, float("-inf"), 1.0],
+                           [float("-inf"), 0.0, float("-inf"), -3.0, 4.0, 0.2]])
+    n = 40000
+    draws = sample_categorical(logits.repeat_interleave(n, 0), generator=g).view(2, n)
+    probs = torch.exp(logits.double() - torch.logsumexp(logits.double(), -1, keepdim=True))  # independent softmax
+    for row in range(2):
+        freq = torch.bincount(draws[row], minlength=6).double() / n
+        sigma = (probs[row] * (1 - probs[row]) / n).sqrt()
+        assert ((freq - probs[row]).abs() <= 4.5 * sigma + 1e-12).all(), (row, freq, probs[row])
+        assert freq[probs[row] == 0].sum() == 0
+    # a wrong sampler would be caught: uniform draws over the finite tokens are far outside those bounds
+    uniform = torch.isfinite(logits[0]).double() / torch.isfinite(logits[0]).sum()
+    assert ((uniform - probs[0]).abs() > 4.5 * (probs[0] * (1 - probs[0]) / n).sqrt()).any()
+
+
+def test_sample_categorical_refuses_rows_without_mass():
+    from flowrl.core import sample_categorical
+
+    bad = torch.tensor([[0.0, 1.0], [float("-inf"), float("-inf")], [float("nan"), 0.0]])
+    with pytest.raises(ValueError, match=r"rows \[1, 2\] of the logits have no finite probability mass"):
+        sample_categorical(bad)

@@ -17,7 +17,7 @@ from .advantages import (
     rloo_advantages,
 )
 from .kl import KL_KINDS, gaussian_kl, kl_estimate
-from .logprobs import entropy_from_logits, token_log_probs
+from .logprobs import entropy_from_logits, sample_categorical, token_log_probs
 from .losses import (
     AGGREGATION_MODES,
     POLICY_LOSSES,

@@ -16,7 +16,11 @@ def _row_chunks(n_rows: int, vocab: int):
 
 
 class _TokenLogProb(torch.autograd.Function):
-    """log softmax(z / tau)[y] computed row-chunk by row-chunk in float32; backward likewise."""
+    """log softmax(z / tau)[y] computed row-chunk by row-chunk in float32; backward likewise.
+
+    Both passes use torch's fused (log-)softmax kernels on each chunk: the forward keeps only the picked
+    log-probs [N], the backward recomputes softmax(z / tau) per chunk and writes the gradient in place.
+    """
 
     @staticmethod
     def forward(ctx, logits: Tensor, tokens: Tensor, temperature: float) -> Tensor:
@@ -24,29 +28,35 @@ class _TokenLogProb(torch.autograd.Function):
         flat = logits.reshape(-1, v)
         idx = tokens.reshape(-1, 1)
         out_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        lse = torch.empty(flat.shape[0], dtype=out_dtype, device=logits.device)
+        out = torch.empty(flat.shape[0], dtype=out_dtype, device=logits.device)
         for rows in _row_chunks(flat.shape[0], v):
-            lse[rows] = torch.logsumexp(flat[rows].to(out_dtype) / temperature, dim=-1)
-        picked = flat.gather(1, idx).squeeze(1).to(out_dtype) / temperature
-        ctx.save_for_backward(logits, tokens, lse)
+            z = flat[rows].to(out_dtype)
+            z = z / temperature if temperature != 1.0 else z
+            out[rows] = torch.log_softmax(z, dim=-1).gather(1, idx[rows]).squeeze(1)
+        ctx.save_for_backward(logits, tokens)
         ctx.temperature = temperature
-        return (picked - lse).view(tokens.shape)
+        return out.view(tokens.shape)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        logits, tokens, lse = ctx.saved_tensors
+        logits, tokens = ctx.saved_tensors
         tau = ctx.temperature
         v = logits.shape[-1]
         flat = logits.reshape(-1, v)
-        g = grad_out.reshape(-1).to(lse.dtype)
+        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        g = grad_out.reshape(-1).to(dtype) / tau
         idx = tokens.reshape(-1, 1)
         grad = torch.empty_like(flat)
         # d/dz_k [z_y / tau - logsumexp(z / tau)] = (1[k = y] - softmax(z / tau)_k) / tau
         for rows in _row_chunks(flat.shape[0], v):
-            p = torch.exp(flat[rows].to(lse.dtype) / tau - lse[rows, None])
-            gr = -p * (g[rows, None] / tau)
-            gr.scatter_add_(1, idx[rows], (g[rows, None] / tau))
-            grad[rows] = gr.to(grad.dtype)
+            z = flat[rows].to(dtype)
+            p = torch.softmax(z / tau if tau != 1.0 else z, dim=-1)
+            if grad.dtype == dtype:  # write straight into the gradient
+                gr = torch.mul(p, g[rows, None].neg(), out=grad[rows])
+                gr.scatter_add_(1, idx[rows], g[rows, None])
+            else:
+                p.mul_(g[rows, None].neg()).scatter_add_(1, idx[rows], g[rows, None])
+                grad[rows] = p.to(grad.dtype)
         return grad.view_as(logits), None, None
 
 
@@ -62,6 +72,25 @@ def token_log_probs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) ->
     if logits.shape[:-1] != tokens.shape:
         raise ValueError(f"logits {tuple(logits.shape)} must be tokens {tuple(tokens.shape)} + [V]")
     return _TokenLogProb.apply(logits, tokens.long(), float(temperature))
+
+
+def sample_categorical(logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One draw per row from softmax(logits), by inverse CDF: [B, V] -> [B] long.
+
+    Row b's token is the first k whose cumulative probability (float64) exceeds u_b * total_b, u_b ~ U[0, 1): one
+    uniform per row, where torch.multinomial draws V exponentials per row (on a CPU, tens of ms for 64 x 32k).
+    Tokens of probability 0 (logits -inf, e.g. outside a top-p nucleus) are never drawn. A row without any finite
+    probability mass is an error.
+    """
+    probs = torch.softmax(logits.float() if logits.dtype != torch.float64 else logits, dim=-1)
+    cdf = probs.cumsum(-1, dtype=torch.float64)  # [B, V]
+    total = cdf[:, -1:]
+    if not bool(((total > 0) & torch.isfinite(total)).all()):
+        bad = (~((total > 0) & torch.isfinite(total))).flatten().nonzero().flatten().tolist()
+        raise ValueError(f"rows {bad[:8]} of the logits have no finite probability mass (NaN, or every logit -inf): "
+                         "nothing can be sampled; every row needs at least one finite logit")
+    u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device, generator=generator) * total
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1).squeeze(1)
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:

@@ -1,7 +1,9 @@
 """A Hugging Face causal LM as the policy. A step is a token; the mask is the completion mask.
 
 The same trainer loop drives it: `rollout` samples `n` completions per prompt (KV cache, temperature / top-p /
-top-k) and records the old token log-probs from a forward pass under the same temperature; `unit_log_probs`
+top-k; the draw itself by inverse CDF, `InverseCdfSampler`) and records the old token log-probs under the same
+temperature, from the sampling pass's own logits (`text.old_log_probs=sampling`, `SampledLogProbs`) or from a
+second forward pass (`forward`); `unit_log_probs`
 recomputes them with gradients for a minibatch; the reference is the model with its LoRA adapter disabled
 (or a frozen copy). Log-probs, KL and entropy come from `flowrl.core`. With `train.sharding=fsdp` the model is
 sharded over the processes with FSDP2 (`shard`); every forward pass is then a collective, so generation runs with
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import inspect
 import json
 from pathlib import Path
 
@@ -35,6 +39,114 @@ def completion_mask_from_ids(completion_ids: Tensor, eos_token_id: int) -> tuple
     mask = (seen_before == 0).float()
     truncated = ~is_eos.any(dim=1)
     return mask, truncated
+
+
+def logits_kept(model, n: int) -> dict:
+    """The forward keyword that makes `model` (a transformers causal LM) compute the logits of its last `n`
+    positions only: `logits_to_keep` (transformers >= 4.50), `num_logits_to_keep` (4.45-4.49), or none (all)."""
+    name = _logits_kept_name(type(model))
+    return {name: n} if name else {}
+
+
+@functools.lru_cache(maxsize=None)
+def _logits_kept_name(cls) -> str | None:
+    params = inspect.signature(cls.forward).parameters
+    return next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in params), None)
+
+
+class SampledLogProbs:
+    """A logits processor that records log softmax(z_t / temperature)[y_t] of every sampled token during generate().
+
+    First in generate()'s `logits_processor` list, before the temperature / top-k / top-p warpers and the sampler
+    (`sampling_processors`), it sees the model's raw next-token logits z_t [B, V] (generate's float32 copy; the
+    settings that would add processors of transformers' own are neutralised, `NEUTRAL_GENERATION`) and passes
+    them on unchanged. The token y_t sampled from step t's logits is only known at the next call (the last column
+    of its `input_ids`) or, for the last step, from the returned sequences (`finish`): so one step's logits are
+    held back, never a [B, T, V] stack. The log-prob is the one the update's
+    forward computes (`core.token_log_probs`: float32, row-chunked, over the whole vocabulary under the
+    temperature); top-k / top-p truncation is left out on purpose, as the update's log-probs leave it out too and
+    the importance ratio must compare like with like.
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature = float(temperature)
+        self.held: Tensor | None = None  # [B, V]: the last step's logits, until its sampled token is known
+        self.steps: list[Tensor] = []  # [B] float32 per generated token
+
+    def _take(self, tokens: Tensor) -> None:
+        """Log-prob of `tokens` [B] under the held logits [B, V]."""
+        lp = core.token_log_probs(self.held[:, None, :], tokens[:, None], self.temperature)
+        self.steps.append(lp[:, 0])
+        self.held = None
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        if self.held is not None:
+            self._take(input_ids[:, -1])
+        self.held = scores
+        return scores
+
+    def finish(self, sequences: Tensor, n_new: int) -> Tensor:
+        """The generated tokens' log-probs [B, n_new], `sequences` being generate()'s output (prompt + n_new)."""
+        if self.held is not None:
+            self._take(sequences[:, -1])
+        if len(self.steps) != n_new:
+            raise RuntimeError(f"recorded {len(self.steps)} sampling steps for {n_new} generated tokens: the "
+                               "logits processor was not called once per token; use text.old_log_probs=forward")
+        if not self.steps:
+            return sequences.new_zeros((sequences.shape[0], 0), dtype=torch.float32)
+        return torch.stack(self.steps, 1)
+
+
+class InverseCdfSampler:
+    """The last logits processor of a rollout's generate() call, which runs in greedy mode (do_sample=False): it
+    draws each row's next token from softmax(scores) (`core.sample_categorical`, inverse CDF) and returns scores
+    that are 0 at that token and -inf elsewhere, so that greedy decoding's argmax emits the draw.
+
+    Why not generate's own sampling mode: it draws with torch.multinomial, which fills a [B, V] tensor with
+    exponential random numbers at every step; on a CPU that is ~85 ms per step for 64 rows x 32k tokens, more
+    than the model's own step (benchmarks/text_step.py). The distribution is the same: the scores arrive here
+    through transformers' own temperature / top-k / top-p warpers, in generate's order (`sampling_processors`).
+    """
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        tokens = core.sample_categorical(scores)
+        return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)
+
+
+def sampling_processors(temperature: float, top_k: int, top_p: float) -> list:
+    """transformers' warpers of generate's sampling mode, in its order (temperature, top-k, top-p; one token
+    kept at least), for `temperature` / `top_k` (0 = off) / `top_p` (1 = off), followed by the sampler."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    out = []
+    if temperature != 1.0:
+        out.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        out.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
+    if top_p < 1.0:
+        out.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+    return out + [InverseCdfSampler()]
+
+
+#: generate() settings that would add logits processors (or, sampling, warpers) of their own: set to their
+#: neutral value so that a model's generation_config.json (Qwen2.5-Instruct's sets repetition_penalty, top_k,
+#: top_p, temperature) cannot change the distribution sampled from behind the log-probs' back.
+NEUTRAL_GENERATION = {
+    "temperature": None, "top_k": None, "top_p": None, "min_p": None, "typical_p": None, "top_h": None,
+    "epsilon_cutoff": None, "eta_cutoff": None, "repetition_penalty": None, "encoder_repetition_penalty": None,
+    "no_repeat_ngram_size": None, "encoder_no_repeat_ngram_size": None, "bad_words_ids": None,
+    "min_length": None, "min_new_tokens": None, "sequence_bias": None, "forced_bos_token_id": None,
+    "forced_eos_token_id": None, "exponential_decay_length_penalty": None, "suppress_tokens": None,
+    "begin_suppress_tokens": None, "guidance_scale": None, "renormalize_logits": False, "watermarking_config": None,
+}
+
+
+def neutral_generation_kwargs() -> dict:
+    """`NEUTRAL_GENERATION` restricted to the settings this transformers version's GenerationConfig knows."""
+    from transformers import GenerationConfig
+
+    known = GenerationConfig()
+    return {k: v for k, v in NEUTRAL_GENERATION.items() if hasattr(known, k)}
 
 
 class TextPolicy:
@@ -184,16 +296,20 @@ class TextPolicy:
         return prompt
 
     def encode_prompts(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
-        """Left-padded, left-truncated prompt ids and attention mask [B, Lp] on the model's device."""
+        """Left-padded, left-truncated prompt ids and attention mask [B, Lp] on the model's device. Each distinct
+        prompt is tokenized once (a rollout holds every prompt group_size times) and its rows repeated."""
+        distinct = list(dict.fromkeys(prompts))
         enc = self.tokenizer(
-            [self.format_prompt(p) for p in prompts],
+            [self.format_prompt(p) for p in distinct],
             return_tensors="pt",
             padding=True,
             truncation=True,
             max_length=self.text.max_prompt_length,
             add_special_tokens=not self.use_chat,
         )
-        return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
+        where = {p: i for i, p in enumerate(distinct)}
+        rows = torch.tensor([where[p] for p in prompts], dtype=torch.long)
+        return enc["input_ids"][rows].to(self.device), enc["attention_mask"][rows].to(self.device)
 
     def decode_completions(self, completion: Tensor, mask: Tensor) -> tuple[list[str], list[list[int]]]:
         """[B, T] ids and their completion mask -> (texts, id lists through the EOS), in one batched decode."""
@@ -202,18 +318,47 @@ class TextPolicy:
         return self.tokenizer.batch_decode(ids, skip_special_tokens=True), ids
 
     def _forward_log_probs(self, model, input_ids, attention_mask, prompt_len, temperature, with_entropy=False):
-        """Token log-probs of the completion part [B, T] (and entropies [B, T]) from one forward."""
+        """Token log-probs of the completion part [B, T] (and entropies [B, T]) from one forward.
+
+        Only the last T + 1 positions go through the LM head (`logits_kept`): the prompt's logits are never used,
+        and with a large vocabulary they would be a large share of the forward's and the backward's work."""
+        n = input_ids.shape[1] - prompt_len  # T
         out = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids_from_mask(attention_mask),
             use_cache=False,
+            **logits_kept(self.base_model, n + 1),
         )
-        logits = out.logits[:, prompt_len - 1 : -1]  # [B, T, V]
-        targets = input_ids[:, prompt_len:]  # [B, T]
-        lp = core.token_log_probs(logits, targets, temperature)
-        ent = core.entropy_from_logits(logits.float() / temperature) if with_entropy else None
+        # [B, T + 1, V]: position prompt_len - 1 + t predicts completion token t; the last one predicts past the
+        # sequence and gets a stand-in target, its log-prob dropped. Slicing it off the logits instead would make
+        # them non-contiguous, and token_log_probs would copy all of them (a [B, T, V] copy, each way).
+        logits = out.logits[:, -(n + 1) :]
+        targets = torch.cat([input_ids[:, prompt_len:], input_ids[:, -1:]], 1)  # [B, T + 1]
+        lp = core.token_log_probs(logits, targets, temperature)[:, :-1]
+        ent = core.entropy_from_logits(logits[:, :-1].float() / temperature) if with_entropy else None
         return lp, ent
+
+    def generate_samples(self, input_ids: Tensor, attn: Tensor, recorder: SampledLogProbs | None = None) -> Tensor:
+        """generate() sampling under text.temperature / top_k / top_p: prompt + completion ids [B, Lp + n]. The draw
+        is `InverseCdfSampler`'s (greedy mode over its one-hot scores); `recorder` first, when given."""
+        from transformers import LogitsProcessorList
+
+        t, tok = self.text, self.tokenizer
+        processors = [recorder] if recorder is not None else []
+        processors += sampling_processors(t.temperature, t.top_k, t.top_p)
+        return self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attn,
+            do_sample=False,  # greedy over InverseCdfSampler's one-hot scores: it samples (see there)
+            max_new_tokens=t.max_new_tokens,
+            use_cache=True,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            synced_gpus=self.sharded,  # sharded: every step's forward is a collective, on every process
+            logits_processor=LogitsProcessorList(processors),
+            **neutral_generation_kwargs(),
+        )
 
     @torch.no_grad()
     def rollout(self, prompts: list[str], metadata: list[dict], *, epoch: int, generator) -> TextBatch:
@@ -223,28 +368,21 @@ class TextPolicy:
         prompt_len = input_ids.shape[1]
         # generate() draws from torch's global RNG: seed it from this epoch/process's generator
         torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
-        out = self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attn,
-            do_sample=True,
-            temperature=t.temperature,
-            top_p=t.top_p,
-            top_k=t.top_k or None,
-            max_new_tokens=t.max_new_tokens,
-            use_cache=True,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-            synced_gpus=self.sharded,  # sharded: every step's forward is a collective, on every process
-        )
+        recorder = SampledLogProbs(t.temperature) if t.old_log_probs == "sampling" else None
+        out = self.generate_samples(input_ids, attn, recorder)
         completion = out[:, prompt_len:]
-        if completion.shape[1] < t.max_new_tokens:  # every row ended early: pad to a fixed T
-            pad = completion.new_full((completion.shape[0], t.max_new_tokens - completion.shape[1]), tok.pad_token_id)
+        n_new = completion.shape[1]
+        if n_new < t.max_new_tokens:  # every row ended early: pad to a fixed T
+            pad = completion.new_full((completion.shape[0], t.max_new_tokens - n_new), tok.pad_token_id)
             completion = torch.cat([completion, pad], 1)
         cmask, truncated = completion_mask_from_ids(completion, tok.eos_token_id)
         completion = torch.where(cmask > 0, completion, torch.full_like(completion, tok.pad_token_id))
         full_ids = torch.cat([input_ids, completion], 1)
         full_attn = torch.cat([attn, cmask.long()], 1)
-        old_lp, _ = self._forward_log_probs(self.model, full_ids, full_attn, prompt_len, t.temperature)
+        if recorder is not None:
+            old_lp = torch.nn.functional.pad(recorder.finish(out, n_new), (0, t.max_new_tokens - n_new))
+        else:
+            old_lp, _ = self._forward_log_probs(self.model, full_ids, full_attn, prompt_len, t.temperature)
         texts, id_lists = self.decode_completions(completion, cmask)
         batch = TextBatch(
             prompts=list(prompts),
