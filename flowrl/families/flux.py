@@ -127,29 +127,29 @@ class FluxBackend(FlowMatchingBackend):
 
     @classmethod
     def tiny_pipeline(cls, seed: int = 0):
-        """A FluxPipeline (FLUX.1-dev style: guidance embedding, dynamic shift): CLIP + T5 + a transformer
-        with one double and one single block."""
-        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-        from transformers import CLIPTextModel
+        """A FluxPipeline (FLUX.1-dev style: guidance embedding, dynamic shift) of `tiny_flux1_parts`."""
+        from diffusers import FluxPipeline
 
-        tok, tok_2 = tiny.clip_tokenizer(), tiny.t5_tokenizer()
-        with tiny.Seeded(seed) as build:
-            text_encoder = build(CLIPTextModel, tiny.clip_config(tok))
-            text_encoder_2 = build(tiny.t5_encoder, tok_2, d_model=32)
-            transformer = build(FluxTransformer2DModel, **TINY_TRANSFORMER)
-            vae = build(tiny.vae)
-        scheduler = FlowMatchEulerDiscreteScheduler(**tiny.DYNAMIC_SHIFT_SCHEDULER)
-        pipe = FluxPipeline(
-            scheduler=scheduler,
-            vae=vae,
-            text_encoder=text_encoder,
-            tokenizer=tok,
-            text_encoder_2=text_encoder_2,
-            tokenizer_2=tok_2,
-            transformer=transformer,
-        )
+        pipe = FluxPipeline(**tiny_flux1_parts(seed))
         pipe.default_sample_size = tiny.TINY_IMAGE_SIZE // pipe.vae_scale_factor  # FLUX hard-codes 128 (1024 px)
         return tiny.finish(pipe)
+
+
+def tiny_flux1_parts(seed: int = 0) -> dict:
+    """The tiny FLUX.1-dev components as pipeline keyword arguments (FluxPipeline's, FluxKontextPipeline's): CLIP +
+    T5 + a transformer with one double and one single block, the tiny VAE, a dynamic-shift scheduler."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import CLIPTextModel
+
+    tok, tok_2 = tiny.clip_tokenizer(), tiny.t5_tokenizer()
+    with tiny.Seeded(seed) as build:
+        text_encoder = build(CLIPTextModel, tiny.clip_config(tok))
+        text_encoder_2 = build(tiny.t5_encoder, tok_2, d_model=32)
+        transformer = build(FluxTransformer2DModel, **TINY_TRANSFORMER)
+        vae = build(tiny.vae)
+    return dict(scheduler=FlowMatchEulerDiscreteScheduler(**tiny.DYNAMIC_SHIFT_SCHEDULER), vae=vae,
+                text_encoder=text_encoder, tokenizer=tok, text_encoder_2=text_encoder_2, tokenizer_2=tok_2,
+                transformer=transformer)
 
 
 def tiny_flux_pipeline(seed: int = 0):

@@ -14,7 +14,7 @@ import torch
 
 from . import _tiny as tiny
 from ._base import register_family
-from .flux import TINY_TRANSFORMER, FluxBackend
+from .flux import FluxBackend, tiny_flux1_parts
 
 
 @register_family
@@ -70,25 +70,11 @@ class FluxKontextBackend(FluxBackend):
 
     @classmethod
     def tiny_pipeline(cls, seed: int = 0):
-        """A FluxKontextPipeline with the tiny FLUX.1-dev parts (its transformer is FLUX.1's class and config)."""
-        from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxTransformer2DModel
-        from transformers import CLIPTextModel
+        """A FluxKontextPipeline of the tiny FLUX.1-dev parts (flux.tiny_flux1_parts: Kontext's transformer is
+        FLUX.1's class and config)."""
+        from diffusers import FluxKontextPipeline
 
-        tok, tok_2 = tiny.clip_tokenizer(), tiny.t5_tokenizer()
-        with tiny.Seeded(seed) as build:
-            text_encoder = build(CLIPTextModel, tiny.clip_config(tok))
-            text_encoder_2 = build(tiny.t5_encoder, tok_2, d_model=32)
-            transformer = build(FluxTransformer2DModel, **TINY_TRANSFORMER)
-            vae = build(tiny.vae)
-        pipe = FluxKontextPipeline(
-            scheduler=FlowMatchEulerDiscreteScheduler(**tiny.DYNAMIC_SHIFT_SCHEDULER),
-            vae=vae,
-            text_encoder=text_encoder,
-            tokenizer=tok,
-            text_encoder_2=text_encoder_2,
-            tokenizer_2=tok_2,
-            transformer=transformer,
-        )
+        pipe = FluxKontextPipeline(**tiny_flux1_parts(seed))
         pipe.default_sample_size = tiny.TINY_IMAGE_SIZE // pipe.vae_scale_factor  # Kontext's is 128 (1024 px)
         return tiny.finish(pipe)
 
