@@ -228,6 +228,15 @@ class ForwardProcessObjective(Objective):
                     w.copy_(place(value, w) if place is not None else value)
 
 
+def training_times(objective: str, settings, num_steps: int) -> int:
+    """Training times per sample of a forward-process objective with its `train.<objective>` settings and a rollout
+    of `num_steps` steps: the `timesteps` setting, or its default (NFT: int(0.99 x steps), the reference's
+    timestep_fraction; DPO: every step; AWM has no 0 default)."""
+    if settings.timesteps:
+        return settings.timesteps
+    return max(1, int(num_steps * 0.99)) if objective == "nft" else num_steps
+
+
 def _random_order(n: int, num_steps: int, count: int, generator: torch.Generator) -> Tensor:
     """[n, count] long: for each of n samples, `count` distinct schedule indices in a random order."""
     if not 1 <= count <= num_steps:
@@ -253,8 +262,7 @@ class NFT(ForwardProcessObjective):
             policy.ensure_reference()
 
     def draw_steps(self, n, num_steps, generator):
-        count = self.settings.timesteps or max(1, int(num_steps * 0.99))
-        return _random_order(n, num_steps, count, generator)
+        return _random_order(n, num_steps, training_times("nft", self.settings, num_steps), generator)
 
     def row_losses(self, batch, idx, unit, adv):
         s = self.settings
@@ -341,7 +349,7 @@ class DPO(ForwardProcessObjective):
         self.pairs = 0
 
     def draw_steps(self, n, num_steps, generator):
-        return _random_order(n, num_steps, self.settings.timesteps or num_steps, generator)
+        return _random_order(n, num_steps, training_times("dpo", self.settings, num_steps), generator)
 
     def prepare(self, batch, adv, keep, *, epoch, process_index):
         """The pairs of this process's whole groups from their advantages (the configured reward combination;

@@ -1096,17 +1096,19 @@ class ObjectiveTerms(NamedTuple):
 
 def objective_terms(cfg) -> ObjectiveTerms:
     """The ObjectiveTerms of an image config, from the same settings the objectives read."""
+    from .objectives import training_times
+
     t, steps = cfg.train, cfg.sample.num_steps
     if t.objective == "nft":
         n = t.nft
         return ObjectiveTerms("nft", n.kl_coef > 0, f"nft kl_coef {n.kl_coef:g}", ("old",),
-                              n.timesteps or max(1, int(0.99 * steps)))
+                              training_times("nft", n, steps))
     if t.objective == "awm":
         a = t.awm
         return ObjectiveTerms("awm", a.kl_coef > 0, f"awm kl_coef {a.kl_coef:g}",
                               ("ema",) if a.ema_kl_coef > 0 else (), a.timesteps)
     if t.objective == "dpo":
-        return ObjectiveTerms("dpo", True, f"dpo beta {t.dpo.beta:g}", (), t.dpo.timesteps or steps, 2)
+        return ObjectiveTerms("dpo", True, f"dpo beta {t.dpo.beta:g}", (), training_times("dpo", t.dpo, steps), 2)
     return ObjectiveTerms("grpo", t.beta > 0, f"beta {t.beta:g}")
 
 
