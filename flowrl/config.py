@@ -276,6 +276,11 @@ class TrainConfig:
     decay_frac: float = 1.0
     """Cosine only: the fraction of the run (after warm-up) over which the lr decays to 0, at its end; before
     that it stays at `lr` (warm-up-stable-decay). 1 = decay over the whole run."""
+    schedule_over: Literal["epochs", "budget"] = "epochs"
+    """What the cosine's "whole run" is: `epochs` = train.epochs; `budget` = whichever end comes first, the
+    epochs or the time budget train.max_minutes (on train.budget_clock, counted like it from this call's start):
+    the position is the further along of the two, measured at each epoch's start (every process takes the
+    largest), so a run that stops on its time budget ends with its lr decayed to 0. Needs train.max_minutes."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm (0 = off)."""
     policy_loss: str = "ppo_clip"
@@ -995,6 +1000,9 @@ def validate(cfg: Config) -> None:
     if t.optimizer == "adamw_8bit" and t.sharding == "fsdp":
         problems.append("train.optimizer=adamw_8bit cannot step FSDP's sharded weights (bitsandbytes' 8-bit states "
                         "are per whole tensor); use train.optimizer=adamw with train.sharding=fsdp, or sharding=none")
+    if t.schedule_over == "budget" and not t.max_minutes:
+        problems.append("train.schedule_over=budget decays the lr over the time budget, and train.max_minutes is 0 "
+                        "(none); set train.max_minutes, or train.schedule_over=epochs")
     if t.objective != "grpo":
         problems.extend(_objective_problems(cfg))
     if t.step_weighting == "ratio_norm" and s.sde_type not in ("auto", "sde", "dance"):

@@ -155,20 +155,24 @@ def lr_lambda(warmup_steps: int, total_steps: int, schedule: str, decay_frac: fl
     the last f of the steps after warm-up only (warm-up-stable-decay):
         m(k) = 1                                   for k < K - f (K - W)
         m(k) = (1 + cos(pi p)) / 2,  p = (k - (K - f (K - W))) / (f (K - W))   after,
-    with K = total_steps, W = warmup_steps; m = 0 from k = K on."""
+    with K = total_steps, W = warmup_steps; m = 0 from k = K on.
+
+    The returned fn(k, budget_fraction=0) also takes the fraction b of a time budget spent (train.schedule_over=
+    budget): the cosine's position is then the further along of the two, p = max(p_steps, (b - (1 - f)) / f)
+    (clamped to [0, 1]), so the lr reaches 0 at whichever end of the run comes first."""
     if schedule not in ("constant", "cosine"):
         raise ValueError(f"unknown lr schedule {schedule!r}; valid: constant, cosine")
     if not 0 < decay_frac <= 1:
         raise ValueError(f"lr decay fraction must be in (0, 1], got {decay_frac}")
 
-    def fn(step: int) -> float:
+    def fn(step: int, budget_fraction: float = 0.0) -> float:
         if warmup_steps > 0 and step < warmup_steps:
             return (step + 1) / warmup_steps
         if schedule == "constant":
             return 1.0
         span = max(1.0, decay_frac * (total_steps - warmup_steps))
-        progress = min(1.0, max(0.0, (step - (total_steps - span)) / span))
-        return 0.5 * (1 + math.cos(math.pi * progress))
+        progress = max((step - (total_steps - span)) / span, (budget_fraction - (1 - decay_frac)) / decay_frac)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, progress))))
 
     return fn
 

@@ -243,6 +243,7 @@ class Trainer:
         # no scheduler state, and a minibatch that takes no step (all its groups dropped) does not delay it
         self.slots_per_epoch = t.inner_epochs * (self.batch_local // self.minibatch)
         self.lr_factor = lr_lambda(t.warmup_steps, t.epochs * self.slots_per_epoch, t.schedule, t.decay_frac)
+        self.budget_fraction = 0.0  # train.schedule_over=budget: the share of train.max_minutes spent, per epoch
         self.ema = EMA(self.named_params.items(), t.ema_decay, device="cpu" if t.offload else None
                        ) if t.ema_decay > 0 else None
         self.tracker = core.PerPromptStatTracker(t.stat_buffer_size, t.stat_min_count) if t.per_prompt_stats else None
@@ -283,6 +284,9 @@ class Trainer:
         bar = tqdm(range(self.state.epochs_done, cfg.train.epochs), desc="epochs", disable=not (
             self.main and cfg.log.progress), initial=self.state.epochs_done, total=cfg.train.epochs)
         for epoch in bar:
+            if cfg.train.schedule_over == "budget":  # the lr's position in a run that ends on its time budget
+                spent = train_cpu if cfg.train.budget_clock == "process" else time.perf_counter() - started
+                self.budget_fraction = self.largest_over_processes(spent / (60 * cfg.train.max_minutes))
             t0, cpu0 = time.perf_counter(), time.process_time()
             with self.timer("rollout"):
                 batch = self.rollout(epoch)
@@ -662,7 +666,7 @@ class Trainer:
     def set_lr(self, slot: int) -> None:
         """The scheduled lr of minibatch slot `slot` (0-based over the whole run)."""
         for g in self.opt.param_groups:
-            g["lr"] = self.cfg.train.lr * self.lr_factor(slot)
+            g["lr"] = self.cfg.train.lr * self.lr_factor(slot, self.budget_fraction)
 
     def gradient_sync(self, sync: bool):
         """A context for one forward/backward pass of a minibatch: with several processes, gradients are averaged
@@ -705,6 +709,12 @@ class Trainer:
         if self.world == 1:
             return flag
         return bool(self.acc.reduce(torch.tensor([float(flag)]), reduction="sum").item() > 0)
+
+    def largest_over_processes(self, value: float) -> float:
+        """The largest of the processes' `value`s (a collective: every process must call it)."""
+        if self.world == 1:
+            return value
+        return float(self.gather(torch.tensor([float(value)], dtype=torch.float64)).max())
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         if self.world == 1:

@@ -33,6 +33,21 @@ def test_warmup_stable_decay():
     assert lr_lambda(0, 320, "cosine", decay_frac=1.0)(160) == pytest.approx(0.5, abs=1e-12)
 
 
+def test_a_time_budget_moves_the_cosine_when_it_is_further_along_than_the_steps():
+    """fn(k, b): the cosine's position is the larger of the steps' and the budget's (b - (1 - f)) / f."""
+    f = lr_lambda(0, 1_000_000, "cosine")                   # steps barely move: the budget leads
+    assert f(10, 0.0) == pytest.approx(1.0, abs=1e-9)
+    assert f(10, 0.25) == pytest.approx((1 + math.cos(math.pi / 4)) / 2, abs=1e-6)   # 0.8536
+    assert f(10, 0.5) == pytest.approx(0.5, abs=1e-6)
+    assert f(10, 1.0) == pytest.approx(0.0, abs=1e-12) and f(10, 1.7) == pytest.approx(0.0, abs=1e-12)
+    g = lr_lambda(0, 100, "cosine", decay_frac=0.5)        # stable for the first half of either end
+    assert g(10, 0.4) == 1.0 and g(10, 0.75) == pytest.approx(0.5, abs=1e-12)
+    assert g(75, 0.1) == pytest.approx(0.5, abs=1e-12)     # the steps lead: the budget does not hold it back
+    h = lr_lambda(5, 1_000_000, "cosine")
+    assert h(2, 0.9) == pytest.approx(0.6)                 # warm-up is by steps whatever the budget
+    assert lr_lambda(0, 10, "constant")(3, 0.9) == 1.0
+
+
 @pytest.mark.parametrize("args, message", [
     ((0, 10, "linear"), "unknown lr schedule 'linear'; valid: constant, cosine"),
     ((0, 10, "cosine", 0.0), r"decay fraction must be in \(0, 1\]"),

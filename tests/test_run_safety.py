@@ -314,3 +314,24 @@ def test_a_process_clock_budget_counts_training_cpu_time_and_every_row_carries_b
     for key in ("time/train_wall_minutes", "time/train_process_minutes"):
         values = [r[key] for r in train_rows]
         assert 0 < values[0] < values[1] < values[2], (key, values)
+
+
+def test_a_cosine_over_the_time_budget_follows_the_training_minutes_spent(tmp_path):
+    """train.schedule_over=budget: each epoch's lr is lr (1 + cos(pi b)) / 2 with b the share of the budget spent
+    before the epoch, which the previous row logs as time/train_process_minutes (the epoch count barely moves
+    it at 10^5 epochs); the first epoch trains at the full lr. A budget schedule without a budget is refused."""
+    from flowrl.config import ConfigError
+    from flowrl.trainer import Trainer
+
+    budget = 0.02
+    tr = Trainer(tiny_cfg(tmp_path, "train.epochs=100000", f"train.max_minutes={budget}", "train.budget_clock=process",
+                          "train.schedule=cosine", "train.schedule_over=budget", "train.lr=1e-3", "eval.every=0"))
+    tr.fit()
+    rows = [r for r in metric_rows(tmp_path) if "policy/loss" in r]
+    assert len(rows) >= 2 and rows[0]["lr"] == pytest.approx(1e-3, rel=1e-6)
+    for before, row in zip(rows, rows[1:]):
+        spent = min(1.0, before["time/train_process_minutes"] / budget)
+        assert row["lr"] == pytest.approx(1e-3 * (1 + math.cos(math.pi * spent)) / 2, rel=1e-6, abs=1e-12)
+    assert rows[1]["lr"] < rows[0]["lr"]
+    with pytest.raises(ConfigError, match="train.schedule_over=budget .* set train.max_minutes"):
+        tiny_cfg(tmp_path / "b", "train.schedule=cosine", "train.schedule_over=budget")
