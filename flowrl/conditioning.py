@@ -34,7 +34,7 @@ def count_problem(count: int, accepts: tuple[int, int], family: str) -> str:
         return ""
     if high == 0:
         return (f"{family} is a text-to-image family and takes no conditioning image, got {count}; use an "
-                f"image-editing family, or drop the image column")
+                f"image-editing family, or set data.image_column='' to keep the column as metadata only")
     return f"{family} takes {describe_count(accepts)} per prompt, got {count}"
 
 

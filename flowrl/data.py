@@ -149,15 +149,17 @@ def load_prompts(path: str | Path | None, *, column: str = "prompt", template: s
         which reaches the rewards. A .txt line is that column, with no metadata.
     template: a format string over the row's columns that makes the prompt; `{prompt}` is the prompt column.
     split, hf_config: the split and the configuration of a `hf:` dataset ("" = its default configuration).
-    image_column: the .jsonl column of conditioning images (a path or a list of paths relative to the file), each
-        checked to exist and to be readable as an image, and stored as a list of absolute paths; "" = none.
+    image_column: the column of conditioning images, stored as a list of absolute paths, each checked to exist and
+        to be readable as an image; "" = none. In a .jsonl file: a path or a list of paths relative to the file. In
+        a `hf:` dataset: images (an Image feature, decoded or not) or a list of them, each written once as a file
+        to `datasets`' cache (named by its content), or paths (relative to a local dataset's folder).
     Raises PromptFileError, whose one-line message names the file and line (or dataset row) and the fix."""
     if not path:
         return PromptSet(list(BUILTIN_PROMPTS))
     fields = _template_columns(template)
     source = str(path)
     if source.startswith(HF_PREFIX):
-        return _load_hf(source, column, template, fields, split, hf_config)
+        return _load_hf(source, column, template, fields, split, hf_config, image_column)
     path = Path(source)
     if path.suffix not in (".txt", ".jsonl"):
         raise PromptFileError(f"prompt source {source!r}: unknown format {path.suffix or '(no extension)'!r}; "
@@ -309,9 +311,9 @@ def _jsonl_row(line: str, where: str, column: str) -> dict:
     return row
 
 
-def _with_images(row: dict, where: str, column: str, base: Path) -> dict:
-    """`row` with its `column` (a path or a list of paths, relative to `base`) as a list of absolute paths, each
-    an existing file Pillow reads; a row without the column is returned as it is."""
+def _with_images(row: dict, where: str, column: str, base: Path, base_is: str = "the .jsonl file's folder") -> dict:
+    """`row` with its `column` (a path or a list of paths, relative to `base`, which errors call `base_is`) as a
+    list of absolute paths, each an existing file Pillow reads; a row without the column is returned as it is."""
     if column not in row:
         return row
     value = row[column]
@@ -324,8 +326,8 @@ def _with_images(row: dict, where: str, column: str, base: Path) -> dict:
         file = (base / Path(given).expanduser()).resolve()
         if not file.is_file():
             state = "is a directory" if file.is_dir() else "does not exist"
-            raise PromptFileError(f"{where}: image {given!r} {state} (looked for {file}; paths are relative to the "
-                                  f".jsonl file's folder {base})")
+            raise PromptFileError(f"{where}: image {given!r} {state} (looked for {file}; paths are relative to "
+                                  f"{base_is} {base})")
         problem = _unreadable_image(file)
         if problem:
             raise PromptFileError(f"{where}: image {given!r} ({file}) is not an image Pillow can read: {problem}; "
@@ -351,9 +353,11 @@ def _unreadable_image(file: Path) -> str:
 # ------------------------------------------------------------------------------------------ hf: datasets
 
 
-def _load_hf(source: str, column: str, template: str, fields: list[str], split: str, hf_config: str) -> PromptSet:
+def _load_hf(source: str, column: str, template: str, fields: list[str], split: str, hf_config: str,
+             image_column: str = "") -> PromptSet:
     """The prompts of `hf:ORG/NAME` (the hub, or its local cache) or `hf:DIR` (a local dataset): split `split`,
-    prompt from `column` through `template`, the other JSON-valued columns as metadata."""
+    prompt from `column` through `template`, the other JSON-valued columns as metadata, and the images of
+    `image_column` (when the dataset has it) as paths of files (see `_hf_images`)."""
     name = source[len(HF_PREFIX):].strip()
     datasets = _import_datasets(source)
     local = Path(name).expanduser()
@@ -371,8 +375,64 @@ def _load_hf(source: str, column: str, template: str, fields: list[str], split: 
     if len(table) == 0:
         raise PromptFileError(f"{where}: the split has no rows; choose another split (data.train_split / "
                               f"data.eval_split)")
-    rows = _json_columns(table.to_list(), column, source)
+    rows = table.to_list()
+    if image_column and image_column in table.column_names and image_column != column:
+        base = local if name and local.is_dir() else None
+        cache = Path(datasets.config.HF_DATASETS_CACHE).expanduser() / "flowrl_images"
+        rows = [_hf_images(row, f"{where} row {i}", image_column, base, cache) for i, row in enumerate(rows)]
+    rows = _json_columns(rows, column, source)
     return _prompt_set(((f"{where} row {i}", row) for i, row in enumerate(rows)), column, template, fields)
+
+
+def _hf_images(row: dict, where: str, column: str, base: Path | None, cache: Path) -> dict:
+    """`row` with its image `column` as a list of absolute paths (None: the row has no image). An image is a PIL
+    image (a decoded Image feature), a {"bytes", "path"} dict (an undecoded one) or a path: images and bytes are
+    written once to `cache`, named by a hash of their content (several processes may write the same file: each
+    writes a temporary file and renames it); a path is relative to the local dataset's folder `base`."""
+    value = row[column]
+    if value is None:
+        return {k: v for k, v in row.items() if k != column}
+    items = value if isinstance(value, (list, tuple)) else [value]
+    paths = []
+    for item in items:
+        if isinstance(item, dict) and item.get("bytes") is None and item.get("path"):
+            item = item["path"]  # an undecoded Image feature that points to a file
+        if isinstance(item, str):
+            if base is None and not Path(item).expanduser().is_absolute():
+                raise PromptFileError(f"{where}: image {item!r} ({column!r}, data.image_column) is a relative path "
+                                      f"in a hub dataset, with no folder to resolve it against; use a dataset whose "
+                                      f"column holds images (an Image feature), or a local copy (hf:DIR)")
+            paths.append(item)
+        else:
+            paths.append(_cached_image(item, where, column, cache))
+    return _with_images({**row, column: paths}, where, column, base or Path.cwd(), "the dataset's folder")
+
+
+def _cached_image(item, where: str, column: str, cache: Path) -> str:
+    """The path of a file in `cache` holding image `item` (a PIL image or a {"bytes": ...} dict), written when
+    missing: PNG for a PIL image, the bytes as they are otherwise; the name is the SHA-256 of the content."""
+    import hashlib
+
+    from PIL import Image
+
+    if isinstance(item, Image.Image):
+        import io
+
+        buffer = io.BytesIO()
+        (item if item.mode in ("1", "L", "LA", "P", "RGB", "RGBA", "I") else item.convert("RGB")).save(buffer, "PNG")
+        data, suffix = buffer.getvalue(), ".png"
+    elif isinstance(item, dict) and isinstance(item.get("bytes"), (bytes, bytearray)):
+        data, suffix = bytes(item["bytes"]), Path(str(item.get("path") or "")).suffix.lower() or ".img"
+    else:
+        raise PromptFileError(f"{where}: {column!r} (data.image_column) must hold images, image paths or lists of "
+                              f"them, got {type(item).__name__}: {_clip(repr(item))}")
+    file = cache / f"{hashlib.sha256(data).hexdigest()}{suffix}"
+    if not file.is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_name(f"{file.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, file)
+    return str(file)
 
 
 def _import_datasets(source: str):

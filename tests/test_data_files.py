@@ -6,6 +6,7 @@ import os
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from flowrl.data import PromptFileError, load_config_prompts, load_prompts
@@ -209,6 +210,49 @@ def test_hf_columns_that_are_not_json_are_left_out_with_a_warning(datasets, tmp_
         ps = load_prompts(f"hf:{local}")
     assert ps.metadata == [{"tags": ["pet"]}]
     json.dumps(ps.metadata)
+
+
+def test_hf_image_columns_become_cached_files_the_family_can_load(datasets, tmp_path):
+    """data.image_column of a `hf:` dataset: decoded images (an Image feature), lists of them and paths relative to
+    the dataset's folder all become absolute paths of files holding the same pixels; one image is written once,
+    named by its content (a second load writes nothing new); a row without an image has no column."""
+    from PIL import Image
+
+    red, blue = Image.new("RGB", (8, 6), (255, 0, 0)), Image.new("RGB", (4, 4), (0, 0, 255))
+    local = tmp_path / "edits"
+    features = datasets.Features({"prompt": datasets.Value("string"), "image": datasets.Image()})
+    datasets.Dataset.from_dict({"prompt": ["make it blue", "make it red", "add a cat"], "image": [red, blue, None]},
+                               features=features).save_to_disk(str(local))
+    ps = load_prompts(f"hf:{local}")
+    cache = Path(datasets.config.HF_DATASETS_CACHE) / "flowrl_images"
+    assert [sorted(m) for m in ps.metadata] == [["image"], ["image"], []]
+    for meta, want in zip(ps.metadata, (red, blue)):
+        (path,) = meta["image"]
+        assert Path(path).parent == cache
+        with Image.open(path) as im:
+            assert im.size == want.size and np.array_equal(np.asarray(im.convert("RGB")), np.asarray(want))
+    files = sorted(cache.iterdir())
+    assert len(files) == 2
+    assert load_prompts(f"hf:{local}").metadata == ps.metadata and sorted(cache.iterdir()) == files
+    json.dumps(ps.metadata)
+
+    many = tmp_path / "multi"
+    datasets.Dataset.from_dict({"prompt": ["merge them"], "image": [[red, blue]]}, features=datasets.Features(
+        {"prompt": datasets.Value("string"), "image": datasets.Sequence(datasets.Image())})).save_to_disk(str(many))
+    (meta,) = load_prompts(f"hf:{many}").metadata
+    assert len(meta["image"]) == 2 and {Path(p).name for p in meta["image"]} == {f.name for f in files}
+
+    folder = tmp_path / "paths"
+    folder.mkdir()
+    red.save(folder / "src.png")
+    _jsonl(folder / "train.jsonl", [{"prompt": "make it blue", "image": "src.png"}])
+    (meta,) = load_prompts(f"hf:{folder}").metadata
+    assert meta["image"] == [str((folder / "src.png").resolve())]
+    _jsonl(folder / "train.jsonl", [{"prompt": "make it blue", "image": "gone.png"}])
+    with pytest.raises(PromptFileError, match=r"row 0: image 'gone.png' does not exist .*relative to the dataset's "
+                                              r"folder"):
+        load_prompts(f"hf:{folder}")
+    assert "image" not in load_prompts(f"hf:{local}", image_column="").metadata[0]  # off: dropped as before
 
 
 def test_hf_without_the_datasets_package_says_how_to_install_it(monkeypatch):
