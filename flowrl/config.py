@@ -942,6 +942,11 @@ GRPO_ONLY_KEYS = {"sample.window.kind": "all", "sample.sde_type": "auto", "sampl
                   "train.dual_clip": None, "train.kl_std": "step"}
 
 
+def _cli_value(value) -> str:
+    """A value as a key=value override writes it (None as null, booleans in lower case)."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def _objective_problems(cfg: Config) -> list[str]:
     """What a forward-process objective (train.objective nft / awm / dpo) cannot take."""
     s, t = cfg.sample, cfg.train
@@ -955,7 +960,8 @@ def _objective_problems(cfg: Config) -> list[str]:
         problems.append(f"{', '.join(f'{k}={_get_dotted(cfg, k)}' for k in changed)}: GRPO's setting(s) of the "
                         f"sampler's stochastic steps; train.objective={name} samples with the ODE and trains at its "
                         f"own times (train.{name}.*: its KL is train.{name}.kl_coef). Leave them at their defaults "
-                        f"({', '.join(f'{k}={GRPO_ONLY_KEYS[k]}' for k in changed)}), or use train.objective=grpo")
+                        f"({' '.join(f'{k}={_cli_value(GRPO_ONLY_KEYS[k])}' for k in changed)}), or use "
+                        f"train.objective=grpo")
     if s.same_noise_per_group:
         problems.append(f"sample.same_noise_per_group: with train.objective={name} the ODE rollout would make every "
                         "image of a group the same; set it to false")
