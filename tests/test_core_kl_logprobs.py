@@ -85,6 +85,35 @@ def test_entropy_against_categorical():
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_entropy_and_its_gradient_equal_autograd_of_the_definition(temperature, monkeypatch):
+    """The fused entropy against -sum p log p of softmax(z / tau) differentiated by autograd, across many chunks;
+    a -inf logit (a masked token) contributes nothing; bf16 logits get a float32 entropy and a bf16 gradient."""
+    monkeypatch.setattr(logprobs_mod, "_CHUNK_FLOATS", 40)  # V=13 -> 3 rows per chunk
+    gen = torch.Generator().manual_seed(4)
+    base = torch.randn(3, 5, 13, generator=gen, dtype=torch.float64) * 2
+    logits, ref = base.clone().requires_grad_(), base.clone().requires_grad_()
+    got = entropy_from_logits(logits, temperature)
+    p = torch.softmax(ref / temperature, -1)
+    want = -(p * torch.log_softmax(ref / temperature, -1)).sum(-1)
+    torch.testing.assert_close(got, want, **TOL)
+    w = torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    (got * w).sum().backward()
+    (want * w).sum().backward()
+    torch.testing.assert_close(logits.grad, ref.grad, **TOL)
+    masked = base[0, 0].clone()
+    masked[[2, 7]] = -math.inf
+    kept = masked[torch.isfinite(masked)]
+    torch.testing.assert_close(entropy_from_logits(masked, temperature),
+                               torch.distributions.Categorical(logits=kept / temperature).entropy(), **TOL)
+    half = base.to(torch.bfloat16).requires_grad_()
+    out = entropy_from_logits(half, temperature)
+    out.sum().backward()
+    assert out.dtype == torch.float32 and half.grad.dtype == torch.bfloat16 and torch.isfinite(half.grad).all()
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        entropy_from_logits(base, 0.0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_token_log_probs_equal_log_softmax_gather_and_grad(temperature, monkeypatch):
     monkeypatch.setattr(logprobs_mod, "_CHUNK_FLOATS", 40)  # V=13 -> 3 rows per chunk: many chunks
     gen = torch.Generator().manual_seed(3)

@@ -93,18 +93,58 @@ def sample_categorical(logits: Tensor, generator: torch.Generator | None = None)
     return torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1).squeeze(1)
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of softmax(logits) over the last dim: H = logsumexp(z) - sum_k softmax(z)_k z_k.
+class _Entropy(torch.autograd.Function):
+    """H(softmax(z / tau)) computed row-chunk by row-chunk in float32; backward likewise (softmax recomputed).
 
-    Computed in float32 (float64 stays float64) in row chunks. logits: [..., V] -> [...].
+    With s = z / tau and p = softmax(s): H = logsumexp(s) - sum_k p_k s_k, and
+    dH/dz_k = -(p_k / tau) (s_k - sum_j p_j s_j). A token of probability 0 (logit -inf) adds nothing to either.
     """
-    v = logits.shape[-1]
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    flat = logits.reshape(-1, v)
-    parts = []
-    for rows in _row_chunks(flat.shape[0], v):
-        z = flat[rows].to(dtype)
-        p = torch.softmax(z, dim=-1)
-        parts.append(torch.logsumexp(z, dim=-1) - (p * z).sum(-1))
-    out = torch.cat(parts) if parts else flat.new_zeros(0, dtype=dtype)
-    return out.view(logits.shape[:-1])
+
+    @staticmethod
+    def _chunk(z: Tensor, tau: float) -> tuple[Tensor, Tensor, Tensor]:
+        """(p, s with p = 0 entries zeroed, E_p[s]) of one chunk of rows."""
+        s = z / tau if tau != 1.0 else z
+        p = torch.softmax(s, dim=-1)
+        s = torch.where(p > 0, s, torch.zeros((), dtype=s.dtype, device=s.device))
+        return p, s, (p * s).sum(-1)
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, temperature: float) -> Tensor:
+        v = logits.shape[-1]
+        flat = logits.reshape(-1, v)
+        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        out = torch.empty(flat.shape[0], dtype=dtype, device=logits.device)
+        for rows in _row_chunks(flat.shape[0], v):
+            z = flat[rows].to(dtype)
+            _, _, mean_s = _Entropy._chunk(z, temperature)
+            out[rows] = torch.logsumexp(z / temperature if temperature != 1.0 else z, dim=-1) - mean_s
+        ctx.save_for_backward(logits)
+        ctx.temperature = temperature
+        return out.view(logits.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        (logits,) = ctx.saved_tensors
+        tau = ctx.temperature
+        v = logits.shape[-1]
+        flat = logits.reshape(-1, v)
+        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        g = grad_out.reshape(-1).to(dtype) / tau
+        grad = torch.empty_like(flat)
+        for rows in _row_chunks(flat.shape[0], v):
+            p, s, mean_s = _Entropy._chunk(flat[rows].to(dtype), tau)
+            grad[rows] = (p * (s - mean_s[:, None]) * g[rows, None].neg()).to(grad.dtype)
+        return grad.view_as(logits), None
+
+
+def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Entropy of softmax(logits / temperature) over the last dim: H = logsumexp(s) - sum_k softmax(s)_k s_k,
+    s = logits / temperature.
+
+    In float32 (float64 stays float64), in row chunks in both passes: no float32 [..., V] copy of the logits is
+    held for the backward (the gradient, in the logits' dtype, is the only [..., V] tensor). logits: [..., V] ->
+    [...].
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return _Entropy.apply(logits, float(temperature))

@@ -336,7 +336,7 @@ class TextPolicy:
         logits = out.logits[:, -(n + 1) :]
         targets = torch.cat([input_ids[:, prompt_len:], input_ids[:, -1:]], 1)  # [B, T + 1]
         lp = core.token_log_probs(logits, targets, temperature)[:, :-1]
-        ent = core.entropy_from_logits(logits[:, :-1].float() / temperature) if with_entropy else None
+        ent = core.entropy_from_logits(logits, temperature)[:, :-1] if with_entropy else None
         return lp, ent
 
     def generate_samples(self, input_ids: Tensor, attn: Tensor, recorder: SampledLogProbs | None = None) -> Tensor:
