@@ -147,13 +147,18 @@ def _flatten(tree, prefix: str = "") -> dict:
     return {prefix[:-1]: tree}
 
 
-def compare_configs(saved: dict, current: dict) -> tuple[list[str], list[str]]:
+def compare_configs(saved: dict, current: dict, defaults: dict | None = None) -> tuple[list[str], list[str]]:
     """(refused, allowed): the keys that differ between a checkpoint's config and the current one, as
-    "key: old -> new" lines; `refused` are those of SHAPE_KEYS (a list of sections, e.g. rewards, compares whole)."""
+    "key: old -> new" lines; `refused` are those of SHAPE_KEYS (a list of sections, e.g. rewards, compares whole).
+    A key the checkpoint's config lacks (it was written before the key existed) whose current value is its default
+    in `defaults` (a whole default config) is no change: a new key's default keeps the behaviour it had before."""
     old, new = _flatten(saved), _flatten(current)
+    default = _flatten(defaults) if defaults is not None else {}
     refused, allowed = [], []
     for key in sorted(set(old) | set(new)):
         if key in IGNORED_KEYS or old.get(key) == new.get(key):
+            continue
+        if key not in old and key in default and new.get(key) == default[key]:
             continue
         line = f"{key}: {old.get(key, '(unset)')!r} -> {new.get(key, '(unset)')!r}"
         (refused if key in SHAPE_KEYS else allowed).append(line)

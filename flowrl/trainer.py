@@ -914,7 +914,7 @@ class Trainer:
         differing keys; other config changes are listed in a warning."""
         saved = ck["state"].get("config")
         if saved is not None:
-            refused, allowed = rundir.compare_configs(saved, to_dict(self.cfg))
+            refused, allowed = rundir.compare_configs(saved, to_dict(self.cfg), to_dict(Config()))
             if refused:
                 raise CheckpointError(f"cannot resume from {path}: the config changed what the checkpoint was trained "
                                       f"as ({'; '.join(refused)}); undo those changes, or start a new run in another "

@@ -104,6 +104,20 @@ def test_resume_refuses_a_changed_adapter_and_warns_of_other_changes(tmp_path):
     assert tr.state.epochs_done == 2
 
 
+def test_keys_newer_than_a_checkpoint_are_no_change_at_their_defaults():
+    """A checkpoint written before a key existed lacks it: at its default it is not reported, set otherwise it is."""
+    from flowrl.config import Config, to_dict
+    from flowrl.rundir import compare_configs
+
+    current = to_dict(load_config(None, list(TINY)))
+    saved = json.loads(json.dumps(current))
+    del saved["train"]["schedule_over"], saved["train"]["nft"]  # as a checkpoint from before those keys
+    assert compare_configs(saved, current, to_dict(Config())) == ([], [])
+    assert compare_configs(saved, current)[1]  # without the defaults every new key is reported
+    current["train"]["schedule_over"] = "budget"
+    assert compare_configs(saved, current, to_dict(Config())) == ([], ["train.schedule_over: '(unset)' -> 'budget'"])
+
+
 def test_a_resume_redoes_epochs_without_duplicating_rows_and_clears_temporary_dirs(tmp_path):
     run = tmp_path / "run"
     Trainer(tiny_cfg(run, "train.epochs=4", "checkpoint.every=2", "checkpoint.keep=0", "eval.grid=false")).fit()
