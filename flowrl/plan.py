@@ -598,11 +598,19 @@ def lora_parameters(module: torch.nn.Module) -> int:
 def _vae_factor_and_channels(vae: Mapping) -> tuple[int, int]:
     """(spatial downsampling factor, latent channels) of a VAE config."""
     cls = vae.get("_class_name", "AutoencoderKL")
-    if cls == "AutoencoderKLQwenImage":
+    if cls in ("AutoencoderKLQwenImage", "AutoencoderKLWan"):
         return 2 ** len(vae.get("temperal_downsample", [False, True, True])), vae.get("z_dim", 16)
     if cls == "AutoencoderDC":
         return 2 ** (len(vae["encoder_block_out_channels"]) - 1), vae.get("latent_channels", 32)
     return 2 ** (len(vae.get("block_out_channels", [0, 0, 0, 0])) - 1), vae.get("latent_channels", 4)
+
+
+def latent_frames(vae: Mapping, num_frames: int) -> int:
+    """The latent frames of a clip of `num_frames` frames: a video VAE (AutoencoderKLWan) compresses time by
+    2^(its temporal downsamplings) after the first frame, F' = (F - 1) / 2^k + 1; an image VAE keeps F."""
+    if vae.get("_class_name") == "AutoencoderKLWan":
+        return (num_frames - 1) // 2 ** sum(bool(d) for d in vae.get("temperal_downsample", [False, True, True])) + 1
+    return num_frames
 
 
 def _config_dict(module) -> dict:
@@ -611,30 +619,47 @@ def _config_dict(module) -> dict:
 
 @dataclass(frozen=True)
 class ImageShape:
-    """The update's shapes: tokens per model row, latent elements per sample, text-embedding size."""
+    """The update's shapes: tokens per model row, latent elements per sample, text-embedding size; with
+    conditioning images (`ImageBackend.condition_tokens`) their tokens are among the image and text tokens, and
+    `condition_elements` is what a sample keeps of them (their latents, or a condition in the latents' channels)."""
 
     image_tokens: int
     text_tokens: int
     levels: int
     latent_elements: int
     text_width: int
+    frames: int = 1
+    condition_elements: int = 0
+    sources: int = 0
 
 
 def image_shape(components: Mapping[str, Component], denoiser_attr: str, height: int, width: int,
-                max_sequence_length: int) -> ImageShape:
-    """The token counts of a denoiser row at height x width, from the denoiser's and the VAE's configs; the
-    text tokens per denoiser class (SD3: CLIP's 77 then the T5 tokens; a UNet: the CLIP encoder's length;
-    the others: `sample.max_sequence_length`, an upper bound where the pipeline drops the padding)."""
+                max_sequence_length: int, num_frames: int = 1, family=None, max_sources: int | None = None
+                ) -> ImageShape:
+    """The token counts of a denoiser row at height x width (x num_frames: a video's latent frames times its
+    patches), from the denoiser's and the VAE's configs; the text tokens per denoiser class (SD3: CLIP's 77 then
+    the T5 tokens; a UNet: the CLIP encoder's length; Wan image-to-video: its CLIP image tokens too; the others:
+    `sample.max_sequence_length`, an upper bound where the pipeline drops the padding). `family` (an ImageBackend
+    class) adds its conditioning images' tokens: `max_sources` of them (the most a prompt of the data holds), or
+    when that is unknown (None) the most the family takes (`condition_images`)."""
     den = components[denoiser_attr].module
     config = _config_dict(den)
     vae = _config_dict(components["vae"].module) if "vae" in components else {}
     factor, latent_channels = _vae_factor_and_channels(vae) if vae else (8, config.get("in_channels", 4))
     in_channels = config.get("in_channels", latent_channels)
     patch = config.get("patch_size") or (config.get("all_patch_size") or [1])[0]
-    if in_channels == 4 * latent_channels:  # latents packed 2x2 by the pipeline (FLUX, Qwen-Image, FLUX.2)
-        patch = 2
-    h, w = height // factor, width // factor
+    pt, ph, pw = (tuple(patch) if isinstance(patch, (list, tuple)) and len(patch) == 3 else
+                  (1, *(tuple(patch) if isinstance(patch, (list, tuple)) else (patch, patch))))
+    packed = in_channels == 4 * latent_channels  # latents packed 2x2 by the pipeline (FLUX, Qwen-Image, FLUX.2)
+    if packed:
+        ph = pw = 2
+    frames = latent_frames(vae, num_frames)
     cls = type(den).__name__
+
+    def tokens_at(height: int, width: int, frames: int = 1) -> int:
+        return -(-frames // pt) * ((height // factor) // ph) * ((width // factor) // pw)
+
+    h, w = height // factor, width // factor
     clip = next((c.module.config.max_position_embeddings for n, c in components.items()
                  if n.startswith("text_encoder") and c.module is not None
                  and type(c.module).__name__.startswith("CLIPText")), 77)
@@ -644,10 +669,47 @@ def image_shape(components: Mapping[str, Component], denoiser_attr: str, height:
         text_tokens = clip
     else:
         text_tokens = max_sequence_length
+    encoder = components.get("image_encoder")
+    if cls == "WanTransformer3DModel" and config.get("image_dim") and encoder is not None and encoder.module:
+        vision = encoder.module.config  # its penultimate hidden states: the patches and the class token
+        text_tokens += (vision.image_size // vision.patch_size) ** 2 + 1
     text_width = (config.get("joint_attention_dim") or config.get("cross_attention_dim")
-                  or config.get("caption_channels") or config.get("cap_feat_dim") or 0)
+                  or config.get("caption_channels") or config.get("cap_feat_dim") or config.get("text_dim") or 0)
     levels = len(config.get("block_out_channels", [0])) if cls == "UNet2DConditionModel" else 1
-    return ImageShape((h // patch) * (w // patch), text_tokens, levels, latent_channels * h * w, int(text_width))
+    image_tokens, elements = tokens_at(height, width, frames), latent_channels * frames * h * w
+    if family is None:
+        sources = 0
+    else:
+        low, high = family.condition_images
+        sources = high if max_sources is None else min(high, max(low, max_sources))
+    condition = 0
+    if sources:
+        source_image, source_text = family.condition_tokens(height, width, tokens_at)
+        image_tokens += sources * source_image
+        text_tokens += sources * source_text
+        condition = sources * source_image * elements // max(1, tokens_at(height, width, frames))
+    if in_channels > latent_channels and not packed:  # a condition concatenated to the latents' channels
+        condition += (in_channels - latent_channels) * frames * h * w
+    return ImageShape(image_tokens, text_tokens, levels, elements, int(text_width), frames, condition, sources)
+
+
+def _most_images(spec: str, column: str) -> int | None:
+    """The most conditioning images a prompt of a local .jsonl file holds in `column` (None for anything else,
+    or a file that does not parse: the prompt loader names its problems)."""
+    if not spec or not column or not spec.endswith(".jsonl") or not os.path.isfile(spec):
+        return None
+    from .conditioning import image_count
+
+    most = 0
+    with open(spec, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    return None
+                most = max(most, image_count(row if isinstance(row, dict) else {}, column))
+    return most
 
 
 def _count_prompts(spec: str) -> int | None:
@@ -1139,9 +1201,16 @@ def _plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
                    2 * _block_params(den.module, layout.blocks) * b, t.optimizer)
 
     # what the rollout leaves on the GPU for the update: the trajectory and the prompt encodings
-    shape = image_shape(components, fam.denoiser_attr, s.height, s.width, s.max_sequence_length)
+    try:
+        frames = fam.check_num_frames(s.num_frames)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    most = [_most_images(f, cfg.data.image_column) for f in {cfg.data.train_prompts, cfg.data.eval_prompts}
+            if f] if fam.condition_images[1] else []
+    shape = image_shape(components, fam.denoiser_attr, s.height, s.width, s.max_sequence_length, frames, fam,
+                        max(most) if most and None not in most else None)
     kept = s.num_steps + 1 if obj.name == "grpo" else 1  # the forward-process objectives keep the final latents
-    trajectory = local * kept * shape.latent_elements * b
+    trajectory = local * (kept * shape.latent_elements + shape.condition_elements) * b
     if t.step_weighting == "ratio_norm":  # the transition means, float32
         trajectory += local * s.num_steps * shape.latent_elements * 4
     counted = [_count_prompts(f) for f in {cfg.data.train_prompts, cfg.data.eval_prompts or cfg.data.train_prompts}]
@@ -1189,7 +1258,9 @@ def _plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
         else:
             rows.append(Row(f"{obj.name}: shadow policy '{name}', a frozen copy", None,
                             {"DDP": den.weight_bytes, "FSDP": den.weight_bytes / gpus, "offload": den.weight_bytes}))
-    rows.append(Row(f"trajectory latents ({local} samples x {kept})", None, everywhere(trajectory)))
+    rows.append(Row(f"trajectory latents ({local} samples x {kept}"
+                    + (", with their conditions" if shape.condition_elements else "") + ")", None,
+                    everywhere(trajectory)))
     rows.append(Row(f"prompt-encoding cache ({n_prompts} prompts)", None, everywhere(prompt_cache)))
 
     if obj.name == "grpo":
@@ -1199,9 +1270,14 @@ def _plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
                      + (" x 2 (winner and loser)" if obj.images_per_sample == 2 else "") + ", without CFG")
     lora = (f"LoRA r{cfg.lora.rank} alpha {cfg.lora.alpha:g} on {', '.join(targets)}" if cfg.lora.enabled
             else f"full fine-tuning of the {fam.denoiser_attr} (weights, gradients, AdamW in {dtype})")
+    size = f"{s.height}x{s.width} px" if not fam.video else f"{frames} frames of {s.height}x{s.width} px"
+    if shape.sources:
+        size += (f" and {shape.sources} conditioning image{'s' if shape.sources > 1 else ''}"
+                 + ("" if fam.condition_images[0] == fam.condition_images[1] else
+                    " (the most the family takes)" if not most or None in most else " (the most a prompt has)"))
     facts = [
         ("model", f"{m.path} ({fam.family}, {pipeline_class}; configuration: {source})"),
-        ("update", f"{lora}; {dtype}; {s.height}x{s.width} px = {shape.image_tokens} image + {shape.text_tokens} "
+        ("update", f"{lora}; {dtype}; {size} = {shape.image_tokens} image + {shape.text_tokens} "
                    f"text tokens; {rows_note}; {obj.reference_note}"),
         ("batch", f"{local} samples per GPU per epoch, minibatch {minibatch}, micro-batch {micro}, "
                   f"gradient checkpointing {'on' if t.gradient_checkpointing else 'off'}"),

@@ -53,6 +53,8 @@ PUBLISHED = {
     ("stabilityai/stable-diffusion-xl-base-1.0", "unet"): 2.57,
     ("Qwen/Qwen-Image", "transformer"): 20.4,
     ("Qwen/Qwen-Image", "text_encoder"): 8.29,  # Qwen2.5-VL-7B
+    ("Qwen/Qwen-Image-Edit-2509", "transformer"): 20.4,  # Qwen-Image's architecture, fine-tuned for editing
+    ("black-forest-labs/FLUX.1-Kontext-dev", "transformer"): 11.9,  # FLUX.1-dev's architecture
     ("black-forest-labs/FLUX.2-dev", "transformer"): 32.2,
     ("black-forest-labs/FLUX.2-dev", "text_encoder"): 24.0,  # Mistral Small 3.1
     ("Tongyi-MAI/Z-Image-Turbo", "transformer"): 6.15,
@@ -92,11 +94,10 @@ def test_shipped_text_model_and_reward_backbones_have_the_published_sizes():
 
 #: preset models whose architecture configs are not shipped yet (not known here reliably enough to write them):
 #: `flowrl plan` reads them from the hub cache, and offline it fails naming them (tested below)
-#: The editing and video models too: the planner does not count an editor's source tokens or a video's frames yet, so
-#: a shipped config would plan them as text-to-image models of one frame.
+#: The editors ship (FLUX.1-dev's and Qwen-Image's architectures under their editing pipelines); the Wan models do
+#: not: the planner counts their frames and image tokens when it reads them from the hub (cache).
 NOT_SHIPPED = {"Qwen/Qwen-Image-2512", "black-forest-labs/FLUX.2-klein-9B", "black-forest-labs/FLUX.2-klein-base-9B",
-               "black-forest-labs/FLUX.1-Kontext-dev", "Qwen/Qwen-Image-Edit-2509", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
-               "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"}
+               "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"}
 
 
 def test_every_shipped_file_names_its_hub_id_and_the_presets_models_are_shipped():
@@ -113,7 +114,7 @@ def test_every_shipped_file_names_its_hub_id_and_the_presets_models_are_shipped(
 # ---------------------------------------------------------------------------------------------- tiny models
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux", "sd15"])
+@pytest.mark.parametrize("family", ["sd3", "flux", "sd15", "wan", "flux_kontext"])
 def test_tiny_plan_counts_what_the_trainer_builds(family):
     """The denoiser's size and the LoRA parameters the planner counts are those of the policy the trainer makes."""
     from flowrl.policies.image import ImagePolicy
@@ -174,6 +175,8 @@ def test_text_plan_counts_what_the_text_policy_trains():
     ("black-forest-labs/FLUX.1-dev", 1024, 128),  # packed 2x2
     ("stable-diffusion-v1-5/stable-diffusion-v1-5", 64 * 64, 77),  # a UNet's level 0: the latent pixels
     ("Qwen/Qwen-Image", 1024, 128),
+    ("black-forest-labs/FLUX.1-Kontext-dev", 2 * 1024, 128),  # the source, at the sample's size, appended
+    ("Qwen/Qwen-Image-Edit-2509", 1024 + 3 * 4096, 128 + 3 * (189 + 8)),  # 3 sources of ~1024^2 px, 384^2 in text
     ("black-forest-labs/FLUX.2-dev", 1024, 128),
     ("Tongyi-MAI/Z-Image-Turbo", 1024, 128),
     ("Efficient-Large-Model/Sana_1600M_512px_diffusers", 16 * 16, 128),  # a 32x VAE, patch 1
@@ -184,7 +187,9 @@ def test_token_counts_of_the_shipped_denoisers_at_512_px(repo, image_tokens, tex
     _, parts, _ = pipeline_components(repo, "bfloat16")
     components = {p.name: p for p in parts}
     attr = "unet" if "unet" in components else "transformer"
-    shape = image_shape(components, attr, 512, 512, 128)
+    from flowrl.plan import _family_of
+
+    shape = image_shape(components, attr, 512, 512, 128, family=_family_of(repo, "auto"))
     assert (shape.image_tokens, shape.text_tokens) == (image_tokens, text_tokens)
     layers = denoiser_layers(components[attr].module, components[attr].class_name, image_tokens=shape.image_tokens,
                              text_tokens=shape.text_tokens, levels=shape.levels)
@@ -427,3 +432,81 @@ def test_objectives_rows_references_shadows_and_update_rows():
     dpo = plan(_preset("sd35m_pickscore", "train.objective=dpo", "train.steps_per_forward=2", *FORWARD))
     assert dpo.update.rows_per_sample == 4  # 2 times x (winner, loser)
     assert any(r.label.startswith("reference") for r in dpo.rows) and "objective dpo" in dpo.render()
+
+
+# ---------------------------------------------------------------------------------------------- video and editing
+
+
+@pytest.mark.parametrize("name", ["wan", "wan_i2v", "flux_kontext", "qwen_image_edit", "flux", "sd3"])
+def test_planned_tokens_are_those_the_denoiser_gets(name):
+    """The image and text tokens the planner counts for a row (a video's latent frames x patches; an editor's
+    source tokens at the most images it takes; Wan image-to-video's CLIP image tokens) against the tensors the tiny
+    family passes its denoiser in a rollout. Qwen-Image-Edit's text tokens are left out: its instruction encoding
+    holds the images at the processor's size, which the tiny processor caps far below the real one's."""
+    import sys
+
+    from flowrl.families import family, load_image_backend
+    from flowrl.plan import image_shape
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from conditioned import source_image
+
+    torch.set_num_threads(1)
+    fam = family(name)
+    backend = load_image_backend(f"tiny-{name}", max_sequence_length=16)
+    seen = []
+
+    def record(module, args, kwargs):
+        x = kwargs.get("hidden_states", args[0] if args else None)
+        cfg = module.config
+        if x.ndim == 3:  # packed tokens [B, L, C]
+            tokens = x.shape[1]
+        else:  # [B, C, (F,) H, W] in patches
+            patch = cfg.get("patch_size") or 1
+            pt, ph, pw = tuple(patch) if isinstance(patch, (list, tuple)) else (1, patch, patch)
+            tokens = (x.shape[2] // pt if x.ndim == 5 else 1) * (x.shape[-2] // ph) * (x.shape[-1] // pw)
+        text = kwargs["encoder_hidden_states"].shape[1]
+        image = kwargs.get("encoder_hidden_states_image")
+        seen.append((tokens, text + (image.shape[1] if image is not None else 0)))
+
+    handle = backend.denoiser.register_forward_pre_hook(record, with_kwargs=True)
+    images = [[source_image(seed=k) for k in range(fam.condition_images[1])]] if fam.condition_images[1] else None
+    backend.rollout(["a red cat"], 1, num_steps=1, sde_type="ode", height=32, width=32, decode=False,
+                    num_frames=fam.tiny_num_frames, images=images)
+    handle.remove()
+    _, parts, _ = pipeline_components(f"tiny-{name}", "float32")
+    shape = image_shape({p.name: p for p in parts}, fam.denoiser_attr, 32, 32, 16, fam.tiny_num_frames, fam)
+    tokens, text = seen[0]
+    assert shape.image_tokens == tokens
+    if name != "qwen_image_edit":
+        assert shape.text_tokens == text
+    assert shape.sources == fam.condition_images[1]
+    assert (shape.condition_elements > 0) == (fam.condition_images[1] > 0)
+
+
+def test_an_editors_plan_counts_the_most_images_a_prompt_of_the_data_has(tmp_path):
+    """Qwen-Image-Edit takes 1 to 3 sources: with a local .jsonl the planner counts the most a prompt holds (2 here),
+    each adding its tokens; without one (a hub dataset) it counts 3, and says so; video frames show in the line."""
+    from PIL import Image
+
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    rows = [{"prompt": "swap them", "image": ["a.png", "a.png"]}, {"prompt": "blue", "image": "a.png"}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = ["model.path=tiny-qwen_image_edit", "sample.height=32", "sample.width=32", "sample.max_sequence_length=16"]
+    line = lambda cfg: next(ln for ln in plan(cfg).render().splitlines() if ln.startswith("update"))  # noqa: E731
+    two = line(load_config(None, [*base, f"data.train_prompts={tmp_path / 'p.jsonl'}"]))
+    three = line(load_config(None, base))
+    assert "2 conditioning images (the most a prompt has)" in two
+    assert "3 conditioning images (the most the family takes)" in three
+    tokens = lambda text: int(text.split(" = ")[1].split(" image")[0])  # noqa: E731
+    assert tokens(three) - tokens(two) == tokens(two) - tokens(line(load_config(None, [
+        *base, f"data.train_prompts={_one_image_prompts(tmp_path)}"]))) > 0
+    video = line(load_config(None, ["model.path=tiny-wan", "sample.height=32", "sample.width=32",
+                                    "sample.max_sequence_length=16", "sample.num_frames=9"]))
+    assert "9 frames of 32x32 px = 12 image + 16 text tokens" in video  # 3 latent frames x 2 x 2 patches
+
+
+def _one_image_prompts(directory: Path) -> Path:
+    path = directory / "one.jsonl"
+    path.write_text(json.dumps({"prompt": "blue", "image": "a.png"}) + "\n")
+    return path

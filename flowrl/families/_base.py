@@ -179,6 +179,13 @@ class ImageBackend:
     tiny_denoiser: ClassVar[dict]  # the denoiser config of its tiny random-weight test model
 
     @classmethod
+    def condition_tokens(cls, height: int, width: int, tokens_at) -> tuple[int, int]:
+        """What one conditioning image adds to a model row, for the memory planner (`flowrl.plan`): (denoiser
+        image tokens, text-encoding tokens). `tokens_at(h, w)` is the denoiser's token count of an h x w image.
+        None by default: text-to-image, or a condition that rides in the latents' channels (Wan's image-to-video)."""
+        return 0, 0
+
+    @classmethod
     def tiny_pipeline(cls, seed: int = 0, **options):
         """A tiny random-weight pipeline of this family, built offline in code (tests, smoke runs); its weights
         depend only on `seed`."""

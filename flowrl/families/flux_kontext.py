@@ -27,6 +27,11 @@ class FluxKontextBackend(FluxBackend):
     condition_images = (1, 1)
     parity_guidance = (2.5,)
 
+    @classmethod
+    def condition_tokens(cls, height, width, tokens_at):
+        """The source, resized to the sample's size, appended to the sampled tokens: as many tokens again."""
+        return tokens_at(height, width), 0
+
     def _encode_conditions(self, images, settings, prompts=None):
         """P prompts' source images -> {"image_latents": [P, (h/2)(w/2), 4C]}: each resized to the sample's size,
         VAE-encoded (the distribution's mode, shifted and scaled as the pipeline does) and packed in 2x2 patches."""

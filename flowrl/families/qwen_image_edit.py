@@ -57,6 +57,15 @@ class QwenImageEditPlusBackend(QwenImageBackend):
     tiny_denoiser = TINY_TRANSFORMER
     parity_guidance = (4.0,)  # with true CFG: its conditional pass is the CFG-free one (each source costs a VAE pass)
 
+    @classmethod
+    def condition_tokens(cls, height, width, tokens_at):
+        """Each source at about VAE_IMAGE_SIZE pixels appended to the sampled tokens, and at about
+        CONDITION_IMAGE_SIZE pixels in the instruction's encoding (Qwen2-VL's 28 x 28 pixels per merged token, its
+        "Picture k: <|vision_start|>...<|vision_end|>" words), whatever the sample's size."""
+        module = _pipeline_module()
+        side = int(math.sqrt(module.VAE_IMAGE_SIZE))
+        return tokens_at(side, side), math.ceil(module.CONDITION_IMAGE_SIZE / 28**2) + 8
+
     # ---- budgets -------------------------------------------------------------------------------
 
     def _vision_budget(self) -> int:
