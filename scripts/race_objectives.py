@@ -56,8 +56,8 @@ FORWARD_PROCESS = ["sample.window.kind=all", "sample.sde_type=auto", "sample.noi
 OBJECTIVE_SETTINGS: dict[str, list[str]] = {
     "grpo": [],
     "nft": ["train.objective=nft", *FORWARD_PROCESS, "train.nft.beta=0.1", "train.nft.timesteps=4"],
-    "awm": ["train.objective=awm", *FORWARD_PROCESS, "train.awm.timesteps=4", "sample.num_steps=6", "train.lr=2e-3",
-            "train.awm.kl_coef=1e-2"],
+    "awm": ["train.objective=awm", *FORWARD_PROCESS, "train.awm.timesteps=4", "sample.num_steps=6", "train.lr=3e-3",
+            "train.awm.kl_coef=3e-2", "train.schedule=cosine", "train.schedule_over=budget"],
     "dpo": ["train.objective=dpo", *FORWARD_PROCESS, "train.dpo.beta=100", "train.dpo.timesteps=4"],
 }
 
