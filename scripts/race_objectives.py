@@ -49,10 +49,14 @@ FORWARD_PROCESS = ["sample.window.kind=all", "sample.sde_type=auto", "sample.noi
                    "sample.same_noise_per_group=false"]
 #: Each objective's settings on the shapes world (key=value overrides of configs/shapes.yaml): 4 training times
 #: per sample (GRPO trains 4 steps: the preset's window); NFT's beta 0.1 and DPO's beta 100 learned faster than
-#: their defaults (1 and 5000) on a tiny model in the first hand runs. AWM's from 6-minute trials on seed 0
-#: (accuracy on the test split every 5 epochs): rollouts of 6 ODE steps instead of 10 (cheaper epochs, the same
-#: gain per epoch); lr 3e-3 reached +0.20 in 2.8 minutes but fell back after 5 (colours drifting, TV 0.41), and
-#: without a stronger KL (1e-3) collapsed after 3.5; lr 2e-3 learned about as fast over the first 2 minutes.
+#: their defaults (1 and 5000) on a tiny model in the first hand runs. AWM's from trials on seed 0: rollouts of 6 ODE
+#: steps instead of 10 (cheaper epochs, the same gain per epoch); at a constant lr (6-minute trials) 3e-3 reached
+#: +0.20 in 2.8 minutes but fell back after 5 (colours drifting, TV 0.41), and with a KL of 1e-3 collapsed after
+#: 3.5; at a constant lr 2e-3 and KL 1e-2 (15 minutes) it peaked at +0.246 after 7 minutes, then its colours
+#: collapsed (TV 0.43) and it ended at -0.021. A cosine lr over the budget (`train.schedule_over=budget`, 15-minute
+#: trials) did not stop the drift at KL 1e-2 (lr 2e-3: peak +0.264 at 6.3 minutes, +0.21 and TV 0.34 near the end;
+#: lr 3e-3: peak +0.243 at 3.9, +0.16 and TV 0.39 near the end); a KL of 3e-2 with lr 3e-3 learned more slowly and
+#: drifted less.
 OBJECTIVE_SETTINGS: dict[str, list[str]] = {
     "grpo": [],
     "nft": ["train.objective=nft", *FORWARD_PROCESS, "train.nft.beta=0.1", "train.nft.timesteps=4"],
