@@ -105,7 +105,9 @@ def race_run(out: Path, results: Path, objective: str, seed: int, args) -> dict:
                              f"{settings}): delete it to race it again, or pass another --results")
         return result
     directory = train(out, objective, seed, args.minutes, args.eval_every, args.extra)
-    after = evaluate(directory, directory / f"ckpt-{_last_ckpt(directory):06d}", "oot-final", args.extra)
+    # the run's budget keys too: an override that needs them (train.schedule_over=budget) is valid in eval as well
+    after = evaluate(directory, directory / f"ckpt-{_last_ckpt(directory):06d}", "oot-final",
+                     [f"train.max_minutes={args.minutes}", "train.budget_clock=process", *args.extra])
     result = {"objective": objective, "seed": seed, **settings, "curve": curve(directory),
               "oot_after": after[HEADLINE]}
     tmp = path.with_suffix(".tmp")
