@@ -101,12 +101,13 @@ class _Entropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def _chunk(z: Tensor, tau: float) -> tuple[Tensor, Tensor, Tensor]:
-        """(p, s with p = 0 entries zeroed, E_p[s]) of one chunk of rows."""
+    def _chunk(z: Tensor, tau: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(p, s with p = 0 entries zeroed, E_p[s], logsumexp(s)) of one chunk of rows."""
         s = z / tau if tau != 1.0 else z
-        p = torch.softmax(s, dim=-1)
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - lse[:, None])
         s = torch.where(p > 0, s, torch.zeros((), dtype=s.dtype, device=s.device))
-        return p, s, (p * s).sum(-1)
+        return p, s, (p * s).sum(-1), lse
 
     @staticmethod
     def forward(ctx, logits: Tensor, temperature: float) -> Tensor:
@@ -115,9 +116,8 @@ class _Entropy(torch.autograd.Function):
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         out = torch.empty(flat.shape[0], dtype=dtype, device=logits.device)
         for rows in _row_chunks(flat.shape[0], v):
-            z = flat[rows].to(dtype)
-            _, _, mean_s = _Entropy._chunk(z, temperature)
-            out[rows] = torch.logsumexp(z / temperature if temperature != 1.0 else z, dim=-1) - mean_s
+            _, _, mean_s, lse = _Entropy._chunk(flat[rows].to(dtype), temperature)
+            out[rows] = lse - mean_s
         ctx.save_for_backward(logits)
         ctx.temperature = temperature
         return out.view(logits.shape[:-1])
@@ -132,7 +132,7 @@ class _Entropy(torch.autograd.Function):
         g = grad_out.reshape(-1).to(dtype) / tau
         grad = torch.empty_like(flat)
         for rows in _row_chunks(flat.shape[0], v):
-            p, s, mean_s = _Entropy._chunk(flat[rows].to(dtype), tau)
+            p, s, mean_s, _ = _Entropy._chunk(flat[rows].to(dtype), tau)
             grad[rows] = (p * (s - mean_s[:, None]) * g[rows, None].neg()).to(grad.dtype)
         return grad.view_as(logits), None
 
