@@ -693,31 +693,28 @@ def image_shape(components: Mapping[str, Component], denoiser_attr: str, height:
     return ImageShape(image_tokens, text_tokens, levels, elements, int(text_width), frames, condition, sources)
 
 
-def _most_images(spec: str, column: str) -> int | None:
-    """The most conditioning images a prompt of a local .jsonl file holds in `column` (None for anything else,
-    or a file that does not parse: the prompt loader names its problems)."""
-    if not spec or not column or not spec.endswith(".jsonl") or not os.path.isfile(spec):
-        return None
+def _prompt_file(spec: str, column: str) -> tuple[int | None, int | None]:
+    """(prompts, the most conditioning images a prompt holds in `column`) of a local prompt file, in one read:
+    prompts for a .txt or .jsonl file, images for a .jsonl one; None for what is not known (a `hf:` dataset, no
+    such file, a .txt file's images, a .jsonl line that does not parse: the prompt loader names its problems)."""
+    if not spec or spec.startswith("hf:") or not os.path.isfile(spec):
+        return None, None
     from .conditioning import image_count
 
-    most = 0
+    prompts, most = 0, 0 if column and spec.endswith(".jsonl") else None
     with open(spec, encoding="utf-8", errors="replace") as f:
         for line in f:
-            if line.strip():
+            if not line.strip():
+                continue
+            prompts += 1
+            if most is not None:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError:
-                    return None
+                    most = None
+                    continue
                 most = max(most, image_count(row if isinstance(row, dict) else {}, column))
-    return most
-
-
-def _count_prompts(spec: str) -> int | None:
-    """The number of prompts in a local .txt / .jsonl prompt file, None for anything else."""
-    if not spec or spec.startswith("hf:") or not os.path.isfile(spec):
-        return None
-    with open(spec, encoding="utf-8", errors="replace") as f:
-        return sum(1 for line in f if line.strip())
+    return prompts, most
 
 
 #: reward name -> (the keyword naming its backbone, the default backbone): the hub model whose weights it keeps
@@ -1205,15 +1202,15 @@ def _plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
         frames = fam.check_num_frames(s.num_frames)
     except ValueError as e:
         raise PlanError(str(e)) from None
-    most = [_most_images(f, cfg.data.image_column) for f in {cfg.data.train_prompts, cfg.data.eval_prompts}
-            if f] if fam.condition_images[1] else []
+    files = [_prompt_file(f, cfg.data.image_column)
+             for f in {cfg.data.train_prompts, cfg.data.eval_prompts or cfg.data.train_prompts}]
+    counted, most = [n for n, _ in files], [k for _, k in files] if fam.condition_images[1] else []
     shape = image_shape(components, fam.denoiser_attr, s.height, s.width, s.max_sequence_length, frames, fam,
                         max(most) if most and None not in most else None)
     kept = s.num_steps + 1 if obj.name == "grpo" else 1  # the forward-process objectives keep the final latents
     trajectory = local * (kept * shape.latent_elements + shape.condition_elements) * b
     if t.step_weighting == "ratio_norm":  # the transition means, float32
         trajectory += local * s.num_steps * shape.latent_elements * 4
-    counted = [_count_prompts(f) for f in {cfg.data.train_prompts, cfg.data.eval_prompts or cfg.data.train_prompts}]
     n_prompts = min(1024, sum(counted)) if None not in counted else 1024  # ImageBackend's prompt_cache_size
     prompt_cache = n_prompts * shape.text_tokens * shape.text_width * b
 
