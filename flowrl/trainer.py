@@ -281,12 +281,15 @@ class Trainer:
             self.log.log(self.evaluate(tag="epoch000000"), step=0)
         started = time.perf_counter()
         train_wall = train_cpu = 0.0  # seconds spent in this call's epochs, evals excluded
+
+        def spent() -> float:  # seconds of train.max_minutes spent so far, on train.budget_clock
+            return train_cpu if cfg.train.budget_clock == "process" else time.perf_counter() - started
+
         bar = tqdm(range(self.state.epochs_done, cfg.train.epochs), desc="epochs", disable=not (
             self.main and cfg.log.progress), initial=self.state.epochs_done, total=cfg.train.epochs)
         for epoch in bar:
             if cfg.train.schedule_over == "budget":  # the lr's position in a run that ends on its time budget
-                spent = train_cpu if cfg.train.budget_clock == "process" else time.perf_counter() - started
-                self.budget_fraction = self.largest_over_processes(spent / (60 * cfg.train.max_minutes))
+                self.budget_fraction = self.largest_over_processes(spent() / (60 * cfg.train.max_minutes))
             t0, cpu0 = time.perf_counter(), time.process_time()
             with self.timer("rollout"):
                 batch = self.rollout(epoch)
@@ -314,8 +317,7 @@ class Trainer:
             metrics["perf/trained_steps_x_samples_per_s"] = metrics["policy/trained_units"] / seconds
             metrics["lr"] = self.opt.param_groups[0]["lr"]
             # train.max_minutes: the epoch that reaches the budget is the last (every process stops together)
-            spent = train_cpu if cfg.train.budget_clock == "process" else time.perf_counter() - started
-            out_of_time = bool(cfg.train.max_minutes) and self.any_process(spent >= 60 * cfg.train.max_minutes)
+            out_of_time = bool(cfg.train.max_minutes) and self.any_process(spent() >= 60 * cfg.train.max_minutes)
             if cfg.eval.every and (epoch + 1) % cfg.eval.every == 0 and epoch + 1 < cfg.train.epochs:
                 metrics.update(self.evaluate(tag=f"epoch{epoch + 1:06d}"))
             if (epoch + 1) % cfg.log.every == 0 or epoch + 1 == cfg.train.epochs or out_of_time:
