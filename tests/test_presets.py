@@ -62,3 +62,60 @@ def test_the_accelerate_configs_are_valid_accelerate_configs():
         assert cfg.distributed_type.value == expected and cfg.num_processes >= 2, f
         assert f"--config_file configs/accelerate/{f.name}" in f.read_text(), f  # its header shows the launch
         assert cfg.num_processes % cfg.num_machines == 0, f
+
+
+def test_the_objective_presets_keep_their_papers_recipes():
+    """sd35m_{nft,awm,dpo}_pickscore hold the numbers their headers take from DiffusionNFT's, AWM's and
+    Diffusion-DPO's code, so that a later edit cannot drift from them silently."""
+    from flowrl.config import load_config
+    from flowrl.objectives import training_times
+
+    def load(name):
+        cfg = load_config(ROOT / "configs" / f"{name}.yaml")
+        s, t = cfg.sample, cfg.train
+        assert (cfg.model.path, s.height, s.width, s.max_sequence_length) == (
+            "stabilityai/stable-diffusion-3.5-medium", 512, 512, 128), name
+        assert (cfg.lora.enabled, cfg.lora.rank, cfg.lora.alpha, cfg.lora.target_modules) == (True, 32, 64.0, None)
+        assert [r.name for r in cfg.rewards] == ["pickscore"]
+        assert (cfg.data.train_prompts, cfg.data.eval_prompts) == (
+            "samples/prompts/pickscore_train.txt", "samples/prompts/pickscore_test.txt")
+        assert cfg.log.run_dir == f"runs/{name}" and cfg.eval.num_steps == 40
+        assert (t.minibatch_size, t.inner_epochs, t.adam_betas, t.adam_eps, t.max_grad_norm) == (
+            0, 1, [0.9, 0.999], 1e-8, 1.0), name  # one optimizer step an epoch, on the whole batch
+        return cfg, s, t
+
+    # DiffusionNFT (config/nft.py:sd3_pickscore): CFG-free, 10 steps, 24 x 48, 9 of 10 steps trained
+    cfg, s, t = load("sd35m_nft_pickscore")
+    n = t.nft
+    assert t.objective == "nft"
+    assert (s.num_steps, s.guidance_scale, cfg.eval.guidance_scale, s.group_size, s.prompts_per_epoch) == (
+        10, 1.0, 1.0, 24, 48)
+    assert (t.lr, t.weight_decay, t.adv_scale, t.adv_clip_max, t.ema_decay, t.micro_batch_size) == (
+        3e-4, 1e-4, "batch", 5.0, 0.9, 9)
+    assert (n.beta, n.kl_coef, n.adv_clip, n.policy_scale, n.adaptive_weight) == (1.0, 1e-4, 5.0, 5.0, True)
+    assert (n.decay_rate, n.decay_cap, n.decay_start) == (1e-3, 0.5, 0)
+    assert training_times("nft", n, s.num_steps) == 9
+    assert (cfg.eval.every, cfg.checkpoint.every) == (10, 30)
+
+    # AWM (config/dgx_awm.py:pickscore_sd3_no_cfg_1node): CFG-free, 14 steps, 24 x 24, 6 times of the first 90%
+    cfg, s, t = load("sd35m_awm_pickscore")
+    a = t.awm
+    assert t.objective == "awm"
+    assert (s.num_steps, s.guidance_scale, cfg.eval.guidance_scale, s.group_size, s.prompts_per_epoch) == (
+        14, 1.0, 1.0, 24, 24)
+    assert (t.lr, t.weight_decay, t.adv_scale, t.adv_clip_max, t.ema_decay) == (3e-4, 1e-4, "batch", 5.0, 0.99)
+    assert (t.micro_batch_size, t.steps_per_forward) == (2, 6)
+    assert (a.weighting, a.ghuber_power, a.advantage_clip, a.timesteps, a.timestep_fraction) == (
+        "ghuber", 0.25, 5.0, 6, 0.9)
+    assert (a.kl_coef, a.ema_kl_coef, a.ema_decay_rate, a.ema_decay_cap) == (1e-4, 1.0, 1e-3, 0.3)
+    assert (cfg.eval.every, cfg.checkpoint.every) == (50, 50)
+
+    # online Diffusion-DPO: the paper's beta on its noise-space loss and its AdamW settings; the LoRA lr of the
+    # SD3.5 recipes (the header says why); Flow-GRPO's sampling (CFG 4.5, 10 steps, 24 x 48)
+    cfg, s, t = load("sd35m_dpo_pickscore")
+    d = t.dpo
+    assert t.objective == "dpo"
+    assert (d.beta, d.weighting, training_times("dpo", d, s.num_steps)) == (5000.0, "noise", 10)
+    assert (t.lr, t.weight_decay, t.warmup_steps, t.ema_decay) == (3e-4, 1e-2, 0, 0.0)
+    assert (s.num_steps, s.guidance_scale, cfg.eval.guidance_scale, s.group_size, s.prompts_per_epoch) == (
+        10, 4.5, 4.5, 24, 48)
