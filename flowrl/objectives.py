@@ -330,8 +330,8 @@ class DPO(ForwardProcessObjective):
     """Online Diffusion-DPO (Wallace et al., arXiv 2311.12908): in each group the best image (highest advantage)
     wins over the worst; the pair is noised with the SAME noise and time, the trained model and the reference (the
     adapter off, or the frozen copy) evaluated on both, and the loss is core.dpo_loss. The loss's samples are the
-    winners (each brings its loser): train.minibatch_size and micro_batch_size count samples of which only the
-    winners are computed, each forward pass taking two images per winner."""
+    winners (each brings its loser). train.minibatch_size counts samples, of which only the winners are computed;
+    train.micro_batch_size counts winners, that is pairs: a forward pass takes two images per pair."""
 
     name = "dpo"
 

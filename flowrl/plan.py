@@ -881,6 +881,7 @@ class Plan:
     rollout: RolloutEstimate
     rollout_fits: dict[str, tuple[float, bool, int]]  # strategy -> (GiB at the config, fits, largest items per call)
     notes: list[str] = field(default_factory=list)
+    unit: str = "samples"  # what micro_batch and minibatch count: DPO's micro-batches count pairs
 
     def fits_as_configured(self, strategy: str) -> bool:
         """The config as it is, its update and its rollout, fits under `strategy`."""
@@ -934,7 +935,7 @@ class Plan:
         out.append("")
         out.append(f"usable = {self.gpu_memory_gib:g} GiB x {1 - RESERVE_FRACTION:g} - {RESERVE_GIB:g} GiB (CUDA "
                    f"context, workspaces, fragmentation). A micro-batch is at most the minibatch "
-                   f"({self.minibatch} samples per GPU). offload keeps {_gib(self.host_gib)} GiB in CPU memory per "
+                   f"({self.minibatch} {self.unit} per GPU). offload keeps {_gib(self.host_gib)} GiB in CPU memory per "
                    f"GPU process.")
         out += [f"note: {n}" for n in self.notes]
         return "\n".join(out)
@@ -1090,7 +1091,7 @@ def _training_rows(tr: _Training, gpus: int) -> list[Row]:
 
 def _finish(facts, rows: list[Row], update: UpdateEstimate, rollout: RolloutEstimate, tr: _Training, micro: int,
             minibatch: int, local: int, cfg, gpus: int, gpu_memory_gib: float, host_bytes: float, notes: list[str],
-            rows_note: str) -> Plan:
+            rows_note: str, unit: str = "samples") -> Plan:
     """The Plan from its rows (bytes per GPU) and the update's and rollout's estimates: the verdicts, then
     everything in GiB."""
     t = cfg.train
@@ -1119,7 +1120,7 @@ def _finish(facts, rows: list[Row], update: UpdateEstimate, rollout: RolloutEsti
         at_config = static[k] + rollout.peak(rollout.items, k)
         rollout_fits[k] = (at_config / GIB, at_config <= budget, max(fitting, default=0))
     return Plan(facts, rows, activation_rows, fits, micro, minibatch, t.gradient_checkpointing, gpus,
-                gpu_memory_gib, host_bytes / GIB, update, rollout, rollout_fits, notes)
+                gpu_memory_gib, host_bytes / GIB, update, rollout, rollout_fits, notes, unit)
 
 
 #: the VAE decoder without gradients: bytes per image per element of its full-resolution feature map (height x
@@ -1192,6 +1193,10 @@ def _plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
     else:
         den_module, adapted, n_trained = den.module, {}, den.params
     obj = objective_terms(cfg)
+    unit = "samples"
+    if obj.name == "dpo":  # a micro-batch counts pairs, the winners: at most the groups of a GPU's batch
+        unit, minibatch = "pairs", min(minibatch, local // s.group_size)
+        micro = min(micro, minibatch)
     tr = _Training(n_trained, f"LoRA r{cfg.lora.rank} on {len(adapted)} layers" if cfg.lora.enabled else None,
                    "float32" if cfg.lora.enabled else dtype, t.ema_decay > 0,
                    (0.0 if cfg.lora.enabled else den.weight_bytes) if obj.reference else None,
@@ -1276,14 +1281,15 @@ def _plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
         ("model", f"{m.path} ({fam.family}, {pipeline_class}; configuration: {source})"),
         ("update", f"{lora}; {dtype}; {size} = {shape.image_tokens} image + {shape.text_tokens} "
                    f"text tokens; {rows_note}; {obj.reference_note}"),
-        ("batch", f"{local} samples per GPU per epoch, minibatch {minibatch}, micro-batch {micro}, "
+        ("batch", f"{local} samples per GPU per epoch, minibatch {minibatch}"
+                  + (" pairs (a group's best and worst)" if unit == "pairs" else "") + f", micro-batch {micro}, "
                   f"gradient checkpointing {'on' if t.gradient_checkpointing else 'off'}"),
         ("GPUs", f"{gpus} x {gpu_memory_gib:g} GiB"),
     ]
     notes.append(f"activations of {den.class_name}: {calibration(den.class_name).measured}")
     host = sum(c.weight_bytes for c in off_gpu) + tr.host_bytes()
     return _finish(facts, rows, update, rollout, tr, micro, minibatch, local, cfg, gpus, gpu_memory_gib, host, notes,
-                   rows_note)
+                   rows_note, unit)
 
 
 #: the decoder layers of a causal LM, which transformers' gradient checkpointing recomputes one at a time

@@ -432,6 +432,15 @@ def test_objectives_rows_references_shadows_and_update_rows():
     dpo = plan(_preset("sd35m_pickscore", "train.objective=dpo", "train.steps_per_forward=2", *FORWARD))
     assert dpo.update.rows_per_sample == 4  # 2 times x (winner, loser)
     assert any(r.label.startswith("reference") for r in dpo.rows) and "objective dpo" in dpo.render()
+    # a DPO micro-batch counts pairs (the trainer computes only the winners): at most the groups of a GPU's batch
+    for gpus, pairs in ((1, 1152 // 24), (8, 1152 // 24 // 8)):
+        p = plan(_preset("sd35m_pickscore", "train.objective=dpo", "train.minibatch_size=0",
+                         "train.micro_batch_size=100", *FORWARD), gpus=gpus)
+        assert (p.unit, p.minibatch, p.micro_batch) == ("pairs", pairs, pairs)
+        assert f"at most the minibatch ({pairs} pairs per GPU)" in p.render()
+    small = plan(_preset("sd35m_pickscore", "train.objective=dpo", "train.minibatch_size=16", *FORWARD))
+    assert (small.minibatch, small.micro_batch) == (16, 16)  # 16 random samples hold at most 16 winners
+    assert (grpo.unit, grpo.minibatch) == ("samples", 8)  # the preset's minibatch_size
 
 
 # ---------------------------------------------------------------------------------------------- video and editing
