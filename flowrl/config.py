@@ -278,7 +278,7 @@ class TrainConfig:
     that it stays at `lr` (warm-up-stable-decay). 1 = decay over the whole run."""
     schedule_over: Literal["epochs", "budget"] = "epochs"
     """What the cosine's "whole run" is: `epochs` = train.epochs; `budget` = whichever end comes first, the
-    epochs or the time budget train.max_minutes (on train.budget_clock, counted like it from this call's start):
+    epochs or the time budget train.max_minutes (on train.budget_clock, counted as it is, across resumes):
     the position is the further along of the two, measured at each epoch's start (every process takes the
     largest), so a run that stops on its time budget ends with its lr decayed to 0. Needs train.max_minutes."""
     max_grad_norm: float = 1.0
@@ -325,10 +325,11 @@ class TrainConfig:
     """EMA of the trained weights used for eval and checkpoints (0 = off; e.g. 0.9)."""
     max_minutes: float = 0.0
     """Wall-clock budget of the training in minutes (0 = none): the epoch during which it runs out is the last; the
-    final eval and checkpoint follow as after the last epoch. Counted from the start of this call (a resumed run
-    gets the budget again), on the clock `budget_clock` names."""
+    final eval and checkpoint follow as after the last epoch. Counted from the run's start on the clock
+    `budget_clock` names, across resumes: a checkpoint keeps what was spent, a resumed run trains what is left (none
+    left: nothing trains; raise max_minutes to train on)."""
     budget_clock: Literal["wall", "process"] = "wall"
-    """What `max_minutes` counts: `wall` = wall-clock since the start, evals included; `process` = this process's
+    """What `max_minutes` counts: `wall` = wall-clock since the start (of each call, summed over resumes), evals included; `process` = this process's
     CPU time in training epochs (rollout, reward, update; evals not counted). With one torch thread `process`
     equals the wall-clock of an idle machine whatever else runs beside it: the fair budget for comparing runs
     (scripts/race_objectives.py) on a shared machine. Every logged row carries both, as

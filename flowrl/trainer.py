@@ -161,6 +161,9 @@ class State:
     epochs_done: int = 0
     optimizer_steps: int = 0
     samples_seen: int = 0
+    train_wall_seconds: float = 0.0  # the epochs' wall-clock, evals excluded (time/train_wall_minutes)
+    train_cpu_seconds: float = 0.0  # this process's CPU time in the epochs (time/train_process_minutes)
+    budget_seconds: float = 0.0  # train.max_minutes spent on train.budget_clock when the checkpoint was written
 
 
 def merge_eval_shares(shares: list[tuple[list, dict[str, torch.Tensor]]]) -> tuple[list, dict[str, torch.Tensor]]:
@@ -252,6 +255,7 @@ class Trainer:
         reward_modules = [modules_in(fn) if t.offload else [] for fn in self.rewards]
         self.parked_rewards = [Parked(modules) if modules else None for modules in reward_modules]
         self.state = State()
+        self.clock_start, self.budget_before = time.perf_counter(), 0.0  # train.max_minutes' clock (budget_spent)
         self.log = MetricsLog(self.run_dir / "metrics.jsonl", self.acc, enabled=self.main)
         if self.main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -279,13 +283,17 @@ class Trainer:
         last = {}
         if cfg.eval.before and self.state.epochs_done == 0 and cfg.train.epochs > 0:
             self.log.log(self.evaluate(tag="epoch000000"), step=0)
-        started = time.perf_counter()
-        train_wall = train_cpu = 0.0  # seconds spent in this call's epochs, evals excluded
-
-        def spent() -> float:  # seconds of train.max_minutes spent so far, on train.budget_clock
-            return train_cpu if cfg.train.budget_clock == "process" else time.perf_counter() - started
-
-        bar = tqdm(range(self.state.epochs_done, cfg.train.epochs), desc="epochs", disable=not (
+        # the time budget and the time metrics go on from a checkpoint's: a resumed run trains what is left
+        self.clock_start, self.budget_before = time.perf_counter(), self.state.budget_seconds
+        spent = self.budget_spent
+        first = self.state.epochs_done
+        if cfg.train.max_minutes and first and self.any_process(spent() >= 60 * cfg.train.max_minutes):
+            if self.main:
+                print(f"train.max_minutes={cfg.train.max_minutes:g} was spent ({spent() / 60:.2f} min on the "
+                      f"{cfg.train.budget_clock} clock) after {first} epochs: nothing left to train (raise "
+                      f"train.max_minutes to train on)")
+            first = cfg.train.epochs
+        bar = tqdm(range(first, cfg.train.epochs), desc="epochs", disable=not (
             self.main and cfg.log.progress), initial=self.state.epochs_done, total=cfg.train.epochs)
         for epoch in bar:
             if cfg.train.schedule_over == "budget":  # the lr's position in a run that ends on its time budget
@@ -310,9 +318,11 @@ class Trainer:
             self.state.epochs_done = epoch + 1
             self.state.samples_seen += self.batch_total
             seconds = time.perf_counter() - t0
-            train_wall, train_cpu = train_wall + seconds, train_cpu + time.process_time() - cpu0
+            self.state.train_wall_seconds += seconds
+            self.state.train_cpu_seconds += time.process_time() - cpu0
             metrics.update({f"time/{k}": v for k, v in self.timer.pop().items()})
-            metrics["time/train_wall_minutes"], metrics["time/train_process_minutes"] = train_wall / 60, train_cpu / 60
+            metrics["time/train_wall_minutes"] = self.state.train_wall_seconds / 60
+            metrics["time/train_process_minutes"] = self.state.train_cpu_seconds / 60
             metrics["perf/samples_per_s"] = self.batch_total / seconds
             metrics["perf/trained_steps_x_samples_per_s"] = metrics["policy/trained_units"] / seconds
             metrics["lr"] = self.opt.param_groups[0]["lr"]
@@ -833,9 +843,18 @@ class Trainer:
 
                 tracker.log({f"eval/{tag}": wandb.Image(grid)}, step=step)
 
+    def budget_spent(self) -> float:
+        """Seconds of train.max_minutes spent, on train.budget_clock, since the run began (across resumes):
+        `process` = this process's CPU time in the epochs; `wall` = the wall-clock of the calls of fit, evals
+        included."""
+        if self.cfg.train.budget_clock == "process":
+            return self.state.train_cpu_seconds
+        return self.budget_before + time.perf_counter() - self.clock_start
+
     def save(self) -> Path | None:
         """Write a checkpoint (main process). Sharded weights are gathered first, by every process."""
         path = None
+        self.state.budget_seconds = self.budget_spent()
         sharded = self.policy.sharded
         # DeepSpeed's: gathered from ZeRO's partitions (a collective) as a plain AdamW's
         opt_state = self.deepspeed_optimizer_state() if self.engine is not None else self.opt.state_dict()

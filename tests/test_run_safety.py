@@ -330,6 +330,39 @@ def test_a_process_clock_budget_counts_training_cpu_time_and_every_row_carries_b
         assert 0 < values[0] < values[1] < values[2], (key, values)
 
 
+def test_a_resumed_run_trains_what_is_left_of_its_time_budget(tmp_path, capsys):
+    """A checkpoint keeps the budget spent and both training clocks: resuming a run that stopped on its budget
+    trains nothing (and says how to train on); raising train.max_minutes trains on, and the time metrics go on
+    from the checkpoint's instead of restarting at 0."""
+
+    args = ["train.epochs=100000", "train.budget_clock=process", "eval.every=0", "eval.before=false",
+            "checkpoint.resume=auto"]
+    first = Trainer(tiny_cfg(tmp_path, *args, "train.max_minutes=0.00001"))
+    first.fit()
+    assert first.state.epochs_done == 1
+    saved = json.loads((tmp_path / "ckpt-000001" / "state.json").read_text())["counters"]
+    assert saved["budget_seconds"] == pytest.approx(first.state.train_cpu_seconds) and saved["budget_seconds"] > 0
+    assert saved["train_wall_seconds"] >= saved["train_cpu_seconds"] * 0.5 > 0
+    n_rows = len(metric_rows(tmp_path))
+    capsys.readouterr()
+
+    again = Trainer(tiny_cfg(tmp_path, *args, "train.max_minutes=0.00001"))
+    assert again.fit() == {} and again.state.epochs_done == 1
+    assert "train.max_minutes=1e-05 was spent" in capsys.readouterr().out
+    assert len(metric_rows(tmp_path)) == n_rows  # nothing trained, nothing logged
+
+    more = Trainer(tiny_cfg(tmp_path, *args[1:], "train.epochs=3", "train.max_minutes=1000"))
+    more.fit()
+    assert more.state.epochs_done == 3
+    rows = [r for r in metric_rows(tmp_path) if "policy/loss" in r]
+    assert [r["epoch"] for r in rows] == [1, 2, 3]
+    for key, before in (("time/train_process_minutes", saved["train_cpu_seconds"] / 60),
+                        ("time/train_wall_minutes", saved["train_wall_seconds"] / 60)):
+        assert rows[0][key] == pytest.approx(before)
+        assert before < rows[1][key] < rows[2][key], key  # cumulative over the resume, not from 0
+    assert more.state.train_cpu_seconds == pytest.approx(rows[2]["time/train_process_minutes"] * 60)
+
+
 def test_a_cosine_over_the_time_budget_follows_the_training_minutes_spent(tmp_path):
     """train.schedule_over=budget: each epoch's lr is lr (1 + cos(pi b)) / 2 with b the share of the budget spent
     before the epoch, which the previous row logs as time/train_process_minutes (the epoch count barely moves
