@@ -64,6 +64,15 @@ def _checkpoint_weights(ck: dict, checkpoint: str, which: str) -> dict:
     return ck["trainable"] if which == "trained" else ck.get("ema", ck["trainable"])
 
 
+def _device(cfg) -> str:
+    """Where `flowrl eval` and `flowrl sample` run the model: model.device, `auto` = CUDA when there is one."""
+    import torch
+
+    if cfg.model.device in ("auto", "cpu") and not torch.cuda.is_available():
+        return "cpu"
+    return "cuda" if cfg.model.device == "auto" else cfg.model.device
+
+
 def _policy_from_checkpoint(cfg, checkpoint: str | None, which: str = "auto"):
     """A policy with the checkpoint's weights: see `_checkpoint_weights` for `which`."""
     import torch
@@ -85,8 +94,7 @@ def _policy_from_checkpoint(cfg, checkpoint: str | None, which: str = "auto"):
             if refused:
                 raise CheckpointError(f"checkpoint {checkpoint} was trained with another model or adapter than this "
                                       f"config's ({'; '.join(refused)}); pass the config of its run")
-    policy = build_policy(cfg, "cpu" if cfg.model.device in ("auto", "cpu") and not torch.cuda.is_available()
-                          else ("cuda" if cfg.model.device == "auto" else cfg.model.device))
+    policy = build_policy(cfg, _device(cfg))
     if checkpoint:
         named = dict(policy.named_trainable_parameters())
         missing = set(named) - set(weights)
@@ -116,6 +124,15 @@ def _eval(args) -> int:
     scores = {spec.name: v for spec, v in zip(cfg.rewards, per_reward)}
     scores.update(components)
     result = eval_summary(scores, meta, cfg.eval.group_by)
+    if cfg.eval.diversity_features:  # the spread only: the base model's features are a training run's
+        import torch
+
+        from .diversity import feature_metrics, group_features, prompt_keys
+        from .trainer import build_feature_encoder
+
+        encoder = build_feature_encoder(cfg, torch.device(_device(cfg)))
+        result.update(feature_metrics(group_features(encoder(outputs),
+                                                     prompt_keys(prompts, meta, eval_cfg.images_per_prompt))))
     result["checkpoint"] = args.checkpoint or "(base model)"
     if args.checkpoint:
         result["weights"] = args.weights

@@ -422,6 +422,14 @@ class EvalConfig:
     """A metadata column of the eval prompts (e.g. `family`) to break every eval score down by: logs
     `eval/<score>_by_<column>/<value>` and `eval/<score>_<column>_mean`, the unweighted mean over the groups
     (GenEval's "overall" is this mean over its task families). "" = off."""
+    diversity_features: str = ""
+    """A vision backbone (hub id or local directory of a DINOv2, CLIP or CLIP vision model, e.g.
+    `facebook/dinov2-small`) that embeds every eval image, for the feature-space diversity: logs
+    `eval/diversity/features/spread` (the mean pairwise cosine distance of each prompt's images, averaged over
+    prompts), `..._spread_from_base` (its ratio to the base model's at the eval before training: 1 = as diverse,
+    below 1 = narrowed) and `..._distance_from_base` (the energy distance from the base model's images of each
+    prompt). Needs >= 2 images of every prompt (eval.images_per_prompt, or eval.images_per_group) and an image
+    model (not a video one). "" = off."""
 
 
 @dataclass
@@ -973,6 +981,22 @@ def _objective_problems(cfg: Config) -> list[str]:
     return problems
 
 
+def _eval_features_problems(cfg: Config) -> list[str]:
+    """eval.diversity_features: an image backend, and >= 2 images of every prompt (with eval.images_per_group the
+    prompts' shares are checked with the prompts, by the preflight)."""
+    e = cfg.eval
+    if not e.diversity_features:
+        return []
+    if cfg.backend != "image":
+        return [f"eval.diversity_features={e.diversity_features} embeds generated images, and backend={cfg.backend} "
+                "makes text; set eval.diversity_features='' (off)"]
+    if not e.images_per_group and e.images_per_prompt < 2:
+        return [f"eval.diversity_features measures how far apart each prompt's images are, and "
+                f"eval.images_per_prompt={e.images_per_prompt} gives each prompt one; set eval.images_per_prompt=2 "
+                "or more (or eval.images_per_group with eval.group_by), or eval.diversity_features='' (off)"]
+    return []
+
+
 def validate(cfg: Config) -> None:
     """Value checks that need more than a type: every numeric field's range, and relations between keys."""
     s, t = cfg.sample, cfg.train
@@ -994,6 +1018,7 @@ def validate(cfg: Config) -> None:
     if t.per_prompt_stats and t.stat_min_count > t.stat_buffer_size:
         problems.append(f"train.stat_min_count={t.stat_min_count} exceeds train.stat_buffer_size="
                         f"{t.stat_buffer_size}: the per-prompt statistics would never be used")
+    problems.extend(_eval_features_problems(cfg))
     if cfg.eval.images_per_group and not cfg.eval.group_by:
         problems.append(f"eval.images_per_group={cfg.eval.images_per_group} shares images out over the groups of "
                         "eval.group_by, which is not set; set eval.group_by (e.g. family) or images_per_group=0")

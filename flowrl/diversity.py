@@ -11,6 +11,10 @@ eval's images they make a distribution p over the values; `distribution_metrics`
 given the base model's distribution q (the first eval, before training), the total variation distance
 TV(p, q) = 1/2 sum_v |p_v - q_v|, the share of the mass that moved to other values (0: unchanged, 1: disjoint).
 Entropy alone hides a drift that keeps the spread: from mostly green to mostly red is no entropy change.
+
+For models whose free attributes no reward counts, `feature_metrics` measures the same in a vision backbone's
+feature space (eval.diversity_features): how far apart each prompt's images are (`feature_spread`), against the
+base model's, and how far they moved from the base model's images of the prompt (`energy_distance`).
 """
 
 from __future__ import annotations
@@ -91,4 +95,141 @@ class BaseDistribution:
     def save(self, hists: dict[str, dict[str, float]]) -> None:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(hists, indent=1, sort_keys=True))
+        tmp.replace(self.path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Feature-space diversity (eval.diversity_features): for models whose free attributes no reward counts.
+#
+# A vision backbone (DINOv2, CLIP) embeds every eval image as an L2-normalised feature; the images of one prompt
+# (its eval.images_per_prompt images, or its share of eval.images_per_group) form a set. Per prompt, with the cosine
+# distance d(x, y) = 1 - <x, y>:
+#   spread     the mean d over the set's distinct pairs: how different a prompt's images are from each other;
+#   distance   the energy distance between the set and the base model's set of the same prompt.
+# Averaged over the prompts, they become `feature_metrics`. The base sets are those of the first eval, before
+# training (`BaseFeatures`, in the run directory).
+
+
+#: a base spread below this is identical images at float32 rounding (|<f, f> - 1| ~ 1e-7): no ratio to it
+MIN_BASE_SPREAD = 1e-6
+
+
+def feature_spread(f: torch.Tensor) -> float:
+    """The mean pairwise cosine distance of one prompt's images.
+
+    f: [n, D] L2-normalised features, n >= 2 -> mean over the n(n-1)/2 pairs i < j of 1 - <f_i, f_j>, in [0, 2]
+    (0: n identical images). Computed in float64."""
+    if f.ndim != 2 or f.shape[0] < 2:
+        raise ValueError(f"feature_spread needs [n, D] features of n >= 2 images, got shape {tuple(f.shape)}")
+    f = f.to(torch.float64)
+    n = f.shape[0]
+    gram = f @ f.T                                                                                   # [n, n]
+    off_diagonal = gram.sum() - gram.diagonal().sum()                                  # 2 x the pairs' <f_i, f_j>
+    return float(1.0 - off_diagonal / (n * (n - 1)))
+
+
+def energy_distance(f: torch.Tensor, g: torch.Tensor) -> float:
+    """The energy distance between two sets of features of one prompt (e.g. the trained model's and the base
+    model's images), with the cosine distance d(x, y) = 1 - <x, y>:
+
+        2 E d(X, Y) - E d(X, X') - E d(Y, Y')
+
+    f: [n, D], g: [m, D] L2-normalised (n, m >= 1) -> a float >= 0; 0 for two equal sets, and it grows as one set
+    moves away from the other.
+
+    The form: every expectation is a mean over all pairs (the V-statistic: E d(X, X') over the n^2 pairs of f, its n
+    zero self-pairs included), not the unbiased form (within-set means over the n(n-1) distinct pairs). flowrl's evals
+    draw the trained and the base images from the same noise, so the sets are paired, not independent draws: at
+    step 0 they are the same images, where this form gives exactly 0 and the unbiased one -(w_f / n + w_g / m)
+    (w: the set's spread), which is also negative for unchanged models in general. This form is never negative.
+
+    On unit vectors d(x, y) = |x - y|^2 / 2, so this equals |mean(f) - mean(g)|^2: it sees the mean feature move
+    (a drift of content or style, or a narrowing, which lengthens the mean of unit vectors), not every change of
+    the distribution; `feature_spread` against the base's covers the narrowing. Computed in float64."""
+    if f.ndim != 2 or g.ndim != 2 or not len(f) or not len(g) or f.shape[1] != g.shape[1]:
+        raise ValueError(f"energy_distance needs [n, D] and [m, D] features with n, m >= 1 and the same D, got "
+                         f"shapes {tuple(f.shape)} and {tuple(g.shape)}")
+    f, g = f.to(torch.float64), g.to(torch.float64)
+    between = 1.0 - (f @ g.T).mean()                                                    # E d(X, Y), [n, m] pairs
+    within_f = 1.0 - (f @ f.T).mean()                                                  # E d(X, X'), [n, n] pairs
+    within_g = 1.0 - (g @ g.T).mean()
+    return float(2.0 * between - within_f - within_g)
+
+
+def prompt_keys(prompts: list[str], metadata: list[dict], images_per_prompt: int) -> list[str]:
+    """The prompt each eval image belongs to [P * n], prompt-major as the evals lay their images out: the prompt
+    with its metadata row (an edit's source image, GenEval's objects), so that one instruction on two source
+    images is two prompts, and a prompt listed several times (eval.images_per_group) is one."""
+    keys = [json.dumps([p, m], sort_keys=True, default=str, ensure_ascii=False) for p, m in zip(prompts, metadata)]
+    return [k for k in keys for _ in range(images_per_prompt)]
+
+
+def group_features(features: torch.Tensor, keys: list[str]) -> dict[str, torch.Tensor]:
+    """features [N, D] and their prompts' keys [N] -> {key: [n_key, D]}, in order of first appearance."""
+    if len(features) != len(keys):
+        raise ValueError(f"{len(features)} features for {len(keys)} prompt keys")
+    rows: dict[str, list[int]] = {}
+    for i, k in enumerate(keys):
+        rows.setdefault(k, []).append(i)
+    return {k: features[idx] for k, idx in rows.items()}
+
+
+def feature_metrics(groups: dict[str, torch.Tensor], base: dict[str, torch.Tensor] | None = None,
+                    prefix: str = "eval/diversity/features/") -> dict[str, float]:
+    """The feature-space diversity of an eval's images, {prompt key: [n, D] L2-normalised features}:
+      spread              the mean over prompts (of >= 2 images) of `feature_spread`;
+    with `base` (the base model's {key: [m, D]}), over the prompts it holds (others are left out):
+      spread_from_base    sum of their spreads / sum of the base's spreads of the same prompts: the ratio of mean
+                          spreads, 1 = as diverse as the base model, below 1 = narrowed (left out when the base's
+                          images of each of those prompts were identical: mean spread < MIN_BASE_SPREAD);
+      distance_from_base  the mean over those prompts of `energy_distance`(trained, base)."""
+    spreads = {k: feature_spread(f) for k, f in groups.items() if len(f) >= 2}
+    out: dict[str, float] = {}
+    if spreads:
+        out[f"{prefix}spread"] = sum(spreads.values()) / len(spreads)
+    shared = [k for k in groups if base is not None and k in base]
+    if not shared:
+        return out
+    paired = [k for k in shared if k in spreads and len(base[k]) >= 2]
+    base_total = sum(feature_spread(base[k]) for k in paired)
+    if paired and base_total >= MIN_BASE_SPREAD * len(paired):
+        out[f"{prefix}spread_from_base"] = sum(spreads[k] for k in paired) / base_total
+    out[f"{prefix}distance_from_base"] = sum(energy_distance(groups[k], base[k]) for k in shared) / len(shared)
+    return out
+
+
+class BaseFeatures:
+    """The base model's eval features per prompt, kept in the run directory (`eval-base-features.safetensors`):
+    written by the first evaluation before training (optimizer_steps == 0) and read by the later ones, also after a
+    resume. Tensor "<i>" holds the features [n_i, D] of prompt i of the metadata's "prompts" (a JSON list of
+    `prompt_keys`); "backbone" names the encoder (eval.diversity_features) that embedded them."""
+
+    NAME = "eval-base-features.safetensors"
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / self.NAME
+
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    def load(self) -> tuple[dict[str, torch.Tensor], str] | None:
+        """({prompt key: [n, D] float32}, backbone), or None when there is no file."""
+        if not self.path.exists():
+            return None
+        from safetensors import safe_open
+
+        with safe_open(str(self.path), framework="pt") as f:
+            meta = f.metadata() or {}
+            keys = json.loads(meta.get("prompts", "[]"))
+            groups = {k: f.get_tensor(str(i)) for i, k in enumerate(keys)}
+        return groups, meta.get("backbone", "")
+
+    def save(self, groups: dict[str, torch.Tensor], backbone: str) -> None:
+        """Atomically (a temporary file, then a rename)."""
+        from safetensors.torch import save_file
+
+        keys = list(groups)
+        tensors = {str(i): groups[k].detach().to("cpu", torch.float32).contiguous() for i, k in enumerate(keys)}
+        tmp = self.path.with_name(self.path.name.replace(".safetensors", ".tmp.safetensors"))
+        save_file(tensors, str(tmp), metadata={"prompts": json.dumps(keys, ensure_ascii=False), "backbone": backbone})
         tmp.replace(self.path)

@@ -79,6 +79,30 @@ def check_reward_samples(cfg: Config, family_name: str | None) -> None:
                                  f"{family_name} makes images; use an image reward or a video model")
 
 
+def hub_file(key: str, repo_id: str, filename: str) -> str:
+    """The local path of `filename` of hub model `repo_id` (config key `key`, for the errors): from the Hugging Face
+    cache, or downloaded (never under HF_HUB_OFFLINE: then a file not cached fails at once, naming the id)."""
+    import os
+
+    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub.errors import (EntryNotFoundError, HFValidationError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError)
+
+    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+    try:
+        return hf_hub_download(repo_id, filename, local_files_only=offline)
+    except HFValidationError:
+        raise PreflightError(f"{key}={repo_id!r} is neither a local directory nor a hub id (ORG/NAME)") from None
+    except LocalEntryNotFoundError:
+        why = "HF_HUB_OFFLINE=1 forbids downloading it" if offline else "the hub could not be reached"
+        raise PreflightError(f"{key}={repo_id}: the hub model is not in the Hugging Face cache and {why}; "
+                             "download it once online (without HF_HUB_OFFLINE) or pass a local directory") from None
+    except RepositoryNotFoundError:
+        raise PreflightError(f"{key}={repo_id}: no such model on the hub") from None
+    except EntryNotFoundError:
+        raise PreflightError(f"{key}={repo_id}: the hub model has no {filename}") from None
+
+
 def check_text_model(path: str) -> None:
     """A causal LM's path is a local directory with a config.json, or a hub id whose config.json is in the cache
     or can be downloaded (never under HF_HUB_OFFLINE: then it fails at once, naming the id)."""
@@ -89,20 +113,72 @@ def check_text_model(path: str) -> None:
             raise PreflightError(f"model.path={path}: no config.json there; a causal LM directory is what "
                                  "model.save_pretrained(DIR) writes")
         return
-    from huggingface_hub import constants, hf_hub_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
+    hub_file("model.path", path, "config.json")
 
-    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
-    try:
-        hf_hub_download(path, "config.json", local_files_only=offline)
-    except HFValidationError:
-        raise PreflightError(f"model.path={path!r} is neither a local directory nor a hub id (ORG/NAME)") from None
-    except LocalEntryNotFoundError:
-        why = "HF_HUB_OFFLINE=1 forbids downloading it" if offline else "the hub could not be reached"
-        raise PreflightError(f"model.path={path}: the hub model is not in the Hugging Face cache and {why}; "
-                             "download it once online (without HF_HUB_OFFLINE) or pass a local directory") from None
-    except RepositoryNotFoundError:
-        raise PreflightError(f"model.path={path}: no such model on the hub") from None
+
+def check_eval_features(cfg: Config, family_name: str | None, eval_set: PromptSet) -> None:
+    """eval.diversity_features: an image (not video) family; >= 2 images of every eval prompt (with
+    eval.images_per_group, every prompt's share); and the backbone's config.json and preprocessor_config.json, in
+    its local directory or in the Hugging Face cache (or downloadable, unless HF_HUB_OFFLINE), of a model type
+    `rewards._features.ImageEncoder` embeds with. Nothing loads."""
+    import json
+    import os
+
+    key, path = "eval.diversity_features", cfg.eval.diversity_features
+    if not path or family_name is None:  # off, or a text model (config validation refused it)
+        return
+    from .families import family
+
+    if family(family_name).video:
+        raise PreflightError(f"{key}={path} embeds images, and {family_name} makes videos (their diversity is not "
+                             f"measured); set {key}='' (off)")
+    _check_images_per_prompt(cfg, eval_set)
+    from rewards._features import BACKBONES
+
+    files = {}
+    for name in ("config.json", "preprocessor_config.json"):
+        if os.path.isdir(path):
+            files[name] = os.path.join(path, name)
+            if not os.path.isfile(files[name]):
+                raise PreflightError(f"{key}={path}: no {name} there; a backbone directory is what "
+                                     "model.save_pretrained(DIR) and its image processor's save_pretrained(DIR) write")
+        else:
+            files[name] = hub_file(key, path, name)
+    with open(files["config.json"], encoding="utf-8") as f:
+        model_type = json.load(f).get("model_type")
+    if model_type not in BACKBONES:
+        raise PreflightError(f"{key}={path} is a {model_type!r} checkpoint; the feature diversity embeds with one of "
+                             f"{', '.join(BACKBONES)} (e.g. facebook/dinov2-small or openai/clip-vit-large-patch14)")
+
+
+def _check_images_per_prompt(cfg: Config, eval_set: PromptSet) -> None:
+    """Every eval prompt gets >= 2 images (eval.images_per_group shares a group's images out over its prompts)."""
+    import math
+
+    from .diversity import prompt_keys
+    from .train_utils import eval_plan
+
+    e = cfg.eval
+    prompts, meta, plan = _checked("eval.images_per_group", eval_plan, eval_set, e)
+    counts: dict[str, int] = {}
+    for k in prompt_keys(prompts, meta, plan.images_per_prompt):
+        counts[k] = counts.get(k, 0) + 1
+    if not counts or min(counts.values()) >= 2:
+        return
+    if not e.images_per_group:
+        raise PreflightError(f"eval.diversity_features needs >= 2 images of every eval prompt; set "
+                             f"eval.images_per_prompt=2 or more (now {e.images_per_prompt})")
+    heads = eval_set.head(e.num_prompts)[1]
+    sizes: dict[str, int] = {}
+    for m in heads:
+        sizes[str(m[e.group_by])] = sizes.get(str(m[e.group_by]), 0) + 1
+    lcm = math.lcm(*sizes.values())
+    least = lcm * -(-2 * max(sizes.values()) // lcm)
+    few = {g: n for g, n in sorted(sizes.items()) if e.images_per_group // n < 2}
+    raise PreflightError(f"eval.diversity_features needs >= 2 images of every eval prompt, and "
+                         f"eval.images_per_group={e.images_per_group} gives fewer to the prompts of the {e.group_by!r} "
+                         f"groups of these prompt counts: {few}; set eval.images_per_group={least} (the smallest "
+                         f"multiple of every group's prompt count that gives each prompt 2)")
 
 
 def check_model(cfg: Config) -> str | None:
@@ -158,6 +234,7 @@ def preflight(cfg: Config) -> tuple[PromptSet, PromptSet]:
     family_name = check_model(cfg)
     check_conditioning(cfg, family_name, train_set, eval_set)
     check_reward_samples(cfg, family_name)
+    check_eval_features(cfg, family_name, eval_set)
     check_loggers(cfg)
     check_optimizer(cfg)
     return train_set, eval_set

@@ -121,9 +121,10 @@ def scale_groups(curves: list[Curve], ratio: float = SCALE_RATIO) -> list[list[C
 
 
 def headline_eval_keys(rows: list[dict]) -> list[str]:
-    """The eval metrics worth a line in the plot: every `eval/...` key except per-group breakdowns
-    (`..._by_<column>/<value>`, e.g. GenEval's per-family scores) and the diversity metric's sample counts
-    (`..._count`), which stay in metrics.jsonl."""
+    """The eval metrics worth a line in the plot: every `eval/...` key (the diversity metrics too: the colour
+    entropy and TV from the base, the feature spread, its ratio to the base's and the distance from the base's
+    images) except per-group breakdowns (`..._by_<column>/<value>`, e.g. GenEval's per-family scores) and the
+    diversity metric's sample counts (`..._count`), which stay in metrics.jsonl."""
     return sorted({k for r in rows for k in r if k.startswith("eval/") and "_by_" not in k
                    and not (k.startswith("eval/diversity/") and k.endswith("_count"))})
 

@@ -16,7 +16,7 @@ from .errors import RunDirError
 
 #: Files and directories a run writes into its run_dir (besides ckpt-XXXXXX/ and the temporary checkpoint dirs).
 RUN_FILES = ("metrics.jsonl", "completions.jsonl", "curves.png", "before_after.png")
-RUN_GLOBS = ("eval-*.png", "eval-*.tmp.png", "eval-*.json", "eval-*.jsonl")
+RUN_GLOBS = ("eval-*.png", "eval-*.tmp.png", "eval-*.json", "eval-*.jsonl", "eval-*.safetensors")
 TRACKER_DIRS = ("flowrl",)  # accelerate's TensorBoard logs (project_dir/<project name>)
 
 

@@ -30,7 +30,8 @@ from .objectives import build_objective
 from .policy import full_tensor
 from .preflight import preflight
 from .seeding import derive_seed, seed_everything
-from .diversity import BaseDistribution, distribution_metrics, histograms, is_count
+from .diversity import (BaseDistribution, BaseFeatures, distribution_metrics, feature_metrics, group_features,
+                        histograms, is_count, prompt_keys)
 from .offload import Parked, modules_in, visiting
 from .train_utils import (EMA, MetricsLog, Timer, build_optimizer, eval_plan, eval_summary, lr_lambda,
                           read_metrics)
@@ -46,6 +47,14 @@ def build_reward_fns(cfg: Config, kind: str):
 
     return [rewards.build(spec.name, dict(spec.kwargs), kind, video_frames=spec.video_frames,
                           video_aggregate=spec.video_aggregate) for spec in cfg.rewards]
+
+
+def build_feature_encoder(cfg: Config, device: torch.device):
+    """The vision backbone of eval.diversity_features (`rewards._features.ImageEncoder`: images -> [N, D]
+    L2-normalised float32 features), in float32 on `device`."""
+    from rewards._features import ImageEncoder
+
+    return ImageEncoder(cfg.eval.diversity_features, None, device, torch.float32)
 
 
 def parallel_strategy(cfg: Config, num_processes: int, distributed_type) -> str:
@@ -214,6 +223,7 @@ class Trainer:
         self.acc.wait_for_everyone()
         seed_everything(cfg.train.seed)
         device = self.acc.device if cfg.model.device == "auto" else torch.device(cfg.model.device)
+        self.device = device
         self.policy = build_policy(cfg, device)
         self.engine = None  # DeepSpeed's (`prepare_deepspeed`)
         # before wrapping or sharding: an objective may add to the model (NFT's "old" adapter)
@@ -254,6 +264,8 @@ class Trainer:
         # train.offload: each local reward model in CPU memory, on its device only while it scores
         reward_modules = [modules_in(fn) if t.offload else [] for fn in self.rewards]
         self.parked_rewards = [Parked(modules) if modules else None for modules in reward_modules]
+        # eval.diversity_features: the backbone, built at the first eval; a warning about the base's features, once
+        self.feature_encoder, self.parked_features, self.warned_base_features = None, None, False
         self.state = State()
         self.clock_start, self.budget_before = time.perf_counter(), 0.0  # train.max_minutes' clock (budget_spent)
         self.log = MetricsLog(self.run_dir / "metrics.jsonl", self.acc, enabled=self.main)
@@ -819,12 +831,41 @@ class Trainer:
                 base_file.save(hists)
                 base = hists
             results.update(eval_summary(scores, meta, cfg.eval.group_by, base))
+            if cfg.eval.diversity_features:
+                results.update(self.feature_diversity(outputs, prompt_keys(prompts, meta, eval_cfg.images_per_prompt)))
             if cfg.eval.grid:
                 headline = scores[cfg.rewards[0].name]
                 path = self.policy.save_eval_outputs(outputs, prompts, self.run_dir / f"eval-{tag}", scores=headline)
                 self.log_eval_images(path, tag)
         self.acc.wait_for_everyone()
         return results
+
+    def feature_diversity(self, images: list, keys: list[str]) -> dict[str, float]:
+        """`flowrl.diversity.feature_metrics` of the eval images [N] (main process), grouped by their prompts' keys
+        [N], against the base model's features: those of the first eval before any optimizer step, written then to
+        the run directory and read from there by the later evals (and after a resume). The backbone loads at the
+        first call (train.offload: in CPU memory, on the device only while it embeds)."""
+        backbone = self.cfg.eval.diversity_features
+        if self.feature_encoder is None:
+            self.feature_encoder = build_feature_encoder(self.cfg, self.device)
+            if self.cfg.train.offload:
+                self.parked_features = Parked([self.feature_encoder.model])
+        with visiting(self.parked_features):
+            groups = group_features(self.feature_encoder(images), keys)
+        store = BaseFeatures(self.run_dir)
+        found = store.load()
+        base = None
+        if found is not None and found[1] == backbone:
+            base = found[0]
+        elif self.state.optimizer_steps == 0:  # this model is the base model: its features are the base's
+            store.save(groups, backbone)
+            base = groups
+        elif found is not None and not self.warned_base_features:
+            self.warned_base_features = True
+            warnings.warn(f"{store.path} holds the base model's features by {found[1]!r}, not by "
+                          f"eval.diversity_features={backbone}: the comparisons with the base model are left out",
+                          stacklevel=2)
+        return feature_metrics(groups, base)
 
     def log_eval_images(self, path: Path | None, tag: str) -> None:
         """The eval grid to TensorBoard / W&B when those loggers are on."""

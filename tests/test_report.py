@@ -33,6 +33,19 @@ def test_plot_leaves_out_per_group_breakdowns():
     assert headline_eval_keys(rows) == ["eval/g/strict_family_mean", "eval/g/strict_mean", "eval/g_mean"]
 
 
+def test_the_diversity_metrics_are_drawn_and_their_counts_are_not():
+    """The colour TV and the feature-space diversity (spread, its ratio to the base's, distance from the base's)
+    each get a line; the colour counts stay in metrics.jsonl."""
+    feats = "eval/diversity/features/"
+    rows = [{"epoch": e, "reward/total_mean": 0.1 * e, "eval/g_mean": 0.3 + 0.1 * e,
+             "eval/diversity/g/color_tv_from_base": 0.1 * e, "eval/diversity/g/color_count": 40.0,
+             feats + "spread": 0.4 - 0.05 * e, feats + "spread_from_base": 1.0 - 0.1 * e,
+             feats + "distance_from_base": 0.002 * e} for e in range(3)]
+    drawn = {label for axes in lines_of(curves_figure(rows))[1:] for label, _, _ in axes}
+    assert drawn == {"g_mean", "diversity/g/color_tv_from_base", "diversity/features/spread",
+                     "diversity/features/spread_from_base", "diversity/features/distance_from_base"}
+
+
 def test_an_eval_key_without_numbers_draws_no_empty_legend(tmp_path):
     """An eval column with no numeric value (here a text sample) gives no line, so no legend and no warning."""
     import warnings
