@@ -427,8 +427,8 @@ class EvalConfig:
     `facebook/dinov2-small`) that embeds every eval image, for the feature-space diversity: logs
     `eval/diversity/features/spread` (the mean pairwise cosine distance of each prompt's images, averaged over
     prompts), `..._spread_from_base` (its ratio to the base model's at the eval before training: 1 = as diverse,
-    below 1 = narrowed) and `..._distance_from_base` (the energy distance from the base model's images of each
-    prompt). Needs >= 2 images of every prompt (eval.images_per_prompt, or eval.images_per_group) and an image
+    below 1 = narrowed) and `..._distance_from_base` (the Euclidean energy distance from the base model's images of
+    each prompt, averaged over prompts: 0 = unchanged). Needs >= 2 images of every prompt (eval.images_per_prompt, or eval.images_per_group) and an image
     model (not a video one). "" = off."""
 
 

@@ -102,10 +102,10 @@ class BaseDistribution:
 # Feature-space diversity (eval.diversity_features): for models whose free attributes no reward counts.
 #
 # A vision backbone (DINOv2, CLIP) embeds every eval image as an L2-normalised feature; the images of one prompt
-# (its eval.images_per_prompt images, or its share of eval.images_per_group) form a set. Per prompt, with the cosine
-# distance d(x, y) = 1 - <x, y>:
-#   spread     the mean d over the set's distinct pairs: how different a prompt's images are from each other;
-#   distance   the energy distance between the set and the base model's set of the same prompt.
+# (its eval.images_per_prompt images, or its share of eval.images_per_group) form a set. Per prompt:
+#   spread     the mean cosine distance 1 - <x, y> over the set's distinct pairs: how different a prompt's images
+#              are from each other;
+#   distance   the energy distance (Euclidean) between the set and the base model's set of the same prompt.
 # Averaged over the prompts, they become `feature_metrics`. The base sets are those of the first eval, before
 # training (`BaseFeatures`, in the run directory).
 
@@ -130,30 +130,31 @@ def feature_spread(f: torch.Tensor) -> float:
 
 def energy_distance(f: torch.Tensor, g: torch.Tensor) -> float:
     """The energy distance between two sets of features of one prompt (e.g. the trained model's and the base
-    model's images), with the cosine distance d(x, y) = 1 - <x, y>:
+    model's images), with the Euclidean distance d(x, y) = |x - y| (on unit vectors sqrt(2 (1 - <x, y>))):
 
         2 E d(X, Y) - E d(X, X') - E d(Y, Y')
 
     f: [n, D], g: [m, D] L2-normalised (n, m >= 1) -> a float >= 0; 0 for two equal sets, and it grows as one set
-    moves away from the other.
+    moves away from the other. With the Euclidean distance it is 0 only when the two distributions are the same
+    (Szekely and Rizzo): it sees a narrowing or a split that keeps the mean feature, which the cosine distance
+    1 - <x, y> (= |x - y|^2 / 2, whose energy distance is only |mean f - mean g|^2) would not.
 
     The form: every expectation is a mean over all pairs (the V-statistic: E d(X, X') over the n^2 pairs of f, its n
     zero self-pairs included), not the unbiased form (within-set means over the n(n-1) distinct pairs). flowrl's evals
     draw the trained and the base images from the same noise, so the sets are paired, not independent draws: at
-    step 0 they are the same images, where this form gives exactly 0 and the unbiased one -(w_f / n + w_g / m)
-    (w: the set's spread), which is also negative for unchanged models in general. This form is never negative.
-
-    On unit vectors d(x, y) = |x - y|^2 / 2, so this equals |mean(f) - mean(g)|^2: it sees the mean feature move
-    (a drift of content or style, or a narrowing, which lengthens the mean of unit vectors), not every change of
-    the distribution; `feature_spread` against the base's covers the narrowing. Computed in float64."""
+    step 0 they are the same images, where this form gives exactly 0 and the unbiased one a negative value
+    (-(E_f/n + E_g/m) with E the mean distance of distinct pairs). This form is never negative. The distances are
+    taken from the differences (not from 1 - <x, y>, whose rounding the square root would blow up near 0), in
+    float64."""
     if f.ndim != 2 or g.ndim != 2 or not len(f) or not len(g) or f.shape[1] != g.shape[1]:
         raise ValueError(f"energy_distance needs [n, D] and [m, D] features with n, m >= 1 and the same D, got "
                          f"shapes {tuple(f.shape)} and {tuple(g.shape)}")
     f, g = f.to(torch.float64), g.to(torch.float64)
-    between = 1.0 - (f @ g.T).mean()                                                    # E d(X, Y), [n, m] pairs
-    within_f = 1.0 - (f @ f.T).mean()                                                  # E d(X, X'), [n, n] pairs
-    within_g = 1.0 - (g @ g.T).mean()
-    return float(2.0 * between - within_f - within_g)
+
+    def mean_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:                   # E |a_i - b_j|, [n, m]
+        return torch.cdist(a, b, compute_mode="donot_use_mm_for_euclid_dist").mean()
+
+    return max(0.0, float(2.0 * mean_distance(f, g) - mean_distance(f, f) - mean_distance(g, g)))
 
 
 def prompt_keys(prompts: list[str], metadata: list[dict], images_per_prompt: int) -> list[str]:

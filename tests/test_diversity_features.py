@@ -46,20 +46,29 @@ def test_feature_spread_needs_two_images():
 
 
 def test_energy_distance_by_hand():
-    # f = {e1, e2}, g = {e1, e1}: E d(f, g) = (0 + 0 + 1 + 1) / 4 = 0.5; E d(f, f') = (0 + 1 + 1 + 0) / 4 = 0.5
-    # (the V form: self-pairs included); E d(g, g') = 0 -> 2 * 0.5 - 0.5 - 0 = 0.5
-    assert energy_distance(unit(0, 90), unit(0, 0)) == pytest.approx(0.5, abs=1e-6)
-    # sets of different sizes: f = {e1}, g = {e2, -e1}: E d(f, g) = (1 + 2) / 2 = 1.5; within f 0; within g
-    # (0 + 1 + 1 + 0) / 4 = 0.5 -> 3 - 0 - 0.5 = 2.5
-    assert energy_distance(unit(0), unit(90, 180)) == pytest.approx(2.5, abs=1e-6)
-    assert energy_distance(unit(90, 180), unit(0)) == pytest.approx(2.5, abs=1e-6)  # symmetric
+    # Euclidean d: |e1 - e2| = sqrt(2), |e1 - (-e1)| = 2.
+    # f = {e1, e2}, g = {e1, e1}: E d(f, g) = (0 + 0 + r2 + r2) / 4 = r2/2; E d(f, f') = (0 + r2 + r2 + 0) / 4 = r2/2
+    # (the V form: self-pairs included); E d(g, g') = 0 -> 2 r2/2 - r2/2 - 0 = r2/2
+    r2 = math.sqrt(2)
+    assert energy_distance(unit(0, 90), unit(0, 0)) == pytest.approx(r2 / 2, abs=1e-6)
+    # sets of different sizes: f = {e1}, g = {e2, -e1}: E d(f, g) = (r2 + 2) / 2; within f 0; within g
+    # (0 + r2 + r2 + 0) / 4 = r2/2 -> r2 + 2 - r2/2 = 2 + r2/2
+    assert energy_distance(unit(0), unit(90, 180)) == pytest.approx(2 + r2 / 2, abs=1e-6)
+    assert energy_distance(unit(90, 180), unit(0)) == pytest.approx(2 + r2 / 2, abs=1e-6)  # symmetric
 
 
-def test_energy_distance_is_the_squared_distance_of_the_mean_features():
-    """On unit vectors 1 - <x, y> = |x - y|^2 / 2, so the V form is |mean f - mean g|^2."""
-    f, g = random_unit(5, 8, 0), random_unit(3, 8, 1)
-    assert energy_distance(f, g) == pytest.approx(float((f.double().mean(0) - g.double().mean(0)).pow(2).sum()),
-                                                  rel=1e-9)
+def test_energy_distance_sees_a_change_that_keeps_the_mean_feature():
+    """{e1, -e1} and {e2, -e2} have the same mean feature (0): a cosine-distance energy distance, |mean f - mean g|^2,
+    is 0 for them; the Euclidean one is 2 E d(f, g) - E d(f, f') - E d(g, g') = 2 r2 - 1 - 1 (every cross pair
+    sqrt(2) apart; within each set (0 + 2 + 2 + 0) / 4 = 1)."""
+    f, g = unit(0, 180), unit(90, 270)
+    assert float((f.double().mean(0) - g.double().mean(0)).pow(2).sum()) == pytest.approx(0.0, abs=1e-12)
+    assert energy_distance(f, g) == pytest.approx(2 * math.sqrt(2) - 2, abs=1e-6)
+    # and it does not depend on rounding near 0: two sets that differ by 1e-6 are about that far apart, not
+    # sqrt(rounding of 1 - <x, y>) ~ 3e-4
+    a = random_unit(4, 8, 7)
+    b = a + 1e-6 * random_unit(4, 8, 8)
+    assert 0 < energy_distance(a, b / b.norm(dim=-1, keepdim=True)) < 1e-5
 
 
 def test_energy_distance_of_a_set_with_itself_is_zero_and_grows_as_one_set_moves():
@@ -71,7 +80,7 @@ def test_energy_distance_of_a_set_with_itself_is_zero_and_grows_as_one_set_moves
     for t in (0.0, 0.2, 0.5, 1.0, 3.0):
         g = f + t * direction
         moved.append(energy_distance(f, g / g.norm(dim=-1, keepdim=True)))
-    assert moved[0] == pytest.approx(0.0, abs=1e-12)
+    assert moved[0] == pytest.approx(0.0, abs=1e-6)  # f renormalised in float32: a rounding-sized move
     assert all(a < b for a, b in zip(moved, moved[1:])), moved
     # two independent draws of one distribution: near 0 (within a few 1/n), far below a moved set's
     a, b = random_unit(400, 16, 4), random_unit(400, 16, 5)
@@ -92,8 +101,15 @@ def test_feature_metrics_average_over_prompts_and_compare_only_the_prompts_the_b
     assert m[RATIO] == pytest.approx((4 / 3 + 2.5 / 3) / 3, abs=1e-6)
     expected = (energy_distance(groups["a"], base["a"]) + energy_distance(groups["b"], base["b"])) / 2
     assert m[DISTANCE] == pytest.approx(expected, rel=1e-9)
-    # a: mean (0, 1/3) vs (0, 0) -> 1/9; b: mean (1/3, sqrt(3)/3) vs (1/2, 1/2) -> 1/36 + (sqrt(3)/3 - 1/2)^2
-    assert m[DISTANCE] == pytest.approx((1 / 9 + 1 / 36 + (math.sqrt(3) / 3 - 0.5) ** 2) / 2, abs=1e-6)
+    # a: f = {0, 90, 180 deg}, g = {0, 180}: cross (0 + 2 + r2 + r2 + 2 + 0) / 6 = (4 + 2 r2) / 6; within f
+    # (0 + r2 + 2 + r2 + 0 + r2 + 2 + r2 + 0) / 9 = (4 + 4 r2) / 9; within g (0 + 2 + 2 + 0) / 4 = 1
+    r2 = math.sqrt(2)
+    a = 2 * (4 + 2 * r2) / 6 - (4 + 4 * r2) / 9 - 1
+    # b: f = {0, 60, 120 deg}, g = {0, 90}: chords 2 sin(angle / 2): 0, 60, 120 deg apart -> 0, 1, sqrt(3);
+    # 30 and 90 deg -> 2 sin 15, r2; cross: to 0: 0, 1, r3; to 90: r2, 2 sin 15, 2 sin 15
+    r3, s15 = math.sqrt(3), 2 * math.sin(math.pi / 12)
+    b = 2 * (0 + 1 + r3 + r2 + 2 * s15) / 6 - 2 * (1 + r3 + 1) / 9 - 2 * r2 / 4
+    assert m[DISTANCE] == pytest.approx((a + b) / 2, abs=1e-6)
 
 
 def test_feature_metrics_against_themselves_are_exactly_one_and_zero():
