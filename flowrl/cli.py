@@ -107,9 +107,36 @@ def _policy_from_checkpoint(cfg, checkpoint: str | None, which: str = "auto"):
     return policy
 
 
-def _eval(args) -> int:
+def _eval_base(args) -> "Path | None":
+    """The directory whose base-model eval files (`eval-base-distribution.json`, `eval-base-features.safetensors`)
+    `flowrl eval` of a checkpoint compares with: --base, else the checkpoint's run directory when it holds one
+    (its eval before training wrote them), else None."""
     from pathlib import Path
 
+    from .diversity import BaseDistribution, BaseFeatures
+
+    def holds(d: Path) -> bool:
+        return BaseDistribution(d).path.exists() or BaseFeatures(d).exists()
+
+    if args.base:
+        base = Path(args.base)
+        if not holds(base):
+            raise SystemExit(f"flowrl eval: --base {base} holds no base-model eval ({BaseDistribution(base).path.name} "
+                             f"or {BaseFeatures.NAME}): pass a training run's directory (its eval before training "
+                             f"writes them) or the --out of `flowrl eval` of the base model (no --checkpoint)")
+        return base
+    if args.checkpoint and holds(Path(args.checkpoint).parent):
+        return Path(args.checkpoint).parent
+    return None
+
+
+def _eval(args) -> int:
+    """The eval of a checkpoint (or of the base model) on the eval prompts. The diversity metrics compare with the
+    base model's eval: an eval of the base model with --out writes its files there; an eval of a checkpoint reads
+    them from --base, else from the checkpoint's run directory (its eval before training), when there."""
+    from pathlib import Path
+
+    from .diversity import BaseDistribution, BaseFeatures, histograms
     from .preflight import preflight
     from .train_utils import eval_plan, eval_summary
     from .trainer import build_reward_fns
@@ -117,29 +144,49 @@ def _eval(args) -> int:
     cfg = _load(args)
     # prompts, rewards and the model's class and size are checked before the model loads
     _, eval_set = preflight(cfg)
+    base_dir = _eval_base(args) if args.checkpoint or args.base else None
     prompts, meta, eval_cfg = eval_plan(eval_set, cfg.eval)
     policy = _policy_from_checkpoint(cfg, args.checkpoint, args.weights)
     fns = build_reward_fns(cfg, policy.reward_kind)
     outputs, per_reward, components = policy.evaluate_prompts(prompts, meta, fns, eval_cfg)
     scores = {spec.name: v for spec, v in zip(cfg.rewards, per_reward)}
     scores.update(components)
-    result = eval_summary(scores, meta, cfg.eval.group_by)
-    if cfg.eval.diversity_features:  # the spread only: the base model's features are a training run's
+    out = Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    hists = histograms(scores)
+    base_hists = BaseDistribution(base_dir).load() if base_dir else None
+    if not args.checkpoint and base_hists is None:  # the base model: it is its own base, and --out keeps it
+        base_hists = hists or None
+        if out and hists:
+            BaseDistribution(out).save(hists)
+    result = eval_summary(scores, meta, cfg.eval.group_by, base_hists)
+    if cfg.eval.diversity_features:
         import torch
 
         from .diversity import feature_metrics, group_features, prompt_keys
         from .trainer import build_feature_encoder
 
         encoder = build_feature_encoder(cfg, torch.device(_device(cfg)))
-        result.update(feature_metrics(group_features(encoder(outputs),
-                                                     prompt_keys(prompts, meta, eval_cfg.images_per_prompt))))
+        groups = group_features(encoder(outputs), prompt_keys(prompts, meta, eval_cfg.images_per_prompt))
+        found = BaseFeatures(base_dir).load() if base_dir else None
+        base_features = found[0] if found and found[1] == cfg.eval.diversity_features else None
+        if found and base_features is None:
+            print(f"flowrl eval: {BaseFeatures(base_dir).path} holds features by {found[1]!r}, not by "
+                  f"eval.diversity_features={cfg.eval.diversity_features}: no feature comparison with the base",
+                  file=sys.stderr)
+        if not args.checkpoint and base_features is None:
+            base_features = groups
+            if out:
+                BaseFeatures(out).save(groups, cfg.eval.diversity_features)
+        result.update(feature_metrics(groups, base_features))
     result["checkpoint"] = args.checkpoint or "(base model)"
     if args.checkpoint:
         result["weights"] = args.weights
+    if base_dir:
+        result["base"] = str(base_dir)
     result["num_samples"] = len(outputs)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+    if out:
         policy.save_eval_outputs(outputs, prompts, out / "eval", scores=per_reward[0])
         (out / "eval.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
@@ -289,6 +336,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", default=None, help="directory for the image grid and eval.json")
     ev.add_argument("--weights", choices=WEIGHTS, default="auto",
                     help="the checkpoint's EMA weights, its trained weights, or auto: the EMA when it has one")
+    ev.add_argument("--base", default=None,
+                    help="a directory holding the base model's eval (a run directory, or the --out of an eval "
+                         "without --checkpoint) for the diversity metrics' comparisons; default: the "
+                         "checkpoint's run directory, when its eval before training wrote one")
     with_config(ev, optional=False)
     ev.set_defaults(func=_eval)
 

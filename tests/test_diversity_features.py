@@ -298,11 +298,45 @@ def test_a_run_logs_feature_diversity_against_its_first_eval_and_a_resume_reads_
     assert all(k[len("eval/"):] in drawn for k in (SPREAD, RATIO, DISTANCE)), labels
 
 
-def test_flowrl_eval_logs_the_spread_without_a_base(tmp_path, dino):
+def test_flowrl_eval_of_the_base_model_is_its_own_base(tmp_path, dino):
     from flowrl.cli import main
 
     out = tmp_path / "ev"
     assert main(["eval", *TINY, f"eval.diversity_features={dino}", "--out", str(out)]) == 0
     result = json.loads((out / "eval.json").read_text())
     assert result["num_samples"] == 6 and 0 < result[SPREAD] <= 2
-    assert RATIO not in result and DISTANCE not in result
+    assert (result[RATIO], result[DISTANCE]) == (1.0, 0.0) and "base" not in result
+
+
+def test_flowrl_eval_of_a_checkpoint_compares_with_its_runs_base_or_with_base(tmp_path, dino, capsys):
+    """`flowrl eval --checkpoint` reads the base model's features from the checkpoint's run directory (its eval
+    before training): the same numbers as the run's final eval. An eval of the base model with --out writes them,
+    and --base points at them; --base of a directory without them is refused, naming what to pass."""
+    from flowrl.cli import main
+    from flowrl.trainer import Trainer
+
+    run = tmp_path / "run"
+    args = [*TINY, f"eval.diversity_features={dino}", "train.lr=3e-2"]
+    Trainer(load_config(None, [*args, f"log.run_dir={run}", "train.epochs=2"])).fit()
+    final = eval_rows(run)[-1]
+    ckpt = str(run / "ckpt-000002")
+    assert main(["eval", *args, "--checkpoint", ckpt, "--out", str(tmp_path / "ck")]) == 0
+    result = json.loads((tmp_path / "ck" / "eval.json").read_text())
+    assert result["base"] == str(run)
+    for key in (SPREAD, RATIO, DISTANCE):
+        assert result[key] == pytest.approx(final[key], rel=1e-6, abs=1e-12), key
+    assert result[DISTANCE] > 0
+
+    assert main(["eval", *args, "--out", str(tmp_path / "base")]) == 0  # the base model: its own base, kept
+    base = json.loads((tmp_path / "base" / "eval.json").read_text())
+    assert (base[RATIO], base[DISTANCE]) == (1.0, 0.0) and BaseFeatures(tmp_path / "base").exists()
+    assert main(["eval", *args, "--checkpoint", ckpt, "--base", str(tmp_path / "base"),
+                 "--out", str(tmp_path / "ck2")]) == 0
+    again = json.loads((tmp_path / "ck2" / "eval.json").read_text())
+    assert again["base"] == str(tmp_path / "base")
+    assert again[DISTANCE] == pytest.approx(result[DISTANCE], rel=1e-6, abs=1e-12)
+
+    (tmp_path / "empty").mkdir()
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match="holds no base-model eval"):
+        main(["eval", *args, "--checkpoint", ckpt, "--base", str(tmp_path / "empty")])

@@ -85,6 +85,10 @@ def test_demo_command_reports_and_writes_figures(tmp_path, monkeypatch, capsys):
         assert result["eval/shapes_geneval/fraction_mean"] == pytest.approx(
             logged["eval/shapes_geneval/fraction_mean"], abs=1e-6)
         assert _pixels(out / "eval.png") == _pixels(tmp_path / grid)
+        # the colour drift too: the checkpoint's eval compares with its run's base histogram, as training did
+        tv = "eval/diversity/shapes_geneval/color_tv_from_base"
+        assert result[tv] == pytest.approx(logged[tv], abs=1e-9)
+        assert result.get("base") == (str(tmp_path) if checkpoint else None)
 
 
 def _pixels(path):
