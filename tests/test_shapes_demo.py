@@ -66,8 +66,8 @@ def test_demo_command_reports_and_writes_figures(tmp_path, monkeypatch, capsys):
     assert "eval/shapes_geneval/strict_mean: before" in out
     assert "wall-clock" in out
     assert "trained on 1 x shapes_geneval," in out  # the banner names what the preset trains on, with weights
-    objective = {"grpo": "GRPO", "awm": "AWM", "nft": "DiffusionNFT"}[load_config(ROOT / "configs" / "shapes.yaml")
-                                                                     .train.objective]
+    objective = {"grpo": "GRPO", "awm": "AWM", "nft": "DiffusionNFT", "dpo": "online Diffusion-DPO"}[
+        load_config(ROOT / "configs" / "shapes.yaml").train.objective]
     assert f"flowrl demo: {objective} + LoRA on samples/shapes/model" in out  # and with which objective
     assert (tmp_path / "before_after.png").stat().st_size > 0 and (tmp_path / "curves.png").stat().st_size > 0
     # the demo's before and after are what `flowrl eval` measures: the base model, then the run's checkpoint
