@@ -304,6 +304,11 @@ def _demo(args: argparse.Namespace) -> int:
         evals = [r for r in rows if key in r]
         b, a = evals[0][key], evals[-1][key]
         print(f"{key}: before {b:.3f} -> after {a:.3f} ({a - b:+.3f})")
+    # what the reward does not see: how far the model's free choices (colours...) moved from the base model's
+    final = next((r for r in reversed(rows) if r.get("final")), {})
+    for key in sorted(k for k in final if k.startswith("eval/diversity/") and k.endswith("_from_base")):
+        meaning = "1 = as diverse as the base model" if key.endswith("spread_from_base") else "0 = the base model's"
+        print(f"{key}: {final[key]:.3f} ({meaning})")
     print(f"wall-clock {minutes:.1f} min")
     figures = [str(f) for f in (run / "before_after.png", run / "curves.png") if f.exists()]
     if figures:
