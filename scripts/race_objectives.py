@@ -221,6 +221,14 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--report: no result file in {args.results} for these objectives and seeds")
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         runs = list(pool.map(lambda w: race_run(args.out, args.results, w[0], w[1], args), work))
+    if not args.report:  # the report is of the whole race: the other objectives' and seeds' result files too
+        done = {(r["objective"], r["seed"]) for r in runs}
+        for path in sorted(args.results.glob("*-seed*.json")):
+            r = json.loads(path.read_text())
+            if r.get("objective") in OBJECTIVE_SETTINGS and (r["objective"], r["seed"]) not in done:
+                runs.append(r)
+        order = list(OBJECTIVE_SETTINGS)
+        runs.sort(key=lambda r: (order.index(r["objective"]), r["seed"]))
     base_file = args.results / "oot-base.json"
     if not base_file.exists():
         base_file.write_text(json.dumps(evaluate(args.out, None, "oot-base", args.extra), indent=1))
