@@ -156,7 +156,7 @@ def _check_images_per_prompt(cfg: Config, eval_set: PromptSet) -> None:
     import math
 
     from .diversity import prompt_keys
-    from .train_utils import eval_plan
+    from .train_utils import eval_plan, group_prompt_counts
 
     e = cfg.eval
     prompts, meta, plan = _checked("eval.images_per_group", eval_plan, eval_set, e)
@@ -168,10 +168,7 @@ def _check_images_per_prompt(cfg: Config, eval_set: PromptSet) -> None:
     if not e.images_per_group:
         raise PreflightError(f"eval.diversity_features needs >= 2 images of every eval prompt; set "
                              f"eval.images_per_prompt=2 or more (now {e.images_per_prompt})")
-    heads = eval_set.head(e.num_prompts)[1]
-    sizes: dict[str, int] = {}
-    for m in heads:
-        sizes[str(m[e.group_by])] = sizes.get(str(m[e.group_by]), 0) + 1
+    sizes = group_prompt_counts(eval_set.head(e.num_prompts)[1], e.group_by)
     lcm = math.lcm(*sizes.values())
     least = lcm * -(-2 * max(sizes.values()) // lcm)
     few = {g: n for g, n in sorted(sizes.items()) if e.images_per_group // n < 2}

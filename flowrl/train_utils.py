@@ -253,6 +253,14 @@ def grouped_means(name: str, values, metadata: list[dict], column: str) -> dict[
     return out
 
 
+def group_prompt_counts(meta: list[dict], column: str) -> dict[str, int]:
+    """{value of `column`: how many of the prompts (their metadata rows) have it}, in order of first appearance."""
+    counts: dict[str, int] = {}
+    for m in meta:
+        counts[str(m[column])] = counts.get(str(m[column]), 0) + 1
+    return counts
+
+
 def eval_plan(prompt_set, eval_cfg) -> tuple[list[str], list[dict], EvalConfig]:
     """What an evaluation samples: (prompts, metadata, eval_cfg'), where eval_cfg' is `eval_cfg` with
     `images_per_prompt` = n, the number of images of each listed prompt (prompt-major), to sample with.
@@ -269,9 +277,7 @@ def eval_plan(prompt_set, eval_cfg) -> tuple[list[str], list[dict], EvalConfig]:
 
     column = eval_cfg.group_by
     require_column(meta, column, f"eval.group_by={column!r}")
-    counts: dict[str, int] = {}
-    for m in meta:
-        counts[str(m[column])] = counts.get(str(m[column]), 0) + 1
+    counts = group_prompt_counts(meta, column)
     bad = {g: c for g, c in counts.items() if per_group % c}
     if bad:
         lcm = math.lcm(*counts.values())
