@@ -144,7 +144,7 @@ def _eval(args) -> int:
     cfg = _load(args)
     # prompts, rewards and the model's class and size are checked before the model loads
     _, eval_set = preflight(cfg)
-    base_dir = _eval_base(args) if args.checkpoint or args.base else None
+    base_dir = _eval_base(args)
     prompts, meta, eval_cfg = eval_plan(eval_set, cfg.eval)
     policy = _policy_from_checkpoint(cfg, args.checkpoint, args.weights)
     fns = build_reward_fns(cfg, policy.reward_kind)

@@ -329,10 +329,10 @@ class TrainConfig:
     `budget_clock` names, across resumes: a checkpoint keeps what was spent, a resumed run trains what is left (none
     left: nothing trains; raise max_minutes to train on)."""
     budget_clock: Literal["wall", "process"] = "wall"
-    """What `max_minutes` counts: `wall` = wall-clock since the start (of each call, summed over resumes), evals included; `process` = this process's
-    CPU time in training epochs (rollout, reward, update; evals not counted). With one torch thread `process`
-    equals the wall-clock of an idle machine whatever else runs beside it: the fair budget for comparing runs
-    (scripts/race_objectives.py) on a shared machine. Every logged row carries both, as
+    """What `max_minutes` counts: `wall` = wall-clock since the start (of each call, summed over resumes), evals
+    included; `process` = this process's CPU time in training epochs (rollout, reward, update; evals not counted).
+    With one torch thread `process` equals the wall-clock of an idle machine whatever else runs beside it: the fair
+    budget for comparing runs (scripts/race_objectives.py) on a shared machine. Every logged row carries both, as
     `time/train_wall_minutes` and `time/train_process_minutes` (evals excluded from both)."""
     max_nonfinite_steps: int = 3
     """A minibatch whose loss or gradient is NaN/inf takes no optimizer step (a warning says so); this many such
@@ -428,8 +428,8 @@ class EvalConfig:
     `eval/diversity/features/spread` (the mean pairwise cosine distance of each prompt's images, averaged over
     prompts), `..._spread_from_base` (its ratio to the base model's at the eval before training: 1 = as diverse,
     below 1 = narrowed) and `..._distance_from_base` (the Euclidean energy distance from the base model's images of
-    each prompt, averaged over prompts: 0 = unchanged). Needs >= 2 images of every prompt (eval.images_per_prompt, or eval.images_per_group) and an image
-    model (not a video one). "" = off."""
+    each prompt, averaged over prompts: 0 = unchanged). Needs >= 2 images of every prompt (eval.images_per_prompt,
+    or eval.images_per_group) and an image model (not a video one). "" = off."""
 
 
 @dataclass
