@@ -107,16 +107,23 @@ def _policy_from_checkpoint(cfg, checkpoint: str | None, which: str = "auto"):
     return policy
 
 
-def _eval_base(args) -> "Path | None":
+def _eval_base(args, settings: dict) -> "Path | None":
     """The directory whose base-model eval files (`eval-base-distribution.json`, `eval-base-features.safetensors`)
     `flowrl eval` of a checkpoint compares with: --base, else the checkpoint's run directory when it holds one
-    (its eval before training wrote them), else None."""
+    (its eval before training wrote them), else None. The base's eval must have been sampled with this eval's
+    `settings` (`flowrl.diversity.eval_settings`: prompts, steps, CFG, seed, size), else its images do not pair with
+    these: a --base that differs is an error naming the differences; a run directory that differs (e.g. an eval of
+    the run's checkpoint on other prompts) is not compared with (said on stderr)."""
     from pathlib import Path
 
-    from .diversity import BaseDistribution, BaseFeatures
+    from .diversity import BaseDistribution, BaseFeatures, settings_differences
 
     def holds(d: Path) -> bool:
         return BaseDistribution(d).path.exists() or BaseFeatures(d).exists()
+
+    def differences(d: Path) -> list[str]:
+        found = [store.settings() for store in (BaseDistribution(d), BaseFeatures(d)) if store.path.exists()]
+        return sorted({line for stored in found for line in settings_differences(stored, settings)})
 
     if args.base:
         base = Path(args.base)
@@ -124,9 +131,22 @@ def _eval_base(args) -> "Path | None":
             raise SystemExit(f"flowrl eval: --base {base} holds no base-model eval ({BaseDistribution(base).path.name} "
                              f"or {BaseFeatures.NAME}): pass a training run's directory (its eval before training "
                              f"writes them) or the --out of `flowrl eval` of the base model (no --checkpoint)")
+        unlike = differences(base)
+        if unlike:
+            raise SystemExit(f"flowrl eval: --base {base} holds a base-model eval sampled with other settings than "
+                             f"this eval's ({'; '.join(unlike)}), whose images do not pair with these: give this eval "
+                             f"the base's settings, or make a base with this eval's (`flowrl eval` of the same config "
+                             f"and overrides without --checkpoint, --out DIR)")
         return base
     if args.checkpoint and holds(Path(args.checkpoint).parent):
-        return Path(args.checkpoint).parent
+        run = Path(args.checkpoint).parent
+        unlike = differences(run)
+        if unlike:
+            print(f"flowrl eval: the run directory {run} holds the base model's eval with other settings than this "
+                  f"eval's ({'; '.join(unlike)}): no comparison with the base model (pass --base DIR of a base eval "
+                  f"with these settings to compare)", file=sys.stderr)
+            return None
+        return run
     return None
 
 
@@ -136,7 +156,7 @@ def _eval(args) -> int:
     them from --base, else from the checkpoint's run directory (its eval before training), when there."""
     from pathlib import Path
 
-    from .diversity import BaseDistribution, BaseFeatures, histograms
+    from .diversity import BaseDistribution, BaseFeatures, eval_settings, histograms
     from .preflight import preflight
     from .train_utils import eval_plan, eval_summary
     from .trainer import build_reward_fns
@@ -144,8 +164,9 @@ def _eval(args) -> int:
     cfg = _load(args)
     # prompts, rewards and the model's class and size are checked before the model loads
     _, eval_set = preflight(cfg)
-    base_dir = _eval_base(args)
     prompts, meta, eval_cfg = eval_plan(eval_set, cfg.eval)
+    settings = eval_settings(prompts, meta, eval_cfg, cfg.sample)
+    base_dir = _eval_base(args, settings)
     policy = _policy_from_checkpoint(cfg, args.checkpoint, args.weights)
     fns = build_reward_fns(cfg, policy.reward_kind)
     outputs, per_reward, components = policy.evaluate_prompts(prompts, meta, fns, eval_cfg)
@@ -159,7 +180,7 @@ def _eval(args) -> int:
     if not args.checkpoint and base_hists is None:  # the base model: it is its own base, and --out keeps it
         base_hists = hists or None
         if out and hists:
-            BaseDistribution(out).save(hists)
+            BaseDistribution(out).save(hists, settings)
     result = eval_summary(scores, meta, cfg.eval.group_by, base_hists)
     if cfg.eval.diversity_features:
         import torch
@@ -178,7 +199,7 @@ def _eval(args) -> int:
         if not args.checkpoint and base_features is None:
             base_features = groups
             if out:
-                BaseFeatures(out).save(groups, cfg.eval.diversity_features)
+                BaseFeatures(out).save(groups, cfg.eval.diversity_features, settings)
         result.update(feature_metrics(groups, base_features))
     result["checkpoint"] = args.checkpoint or "(base model)"
     if args.checkpoint:

@@ -19,6 +19,7 @@ base model's, and how far they moved from the base model's images of the prompt 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -79,22 +80,59 @@ def distribution_metrics(hists: dict[str, dict[str, float]], base: dict[str, dic
     return out
 
 
+def eval_settings(prompts: list[str], metadata: list[dict], eval_cfg, sample_cfg) -> dict:
+    """What an eval's images depend on besides the weights, for telling whether a stored base-model eval can be
+    compared with this one: the prompts as listed (with their metadata, as `eval_plan` lays them out; a digest),
+    the ODE steps, the CFG scale, the noise seed, the images per listed prompt and the size. Two evals with the same
+    settings draw the same initial noise for the same prompts, so the base model's images pair with the trained
+    model's."""
+    listed = json.dumps([prompts, metadata], sort_keys=True, default=str, ensure_ascii=False)
+    return {"prompts": f"{len(prompts)} listed, sha256 {hashlib.sha256(listed.encode()).hexdigest()[:16]}",
+            "eval.num_steps": eval_cfg.num_steps, "eval.guidance_scale": eval_cfg.guidance_scale,
+            "eval.seed": eval_cfg.seed, "images per listed prompt": eval_cfg.images_per_prompt,
+            "sample.height": getattr(sample_cfg, "height", None), "sample.width": getattr(sample_cfg, "width", None),
+            "sample.num_frames": getattr(sample_cfg, "num_frames", None)}
+
+
+def settings_differences(stored: dict | None, now: dict) -> list[str]:
+    """The settings in which a stored base-model eval differs from this eval, as "<key>: <base's> (base) vs
+    <this one's>" (empty: comparable). A base file from before flowrl recorded its settings (`stored` None) is
+    taken as comparable."""
+    if stored is None:
+        return []
+    return [f"{k}: {stored.get(k)!r} (base) vs {now.get(k)!r}" for k in sorted(set(stored) | set(now))
+            if stored.get(k) != now.get(k)]
+
+
 class BaseDistribution:
     """The base model's free-attribute histograms, kept in the run directory (`eval-base-distribution.json`):
     written by the first evaluation that counts anything (the one before training, when eval.before is on) and
-    read by the later ones, also after a resume."""
+    read by the later ones, also after a resume. The file holds {"histograms": ..., "settings": `eval_settings`}
+    (files written before the settings were recorded hold the histograms alone)."""
 
     def __init__(self, run_dir: str | Path):
         self.path = Path(run_dir) / "eval-base-distribution.json"
 
-    def load(self) -> dict[str, dict[str, float]] | None:
+    def _read(self) -> dict | None:
         if not self.path.exists():
             return None
-        return json.loads(self.path.read_text())
+        data = json.loads(self.path.read_text())
+        if isinstance(data.get("histograms"), dict):
+            return data
+        return {"histograms": data, "settings": None}
 
-    def save(self, hists: dict[str, dict[str, float]]) -> None:
+    def load(self) -> dict[str, dict[str, float]] | None:
+        data = self._read()
+        return None if data is None else data["histograms"]
+
+    def settings(self) -> dict | None:
+        """The `eval_settings` of the eval that wrote the file (None: no file, or one that did not record them)."""
+        data = self._read()
+        return None if data is None else data.get("settings")
+
+    def save(self, hists: dict[str, dict[str, float]], settings: dict | None = None) -> None:
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(hists, indent=1, sort_keys=True))
+        tmp.write_text(json.dumps({"histograms": hists, "settings": settings}, indent=1, sort_keys=True))
         tmp.replace(self.path)
 
 
@@ -203,7 +241,8 @@ class BaseFeatures:
     """The base model's eval features per prompt, kept in the run directory (`eval-base-features.safetensors`):
     written by the first evaluation before training (optimizer_steps == 0) and read by the later ones, also after a
     resume. Tensor "<i>" holds the features [n_i, D] of prompt i of the metadata's "prompts" (a JSON list of
-    `prompt_keys`); "backbone" names the encoder (eval.diversity_features) that embedded them."""
+    `prompt_keys`); "backbone" names the encoder (eval.diversity_features) that embedded them, "settings" the
+    `eval_settings` of the eval that sampled the images (absent from files written before they were recorded)."""
 
     NAME = "eval-base-features.safetensors"
 
@@ -225,12 +264,25 @@ class BaseFeatures:
             groups = {k: f.get_tensor(str(i)) for i, k in enumerate(keys)}
         return groups, meta.get("backbone", "")
 
-    def save(self, groups: dict[str, torch.Tensor], backbone: str) -> None:
+    def settings(self) -> dict | None:
+        """The `eval_settings` of the eval that wrote the file (None: no file, or one that did not record them)."""
+        if not self.path.exists():
+            return None
+        from safetensors import safe_open
+
+        with safe_open(str(self.path), framework="pt") as f:
+            stored = (f.metadata() or {}).get("settings")
+        return None if stored is None else json.loads(stored)
+
+    def save(self, groups: dict[str, torch.Tensor], backbone: str, settings: dict | None = None) -> None:
         """Atomically (a temporary file, then a rename)."""
         from safetensors.torch import save_file
 
         keys = list(groups)
         tensors = {str(i): groups[k].detach().to("cpu", torch.float32).contiguous() for i, k in enumerate(keys)}
         tmp = self.path.with_name(self.path.name.replace(".safetensors", ".tmp.safetensors"))
-        save_file(tensors, str(tmp), metadata={"prompts": json.dumps(keys, ensure_ascii=False), "backbone": backbone})
+        metadata = {"prompts": json.dumps(keys, ensure_ascii=False), "backbone": backbone}
+        if settings is not None:
+            metadata["settings"] = json.dumps(settings)
+        save_file(tensors, str(tmp), metadata=metadata)
         tmp.replace(self.path)

@@ -30,7 +30,8 @@ from .objectives import build_objective
 from .policy import full_tensor
 from .preflight import preflight
 from .seeding import derive_seed, seed_everything
-from .diversity import (BaseDistribution, BaseFeatures, distribution_metrics, feature_metrics, group_features,
+from .diversity import (BaseDistribution, BaseFeatures, distribution_metrics, eval_settings, feature_metrics,
+                        group_features, settings_differences,
                         histograms, is_count, prompt_keys)
 from .offload import Parked, modules_in, visiting
 from .train_utils import (EMA, MetricsLog, Timer, build_optimizer, eval_plan, eval_summary, lr_lambda,
@@ -265,7 +266,7 @@ class Trainer:
         reward_modules = [modules_in(fn) if t.offload else [] for fn in self.rewards]
         self.parked_rewards = [Parked(modules) if modules else None for modules in reward_modules]
         # eval.diversity_features: the backbone, built at the first eval; a warning about the base's features, once
-        self.feature_encoder, self.parked_features, self.warned_base_features = None, None, False
+        self.feature_encoder, self.parked_features, self.warned_base = None, None, set()
         self.state = State()
         self.clock_start, self.budget_before = time.perf_counter(), 0.0  # train.max_minutes' clock (budget_spent)
         self.log = MetricsLog(self.run_dir / "metrics.jsonl", self.acc, enabled=self.main)
@@ -824,15 +825,19 @@ class Trainer:
         results = {}
         if self.main:
             # the base model's distribution of what prompts leave free (colours...): the first eval's, kept
+            settings = eval_settings(prompts, meta, eval_cfg, cfg.sample)
             base_file = BaseDistribution(self.run_dir)
             base = base_file.load()
             hists = histograms(scores)
             if base is None and hists and self.state.optimizer_steps == 0:
-                base_file.save(hists)
+                base_file.save(hists, settings)
                 base = hists
+            elif base is not None and self.unlike_base(base_file, settings):
+                base = None
             results.update(eval_summary(scores, meta, cfg.eval.group_by, base))
             if cfg.eval.diversity_features:
-                results.update(self.feature_diversity(outputs, prompt_keys(prompts, meta, eval_cfg.images_per_prompt)))
+                results.update(self.feature_diversity(outputs, prompt_keys(prompts, meta, eval_cfg.images_per_prompt),
+                                                      settings))
             if cfg.eval.grid:
                 headline = scores[cfg.rewards[0].name]
                 path = self.policy.save_eval_outputs(outputs, prompts, self.run_dir / f"eval-{tag}", scores=headline)
@@ -840,11 +845,11 @@ class Trainer:
         self.acc.wait_for_everyone()
         return results
 
-    def feature_diversity(self, images: list, keys: list[str]) -> dict[str, float]:
+    def feature_diversity(self, images: list, keys: list[str], settings: dict) -> dict[str, float]:
         """`flowrl.diversity.feature_metrics` of the eval images [N] (main process), grouped by their prompts' keys
         [N], against the base model's features: those of the first eval before any optimizer step, written then to
-        the run directory and read from there by the later evals (and after a resume). The backbone loads at the
-        first call (train.offload: in CPU memory, on the device only while it embeds)."""
+        the run directory (with the eval's `settings`) and read from there by the later evals (and after a resume).
+        The backbone loads at the first call (train.offload: in CPU memory, on the device only while it embeds)."""
         backbone = self.cfg.eval.diversity_features
         if self.feature_encoder is None:
             self.feature_encoder = build_feature_encoder(self.cfg, self.device)
@@ -856,16 +861,28 @@ class Trainer:
         found = store.load()
         base = None
         if found is not None and found[1] == backbone:
-            base = found[0]
+            base = None if self.unlike_base(store, settings) else found[0]
         elif self.state.optimizer_steps == 0:  # this model is the base model: its features are the base's
-            store.save(groups, backbone)
+            store.save(groups, backbone, settings)
             base = groups
-        elif found is not None and not self.warned_base_features:
-            self.warned_base_features = True
+        elif found is not None and store.path not in self.warned_base:
+            self.warned_base.add(store.path)
             warnings.warn(f"{store.path} holds the base model's features by {found[1]!r}, not by "
                           f"eval.diversity_features={backbone}: the comparisons with the base model are left out",
                           stacklevel=2)
         return feature_metrics(groups, base)
+
+    def unlike_base(self, store, settings: dict) -> bool:
+        """Whether a stored base-model eval (`BaseDistribution` or `BaseFeatures` in the run directory) was sampled
+        with other eval settings than `settings` (e.g. a run resumed with another eval.num_steps or eval prompts):
+        its images do not pair with this eval's, so the comparisons with it are left out (warned once per file)."""
+        differences = settings_differences(store.settings(), settings)
+        if differences and store.path not in self.warned_base:
+            self.warned_base.add(store.path)
+            warnings.warn(f"{store.path} holds the base model's eval with other settings ({'; '.join(differences)}): "
+                          f"its comparisons with the base model (*_from_base) are left out; resume with the eval "
+                          f"settings the run started with to compare", stacklevel=3)
+        return bool(differences)
 
     def log_eval_images(self, path: Path | None, tag: str) -> None:
         """The eval grid to TensorBoard / W&B when those loggers are on."""

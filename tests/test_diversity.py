@@ -8,8 +8,9 @@ import pytest
 import torch
 from PIL import Image
 
-from flowrl.diversity import (BaseDistribution, distribution_metrics, entropy_bits, histograms, is_count,
-                              total_variation)
+from flowrl.config import EvalConfig, SampleConfig
+from flowrl.diversity import (BaseDistribution, distribution_metrics, entropy_bits, eval_settings, histograms,
+                              is_count, settings_differences, total_variation)
 from flowrl.train_utils import eval_summary
 
 
@@ -50,11 +51,37 @@ def test_histograms_sum_counts_and_eval_summary_leaves_them_out_of_the_means():
     assert out["eval/diversity/shapes_geneval/color_entropy_bits"] == pytest.approx(h)
 
 
-def test_base_distribution_round_trips(tmp_path):
+def test_base_distribution_round_trips_with_its_eval_settings(tmp_path):
     store = BaseDistribution(tmp_path)
-    assert store.load() is None
-    store.save({"r/color": {"red": 2.0}})
-    assert store.load() == {"r/color": {"red": 2.0}}
+    assert store.load() is None and store.settings() is None
+    settings = eval_settings(["a square"], [{"family": "single"}], EvalConfig(), SampleConfig())
+    store.save({"r/color": {"red": 2.0}}, settings)
+    assert store.load() == {"r/color": {"red": 2.0}} and store.settings() == settings
+    assert [p.name for p in tmp_path.iterdir()] == [store.path.name]  # no temporary file left
+    # a file from before the settings were recorded: the histograms alone, taken as comparable with any eval
+    store.path.write_text('{"r/color": {"red": 1.0, "blue": 3.0}}')
+    assert store.load() == {"r/color": {"red": 1.0, "blue": 3.0}} and store.settings() is None
+    assert settings_differences(store.settings(), settings) == []
+
+
+def test_eval_settings_tell_evals_whose_images_pair_from_those_that_do_not():
+    """Two evals compare image for image only when they sample the same prompts (as listed, metadata included)
+    with the same steps, CFG, seed, images per prompt and size; the differences name the key and both values."""
+    prompts, meta = ["a square", "two circles"], [{"family": "single"}, {"family": "count"}]
+    now = eval_settings(prompts, meta, EvalConfig(num_steps=20), SampleConfig(height=64, width=64))
+    assert settings_differences(now, dict(now)) == []
+    assert settings_differences(eval_settings(prompts, meta, EvalConfig(num_steps=10), SampleConfig(height=64,
+                                                                                                    width=64)),
+                                now) == ["eval.num_steps: 10 (base) vs 20"]
+    other_meta = eval_settings(prompts, [{"family": "single"}, {"family": "counting"}], EvalConfig(num_steps=20),
+                               SampleConfig(height=64, width=64))
+    assert [d.split(":")[0] for d in settings_differences(other_meta, now)] == ["prompts"]
+    reordered = eval_settings(prompts[::-1], meta[::-1], EvalConfig(num_steps=20), SampleConfig(height=64, width=64))
+    assert [d.split(":")[0] for d in settings_differences(reordered, now)] == ["prompts"]
+    several = eval_settings(prompts, meta, EvalConfig(num_steps=20, seed=7, guidance_scale=1.0, images_per_prompt=2),
+                            SampleConfig(height=32, width=64))
+    assert [d.split(":")[0] for d in settings_differences(several, now)] == [
+        "eval.guidance_scale", "eval.seed", "images per listed prompt", "sample.height"]
 
 
 def test_shapes_reward_counts_the_colours_of_objects_the_prompt_left_uncoloured():

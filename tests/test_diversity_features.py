@@ -140,7 +140,11 @@ def test_base_features_round_trip_atomically(tmp_path):
     store = BaseFeatures(tmp_path)
     assert store.load() is None
     groups = {'["a", {}]': random_unit(2, 4, 0), '["b", {"k": "é"}]': random_unit(3, 4, 1)}
+    assert store.settings() is None
     store.save(groups, "some/backbone")
+    assert store.settings() is None  # saved without the eval's settings: none recorded
+    store.save(groups, "some/backbone", {"eval.num_steps": 20, "prompts": "2 listed, sha256 0123"})
+    assert store.settings() == {"eval.num_steps": 20, "prompts": "2 listed, sha256 0123"}
     loaded, backbone = store.load()
     assert backbone == "some/backbone" and list(loaded) == list(groups)
     assert all(torch.equal(loaded[k], groups[k]) for k in groups)
@@ -291,6 +295,14 @@ def test_a_run_logs_feature_diversity_against_its_first_eval_and_a_resume_reads_
     assert last["epoch"] == 4 and SPREAD in last and RATIO not in last and DISTANCE not in last
     assert (store.path.read_bytes(), store.path.stat().st_mtime_ns) == written
 
+    # the same backbone, but a resume with other eval settings: its images do not pair with the base's, so the
+    # comparisons are left out, with a warning naming what differs
+    with pytest.warns(UserWarning, match=r"other settings \(eval.num_steps: 2 \(base\) vs 3\).*left out"):
+        Trainer(load_config(None, [*args, "eval.num_steps=3", "train.epochs=5", "checkpoint.resume=auto"])).fit()
+    last = eval_rows(run)[-1]
+    assert last["epoch"] == 5 and SPREAD in last and RATIO not in last and DISTANCE not in last
+    assert (store.path.read_bytes(), store.path.stat().st_mtime_ns) == written
+
     from flowrl.report import curves_figure, load_metrics
 
     labels = {line.get_label() for ax in curves_figure(load_metrics(run)).axes for line in ax.get_lines()}
@@ -340,3 +352,14 @@ def test_flowrl_eval_of_a_checkpoint_compares_with_its_runs_base_or_with_base(tm
     capsys.readouterr()
     with pytest.raises(SystemExit, match="holds no base-model eval"):
         main(["eval", *args, "--checkpoint", ckpt, "--base", str(tmp_path / "empty")])
+
+    # a base sampled with other eval settings is not compared with: an explicit --base is an error naming the
+    # difference (before the model loads), the checkpoint's own run directory is passed over with a note
+    with pytest.raises(SystemExit, match=r"other settings than this eval's \(eval.seed: 1234 \(base\) vs 5\)"):
+        main(["eval", *args, "eval.seed=5", "--checkpoint", ckpt, "--base", str(tmp_path / "base")])
+    capsys.readouterr()
+    assert main(["eval", *args, "eval.seed=5", "--checkpoint", ckpt, "--out", str(tmp_path / "ck3")]) == 0
+    assert "holds the base model's eval with other settings than this eval's (eval.seed: 1234 (base) vs 5)" in \
+        capsys.readouterr().err
+    unpaired = json.loads((tmp_path / "ck3" / "eval.json").read_text())
+    assert "base" not in unpaired and SPREAD in unpaired and RATIO not in unpaired and DISTANCE not in unpaired

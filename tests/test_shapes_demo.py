@@ -90,6 +90,14 @@ def test_demo_command_reports_and_writes_figures(tmp_path, monkeypatch, capsys):
         tv = "eval/diversity/shapes_geneval/color_tv_from_base"
         assert result[tv] == pytest.approx(logged[tv], abs=1e-9)
         assert result.get("base") == (str(tmp_path) if checkpoint else None)
+    # resumed with other eval settings, the run's evals no longer pair with its base's images: no TV, and a warning
+    with pytest.warns(UserWarning, match=r"other settings \(eval.num_steps: 4 \(base\) vs 3\)"):
+        main(["train", "configs/shapes.yaml", f"log.run_dir={tmp_path}", "train.epochs=2", "log.progress=false",
+              *overrides, "eval.num_steps=3"])
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    resumed = [r for r in rows if key in r][-1]
+    assert resumed["epoch"] == 2 and "eval/diversity/shapes_geneval/color_entropy_bits" in resumed
+    assert "eval/diversity/shapes_geneval/color_tv_from_base" not in resumed
 
 
 def _pixels(path):
