@@ -772,6 +772,31 @@ def reward_components(specs) -> tuple[list[Component], list[str]]:
     return parts, notes
 
 
+#: eval.diversity_features: the class `rewards._features.ImageEncoder` loads for a config's model_type
+FEATURE_BACKBONES = {"dinov2": "Dinov2Model", "clip": "CLIPModel", "clip_vision_model": "CLIPVisionModelWithProjection"}
+
+
+def feature_components(backbone: str) -> tuple[list[Component], list[str]]:
+    """The eval.diversity_features backbone built on meta (float32, as the trainer loads it; on the main process
+    only), or a note when its memory cannot be estimated. ("": none.)"""
+    if not backbone:
+        return [], []
+    try:
+        read, _ = config_reader(backbone)
+        config = read("config.json")
+    except PlanError:
+        return [], [f"eval.diversity_features: no configuration for {backbone}, its memory is not estimated"]
+    class_name = FEATURE_BACKBONES.get(config.get("model_type"))
+    if class_name is None:
+        return [], [f"eval.diversity_features: {backbone} is a {config.get('model_type')!r} model, not one of "
+                    f"{', '.join(FEATURE_BACKBONES)}; its memory is not estimated"]
+    import transformers
+
+    params, nbytes = _sizes(build_on_meta(getattr(transformers, class_name), config), "float32")
+    return [Component("eval.diversity_features, main process", f"{class_name} {backbone}", params, nbytes,
+                      "float32")], []
+
+
 # ------------------------------------------------------------------------------------ the plan
 
 
@@ -1184,6 +1209,8 @@ def _plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
         raise PlanError(f"{m.path}: its pipeline has no {fam.denoiser_attr} ({fam.denoiser_class}) to train")
     den = components[fam.denoiser_attr]
     rewards, notes = reward_components(cfg.rewards)
+    features, feature_notes = feature_components(cfg.eval.diversity_features)
+    rewards, notes = rewards + features, notes + feature_notes  # placed as rewards are: off the GPU with offload
     layout = LAYOUTS.get(den.class_name, GENERIC_LAYOUT)
 
     targets = list(cfg.lora.target_modules or fam.lora_targets)

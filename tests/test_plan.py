@@ -519,3 +519,32 @@ def _one_image_prompts(directory: Path) -> Path:
     path = directory / "one.jsonl"
     path.write_text(json.dumps({"prompt": "blue", "image": "a.png"}) + "\n")
     return path
+
+
+def test_the_eval_feature_backbone_is_planned_like_a_reward(tmp_path):
+    """eval.diversity_features keeps a vision backbone in float32 on the main process's GPU (off it with offload):
+    its row has the backbone's size, and the static memory grows by it; a backbone of another kind, or one with no
+    configuration here, is a note."""
+    from rewardtiny import save_tiny_dinov2
+
+    args = ["eval.images_per_prompt=2"]
+    base = plan(_preset("sd35m_pickscore", *args))
+    clip = plan(_preset("sd35m_pickscore", *args, "eval.diversity_features=openai/clip-vit-large-patch14"))
+    row = next(r for r in clip.rows if r.label.startswith("eval.diversity_features, main process (CLIPModel"))
+    assert row.params_b == pytest.approx(0.428, rel=0.01) and row.note == "float32" and row.gib["offload"] is None
+    assert row.gib["DDP"] == pytest.approx(4 * row.params_b * 1e9 / GIB, rel=0.01)
+    assert clip.fits["DDP"].static_gib == pytest.approx(base.fits["DDP"].static_gib + row.gib["DDP"], rel=1e-6)
+    assert clip.fits["offload"].static_gib == pytest.approx(base.fits["offload"].static_gib, rel=1e-6)
+
+    dino = save_tiny_dinov2(tmp_path / "dino")  # a local directory: the parameters the trainer would load
+    local = plan(_preset("sd35m_pickscore", *args, f"eval.diversity_features={tmp_path / 'dino'}"))
+    row = next(r for r in local.rows if r.label.startswith("eval.diversity_features, main process (Dinov2Model"))
+    assert row.params_b * 1e9 == pytest.approx(sum(p.numel() for p in dino.parameters()), abs=0.5)
+
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    other = plan(_preset("sd35m_pickscore", *args, f"eval.diversity_features={tmp_path / 'bert'}")).render()
+    assert "is a 'bert' model, not one of dinov2, clip, clip_vision_model; its memory is not estimated" in other
+    (tmp_path / "empty").mkdir()
+    missing = plan(_preset("sd35m_pickscore", *args, f"eval.diversity_features={tmp_path / 'empty'}")).render()
+    assert f"eval.diversity_features: no configuration for {tmp_path / 'empty'}" in missing
