@@ -133,7 +133,8 @@ def truncate_logs(run_dir: str | Path, epochs_done: int) -> int:
 #: Config keys a resumed run may not change: they decide the trained weights' shapes (model, adapter) or the batch
 #: a checkpoint's optimizer and counters were made for. Other changes are allowed with a warning.
 SHAPE_KEYS = ("backend", "model.path", "model.family", "model.drop_t5", "lora.enabled", "lora.rank", "lora.alpha",
-              "lora.target_modules", "sample.group_size", "sample.prompts_per_epoch", "train.minibatch_size")
+              "lora.target_modules", "sample.group_size", "sample.prompts_per_epoch", "train.minibatch_size",
+              "train.objective")  # an objective's state (NFT's old policy, AWM's EMA policy) is another's nothing
 #: Keys whose change says nothing about the run (where it logs, how it resumes).
 IGNORED_KEYS = ("checkpoint.resume", "log.overwrite", "log.progress", "log.run_dir")
 

@@ -116,6 +116,22 @@ def test_keys_newer_than_a_checkpoint_are_no_change_at_their_defaults():
     assert compare_configs(saved, current)[1]  # without the defaults every new key is reported
     current["train"]["schedule_over"] = "budget"
     assert compare_configs(saved, current, to_dict(Config())) == ([], ["train.schedule_over: '(unset)' -> 'budget'"])
+    # a checkpoint from before train.objective was GRPO's: resuming it with another objective is refused
+    del saved["train"]["objective"]
+    assert compare_configs(saved, current, to_dict(Config()))[0] == []
+    current["train"]["objective"] = "dpo"
+    assert compare_configs(saved, current, to_dict(Config()))[0] == ["train.objective: '(unset)' -> 'dpo'"]
+
+
+def test_resume_refuses_another_objective(tmp_path):
+    """A run resumed with another train.objective would train a checkpoint made for one objective (its state: NFT's
+    old policy, AWM's EMA policy) with another: refused, naming the change (e.g. `make demo` in a run directory of
+    the GRPO demo, after the demo became DPO)."""
+    run = tmp_path / "run"
+    Trainer(tiny_cfg(run, "train.epochs=1", "eval.grid=false")).fit()
+    with pytest.raises(CheckpointError, match=r"train\.objective: 'grpo' -> 'dpo'.*log\.overwrite=true"):
+        Trainer(tiny_cfg(run, "train.epochs=2", "checkpoint.resume=auto", "train.objective=dpo",
+                         "sample.sde_type=auto", "sample.noise_level=null")).fit()
 
 
 def test_a_resume_redoes_epochs_without_duplicating_rows_and_clears_temporary_dirs(tmp_path):
