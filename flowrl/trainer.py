@@ -188,6 +188,18 @@ def merge_eval_shares(shares: list[tuple[list, dict[str, torch.Tensor]]]) -> tup
     return outputs, {k: torch.cat([sc[k] for out, sc in shares if out]) for k in keys}
 
 
+def progress_postfix(metrics: dict, objective: str) -> dict[str, str]:
+    """What the progress bar shows after an epoch: the mean reward, and for GRPO the first minibatch's ratio (1 on
+    policy; "-" when no minibatch trained); the forward-process objectives have no ratio, and DPO shows its pairs."""
+    postfix = {"reward": f"{metrics['reward/total_mean']:.3f}"}
+    if objective == "grpo":
+        ratio0 = metrics.get("policy/ratio_first")
+        postfix["on_policy_ratio"] = "-" if ratio0 is None else f"{ratio0:.5f}"
+    elif "objective/dpo_pairs" in metrics:
+        postfix["pairs"] = f"{metrics['objective/dpo_pairs']:.0f}"
+    return postfix
+
+
 class Trainer:
     """Holds the pieces the loop needs; `fit()` is the loop."""
 
@@ -347,9 +359,7 @@ class Trainer:
                 self.log.log(metrics, step=epoch + 1)
             if cfg.checkpoint.every and (epoch + 1) % cfg.checkpoint.every == 0 and epoch + 1 < cfg.train.epochs:
                 self.save()
-            ratio0 = metrics.get("policy/ratio_first")
-            bar.set_postfix(reward=f"{metrics['reward/total_mean']:.3f}",
-                            on_policy_ratio="-" if ratio0 is None else f"{ratio0:.5f}")
+            bar.set_postfix(progress_postfix(metrics, cfg.train.objective))
             last = metrics
             self.stop_if_asked(epoch + 1, mid_epoch=False)
             if out_of_time:

@@ -315,6 +315,18 @@ def test_the_progress_bar_names_the_on_policy_ratio(tmp_path, capsys):
     assert "on_policy_ratio=1.00000" in err and "ratio0" not in err
 
 
+def test_the_progress_bar_shows_a_ratio_only_for_grpo():
+    """The forward-process objectives have no ratio: no "on_policy_ratio=-" on every epoch; DPO shows its pairs."""
+    from flowrl.trainer import progress_postfix
+
+    assert progress_postfix({"reward/total_mean": 0.5, "policy/ratio_first": 1.0}, "grpo") == {
+        "reward": "0.500", "on_policy_ratio": "1.00000"}
+    assert progress_postfix({"reward/total_mean": 0.5}, "grpo")["on_policy_ratio"] == "-"  # nothing trained
+    assert progress_postfix({"reward/total_mean": 0.25, "objective/dpo_pairs": 3.0}, "dpo") == {
+        "reward": "0.250", "pairs": "3"}
+    assert progress_postfix({"reward/total_mean": 0.25}, "nft") == {"reward": "0.250"}
+
+
 def test_a_wall_clock_budget_ends_the_run_after_the_epoch_that_spends_it(tmp_path):
     """train.max_minutes: the epoch during which the budget runs out is the last one; its metrics are logged (with
     log.every larger than 1), then the final eval and the checkpoint, as after the last epoch."""
