@@ -1,6 +1,6 @@
 """The `flowrl` command line.
 
-    flowrl train [CONFIG] [key=value ...]       GRPO fine-tuning (`flowrl train --help` lists every key)
+    flowrl train [CONFIG] [key=value ...]       RL fine-tuning (`flowrl train --help` lists every key)
     flowrl eval CONFIG --checkpoint DIR         evaluate a checkpoint on the held-out prompts
                 [--weights auto|ema|trained]    (auto: the EMA weights when the run kept them)
     flowrl sample CONFIG [--checkpoint DIR] --prompt TEXT ...   save images
@@ -285,7 +285,8 @@ def _report(args) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    """The embedded default: GRPO on the shapes world's tiny SD3, evaluated before and after."""
+    """The embedded default: configs/shapes.yaml (online Diffusion-DPO on the shapes world's tiny SD3), evaluated
+    before and after; or another config run the same way."""
     import time
     from pathlib import Path
 
@@ -353,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("config", nargs="?" if optional else None, help="YAML preset (configs/*.yaml)")
         p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.lr=1e-4")
 
-    train = sub.add_parser("train", help="GRPO fine-tuning", epilog=_config_help(), formatter_class=_HelpWithConfig)
+    train = sub.add_parser("train", help="RL fine-tuning (GRPO, DiffusionNFT, AWM, online DPO)", epilog=_config_help(),
+                           formatter_class=_HelpWithConfig)
     with_config(train, optional=True)
     train.set_defaults(func=_train)
 
@@ -387,7 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", default=None)
     rep.set_defaults(func=_report)
 
-    demo = sub.add_parser("demo", help="run the embedded default (offline, CPU): GRPO on the shapes world")
+    demo = sub.add_parser("demo", help="run the embedded default (offline, CPU): online Diffusion-DPO on the shapes "
+                                       "world")
     demo.add_argument("config", nargs="?", default="configs/shapes.yaml")
     demo.add_argument("overrides", nargs="*", metavar="key=value")
     demo.add_argument("--toy", action="store_true", help="the tabular GRPO toy instead (seconds)")

@@ -2,8 +2,9 @@
 
     python scripts/race_objectives.py --minutes 15 --seeds 0 1 2 3 4 --jobs 2
 
-Every (objective, seed) run is `flowrl train configs/shapes.yaml` with `train.objective=<name>` and the objective's
-settings from OBJECTIVE_SETTINGS, one torch thread, and a budget of `--minutes` of training CPU time
+Every (objective, seed) run is `flowrl train configs/shapes_grpo.yaml` (the GRPO preset, the demo when the race ran)
+with `train.objective=<name>` and the objective's settings from OBJECTIVE_SETTINGS, one torch thread, and a budget
+of `--minutes` of training CPU time
 (`train.max_minutes` on `train.budget_clock=process`: rollout, reward and update count, evals do not; at one thread
 this is the wall-clock of the same run on an idle machine, and it does not change when other work shares the
 machine). An eval on the test split (GenEval-style strict accuracy, the mean over the prompt families, and the
@@ -34,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "configs" / "shapes.yaml"
+CONFIG = ROOT / "configs" / "shapes_grpo.yaml"
 OUT_OF_TEMPLATE = ROOT / "samples" / "shapes" / "out_of_template.jsonl"
 HEADLINE = "eval/shapes_geneval/strict_family_mean"
 TV = "eval/diversity/shapes_geneval/color_tv_from_base"
@@ -43,11 +44,11 @@ TARGET_GAIN = 0.20
 #: Every eval of the race (the test split during training, the out-of-template split after) samples with 10 ODE steps,
 #: half the demo's 20: the base model's test accuracy is then 0.271 instead of 0.299.
 EVAL = ["eval.num_steps=10"]
-#: configs/shapes.yaml's GRPO sampler settings, back to their defaults: the forward-process objectives roll out
+#: configs/shapes_grpo.yaml's GRPO sampler settings, back to their defaults: the forward-process objectives roll out
 #: with the ODE (one initial noise per group would make a group's images all the same)
 FORWARD_PROCESS = ["sample.window.kind=all", "sample.sde_type=auto", "sample.noise_level=null",
                    "sample.same_noise_per_group=false"]
-#: Each objective's settings on the shapes world (key=value overrides of configs/shapes.yaml): 4 training times
+#: Each objective's settings on the shapes world (key=value overrides of configs/shapes_grpo.yaml): 4 training times
 #: per sample (GRPO trains 4 steps: the preset's window); NFT's beta 0.1 and DPO's beta 100 learned faster than
 #: their defaults (1 and 5000) on a tiny model in the first hand runs. AWM's from trials on seed 0: rollouts of 6 ODE
 #: steps instead of 10 (cheaper epochs, the same gain per epoch); at a constant lr (6-minute trials) 3e-3 reached

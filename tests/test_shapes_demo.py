@@ -13,9 +13,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(not (ROOT / "samples/shapes/model/model_index.json").exists(), reason="model not built")
-def test_shapes_preset_one_epoch(tmp_path, monkeypatch):
+@pytest.mark.parametrize("preset", ["shapes", "shapes_grpo"])
+def test_shapes_preset_one_epoch(preset, tmp_path, monkeypatch):
+    """The demo's preset (online Diffusion-DPO) and the GRPO one, the race's base config."""
     monkeypatch.chdir(ROOT)  # the preset's paths are relative to the repository
-    cfg = load_config(ROOT / "configs" / "shapes.yaml", [
+    cfg = load_config(ROOT / "configs" / f"{preset}.yaml", [
         f"log.run_dir={tmp_path}", "train.epochs=1", "sample.prompts_per_epoch=2", "eval.num_prompts=3",
         "eval.images_per_group=2", "eval.num_steps=4", "log.progress=false"])
     tr = Trainer(cfg)
@@ -34,7 +36,13 @@ def test_shapes_preset_one_epoch(tmp_path, monkeypatch):
     assert evaluated == [([p0, p0, p1, p2], 1)] * 2  # before and after
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     epoch = next(r for r in rows if "policy/loss" in r)
-    assert epoch["policy/ratio_first_dev"] <= 1e-4
+    assert cfg.train.objective == {"shapes": "dpo", "shapes_grpo": "grpo"}[preset]
+    if preset == "shapes_grpo":  # on-policy: the first minibatch's ratio is 1
+        assert epoch["policy/ratio_first_dev"] <= 1e-4
+    else:  # a pair per group whose images score differently (2 prompts: at most 2), trained at all 10 steps
+        assert epoch["objective/dpo_pairs"] in (0, 1, 2) and "policy/ratio_first_dev" not in epoch
+        if epoch["objective/dpo_pairs"]:
+            assert epoch["policy/trained_units"] == 10 * epoch["objective/dpo_pairs"]  # pairs x steps
     assert 0.0 <= epoch["reward/shapes_geneval/strict_mean"] <= 1.0
     assert all(math.isfinite(v) for v in epoch.values() if isinstance(v, float))
     assert any("eval/shapes_geneval/strict_mean" in r for r in rows)
@@ -50,6 +58,33 @@ def test_shapes_preset_one_epoch(tmp_path, monkeypatch):
     assert (tmp_path / "before_after.png").stat().st_size > 0 and (tmp_path / "curves.png").stat().st_size > 0
     if epoch["adv/abs_max"] > 0:  # a group with different rewards moved the LoRA
         assert any((p.detach() - before[n]).abs().max() > 0 for n, p in tr.named_params.items())
+
+
+def test_the_demo_is_the_measured_dpo_setting():
+    """configs/shapes.yaml (the demo) is the race's DPO (configs/shapes_grpo.yaml with the race's DPO overrides)
+    with the two settings the demo's seeds were measured with (samples/shapes/race/demo_eval.md): every step of
+    the schedule trained, 80 epochs. Only keys DPO does not read (GRPO's window and clip range) may differ."""
+    import dataclasses
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("race", ROOT / "scripts" / "race_objectives.py")
+    race = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(race)
+    assert race.CONFIG == ROOT / "configs" / "shapes_grpo.yaml"
+
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+        return out
+
+    demo = flat(dataclasses.asdict(load_config(ROOT / "configs" / "shapes.yaml")))
+    measured = flat(dataclasses.asdict(load_config(race.CONFIG, [
+        *race.OBJECTIVE_SETTINGS["dpo"], "train.dpo.timesteps=0", "train.epochs=80",
+        "log.run_dir=runs/shapes_dpo"])))
+    assert demo.keys() == measured.keys()
+    assert {k for k in demo if demo[k] != measured[k]} == {"sample.window.size", "train.clip_low"}
+    assert demo["train.objective"] == "dpo" and demo["sample.noise_level"] is None
 
 
 @pytest.mark.skipif(not (ROOT / "samples/shapes/model/model_index.json").exists(), reason="model not built")
