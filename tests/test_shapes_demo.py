@@ -64,22 +64,18 @@ def test_the_demo_is_the_measured_dpo_setting():
     """configs/shapes.yaml (the demo) is the race's DPO (configs/shapes_grpo.yaml with the race's DPO overrides)
     with the two settings the demo's seeds were measured with (samples/shapes/race/demo_eval.md): every step of
     the schedule trained, 80 epochs. Only keys DPO does not read (GRPO's window and clip range) may differ."""
-    import dataclasses
     import importlib.util
+
+    from flowrl.config import to_dict
+    from flowrl.rundir import _flatten
 
     spec = importlib.util.spec_from_file_location("race", ROOT / "scripts" / "race_objectives.py")
     race = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(race)
     assert race.CONFIG == ROOT / "configs" / "shapes_grpo.yaml"
 
-    def flat(d, prefix=""):
-        out = {}
-        for k, v in d.items():
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
-        return out
-
-    demo = flat(dataclasses.asdict(load_config(ROOT / "configs" / "shapes.yaml")))
-    measured = flat(dataclasses.asdict(load_config(race.CONFIG, [
+    demo = _flatten(to_dict(load_config(ROOT / "configs" / "shapes.yaml")))
+    measured = _flatten(to_dict(load_config(race.CONFIG, [
         *race.OBJECTIVE_SETTINGS["dpo"], "train.dpo.timesteps=0", "train.epochs=80",
         "log.run_dir=runs/shapes_dpo"])))
     assert demo.keys() == measured.keys()
