@@ -258,6 +258,42 @@ def test_two_processes_stay_in_sync(tmp_path):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo multi-process test written for linux")
+def test_two_processes_share_the_budget_schedule_and_the_feature_diversity(tmp_path):
+    """Two processes with an lr that decays over the time budget measured on each process's own CPU clock (here
+    rank 1's runs 3 times fast, tests/skewed_clock_train.py: each epoch's lr must be taken from one value for all,
+    or the replicas drift apart), and feature-space diversity in the evals (the gathered images embedded on the
+    main process while the other waits): the replicas end equal, the lr decays over the budget, the run stops on
+    it, and the final eval logs the features against the first eval's."""
+    from rewardtiny import save_tiny_dinov2
+
+    dino = tmp_path / "dino"
+    save_tiny_dinov2(dino)
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    config = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "cpu_2proc.yaml"
+    # 10^5 epochs: the cosine's position is the budget's share spent, not the epoch count's
+    cmd = [*accelerate_launch(), "--config_file", str(config), str(Path(__file__).parent / "skewed_clock_train.py"),
+           *TINY, "train.epochs=100000", "sample.prompts_per_epoch=2", "sample.group_size=2", "eval.num_prompts=2",
+           "eval.images_per_prompt=2", "eval.every=0", "eval.grid=false", f"eval.diversity_features={dino}",
+           "train.schedule=cosine", "train.schedule_over=budget", "train.max_minutes=0.05",
+           "train.budget_clock=process", f"log.run_dir={run}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "train.max_minutes=0.05 (process clock) reached" in proc.stdout
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in rows if "dist/replica_max_abs_diff" in r][-1]["dist/replica_max_abs_diff"] == 0.0
+    lrs = [r["lr"] for r in rows if "policy/loss" in r]
+    assert len(lrs) >= 2 and lrs[0] == pytest.approx(3e-3, rel=1e-6) and 0 <= lrs[-1] < lrs[0]
+    spread, ratio, distance = (f"eval/diversity/features/{k}" for k in ("spread", "spread_from_base",
+                                                                          "distance_from_base"))
+    evals = [r for r in rows if spread in r]
+    assert [r["epoch"] for r in evals] == [0, len(lrs)]
+    assert (evals[0][ratio], evals[0][distance]) == (1.0, 0.0)  # the base model against itself
+    assert math.isfinite(evals[1][ratio]) and evals[1][distance] >= 0
+    assert (run / "eval-base-features.safetensors").is_file()  # written once, by the main process
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="gloo multi-process test written for linux")
 def test_fsdp_trains_checkpoints_exports_and_resumes_over_two_processes(tmp_path):
     """`flowrl train` with train.sharding=fsdp on 2 CPU processes: the LoRA'd SD3 sharded per block (FSDP2), the
     reference KL through the adapter switched off, a checkpoint gathered from the shards, its exported LoRA
