@@ -291,6 +291,7 @@ def _demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .config import load_config
+    from .objectives import OBJECTIVES
     from .report import result_keys
     from .train_utils import read_metrics
     from .trainer import train
@@ -311,8 +312,7 @@ def _demo(args: argparse.Namespace) -> int:
     if not path.exists():
         raise SystemExit(f"flowrl demo: {path} not found; run it from the repository root (where configs/ is)")
     cfg = load_config(path, args.overrides)
-    objective = {"grpo": "GRPO", "nft": "DiffusionNFT", "awm": "AWM", "dpo": "online Diffusion-DPO"}.get(
-        cfg.train.objective, cfg.train.objective)
+    objective = OBJECTIVES.get(cfg.train.objective).title
     adapter = "LoRA" if cfg.lora.enabled else "full fine-tuning"
     print(f"flowrl demo: {objective} + {adapter} on {cfg.model.path}, trained on {describe_rewards(cfg.rewards)}, "
           f"{cfg.train.epochs} epochs of {cfg.sample.prompts_per_epoch} prompts x {cfg.sample.group_size} images, "

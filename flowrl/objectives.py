@@ -50,6 +50,8 @@ class Objective:
     micro-batch, K entries of a unit (denoising steps for GRPO, training times for the others)."""
 
     name = "grpo"
+    #: how reports and the demo's banner name the objective
+    title = "GRPO"
     #: True: the trainer recomputes the unit's log-probs (policy.unit_log_probs) and takes its unit_loss (GRPO);
     #: False: `unit_loss` below is the loss.
     uses_log_probs = True
@@ -253,6 +255,7 @@ class NFT(ForwardProcessObjective):
     old <- lambda old + (1 - lambda) theta with lambda = core.soft_update_decay(optimizer steps so far)."""
 
     name = "nft"
+    title = "DiffusionNFT"
     sampling_shadow = "old"
 
     def __init__(self, cfg, policy, num_processes=1):
@@ -290,6 +293,7 @@ class AWM(ForwardProcessObjective):
     after every optimizer step with lambda = min(ema_decay_rate x step, ema_decay_cap))."""
 
     name = "awm"
+    title = "AWM"
 
     def __init__(self, cfg, policy, num_processes=1):
         super().__init__(cfg, policy, num_processes)
@@ -334,6 +338,7 @@ class DPO(ForwardProcessObjective):
     train.micro_batch_size counts winners, that is pairs: a forward pass takes two images per pair."""
 
     name = "dpo"
+    title = "online Diffusion-DPO"
 
     def __init__(self, cfg, policy, num_processes=1):
         super().__init__(cfg, policy, num_processes)

@@ -423,3 +423,6 @@ def test_help_documents_the_objectives():
     from flowrl.objectives import OBJECTIVES as REGISTRY
 
     assert REGISTRY.names() == sorted(["grpo", *OBJECTIVES]) == sorted(core.OBJECTIVE_LOSSES.names() + ["grpo"])
+    # each objective names itself in reports and the demo's banner, and no two alike
+    titles = [REGISTRY.get(name).title for name in REGISTRY.names()]
+    assert len(set(titles)) == len(titles) and REGISTRY.get("dpo").title == "online Diffusion-DPO"

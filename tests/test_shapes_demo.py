@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from flowrl.config import load_config
+from flowrl.objectives import OBJECTIVES
 from flowrl.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,8 +99,7 @@ def test_demo_command_reports_and_writes_figures(tmp_path, monkeypatch, capsys):
     assert "wall-clock" in out
     assert "eval/diversity/shapes_geneval/color_tv_from_base: " in out and "(0 = the base model's)" in out
     assert "trained on 1 x shapes_geneval," in out  # the banner names what the preset trains on, with weights
-    objective = {"grpo": "GRPO", "awm": "AWM", "nft": "DiffusionNFT", "dpo": "online Diffusion-DPO"}[
-        load_config(ROOT / "configs" / "shapes.yaml").train.objective]
+    objective = OBJECTIVES.get(load_config(ROOT / "configs" / "shapes.yaml").train.objective).title
     assert f"flowrl demo: {objective} + LoRA on samples/shapes/model" in out  # and with which objective
     assert (tmp_path / "before_after.png").stat().st_size > 0 and (tmp_path / "curves.png").stat().st_size > 0
     # the demo's before and after are what `flowrl eval` measures: the base model, then the run's checkpoint
