@@ -63,8 +63,9 @@ def test_shapes_preset_one_epoch(preset, tmp_path, monkeypatch):
 
 def test_the_demo_is_the_measured_dpo_setting():
     """configs/shapes.yaml (the demo) is the race's DPO (configs/shapes_grpo.yaml with the race's DPO overrides)
-    with the two settings the demo's seeds were measured with (samples/shapes/race/demo_eval.md): every step of
-    the schedule trained, 80 epochs. Only keys DPO does not read (GRPO's window and clip range) may differ."""
+    with the settings the demo's seeds were measured with (samples/shapes/race/demo_eval.md): every step of the
+    schedule trained, half the race's lr, 140 epochs. Only keys DPO does not read (GRPO's window and clip range)
+    may differ."""
     import importlib.util
 
     from flowrl.config import to_dict
@@ -77,7 +78,7 @@ def test_the_demo_is_the_measured_dpo_setting():
 
     demo = _flatten(to_dict(load_config(ROOT / "configs" / "shapes.yaml")))
     measured = _flatten(to_dict(load_config(race.CONFIG, [
-        *race.OBJECTIVE_SETTINGS["dpo"], "train.dpo.timesteps=0", "train.epochs=80",
+        *race.OBJECTIVE_SETTINGS["dpo"], "train.dpo.timesteps=0", "train.lr=5e-4", "train.epochs=140",
         "log.run_dir=runs/shapes_dpo"])))
     assert demo.keys() == measured.keys()
     assert {k for k in demo if demo[k] != measured[k]} == {"sample.window.size", "train.clip_low"}
