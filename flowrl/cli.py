@@ -331,7 +331,10 @@ def _demo(args: argparse.Namespace) -> int:
     for key in sorted(k for k in final if k.startswith("eval/diversity/") and k.endswith("_from_base")):
         meaning = "1 = as diverse as the base model" if key.endswith("spread_from_base") else "0 = the base model's"
         print(f"{key}: {final[key]:.3f} ({meaning})")
-    print(f"wall-clock {minutes:.1f} min")
+    import torch
+
+    # the thread count changes float rounding, so the trajectory, and the time: printed beside the figures
+    print(f"wall-clock {minutes:.1f} min at {torch.get_num_threads()} torch threads")
     figures = [str(f) for f in (run / "before_after.png", run / "curves.png") if f.exists()]
     if figures:
         print("wrote " + " and ".join(figures))
