@@ -265,6 +265,7 @@ def test_two_processes_share_the_budget_schedule_and_the_feature_diversity(tmp_p
     main process while the other waits): the replicas end equal, the lr decays over the budget, the run stops on
     it, and the final eval logs the features against the first eval's."""
     from rewardtiny import save_tiny_dinov2
+    from test_diversity_features import DISTANCE, RATIO, SPREAD
 
     dino = tmp_path / "dino"
     save_tiny_dinov2(dino)
@@ -284,12 +285,10 @@ def test_two_processes_share_the_budget_schedule_and_the_feature_diversity(tmp_p
     assert [r for r in rows if "dist/replica_max_abs_diff" in r][-1]["dist/replica_max_abs_diff"] == 0.0
     lrs = [r["lr"] for r in rows if "policy/loss" in r]
     assert len(lrs) >= 2 and lrs[0] == pytest.approx(3e-3, rel=1e-6) and 0 <= lrs[-1] < lrs[0]
-    spread, ratio, distance = (f"eval/diversity/features/{k}" for k in ("spread", "spread_from_base",
-                                                                          "distance_from_base"))
-    evals = [r for r in rows if spread in r]
+    evals = [r for r in rows if SPREAD in r]
     assert [r["epoch"] for r in evals] == [0, len(lrs)]
-    assert (evals[0][ratio], evals[0][distance]) == (1.0, 0.0)  # the base model against itself
-    assert math.isfinite(evals[1][ratio]) and evals[1][distance] >= 0
+    assert (evals[0][RATIO], evals[0][DISTANCE]) == (1.0, 0.0)  # the base model against itself
+    assert math.isfinite(evals[1][RATIO]) and evals[1][DISTANCE] >= 0
     assert (run / "eval-base-features.safetensors").is_file()  # written once, by the main process
 
 
