@@ -291,7 +291,7 @@ def _demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .config import load_config
-    from .objectives import OBJECTIVES
+    from .objectives import get_objective
     from .report import result_keys
     from .train_utils import read_metrics
     from .trainer import train
@@ -312,7 +312,7 @@ def _demo(args: argparse.Namespace) -> int:
     if not path.exists():
         raise SystemExit(f"flowrl demo: {path} not found; run it from the repository root (where configs/ is)")
     cfg = load_config(path, args.overrides)
-    objective = OBJECTIVES.get(cfg.train.objective).title
+    objective = get_objective(cfg.train.objective).title
     adapter = "LoRA" if cfg.lora.enabled else "full fine-tuning"
     print(f"flowrl demo: {objective} + {adapter} on {cfg.model.path}, trained on {describe_rewards(cfg.rewards)}, "
           f"{cfg.train.epochs} epochs of {cfg.sample.prompts_per_epoch} prompts x {cfg.sample.group_size} images, "
@@ -431,6 +431,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _one_line_config_hints() -> None:
+    """Print a config hint (ConfigWarning: a key spelled the old way) as one line `flowrl: ...` on stderr, not as
+    Python's two-line warning with the source line."""
+    import warnings
+
+    from .config import ConfigWarning
+
+    shown = warnings.showwarning
+    if getattr(shown, "flowrl_config_hints", False):
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, ConfigWarning):
+            print(f"flowrl: {message}", file=file or sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    show.flowrl_config_hints = True
+    warnings.showwarning = show
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line. A FlowrlError (config, data, checkpoint, run directory, a stopped run) is printed as one
     line `flowrl: ...` with its exit code; FLOWRL_DEBUG=1 shows the traceback instead."""
@@ -439,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import FlowrlError
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    _one_line_config_hints()
     if argv and argv[0] == "serve-reward":
         from rewards.server import serve_main
 

@@ -11,6 +11,16 @@ class FlowrlError(Exception):
     exit_code = 1
 
 
+class ConfigError(FlowrlError, ValueError):
+    """A config key or value that is not valid; the message says what would be."""
+
+    exit_code = 2
+
+
+class ConfigWarning(UserWarning):
+    """A config that works but should change (an old spelling of a key)."""
+
+
 class CheckpointError(FlowrlError, ValueError):
     """A checkpoint directory that is missing, incomplete or corrupt (the message names the file)."""
 

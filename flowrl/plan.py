@@ -12,7 +12,7 @@ even a 20B denoiser plans in seconds on a laptop. Per GPU, in GiB, it reports:
 - the trained parameters (LoRA: rank `lora.rank` on the family's `lora_targets`, float32 as flowrl makes them;
   full fine-tuning: the whole denoiser, in `model.dtype` as flowrl trains it), their gradients, the AdamW
   states (2 per parameter) and the EMA copy (`train.ema_decay`);
-- the reference pass (`train.beta` > 0; for the other objectives their KL coefficients, always for DPO): LoRA runs
+- the reference pass (`train.grpo.beta` > 0; for the other objectives their KL coefficients, always for DPO): LoRA runs
   the base model with the adapter off (no extra weights); full fine-tuning keeps a frozen copy of the denoiser;
   NFT's old policy and AWM's EMA policy (ema_kl_coef > 0) are a second adapter or a frozen copy;
 - what the rollout leaves on the GPU for the update: the trajectory's latents and the prompt-encoding cache;
@@ -1166,37 +1166,6 @@ def vae_decode_bytes(vae: Mapping, height: int, width: int, b: int) -> float | N
     return None if channels is None else VAE_DECODE_FACTOR * b * height * width * channels(vae)
 
 
-class ObjectiveTerms(NamedTuple):
-    """What `train.objective` adds to the update's memory (flowrl.objectives): a reference pass (the adapter off, or
-    a frozen copy), shadow policies (a second adapter or a frozen copy: NFT's "old", AWM's "ema"), and for the
-    forward-process objectives the re-noised times per sample and the images per trained sample."""
-
-    name: str
-    reference: bool
-    reference_note: str
-    shadows: tuple[str, ...] = ()
-    times: int = 0
-    images_per_sample: int = 1
-
-
-def objective_terms(cfg) -> ObjectiveTerms:
-    """The ObjectiveTerms of an image config, from the same settings the objectives read."""
-    from .objectives import training_times
-
-    t, steps = cfg.train, cfg.sample.num_steps
-    if t.objective == "nft":
-        n = t.nft
-        return ObjectiveTerms("nft", n.kl_coef > 0, f"nft kl_coef {n.kl_coef:g}", ("old",),
-                              training_times("nft", n, steps))
-    if t.objective == "awm":
-        a = t.awm
-        return ObjectiveTerms("awm", a.kl_coef > 0, f"awm kl_coef {a.kl_coef:g}",
-                              ("ema",) if a.ema_kl_coef > 0 else (), a.timesteps)
-    if t.objective == "dpo":
-        return ObjectiveTerms("dpo", True, f"dpo beta {t.dpo.beta:g}", (), training_times("dpo", t.dpo, steps), 2)
-    return ObjectiveTerms("grpo", t.beta > 0, f"beta {t.beta:g}")
-
-
 def _plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
     m, s, t = cfg.model, cfg.sample, cfg.train
     fam = _family_of(m.path, m.family)
@@ -1219,10 +1188,12 @@ def _plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
         n_trained = lora_parameters(den_module)
     else:
         den_module, adapted, n_trained = den.module, {}, den.params
-    obj = objective_terms(cfg)
-    unit = "samples"
-    if obj.name == "dpo":  # a micro-batch counts pairs, the winners: at most the groups of a GPU's batch
-        unit, minibatch = "pairs", min(minibatch, local // s.group_size)
+    from .objectives import get_objective
+
+    cfg_rows = 2 if (fam.uses_cfg_encodings and s.guidance_scale > 1) else 1  # the rollout's rows per image
+    obj = get_objective(t.objective).memory_terms(cfg, cfg_rows)
+    if obj.unit == "pairs":  # a micro-batch counts pairs, the winners: at most the groups of a GPU's batch
+        minibatch = min(minibatch, local // s.group_size)
         micro = min(micro, minibatch)
     tr = _Training(n_trained, f"LoRA r{cfg.lora.rank} on {len(adapted)} layers" if cfg.lora.enabled else None,
                    "float32" if cfg.lora.enabled else dtype, t.ema_decay > 0,
@@ -1239,10 +1210,9 @@ def _plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
     counted, most = [n for n, _ in files], [k for _, k in files] if fam.condition_images[1] else []
     shape = image_shape(components, fam.denoiser_attr, s.height, s.width, s.max_sequence_length, frames, fam,
                         max(most) if most and None not in most else None)
-    kept = s.num_steps + 1 if obj.name == "grpo" else 1  # the forward-process objectives keep the final latents
+    kept = obj.latents_kept  # GRPO keeps every step's latents, the forward-process objectives the final ones
     trajectory = local * (kept * shape.latent_elements + shape.condition_elements) * b
-    if t.step_weighting == "ratio_norm":  # the transition means, float32
-        trajectory += local * s.num_steps * shape.latent_elements * 4
+    trajectory += local * obj.means_kept * shape.latent_elements * 4  # the transition means (float32), if kept
     n_prompts = min(1024, sum(counted)) if None not in counted else 1024  # ImageBackend's prompt_cache_size
     prompt_cache = n_prompts * shape.text_tokens * shape.text_width * b
 
@@ -1250,18 +1220,12 @@ def _plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
     layers = denoiser_layers(den_module, den.class_name, image_tokens=shape.image_tokens,
                              text_tokens=shape.text_tokens, levels=shape.levels, lora_targets=adapted)
     terms = activation_terms(layers, dtype)
-    cfg_rows = 2 if (fam.uses_cfg_encodings and s.guidance_scale > 1) else 1
-    if obj.name == "grpo":
-        update_cfg_rows = cfg_rows
-        steps = min(t.steps_per_forward, s.num_steps if s.window.kind == "all" else s.window.size)
-    else:  # the CFG-free model at `times` re-noised times per sample (DPO: a winner brings its loser)
-        update_cfg_rows, steps = obj.images_per_sample, min(t.steps_per_forward, obj.times)
-    update = UpdateEstimate(den.class_name, dtype, steps * update_cfg_rows, terms,
+    update = UpdateEstimate(den.class_name, dtype, obj.rows, terms,
                             activation_bytes(terms, den.class_name, dtype), n_trained * DTYPE_BYTES[tr.dtype], 0.0)
 
     # the rollout, without gradients: `chunk` images through the denoiser (their CFG rows), then the VAE decoder
     chunk = s.rollout_batch_size or local
-    if s.same_noise_per_group:  # whole groups per call, as ImagePolicy.rollout makes them
+    if obj.whole_groups:  # whole groups per call, as ImagePolicy.rollout makes them
         chunk = max(s.group_size, chunk - chunk % s.group_size)
     phases = {"denoiser": (cfg_rows * calibration(den.class_name).gamma * b * terms.units_checkpointed, False)}
     if "vae" in components:
@@ -1282,21 +1246,17 @@ def _plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
     rows += _training_rows(tr, gpus)
     for name in obj.shadows:  # NFT's old policy, AWM's EMA policy: a second adapter, or a frozen copy
         if cfg.lora.enabled:
-            rows.append(Row(f"{obj.name}: shadow adapter '{name}' (float32)", None,
+            rows.append(Row(f"{t.objective}: shadow adapter '{name}' (float32)", None,
                             {"DDP": 4 * n_trained, "FSDP": 4 * n_trained / gpus, "offload": 4 * n_trained}))
         else:
-            rows.append(Row(f"{obj.name}: shadow policy '{name}', a frozen copy", None,
+            rows.append(Row(f"{t.objective}: shadow policy '{name}', a frozen copy", None,
                             {"DDP": den.weight_bytes, "FSDP": den.weight_bytes / gpus, "offload": den.weight_bytes}))
     rows.append(Row(f"trajectory latents ({local} samples x {kept}"
                     + (", with their conditions" if shape.condition_elements else "") + ")", None,
                     everywhere(trajectory)))
     rows.append(Row(f"prompt-encoding cache ({n_prompts} prompts)", None, everywhere(prompt_cache)))
 
-    if obj.name == "grpo":
-        rows_note = f"{update.rows_per_sample} model rows: {steps} step(s)" + (" x 2 (CFG)" if cfg_rows == 2 else "")
-    else:
-        rows_note = (f"objective {obj.name}: {update.rows_per_sample} model rows: {steps} time(s)"
-                     + (" x 2 (winner and loser)" if obj.images_per_sample == 2 else "") + ", without CFG")
+    rows_note = obj.rows_note
     lora = (f"LoRA r{cfg.lora.rank} alpha {cfg.lora.alpha:g} on {', '.join(targets)}" if cfg.lora.enabled
             else f"full fine-tuning of the {fam.denoiser_attr} (weights, gradients, AdamW in {dtype})")
     size = f"{s.height}x{s.width} px" if not fam.video else f"{frames} frames of {s.height}x{s.width} px"
@@ -1309,14 +1269,14 @@ def _plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
         ("update", f"{lora}; {dtype}; {size} = {shape.image_tokens} image + {shape.text_tokens} "
                    f"text tokens; {rows_note}; {obj.reference_note}"),
         ("batch", f"{local} samples per GPU per epoch, minibatch {minibatch}"
-                  + (" pairs (a group's best and worst)" if unit == "pairs" else "") + f", micro-batch {micro}, "
+                  + (" pairs (a group's best and worst)" if obj.unit == "pairs" else "") + f", micro-batch {micro}, "
                   f"gradient checkpointing {'on' if t.gradient_checkpointing else 'off'}"),
         ("GPUs", f"{gpus} x {gpu_memory_gib:g} GiB"),
     ]
     notes.append(f"activations of {den.class_name}: {calibration(den.class_name).measured}")
     host = sum(c.weight_bytes for c in off_gpu) + tr.host_bytes()
     return _finish(facts, rows, update, rollout, tr, micro, minibatch, local, cfg, gpus, gpu_memory_gib, host, notes,
-                   rows_note, unit)
+                   rows_note, obj.unit)
 
 
 #: the decoder layers of a causal LM, which transformers' gradient checkpointing recomputes one at a time
@@ -1358,9 +1318,12 @@ def _plan_text(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
         n_trained = lora_parameters(module)
     else:
         module, adapted, n_trained = model.module, {}, model.params
+    from .objectives import get_objective
+
+    obj = get_objective(t.objective).memory_terms(cfg, 1)
     tr = _Training(n_trained, f"LoRA r{cfg.lora.rank} on {len(adapted)} layers" if cfg.lora.enabled else None,
                    "float32" if cfg.lora.enabled else dtype, t.ema_decay > 0,
-                   (0.0 if cfg.lora.enabled else model.weight_bytes) if t.beta > 0 else None,
+                   (0.0 if cfg.lora.enabled else model.weight_bytes) if obj.reference else None,
                    2 * _block_params(model.module, LM_BLOCKS) * b, t.optimizer)
     tokens = x.max_prompt_length + x.max_new_tokens  # prompts are left-padded to the batch's longest
     layers, vocab = lm_layers(module, tokens, adapted)
@@ -1377,7 +1340,7 @@ def _plan_text(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
             else f"full fine-tuning (weights, gradients, AdamW in {dtype})")
     facts = [
         ("model", f"{m.path} ({model.class_name}; configuration: {source})"),
-        ("update", f"{lora}; {dtype}; {rows_note}; beta {t.beta:g}"),
+        ("update", f"{lora}; {dtype}; {rows_note}; {obj.reference_note}"),
         ("batch", f"{local} completions per GPU per epoch, minibatch {minibatch}, micro-batch {micro}, "
                   f"gradient checkpointing {'on' if t.gradient_checkpointing else 'off'}"),
         ("GPUs", f"{gpus} x {gpu_memory_gib:g} GiB"),

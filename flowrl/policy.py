@@ -128,6 +128,10 @@ class Policy(Protocol):
     def reference(self) -> contextlib.AbstractContextManager:
         """A context in which the policy is the reference policy."""
 
+    def ensure_reference(self) -> None:
+        """Make the reference policy available (full fine-tuning: a frozen copy of the starting weights; a LoRA's is
+        the adapter off). Called by the objectives that need one, before the model is wrapped or sharded."""
+
     def evaluate_prompts(self, prompts: list[str], metadata: list[dict], reward_fns: list, eval_cfg,
                          part: slice | None = None) -> tuple[list, list[Tensor], dict[str, Tensor]]:
         """Held-out eval of `prompts[part]` (deterministic): (outputs, per-reward scores, components)."""

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from . import core, rundir
 from .checkpoint import remove_temporary, resolve_resume, set_rng_state, write_checkpoint
-from .config import Config, to_dict
+from .config import Config, migrate, to_dict, without_other_objectives
 from .errors import CheckpointError, Interrupted, NonFiniteError
 from .objectives import build_objective
 from .policy import full_tensor
@@ -116,40 +116,7 @@ def combine_advantages(cfg: Config, scores: torch.Tensor, group_ids: torch.Tenso
     return adv.clamp(-t.adv_clip_max, t.adv_clip_max)
 
 
-def unit_loss(out, adv: torch.Tensor, keep: torch.Tensor, t, aggregation: str, entropy_coef: float = 0.0,
-              normalizer: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """The GRPO loss of one unit of steps for a minibatch of b samples: the policy loss from the core's registry
-    (or the clipped surrogate on GRPO-Guard's normalised log-ratio) x per-step weight, aggregated by `aggregation`,
-    plus beta x KL, minus entropy_coef x entropy. `t` is the config's train section.
-
-    out: a UnitOutput ([b, K] tensors); adv: [b]; keep: [b] bool -> (scalar loss, stats). `normalizer`: the
-    aggregation's normalizer of the whole minibatch when these b samples are one of its micro-batches
-    (core.loss_normalizer), so that the micro-batches' losses add up to the minibatch's.
-    """
-    mask = out.mask * keep[:, None].to(out.mask.dtype)                                        # [b, K]
-    clip = dict(clip_low=t.clip_low, clip_high=t.clip_high, dual_clip=t.dual_clip, mask=mask)
-    if out.log_ratio is not None:
-        loss, stats = core.clipped_surrogate(out.log_ratio, adv, **clip)
-    else:
-        loss, stats = core.get_policy_loss(t.policy_loss)(out.log_prob, out.old_log_prob, adv, **clip)
-    if out.weight is not None:
-        loss = loss * out.weight                                                             # [b, K]
-    total = core.aggregate_loss(loss, mask, aggregation, normalizer=normalizer)
-    stats["policy_loss"] = total.detach()
-    if out.entropy is not None:
-        entropy = core.aggregate_loss(out.entropy, mask, aggregation, normalizer=normalizer)
-        if entropy_coef:
-            total = total - entropy_coef * entropy
-        stats["entropy"] = entropy.detach()
-    if t.beta > 0 and out.kl is not None:
-        kl = core.aggregate_loss(out.kl, mask, aggregation, normalizer=normalizer)
-        total = total + t.beta * kl
-        stats["kl"] = kl.detach()
-    stats["loss"] = total.detach()
-    return total, stats
-
-
-#: unit_loss stats that are aggregates of the loss's terms: a micro-batch's value is its part of the sum
+#: loss stats that are aggregates of the loss's terms: a micro-batch's value is its part of the sum
 ADDITIVE_STATS = ("policy_loss", "entropy", "kl", "loss")
 
 
@@ -188,16 +155,10 @@ def merge_eval_shares(shares: list[tuple[list, dict[str, torch.Tensor]]]) -> tup
     return outputs, {k: torch.cat([sc[k] for out, sc in shares if out]) for k in keys}
 
 
-def progress_postfix(metrics: dict, objective: str) -> dict[str, str]:
-    """What the progress bar shows after an epoch: the mean reward, and for GRPO the first minibatch's ratio (1 on
-    policy; "-" when no minibatch trained); the forward-process objectives have no ratio, and DPO shows its pairs."""
-    postfix = {"reward": f"{metrics['reward/total_mean']:.3f}"}
-    if objective == "grpo":
-        ratio0 = metrics.get("policy/ratio_first")
-        postfix["on_policy_ratio"] = "-" if ratio0 is None else f"{ratio0:.5f}"
-    elif "objective/dpo_pairs" in metrics:
-        postfix["pairs"] = f"{metrics['objective/dpo_pairs']:.0f}"
-    return postfix
+def progress_postfix(metrics: dict, objective) -> dict[str, str]:
+    """What the progress bar shows after an epoch: the mean reward, and the objective's own fields (GRPO: the first
+    minibatch's ratio; DPO: its pairs)."""
+    return {"reward": f"{metrics['reward/total_mean']:.3f}", **objective.progress(metrics)}
 
 
 class Trainer:
@@ -255,9 +216,6 @@ class Trainer:
             raise ValueError(f"the epoch batch {self.batch_total} (prompts_per_epoch x group_size) must split evenly "
                              f"over {self.world} processes")
         self.batch_local = self.batch_total // self.world
-        if cfg.sample.same_noise_per_group and self.batch_local % cfg.sample.group_size:
-            raise ValueError(f"sample.same_noise_per_group needs whole groups on each process: the per-process batch "
-                             f"{self.batch_local} is not a multiple of group_size {cfg.sample.group_size}")
         self.minibatch = t.minibatch_size or self.batch_local
         if self.batch_local % self.minibatch:
             raise ValueError(f"train.minibatch_size={self.minibatch} must divide the per-process batch "
@@ -359,7 +317,7 @@ class Trainer:
                 self.log.log(metrics, step=epoch + 1)
             if cfg.checkpoint.every and (epoch + 1) % cfg.checkpoint.every == 0 and epoch + 1 < cfg.train.epochs:
                 self.save()
-            bar.set_postfix(progress_postfix(metrics, cfg.train.objective))
+            bar.set_postfix(progress_postfix(metrics, self.objective))
             last = metrics
             self.stop_if_asked(epoch + 1, mid_epoch=False)
             if out_of_time:
@@ -583,21 +541,10 @@ class Trainer:
         warnings.warn(f"epoch {epoch}: non-finite loss or gradient (grad norm {grad_norm}); this minibatch takes no "
                       f"optimizer step ({self.nonfinite_streak} in a row of at most {limit})", stacklevel=2)
 
-    def unit_loss(self, out, adv: torch.Tensor, keep: torch.Tensor, normalizer: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, dict]:
-        return unit_loss(out, adv, keep, self.cfg.train, self.policy.aggregation, self.policy.entropy_coef,
-                         normalizer)
-
     def unit_forward(self, batch, idx: torch.Tensor, unit: list[int], adv: torch.Tensor, keep: torch.Tensor,
                      normalizer: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
-        """The loss (with grad) and stats of `unit` for samples `idx`: GRPO's unit_loss on the recomputed log-probs, or
-        the objective's own (its forward passes at its training times)."""
-        if not self.objective.uses_log_probs:
-            return self.objective.unit_loss(batch, idx, unit, adv, keep, normalizer)
-        out = self.policy.unit_log_probs(batch, idx, unit, with_reference=self.cfg.train.beta > 0)
-        if normalizer is not None:
-            normalizer = normalizer.to(out.log_prob.device)
-        return self.unit_loss(out, adv[idx], keep[idx], normalizer)
+        """The loss (with grad) and stats of `unit` for samples `idx`: the objective's."""
+        return self.objective.unit_loss(batch, idx, unit, adv, keep, normalizer)
 
     def minibatch_normalizer(self, batch, idx: torch.Tensor, unit: list[int], keep: torch.Tensor
                              ) -> torch.Tensor | None:
@@ -1002,8 +949,11 @@ class Trainer:
         """Continue from checkpoint `path` (read: `ck`). A changed model, adapter or batch shape is refused with the
         differing keys; other config changes are listed in a warning."""
         saved = ck["state"].get("config")
-        if saved is not None:
-            refused, allowed = rundir.compare_configs(saved, to_dict(self.cfg), to_dict(Config()))
+        if saved is not None:  # (a checkpoint written before keys moved is read with their current spelling)
+            objective = self.cfg.train.objective
+            saved, now, defaults = (without_other_objectives(tree, objective)
+                                    for tree in (migrate(saved, hint=False), to_dict(self.cfg), to_dict(Config())))
+            refused, allowed = rundir.compare_configs(saved, now, defaults)
             if refused:
                 raise CheckpointError(f"cannot resume from {path}: the config changed what the checkpoint was trained "
                                       f"as ({'; '.join(refused)}); undo those changes, or start a new run in another "

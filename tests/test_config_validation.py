@@ -76,17 +76,17 @@ def _is_int(key: str) -> bool:
 
 
 def test_values_inside_the_ranges_pass_and_the_message_states_the_range():
-    cfg = load_config(None, ["sample.noise_level=0.7", "text.top_p=1", "train.ema_decay=0"])
-    assert cfg.sample.noise_level == 0.7
+    cfg = load_config(None, ["train.grpo.noise_level=0.7", "text.top_p=1", "train.ema_decay=0"])
+    assert cfg.train.grpo.noise_level == 0.7
     with pytest.raises(ConfigError, match=r"text\.top_p must be in \(0, 1\], got 1\.5"):
         load_config(None, ["text.top_p=1.5"])
-    with pytest.raises(ConfigError, match=r"train\.clip_low must be in \(0, 1\], got 0\.0"):
-        load_config(None, ["train.clip_low=0"])
+    with pytest.raises(ConfigError, match=r"train\.grpo\.clip_low must be in \(0, 1\], got 0\.0"):
+        load_config(None, ["train.grpo.clip_low=0"])
 
 
 def test_relations_between_keys():
     with pytest.raises(ConfigError, match=r"noise_level must be in \(0, 1\] for sde_type=cps"):
-        load_config(None, ["sample.sde_type=cps", "sample.noise_level=1.5"])
+        load_config(None, ["train.grpo.sde_type=cps", "train.grpo.noise_level=1.5"])
     with pytest.raises(ConfigError, match="stat_min_count=40 exceeds train.stat_buffer_size=32"):
         load_config(None, ["train.per_prompt_stats=true", "train.stat_min_count=40"])
 
@@ -96,7 +96,7 @@ def test_relations_between_keys():
     ("train.learning_rate=1", "train.lr"),     # TRL's name in the right section (was: train.decay_frac)
     ("num_generations=4", "sample.group_size"),
     ("num_train_epochs=3", "train.epochs"),
-    ("clip_range=0.2", "train.clip_low"),
+    ("clip_range=0.2", "train.grpo.clip_low"),
     ("sample.num_inference_steps=20", "sample.num_steps"),
     ("group_size=8", "sample.group_size"),     # a valid key's last part, in no section
     ("train.group_sise=8", "sample.group_size"),  # a misspelling, in the wrong section

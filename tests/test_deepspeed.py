@@ -69,7 +69,7 @@ def test_zero_two_processes_update_as_one_process_over_the_same_global_batch(tmp
     `dropped`: the second process has nothing to train (it runs placeholder passes)."""
     from safetensors.torch import load_file
 
-    extra = ["train.inner_epochs=3", "train.beta=0.05", "train.steps_per_forward=2", "eval.grid=false",
+    extra = ["train.inner_epochs=3", "train.grpo.beta=0.05", "train.steps_per_forward=2", "eval.grid=false",
              "train.max_grad_norm=1e-3", "train.warmup_steps=2"]
     one = Trainer(tiny_cfg(tmp_path / "one", *extra))
     batch = one.rollout(epoch=0)
@@ -102,7 +102,7 @@ def test_zero_checkpoint_is_a_plain_runs_and_resumes_exactly(tmp_path, stage):
 
     from flowrl.checkpoint import read_checkpoint
 
-    extra = ["train.inner_epochs=2", "train.beta=0.05", "train.steps_per_forward=2", "eval.grid=false",
+    extra = ["train.inner_epochs=2", "train.grpo.beta=0.05", "train.steps_per_forward=2", "eval.grid=false",
              "train.weight_decay=0.1", "checkpoint.keep=0"]
     one = Trainer(tiny_cfg(tmp_path / "one", *extra))
     batch = one.rollout(epoch=0)
@@ -149,7 +149,7 @@ def test_zero3_trains_checkpoints_exports_and_resumes(tmp_path):
 
     from flowrl.families.sd3 import tiny_sd3_pipeline
 
-    base = ["-m", "flowrl", "train", *TINY, "train.beta=0.05", "sample.prompts_per_epoch=2", "sample.group_size=2",
+    base = ["-m", "flowrl", "train", *TINY, "train.grpo.beta=0.05", "sample.prompts_per_epoch=2", "sample.group_size=2",
             "eval.num_prompts=3", "checkpoint.every=1", "checkpoint.keep=0", f"log.run_dir={tmp_path / 'run'}"]
     proc = launch(tmp_path, [*base, "train.epochs=2"], stage=3)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -25,7 +25,7 @@ PROMPTS = ["a red cat", "a blue dog"]
 SIZE = 32
 TRAIN = ["sample.height=32", "sample.width=32", "sample.num_steps=3", "sample.max_sequence_length=16",
          "sample.prompts_per_epoch=2", "sample.group_size=2", "eval.num_steps=2", "eval.num_prompts=1",
-         "log.progress=false", "model.device=cpu", "train.lr=1e-2", "train.clip_low=0.2", "eval.before=false"]
+         "log.progress=false", "model.device=cpu", "train.lr=1e-2", "train.grpo.clip_low=0.2", "eval.before=false"]
 
 
 def test_every_family_is_registered_and_declares_itself():

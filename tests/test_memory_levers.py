@@ -10,7 +10,7 @@ from flowrl.trainer import Trainer
 
 TINY = ["sample.height=32", "sample.width=32", "sample.num_steps=3", "sample.max_sequence_length=16",
         "sample.prompts_per_epoch=2", "sample.group_size=4", "eval.num_steps=2", "eval.num_prompts=1",
-        "log.progress=false", "model.device=cpu", "train.clip_low=0.2"]
+        "log.progress=false", "model.device=cpu", "train.grpo.clip_low=0.2"]
 
 
 def minibatch_grads(tr, batch, adv) -> list[torch.Tensor]:
@@ -22,8 +22,8 @@ def minibatch_grads(tr, batch, adv) -> list[torch.Tensor]:
     for unit in units:
         normalizer = tr.minibatch_normalizer(batch, idx, unit, keep)
         for chunk in tr.micro_batches(idx):
-            out = tr.policy.unit_log_probs(batch, chunk, unit, with_reference=tr.cfg.train.beta > 0)
-            loss, _ = tr.unit_loss(out, adv[chunk], keep[chunk], normalizer)
+            out = tr.policy.unit_log_probs(batch, chunk, unit, with_reference=tr.cfg.train.grpo.beta > 0)
+            loss, _ = tr.objective.loss(out, adv[chunk], keep[chunk], normalizer)
             (loss * (len(unit) / n)).backward()
     return [p.grad.detach().clone() for p in tr.params]
 
@@ -53,7 +53,7 @@ def perturbed(tr):
     return tr
 
 
-@pytest.mark.parametrize("extra", [[], ["train.beta=0.1", "train.steps_per_forward=2"]])
+@pytest.mark.parametrize("extra", [[], ["train.grpo.beta=0.1", "train.steps_per_forward=2"]])
 def test_image_micro_batches_give_the_minibatch_gradient(tmp_path, extra):
     torch.manual_seed(0)
     trainers = {m: Trainer(load_config(None, [*TINY, f"log.run_dir={tmp_path / str(m)}",
@@ -69,8 +69,8 @@ def test_image_micro_batches_give_the_minibatch_gradient(tmp_path, extra):
 
 
 def test_image_gradient_checkpointing_gives_the_same_gradient_and_stays_on_policy(tmp_path):
-    plain = Trainer(load_config(None, [*TINY, f"log.run_dir={tmp_path / 'a'}", "train.beta=0.1"]))
-    ckpt = Trainer(load_config(None, [*TINY, f"log.run_dir={tmp_path / 'b'}", "train.beta=0.1",
+    plain = Trainer(load_config(None, [*TINY, f"log.run_dir={tmp_path / 'a'}", "train.grpo.beta=0.1"]))
+    ckpt = Trainer(load_config(None, [*TINY, f"log.run_dir={tmp_path / 'b'}", "train.grpo.beta=0.1",
                                       "train.gradient_checkpointing=true"]))
     assert ckpt.policy.backend.denoiser.gradient_checkpointing
     assert not plain.policy.backend.denoiser.gradient_checkpointing
@@ -94,7 +94,7 @@ def text_trainer(model_dir, run_dir, *extra):
         "backend=text", f"model.path={model_dir}", "model.device=cpu",
         f"data.train_prompts={model_dir / 'prompts.jsonl'}",
         "rewards=[{name: accuracy}]", "sample.prompts_per_epoch=2", "sample.group_size=4", "text.max_new_tokens=5",
-        "log.progress=false", f"log.run_dir={run_dir}", "train.beta=0.05", "text.entropy_coef=0.01", *extra]))
+        "log.progress=false", f"log.run_dir={run_dir}", "train.grpo.beta=0.05", "text.entropy_coef=0.01", *extra]))
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])

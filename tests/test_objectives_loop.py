@@ -397,15 +397,23 @@ def test_the_objectives_refuse_what_they_cannot_take(tmp_path):
             tiny_cfg(tmp_path, *extra)
         return str(e.value)
 
-    msg = problems("train.objective=nft", "sample.window.kind=fixed", "sample.window.size=2", "train.beta=0.1")
-    assert "sample.window.kind=fixed" in msg and "train.beta=0.1" in msg and "train.nft.kl_coef" in msg
     assert "train.objective=grpo" in problems("backend=text", "train.objective=dpo")
-    assert "same_noise_per_group" in problems("train.objective=awm", "sample.same_noise_per_group=true")
     assert "at most 4" in problems("train.objective=nft", "train.nft.timesteps=5")
-    assert "train.objective" in problems("train.objective=ppo")
+    assert "train.objective" in problems("train.objective=ppo") and "Did you mean" in problems("train.objective=nfp")
     assert tiny_cfg(tmp_path, "train.objective=dpo", "train.dpo.timesteps=4").train.dpo.timesteps == 4
+    # GRPO's section is GRPO's: its relations are checked under GRPO and ignored under another objective
+    grpo_only = ["train.grpo.window.kind=fixed", "train.grpo.window.size=0", "train.grpo.beta=0.1",
+                 "train.grpo.same_noise_per_group=true", "train.grpo.step_weighting=ratio_norm",
+                 "train.grpo.sde_type=cps"]
+    assert "train.grpo.window" in problems(*grpo_only) and "ratio_norm" in problems(*grpo_only)
+    for name in OBJECTIVES:
+        cfg = tiny_cfg(tmp_path, f"train.objective={name}", *grpo_only)
+        assert cfg.train.objective == name and cfg.train.grpo.beta == 0.1
+    # ... and a value outside its range is refused in any section, in use or not
+    assert "train.grpo.beta must be >= 0" in problems("train.objective=nft", "train.grpo.beta=-1")
+    assert "train.nft.decay_cap must be in [0, 1]" in problems("train.nft.decay_cap=2")
     # DPO pairs within a process: groups may not span two
-    from flowrl.objectives import DPO
+    from flowrl.objectives.dpo import DPO
 
     cfg = tiny_cfg(tmp_path, "train.objective=dpo", "sample.prompts_per_epoch=3")
     stub = SimpleNamespace(ensure_reference=lambda: None)

@@ -22,7 +22,7 @@ print("torch threads:", torch.get_num_threads())
 
 TINY = ["sample.height=32", "sample.width=32", "sample.num_steps=4", "sample.max_sequence_length=16",
         "sample.prompts_per_epoch=2", "sample.group_size=4", "eval.num_steps=3", "eval.num_prompts=2",
-        "log.progress=false", "model.device=cpu", "train.lr=3e-3", "train.clip_low=0.2", "eval.grid=false"]
+        "log.progress=false", "model.device=cpu", "train.lr=3e-3", "train.grpo.clip_low=0.2", "eval.grid=false"]
 
 PLUGIN = '''
 import torch
@@ -216,7 +216,7 @@ def test_offload_moves_encoders_vae_and_rewards_only_while_they_run(tmp_path, mo
 def test_offloaded_run_ends_with_the_weights_of_a_plain_run(tmp_path):
     """Offload changes where things live, not the arithmetic: 2 epochs with train.offload (the optimizer
     stepping float32 masters on the CPU, the EMA there) end with bit-identical weights and EMA."""
-    extra = ("train.epochs=2", "train.ema_decay=0.5", "train.beta=0.05", "train.minibatch_size=4")
+    extra = ("train.epochs=2", "train.ema_decay=0.5", "train.grpo.beta=0.05", "train.minibatch_size=4")
     plain = Trainer(tiny_cfg(tmp_path / "plain", *extra))
     off = Trainer(tiny_cfg(tmp_path / "off", *extra, "train.offload=true"))
     assert isinstance(off.opt, MasterWeightsOptimizer)

@@ -120,7 +120,7 @@ def test_tiny_plan_counts_what_the_trainer_builds(family):
     from flowrl.policies.image import ImagePolicy
 
     cfg = load_config(None, [f"model.path=tiny-{family}", "model.device=cpu", "sample.height=32",
-                             "sample.width=32", "sample.max_sequence_length=16", "train.beta=0.01"])
+                             "sample.width=32", "sample.max_sequence_length=16", "train.grpo.beta=0.01"])
     result = plan(cfg)
     policy = ImagePolicy(cfg, "cpu")
     den = policy.backend.denoiser
@@ -406,39 +406,35 @@ def test_main_prints_the_table_and_says_whether_it_fits(capsys):
     assert "NO" in capsys.readouterr().out
 
 
-#: the GRPO preset's stochastic-step keys back to their defaults, as a forward-process objective needs them
-FORWARD = ["sample.sde_type=auto", "sample.noise_level=null", "train.beta=0", "train.kl_std=step"]
-
-
 def test_objectives_rows_references_shadows_and_update_rows():
     """train.objective: NFT keeps a second adapter (LoRA) or a frozen copy (full fine-tuning) and a reference pass
     while its kl_coef > 0; DPO always has a reference; the forward-process objectives keep only the final latents
     and train without CFG (DPO: winner and loser)."""
     grpo = plan(_preset("sd35m_pickscore"))
     lora = next(r for r in grpo.rows if r.label.startswith("LoRA r32"))
-    nft = plan(_preset("sd35m_pickscore", "train.objective=nft", "train.nft.timesteps=3", *FORWARD))
+    nft = plan(_preset("sd35m_pickscore", "train.objective=nft", "train.nft.timesteps=3"))
     gib = {r.label: r.gib for r in nft.rows}
     assert gib["nft: shadow adapter 'old' (float32)"]["DDP"] == pytest.approx(lora.gib["DDP"])
     assert gib["nft: shadow adapter 'old' (float32)"]["FSDP"] == pytest.approx(lora.gib["DDP"])  # 1 GPU
     assert "reference: the adapter off (no weights)" in gib
     assert gib["trajectory latents (1152 samples x 1)"]["DDP"] == pytest.approx(1152 * 16 * 64 * 64 * 2 / GIB)
     assert nft.update.rows_per_sample == 1  # one time per forward (steps_per_forward 1), no CFG
-    no_kl = plan(_preset("sd35m_pickscore", "train.objective=awm", "train.awm.kl_coef=0", *FORWARD))
+    no_kl = plan(_preset("sd35m_pickscore", "train.objective=awm", "train.awm.kl_coef=0"))
     assert not any(r.label.startswith("reference") or "shadow" in r.label for r in no_kl.rows)
-    ema = plan(_preset("sd35m_pickscore", "train.objective=awm", "train.awm.ema_kl_coef=1", *FORWARD,
+    ema = plan(_preset("sd35m_pickscore", "train.objective=awm", "train.awm.ema_kl_coef=1",
                        "lora.enabled=false"))
     copy = next(r for r in ema.rows if r.label == "awm: shadow policy 'ema', a frozen copy")
     assert copy.gib["DDP"] == pytest.approx(ema.rows[0].gib["DDP"])
-    dpo = plan(_preset("sd35m_pickscore", "train.objective=dpo", "train.steps_per_forward=2", *FORWARD))
+    dpo = plan(_preset("sd35m_pickscore", "train.objective=dpo", "train.steps_per_forward=2"))
     assert dpo.update.rows_per_sample == 4  # 2 times x (winner, loser)
     assert any(r.label.startswith("reference") for r in dpo.rows) and "objective dpo" in dpo.render()
     # a DPO micro-batch counts pairs (the trainer computes only the winners): at most the groups of a GPU's batch
     for gpus, pairs in ((1, 1152 // 24), (8, 1152 // 24 // 8)):
         p = plan(_preset("sd35m_pickscore", "train.objective=dpo", "train.minibatch_size=0",
-                         "train.micro_batch_size=100", *FORWARD), gpus=gpus)
+                         "train.micro_batch_size=100"), gpus=gpus)
         assert (p.unit, p.minibatch, p.micro_batch) == ("pairs", pairs, pairs)
         assert f"at most the minibatch ({pairs} pairs per GPU)" in p.render()
-    small = plan(_preset("sd35m_pickscore", "train.objective=dpo", "train.minibatch_size=16", *FORWARD))
+    small = plan(_preset("sd35m_pickscore", "train.objective=dpo", "train.minibatch_size=16"))
     assert (small.minibatch, small.micro_batch) == (16, 16)  # 16 random samples hold at most 16 winners
     assert (grpo.unit, grpo.minibatch) == ("samples", 8)  # the preset's minibatch_size
 

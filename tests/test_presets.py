@@ -68,7 +68,7 @@ def test_the_objective_presets_keep_their_papers_recipes():
     """sd35m_{nft,awm,dpo}_pickscore hold the numbers their headers take from DiffusionNFT's, AWM's and
     Diffusion-DPO's code, so that a later edit cannot drift from them silently."""
     from flowrl.config import load_config
-    from flowrl.objectives import training_times
+    from flowrl.objectives import get_objective
 
     def load(name):
         cfg = load_config(ROOT / "configs" / f"{name}.yaml")
@@ -94,7 +94,7 @@ def test_the_objective_presets_keep_their_papers_recipes():
         3e-4, 1e-4, "batch", 5.0, 0.9, 9)
     assert (n.beta, n.kl_coef, n.adv_clip, n.policy_scale, n.adaptive_weight) == (1.0, 1e-4, 5.0, 5.0, True)
     assert (n.decay_rate, n.decay_cap, n.decay_start) == (1e-3, 0.5, 0)
-    assert training_times("nft", n, s.num_steps) == 9
+    assert get_objective("nft").times_per_sample(n, s.num_steps) == 9
     assert (cfg.eval.every, cfg.checkpoint.every) == (10, 30)
 
     # AWM (config/dgx_awm.py:pickscore_sd3_no_cfg_1node): CFG-free, 14 steps, 24 x 24, 6 times of the first 90%
@@ -115,7 +115,7 @@ def test_the_objective_presets_keep_their_papers_recipes():
     cfg, s, t = load("sd35m_dpo_pickscore")
     d = t.dpo
     assert t.objective == "dpo"
-    assert (d.beta, d.weighting, training_times("dpo", d, s.num_steps)) == (5000.0, "noise", 10)
+    assert (d.beta, d.weighting, get_objective("dpo").times_per_sample(d, s.num_steps)) == (5000.0, "noise", 10)
     assert (t.lr, t.weight_decay, t.warmup_steps, t.ema_decay) == (3e-4, 1e-2, 0, 0.0)
     assert (s.num_steps, s.guidance_scale, cfg.eval.guidance_scale, s.group_size, s.prompts_per_epoch) == (
         10, 4.5, 4.5, 24, 48)

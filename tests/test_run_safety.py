@@ -21,7 +21,7 @@ from flowrl.trainer import Trainer
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["sample.height=32", "sample.width=32", "sample.num_steps=3", "sample.max_sequence_length=16",
         "sample.prompts_per_epoch=2", "sample.group_size=4", "eval.num_steps=2", "eval.num_prompts=2",
-        "log.progress=false", "model.device=cpu", "train.lr=3e-3", "train.clip_low=0.2"]
+        "log.progress=false", "model.device=cpu", "train.lr=3e-3", "train.grpo.clip_low=0.2"]
 
 
 def tiny_cfg(run_dir, *extra):
@@ -130,8 +130,7 @@ def test_resume_refuses_another_objective(tmp_path):
     run = tmp_path / "run"
     Trainer(tiny_cfg(run, "train.epochs=1", "eval.grid=false")).fit()
     with pytest.raises(CheckpointError, match=r"train\.objective: 'grpo' -> 'dpo'.*log\.overwrite=true"):
-        Trainer(tiny_cfg(run, "train.epochs=2", "checkpoint.resume=auto", "train.objective=dpo",
-                         "sample.sde_type=auto", "sample.noise_level=null")).fit()
+        Trainer(tiny_cfg(run, "train.epochs=2", "checkpoint.resume=auto", "train.objective=dpo")).fit()
 
 
 def test_a_resume_redoes_epochs_without_duplicating_rows_and_clears_temporary_dirs(tmp_path):
@@ -317,14 +316,16 @@ def test_the_progress_bar_names_the_on_policy_ratio(tmp_path, capsys):
 
 def test_the_progress_bar_shows_a_ratio_only_for_grpo():
     """The forward-process objectives have no ratio: no "on_policy_ratio=-" on every epoch; DPO shows its pairs."""
+    from flowrl.objectives import get_objective
     from flowrl.trainer import progress_postfix
 
-    assert progress_postfix({"reward/total_mean": 0.5, "policy/ratio_first": 1.0}, "grpo") == {
+    grpo, dpo, nft = (get_objective(name) for name in ("grpo", "dpo", "nft"))
+    assert progress_postfix({"reward/total_mean": 0.5, "policy/ratio_first": 1.0}, grpo) == {
         "reward": "0.500", "on_policy_ratio": "1.00000"}
-    assert progress_postfix({"reward/total_mean": 0.5}, "grpo")["on_policy_ratio"] == "-"  # nothing trained
-    assert progress_postfix({"reward/total_mean": 0.25, "objective/dpo_pairs": 3.0}, "dpo") == {
+    assert progress_postfix({"reward/total_mean": 0.5}, grpo)["on_policy_ratio"] == "-"  # nothing trained
+    assert progress_postfix({"reward/total_mean": 0.25, "objective/dpo_pairs": 3.0}, dpo) == {
         "reward": "0.250", "pairs": "3"}
-    assert progress_postfix({"reward/total_mean": 0.25}, "nft") == {"reward": "0.250"}
+    assert progress_postfix({"reward/total_mean": 0.25}, nft) == {"reward": "0.250"}
 
 
 def test_a_wall_clock_budget_ends_the_run_after_the_epoch_that_spends_it(tmp_path):

@@ -64,11 +64,11 @@ def test_shapes_preset_one_epoch(preset, tmp_path, monkeypatch):
 def test_the_demo_is_the_measured_dpo_setting():
     """configs/shapes.yaml (the demo) is the race's DPO (configs/shapes_grpo.yaml with the race's DPO overrides)
     with the settings the demo's seeds were measured with (samples/shapes/race/demo_eval.md): every step of the
-    schedule trained, half the race's lr, 140 epochs. Only keys DPO does not read (GRPO's window and clip range)
-    may differ."""
+    schedule trained, half the race's lr, 140 epochs. Only keys DPO does not read (GRPO's section: the race's
+    base config is the GRPO preset) may differ."""
     import importlib.util
 
-    from flowrl.config import to_dict
+    from flowrl.config import to_dict, without_other_objectives
     from flowrl.rundir import _flatten
 
     spec = importlib.util.spec_from_file_location("race", ROOT / "scripts" / "race_objectives.py")
@@ -76,13 +76,14 @@ def test_the_demo_is_the_measured_dpo_setting():
     spec.loader.exec_module(race)
     assert race.CONFIG == ROOT / "configs" / "shapes_grpo.yaml"
 
-    demo = _flatten(to_dict(load_config(ROOT / "configs" / "shapes.yaml")))
-    measured = _flatten(to_dict(load_config(race.CONFIG, [
-        *race.OBJECTIVE_SETTINGS["dpo"], "train.dpo.timesteps=0", "train.lr=5e-4", "train.epochs=140",
-        "log.run_dir=runs/shapes_dpo"])))
-    assert demo.keys() == measured.keys()
-    assert {k for k in demo if demo[k] != measured[k]} == {"sample.window.size", "train.clip_low"}
-    assert demo["train.objective"] == "dpo" and demo["sample.noise_level"] is None
+    demo = load_config(ROOT / "configs" / "shapes.yaml")
+    measured = load_config(race.CONFIG, [*race.OBJECTIVE_SETTINGS["dpo"], "train.dpo.timesteps=0", "train.lr=5e-4",
+                                         "train.epochs=140", "log.run_dir=runs/shapes_dpo"])
+    assert demo.train.objective == measured.train.objective == "dpo"
+    assert measured.train.grpo.window.kind == "fixed"  # GRPO's window in the race's base, ignored by DPO
+    demo, measured = (_flatten(without_other_objectives(to_dict(c), "dpo")) for c in (demo, measured))
+    assert demo.keys() == measured.keys() and "train.dpo.beta" in demo and "train.grpo.beta" not in demo
+    assert {k for k in demo if demo[k] != measured[k]} == set()
 
 
 @pytest.mark.skipif(not (ROOT / "samples/shapes/model/model_index.json").exists(), reason="model not built")

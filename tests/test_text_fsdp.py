@@ -31,7 +31,7 @@ def text_args(model_dir, run_dir, *extra) -> list[str]:
     return ["backend=text", f"model.path={model_dir}", "model.device=cpu",
             f"data.train_prompts={model_dir / 'prompts.jsonl'}", "rewards=[{name: accuracy}]",
             "sample.prompts_per_epoch=2", "sample.group_size=4", "text.max_new_tokens=5", "train.lr=3e-3",
-            "train.beta=0.05", "log.progress=false", "eval.num_prompts=3", f"log.run_dir={run_dir}", *extra]
+            "train.grpo.beta=0.05", "log.progress=false", "eval.num_prompts=3", f"log.run_dir={run_dir}", *extra]
 
 
 def run(cmd: list[str]) -> subprocess.CompletedProcess:

@@ -86,7 +86,7 @@ def loss_and_grads(tr, batch, adv, keep):
 
 
 def test_switch_changes_neither_samples_nor_loss_and_gradients(tiny_lm, tmp_path):
-    common = ("text.temperature=0.7", "text.top_p=0.9", "train.clip_low=0.1")
+    common = ("text.temperature=0.7", "text.top_p=0.9", "train.grpo.clip_low=0.1")
     tr_s = Trainer(text_cfg(tiny_lm, tmp_path / "s", "text.old_log_probs=sampling", *common))
     tr_f = Trainer(text_cfg(tiny_lm, tmp_path / "f", "text.old_log_probs=forward", *common))
     with torch.no_grad():  # the same moved adapter in both, so the ratio is not 1 and the clip acts

@@ -17,7 +17,7 @@ from flowrl.trainer import Trainer
 
 TINY = ["sample.height=32", "sample.width=32", "sample.num_steps=4", "sample.max_sequence_length=16",
         "sample.prompts_per_epoch=2", "sample.group_size=4", "eval.num_steps=3", "eval.num_prompts=2",
-        "log.progress=false", "model.device=cpu", "train.lr=3e-3", "train.clip_low=0.2"]
+        "log.progress=false", "model.device=cpu", "train.lr=3e-3", "train.grpo.clip_low=0.2"]
 
 
 def tiny_cfg(run_dir, *extra):
@@ -29,7 +29,7 @@ def trained_weights(trainer):
 
 
 def test_two_epochs_train_lora_log_finite_and_export(tmp_path):
-    cfg = tiny_cfg(tmp_path / "run", "train.epochs=2", "train.beta=0.05", "train.steps_per_forward=2",
+    cfg = tiny_cfg(tmp_path / "run", "train.epochs=2", "train.grpo.beta=0.05", "train.steps_per_forward=2",
                    "train.inner_epochs=2", "train.minibatch_size=4")
     tr = Trainer(cfg)
     before = trained_weights(tr)
@@ -82,7 +82,7 @@ def test_two_epochs_train_lora_log_finite_and_export(tmp_path):
 def test_resume_equals_straight_run(tmp_path):
     extra = ["train.epochs=4", "checkpoint.every=2", "checkpoint.keep=0", "train.schedule=cosine", "train.decay_frac=0.5",
              "train.warmup_steps=2", "train.ema_decay=0.5", "train.per_prompt_stats=true", "train.stat_min_count=2",
-             "train.beta=0.01", "eval.grid=false"]
+             "train.grpo.beta=0.01", "eval.grid=false"]
     straight = Trainer(tiny_cfg(tmp_path / "a", *extra))
     straight.fit()
     w_straight = trained_weights(straight)
@@ -109,14 +109,14 @@ def _grads_with_units(tr, batch, adv, k):
     keep = torch.ones(len(adv), dtype=torch.bool)
     idx = torch.arange(len(adv))
     for unit in units:
-        loss, _ = tr.unit_loss(tr.policy.unit_log_probs(batch, idx, unit, with_reference=True), adv, keep)
+        loss, _ = tr.objective.loss(tr.policy.unit_log_probs(batch, idx, unit, with_reference=True), adv, keep)
         (loss * (len(unit) / n)).backward()
     return [p.grad.clone() for p in tr.params]
 
 
 @pytest.mark.parametrize("weighting", ["none", "noise"])
 def test_steps_per_forward_gives_the_same_gradients(tmp_path, weighting):
-    tr = Trainer(tiny_cfg(tmp_path, "train.beta=0.1", f"train.step_weighting={weighting}"))
+    tr = Trainer(tiny_cfg(tmp_path, "train.grpo.beta=0.1", f"train.grpo.step_weighting={weighting}"))
     with torch.no_grad():  # move off the reference so the KL has a gradient too
         for n, p in tr.named_params.items():
             p.add_(0.05 * torch.randn_like(p))
@@ -132,7 +132,7 @@ def test_steps_per_forward_gives_the_same_gradients(tmp_path, weighting):
 def test_reference_is_the_base_model_with_the_adapter_off(tmp_path):
     from flowrl.families.sd3 import tiny_sd3_pipeline
 
-    tr = Trainer(tiny_cfg(tmp_path, "train.beta=0.1"))
+    tr = Trainer(tiny_cfg(tmp_path, "train.grpo.beta=0.1"))
     with torch.no_grad():
         for n, p in tr.named_params.items():
             if "lora_B" in n:
@@ -161,7 +161,7 @@ def test_kl_matches_gaussian_kl_of_the_means(tmp_path):
     from flowrl.core import gaussian_kl
 
     for kl_std in ("step", "sigma"):
-        tr = Trainer(tiny_cfg(tmp_path / kl_std, "train.beta=0.1", f"train.kl_std={kl_std}"))
+        tr = Trainer(tiny_cfg(tmp_path / kl_std, "train.grpo.beta=0.1", f"train.grpo.kl_std={kl_std}"))
         batch = tr.rollout(epoch=0)
         # LoRA B starts at zero: before any update the policy IS the reference, so the KL is exactly 0
         fresh = tr.policy.unit_log_probs(batch, torch.arange(2), batch.traj.train_steps, with_reference=True)
@@ -189,7 +189,7 @@ def test_kl_matches_gaussian_kl_of_the_means(tmp_path):
 
 
 def test_noise_weights_follow_the_transition_std(tmp_path):
-    tr = Trainer(tiny_cfg(tmp_path, "train.step_weighting=noise"))
+    tr = Trainer(tiny_cfg(tmp_path, "train.grpo.step_weighting=noise"))
     batch = tr.rollout(epoch=0)
     steps = batch.traj.train_steps
     stds = batch.traj.stds[steps]
@@ -200,7 +200,7 @@ def test_noise_weights_follow_the_transition_std(tmp_path):
 
 
 def test_fixed_window_trains_only_the_window(tmp_path):
-    tr = Trainer(tiny_cfg(tmp_path, "sample.window.kind=fixed", "sample.window.start=1", "sample.window.size=2"))
+    tr = Trainer(tiny_cfg(tmp_path, "train.grpo.window.kind=fixed", "train.grpo.window.start=1", "train.grpo.window.size=2"))
     batch = tr.rollout(epoch=0)
     assert batch.traj.train_steps == [1, 2]
     assert tr.policy.train_units(batch, 4) == [[1, 2]]
@@ -219,7 +219,7 @@ def test_train_help_shows_field_docs(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     out = capsys.readouterr().out
-    assert "train.clip_low" in out and "Flow-GRPO uses 1e-4" in out and "sample.window.kind" in out
+    assert "train.grpo.clip_low" in out and "Flow-GRPO uses 1e-4" in out and "train.grpo.window.kind" in out
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo multi-process test written for linux")
@@ -300,7 +300,7 @@ def test_fsdp_trains_checkpoints_exports_and_resumes_over_two_processes(tmp_path
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     config = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "cpu_2proc.yaml"
     base = [*accelerate_launch(), "--config_file", str(config), "-m", "flowrl", "train", *TINY,
-            "train.sharding=fsdp", "train.beta=0.05", "sample.prompts_per_epoch=2", "sample.group_size=2",
+            "train.sharding=fsdp", "train.grpo.beta=0.05", "sample.prompts_per_epoch=2", "sample.group_size=2",
             "eval.num_prompts=3", "checkpoint.every=1", "checkpoint.keep=0", f"log.run_dir={tmp_path}"]
     proc = subprocess.run([*base, "train.epochs=2"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -326,13 +326,13 @@ def test_fsdp_trains_checkpoints_exports_and_resumes_over_two_processes(tmp_path
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo multi-process test written for linux")
 def test_fsdp_full_fine_tuning_exports_the_gathered_model(tmp_path):
     """Full fine-tuning of bf16 weights under FSDP on 2 CPU processes, its frozen reference sharded too
-    (train.beta > 0): the shards are float32 master weights gathered in bf16 for the forward, so the first
+    (train.grpo.beta > 0): the shards are float32 master weights gathered in bf16 for the forward, so the first
     minibatch is on-policy and its KL to the (bf16) reference is exactly 0; the checkpoint's exported denoiser,
     gathered from the shards, loads with diffusers' from_pretrained and holds the trained weights, which moved."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     config = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "cpu_2proc.yaml"
     cmd = [*accelerate_launch(), "--config_file", str(config), "-m", "flowrl", "train", *TINY,
-           "train.sharding=fsdp", "lora.enabled=false", "model.dtype=bfloat16", "train.lr=1e-4", "train.beta=0.05",
+           "train.sharding=fsdp", "lora.enabled=false", "model.dtype=bfloat16", "train.lr=1e-4", "train.grpo.beta=0.05",
            "train.epochs=1",
            "sample.prompts_per_epoch=2", "sample.group_size=2", "eval.num_prompts=2", "eval.grid=false",
            "checkpoint.every=1", f"log.run_dir={tmp_path}"]
@@ -368,7 +368,7 @@ def test_two_processes_update_as_one_process_over_the_same_global_batch(tmp_path
     whose reference is a frozen copy of the denoiser (sharded too under FSDP)."""
     from safetensors.torch import load_file
 
-    extra = ["train.inner_epochs=3", "train.beta=0.05", "train.steps_per_forward=2", "eval.grid=false",
+    extra = ["train.inner_epochs=3", "train.grpo.beta=0.05", "train.steps_per_forward=2", "eval.grid=false",
              f"lora.enabled={str(lora).lower()}"] + ([] if lora else ["train.lr=1e-4"])
     one = Trainer(tiny_cfg(tmp_path / "one", *extra))
     batch = one.rollout(epoch=0)
@@ -393,7 +393,7 @@ def test_two_processes_update_as_one_process_over_the_same_global_batch(tmp_path
 
 
 def test_same_noise_per_group_shares_the_initial_noise(tmp_path):
-    tr = Trainer(tiny_cfg(tmp_path, "sample.same_noise_per_group=true"))
+    tr = Trainer(tiny_cfg(tmp_path, "train.grpo.same_noise_per_group=true"))
     batch = tr.rollout(epoch=0)
     x0 = batch.traj.latents[:, 0]                     # [B, ...] initial noise, prompt-major groups of 4
     for g in range(2):
@@ -421,7 +421,7 @@ def test_dropped_samples_are_not_computed_and_the_update_is_unchanged(tmp_path):
     import functools
     import warnings
 
-    from flowrl.trainer import unit_loss
+    from flowrl.objectives.grpo import grpo_loss
 
     extra = ("train.drop_zero_adv_groups=true", "train.minibatch_size=2", "train.inner_epochs=2", "eval.grid=false")
     fast, masked = Trainer(tiny_cfg(tmp_path / "a", *extra)), Trainer(tiny_cfg(tmp_path / "b", *extra))
@@ -445,8 +445,9 @@ def test_dropped_samples_are_not_computed_and_the_update_is_unchanged(tmp_path):
     start = {n: p.detach().clone() for n, p in fast.named_params.items()}
     real_keep = {"keep": keep}
     # the reference: every sample forwarded, the dropped ones masked out of the loss by the real keep
-    masked.unit_loss = lambda out, a, k, normalizer=None: unit_loss(
-        out, a, real_keep["keep"][masked_idx[-1]], cfg.train, masked.policy.aggregation, masked.policy.entropy_coef)
+    masked.objective.loss = lambda out, a, k, normalizer=None: grpo_loss(
+        out, a, real_keep["keep"][masked_idx[-1]], cfg.train.grpo, masked.policy.aggregation,
+        masked.policy.entropy_coef)
     # ... whose minibatches of dropped samples only take no optimizer step (AdamW moves on a zero gradient)
     opt_step = masked.opt.step
 
@@ -571,7 +572,7 @@ def test_eval_weights_choose_the_ema_or_the_trained_weights(tmp_path):
 
 
 def test_full_finetuning_with_a_frozen_reference(tmp_path):
-    tr = Trainer(tiny_cfg(tmp_path, "lora.enabled=false", "train.beta=0.1", "train.epochs=1", "eval.grid=false",
+    tr = Trainer(tiny_cfg(tmp_path, "lora.enabled=false", "train.grpo.beta=0.1", "train.epochs=1", "eval.grid=false",
                           "train.lr=1e-4"))
     den = tr.policy.backend.denoiser
     assert len(tr.params) == len(list(den.parameters()))           # every denoiser weight is trained
@@ -586,7 +587,7 @@ def test_full_finetuning_with_a_frozen_reference(tmp_path):
 
 
 def test_ratio_norm_runs_on_policy(tmp_path):
-    tr = Trainer(tiny_cfg(tmp_path, "train.step_weighting=ratio_norm", "train.epochs=1", "eval.grid=false"))
+    tr = Trainer(tiny_cfg(tmp_path, "train.grpo.step_weighting=ratio_norm", "train.epochs=1", "eval.grid=false"))
     batch = tr.rollout(epoch=0)
     assert batch.traj.means is not None                              # RatioNorm needs the recorded means
     out = tr.policy.unit_log_probs(batch, torch.arange(3), batch.traj.train_steps[:2], with_reference=False)
@@ -677,7 +678,7 @@ def test_deterministic_steps_run_with_the_lora_merged(tmp_path):
     unmerged rollout; and afterwards every base weight is again the very tensor it was."""
     import contextlib
 
-    tr = Trainer(tiny_cfg(tmp_path, "sample.num_steps=5", "sample.window={kind: fixed, start: 1, size: 2}",
+    tr = Trainer(tiny_cfg(tmp_path, "sample.num_steps=5", "train.grpo.window={kind: fixed, start: 1, size: 2}",
                           "eval.grid=false"))
     den = tr.policy.backend.denoiser
     with torch.no_grad():

@@ -9,7 +9,8 @@ import torch
 
 from flowrl.config import LOSS_PRESETS, load_config
 from flowrl.policy import UnitOutput
-from flowrl.trainer import Trainer, combine_advantages, unit_loss
+from flowrl.objectives.grpo import grpo_loss
+from flowrl.trainer import Trainer, combine_advantages
 
 
 
@@ -22,7 +23,7 @@ def text_cfg(model_dir, run_dir, *extra):
 
 
 def test_text_grpo_trains_a_tiny_gpt2(tiny_lm, tmp_path):
-    cfg = text_cfg(tiny_lm, tmp_path, "train.epochs=2", "train.beta=0.05", "train.inner_epochs=2",
+    cfg = text_cfg(tiny_lm, tmp_path, "train.epochs=2", "train.grpo.beta=0.05", "train.inner_epochs=2",
                    "text.entropy_coef=0.01", "rewards=[{name: accuracy}, {name: soft_overlong, weight: 0.5, "
                    "kwargs: {max_length: 4, cache_length: 2}}]")
     tr = Trainer(cfg)
@@ -65,7 +66,7 @@ def test_completion_mask_and_recorded_log_probs(tiny_lm, tmp_path):
 
 
 def test_kl_in_reward_lowers_the_total_reward(tiny_lm, tmp_path):
-    tr = Trainer(text_cfg(tiny_lm, tmp_path, "train.beta=0.5", "text.kl_in_reward=true", "text.kl_estimator=k1"))
+    tr = Trainer(text_cfg(tiny_lm, tmp_path, "train.grpo.beta=0.5", "text.kl_in_reward=true", "text.kl_estimator=k1"))
     with torch.no_grad():
         for n, p in tr.named_params.items():
             if "lora_B" in n:
@@ -100,12 +101,12 @@ def ours(preset):
     adv = combine_advantages(cfg, REWARDS[:, None], torch.zeros(G, dtype=torch.long), ["p"] * G, None)
     logp = LOGP.clone().requires_grad_()
     kl = None
-    if cfg.train.beta > 0:
+    if cfg.train.grpo.beta > 0:
         from flowrl.core import kl_estimate
 
         kl = kl_estimate(logp, REF, cfg.text.kl_estimator)
     out = UnitOutput(log_prob=logp, old_log_prob=OLD, mask=MASK, kl=kl)
-    loss, _ = unit_loss(out, adv, torch.ones(G, dtype=torch.bool), cfg.train, cfg.text.loss_agg)
+    loss, _ = grpo_loss(out, adv, torch.ones(G, dtype=torch.bool), cfg.train.grpo, cfg.text.loss_agg)
     loss.backward()
     return loss.item(), logp.grad
 
@@ -209,7 +210,7 @@ def test_none_rewards_are_left_out_of_the_sum():
     want = (total - 1.5) / (math.sqrt(5 / 3) + 1e-6)
     torch.testing.assert_close(adv, want, rtol=0, atol=1e-9)
     assert not torch.isnan(adv).any()
-    _ = SimpleNamespace  # (kept for readers: unit_loss takes plain config objects)
+    _ = SimpleNamespace  # (kept for readers: grpo_loss takes plain config objects)
 
 
 def test_truncated_completions_masked_and_chat_template(tiny_lm, tmp_path):

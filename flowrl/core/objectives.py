@@ -170,8 +170,8 @@ def nft_loss(
       that adapts to the error's size and to t. ``adaptive_weight=False`` is the unweighted velocity loss above.
     - The division by beta (reference code) keeps the gradient's size independent of beta (dv+/dv_theta = beta).
     - ``policy_scale``: the reference multiplies the policy term by its advantage clip constant (5) before adding
-      the KL term; ``kl_coef``: its `train.beta` = 1e-4 (SD3.5-M configs), a velocity-space penalty toward the
-      reference (pretrained) model, computed only if ``ref_velocity`` is given.
+      the KL term; ``kl_coef``: its KL coefficient (1e-4 in its SD3.5-M configs), a velocity-space penalty toward
+      the reference (pretrained) model, computed only if ``ref_velocity`` is given.
 
     velocity, old_velocity, x0, noise, ref_velocity: [B, ...]; t: [B] flow time in [0, 1]; r: [B] in [0, 1].
     Returns (loss [B], stats: policy_loss, positive_loss, negative_loss, old_deviation = ||v_theta - v_old||^2,

@@ -45,7 +45,6 @@ class ImagePolicy:
 
     def __init__(self, cfg, device):
         from flowrl.families import load_image_backend
-        from flowrl.sampling import SDEWindow
 
         self.cfg = cfg
         m, s = cfg.model, cfg.sample
@@ -57,14 +56,7 @@ class ImagePolicy:
             self.backend.denoiser.to(device)
             self.backend.offload(device)
         self.family = self.backend.family
-        self.sde_type = self.backend.default_sde_type if s.sde_type == "auto" else s.sde_type
-        if self.sde_type not in self.backend.sde_types or self.sde_type == "ode":
-            raise ValueError(f"sample.sde_type={self.sde_type!r} cannot train a {self.family} model; valid: "
-                             f"{[t for t in self.backend.sde_types if t != 'ode']}")
         self.backend.check_image_size(s.height, s.width)
-        w = s.window
-        self.window = SDEWindow() if w.kind == "all" else SDEWindow(w.kind, start=w.start, size=w.size,
-                                                                   stride=w.stride, every=w.every)
         pipe = self.backend.pipe
         for module in pipe.components.values():
             if isinstance(module, torch.nn.Module):
@@ -87,14 +79,29 @@ class ImagePolicy:
                     p.data = p.data.float()  # trained weights in float32 whatever the model dtype
                     p.requires_grad_(True)
         else:
-            if cfg.train.beta > 0:
-                self.ref_copy = copy.deepcopy(den).requires_grad_(False).eval()
-            den.requires_grad_(True)
+            den.requires_grad_(True)  # a frozen reference copy, if the objective needs one: `ensure_reference`
         if cfg.train.gradient_checkpointing:
             if not getattr(den, "_supports_gradient_checkpointing", False):
                 raise ValueError(f"train.gradient_checkpointing: {type(den).__name__} does not support it in this "
                                  "diffusers version; set train.gradient_checkpointing=false")
             den.enable_gradient_checkpointing()  # diffusers recomputes the blocks when grad is enabled
+
+    # ---------------------------------------------------------------------------- the stochastic sampler
+
+    def stochastic_sampler(self) -> tuple[str, object]:
+        """(kernel, flowrl.sampling.SDEWindow) of the stochastic rollout, from train.grpo's sde_type and window (GRPO's
+        settings: only its rollout samples stochastically); a kernel the family cannot train is a ValueError."""
+        from flowrl.sampling import SDEWindow
+
+        g = self.cfg.train.grpo
+        kernel = self.backend.default_sde_type if g.sde_type == "auto" else g.sde_type
+        if kernel not in self.backend.sde_types or kernel == "ode":
+            raise ValueError(f"train.grpo.sde_type={kernel!r} cannot train a {self.family} model; valid: "
+                             f"{[t for t in self.backend.sde_types if t != 'ode']}")
+        w = g.window
+        window = SDEWindow() if w.kind == "all" else SDEWindow(w.kind, start=w.start, size=w.size, stride=w.stride,
+                                                               every=w.every)
+        return kernel, window
 
     # ---------------------------------------------------------------------------- rewards' view
 
@@ -237,10 +244,11 @@ class ImagePolicy:
         [B, 1, ...], traj.log_probs None); the images are decoded as usual."""
         from flowrl.sampling import Trajectory
 
-        s, t = self.cfg.sample, self.cfg.train
+        s, g = self.cfg.sample, self.cfg.train.grpo
         if final_only:
             return self._final_rollout(prompts, metadata, epoch=epoch, generator=generator)
-        G = s.group_size if s.same_noise_per_group else 1
+        G = s.group_size if g.same_noise_per_group else 1
+        kernel, window = self.stochastic_sampler()
         chunk = s.rollout_batch_size or len(prompts)  # images per rollout call (memory), whole groups with G > 1
         chunk = max(G, chunk - chunk % G)
         parts = []
@@ -248,10 +256,10 @@ class ImagePolicy:
             parts.append(self.backend.rollout(
                 prompts[start: start + chunk: G], group_size=G, num_steps=s.num_steps,
                 images=self.condition_images(metadata[start: start + chunk: G]),
-                guidance_scale=s.guidance_scale, noise_level=s.noise_level, sde_type=self.sde_type,
-                sde_window=self.window, epoch=epoch, same_noise_per_group=G > 1, generator=generator,
+                guidance_scale=s.guidance_scale, noise_level=g.noise_level, sde_type=kernel,
+                sde_window=window, epoch=epoch, same_noise_per_group=G > 1, generator=generator,
                 height=s.height, width=s.width, num_frames=s.num_frames,
-                record_means=t.step_weighting == "ratio_norm", deterministic_context=self.merged_adapter))
+                record_means=g.step_weighting == "ratio_norm", deterministic_context=self.merged_adapter))
         traj = parts[0] if len(parts) == 1 else Trajectory.cat(parts)
         return ImageBatch(traj=traj, prompts=list(prompts), metadata=list(metadata), images=traj.images)
 
@@ -305,7 +313,7 @@ class ImagePolicy:
 
     def ensure_reference(self) -> None:
         """The reference policy for an objective that needs one: a LoRA's is the adapter off; full fine-tuning keeps a
-        frozen copy of the starting denoiser (made here if train.beta did not make it). Before wrapping or sharding."""
+        frozen copy of the starting denoiser (made at the first call). Before wrapping or sharding."""
         if not self.cfg.lora.enabled and self.ref_copy is None:
             self.ref_copy = copy.deepcopy(self.module).requires_grad_(False).eval()
 
@@ -384,11 +392,11 @@ class ImagePolicy:
     def train_units(self, batch: ImageBatch, steps_per_forward: int) -> list[list[int]]:
         steps = batch.traj.train_steps
         if not steps:
-            raise ValueError("the rollout has no stochastic step to train (check sample.window)")
+            raise ValueError("the rollout has no stochastic step to train (check train.grpo.window)")
         return [steps[i: i + steps_per_forward] for i in range(0, len(steps), steps_per_forward)]
 
     def _step_weights(self, traj, unit: list[int]) -> Tensor | None:
-        kind = self.cfg.train.step_weighting
+        kind = self.cfg.train.grpo.step_weighting
         if kind == "none":
             return None
         steps = traj.train_steps
@@ -403,7 +411,7 @@ class ImagePolicy:
     def _kl_std(self, traj, unit: list[int], std: Tensor) -> Tensor:
         """The std the Gaussian KL divides by: the transition's (`step`), or Flow-GRPO's convention that
         leaves sqrt(dt) out (`sigma`): std / sqrt(sigma_t - sigma_{t+1})."""
-        if self.cfg.train.kl_std == "step" or traj.sigmas is None:
+        if self.cfg.train.grpo.kl_std == "step" or traj.sigmas is None:
             return std
         sig = traj.sigmas.to(std.device).float()
         dt = (sig[unit] - sig[[u + 1 for u in unit]]).view(1, len(unit), *([1] * (std.ndim - 2)))
@@ -420,7 +428,7 @@ class ImagePolicy:
         old = traj.log_probs[idx.to(dev)][:, unit].to(lp.device)                             # [b, K]
         out = UnitOutput(log_prob=lp, old_log_prob=old, mask=torch.ones_like(lp),
                          weight=self._step_weights(traj, unit))
-        if self.cfg.train.step_weighting == "ratio_norm":
+        if self.cfg.train.grpo.step_weighting == "ratio_norm":
             old_mean = traj.means[idx.to(traj.means.device)][:, unit].to(mean.device)
             out.log_ratio = core.ratio_norm_log_ratio(lp, old, mean, old_mean, std)
         if with_reference:

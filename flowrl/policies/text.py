@@ -191,9 +191,7 @@ class TextPolicy:
                     p.data = p.data.float()
                     p.requires_grad_(True)
         else:
-            if cfg.train.beta > 0:
-                self.ref_copy = copy.deepcopy(model).eval()
-            model.requires_grad_(True)
+            model.requires_grad_(True)  # a frozen reference copy, if the objective needs one: `ensure_reference`
         self.model = model
         self.train_model = model  # forward passes with grad run through it: a DDP wrapper after `wrap_trained`
         self.checkpointing = cfg.train.gradient_checkpointing
@@ -285,6 +283,12 @@ class TextPolicy:
         else:
             with self.model.disable_adapter():
                 yield self.model
+
+    def ensure_reference(self) -> None:
+        """The reference policy for an objective that needs one: a LoRA's is the adapter off; full fine-tuning keeps a
+        frozen copy of the starting model (made at the first call). Before wrapping or sharding."""
+        if not self.cfg.lora.enabled and self.ref_copy is None:
+            self.ref_copy = copy.deepcopy(self.model).requires_grad_(False).eval()
 
     # ---------------------------------------------------------------------------- rollout
 
@@ -397,12 +401,12 @@ class TextPolicy:
             completions=texts,
             completion_id_lists=id_lists,
         )
-        if self.cfg.train.beta > 0 and t.kl_in_reward:
+        if self.cfg.train.grpo.beta > 0 and t.kl_in_reward:
             with self.reference() as ref:
                 ref_lp, _ = self._forward_log_probs(ref, full_ids, full_attn, prompt_len, t.temperature)
             kl = core.kl_estimate(old_lp, ref_lp, t.kl_estimator) * cmask
             batch.ref_log_probs = ref_lp
-            batch.kl_penalty = (self.cfg.train.beta * kl.sum(1)).cpu()
+            batch.kl_penalty = (self.cfg.train.grpo.beta * kl.sum(1)).cpu()
         return batch
 
     def _init_reward_io(self) -> None:

@@ -1,0 +1,380 @@
+"""Reading a config: YAML presets, `key=value` overrides, other tools' names (ALIASES), keys that moved
+(MOVED_KEYS), text loss presets (LOSS_PRESETS), and the conversion of each value against its field's type.
+
+Defaults <- loss preset <- YAML preset <- overrides; the result is validated once (flowrl.config.checks) before
+any work starts: an unknown key is an error naming the closest valid keys, a value of the wrong type or outside its
+choices names what would be right.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from flowrl.errors import ConfigError, ConfigWarning
+
+from .checks import validate
+from .tree import Config, _dataclass_of, _hints, describe
+
+
+#: Names users bring from TRL, diffusers' training scripts, Flow-GRPO and DDPO -> the flowrl key.
+ALIASES: dict[str, str] = {
+    # TRL (GRPOConfig / TrainingArguments)
+    "learning_rate": "train.lr", "num_generations": "sample.group_size", "num_train_epochs": "train.epochs",
+    "num_iterations": "train.inner_epochs", "epsilon": "train.grpo.clip_low", "epsilon_high": "train.grpo.clip_high",
+    "delta": "train.grpo.dual_clip", "max_completion_length": "text.max_new_tokens",
+    "per_device_train_batch_size": "train.minibatch_size", "scale_rewards": "train.adv_scale",
+    "loss_type": "text.loss_agg", "reward_weights": "rewards", "reward_funcs": "rewards",
+    "lr_scheduler_type": "train.schedule", "adam_beta1": "train.adam_betas", "adam_beta2": "train.adam_betas",
+    "adam_epsilon": "train.adam_eps", "output_dir": "log.run_dir", "logging_steps": "log.every",
+    "save_steps": "checkpoint.every", "save_total_limit": "checkpoint.keep",
+    "resume_from_checkpoint": "checkpoint.resume", "model_name_or_path": "model.path",
+    "num_inner_epochs": "train.inner_epochs", "kl_coef": "train.grpo.beta", "init_kl_coef": "train.grpo.beta",
+    # diffusers training scripts
+    "pretrained_model_name_or_path": "model.path", "mixed_precision": "model.dtype", "torch_dtype": "model.dtype",
+    "num_inference_steps": "sample.num_steps", "resolution": "sample.height", "lora_rank": "lora.rank",
+    "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout", "use_lora": "lora.enabled",
+    "train_batch_size": "train.minibatch_size", "gradient_checkpointing": "train.gradient_checkpointing",
+    # Flow-GRPO / DDPO
+    "clip_range": "train.grpo.clip_low", "num_image_per_prompt": "sample.group_size", "num_epochs": "train.epochs",
+    "eval_num_steps": "eval.num_steps", "global_std": "train.adv_scale", "ema": "train.ema_decay",
+    "per_prompt_stat_tracking": "train.per_prompt_stats", "sde_window_size": "train.grpo.window.size",
+    "sde_window_range": "train.grpo.window.start", "timestep_fraction": "train.grpo.window.size",
+    "use_8bit_adam": "train.optimizer", "offload_optimizer": "train.offload", "cpu_offload": "train.offload",
+    "save_freq": "checkpoint.every", "eval_freq": "eval.every", "logdir": "log.run_dir",
+    "num_batches_per_epoch": "sample.prompts_per_epoch", "kl_reward": "text.kl_in_reward",
+}
+
+
+#: Keys that moved into an objective's own section -> where they are now. A config that still spells them the old
+#: way is read as the new key, with a one-line hint (ConfigWarning) naming it; a checkpoint's saved config is read
+#: alike (`migrate(..., hint=False)`).
+MOVED_KEYS: dict[str, str] = {
+    **{f"train.{k}": f"train.grpo.{k}" for k in ("policy_loss", "clip_low", "clip_high", "dual_clip", "beta",
+                                                  "kl_std", "step_weighting")},
+    **{f"sample.{k}": f"train.grpo.{k}" for k in ("sde_type", "noise_level", "window", "same_noise_per_group")},
+}
+
+
+def moved_key(key: str) -> str | None:
+    """The current spelling of dotted `key` when it (or a section above it) moved, else None."""
+    for old, new in MOVED_KEYS.items():
+        if key == old or key.startswith(old + "."):
+            return new + key[len(old):]
+    return None
+
+
+def _moved_hint(old: str, new: str, where: str) -> None:
+    warnings.warn(f"{where}{old} is now {new}: read as {new} (rename it to silence this)", ConfigWarning,
+                  stacklevel=4)
+
+
+def migrate(tree: Any, *, hint: bool = True, where: str = "") -> Any:
+    """A nested config dict with every MOVED_KEYS key put where it is now (a copy; other values shared). `hint`: one
+    ConfigWarning per moved key; the old and the new spelling both set is a ConfigError."""
+    if not isinstance(tree, dict):
+        return tree
+    tree = {k: dict(v) if isinstance(v, dict) else v for k, v in tree.items()}
+    for old, new in MOVED_KEYS.items():
+        *parents, leaf = old.split(".")
+        node = tree
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            continue
+        value = node.pop(leaf)
+        target = tree
+        *new_parents, new_leaf = new.split(".")
+        for part in new_parents:
+            child = target.get(part)
+            target[part] = child = dict(child) if isinstance(child, dict) else ({} if child is None else child)
+            if not isinstance(child, dict):
+                raise ConfigError(f"{where}{'.'.join(new_parents)} must be a section (a mapping of keys)")
+            target = child
+        if new_leaf in target:
+            raise ConfigError(f"{where}both {old} and {new} are set: {old} is the old spelling of {new}; keep {new}")
+        target[new_leaf] = value
+        if hint:
+            _moved_hint(old, new, where)
+    return tree
+
+
+def without_other_objectives(tree: dict, objective: str) -> dict:
+    """A nested config dict without the sections `train.<name>` of the registered objectives other than
+    `objective` (which the run ignores): what two configs of one objective are compared on."""
+    from flowrl.objectives import objective_names
+
+    train = tree.get("train")
+    if not isinstance(train, dict):
+        return tree
+    others = set(objective_names()) - {objective}
+    return {**tree, "train": {k: v for k, v in train.items() if k not in others}}
+
+
+def _all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    return [row[0] for row in describe(cls, prefix)] + (["rewards.name", "rewards.weight", "rewards.kwargs",
+                                                          "rewards.video_frames", "rewards.video_aggregate"]
+                                                         if cls is Config and not prefix else [])
+
+
+def _suggest(key: str) -> list[str]:
+    """Valid keys close to an unknown `key`, across every section: an alias users bring from other tools first,
+    then keys whose last part or whole dotted path is close."""
+    keys = _all_keys()
+    leaf = key.split(".")[-1]
+    if leaf in ALIASES:
+        return [ALIASES[leaf]]
+    by_leaf: dict[str, list[str]] = {}
+    for k in keys:
+        by_leaf.setdefault(k.split(".")[-1], []).append(k)
+    for alias, target in ALIASES.items():
+        by_leaf.setdefault(alias, []).append(target)
+    out: list[str] = []
+    for name in difflib.get_close_matches(leaf, list(by_leaf), n=4, cutoff=0.75):
+        out.extend(by_leaf[name])
+    out.extend(difflib.get_close_matches(key, keys, n=3, cutoff=0.6))
+    return list(dict.fromkeys(out))[:3]
+
+
+def _unknown_key(key: str, valid: list[str]) -> ConfigError:
+    close = _suggest(key)
+    hint = f" Did you mean {' or '.join(close)}?" if close else ""
+    leaf = key.split(".")[-1]
+    if leaf in ALIASES:
+        hint += f" ({leaf!r} is another tool's name for it.)"
+    return ConfigError(f"unknown config key {key!r}.{hint} Valid keys here: {', '.join(valid)}")
+
+
+def _convert(value: Any, tp, key: str) -> Any:
+    """Check (and gently convert) `value` against the annotation `tp`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(value, inner[0], key)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
+            hint = f" Did you mean {close[0]}?" if close else ""
+            raise ConfigError(f"{key}: {value!r} is not a valid choice; valid: {', '.join(map(str, choices))}.{hint}")
+        return value
+    if origin is list:
+        (arg,) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        sub = _dataclass_of(arg)
+        if sub is not None:
+            return [_build(sub, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [_convert(v, arg, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads 1e-4 without a dot as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    if tp is Any:
+        return value
+    raise ConfigError(f"{key}: unsupported annotation {tp!r}")
+
+
+def _build(cls: type, data: Any, prefix: str = ""):
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping of keys, got {data!r}")
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in data.items():
+        key = prefix + ("." if prefix else "") + str(k)
+        if k not in names:
+            raise _unknown_key(key, [f"{prefix}.{n}" if prefix else n for n in names])
+        sub = _dataclass_of(hints[k])
+        kwargs[k] = _build(sub, v, key) if sub is not None else _convert(v, hints[k], key)
+    return cls(**kwargs)
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    """Put `value` at dotted `key` of the override tree, checking each part against the config's types. A list of
+    sections takes an item index (`rewards.0.weight`): the tree then holds {0: {...}} for `_merge` to apply."""
+    parts = key.split(".")
+    node: dict = tree
+    cls: Any = Config
+    item_cls: Any = None  # the item type of the list of sections being indexed (cls is None meanwhile)
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        prefix = ".".join(parts[:i])
+        if cls is None:  # inside a list of sections: an index
+            if not part.isdigit():
+                raise ConfigError(f"{key!r}: {prefix} is a list; name an item by its index, e.g. {prefix}.0.weight=2 "
+                                  f"(or set the whole list: {prefix}='[{{name: ..., weight: 1}}]')")
+            node = node.setdefault(int(part), {})
+            cls = item_cls
+            if last:
+                raise ConfigError(f"{key!r}: set a key of the item, e.g. {key}.weight=2")
+            continue
+        hints = _hints(cls)
+        if part not in hints:
+            raise _unknown_key(key, [f"{prefix}.{n}" if prefix else n for n in hints])
+        tp = hints[part]
+        if last:
+            node[part] = value
+            return
+        if typing.get_origin(tp) is list and _dataclass_of(typing.get_args(tp)[0]) is not None:
+            item_cls, cls = typing.get_args(tp)[0], None
+            node = node.setdefault(part, {})
+            continue
+        if _dataclass_of(tp) is None:
+            raise ConfigError(f"{key!r}: {'.'.join(parts[:i + 1])} is a value, not a section; set it as "
+                              f"{'.'.join(parts[:i + 1])}=VALUE")
+        cls = tp
+        node = node.setdefault(part, {})
+
+
+def _merge(base: Any, over: dict, path: str = "") -> Any:
+    """`over` laid on `base`; an int-keyed mapping in `over` updates those items of a list in `base`."""
+    if isinstance(base, list) and over and all(isinstance(k, int) for k in over):
+        out_list = list(base)
+        for i, v in over.items():
+            if i >= len(out_list):
+                raise ConfigError(f"{path}.{i}: the list {path} has {len(out_list)} item(s), indices 0 to "
+                                  f"{len(out_list) - 1}; set the whole list to add one")
+            out_list[i] = _merge(out_list[i], v, f"{path}.{i}") if isinstance(v, dict) and isinstance(
+                out_list[i], dict) else v
+        return out_list
+    out = dict(base)
+    for k, v in over.items():
+        key = f"{path}.{k}" if path else str(k)
+        if isinstance(v, dict) and isinstance(out.get(k), (dict, list)):
+            out[k] = _merge(out[k], v, key)
+        elif isinstance(v, dict) and v and all(isinstance(i, int) for i in v):  # an index into a default list
+            out[k] = _merge(to_dict(Config()).get(k, []), v, key)
+        else:
+            out[k] = v
+    return out
+
+
+def parse_overrides(overrides: list[str], *, hint: bool = True) -> dict:
+    """`["train.lr=1e-4", "sample.group_size=8"]` -> a nested dict (values read as YAML scalars). A key that moved
+    (MOVED_KEYS) is put where it is now, with a one-line hint."""
+    tree: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value, e.g. train.lr=1e-4")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({_yaml_problem(e)})") from None
+        key = key.strip()
+        new = moved_key(key)
+        if new is not None:
+            if hint:
+                _moved_hint(key, new, "override ")
+            key = new
+        _set_dotted(tree, key, value)
+    return tree
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    return " ".join(str(getattr(e, "problem", None) or e).split())
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML file's content; a syntax error is one ConfigError line naming the file, line and column."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); save the config as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        context = getattr(e, "context", None)
+        raise ConfigError(f"{where}: YAML syntax error: {_yaml_problem(e)}"
+                          + (f" ({context})" if context else "")) from None
+
+
+#: text.loss_preset -> the settings of the published variant (a base layer under the user's own keys).
+LOSS_PRESETS: dict[str, dict] = {
+    # DeepSeekMath GRPO (arXiv 2402.03300): token ratio, symmetric clip 0.2, group std, per-sequence token mean,
+    # k3 KL in the loss with beta 0.04.
+    "grpo": {"train": {"adv_estimator": "grpo", "adv_scale": "group",
+                       "grpo": {"policy_loss": "ppo_clip", "clip_low": 0.2, "clip_high": 0.2, "beta": 0.04}},
+             "text": {"loss_agg": "seq-mean-token-mean", "kl_estimator": "k3", "kl_in_reward": False}},
+    # DAPO (arXiv 2503.14476): clip-higher 0.2 / 0.28, token-level mean, no KL, dynamic sampling (groups with no
+    # signal dropped), overlong completions masked.
+    "dapo": {"train": {"adv_estimator": "grpo", "adv_scale": "group", "drop_zero_adv_groups": True,
+                       "grpo": {"policy_loss": "ppo_clip", "clip_low": 0.2, "clip_high": 0.28, "beta": 0.0}},
+             "text": {"loss_agg": "token-mean", "mask_truncated": True}},
+    # Dr.GRPO (arXiv 2503.20783): no std division, a constant normaliser (the max completion length), no KL.
+    "dr_grpo": {"train": {"adv_estimator": "grpo", "adv_scale": "none",
+                          "grpo": {"policy_loss": "ppo_clip", "clip_low": 0.2, "clip_high": 0.2, "beta": 0.0}},
+                "text": {"loss_agg": "seq-mean-token-sum-max-len"}},
+    # GSPO (arXiv 2507.18071): sequence-level ratio, clip 3e-4 / 4e-4, per-sequence token mean, no KL.
+    "gspo": {"train": {"adv_estimator": "grpo", "adv_scale": "group",
+                       "grpo": {"policy_loss": "gspo", "clip_low": 3e-4, "clip_high": 4e-4, "beta": 0.0}},
+             "text": {"loss_agg": "seq-mean-token-mean"}},
+}
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- loss preset <- YAML preset <- `key=value` overrides, validated; raises ConfigError with the fix.
+    Keys that moved (MOVED_KEYS) are read where they are now, each with a one-line hint."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        loaded = read_yaml(path) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}")
+        data = migrate(loaded, where=f"{path}: ")
+    if overrides:
+        data = _merge(data, parse_overrides(overrides))
+    preset = (data.get("text") or {}).get("loss_preset", "none") if isinstance(data.get("text"), dict) else "none"
+    if preset not in ("none", *LOSS_PRESETS):
+        raise ConfigError(f"text.loss_preset: {preset!r} is not a valid choice; valid: none, {', '.join(LOSS_PRESETS)}")
+    if preset != "none":
+        data = _merge(LOSS_PRESETS[preset], data)
+    cfg = _build(Config, data)
+    validate(cfg)
+    return cfg

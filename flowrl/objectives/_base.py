@@ -1,0 +1,120 @@
+"""What the trainer asks of an objective, and what the planner asks of it.
+
+An objective is one module of `flowrl.objectives` holding one `Objective` subclass: its config section (`Settings`,
+a dataclass read from `train.<name>`), its checks of a config (`check`), what its rollout records (`rollout`), how
+it uses the advantages (`prepare`), the units of its update and their loss (`train_units`, `step_mask`,
+`unit_loss`), what it does after an optimizer step and after the epoch's update, what the progress bar shows of it
+(`progress`), what a checkpoint keeps of it (`state_dict`) and what it adds to the memory of a run
+(`memory_terms`, for `flowrl plan`). The trainer calls these and nothing else: it never asks which objective runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class MemoryTerms:
+    """What an objective adds to the memory of an image run (flowrl.plan asks `Objective.memory_terms`).
+
+    rows: model rows of one trained sample in one forward pass of the update (trained steps x CFG rows for GRPO;
+    re-noised times x images per sample for the forward-process objectives); rows_note says what they are."""
+
+    reference: bool  # a reference pass (the adapter off, or a frozen copy in full fine-tuning)
+    reference_note: str  # e.g. "beta 0.01", "nft kl_coef 0.0001"
+    rows: int
+    rows_note: str
+    shadows: tuple[str, ...] = ()  # shadow policies: a second adapter or a frozen copy each (NFT's "old")
+    latents_kept: int = 1  # latents per sample the trajectory keeps for the update (GRPO: every step's, S + 1)
+    means_kept: int = 0  # float32 transition means per sample the trajectory keeps (GRPO-Guard's ratio_norm)
+    unit: str = "samples"  # what train.micro_batch_size counts ("pairs": DPO's winners, each with its loser)
+    whole_groups: bool = False  # the rollout runs whole groups per call (one initial noise per group)
+
+
+class Objective:
+    """The base of every objective (see the module docstring). Shapes: B samples of this process, b samples of a
+    micro-batch, K entries of a unit (denoising steps or tokens for GRPO, training times for the others)."""
+
+    #: the registered name (train.objective)
+    name: ClassVar[str] = ""
+    #: how reports and the demo's banner name it
+    title: ClassVar[str] = ""
+    #: its config section, read from train.<name> (a dataclass with a docstring under each field); None: no settings
+    Settings: ClassVar[type | None] = None
+    #: True: the rollout's recorded log-probs enter the loss (GRPO-type), so the rollout must stay numerically
+    #: on-policy (the first minibatch's ratio is checked); False: the loss needs only the final samples
+    coupled: ClassVar[bool] = False
+    #: the backends it trains ("image", "text")
+    backends: ClassVar[tuple[str, ...]] = ("image",)
+
+    def __init__(self, cfg, policy, num_processes: int = 1):
+        self.cfg, self.policy, self.num_processes = cfg, policy, num_processes
+        self.settings = getattr(cfg.train, self.name) if self.Settings is not None else None
+
+    # ---- before the model loads
+
+    @classmethod
+    def check(cls, cfg) -> list[str]:
+        """What in `cfg` this objective cannot take, one line each naming the fix (nothing is loaded)."""
+        if cfg.backend not in cls.backends:
+            return [f"train.objective={cls.name} trains {' and '.join(cls.backends)} models only "
+                    f"(backend={'/'.join(cls.backends)}), not backend={cfg.backend}; use train.objective=grpo"]
+        return []
+
+    @classmethod
+    def memory_terms(cls, cfg, cfg_rows: int) -> MemoryTerms:
+        """What the objective adds to an image run's memory; `cfg_rows` is the rollout's rows per image (2 when the
+        family batches classifier-free guidance and the scale is above 1)."""
+        raise NotImplementedError(f"objective {cls.name!r} declares no memory terms for flowrl plan")
+
+    # ---- the epoch
+
+    def rollout(self, prompts: list[str], metadata: list[dict], *, epoch: int, generator: torch.Generator):
+        """This process's samples of the epoch, recorded as the objective needs them."""
+        return self.policy.rollout(prompts, metadata, epoch=epoch, generator=generator)
+
+    def prepare(self, batch, adv: Tensor, keep: Tensor, *, epoch: int, process_index: int) -> Tensor:
+        """Before the epoch's update: draw what the update uses (times, noise seeds, pairs); returns which samples
+        the loss takes ([B] bool: `keep`, narrowed by the objective, e.g. DPO's winners)."""
+        return keep
+
+    def train_units(self, batch, steps_per_forward: int) -> list[list[int]]:
+        """The entries of the update in units of `steps_per_forward`, each evaluated in one model call."""
+        raise NotImplementedError
+
+    def step_mask(self, batch, idx: Tensor, unit: list[int]) -> Tensor:
+        """[b, K] 1 where an entry of `unit` counts for samples `idx` (for the minibatch's loss normalizer)."""
+        raise NotImplementedError
+
+    def unit_loss(self, batch, idx: Tensor, unit: list[int], adv: Tensor, keep: Tensor,
+                  normalizer: Tensor | None) -> tuple[Tensor, dict]:
+        """The aggregated loss of `unit` for samples `idx` [b] (with grad) and its stats. `normalizer`: the
+        aggregation's normalizer of the whole minibatch when `idx` is one of its micro-batches (or one process's
+        share), so that the parts' losses add up to the minibatch's."""
+        raise NotImplementedError
+
+    def after_optimizer_step(self, optimizer_steps: int) -> None:
+        """After each optimizer step (`optimizer_steps` taken so far)."""
+
+    def after_update(self, optimizer_steps: int) -> dict[str, float]:
+        """After the epoch's update; returns metrics to log."""
+        return {}
+
+    # ---- what is shown and kept
+
+    @classmethod
+    def progress(cls, metrics: dict) -> dict[str, str]:
+        """The progress bar's fields of this objective after an epoch (besides the mean reward)."""
+        return {}
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Tensors a checkpoint keeps for the objective (whole tensors: a collective when sharded)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Tensor], place: Callable[[Tensor, Tensor], Tensor] | None = None
+                        ) -> None:
+        """Restore `state_dict()`'s tensors; `place(value, param)` lays a whole tensor out as `param` is."""

@@ -1,0 +1,207 @@
+"""What DiffusionNFT, AWM and online Diffusion-DPO share: training on the forward (noising) process.
+
+The rollout samples with the deterministic ODE (at sample.guidance_scale) and keeps only each image's final latents
+x0. At update time every sample is noised again at T *training times* t taken from the rollout's own schedule, with
+fresh noise eps each, and the model's velocity there (`ImagePolicy.flow_prediction`: one CFG-free forward pass,
+every family) enters the objective's loss (the formulas are flowrl.core.objectives'). The training times are the
+units of the update, so the trainer's machinery (minibatches, micro-batches, gradient sync over processes,
+optimizer steps, EMA, checkpoints, the non-finite guard) is the same as GRPO's.
+
+The randomness (which times, which noise) follows from train.seed, the epoch, the process and the sample, so
+micro-batching does not change it and a resumed run draws what the uninterrupted one drew.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from flowrl import core
+from flowrl.policy import full_tensor
+from flowrl.seeding import derive_seed
+
+from ._base import MemoryTerms, Objective
+
+#: seed tags: the training times and the noise of a (sample, time slot) are drawn from separate streams
+_TIMES_TAG, _NOISE_TAG = 0x71AE, 0x0A15E
+
+
+@dataclass
+class TrainingTimes:
+    """The epoch's draw of a forward-process objective: for each of the B samples, T indices into the rollout's
+    schedule (`steps` [B, T] long) whose flow times (`times` [S]) it is trained at, one per time slot."""
+
+    epoch: int
+    process_index: int
+    times: Tensor  # [S] float32
+    steps: Tensor  # [B, T] long
+
+
+def random_order(n: int, num_steps: int, count: int, generator: torch.Generator) -> Tensor:
+    """[n, count] long: for each of n samples, `count` distinct schedule indices in a random order."""
+    if not 1 <= count <= num_steps:
+        raise ValueError(f"{count} training times per sample from a schedule of {num_steps} steps: "
+                         f"need 1..{num_steps}")
+    return torch.stack([torch.randperm(num_steps, generator=generator)[:count] for _ in range(n)])
+
+
+class ForwardProcessObjective(Objective):
+    """The ODE rollout of final latents, the training times drawn per sample from the rollout's schedule, fresh
+    noise per (sample, time), and the per-entry loss aggregated as GRPO's (the mean over the kept samples and their
+    times). Subclasses say how many times and which (`times_per_sample`, `draw_steps`) and the loss of a unit's rows
+    (`row_losses`)."""
+
+    #: a shadow policy (`ImagePolicy.add_shadow`) that samples the rollouts instead of the trained one (NFT)
+    sampling_shadow: str | None = None
+    #: images a trained sample brings to a forward pass (DPO: its loser too)
+    images_per_sample: int = 1
+    #: whether `times_per_sample` draws distinct steps of the schedule (so at most sample.num_steps of them)
+    distinct_times: bool = True
+
+    def __init__(self, cfg, policy, num_processes: int = 1):
+        super().__init__(cfg, policy, num_processes)
+        self.plan: TrainingTimes | None = None
+
+    # ---- before the model loads
+
+    @classmethod
+    def times_per_sample(cls, settings, num_steps: int) -> int:
+        """Training times per sample with these settings and a rollout of `num_steps` steps."""
+        raise NotImplementedError
+
+    @classmethod
+    def reference_note(cls, settings) -> tuple[bool, str]:
+        """(whether the loss needs the reference policy's forward pass, how the plan names its coefficient)."""
+        raise NotImplementedError
+
+    @classmethod
+    def shadow_names(cls, settings) -> tuple[str, ...]:
+        """The shadow policies it keeps (NFT's "old", AWM's "ema")."""
+        return ()
+
+    @classmethod
+    def check(cls, cfg) -> list[str]:
+        problems = super().check(cfg)
+        times, steps = getattr(cfg.train, cls.name).timesteps, cfg.sample.num_steps
+        if cls.distinct_times and times > steps:
+            problems.append(f"train.{cls.name}.timesteps={times} exceeds sample.num_steps={steps}: the training "
+                            f"times are distinct steps of the rollout's schedule; use at most {steps} (0 = the "
+                            f"default)")
+        return problems
+
+    @classmethod
+    def memory_terms(cls, cfg, cfg_rows: int) -> MemoryTerms:
+        settings = getattr(cfg.train, cls.name)
+        times = min(cfg.train.steps_per_forward, cls.times_per_sample(settings, cfg.sample.num_steps))
+        reference, note = cls.reference_note(settings)
+        rows = times * cls.images_per_sample
+        return MemoryTerms(
+            reference=reference, reference_note=note, rows=rows, shadows=cls.shadow_names(settings),
+            rows_note=f"objective {cls.name}: {rows} model rows: {times} time(s)"
+                      + (" x 2 (winner and loser)" if cls.images_per_sample == 2 else "") + ", without CFG")
+
+    # ---- the rollout and the epoch's draw
+
+    def rollout(self, prompts, metadata, *, epoch, generator):
+        with self.policy.shadow(self.sampling_shadow) if self.sampling_shadow else contextlib.nullcontext():
+            return self.policy.rollout(prompts, metadata, epoch=epoch, generator=generator, final_only=True)
+
+    def draw_steps(self, n: int, num_steps: int, generator: torch.Generator) -> Tensor:
+        """[n, T] long: the schedule indices each of n samples is trained at (default: T distinct ones in a random
+        order per sample)."""
+        return random_order(n, num_steps, self.times_per_sample(self.settings, num_steps), generator)
+
+    def prepare(self, batch, adv, keep, *, epoch, process_index):
+        times = self.policy.flow_times(batch)
+        gen = torch.Generator().manual_seed(derive_seed(self.cfg.train.seed, epoch, process_index, _TIMES_TAG))
+        self.plan = TrainingTimes(epoch, process_index, times, self.draw_steps(len(batch.prompts), len(times), gen))
+        return keep
+
+    def train_units(self, batch, steps_per_forward):
+        slots = self.plan.steps.shape[1]
+        return [list(range(i, min(i + steps_per_forward, slots))) for i in range(0, slots, steps_per_forward)]
+
+    def step_mask(self, batch, idx, unit):
+        return torch.ones(len(idx), len(unit))  # every training time counts
+
+    # ---- a unit's inputs and loss
+
+    def noise(self, sample: int, slot: int, shape: tuple[int, ...]) -> Tensor:
+        """The fresh noise eps of `sample`'s time slot `slot` this epoch: float32 [*shape] on the CPU, from its own
+        seed, so any micro-batching draws the same."""
+        p = self.plan
+        gen = torch.Generator().manual_seed(derive_seed(self.cfg.train.seed, p.epoch, p.process_index, sample, slot,
+                                                        _NOISE_TAG))
+        return torch.randn(shape, generator=gen, dtype=torch.float32)
+
+    def inputs(self, batch, idx: Tensor, unit: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+        """The unit's K x b rows, slot-major (slot unit[0] for every sample of `idx`, then unit[1], ...): (samples
+        [K*b] long, their flow times [K*b] float32, their noise [K*b, ...] float32 on the latents' device)."""
+        idx = idx.cpu()
+        rows = idx.repeat(len(unit))
+        slots = torch.tensor(unit, dtype=torch.long).repeat_interleave(len(idx))
+        t = self.plan.times[self.plan.steps[rows, slots]]
+        shape = self.policy.sample_shape(batch)
+        noise = torch.stack([self.noise(int(s), int(k), shape) for s, k in zip(rows, slots)])
+        return rows, t, noise.to(batch.traj.latents.device)
+
+    def clean(self, batch, rows: Tensor) -> Tensor:
+        """The clean latents x0 of `rows` [N] in float32 [N, ...] on the model's device."""
+        return batch.traj.final_latents[rows.to(batch.traj.latents.device)].float()
+
+    def row_losses(self, batch, idx: Tensor, unit: list[int], adv: Tensor) -> tuple[Tensor, dict]:
+        """The loss of each of the unit's K x b rows (slot-major, see `inputs`) [K*b], and the core's stats."""
+        raise NotImplementedError
+
+    def unit_loss(self, batch, idx, unit, adv, keep, normalizer):
+        loss, core_stats = self.row_losses(batch, idx, unit, adv)
+        b, k = len(idx), len(unit)
+        loss = loss.view(k, b).transpose(0, 1)                                                    # [b, K]
+        mask = keep[idx.cpu()].to(loss.device, torch.float32)[:, None].expand(b, k)
+        if normalizer is not None:
+            normalizer = normalizer.to(loss.device)
+        total = core.aggregate_loss(loss, mask, self.policy.aggregation, normalizer=normalizer)
+        stats = {f"{self.name}_{key}": value for key, value in core_stats.items()}
+        stats["loss"] = total.detach()
+        return total, stats
+
+    def reference_velocity(self, batch, rows, t, noise) -> Tensor:
+        """The reference policy's velocity (the adapter off, or the frozen copy) at the same points, no gradient."""
+        with torch.no_grad(), self.policy.reference():
+            return self.policy.flow_prediction(batch, rows, t, noise).velocity
+
+    def shadow_velocity(self, name: str, batch, rows, t, noise) -> Tensor:
+        """Shadow policy `name`'s velocity at the same points, no gradient."""
+        with torch.no_grad(), self.policy.shadow(name):
+            return self.policy.flow_prediction(batch, rows, t, noise).velocity
+
+    # ---- shadow policies in checkpoints
+
+    def soft_update(self, shadow: str, decay: float) -> None:
+        """shadow <- decay shadow + (1 - decay) theta (core.soft_update_), parameter by parameter."""
+        weights = self.policy.shadow_parameters(shadow)
+        trained = self.policy.named_trainable_parameters()
+        core.soft_update_([weights[n] for n, _ in trained], [p for _, p in trained], decay)
+
+    def state_dict(self):
+        return {f"{name}/{n}": full_tensor(w.detach()).cpu().contiguous()
+                for name in self.policy.shadows for n, w in self.policy.shadow_parameters(name).items()}
+
+    def load_state_dict(self, state, place=None):
+        for name in self.policy.shadows:
+            weights = self.policy.shadow_parameters(name)
+            missing = [n for n in weights if f"{name}/{n}" not in state]
+            if missing:
+                warnings.warn(f"the checkpoint holds no {name!r} policy of train.objective={self.name} (written by "
+                              f"another objective?): {name!r} starts again as a copy of the trained weights",
+                              stacklevel=2)
+                self.soft_update(name, 0.0)
+                continue
+            with torch.no_grad():
+                for n, w in weights.items():
+                    value = state[f"{name}/{n}"].to(w.dtype)
+                    w.copy_(place(value, w) if place is not None else value)

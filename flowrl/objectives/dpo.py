@@ -1,0 +1,115 @@
+"""Online Diffusion-DPO (Wallace et al., arXiv 2311.12908) on each group's best and worst image.
+
+In each group the best image (highest advantage) wins over the worst; the pair is noised with the SAME noise and
+time, the trained model and the reference (the adapter off, or the frozen copy) evaluated on both, and the loss is
+core.dpo_loss. The loss's samples are the winners (each brings its loser). train.minibatch_size counts samples, of
+which only the winners are computed; train.micro_batch_size counts winners, that is pairs: a forward pass takes two
+images per pair.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+from torch import Tensor
+
+from flowrl import core
+from flowrl.ranges import AT_LEAST_0, POSITIVE, Range
+
+from . import register
+from ._base import MemoryTerms
+from ._forward import ForwardProcessObjective
+
+
+@dataclass
+class DPOSettings:
+    RANGES: ClassVar[dict[str, Range]] = {"beta": POSITIVE, "timesteps": AT_LEAST_0}
+
+    beta: float = 5000.0
+    """Diffusion-DPO's beta: the loss is -log sigmoid(-beta/2 w(t) D), D the winner's minus the loser's
+    (model - reference) error difference. 5000 is the paper's (SD1.5 / SDXL) for noise errors, which the default
+    weighting=noise reproduces for every family; with weighting=velocity divide it by about 3 (E[(1-t)^2] for
+    uniform t) for the same strength."""
+    weighting: Literal["noise", "velocity"] = "noise"
+    """`noise`: w(t) = (1 - t)^2, which turns velocity errors into the paper's noise errors exactly (eps - eps_hat =
+    (1 - t)(v - v_hat)); `velocity`: w = 1, Flow-DPO's form on velocity errors."""
+    timesteps: int = 0
+    """Training times per pair (the same time and noise for winner and loser): that many steps of the rollout's
+    schedule in a random order per pair; 0 = all of them (an online batch has one pair per prompt; the paper draws
+    one time per pair and step)."""
+
+
+@register
+class DPO(ForwardProcessObjective):
+    """Online Diffusion-DPO (see the module docstring)."""
+
+    name = "dpo"
+    title = "online Diffusion-DPO"
+    Settings = DPOSettings
+    images_per_sample = 2
+
+    def __init__(self, cfg, policy, num_processes=1):
+        super().__init__(cfg, policy, num_processes)
+        policy.ensure_reference()
+        s = cfg.sample
+        local = s.prompts_per_epoch * s.group_size // max(num_processes, 1)
+        if num_processes > 1 and local % s.group_size:
+            raise ValueError(f"train.objective=dpo pairs the best and worst image of a group on one process, but the "
+                             f"per-process batch {local} (prompts_per_epoch x group_size / {num_processes} processes) "
+                             f"splits groups of sample.group_size={s.group_size}; make prompts_per_epoch a multiple "
+                             f"of the process count")
+        self.partner: Tensor | None = None
+        self.pairs = 0
+
+    @classmethod
+    def times_per_sample(cls, settings, num_steps):
+        """The `timesteps` setting, or every step of the schedule."""
+        return settings.timesteps or num_steps
+
+    @classmethod
+    def reference_note(cls, settings):
+        return True, f"dpo beta {settings.beta:g}"
+
+    @classmethod
+    def memory_terms(cls, cfg, cfg_rows):
+        return MemoryTerms(**{**vars(super().memory_terms(cfg, cfg_rows)), "unit": "pairs"})
+
+    def prepare(self, batch, adv, keep, *, epoch, process_index):
+        """The pairs of this process's whole groups from their advantages (the configured reward combination;
+        within a group they order the samples as the total reward does), samples without a finite reward left
+        out. Returns the winners as the samples the loss takes."""
+        super().prepare(batch, adv, keep, epoch=epoch, process_index=process_index)
+        valid = keep.nonzero().flatten()
+        partner = torch.full((len(keep),), -1, dtype=torch.long)
+        if len(valid):
+            w, l = core.best_worst_pairs(adv[valid].float(), batch.group_ids[valid])
+            partner[valid[w]] = valid[l]
+        self.partner, self.pairs = partner, int((partner >= 0).sum())
+        return partner >= 0
+
+    def row_losses(self, batch, idx, unit, adv):
+        idx = idx.cpu()
+        losers = torch.where(self.partner[idx] >= 0, self.partner[idx], idx)  # a placeholder pass: itself
+        rows_w, t, noise = self.inputs(batch, idx, unit)  # the winner's times and noise serve its loser too
+        rows_l = losers.repeat(len(unit))
+        both, t2, noise2 = torch.cat([rows_w, rows_l]), torch.cat([t, t]), torch.cat([noise, noise])
+        pred = self.policy.flow_prediction(batch, both, t2, noise2)
+        ref = self.reference_velocity(batch, both, t2, noise2)
+        v_w, v_l = pred.velocity.chunk(2)
+        r_w, r_l = ref.chunk(2)
+        t_used = pred.t.chunk(2)[0]
+        weight = (1 - t_used) ** 2 if self.settings.weighting == "noise" else None
+        loss, stats = core.dpo_loss(v_w, v_l, r_w, r_l, self.clean(batch, rows_w), self.clean(batch, rows_l),
+                                    noise, t_used, beta=self.settings.beta, weight=weight)
+        stats.pop("num_pairs")
+        return loss, stats
+
+    def after_update(self, optimizer_steps):
+        return {"objective/dpo_pairs": float(self.pairs)}
+
+    @classmethod
+    def progress(cls, metrics):
+        """The pairs trained this epoch."""
+        return {"pairs": f"{metrics['objective/dpo_pairs']:.0f}"} if "objective/dpo_pairs" in metrics else {}

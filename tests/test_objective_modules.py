@@ -1,0 +1,147 @@
+"""An objective is one module: its config section, its checks, its memory terms and its progress fields are asked of
+it, so that switching a preset's objective is one key, and the keys that moved into an objective's section are
+still read with a one-line hint."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+
+from flowrl.config import Config, ConfigError, ConfigWarning, MOVED_KEYS, describe, load_config
+from flowrl.objectives import MemoryTerms, Objective, get_objective, objective_names
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
+TINY = ["model.path=tiny-sd3", "model.device=cpu", "sample.height=32", "sample.width=32", "sample.num_steps=3",
+        "sample.max_sequence_length=16", "sample.prompts_per_epoch=2", "sample.group_size=2", "eval.num_steps=2",
+        "eval.num_prompts=1", "eval.grid=false", "log.progress=false", "checkpoint.every=0"]
+
+
+def test_every_objective_declares_what_the_loop_the_config_and_the_planner_ask():
+    names = objective_names()
+    assert names[0] == "grpo" and set(names) >= {"grpo", "nft", "awm", "dpo"}
+    keys = {key for key, _, _, _ in describe()}
+    for name in names:
+        cls = get_objective(name)
+        assert issubclass(cls, Objective) and cls.name == name and cls.title, name
+        assert cls.backends and set(cls.backends) <= {"image", "text"}, name
+        if cls.Settings is not None:  # its section is train.<name>, every field documented
+            fields = [f.name for f in dataclasses.fields(cls.Settings)]
+            assert all(any(k == f"train.{name}.{f}" or k.startswith(f"train.{name}.{f}.") for k in keys)
+                       for f in fields), name
+        cfg = load_config(None, [f"train.objective={name}"])
+        terms = cls.memory_terms(cfg, 2)
+        assert isinstance(terms, MemoryTerms) and terms.rows >= 1 and terms.rows_note, name
+        assert cls.check(cfg) == [] and isinstance(cls.progress({"reward/total_mean": 0.0}), dict), name
+    assert get_objective("grpo").coupled and not any(get_objective(n).coupled for n in ("nft", "awm", "dpo"))
+    with pytest.raises(ValueError, match="Did you mean 'nft'"):
+        get_objective("nfr")
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_every_preset_switches_objective_with_one_key(preset):
+    """`flowrl train PRESET train.objective=X` validates for every objective that trains the preset's backend: no
+    key of the preset belongs to one objective's rules but another's section."""
+    base = load_config(preset)
+    for name in objective_names():
+        if base.backend not in get_objective(name).backends:
+            with pytest.raises(ConfigError, match=f"train.objective={name} trains"):
+                load_config(preset, [f"train.objective={name}"])
+            continue
+        cfg = load_config(preset, [f"train.objective={name}"])
+        assert cfg.train.objective == name
+        assert cfg.train.grpo == base.train.grpo  # GRPO's section kept as it is, ignored by the others
+
+
+def test_old_spellings_are_read_with_a_one_line_hint(tmp_path):
+    with pytest.warns(ConfigWarning) as seen:
+        cfg = load_config(None, ["train.beta=0.1", "sample.window.kind=fixed", "sample.window.size=2",
+                                 "sample.noise_level=0.5"])
+    assert (cfg.train.grpo.beta, cfg.train.grpo.window.kind, cfg.train.grpo.window.size) == (0.1, "fixed", 2)
+    assert cfg.train.grpo.noise_level == 0.5
+    hints = [str(w.message) for w in seen]
+    assert "override train.beta is now train.grpo.beta: read as train.grpo.beta (rename it to silence this)" in hints
+    assert any("sample.window.kind is now train.grpo.window.kind" in h for h in hints)
+    assert all("\n" not in h for h in hints)
+    # a YAML file: the whole section moves; old and new spelling of one key is an error naming both
+    old = tmp_path / "old.yaml"
+    old.write_text("sample:\n  window: {kind: fixed, start: 1, size: 2}\n  same_noise_per_group: true\n"
+                   "train:\n  clip_low: 0.2\n  objective: grpo\n")
+    with pytest.warns(ConfigWarning, match=r"old.yaml: sample.window is now train.grpo.window"):
+        cfg = load_config(old)
+    assert (cfg.train.grpo.window.start, cfg.train.grpo.same_noise_per_group, cfg.train.grpo.clip_low) == (1, True, 0.2)
+    both = tmp_path / "both.yaml"
+    both.write_text("train:\n  beta: 0.1\n  grpo: {beta: 0.2}\n")
+    with pytest.raises(ConfigError, match="both train.beta and train.grpo.beta are set"):
+        load_config(both)
+    # an override in the new spelling wins over the file's old one
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigWarning)
+        assert load_config(old, ["train.grpo.clip_low=0.3"]).train.grpo.clip_low == 0.3
+    # every moved key is a key of the tree now
+    keys = {key for key, _, _, _ in describe(Config)}
+    assert all(any(k == new or k.startswith(new + ".") for k in keys) for new in MOVED_KEYS.values())
+
+
+def test_the_cli_prints_an_old_spelling_as_one_line(tmp_path, capsys):
+    from flowrl.cli import main
+
+    assert main(["plan", "configs/tiny_cpu.yaml", "train.beta=0.2"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["flowrl: override train.beta is now train.grpo.beta: read as train.grpo.beta (rename it to "
+                   "silence this)"]
+
+
+def test_another_objectives_section_changes_nothing_in_a_run(tmp_path):
+    """A forward-process run with GRPO's section set (a window, one noise per group, a KL, another kernel) trains
+    exactly as one without: the keys are not its own."""
+    from flowrl.trainer import Trainer
+
+    rows = {}
+    for tag, extra in (("plain", []), ("grpo_keys", ["train.grpo.window.kind=fixed", "train.grpo.window.size=1",
+                                                     "train.grpo.same_noise_per_group=true", "train.grpo.beta=0.5",
+                                                     "train.grpo.sde_type=cps"])):
+        run = tmp_path / tag
+        Trainer(load_config(None, [*TINY, "train.objective=awm", "train.epochs=2", f"log.run_dir={run}",
+                                   *extra])).fit()
+        rows[tag] = [{k: v for k, v in json.loads(line).items() if k.partition("/")[0] not in ("time", "perf")}
+                     for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows["plain"]) >= 3 and rows["plain"] == rows["grpo_keys"]
+    assert any(r.get("policy/grad_norm", 0) > 0 for r in rows["plain"])  # it trained
+
+
+def test_a_checkpoint_of_the_old_layout_resumes(tmp_path):
+    """A checkpoint written before GRPO's keys moved (its saved config spells them the old way) resumes, the old
+    keys read where they are now: no refusal, no change reported."""
+    from flowrl.trainer import Trainer
+
+    run = tmp_path / "run"
+    args = [*TINY, "train.grpo.beta=0.01", "train.grpo.window.kind=fixed", "train.grpo.window.size=2",
+            f"log.run_dir={run}"]
+    Trainer(load_config(None, [*args, "train.epochs=1"])).fit()
+    (ckpt,) = sorted(run.glob("ckpt-*"))
+    state = json.loads((ckpt / "state.json").read_text())
+    saved = state["config"]
+    grpo = saved["train"].pop("grpo")
+    saved["train"].update({k: grpo[k] for k in ("beta", "clip_low", "clip_high", "policy_loss", "kl_std",
+                                                "step_weighting", "dual_clip")})
+    saved["sample"].update({k: grpo[k] for k in ("window", "sde_type", "noise_level", "same_noise_per_group")})
+    saved["train"].pop("nft"), saved["train"].pop("awm"), saved["train"].pop("dpo")
+    (ckpt / "state.json").write_text(json.dumps(state))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        resumed = Trainer(load_config(None, [*args, "train.epochs=2", "checkpoint.resume=auto"]))
+        resumed.fit()
+    assert resumed.state.epochs_done == 2
+    assert not [w for w in seen if issubclass(w.category, ConfigWarning)]  # no hint: the saved config is data
+    changed = [str(w.message) for w in seen if "with a changed config" in str(w.message)]
+    assert changed and all(m.endswith("with a changed config: train.epochs: 1 -> 2") for m in changed), changed
+    # a checkpoint of another objective is still refused, in one line
+    from flowrl.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="train.objective: 'grpo' -> 'awm'"):
+        Trainer(load_config(None, [*args, "train.epochs=3", "checkpoint.resume=auto", "train.objective=awm"])).fit()
