@@ -157,7 +157,7 @@ def measure(directory: str, *, micro: int, checkpointing: bool, size: int = 256,
     overrides = [
         f"model.path={directory}", "model.device=cpu", f"model.dtype={dtype}", f"sample.height={size}",
         f"sample.width={size}", "sample.num_steps=2", "sample.prompts_per_epoch=1", f"sample.group_size={group}",
-        "sample.max_sequence_length=16", f"train.beta={beta}", f"train.steps_per_forward={steps_per_forward}",
+        "sample.max_sequence_length=16", f"train.grpo.beta={beta}", f"train.steps_per_forward={steps_per_forward}",
         f"train.minibatch_size={micro}", f"train.micro_batch_size={micro}",
         f"train.gradient_checkpointing={str(checkpointing).lower()}", f"lora.enabled={str(lora).lower()}",
         "log.progress=false", f"log.run_dir={work}/run", "log.overwrite=true", "eval.before=false",
@@ -190,7 +190,7 @@ def measure(directory: str, *, micro: int, checkpointing: bool, size: int = 256,
         # on top of the trajectory it records
         policy = trainer.policy
         with LiveTensorBytes() as rollout_tracker:
-            traj = backend.rollout(batch.prompts[:1], group_size=group, num_steps=2, sde_window=policy.window,
+            traj = backend.rollout(batch.prompts[:1], group_size=group, num_steps=2, sde_window=policy.stochastic_sampler()[1],
                                    height=size, width=size, seed=1, decode=False,
                                    deterministic_context=policy.merged_adapter)
         rollout = rollout_tracker.peak - storage_bytes(v for v in vars(traj).values() if isinstance(v, torch.Tensor))
@@ -275,7 +275,7 @@ def measure_text(directory: str, *, micro: int, checkpointing: bool, new_tokens:
     overrides = [
         "backend=text", f"model.path={directory}", "model.device=cpu", f"model.dtype={dtype}",
         "sample.prompts_per_epoch=1", f"sample.group_size={group}", f"text.max_new_tokens={new_tokens}",
-        "text.chat_template=false", f"train.beta={beta}", f"train.minibatch_size={micro}",
+        "text.chat_template=false", f"train.grpo.beta={beta}", f"train.minibatch_size={micro}",
         f"train.micro_batch_size={micro}", f"train.gradient_checkpointing={str(checkpointing).lower()}",
         f"lora.enabled={str(lora).lower()}", "lora.rank=16", "log.progress=false", f"log.run_dir={work}/run",
         "log.overwrite=true", "eval.before=false", f"data.train_prompts={arith / 'train.jsonl'}",

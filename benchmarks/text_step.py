@@ -146,7 +146,7 @@ def build_flowrl(args):
 
     cfg = load_config(args.config, [
         f"sample.prompts_per_epoch={args.prompts}", f"sample.group_size={args.group}",
-        f"text.max_new_tokens={args.max_new_tokens}", "text.temperature=1.0", "train.beta=0.0",
+        f"text.max_new_tokens={args.max_new_tokens}", "text.temperature=1.0", "train.grpo.beta=0.0",
         "log.progress=false", "log.completions_every=0", "log.tensorboard=false", "log.wandb=false",
         f"log.run_dir={tempfile.mkdtemp(prefix='flowrl-text-bench-')}", *setting_overrides(args), *args.overrides])
     return Trainer(cfg)

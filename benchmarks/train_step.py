@@ -49,7 +49,7 @@ def main(argv=None) -> int:
         cfg = load_config(None, [
             f"model.path={args.model}", f"model.device={args.device}", f"sample.height={args.height}",
             f"sample.width={args.width}", f"sample.num_steps={args.steps}", f"sample.prompts_per_epoch={args.prompts}",
-            f"sample.group_size={args.group}", "sample.max_sequence_length=16", f"train.beta={args.beta}",
+            f"sample.group_size={args.group}", "sample.max_sequence_length=16", f"train.grpo.beta={args.beta}",
             f"train.steps_per_forward={k}", "log.progress=false", "log.run_dir=/tmp/flowrl-bench"])
         tr = Trainer(cfg)
         den = tr.policy.backend.denoiser

@@ -44,10 +44,6 @@ TARGET_GAIN = 0.20
 #: Every eval of the race (the test split during training, the out-of-template split after) samples with 10 ODE steps,
 #: half the demo's 20: the base model's test accuracy is then 0.271 instead of 0.299.
 EVAL = ["eval.num_steps=10"]
-#: configs/shapes_grpo.yaml's GRPO sampler settings, back to their defaults: the forward-process objectives roll out
-#: with the ODE (one initial noise per group would make a group's images all the same)
-FORWARD_PROCESS = ["sample.window.kind=all", "sample.sde_type=auto", "sample.noise_level=null",
-                   "sample.same_noise_per_group=false"]
 #: Each objective's settings on the shapes world (key=value overrides of configs/shapes_grpo.yaml): 4 training times
 #: per sample (GRPO trains 4 steps: the preset's window); NFT's beta 0.1 and DPO's beta 100 learned faster than
 #: their defaults (1 and 5000) on a tiny model in the first hand runs. AWM's from trials on seed 0: rollouts of 6 ODE
@@ -60,10 +56,10 @@ FORWARD_PROCESS = ["sample.window.kind=all", "sample.sde_type=auto", "sample.noi
 #: drifted less.
 OBJECTIVE_SETTINGS: dict[str, list[str]] = {
     "grpo": [],
-    "nft": ["train.objective=nft", *FORWARD_PROCESS, "train.nft.beta=0.1", "train.nft.timesteps=4"],
-    "awm": ["train.objective=awm", *FORWARD_PROCESS, "train.awm.timesteps=4", "sample.num_steps=6", "train.lr=3e-3",
+    "nft": ["train.objective=nft", "train.nft.beta=0.1", "train.nft.timesteps=4"],
+    "awm": ["train.objective=awm", "train.awm.timesteps=4", "sample.num_steps=6", "train.lr=3e-3",
             "train.awm.kl_coef=3e-2", "train.schedule=cosine", "train.schedule_over=budget"],
-    "dpo": ["train.objective=dpo", *FORWARD_PROCESS, "train.dpo.beta=100", "train.dpo.timesteps=4"],
+    "dpo": ["train.objective=dpo", "train.dpo.beta=100", "train.dpo.timesteps=4"],
 }
 
 
