@@ -11,14 +11,17 @@
 Image rewards: ``reward(images: list[PIL.Image], prompts: list[str], **metadata) -> Tensor[B]``, with
 extra per-image values in ``reward.last_components``; ``reward.accepts`` says whether it scores images, videos
 (uint8 frames ``[F, H, W, C]``) or both, and a built image-only reward scores a video by some of its frames.
-Text rewards have TRL's signature ``(prompts, completions, **columns) -> list[float | None]``. Each built reward carries ``.kind``.
+Text rewards have TRL's signature ``(prompts, completions, **columns) -> list[float | None]``; ``call_text_reward``
+calls one as TRL's GRPOTrainer does, with ``RewardState`` as its ``trainer_state``. Each built reward carries ``.kind``.
+``rewards.features.ImageEncoder`` embeds images with a DINOv2 or CLIP backbone.
 A name ``"package.module:function"`` or ``"path/to/file.py:function"`` is a plug-in: that function of
 the user's code is the reward. See ``rewards/registry.py`` for how to register a new reward.
 Importing this package loads no model.
 """
 
+from rewards._common import RewardState, call_text_reward
 from rewards.registry import (IMAGE, KINDS, REWARDS, TEXT, VIDEO, NamedReward, RewardConfigError, RewardError,
-                              accepts_of, available, build, check, get, kind_of, register)
+                              accepts_of, available, build, check, declared_accepts, get, kind_of, register)
 
 
 def combine(named, weights=None):
@@ -29,4 +32,5 @@ def combine(named, weights=None):
 
 
 __all__ = ["IMAGE", "KINDS", "REWARDS", "TEXT", "VIDEO", "NamedReward", "RewardConfigError", "RewardError",
-           "accepts_of", "available", "build", "check", "combine", "get", "kind_of", "register"]
+           "RewardState", "accepts_of", "available", "build", "call_text_reward", "check", "combine",
+           "declared_accepts", "get", "kind_of", "register"]

@@ -103,9 +103,7 @@ def load_all() -> None:
     global _loaded
     if _loaded:
         return
-    import rewards
-
-    for info in pkgutil.iter_modules(rewards.__path__):
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):  # (not `rewards.__path__`: no import cycle)
         if not info.name.startswith("_"):
             importlib.import_module(f"rewards.{info.name}")
     _loaded = True

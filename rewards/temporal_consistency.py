@@ -1,5 +1,5 @@
 """Temporal consistency of a video: the mean cosine similarity of the backbone features (DINOv2 by default, or
-CLIP; see ``rewards._features``) of consecutive frames. A clip that holds together (the same scene and subject from
+CLIP; see ``rewards.features``) of consecutive frames. A clip that holds together (the same scene and subject from
 frame to frame) scores near 1; flicker, cuts and frames of noise score lower. A still clip scores 1: pair it with
 a reward for motion or for the prompt, not alone."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from rewards._common import resolve_device, resolve_dtype
-from rewards._features import ImageEncoder
+from rewards.features import ImageEncoder
 from rewards.registry import IMAGE, register
 
 
