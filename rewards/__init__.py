@@ -14,14 +14,18 @@ extra per-image values in ``reward.last_components``; ``reward.accepts`` says wh
 Text rewards have TRL's signature ``(prompts, completions, **columns) -> list[float | None]``; ``call_text_reward``
 calls one as TRL's GRPOTrainer does, with ``RewardState`` as its ``trainer_state``. Each built reward carries ``.kind``.
 ``rewards.features.ImageEncoder`` embeds images with a DINOv2 or CLIP backbone.
-A name ``"package.module:function"`` or ``"path/to/file.py:function"`` is a plug-in: that function of
-the user's code is the reward. See ``rewards/registry.py`` for how to register a new reward.
+
+Where rewards come from: the files of this package (one reward per file, see ``rewards/registry.py`` for how to
+add one); other installed packages, through entry points of the group ``flowrl.rewards`` (each names a module
+that registers the reward of its name, see ``rewards/registry.py``); and plug-ins, a name
+``"package.module:function"`` or ``"path/to/file.py:function"``: that function of the user's code is the reward.
 Importing this package loads no model.
 """
 
 from rewards._common import RewardState, call_text_reward
-from rewards.registry import (IMAGE, KINDS, REWARDS, TEXT, VIDEO, NamedReward, RewardConfigError, RewardError,
-                              accepts_of, available, build, check, declared_accepts, get, kind_of, register)
+from rewards.registry import (ENTRY_POINT_GROUP, IMAGE, KINDS, REWARDS, TEXT, VIDEO, NamedReward, RewardConfigError,
+                              RewardError, accepts_of, available, build, check, declared_accepts, get, kind_of,
+                              register)
 
 
 def combine(named, weights=None):
@@ -31,6 +35,6 @@ def combine(named, weights=None):
     return _combine(named, weights)
 
 
-__all__ = ["IMAGE", "KINDS", "REWARDS", "TEXT", "VIDEO", "NamedReward", "RewardConfigError", "RewardError",
-           "RewardState", "accepts_of", "available", "build", "call_text_reward", "check", "combine",
+__all__ = ["ENTRY_POINT_GROUP", "IMAGE", "KINDS", "REWARDS", "TEXT", "VIDEO", "NamedReward", "RewardConfigError",
+           "RewardError", "RewardState", "accepts_of", "available", "build", "call_text_reward", "check", "combine",
            "declared_accepts", "get", "kind_of", "register"]

@@ -1,4 +1,4 @@
-"""The reward registry: names -> factories, the two kinds of reward, and rewards from the user's code.
+"""The reward registry: names -> factories, the two kinds of reward, and rewards from other packages and the user's code.
 
 How to add a reward (e.g. ``rewards/shapes_geneval.py``)::
 
@@ -29,6 +29,19 @@ on the reward or plug-in function) declares the samples it takes, ``"image"`` (P
 clips; an image-only reward given videos scores ``video_frames`` frames of each, chosen evenly from the first to
 the last, and each video's score is their mean (``video_aggregate``: mean, min or max), its components alike.
 
+Rewards from other packages: a distribution declares entry points in the group ``flowrl.rewards``; each
+entry point's name is a reward's name and its value a module (no ``:attribute``) that registers that reward
+with ``rewards.register`` when imported, exactly as a file of this package does. In ``pyproject.toml``::
+
+    [project.entry-points."flowrl.rewards"]
+    their_name = "their_pkg.scores"        # their_pkg/scores.py: @register("their_name", kind=...)
+
+The module is imported the first time its reward is asked for (``get``, ``check``, ``build``) or the rewards of a kind are listed (``available(kind)``); ``available()`` lists the names
+without importing anything. A built-in name wins over an entry point of the same name. An entry point that
+fails (its module does not import, or does not register its name) is a one-line RewardConfigError naming the
+distribution and the entry point when its reward is asked for, and a warning (the reward left out) when the
+rewards of a kind are listed; the other rewards are not affected.
+
 Plug-ins: a reward named ``"package.module:function"`` or ``"path/to/file.py:function"`` (relative to
 the working directory) is that function of the user's code, called on every batch with the config's
 ``kwargs`` as keyword arguments; its kind is the backend's unless it declares ``.kind``.
@@ -41,6 +54,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import importlib
+import importlib.metadata
 import importlib.util
 import inspect
 import os
@@ -48,12 +62,13 @@ import pkgutil
 import re
 import sys
 import traceback
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-from flowrl.core.registry import Registry
+from flowrl.core.registry import Registry, unknown_name_error
 from rewards._common import (TRL_EXTRAS, accepted_kwargs, image_scores, invoke_text_reward, takes_batch_by_position,
                              text_scores)
 
@@ -64,6 +79,7 @@ VIDEO = "video"
 SAMPLE_TYPES = (IMAGE, VIDEO)  # what an image-kind reward may accept
 
 REWARDS: Registry[Callable[..., Any]] = Registry("reward")
+ENTRY_POINT_GROUP = "flowrl.rewards"
 
 PLUGIN_FORMS = "a plug-in 'package.module:function' or 'path/to/file.py:function'"
 
@@ -110,11 +126,82 @@ def load_all() -> None:
 
 
 def available(kind: str | None = None) -> list[str]:
-    """The registered reward names (sorted), optionally only those of one ``kind``."""
+    """The reward names (sorted): built-in, registered and from entry points; optionally only those of one
+    ``kind``, for which the entry points' modules are imported (one that fails is left out, with a warning)."""
     if kind is not None and kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS} or None, got {kind!r}")
     load_all()
-    return [n for n in REWARDS.names() if kind is None or getattr(REWARDS.get(n), "reward_kind", None) == kind]
+    if kind is None:
+        return sorted(set(REWARDS.names()) | set(_entry_points()))
+    for name, entry_point in _entry_points().items():
+        if name not in REWARDS:
+            try:
+                _load_entry_point(entry_point)
+            except RewardConfigError as e:
+                warnings.warn(str(e), stacklevel=2)
+    return [n for n in REWARDS.names() if getattr(REWARDS.get(n), "reward_kind", None) == kind]
+
+
+# ---------------------------------------------------------------------------- entry points
+
+
+def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    """The ``flowrl.rewards`` entry points of the distributions on ``sys.path`` now, by name (the first of a
+    name). Read afresh on each call (a few milliseconds): a package put on the path later is seen."""
+    found: dict[str, importlib.metadata.EntryPoint] = {}
+    for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        found.setdefault(entry_point.name, entry_point)
+    return found
+
+
+def _origin(entry_point: importlib.metadata.EntryPoint) -> str:
+    """"entry point NAME = VALUE (group flowrl.rewards) of distribution DIST VERSION"."""
+    dist = getattr(entry_point, "dist", None)
+    owner = f"distribution {dist.name} {dist.version}" if dist is not None else "an unnamed distribution"
+    return f"entry point {entry_point.name} = {entry_point.value} (group {ENTRY_POINT_GROUP}) of {owner}"
+
+
+def _load_entry_point(entry_point: importlib.metadata.EntryPoint) -> None:
+    """Import the module an entry point names, which registers the reward of its name. A one-line
+    RewardConfigError naming the distribution and the entry point when the value is not a module, its import
+    fails, or it does not register that name."""
+    name = entry_point.name
+    if entry_point.attr:
+        raise RewardConfigError(f"reward {name!r}: {_origin(entry_point)} names an attribute; its value must be a "
+                                f"module that calls rewards.register({name!r}, kind=...) on import: "
+                                f"{name} = {entry_point.module}")
+    before = set(REWARDS.names())
+    try:
+        importlib.import_module(entry_point.module)
+    except Exception as e:  # ImportError, or the module's own code failed
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise RewardConfigError(f"reward {name!r}: {_origin(entry_point)} failed to import: "
+                                f"{type(e).__name__}: {first}") from e
+    if name not in REWARDS:
+        others = sorted(set(REWARDS.names()) - before)
+        raise RewardConfigError(f"reward {name!r}: {_origin(entry_point)}: module {entry_point.module} registered "
+                                f"{', '.join(map(repr, others)) or 'nothing'}, not {name!r}; it must call "
+                                f"rewards.register({name!r}, kind=...)")
+
+
+def _factory(name: str) -> Callable[..., Any] | None:
+    """The factory registered as ``name`` (an entry point's module imported first if need be); None when no
+    reward has that name. RewardConfigError (see ``_load_entry_point``) when its entry point fails."""
+    load_all()
+    if name not in REWARDS:
+        entry_point = _entry_points().get(name)
+        if entry_point is None:
+            return None
+        _load_entry_point(entry_point)
+    return REWARDS.get(name)
+
+
+def _registered(name: str) -> Callable[..., Any]:
+    """``_factory``, with a RewardConfigError listing the valid names (and the close ones) for an unknown name."""
+    factory = _factory(name)
+    if factory is None:
+        raise RewardConfigError(str(unknown_name_error("reward", name, available())))
+    return factory
 
 
 def _options_message(name: str, unknown: list[str], valid: list[str]) -> str:
@@ -131,8 +218,7 @@ def get(name: str, **kwargs: Any) -> Callable[..., Any]:
     The result carries ``.kind`` ("image" or "text") and ``.__name__`` (TRL logs rewards by it).
     An unknown name or option is an error that lists the valid ones.
     """
-    load_all()
-    factory = REWARDS.get(name)
+    factory = _registered(name)
     params = inspect.signature(factory).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     unknown = [k for k in kwargs if k not in params and not takes_any]
@@ -170,8 +256,7 @@ def declared_accepts(name: str) -> tuple[str, ...]:
     registration's ``accepts`` or the plug-in's ``.accepts``; ("image",) when it does not say."""
     if is_plugin(name):
         return accepts_of(load_plugin(name))
-    load_all()
-    return tuple(getattr(REWARDS.get(name), "reward_accepts", (IMAGE,)))
+    return tuple(getattr(_registered(name), "reward_accepts", (IMAGE,)))
 
 
 def kind_of(reward: Callable[..., Any], default: str | None = None) -> str:
@@ -233,13 +318,12 @@ def _checked(name: str, kwargs: dict[str, Any], kind: str) -> Callable[..., Any]
 
 def _check_registered(name: str, kwargs: dict[str, Any], kind: str) -> None:
     """Name, options and kind of a registered reward, from its factory's signature."""
-    load_all()
-    if name not in REWARDS:
-        close = difflib.get_close_matches(name, REWARDS.names(), n=3, cutoff=0.5)
+    factory = _factory(name)
+    if factory is None:
+        close = difflib.get_close_matches(name, available(), n=3, cutoff=0.5)
         hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
         raise RewardConfigError(f"unknown reward {name!r}.{hint} Valid {kind} rewards: "
                                 f"{', '.join(available(kind))}; or {PLUGIN_FORMS}.")
-    factory = REWARDS.get(name)
     params = inspect.signature(factory).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     options = [k for k, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
