@@ -7,12 +7,14 @@
 
     rewards.check("mypkg.scores:brightness", {"gain": 2}, "image")        # cheap: nothing is built
     reward = rewards.build("path/to/scores.py:brightness", {"gain": 2}, "image")
+    rewards.memory_spec("pickscore", {})    # [HubModel("yuvalkirstain/PickScore_v1", "CLIPModel", ...)]
 
 Image rewards: ``reward(images: list[PIL.Image], prompts: list[str], **metadata) -> Tensor[B]``, with
 extra per-image values in ``reward.last_components``; ``reward.accepts`` says whether it scores images, videos
 (uint8 frames ``[F, H, W, C]``) or both, and a built image-only reward scores a video by some of its frames.
 Text rewards have TRL's signature ``(prompts, completions, **columns) -> list[float | None]``; ``call_text_reward``
 calls one as TRL's GRPOTrainer does, with ``RewardState`` as its ``trainer_state``. Each built reward carries ``.kind``.
+Every reward declares what it keeps on the accelerator (``rewards.memory``); ``memory_spec`` answers the planner.
 ``rewards.features.ImageEncoder`` embeds images with a DINOv2 or CLIP backbone.
 
 Where rewards come from: the files of this package (one reward per file, see ``rewards/registry.py`` for how to
@@ -23,9 +25,10 @@ Importing this package loads no model.
 """
 
 from rewards._common import RewardState, call_text_reward
+from rewards.memory import NOTHING, HubModel, NotEstimated, Parameters, hub_model
 from rewards.registry import (ENTRY_POINT_GROUP, IMAGE, KINDS, REWARDS, TEXT, VIDEO, NamedReward, RewardConfigError,
                               RewardError, accepts_of, available, build, check, declared_accepts, get, kind_of,
-                              register)
+                              memory_spec, register)
 
 
 def combine(named, weights=None):
@@ -35,6 +38,7 @@ def combine(named, weights=None):
     return _combine(named, weights)
 
 
-__all__ = ["ENTRY_POINT_GROUP", "IMAGE", "KINDS", "REWARDS", "TEXT", "VIDEO", "NamedReward", "RewardConfigError",
-           "RewardError", "RewardState", "accepts_of", "available", "build", "call_text_reward", "check", "combine",
-           "declared_accepts", "get", "kind_of", "register"]
+__all__ = ["ENTRY_POINT_GROUP", "IMAGE", "KINDS", "NOTHING", "REWARDS", "TEXT", "VIDEO", "HubModel", "NamedReward",
+           "NotEstimated", "Parameters", "RewardConfigError", "RewardError", "RewardState", "accepts_of", "available",
+           "build", "call_text_reward", "check", "combine", "declared_accepts", "get", "hub_model", "kind_of",
+           "memory_spec", "register"]

@@ -22,11 +22,12 @@ import torch
 from PIL import Image, ImageDraw
 
 from rewards._common import check_images, resolve_device, resolve_dtype
-from rewards.features import ImageEncoder
+from rewards.features import ARCHITECTURES, ImageEncoder
+from rewards.memory import hub_model
 from rewards.registry import IMAGE, register
 
 
-@register("edit_consistency", kind=IMAGE)
+@register("edit_consistency", kind=IMAGE, memory=hub_model("model", ARCHITECTURES))
 class EditConsistency:
     """reward(images, prompts, image=[[source path, ...], ...], edit_region=[box or boxes or None, ...])
     -> Tensor[B]: ``scale · cos(f(edited), f(source))``; component ``masked`` [B] (1 where a region was left out).

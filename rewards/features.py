@@ -1,6 +1,6 @@
 """Image features: a vision backbone loaded by hub id or local directory through transformers, one embedding per
 image. Public: the similarity rewards (edit consistency, temporal consistency) and flowrl's eval.diversity_features
-embed with ``ImageEncoder``.
+embed with ``ImageEncoder``; the memory planner asks ``encoder_memory`` what it holds.
 
     from rewards.features import ImageEncoder
     encoder = ImageEncoder("facebook/dinov2-small", None, torch.device("cuda"), torch.float32)
@@ -20,10 +20,17 @@ from __future__ import annotations
 import torch
 
 from rewards._common import pooled
+from rewards.memory import HubModel
 
 #: a checkpoint's config.json ``model_type`` -> the transformers class ``ImageEncoder`` builds it as
 ARCHITECTURES = {"dinov2": "Dinov2Model", "clip": "CLIPModel", "clip_vision_model": "CLIPVisionModelWithProjection"}
 BACKBONES = tuple(ARCHITECTURES)  # the model types ImageEncoder embeds with
+
+
+def encoder_memory(model: str, dtype: str = "float32") -> HubModel:
+    """What an ``ImageEncoder`` of ``model`` (hub id or local directory) keeps on its device, for the memory
+    planner: the backbone's transformers class, picked by its config's ``model_type``, in ``dtype``."""
+    return HubModel(model, ARCHITECTURES, dtype)
 
 
 class ImageEncoder:

@@ -2,9 +2,10 @@
 
 How to add a reward (e.g. ``rewards/shapes_geneval.py``)::
 
+    from rewards.memory import NOTHING
     from rewards.registry import IMAGE, register
 
-    @register("shapes_geneval", kind=IMAGE)
+    @register("shapes_geneval", kind=IMAGE, memory=NOTHING)
     class ShapesGenEval:
         kind = IMAGE
         def __init__(self, threshold: float = 0.5): ...
@@ -23,6 +24,12 @@ options and which returns the reward callable:
 
 A factory whose kind depends on its options (``remote``) has ``check_options(kwargs, kind) -> kind``.
 
+What it holds on the accelerator: ``register(name, kind=..., memory=...)`` declares it for the memory planner
+(``flowrl plan``): ``NOTHING``, or the model(s) it loads given its options, e.g.
+``memory=hub_model("model", "CLIPModel")`` (see ``rewards/memory.py``); ``rewards.memory_spec(name, kwargs)``
+answers. A reward that declares nothing is planned as "not estimated" (and tests/test_rewards_memory.py
+fails for a reward of this package that does not declare).
+
 What an image reward scores: ``register(name, kind=IMAGE, accepts=("video",))`` (or a ``.accepts`` attribute
 on the reward or plug-in function) declares the samples it takes, ``"image"`` (PIL images, the default) and/or
 ``"video"`` (uint8 arrays of frames ``[F, H, W, C]``, see ``flowrl.video``). A video-native reward gets whole
@@ -34,9 +41,10 @@ entry point's name is a reward's name and its value a module (no ``:attribute``)
 with ``rewards.register`` when imported, exactly as a file of this package does. In ``pyproject.toml``::
 
     [project.entry-points."flowrl.rewards"]
-    their_name = "their_pkg.scores"        # their_pkg/scores.py: @register("their_name", kind=...)
+    their_name = "their_pkg.scores"        # their_pkg/scores.py: @register("their_name", kind=..., memory=...)
 
-The module is imported the first time its reward is asked for (``get``, ``check``, ``build``) or the rewards of a kind are listed (``available(kind)``); ``available()`` lists the names
+The module is imported the first time its reward is asked for (``get``, ``check``, ``build``,
+``memory_spec``) or the rewards of a kind are listed (``available(kind)``); ``available()`` lists the names
 without importing anything. A built-in name wins over an entry point of the same name. An entry point that
 fails (its module does not import, or does not register its name) is a one-line RewardConfigError naming the
 distribution and the entry point when its reward is asked for, and a warning (the reward left out) when the
@@ -44,7 +52,8 @@ rewards of a kind are listed; the other rewards are not affected.
 
 Plug-ins: a reward named ``"package.module:function"`` or ``"path/to/file.py:function"`` (relative to
 the working directory) is that function of the user's code, called on every batch with the config's
-``kwargs`` as keyword arguments; its kind is the backend's unless it declares ``.kind``.
+``kwargs`` as keyword arguments; its kind is the backend's unless it declares ``.kind`` (and ``.memory``,
+as above, for the planner).
 ``check(name, kwargs, kind)`` validates any name without loading a model; ``build(name, kwargs, kind)``
 returns the reward wrapped so that a failure names it.
 """
@@ -71,6 +80,7 @@ from typing import Any, Callable
 from flowrl.core.registry import Registry, unknown_name_error
 from rewards._common import (TRL_EXTRAS, accepted_kwargs, image_scores, invoke_text_reward, takes_batch_by_position,
                              text_scores)
+from rewards.memory import Held, NotEstimated, is_declaration, resolve
 
 IMAGE = "image"
 TEXT = "text"
@@ -93,19 +103,26 @@ class RewardError(RuntimeError):
     """A built reward failed; the message starts with its name and the error is chained."""
 
 
-def register(name: str, *, kind: str, accepts: tuple[str, ...] | None = None
+def register(name: str, *, kind: str, accepts: tuple[str, ...] | None = None, memory: Any = None
              ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: register a reward factory under ``name``; ``kind`` is "image" or "text". An image reward's
-    ``accepts`` says which samples it scores: ("image",) by default, ("video",) for a video-native one, or both."""
+    ``accepts`` says which samples it scores: ("image",) by default, ("video",) for a video-native one, or both.
+    ``memory`` declares what it keeps on the accelerator, for the planner (``rewards.memory``: ``NOTHING``, held
+    items, or a function of its options); None: not declared, so not estimated."""
     if kind not in KINDS:
         raise ValueError(f"reward {name!r}: kind must be one of {KINDS}, got {kind!r}")
     if accepts is not None:
         _check_accepts(name, accepts)
+    if memory is not None and not is_declaration(memory):
+        raise ValueError(f"reward {name!r}: memory must be NOTHING, a HubModel, Parameters or NotEstimated, a list "
+                         f"of them, or a function of the options giving them (see rewards.memory); got {memory!r}")
 
     def deco(factory: Callable[..., Any]) -> Callable[..., Any]:
         factory.reward_kind = kind  # type: ignore[attr-defined]
         if accepts is not None:
             factory.reward_accepts = tuple(accepts)  # type: ignore[attr-defined]
+        if memory is not None:
+            factory.reward_memory = memory  # type: ignore[attr-defined]
         return REWARDS.register(name)(factory)
 
     return deco
@@ -268,6 +285,45 @@ def kind_of(reward: Callable[..., Any], default: str | None = None) -> str:
             f"set reward.kind to one of {KINDS} or build it with rewards.get(name)"
         )
     return kind
+
+
+# ---------------------------------------------------------------------------- memory
+
+
+def memory_spec(name: str, kwargs: Mapping[str, Any] | None = None) -> list[Held]:
+    """What the reward ``name`` (registered, from an entry point, or a plug-in) with options ``kwargs`` keeps on
+    the accelerator, for the memory planner: ``rewards.memory`` items (HubModel, Parameters, NotEstimated), each
+    naming the reward it belongs to; [] when it holds no model. Nothing is built and no weights load (a
+    plug-in's module is imported). A reward that declares nothing gives one NotEstimated saying so.
+    RewardConfigError for an unknown name, a plug-in that cannot be loaded, or a declaration that fails on these
+    options."""
+    kwargs = dict(kwargs or {})
+    if is_plugin(name):
+        source = load_plugin(name)
+        declared = getattr(source, "memory", None)
+        missing = "a plug-in's function declares .memory"
+    else:
+        source = _registered(name)
+        declared = getattr(source, "reward_memory", None)
+        missing = "register(..., memory=...)"
+    if declared is None:
+        return [NotEstimated(f"it declares nothing ({missing}, see rewards.memory)", reward=name)]
+    try:
+        return resolve(declared, {**_defaults(source), **kwargs}, name)
+    except RewardConfigError:
+        raise
+    except Exception as e:  # the declaration's function failed on these options, or gave something else
+        raise RewardConfigError(f"reward {name!r}: its memory declaration failed on options {kwargs}: "
+                                f"{type(e).__name__}: {e}") from e
+
+
+def _defaults(fn: Callable[..., Any]) -> dict[str, Any]:
+    """The parameters of ``fn`` that have a default value, with it ({} when its signature cannot be read)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {k: p.default for k, p in params.items() if p.default is not p.empty}
 
 
 # ---------------------------------------------------------------------------- check and build

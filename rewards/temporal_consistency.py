@@ -8,11 +8,12 @@ from __future__ import annotations
 import torch
 
 from rewards._common import resolve_device, resolve_dtype
-from rewards.features import ImageEncoder
+from rewards.features import ARCHITECTURES, ImageEncoder
+from rewards.memory import hub_model
 from rewards.registry import IMAGE, register
 
 
-@register("temporal_consistency", kind=IMAGE, accepts=("video",))
+@register("temporal_consistency", kind=IMAGE, accepts=("video",), memory=hub_model("model", ARCHITECTURES))
 class TemporalConsistency:
     """reward(videos, prompts) -> Tensor[B]: per video, ``scale · mean_t cos(f(frame_t), f(frame_t+stride))`` over
     its frames 0, stride, 2·stride, ...; component ``min`` [B]: the least similar consecutive pair (the worst jump).

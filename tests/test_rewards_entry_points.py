@@ -1,6 +1,6 @@
 """Rewards of other packages, found through the `flowrl.rewards` entry-point group: a tiny third-party distribution
 (a `*.dist-info` folder with METADATA and entry_points.txt, and its package) put on sys.path, as pip would install it.
-Its rewards are listed, checked and built like the built-in ones; a broken entry point is one line naming
+Its rewards are listed, checked, built and declare their memory like the built-in ones; a broken entry point is one line naming
 the distribution and the entry point, when its reward is asked for, and leaves the other rewards alone."""
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ import torch
 import rewards
 
 
-@rewards.register("their_name", kind=rewards.IMAGE)
+@rewards.register("their_name", kind=rewards.IMAGE,
+                  memory=[rewards.HubModel("openai/clip-vit-large-patch14", "CLIPModel")])
 class Brightness:
     """gain * the mean luminance in [0, 1]."""
 
@@ -110,7 +111,7 @@ def test_a_broken_entry_point_is_one_line_naming_the_distribution_and_spares_the
                 r"distribution their-dist 1.0 failed to import: ModuleNotFoundError: No module named "
                 r"'numpyy_is_not_installed'$")
     for ask in (lambda: rewards.get("their_broken"), lambda: rewards.check("their_broken", {}, "image"),
-                lambda: rewards.build("their_broken", {}, "image")):
+                lambda: rewards.build("their_broken", {}, "image"), lambda: rewards.memory_spec("their_broken")):
         with pytest.raises(rewards.RewardConfigError, match=expected):
             ask()
     from flowrl.config import load_config
@@ -139,6 +140,11 @@ def test_an_entry_point_must_name_a_module_that_registers_its_name(site):
                                                         r"nothing, not 'their_silent'; it must call "
                                                         r"rewards.register\('their_silent', kind=...\)$"):
         rewards.check("their_silent", {}, "image")
+
+
+def test_it_declares_its_memory_as_the_built_in_ones_do(site):
+    assert rewards.memory_spec("their_name") == [
+        rewards.HubModel("openai/clip-vit-large-patch14", "CLIPModel", "float32", reward="their_name")]
 
 
 def test_entry_points_are_read_afresh_when_sys_path_changes(site, monkeypatch):
