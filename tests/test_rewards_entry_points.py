@@ -1,6 +1,6 @@
 """Rewards of other packages, found through the `flowrl.rewards` entry-point group: a tiny third-party distribution
 (a `*.dist-info` folder with METADATA and entry_points.txt, and its package) put on sys.path, as pip would install it.
-Its rewards are listed, checked, built and declare their memory like the built-in ones; a broken entry point is one line naming
+Its rewards are listed, checked, built and planned like the built-in ones; a broken entry point is one line naming
 the distribution and the entry point, when its reward is asked for, and leaves the other rewards alone."""
 
 from __future__ import annotations
@@ -142,9 +142,16 @@ def test_an_entry_point_must_name_a_module_that_registers_its_name(site):
         rewards.check("their_silent", {}, "image")
 
 
-def test_it_declares_its_memory_as_the_built_in_ones_do(site):
+def test_its_memory_declaration_reaches_the_planner(site):
     assert rewards.memory_spec("their_name") == [
         rewards.HubModel("openai/clip-vit-large-patch14", "CLIPModel", "float32", reward="their_name")]
+    from flowrl.config import load_config
+    from flowrl.plan import reward_components
+
+    parts, notes = reward_components(load_config(None, ["rewards.0.name=their_name"]).rewards)
+    assert [(p.name, p.class_name) for p in parts] == [("reward their_name",
+                                                        "CLIPModel openai/clip-vit-large-patch14")]
+    assert notes == [] and parts[0].params / 1e9 == pytest.approx(0.428, rel=0.01)
 
 
 def test_entry_points_are_read_afresh_when_sys_path_changes(site, monkeypatch):
