@@ -29,6 +29,7 @@ their_silent = their_pkg.silent
 
 SCORES = '''\
 """A third party's reward module: it registers its reward as a file of the rewards package does."""
+import numpy as np
 import torch
 
 import rewards
@@ -43,7 +44,7 @@ class Brightness:
         self.gain = gain
 
     def __call__(self, images, prompts, **metadata):
-        return torch.tensor([self.gain * sum(x.convert("L").getdata()) / (255 * x.width * x.height) for x in images])
+        return torch.tensor([self.gain * np.asarray(x.convert("L"), dtype=np.float64).mean() / 255 for x in images])
 '''
 
 
