@@ -717,84 +717,64 @@ def _prompt_file(spec: str, column: str) -> tuple[int | None, int | None]:
     return prompts, most
 
 
-#: reward name -> (the keyword naming its backbone, the default backbone): the hub model whose weights it keeps
-#: on the GPU. hpsv2 is open_clip's ViT-H-14, the architecture of laion's CLIP-H.
-REWARD_BACKBONES = {
-    "pickscore": ("model", "yuvalkirstain/PickScore_v1"),
-    "aesthetic": ("model", "openai/clip-vit-large-patch14"),
-    "clip_score": ("model", "openai/clip-vit-large-patch14"),
-    "hpsv2": (None, "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"),
-}
-#: rewards that hold no model on the GPU (text rules, JPEG size, Tesseract OCR, the shapes detector, a server)
-GPU_FREE_REWARDS = {"jpeg_compressibility", "jpeg_incompressibility", "ocr", "shapes_geneval", "shapes_soft",
-                    "accuracy", "think_format", "soft_overlong", "remote"}
-
-
 @functools.lru_cache(maxsize=16)
-def _clip_size(config_json: str, dtype: str) -> tuple[int, int]:
+def _transformers_size(class_name: str, config_json: str, dtype: str) -> tuple[int, int]:
     import transformers
 
-    return _sizes(build_on_meta(transformers.CLIPModel, json.loads(config_json)), dtype)
+    return _sizes(build_on_meta(getattr(transformers, class_name), json.loads(config_json)), dtype)
+
+
+def _held_component(label: str, who: str, held) -> tuple[list[Component], list[str]]:
+    """One model a reward (or the eval feature backbone) keeps on the GPU, as it declares it (`rewards.memory`): a
+    `HubModel` built on meta from its configuration, `Parameters` of a known count, or, for what cannot be sized
+    (`NotEstimated`, no configuration, a model type it does not take), a note that starts with `who`."""
+    import rewards
+
+    if isinstance(held, rewards.NotEstimated):
+        return [], [f"{who}: {held.reason}; its memory is not estimated"]
+    if isinstance(held, rewards.Parameters):
+        return [Component(label, held.what, held.count, held.count * DTYPE_BYTES[held.dtype], held.dtype)], []
+    try:
+        read, _ = config_reader(held.source)
+        config = read("config.json")
+    except PlanError:
+        return [], [f"{who}: no configuration for {held.source}, its memory is not estimated"]
+    try:
+        class_name = held.class_for(config)
+        params, nbytes = _transformers_size(class_name, json.dumps(config, sort_keys=True), held.dtype)
+    except (ValueError, AttributeError) as e:  # a model type it does not take, a class transformers lacks
+        return [], [f"{who}: {e}; its memory is not estimated"]
+    return [Component(label, f"{class_name} {held.source}", params, nbytes, held.dtype)], []
 
 
 def reward_components(specs) -> tuple[list[Component], list[str]]:
-    """(the reward backbones built on meta, notes on rewards whose memory is not estimated)."""
+    """(the models the rewards keep on the GPU, built on meta as each reward declares them
+    (`rewards.memory_spec`: a sum of rewards, its components'), notes on those whose memory is not estimated)."""
+    import rewards
+
     parts, notes = [], []
-    flat = []
     for spec in specs:
-        if spec.name == "weighted":
-            for key, sub in (spec.kwargs.get("components") or {}).items():
-                sub = sub if isinstance(sub, dict) else {"weight": sub}
-                flat.append((sub.get("reward", key), sub))
-        else:
-            flat.append((spec.name, dict(spec.kwargs)))
-    for name, kwargs in flat:
-        if name == "ocr" and kwargs.get("engine", "tesseract") != "tesseract":
-            notes.append(f"reward ocr: the {kwargs['engine']} engine's memory is not estimated")
-            continue
-        if name in GPU_FREE_REWARDS:
-            continue
-        if name not in REWARD_BACKBONES:
-            notes.append(f"reward {name}: its model's memory is not estimated")
-            continue
-        key, default = REWARD_BACKBONES[name]
-        repo = kwargs.get(key, default) if key else default
-        dtype = str(kwargs.get("dtype", "float32")).replace("fp32", "float32").replace("bf16", "bfloat16")
-        dtype = {"fp16": "float16", "half": "float16"}.get(dtype, dtype)
         try:
-            read, _ = config_reader(repo)
-            config = read("config.json")
-        except PlanError:
-            notes.append(f"reward {name}: no configuration for {repo}, its memory is not estimated")
+            held = rewards.memory_spec(spec.name, dict(spec.kwargs))
+        except rewards.RewardConfigError as e:
+            notes.append(f"reward {spec.name}: its memory is not estimated: {e}")
             continue
-        params, nbytes = _clip_size(json.dumps(config, sort_keys=True), dtype if dtype in DTYPE_BYTES else "float32")
-        parts.append(Component(f"reward {name}", f"CLIPModel {repo}", params, nbytes, dtype))
+        for item in held:
+            found, why = _held_component(f"reward {item.reward}", f"reward {item.reward}", item)
+            parts, notes = parts + found, notes + why
     return parts, notes
-
-
-#: eval.diversity_features: the class `rewards._features.ImageEncoder` loads for a config's model_type
-FEATURE_BACKBONES = {"dinov2": "Dinov2Model", "clip": "CLIPModel", "clip_vision_model": "CLIPVisionModelWithProjection"}
 
 
 def feature_components(backbone: str) -> tuple[list[Component], list[str]]:
     """The eval.diversity_features backbone built on meta (float32, as the trainer loads it; on the main process
-    only), or a note when its memory cannot be estimated. ("": none.)"""
+    only) as `rewards.features.encoder_memory` describes it, or a note when its memory cannot be estimated.
+    ("": none.)"""
     if not backbone:
         return [], []
-    try:
-        read, _ = config_reader(backbone)
-        config = read("config.json")
-    except PlanError:
-        return [], [f"eval.diversity_features: no configuration for {backbone}, its memory is not estimated"]
-    class_name = FEATURE_BACKBONES.get(config.get("model_type"))
-    if class_name is None:
-        return [], [f"eval.diversity_features: {backbone} is a {config.get('model_type')!r} model, not one of "
-                    f"{', '.join(FEATURE_BACKBONES)}; its memory is not estimated"]
-    import transformers
+    from rewards.features import encoder_memory
 
-    params, nbytes = _sizes(build_on_meta(getattr(transformers, class_name), config), "float32")
-    return [Component("eval.diversity_features, main process", f"{class_name} {backbone}", params, nbytes,
-                      "float32")], []
+    return _held_component("eval.diversity_features, main process", "eval.diversity_features",
+                           encoder_memory(backbone, "float32"))
 
 
 # ------------------------------------------------------------------------------------ the plan

@@ -66,7 +66,7 @@ def check_reward_samples(cfg: Config, family_name: str | None) -> None:
     videos suit every image reward, which then scores some of their frames)."""
     if family_name is None:
         return
-    from rewards.registry import declared_accepts
+    from rewards import declared_accepts
 
     from .families import family
 
@@ -120,7 +120,7 @@ def check_eval_features(cfg: Config, family_name: str | None, eval_set: PromptSe
     """eval.diversity_features: an image (not video) family; >= 2 images of every eval prompt (with
     eval.images_per_group, every prompt's share); and the backbone's config.json and preprocessor_config.json, in
     its local directory or in the Hugging Face cache (or downloadable, unless HF_HUB_OFFLINE), of a model type
-    `rewards._features.ImageEncoder` embeds with. Nothing loads."""
+    `rewards.features.ImageEncoder` embeds with. Nothing loads."""
     import json
     import os
 
@@ -133,7 +133,7 @@ def check_eval_features(cfg: Config, family_name: str | None, eval_set: PromptSe
         raise PreflightError(f"{key}={path} embeds images, and {family_name} makes videos (their diversity is not "
                              f"measured); set {key}='' (off)")
     _check_images_per_prompt(cfg, eval_set)
-    from rewards._features import BACKBONES
+    from rewards.features import BACKBONES
 
     files = {}
     for name in ("config.json", "preprocessor_config.json"):

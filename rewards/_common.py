@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from rewards.memory import DTYPE_NAMES
+
 if TYPE_CHECKING:
     import torch
     from PIL import Image
@@ -27,10 +29,6 @@ def require(module: str, *, extra: str, package: str, purpose: str) -> ModuleTyp
             f"{purpose} needs the Python package {package!r} (module {module!r}), which is not installed: "
             f"pip install 'flowrl[{extra}]'  (or: pip install {package})"
         ) from e
-
-
-_DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
-           "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
 def resolve_device(device: "str | torch.device | None") -> "torch.device":
@@ -48,9 +46,9 @@ def resolve_dtype(dtype: "str | torch.dtype") -> "torch.dtype":
 
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(_DTYPES)} or a torch.dtype")
-    return getattr(torch, _DTYPES[dtype])
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPE_NAMES)} or a torch.dtype")
+    return getattr(torch, DTYPE_NAMES[dtype])
 
 
 def resolve_file(spec: str | os.PathLike, filename: str) -> str:

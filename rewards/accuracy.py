@@ -13,6 +13,7 @@ import re
 from fractions import Fraction
 
 from rewards._common import completion_text
+from rewards.memory import NOTHING
 from rewards.registry import TEXT, register
 
 _NUMBER = re.compile(
@@ -119,7 +120,7 @@ class Accuracy:
         return scores
 
 
-@register("accuracy", kind=TEXT)
+@register("accuracy", kind=TEXT, memory=NOTHING)
 def accuracy(rel_tol: float = 1e-6) -> Accuracy:
     """The numeric final-answer accuracy reward (see the module docstring)."""
     return Accuracy(rel_tol)

@@ -9,6 +9,7 @@ from torch import nn
 
 from rewards._common import (check_images, load_clip, load_state_dict, pooled, resolve_device, resolve_dtype,
                              resolve_file)
+from rewards.memory import hub_model
 from rewards.registry import IMAGE, register
 
 
@@ -32,7 +33,7 @@ class AestheticMLP(nn.Module):
         return self.layers(embeds)
 
 
-@register("aesthetic", kind=IMAGE)
+@register("aesthetic", kind=IMAGE, memory=hub_model("model", "CLIPModel"))  # + a 0.9M-parameter head
 class Aesthetic:
     """``head(e / |e|)`` with ``e`` the projected CLIP image embedding.
 

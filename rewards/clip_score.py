@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from rewards._common import check_images, clip_embeddings, load_clip, resolve_device, resolve_dtype
+from rewards.memory import hub_model
 from rewards.registry import IMAGE, register
 
 
@@ -16,7 +17,7 @@ def clip_cosine(image_embeds: torch.Tensor, text_embeds: torch.Tensor) -> torch.
     return (image_embeds * text_embeds).sum(-1)
 
 
-@register("clip_score", kind=IMAGE)
+@register("clip_score", kind=IMAGE, memory=hub_model("model", "CLIPModel"))
 class ClipScore:
     """``scale · cos(CLIP_image(x), CLIP_text(prompt))`` per image, one forward per tower and batch.
 

@@ -1,5 +1,5 @@
 """Edit consistency: how much of the source image an edit kept, as the cosine similarity of backbone features
-(DINOv2 by default, or CLIP; see ``rewards._features``) of the edited image and the source image.
+(DINOv2 by default, or CLIP; see ``rewards.features``) of the edited image and the source image.
 
 Where it compares: the whole image by default, outside the edited region when the prompt record gives that region.
 A prompt record of an editing set names its source image (``image``, the conditioning image, which the data loader
@@ -22,11 +22,12 @@ import torch
 from PIL import Image, ImageDraw
 
 from rewards._common import check_images, resolve_device, resolve_dtype
-from rewards._features import ImageEncoder
+from rewards.features import ARCHITECTURES, ImageEncoder
+from rewards.memory import hub_model
 from rewards.registry import IMAGE, register
 
 
-@register("edit_consistency", kind=IMAGE)
+@register("edit_consistency", kind=IMAGE, memory=hub_model("model", ARCHITECTURES))
 class EditConsistency:
     """reward(images, prompts, image=[[source path, ...], ...], edit_region=[box or boxes or None, ...])
     -> Tensor[B]: ``scale · cos(f(edited), f(source))``; component ``masked`` [B] (1 where a region was left out).

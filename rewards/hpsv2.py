@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from rewards._common import check_images, load_state_dict, resolve_device, resolve_dtype, resolve_file
+from rewards.memory import Held, HubModel, NotEstimated, dtype_name
 from rewards.registry import IMAGE, register
 
 CHECKPOINTS = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}
@@ -42,7 +43,19 @@ def hps_pixels(images: list[Image.Image], size: int) -> torch.Tensor:
     return (pixels - mean) / std
 
 
-@register("hpsv2", kind=IMAGE)
+#: the transformers configuration of open_clip's ViT-H-14 (the architecture HPS v2 fine-tunes): laion's CLIP-H
+VIT_H_14 = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
+
+
+def clip_h_memory(options: dict) -> list[Held]:
+    """The open_clip ViT-H-14 it builds, sized as the same architecture in transformers (``CLIPModel`` of laion's
+    CLIP-H), in the ``dtype`` option; another ``architecture`` is not estimated."""
+    if options["architecture"] != "ViT-H-14":
+        return [NotEstimated(f"open_clip architecture {options['architecture']!r} is not the ViT-H-14 it is sized as")]
+    return [HubModel(VIT_H_14, "CLIPModel", dtype_name(options["dtype"]))]
+
+
+@register("hpsv2", kind=IMAGE, memory=clip_h_memory)
 class HPSv2:
     """HPS v2(.1) per image: ``<f_img/|f_img|, f_txt/|f_txt|>``.
 

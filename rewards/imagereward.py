@@ -7,12 +7,23 @@ from __future__ import annotations
 import torch
 
 from rewards._common import check_images, require, resolve_device, resolve_dtype
+from rewards.memory import Parameters, dtype_name
 from rewards.registry import IMAGE, register
 
 MAX_PROMPT_TOKENS = 35  # ImageReward's tokenizer max_length
+#: ImageReward-v1.0's parameters: BLIP's ViT-L/16 at 224 px (303,301,632); its BERT-base text encoder, vocabulary
+#: 30,524, cross-attending to the 1024-wide image tokens, without token-type embeddings or pooler (141,977,088); the
+#: two 256-d projections (459,264); the MLP head 768→1024→128→64→16→1 (927,969). In float32 that is 1.79 GB, the
+#: size of its ImageReward.pt.
+PARAMETERS = 303_301_632 + 141_977_088 + 459_264 + 927_969
 
 
-@register("imagereward", kind=IMAGE)
+def blip_memory(options: dict) -> Parameters:
+    """ImageReward's BLIP model and head (not a transformers model: a known size), in the ``dtype`` option."""
+    return Parameters(PARAMETERS, "ImageReward BLIP ViT-L + BERT-base", dtype_name(options["dtype"]))
+
+
+@register("imagereward", kind=IMAGE, memory=blip_memory)
 class ImageRewardScore:
     """ImageReward per image, the whole batch in one forward (the package's ``score`` loops per image).
 

@@ -9,6 +9,7 @@ import io
 import torch
 
 from rewards._common import check_images
+from rewards.memory import NOTHING
 from rewards.registry import IMAGE, register
 
 
@@ -37,13 +38,13 @@ class JpegSize:
         return self.sign * size_kb
 
 
-@register("jpeg_incompressibility", kind=IMAGE)
+@register("jpeg_incompressibility", kind=IMAGE, memory=NOTHING)
 def jpeg_incompressibility(quality: int = 95) -> JpegSize:
     """Reward = JPEG size in kB."""
     return JpegSize(+1.0, quality)
 
 
-@register("jpeg_compressibility", kind=IMAGE)
+@register("jpeg_compressibility", kind=IMAGE, memory=NOTHING)
 def jpeg_compressibility(quality: int = 95) -> JpegSize:
     """Reward = −(JPEG size in kB)."""
     return JpegSize(-1.0, quality)

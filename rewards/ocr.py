@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from rewards._common import check_images, require
+from rewards.memory import NOTHING, Held, NotEstimated
 from rewards.registry import IMAGE, register
 
 _QUOTED = re.compile(r'["\u201c](.*?)["\u201d]', re.DOTALL)
@@ -107,7 +108,15 @@ class PaddleEngine:
 ENGINES: dict[str, Callable[..., Callable]] = {"tesseract": TesseractEngine, "paddle": PaddleEngine}
 
 
-@register("ocr", kind=IMAGE)
+def engine_memory(options: dict) -> list[Held]:
+    """Tesseract runs on the CPU (a separate program): nothing on the accelerator; PaddleOCR's models live in
+    PaddlePaddle's memory, which the planner does not size."""
+    if options.get("engine") == "tesseract":
+        return list(NOTHING)
+    return [NotEstimated(f"the {options.get('engine')} engine runs in PaddlePaddle's memory")]
+
+
+@register("ocr", kind=IMAGE, memory=engine_memory)
 class OCRReward:
     """``1 - min(d, n)/n`` per image (see the module docstring).
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from rewards._common import check_images, clip_embeddings, load_clip, resolve_device, resolve_dtype
+from rewards.memory import hub_model
 from rewards.registry import IMAGE, register
 
 
@@ -16,7 +17,7 @@ def pickscore(image_embeds: torch.Tensor, text_embeds: torch.Tensor, logit_scale
     return logit_scale.exp() * (image_embeds * text_embeds).sum(-1)
 
 
-@register("pickscore", kind=IMAGE)
+@register("pickscore", kind=IMAGE, memory=hub_model("model", "CLIPModel"))
 class PickScore:
     """PickScore per image, ``scale · exp(logit_scale) · cos``.
 

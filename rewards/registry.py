@@ -1,10 +1,11 @@
-"""The reward registry: names -> factories, the two kinds of reward, and rewards from the user's code.
+"""The reward registry: names -> factories, the two kinds of reward, and rewards from other packages and the user's code.
 
 How to add a reward (e.g. ``rewards/shapes_geneval.py``)::
 
+    from rewards.memory import NOTHING
     from rewards.registry import IMAGE, register
 
-    @register("shapes_geneval", kind=IMAGE)
+    @register("shapes_geneval", kind=IMAGE, memory=NOTHING)
     class ShapesGenEval:
         kind = IMAGE
         def __init__(self, threshold: float = 0.5): ...
@@ -23,15 +24,36 @@ options and which returns the reward callable:
 
 A factory whose kind depends on its options (``remote``) has ``check_options(kwargs, kind) -> kind``.
 
+What it holds on the accelerator: ``register(name, kind=..., memory=...)`` declares it for the memory planner
+(``flowrl plan``): ``NOTHING``, or the model(s) it loads given its options, e.g.
+``memory=hub_model("model", "CLIPModel")`` (see ``rewards/memory.py``); ``rewards.memory_spec(name, kwargs)``
+answers. A reward that declares nothing is planned as "not estimated" (and tests/test_rewards_memory.py
+fails for a reward of this package that does not declare).
+
 What an image reward scores: ``register(name, kind=IMAGE, accepts=("video",))`` (or a ``.accepts`` attribute
 on the reward or plug-in function) declares the samples it takes, ``"image"`` (PIL images, the default) and/or
 ``"video"`` (uint8 arrays of frames ``[F, H, W, C]``, see ``flowrl.video``). A video-native reward gets whole
 clips; an image-only reward given videos scores ``video_frames`` frames of each, chosen evenly from the first to
 the last, and each video's score is their mean (``video_aggregate``: mean, min or max), its components alike.
 
+Rewards from other packages: a distribution declares entry points in the group ``flowrl.rewards``; each
+entry point's name is a reward's name and its value a module (no ``:attribute``) that registers that reward
+with ``rewards.register`` when imported, exactly as a file of this package does. In ``pyproject.toml``::
+
+    [project.entry-points."flowrl.rewards"]
+    their_name = "their_pkg.scores"        # their_pkg/scores.py: @register("their_name", kind=..., memory=...)
+
+The module is imported the first time its reward is asked for (``get``, ``check``, ``build``,
+``memory_spec``) or the rewards of a kind are listed (``available(kind)``); ``available()`` lists the names
+without importing anything. A built-in name wins over an entry point of the same name. An entry point that
+fails (its module does not import, or does not register its name) is a one-line RewardConfigError naming the
+distribution and the entry point when its reward is asked for, and a warning (the reward left out) when the
+rewards of a kind are listed; the other rewards are not affected.
+
 Plug-ins: a reward named ``"package.module:function"`` or ``"path/to/file.py:function"`` (relative to
 the working directory) is that function of the user's code, called on every batch with the config's
-``kwargs`` as keyword arguments; its kind is the backend's unless it declares ``.kind``.
+``kwargs`` as keyword arguments; its kind is the backend's unless it declares ``.kind`` (and ``.memory``,
+as above, for the planner).
 ``check(name, kwargs, kind)`` validates any name without loading a model; ``build(name, kwargs, kind)``
 returns the reward wrapped so that a failure names it.
 """
@@ -41,6 +63,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import importlib
+import importlib.metadata
 import importlib.util
 import inspect
 import os
@@ -48,14 +71,16 @@ import pkgutil
 import re
 import sys
 import traceback
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-from flowrl.core.registry import Registry
+from flowrl.core.registry import Registry, unknown_name_error
 from rewards._common import (TRL_EXTRAS, accepted_kwargs, image_scores, invoke_text_reward, takes_batch_by_position,
                              text_scores)
+from rewards.memory import Held, NotEstimated, is_declaration, resolve
 
 IMAGE = "image"
 TEXT = "text"
@@ -64,6 +89,7 @@ VIDEO = "video"
 SAMPLE_TYPES = (IMAGE, VIDEO)  # what an image-kind reward may accept
 
 REWARDS: Registry[Callable[..., Any]] = Registry("reward")
+ENTRY_POINT_GROUP = "flowrl.rewards"
 
 PLUGIN_FORMS = "a plug-in 'package.module:function' or 'path/to/file.py:function'"
 
@@ -77,19 +103,26 @@ class RewardError(RuntimeError):
     """A built reward failed; the message starts with its name and the error is chained."""
 
 
-def register(name: str, *, kind: str, accepts: tuple[str, ...] | None = None
+def register(name: str, *, kind: str, accepts: tuple[str, ...] | None = None, memory: Any = None
              ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: register a reward factory under ``name``; ``kind`` is "image" or "text". An image reward's
-    ``accepts`` says which samples it scores: ("image",) by default, ("video",) for a video-native one, or both."""
+    ``accepts`` says which samples it scores: ("image",) by default, ("video",) for a video-native one, or both.
+    ``memory`` declares what it keeps on the accelerator, for the planner (``rewards.memory``: ``NOTHING``, held
+    items, or a function of its options); None: not declared, so not estimated."""
     if kind not in KINDS:
         raise ValueError(f"reward {name!r}: kind must be one of {KINDS}, got {kind!r}")
     if accepts is not None:
         _check_accepts(name, accepts)
+    if memory is not None and not is_declaration(memory):
+        raise ValueError(f"reward {name!r}: memory must be NOTHING, a HubModel, Parameters or NotEstimated, a list "
+                         f"of them, or a function of the options giving them (see rewards.memory); got {memory!r}")
 
     def deco(factory: Callable[..., Any]) -> Callable[..., Any]:
         factory.reward_kind = kind  # type: ignore[attr-defined]
         if accepts is not None:
             factory.reward_accepts = tuple(accepts)  # type: ignore[attr-defined]
+        if memory is not None:
+            factory.reward_memory = memory  # type: ignore[attr-defined]
         return REWARDS.register(name)(factory)
 
     return deco
@@ -103,20 +136,89 @@ def load_all() -> None:
     global _loaded
     if _loaded:
         return
-    import rewards
-
-    for info in pkgutil.iter_modules(rewards.__path__):
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):  # (not `rewards.__path__`: no import cycle)
         if not info.name.startswith("_"):
             importlib.import_module(f"rewards.{info.name}")
     _loaded = True
 
 
 def available(kind: str | None = None) -> list[str]:
-    """The registered reward names (sorted), optionally only those of one ``kind``."""
+    """The reward names (sorted): built-in, registered and from entry points; optionally only those of one
+    ``kind``, for which the entry points' modules are imported (one that fails is left out, with a warning)."""
     if kind is not None and kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS} or None, got {kind!r}")
     load_all()
-    return [n for n in REWARDS.names() if kind is None or getattr(REWARDS.get(n), "reward_kind", None) == kind]
+    if kind is None:
+        return sorted(set(REWARDS.names()) | set(_entry_points()))
+    for name, entry_point in _entry_points().items():
+        if name not in REWARDS:
+            try:
+                _load_entry_point(entry_point)
+            except RewardConfigError as e:
+                warnings.warn(str(e), stacklevel=2)
+    return [n for n in REWARDS.names() if getattr(REWARDS.get(n), "reward_kind", None) == kind]
+
+
+# ---------------------------------------------------------------------------- entry points
+
+
+def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    """The ``flowrl.rewards`` entry points of the distributions on ``sys.path`` now, by name (the first of a
+    name). Read afresh on each call (a few milliseconds): a package put on the path later is seen."""
+    found: dict[str, importlib.metadata.EntryPoint] = {}
+    for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        found.setdefault(entry_point.name, entry_point)
+    return found
+
+
+def _origin(entry_point: importlib.metadata.EntryPoint) -> str:
+    """"entry point NAME = VALUE (group flowrl.rewards) of distribution DIST VERSION"."""
+    dist = getattr(entry_point, "dist", None)
+    owner = f"distribution {dist.name} {dist.version}" if dist is not None else "an unnamed distribution"
+    return f"entry point {entry_point.name} = {entry_point.value} (group {ENTRY_POINT_GROUP}) of {owner}"
+
+
+def _load_entry_point(entry_point: importlib.metadata.EntryPoint) -> None:
+    """Import the module an entry point names, which registers the reward of its name. A one-line
+    RewardConfigError naming the distribution and the entry point when the value is not a module, its import
+    fails, or it does not register that name."""
+    name = entry_point.name
+    if entry_point.attr:
+        raise RewardConfigError(f"reward {name!r}: {_origin(entry_point)} names an attribute; its value must be a "
+                                f"module that calls rewards.register({name!r}, kind=...) on import: "
+                                f"{name} = {entry_point.module}")
+    before = set(REWARDS.names())
+    try:
+        importlib.import_module(entry_point.module)
+    except Exception as e:  # ImportError, or the module's own code failed
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise RewardConfigError(f"reward {name!r}: {_origin(entry_point)} failed to import: "
+                                f"{type(e).__name__}: {first}") from e
+    if name not in REWARDS:
+        others = sorted(set(REWARDS.names()) - before)
+        raise RewardConfigError(f"reward {name!r}: {_origin(entry_point)}: module {entry_point.module} registered "
+                                f"{', '.join(map(repr, others)) or 'nothing'}, not {name!r}; it must call "
+                                f"rewards.register({name!r}, kind=...)")
+
+
+def _factory(name: str) -> Callable[..., Any] | None:
+    """The factory registered as ``name`` (an entry point's module imported first if need be); None when no
+    reward has that name. RewardConfigError (see ``_load_entry_point``) when its entry point fails."""
+    load_all()
+    if name not in REWARDS:
+        entry_point = _entry_points().get(name)
+        if entry_point is None:
+            return None
+        _load_entry_point(entry_point)
+    return REWARDS.get(name)
+
+
+def _registered(name: str) -> Callable[..., Any]:
+    """``_factory``, with a RewardConfigError listing the valid names (and the close ones) for an unknown name."""
+    factory = _factory(name)
+    if factory is None:
+        raise RewardConfigError(str(unknown_name_error("reward", name, available())))
+    return factory
 
 
 def _options_message(name: str, unknown: list[str], valid: list[str]) -> str:
@@ -133,8 +235,7 @@ def get(name: str, **kwargs: Any) -> Callable[..., Any]:
     The result carries ``.kind`` ("image" or "text") and ``.__name__`` (TRL logs rewards by it).
     An unknown name or option is an error that lists the valid ones.
     """
-    load_all()
-    factory = REWARDS.get(name)
+    factory = _registered(name)
     params = inspect.signature(factory).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     unknown = [k for k in kwargs if k not in params and not takes_any]
@@ -172,8 +273,7 @@ def declared_accepts(name: str) -> tuple[str, ...]:
     registration's ``accepts`` or the plug-in's ``.accepts``; ("image",) when it does not say."""
     if is_plugin(name):
         return accepts_of(load_plugin(name))
-    load_all()
-    return tuple(getattr(REWARDS.get(name), "reward_accepts", (IMAGE,)))
+    return tuple(getattr(_registered(name), "reward_accepts", (IMAGE,)))
 
 
 def kind_of(reward: Callable[..., Any], default: str | None = None) -> str:
@@ -185,6 +285,45 @@ def kind_of(reward: Callable[..., Any], default: str | None = None) -> str:
             f"set reward.kind to one of {KINDS} or build it with rewards.get(name)"
         )
     return kind
+
+
+# ---------------------------------------------------------------------------- memory
+
+
+def memory_spec(name: str, kwargs: Mapping[str, Any] | None = None) -> list[Held]:
+    """What the reward ``name`` (registered, from an entry point, or a plug-in) with options ``kwargs`` keeps on
+    the accelerator, for the memory planner: ``rewards.memory`` items (HubModel, Parameters, NotEstimated), each
+    naming the reward it belongs to; [] when it holds no model. Nothing is built and no weights load (a
+    plug-in's module is imported). A reward that declares nothing gives one NotEstimated saying so.
+    RewardConfigError for an unknown name, a plug-in that cannot be loaded, or a declaration that fails on these
+    options."""
+    kwargs = dict(kwargs or {})
+    if is_plugin(name):
+        source = load_plugin(name)
+        declared = getattr(source, "memory", None)
+        missing = "a plug-in's function declares .memory"
+    else:
+        source = _registered(name)
+        declared = getattr(source, "reward_memory", None)
+        missing = "register(..., memory=...)"
+    if declared is None:
+        return [NotEstimated(f"it declares nothing ({missing}, see rewards.memory)", reward=name)]
+    try:
+        return resolve(declared, {**_defaults(source), **kwargs}, name)
+    except RewardConfigError:
+        raise
+    except Exception as e:  # the declaration's function failed on these options, or gave something else
+        raise RewardConfigError(f"reward {name!r}: its memory declaration failed on options {kwargs}: "
+                                f"{type(e).__name__}: {e}") from e
+
+
+def _defaults(fn: Callable[..., Any]) -> dict[str, Any]:
+    """The parameters of ``fn`` that have a default value, with it ({} when its signature cannot be read)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {k: p.default for k, p in params.items() if p.default is not p.empty}
 
 
 # ---------------------------------------------------------------------------- check and build
@@ -235,13 +374,12 @@ def _checked(name: str, kwargs: dict[str, Any], kind: str) -> Callable[..., Any]
 
 def _check_registered(name: str, kwargs: dict[str, Any], kind: str) -> None:
     """Name, options and kind of a registered reward, from its factory's signature."""
-    load_all()
-    if name not in REWARDS:
-        close = difflib.get_close_matches(name, REWARDS.names(), n=3, cutoff=0.5)
+    factory = _factory(name)
+    if factory is None:
+        close = difflib.get_close_matches(name, available(), n=3, cutoff=0.5)
         hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
         raise RewardConfigError(f"unknown reward {name!r}.{hint} Valid {kind} rewards: "
                                 f"{', '.join(available(kind))}; or {PLUGIN_FORMS}.")
-    factory = REWARDS.get(name)
     params = inspect.signature(factory).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     options = [k for k, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]

@@ -21,6 +21,7 @@ import torch
 
 from rewards._common import TRL_EXTRAS, check_images
 from rewards._wire import encode_png, to_jsonable
+from rewards.memory import NOTHING
 from rewards.registry import IMAGE, KINDS, register
 
 RETRY_STATUS = (502, 503, 504)  # transient: retried; any other error status is raised at once
@@ -44,7 +45,7 @@ def check_url_and_kind(url: str, kind: str) -> None:
         raise ValueError(f"remote reward url must look like http://HOST:PORT, got {url!r}")
 
 
-@register("remote", kind=IMAGE)
+@register("remote", kind=IMAGE, memory=NOTHING)  # the server holds its models
 class RemoteReward:
     """Calls ``POST {url}/score``; the kind ("image" or "text") must match the server's reward.
 

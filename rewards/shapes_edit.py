@@ -7,10 +7,11 @@ from __future__ import annotations
 import torch
 from PIL import Image
 
+from rewards.memory import NOTHING
 from rewards.registry import IMAGE, register
 
 
-@register("shapes_edit", kind=IMAGE)
+@register("shapes_edit", kind=IMAGE, memory=NOTHING)
 class ShapesEdit:
     """reward(images, prompts, edit=[...], image=[[source path], ...]) -> Tensor[B]: the fraction of the edit's
     clauses that hold (`score="strict"`: 1 iff all do); components `strict` and `fraction` [B].

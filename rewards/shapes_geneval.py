@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from rewards.memory import NOTHING
 from rewards.registry import IMAGE, register
 
 
-@register("shapes_geneval", kind=IMAGE)
+@register("shapes_geneval", kind=IMAGE, memory=NOTHING)
 class ShapesGenEval:
     """reward(images, prompts, objects=[...], relation=[...]) -> Tensor[B] (fraction of clauses that hold);
     `last_components`: `strict` [B] (all clauses hold), `fraction` [B], and `free_color=<colour>` [B]: how many
@@ -57,7 +58,7 @@ def free_color_counts(details: list[dict], metadata: list[dict]) -> dict[str, to
     return {f"free_color={c}": v for c, v in counts.items()}
 
 
-@register("shapes_soft", kind=IMAGE)
+@register("shapes_soft", kind=IMAGE, memory=NOTHING)
 class ShapesSoft:
     """reward(images, prompts, objects=[...]) -> Tensor[B]: a graded match of the detected objects to the
     prompt's (`flowrl.shapes.detect.soft_score`: shape IoU, colour, extra objects), in about [-0.5k, 1].

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import torch
 
+from rewards.memory import NOTHING
 from rewards.registry import IMAGE, register
 
 
-@register("shapes_motion", kind=IMAGE, accepts=("video",))
+@register("shapes_motion", kind=IMAGE, accepts=("video",), memory=NOTHING)
 class ShapesMotion:
     """reward(videos, prompts, objects=[...], motion=[...]) -> Tensor[B] in [0, 1]: the mean of presence (frames
     holding the object alone), monotonic (consecutive frames moving the asked way, up to `tolerance`) and travel

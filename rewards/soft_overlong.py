@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from rewards._common import completion_text
+from rewards.memory import NOTHING
 from rewards.registry import TEXT, register
 
 
@@ -55,7 +56,7 @@ class SoftOverlong:
                 for n in self.lengths(completions, completion_ids)]
 
 
-@register("soft_overlong", kind=TEXT)
+@register("soft_overlong", kind=TEXT, memory=NOTHING)
 def soft_overlong(max_length: int, cache_length: int, tokenizer: Any = None) -> SoftOverlong:
     """DAPO's soft overlong punishment with ``L_max = max_length`` and ``L_cache = cache_length``."""
     return SoftOverlong(max_length, cache_length, tokenizer)

@@ -1,5 +1,5 @@
 """Temporal consistency of a video: the mean cosine similarity of the backbone features (DINOv2 by default, or
-CLIP; see ``rewards._features``) of consecutive frames. A clip that holds together (the same scene and subject from
+CLIP; see ``rewards.features``) of consecutive frames. A clip that holds together (the same scene and subject from
 frame to frame) scores near 1; flicker, cuts and frames of noise score lower. A still clip scores 1: pair it with
 a reward for motion or for the prompt, not alone."""
 
@@ -8,11 +8,12 @@ from __future__ import annotations
 import torch
 
 from rewards._common import resolve_device, resolve_dtype
-from rewards._features import ImageEncoder
+from rewards.features import ARCHITECTURES, ImageEncoder
+from rewards.memory import hub_model
 from rewards.registry import IMAGE, register
 
 
-@register("temporal_consistency", kind=IMAGE, accepts=("video",))
+@register("temporal_consistency", kind=IMAGE, accepts=("video",), memory=hub_model("model", ARCHITECTURES))
 class TemporalConsistency:
     """reward(videos, prompts) -> Tensor[B]: per video, ``scale · mean_t cos(f(frame_t), f(frame_t+stride))`` over
     its frames 0, stride, 2·stride, ...; component ``min`` [B]: the least similar consecutive pair (the worst jump).

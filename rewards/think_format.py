@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 from rewards._common import completion_text
+from rewards.memory import NOTHING
 from rewards.registry import TEXT, register
 
 _FORMAT = re.compile(r"\s*<think>(.*?)</think>\s*<answer>(.*?)</answer>\s*", re.DOTALL)
@@ -29,7 +30,7 @@ def think_format_reward(prompts, completions, **columns) -> list[float]:
 think_format_reward.kind = TEXT
 
 
-@register("think_format", kind=TEXT)
+@register("think_format", kind=TEXT, memory=NOTHING)
 def think_format():
     """The think-then-answer format reward (no options)."""
     return think_format_reward

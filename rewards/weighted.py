@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping
 
-from rewards.registry import IMAGE, get, kind_of, register
+from rewards.memory import Held
+from rewards.registry import IMAGE, get, kind_of, memory_spec, register
 
 
 class WeightedSum:
@@ -68,7 +69,18 @@ def combine(named: Mapping[str, Callable[..., Any]], weights: Mapping[str, float
     return WeightedSum(named, weights if weights is not None else {name: 1.0 for name in named})
 
 
-@register("weighted", kind=IMAGE)
+def components_memory(options: Mapping[str, Any]) -> list[Held]:
+    """What the components of ``weighted`` keep on the accelerator (``rewards.memory_spec`` of each, with its
+    options): the sum holds nothing of its own."""
+    held: list[Held] = []
+    for key, spec in (options.get("components") or {}).items():
+        spec = dict(spec) if isinstance(spec, Mapping) else {}
+        spec.pop("weight", None)
+        held += memory_spec(str(spec.pop("reward", key)), spec)
+    return held
+
+
+@register("weighted", kind=IMAGE, memory=components_memory)
 def weighted(components: Mapping[str, float | Mapping[str, Any]]) -> WeightedSum:
     """Build each component by name and sum them with weights.
 
@@ -90,4 +102,4 @@ def weighted(components: Mapping[str, float | Mapping[str, Any]]) -> WeightedSum
     return WeightedSum(named, weights)
 
 
-__all__ = ["WeightedSum", "combine", "weighted"]
+__all__ = ["WeightedSum", "combine", "components_memory", "weighted"]

@@ -86,9 +86,11 @@ def test_shipped_text_model_and_reward_backbones_have_the_published_sizes():
 
     import transformers
 
-    for repo, published in [("yuvalkirstain/PickScore_v1", 0.986), ("openai/clip-vit-large-patch14", 0.428)]:
+    for repo, cls, published in [("yuvalkirstain/PickScore_v1", "CLIPModel", 0.986),
+                                 ("openai/clip-vit-large-patch14", "CLIPModel", 0.428),
+                                 ("facebook/dinov2-small", "Dinov2Model", 0.0221)]:
         read, _ = config_reader(repo)
-        module = build_on_meta(transformers.CLIPModel, read("config.json"))
+        module = build_on_meta(getattr(transformers, cls), read("config.json"))
         assert sum(p.numel() for p in module.parameters()) / 1e9 == pytest.approx(published, rel=0.01)
 
 
@@ -322,8 +324,6 @@ def test_rows_follow_the_config():
     assert plan(_preset("sd35m_fast")).update.rows_per_sample == 4  # two steps per forward, CFG
     assert plan(_preset("flux_dev_pickscore")).update.rows_per_sample == 1  # guidance embedding, no CFG batch
     assert not any(r.label.startswith("reward") for r in plan(_preset("sd35m_ocr")).rows)  # Tesseract, no GPU
-    unknown = plan(_preset("sd35m_pickscore", "rewards=[{name: imagereward}]"))
-    assert "reward imagereward: its model's memory is not estimated" in unknown.render()
     full8 = plan(_preset("sd35m_pickscore", "lora.enabled=false"), gpus=8)
     grads = next(r for r in full8.rows if r.label.startswith("gradients")).gib["DDP"]
     assert full8.fits["DDP"].transient_gib == pytest.approx(2 * grads)  # flowrl's flat all-reduce of the gradients
@@ -544,3 +544,47 @@ def test_the_eval_feature_backbone_is_planned_like_a_reward(tmp_path):
     (tmp_path / "empty").mkdir()
     missing = plan(_preset("sd35m_pickscore", *args, f"eval.diversity_features={tmp_path / 'empty'}")).render()
     assert f"eval.diversity_features: no configuration for {tmp_path / 'empty'}" in missing
+
+
+def test_every_reward_is_planned_as_it_declares_itself(tmp_path, monkeypatch):
+    """The planner asks the rewards (rewards.memory_spec): a CLIP backbone in the reward's dtype, ImageReward's known
+    size, a weighted sum's components, the similarity rewards' DINOv2 (shipped, or a local directory), no row for what
+    holds nothing, and a note for what cannot be sized (the paddle OCR engine, a plug-in that declares nothing)."""
+    from rewardtiny import save_tiny_dinov2
+
+    def rows(*rewards_list):
+        p = plan(_preset("sd35m_pickscore", f"rewards=[{', '.join(rewards_list)}]"))
+        return {r.label: r for r in p.rows if r.label.startswith("reward")}, p.render()
+
+    found, _ = rows("{name: clip_score, kwargs: {dtype: fp16}}")  # the note: a dtype other than the model's
+    (clip,) = found.values()
+    assert clip.label == "reward clip_score (CLIPModel openai/clip-vit-large-patch14)" and clip.note == "float16"
+    assert clip.gib["DDP"] == pytest.approx(2 * clip.params_b * 1e9 / GIB, rel=0.01)
+
+    found, _ = rows("{name: imagereward}")
+    (blip,) = found.values()
+    assert blip.label == "reward imagereward (ImageReward BLIP ViT-L + BERT-base)"
+    assert blip.params_b * 1e9 == pytest.approx(446_665_953, abs=1) and blip.note == "float32"
+    assert blip.gib["DDP"] == pytest.approx(4 * 446_665_953 / GIB)
+
+    found, text = rows("{name: weighted, kwargs: {components: {pickscore: 1.0, hps: {reward: hpsv2, weight: 0.5}, "
+                       "jpeg_compressibility: 1.0, text: {reward: ocr, engine: paddle}}}}")
+    assert sorted(found) == ["reward hpsv2 (CLIPModel laion/CLIP-ViT-H-14-laion2B-s32B-b79K)",
+                             "reward pickscore (CLIPModel yuvalkirstain/PickScore_v1)"]
+    assert "reward ocr: the paddle engine runs in PaddlePaddle's memory; its memory is not estimated" in text
+
+    found, text = rows("{name: edit_consistency}")
+    assert list(found) == ["reward edit_consistency (Dinov2Model facebook/dinov2-small)"] and "not estimated" not in text
+    dino = save_tiny_dinov2(tmp_path / "dino")
+    found, _ = rows(f"{{name: temporal_consistency, kwargs: {{model: {tmp_path / 'dino'}}}}}")
+    (local,) = found.values()
+    assert local.params_b * 1e9 == pytest.approx(sum(p.numel() for p in dino.parameters()), abs=0.5)
+
+    found, _ = rows("{name: shapes_edit}", "{name: shapes_motion}", "{name: remote, kwargs: {url: 'http://x:1'}}")
+    assert found == {}
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.py").write_text("def score(images, prompts):\n    return [0.0] * len(images)\n")
+    found, text = rows("{name: 'mine.py:score'}")
+    assert found == {} and ("reward mine.py:score: it declares nothing (a plug-in's function declares .memory, see "
+                            "rewards.memory); its memory is not estimated") in text

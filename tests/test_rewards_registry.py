@@ -37,7 +37,7 @@ def test_unknown_name_and_option_list_the_valid_ones():
 def test_register_a_new_reward_as_documented(monkeypatch):
     monkeypatch.setattr(registry.REWARDS, "_items", dict(registry.REWARDS._items))  # undone after the test
 
-    @rewards.register("brightness_for_test", kind=rewards.IMAGE)
+    @rewards.register("brightness_for_test", kind=rewards.IMAGE, memory=rewards.NOTHING)
     def brightness(gain: float = 1.0):
         return lambda images, prompts, **metadata: torch.tensor(
             [gain * np.asarray(x.convert("L"), dtype=np.float64).mean() / 255 for x in images])
@@ -47,6 +47,7 @@ def test_register_a_new_reward_as_documented(monkeypatch):
     white = Image.new("RGB", (4, 4), "white")
     assert reward([white], ["p"]).tolist() == [2.0]  # gain 2 * mean luminance 1
     assert "brightness_for_test" in rewards.available("image")
+    assert rewards.memory_spec("brightness_for_test") == []  # nothing on the accelerator, as declared
     with pytest.raises(ValueError, match="already registered"):
         rewards.register("brightness_for_test", kind="image")(brightness)
     with pytest.raises(ValueError, match="kind must be one of"):

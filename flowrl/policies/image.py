@@ -109,7 +109,7 @@ class ImagePolicy:
     def reward_state(self):
         """TRL's `trainer_state` for rewards that ask for it (the trainer keeps it current)."""
         if not hasattr(self, "_reward_state"):
-            from rewards._common import RewardState
+            from rewards import RewardState
 
             self._reward_state = RewardState()
         return self._reward_state

@@ -413,7 +413,7 @@ class TextPolicy:
         """What text rewards see and log besides the batch: ``reward_state`` (TRL's ``trainer_state``; the
         trainer sets its ``global_step`` and ``epoch``), and the values they pass to ``log_metric`` and
         ``log_extra`` since the last ``pop_reward_logs`` / ``pop_reward_extra``."""
-        from rewards._common import RewardState
+        from rewards import RewardState
 
         self.reward_state = RewardState()
         self._reward_logs: dict[str, list[float]] = {}
@@ -423,7 +423,7 @@ class TextPolicy:
         """A text reward called as TRL's GRPOTrainer calls it (prompts, completions, completion_ids, the
         columns, trainer_state, log_metric, log_extra; async ones awaited) -> [B] float32, NaN where it
         returned None (it does not apply)."""
-        from rewards._common import call_text_reward
+        from rewards import call_text_reward
 
         out = call_text_reward(fn, batch.prompts, batch.completions, batch.completion_id_lists, columns,
                                state=self.reward_state, logs=self._reward_logs, extra=self._reward_extra)
@@ -507,7 +507,7 @@ class TextPolicy:
         """Greedy completions of the eval prompts `prompts[part]` and each reward's scores (None counts as 0):
         (completions, per-reward scores [n] each, {} components). The rewards are called as in training, with
         their log_metric / log_extra calls kept out of the training logs."""
-        from rewards._common import call_text_reward
+        from rewards import call_text_reward
 
         part = part or slice(0, len(prompts))
         prompts, metadata = list(prompts[part]), list(metadata[part])
