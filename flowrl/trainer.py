@@ -51,9 +51,9 @@ def build_reward_fns(cfg: Config, kind: str):
 
 
 def build_feature_encoder(cfg: Config, device: torch.device):
-    """The vision backbone of eval.diversity_features (`rewards._features.ImageEncoder`: images -> [N, D]
+    """The vision backbone of eval.diversity_features (`rewards.features.ImageEncoder`: images -> [N, D]
     L2-normalised float32 features), in float32 on `device`."""
-    from rewards._features import ImageEncoder
+    from rewards.features import ImageEncoder
 
     return ImageEncoder(cfg.eval.diversity_features, None, device, torch.float32)
 

@@ -12,15 +12,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("flowrl", "rewards")
 
-#: (importing module, private name it imports) allowed for now, each with the change that removes it. An entry
-#: that no longer occurs fails the test: take it off (and do what its comment says).
-TEMPORARY_PRIVATE_IMPORTS = {
-    # flowrl/trainer.py (being refactored on main) takes `from rewards.features import ImageEncoder`; then delete
-    # rewards/_features.py, the alias kept for it
-    ("flowrl.trainer", "rewards._features.ImageEncoder"),
-}
-
-
 def module_name(path: Path, root: Path = ROOT) -> str:
     parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -130,12 +121,9 @@ def test_no_import_cycle_in_flowrl_and_rewards():
 
 
 def test_the_packages_import_only_each_others_public_names():
-    found = private_imports()
-    unexpected = sorted(found - TEMPORARY_PRIVATE_IMPORTS)
-    assert not unexpected, "imports of the other package's private modules or names (make them public): " + \
-        ", ".join(f"{module} imports {name}" for module, name in unexpected)
-    stale = sorted(TEMPORARY_PRIVATE_IMPORTS - found)
-    assert not stale, f"no longer imported, take off TEMPORARY_PRIVATE_IMPORTS (and do what its comment says): {stale}"
+    found = sorted(private_imports())
+    assert not found, "imports of the other package's private modules or names (make them public): " + \
+        ", ".join(f"{module} imports {name}" for module, name in found)
 
 
 def test_the_cycle_finder_finds_a_cycle():
