@@ -1,4 +1,4 @@
-"""The README's planner table: `flowrl plan` for every preset at 1 and 8 GPUs of 80 GiB (estimates).
+"""The planner table of docs/scaling.md: `flowrl plan` for every preset at 1 and 8 GPUs of 80 GiB (estimates).
 
     python benchmarks/plan_table.py > /tmp/table.md
 

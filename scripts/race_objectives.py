@@ -84,7 +84,7 @@ def train(out: Path, objective: str, seed: int, minutes: float, eval_every: int,
     cmd = [sys.executable, "-m", "flowrl", "train", str(CONFIG), f"train.seed={seed}", f"train.max_minutes={minutes}",
            "train.budget_clock=process", "train.epochs=100000", f"eval.every={eval_every}", "log.progress=false",
            f"log.run_dir={directory}", "log.overwrite=true", "checkpoint.keep=0", *EVAL, *OBJECTIVE_SETTINGS[objective],
-           *extra]  # every checkpoint kept (a few MB each): the demo's eval of any epoch (race/demo_eval.md)
+           *extra]  # every checkpoint kept (a few MB each): the demo's eval of any epoch (docs/demo_eval.md)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     with open(directory / "train.log", "w") as log:
         subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)

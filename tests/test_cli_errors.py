@@ -107,24 +107,6 @@ def test_sample_names_files_by_prompt_and_seed_and_each_image_is_its_seeds(tmp_p
     assert np.abs(a - b).max() <= 1  # the same image whatever is sampled beside it
 
 
-def test_the_readmes_own_reward_example_trains(tmp_path, monkeypatch):
-    """The README's plug-in example, as written there: a file reward named in YAML with kwargs."""
-    import re
-
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("**Your own reward**"):]
-    yaml_block = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
-    py_block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "my_scores.py").write_text(py_block)
-    (tmp_path / "c.yaml").write_text(yaml_block)
-    run = tmp_path / "run"
-    assert main(["train", "c.yaml", *TINY, "train.epochs=1", "eval.grid=false", f"log.run_dir={run}"]) == 0
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    values = [r["reward/my_scores.py:brightness_mean"] for r in rows if "reward/my_scores.py:brightness_mean" in r]
-    assert values and 0 < values[0] < 2.0  # gain 2 x a mean brightness in (0, 1)
-
-
 def test_sample_checks_its_images_before_the_model_loads(tmp_path, capsys, no_model_load):
     from PIL import Image
 

@@ -63,9 +63,9 @@ def test_shapes_preset_one_epoch(preset, tmp_path, monkeypatch):
 
 def test_the_demo_is_the_measured_dpo_setting():
     """configs/shapes.yaml (the demo) is the race's DPO (configs/shapes_grpo.yaml with the race's DPO overrides)
-    with the settings the demo's seeds were measured with (samples/shapes/race/demo_eval.md): every step of the
-    schedule trained, half the race's lr, 140 epochs. Only keys DPO does not read (GRPO's section: the race's
-    base config is the GRPO preset) may differ."""
+    with the settings the demo's seeds were measured with (docs/demo_eval.md): every step of the schedule trained,
+    half the race's lr, 140 epochs. Only keys DPO does not read (GRPO's section: the race's base config is the GRPO
+    preset) may differ."""
     import importlib.util
 
     from flowrl.config import to_dict, without_other_objectives
