@@ -13,7 +13,7 @@ the quantity torch.cuda.max_memory_allocated measures on a GPU, without the cach
 
 Each image model is a random-weight pipeline saved to a temporary directory: tiny text encoders and a VAE with 8
 channels (their size is not what is measured), a mid-size denoiser (MODELS). Each causal LM is a random Qwen2
-with samples/arith's tokenizer (TEXT_MODELS). The run is the real trainer (flowrl.trainer.Trainer): one rollout,
+with samples/arith's tokenizer (TEXT_MODELS). The run is the real trainer (flowrl.train.Trainer): one rollout,
 one warm-up update (it creates the AdamW states), then the measured update, with `micro_batch_size` samples per
 micro-batch (= the minibatch) and gradient checkpointing off or on. Reported, in MiB:
   static   the tensors alive when the update starts: weights, LoRA, AdamW states, EMA, trajectory, prompt cache;
@@ -147,7 +147,7 @@ def measure(directory: str, *, micro: int, checkpointing: bool, size: int = 256,
     micro, so the peak is one micro-batch's); its measured static and dynamic memory and the planner's."""
     from flowrl.config import load_config
     from flowrl.plan import DTYPE_BYTES, calibration, plan
-    from flowrl.trainer import Trainer
+    from flowrl.train import Trainer
 
     work = work or tempfile.mkdtemp(prefix="flowrl-memory-")
     os.makedirs(work, exist_ok=True)
@@ -267,7 +267,7 @@ def measure_text(directory: str, *, micro: int, checkpointing: bool, new_tokens:
 
     from flowrl.config import load_config
     from flowrl.plan import plan
-    from flowrl.trainer import Trainer
+    from flowrl.train import Trainer
 
     work = work or tempfile.mkdtemp(prefix="flowrl-memory-")
     arith = Path(__file__).resolve().parents[1] / "samples" / "arith"

@@ -142,7 +142,7 @@ def setting_overrides(args) -> list[str]:
 
 def build_flowrl(args):
     from flowrl.config import load_config
-    from flowrl.trainer import Trainer
+    from flowrl.train import Trainer
 
     cfg = load_config(args.config, [
         f"sample.prompts_per_epoch={args.prompts}", f"sample.group_size={args.group}",

@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", message=".*not on-policy.*")
 
     from flowrl.config import load_config
-    from flowrl.trainer import Trainer
+    from flowrl.train import Trainer
 
     print(f"model {args.model}  device {args.device}  threads {torch.get_num_threads()}  "
           f"batch {args.prompts}x{args.group}  steps {args.steps}  {args.height}x{args.width}  beta {args.beta}")

@@ -39,29 +39,13 @@ def _load(args) -> "object":
 
 
 def _train(args) -> int:
-    from .trainer import train
+    from .train import train
 
     cfg = _load(args)
     metrics = train(cfg)
     keys = [k for k in sorted(metrics) if k.startswith(("eval/", "reward/total"))]
     print(json.dumps({k: metrics[k] for k in keys}, indent=1))
     return 0
-
-
-WEIGHTS = ("auto", "ema", "trained")
-
-
-def _checkpoint_weights(ck: dict, checkpoint: str, which: str) -> dict:
-    """The weights `which` picks from a read checkpoint: `ema` (its EMA of the trained weights), `trained` (the
-    weights as the optimizer left them), or `auto` (the EMA when the run kept one, as its evals did)."""
-    from .errors import CheckpointError
-
-    if which not in WEIGHTS:
-        raise CheckpointError(f"--weights {which!r} is not one of {', '.join(WEIGHTS)}")
-    if which == "ema" and "ema" not in ck:
-        raise CheckpointError(f"checkpoint {checkpoint} has no EMA weights (its run had train.ema_decay=0); "
-                              "use --weights trained (or auto)")
-    return ck["trainable"] if which == "trained" else ck.get("ema", ck["trainable"])
 
 
 def _device(cfg) -> str:
@@ -73,50 +57,16 @@ def _device(cfg) -> str:
     return "cuda" if cfg.model.device == "auto" else cfg.model.device
 
 
-def _policy_from_checkpoint(cfg, checkpoint: str | None, which: str = "auto"):
-    """A policy with the checkpoint's weights: see `_checkpoint_weights` for `which`."""
-    import torch
-
-    from .checkpoint import read_checkpoint
-    from .errors import CheckpointError
-    from .policies import build_policy
-
-    if checkpoint:  # a bad path or choice fails before the model loads
-        ck = read_checkpoint(checkpoint)
-        weights = _checkpoint_weights(ck, checkpoint, which)
-        saved = ck["state"].get("config") or {}
-        if saved:
-            from .config import to_dict
-            from .rundir import compare_configs
-
-            refused, _ = compare_configs({k: saved.get(k) for k in ("backend", "model", "lora")},
-                                         {k: to_dict(cfg)[k] for k in ("backend", "model", "lora")})
-            if refused:
-                raise CheckpointError(f"checkpoint {checkpoint} was trained with another model or adapter than this "
-                                      f"config's ({'; '.join(refused)}); pass the config of its run")
-    policy = build_policy(cfg, _device(cfg))
-    if checkpoint:
-        named = dict(policy.named_trainable_parameters())
-        missing = set(named) - set(weights)
-        if missing:
-            raise CheckpointError(f"checkpoint {checkpoint} does not match this config's model/LoRA "
-                                  f"(missing {sorted(missing)[:2]})")
-        with torch.no_grad():
-            for n, p in named.items():
-                p.copy_(weights[n].to(p.dtype))
-    return policy
-
-
 def _eval_base(args, settings: dict) -> "Path | None":
     """The directory whose base-model eval files (`eval-base-distribution.json`, `eval-base-features.safetensors`)
     `flowrl eval` of a checkpoint compares with: --base, else the checkpoint's run directory when it holds one
     (its eval before training wrote them), else None. The base's eval must have been sampled with this eval's
-    `settings` (`flowrl.diversity.eval_settings`: prompts, steps, CFG, seed, size), else its images do not pair with
+    `settings` (`flowrl.eval.diversity.eval_settings`: prompts, steps, CFG, seed, size), else its images do not pair with
     these: a --base that differs is an error naming the differences; a run directory that differs (e.g. an eval of
     the run's checkpoint on other prompts) is not compared with (said on stderr)."""
     from pathlib import Path
 
-    from .diversity import BaseDistribution, BaseFeatures, settings_differences
+    from .eval.diversity import BaseDistribution, BaseFeatures, settings_differences
 
     def holds(d: Path) -> bool:
         return BaseDistribution(d).path.exists() or BaseFeatures(d).exists()
@@ -156,51 +106,23 @@ def _eval(args) -> int:
     them from --base, else from the checkpoint's run directory (its eval before training), when there."""
     from pathlib import Path
 
-    from .diversity import BaseDistribution, BaseFeatures, eval_settings, histograms
+    from .eval import Evaluator
     from .preflight import preflight
-    from .train_utils import eval_plan, eval_summary
-    from .trainer import build_reward_fns
+    from .run.loading import policy_from_checkpoint
+    from .train.scoring import build_reward_fns
 
     cfg = _load(args)
     # prompts, rewards and the model's class and size are checked before the model loads
     _, eval_set = preflight(cfg)
-    prompts, meta, eval_cfg = eval_plan(eval_set, cfg.eval)
-    settings = eval_settings(prompts, meta, eval_cfg, cfg.sample)
-    base_dir = _eval_base(args, settings)
-    policy = _policy_from_checkpoint(cfg, args.checkpoint, args.weights)
-    fns = build_reward_fns(cfg, policy.reward_kind)
-    outputs, per_reward, components = policy.evaluate_prompts(prompts, meta, fns, eval_cfg)
-    scores = {spec.name: v for spec, v in zip(cfg.rewards, per_reward)}
-    scores.update(components)
+    evaluator = Evaluator(cfg, eval_set, _device(cfg))
+    base_dir = _eval_base(args, evaluator.settings)
+    policy = policy_from_checkpoint(cfg, args.checkpoint, args.weights, _device(cfg))
+    outputs, scores = evaluator.sample(policy, build_reward_fns(cfg, policy.reward_kind))
     out = Path(args.out) if args.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
-    hists = histograms(scores)
-    base_hists = BaseDistribution(base_dir).load() if base_dir else None
-    if not args.checkpoint and base_hists is None:  # the base model: it is its own base, and --out keeps it
-        base_hists = hists or None
-        if out and hists:
-            BaseDistribution(out).save(hists, settings)
-    result = eval_summary(scores, meta, cfg.eval.group_by, base_hists)
-    if cfg.eval.diversity_features:
-        import torch
-
-        from .diversity import feature_metrics, group_features, prompt_keys
-        from .trainer import build_feature_encoder
-
-        encoder = build_feature_encoder(cfg, torch.device(_device(cfg)))
-        groups = group_features(encoder(outputs), prompt_keys(prompts, meta, eval_cfg.images_per_prompt))
-        found = BaseFeatures(base_dir).load() if base_dir else None
-        base_features = found[0] if found and found[1] == cfg.eval.diversity_features else None
-        if found and base_features is None:
-            print(f"flowrl eval: {BaseFeatures(base_dir).path} holds features by {found[1]!r}, not by "
-                  f"eval.diversity_features={cfg.eval.diversity_features}: no feature comparison with the base",
-                  file=sys.stderr)
-        if not args.checkpoint and base_features is None:
-            base_features = groups
-            if out:
-                BaseFeatures(out).save(groups, cfg.eval.diversity_features, settings)
-        result.update(feature_metrics(groups, base_features))
+    result = evaluator.results(outputs, scores, base_dir=base_dir, this_is_base=not args.checkpoint,
+                               save_base_to=out)
     result["checkpoint"] = args.checkpoint or "(base model)"
     if args.checkpoint:
         result["weights"] = args.weights
@@ -208,7 +130,7 @@ def _eval(args) -> int:
         result["base"] = str(base_dir)
     result["num_samples"] = len(outputs)
     if out:
-        policy.save_eval_outputs(outputs, prompts, out / "eval", scores=per_reward[0])
+        evaluator.write_outputs(policy, outputs, scores, out / "eval")
         (out / "eval.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     return 0
@@ -221,6 +143,7 @@ def _sample(args) -> int:
     from pathlib import Path
 
     from .preflight import check_model
+    from .run.loading import policy_from_checkpoint
 
     cfg = _load(args)
     if cfg.backend != "image":
@@ -229,7 +152,7 @@ def _sample(args) -> int:
         raise SystemExit(f"flowrl sample: --num must be >= 1 and --steps >= 0, got {args.num} and {args.steps}")
     family_name = check_model(cfg)  # the model's class and the image size, before it loads
     _check_sample_images(family_name, args.image or [])
-    policy = _policy_from_checkpoint(cfg, args.checkpoint, args.weights)
+    policy = policy_from_checkpoint(cfg, args.checkpoint, args.weights, _device(cfg))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     seeds = [args.seed + k for k in range(args.num)]
@@ -275,7 +198,7 @@ def _plan(args) -> int:
 
 def _report(args) -> int:
     from .errors import RunDirError
-    from .report import plot_curves
+    from .run.report import plot_curves
 
     try:
         print(plot_curves(args.run_dir, args.out))
@@ -292,9 +215,9 @@ def _demo(args: argparse.Namespace) -> int:
 
     from .config import load_config
     from .objectives import get_objective
-    from .report import result_keys
-    from .train_utils import read_metrics
-    from .trainer import train
+    from .run.metrics import read_metrics
+    from .run.report import result_keys
+    from .train import train
 
     path = Path(args.config)
     model_dir = Path("samples/shapes/model")
@@ -349,6 +272,8 @@ def describe_rewards(specs) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .run.loading import WEIGHTS
+
     parser = argparse.ArgumentParser(prog="flowrl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)

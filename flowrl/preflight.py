@@ -35,7 +35,7 @@ def load_prompt_sets(cfg: Config) -> tuple[PromptSet, PromptSet]:
     """The training and eval prompt sets of `cfg` (eval: the training prompts when none are given), with the
     columns that data.balance_by and eval.group_by need checked."""
     from .data import load_config_prompts, require_column
-    from .train_utils import eval_plan
+    from .eval.summary import eval_plan
 
     d = cfg.data
     if cfg.backend == "text":  # a text model takes no images: its `image` column, if any, is plain metadata
@@ -155,8 +155,8 @@ def _check_images_per_prompt(cfg: Config, eval_set: PromptSet) -> None:
     """Every eval prompt gets >= 2 images (eval.images_per_group shares a group's images out over its prompts)."""
     import math
 
-    from .diversity import prompt_keys
-    from .train_utils import eval_plan, group_prompt_counts
+    from .eval.diversity import prompt_keys
+    from .eval.summary import eval_plan, group_prompt_counts
 
     e = cfg.eval
     prompts, meta, plan = _checked("eval.images_per_group", eval_plan, eval_set, e)
@@ -218,14 +218,14 @@ def check_loggers(cfg: Config) -> None:
 def check_optimizer(cfg: Config) -> None:
     """train.optimizer=adamw_8bit: bitsandbytes imports (else one line saying how to install it)."""
     if cfg.train.optimizer == "adamw_8bit":
-        from .train_utils import import_bitsandbytes
+        from .train.optim import import_bitsandbytes
 
         import_bitsandbytes()
 
 
 def preflight(cfg: Config) -> tuple[PromptSet, PromptSet]:
     """All checks of `cfg` that need no model, before it loads; returns the (train, eval) prompt sets. (The run
-    directory is the trainer's to check: `flowrl.rundir`.)"""
+    directory is the trainer's to check: `flowrl.run.rundir`.)"""
     train_set, eval_set = load_prompt_sets(cfg)
     check_rewards(cfg)
     family_name = check_model(cfg)

@@ -45,7 +45,7 @@ class ShapesGenEval:
 
 def free_color_counts(details: list[dict], metadata: list[dict]) -> dict[str, torch.Tensor]:
     """Per image, how many objects of a shape the prompt asked for without a colour came out in each colour:
-    {"free_color=<colour>": [B] counts} for every colour of the palette (see flowrl.diversity: summed over an
+    {"free_color=<colour>": [B] counts} for every colour of the palette (see flowrl.eval.diversity: summed over an
     eval they are the model's colour distribution where the prompt leaves colour free)."""
     from flowrl.shapes import COLORS
 

@@ -11,7 +11,7 @@ closest to --target so far). Training stops at the first evaluation at or above 
 then WORKDIR/best is copied to --out with the tokenizer and the train/test JSONL files.
 
 Every `--ckpt-every` steps the whole state (weights, AdamW, RNG, step, best so far) is written atomically
-to WORKDIR/ckpt-NNNNNN (`flowrl.checkpoint`, safetensors + JSON); `--resume` continues from the newest.
+to WORKDIR/ckpt-NNNNNN (`flowrl.run.checkpoint`, safetensors + JSON); `--resume` continues from the newest.
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python scripts/pretrain_arith.py --threads 1 \
         --workdir /tmp/arith_pretrain --out samples/arith
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     from flowrl.arith import arith_tokenizer, greedy_accuracy, make_prompts, split_rows, write_splits
-    from flowrl.checkpoint import resolve_resume, set_rng_state, write_checkpoint
+    from flowrl.run.checkpoint import resolve_resume, set_rng_state, write_checkpoint
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -132,15 +132,15 @@ def logit_normal_sigmas(n: int, generator, mean: float = 0.0, std: float = 1.0):
 
 def optimizer_tensors(opt, prefix: str) -> tuple[dict, dict]:
     """AdamW state -> ({prefix.name: tensor}, json-able rest), by the trainer's `optimizer_to_files`."""
-    from flowrl.checkpoint import optimizer_to_files
+    from flowrl.run.checkpoint import optimizer_to_files
 
     tensors, meta = optimizer_to_files(opt.state_dict())
     return {f"{prefix}.{k}": v.detach().clone() for k, v in tensors.items()}, meta
 
 
 def load_optimizer(opt, tensors: dict, meta: dict, prefix: str) -> None:
-    """The inverse of `optimizer_tensors` (`flowrl.checkpoint.optimizer_from_files` on the prefixed tensors)."""
-    from flowrl.checkpoint import optimizer_from_files
+    """The inverse of `optimizer_tensors` (`flowrl.run.checkpoint.optimizer_from_files` on the prefixed tensors)."""
+    from flowrl.run.checkpoint import optimizer_from_files
 
     own = {k[len(prefix) + 1:]: v for k, v in tensors.items() if k.startswith(prefix + ".")}
     opt.load_state_dict(optimizer_from_files(own, meta))

@@ -9,10 +9,10 @@ import sys
 import torch
 from safetensors.torch import save_file
 
-from flowrl.checkpoint import resolve_resume
+from flowrl.run.checkpoint import resolve_resume
 from flowrl.config import load_config
-from flowrl.policy import ImageBatch, full_tensor
-from flowrl.trainer import Trainer
+from flowrl.policies.base import ImageBatch, full_tensor
+from flowrl.train import Trainer
 
 torch.set_num_threads(1)
 batch_file, out_file, *overrides = sys.argv[1:]
@@ -46,7 +46,7 @@ weights = {k: full_tensor(v).detach().contiguous() for k, v in tr.named_params.i
 if tr.main:
     save_file(weights, out_file)
     print("optimizer steps", tr.state.optimizer_steps, "ratio_first_dev", metrics.get("policy/ratio_first_dev"),
-          "skipped", metrics["policy/skipped_nonfinite"], "engine", type(tr.engine).__name__)
+          "skipped", metrics["policy/skipped_nonfinite"], "engine", type(getattr(tr.dist, "engine", None)).__name__)
 tr.acc.wait_for_everyone()
 if torch.distributed.is_initialized():
     torch.distributed.destroy_process_group()

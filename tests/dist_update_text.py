@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import save_file
 
 from flowrl.config import load_config
-from flowrl.policy import TextBatch, full_tensor
-from flowrl.trainer import Trainer
+from flowrl.policies.base import TextBatch, full_tensor
+from flowrl.train import Trainer
 
 GREEDY = {0: (["10+20="], 2), 1: (["11+21=", "12+22=", "13+20="], 6)}  # rank -> (prompts, max_new_tokens)
 

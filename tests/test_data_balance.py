@@ -51,7 +51,7 @@ def test_an_unknown_column_names_the_columns_there_are():
 
 def test_trainer_refuses_a_balance_column_at_start_up(tmp_path):
     from flowrl.config import load_config
-    from flowrl.trainer import Trainer
+    from flowrl.train import Trainer
 
     cfg = load_config(None, ["model.path=tiny-sd3", f"log.run_dir={tmp_path}", "data.balance_by=family"])
     with pytest.raises(ValueError, match="cannot balance prompts by 'family'"):
@@ -66,7 +66,7 @@ def test_the_trainer_rolls_out_balanced_prompts(tmp_path):
     import json
 
     from flowrl.config import load_config
-    from flowrl.trainer import Trainer
+    from flowrl.train import Trainer
 
     rows = [{"prompt": f"a red circle {i}", "family": "big"} for i in range(6)] + [
         {"prompt": "a blue square", "family": "small"}]

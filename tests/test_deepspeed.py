@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.trainer import Trainer
+from flowrl.train import Trainer
 from launching import accelerate_launch
 
 from test_trainer_image import TINY, tiny_cfg
@@ -100,7 +100,7 @@ def test_zero_checkpoint_is_a_plain_runs_and_resumes_exactly(tmp_path, stage):
     put back into the partitions) and its next update again lands where the 1-process run's next update does."""
     from safetensors.torch import load_file
 
-    from flowrl.checkpoint import read_checkpoint
+    from flowrl.run.checkpoint import read_checkpoint
 
     extra = ["train.inner_epochs=2", "train.grpo.beta=0.05", "train.steps_per_forward=2", "eval.grid=false",
              "train.weight_decay=0.1", "checkpoint.keep=0"]

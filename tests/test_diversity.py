@@ -9,9 +9,9 @@ import torch
 from PIL import Image
 
 from flowrl.config import EvalConfig, SampleConfig
-from flowrl.diversity import (BaseDistribution, distribution_metrics, entropy_bits, eval_settings, histograms,
+from flowrl.eval.diversity import (BaseDistribution, distribution_metrics, entropy_bits, eval_settings, histograms,
                               is_count, settings_differences, total_variation)
-from flowrl.train_utils import eval_summary
+from flowrl.eval.summary import eval_summary
 
 
 def test_entropy_and_total_variation_by_hand():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flowrl.config import ConfigError, load_config
-from flowrl.diversity import (BaseFeatures, energy_distance, feature_metrics, feature_spread, group_features,
+from flowrl.eval.diversity import (BaseFeatures, energy_distance, feature_metrics, feature_spread, group_features,
                               prompt_keys)
 from flowrl.preflight import PreflightError, check_eval_features, load_prompt_sets
 
@@ -149,7 +149,7 @@ def test_base_features_round_trip_atomically(tmp_path):
     assert backbone == "some/backbone" and list(loaded) == list(groups)
     assert all(torch.equal(loaded[k], groups[k]) for k in groups)
     assert [p.name for p in tmp_path.iterdir()] == ["eval-base-features.safetensors"]  # no temporary file left
-    from flowrl.rundir import run_files
+    from flowrl.run.rundir import run_files
 
     assert run_files(tmp_path) == [store.path]  # a run's file: log.overwrite=true deletes it with the others
 
@@ -244,8 +244,8 @@ def eval_rows(run_dir: Path) -> list[dict]:
 @pytest.mark.filterwarnings("ignore:resuming from .* with a changed config")
 def test_a_run_logs_feature_diversity_against_its_first_eval_and_a_resume_reads_that_base(tmp_path, monkeypatch,
                                                                                            dino):
-    import flowrl.trainer as trainer_module
-    from flowrl.trainer import Trainer
+    import flowrl.eval.evaluator as trainer_module
+    from flowrl.train import Trainer
 
     builds = []
     build = trainer_module.build_feature_encoder
@@ -303,7 +303,7 @@ def test_a_run_logs_feature_diversity_against_its_first_eval_and_a_resume_reads_
     assert last["epoch"] == 5 and SPREAD in last and RATIO not in last and DISTANCE not in last
     assert (store.path.read_bytes(), store.path.stat().st_mtime_ns) == written
 
-    from flowrl.report import curves_figure, load_metrics
+    from flowrl.run.report import curves_figure, load_metrics
 
     labels = {line.get_label() for ax in curves_figure(load_metrics(run)).axes for line in ax.get_lines()}
     drawn = " ".join(labels)
@@ -325,7 +325,7 @@ def test_flowrl_eval_of_a_checkpoint_compares_with_its_runs_base_or_with_base(tm
     before training): the same numbers as the run's final eval. An eval of the base model with --out writes them,
     and --base points at them; --base of a directory without them is refused, naming what to pass."""
     from flowrl.cli import main
-    from flowrl.trainer import Trainer
+    from flowrl.train import Trainer
 
     run = tmp_path / "run"
     args = [*TINY, f"eval.diversity_features={dino}", "train.lr=3e-2"]

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from flowrl.train_utils import grouped_means
+from flowrl.eval.summary import grouped_means
 
 
 def test_grouped_means_by_hand():
@@ -41,7 +41,7 @@ def _cfg(**kw):
 
 def test_eval_plan_shares_each_groups_images_over_its_prompts():
     from flowrl.data import PromptSet
-    from flowrl.train_utils import eval_plan
+    from flowrl.eval.summary import eval_plan
 
     ps = PromptSet(["a1", "b1", "a2", "c1"], [{"family": f} for f in "abac"])
     # by hand: N = 4 -> a (2 prompts) gives each 2 images, b and c (1 prompt) give theirs 4; one image per listing
@@ -60,7 +60,7 @@ def test_eval_plan_shares_each_groups_images_over_its_prompts():
 
 def test_eval_plan_errors_name_the_counts_and_the_smallest_valid_value():
     from flowrl.data import PromptSet
-    from flowrl.train_utils import eval_plan
+    from flowrl.eval.summary import eval_plan
 
     ps = PromptSet(["a1", "a2", "b1", "b2", "b3"], [{"family": f} for f in "aabbb"])
     with pytest.raises(ValueError, match=r"images_per_group=4 must be a multiple.*\{'a': 2, 'b': 3\}.*"
@@ -83,7 +83,7 @@ def test_eval_shares_merge_in_process_order_and_an_empty_share_adds_nothing():
     """Fewer eval prompts than processes: a process samples nothing and has no reward components."""
     import torch
 
-    from flowrl.trainer import merge_eval_shares
+    from flowrl.eval import merge_eval_shares
 
     shares = [(["a", "b"], {"r": torch.tensor([1.0, 2.0]), "r/strict": torch.tensor([0.0, 1.0])}),
               ([], {"r": torch.zeros(0)}),

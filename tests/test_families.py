@@ -125,7 +125,7 @@ def test_the_exported_lora_loads_in_the_pipeline_and_reproduces_the_trained_mode
 @pytest.mark.parametrize("name", FAMILIES)
 def test_a_saved_pipeline_trains_one_epoch_and_flowrl_sample_loads_its_checkpoint(name, tmp_path):
     from flowrl.cli import main
-    from flowrl.trainer import Trainer
+    from flowrl.train import Trainer
     from flowrl.config import load_config
 
     model = tmp_path / "model"

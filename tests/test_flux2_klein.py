@@ -65,7 +65,7 @@ def test_lora_export(variant, saved, tmp_path):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_saved_trains_and_samples(variant, saved, tmp_path):
     from flowrl.cli import main
-    from flowrl.trainer import Trainer
+    from flowrl.train import Trainer
     from flowrl.config import load_config
 
     model = saved[variant]

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from flowrl.train_utils import lr_lambda
+from flowrl.train.optim import lr_lambda
 
 
 def test_constant_with_linear_warmup():

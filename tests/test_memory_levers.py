@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flowrl.config import load_config
-from flowrl.trainer import Trainer
+from flowrl.train import Trainer
 
 TINY = ["sample.height=32", "sample.width=32", "sample.num_steps=3", "sample.max_sequence_length=16",
         "sample.prompts_per_epoch=2", "sample.group_size=4", "eval.num_steps=2", "eval.num_prompts=1",
@@ -20,8 +20,8 @@ def minibatch_grads(tr, batch, adv) -> list[torch.Tensor]:
     n = sum(len(u) for u in units)
     idx, keep = torch.arange(len(adv)), torch.ones(len(adv), dtype=torch.bool)
     for unit in units:
-        normalizer = tr.minibatch_normalizer(batch, idx, unit, keep)
-        for chunk in tr.micro_batches(idx):
+        normalizer = tr.updater.minibatch_normalizer(batch, idx, unit, keep)
+        for chunk in tr.updater.micro_batches(idx):
             out = tr.policy.unit_log_probs(batch, chunk, unit, with_reference=tr.cfg.train.grpo.beta > 0)
             loss, _ = tr.objective.loss(out, adv[chunk], keep[chunk], normalizer)
             (loss * (len(unit) / n)).backward()
@@ -151,11 +151,11 @@ def test_bf16_base_weights_with_fp32_lora_stay_on_policy(tmp_path):
 def test_parallel_strategy_follows_the_sharding_key_and_an_fsdp_accelerate_config():
     from accelerate.utils import DistributedType
 
-    from flowrl.trainer import parallel_strategy
+    from flowrl.dist import detect as parallel_strategy
 
     plain, fsdp = load_config(None, []), load_config(None, ["train.sharding=fsdp"])
-    assert parallel_strategy(plain, 1, DistributedType.NO) == "none"
-    assert parallel_strategy(fsdp, 1, DistributedType.NO) == "none"  # one process: nothing to shard over
+    assert parallel_strategy(plain, 1, DistributedType.NO) == "single"
+    assert parallel_strategy(fsdp, 1, DistributedType.NO) == "single"  # one process: nothing to shard over
     assert parallel_strategy(plain, 8, DistributedType.MULTI_GPU) == "ddp"
     assert parallel_strategy(fsdp, 8, DistributedType.MULTI_GPU) == "fsdp"
     assert parallel_strategy(plain, 8, DistributedType.FSDP) == "fsdp"  # a user's own accelerate FSDP config

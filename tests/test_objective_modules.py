@@ -99,7 +99,7 @@ def test_the_cli_prints_an_old_spelling_as_one_line(tmp_path, capsys):
 def test_another_objectives_section_changes_nothing_in_a_run(tmp_path):
     """A forward-process run with GRPO's section set (a window, one noise per group, a KL, another kernel) trains
     exactly as one without: the keys are not its own."""
-    from flowrl.trainer import Trainer
+    from flowrl.train import Trainer
 
     rows = {}
     for tag, extra in (("plain", []), ("grpo_keys", ["train.grpo.window.kind=fixed", "train.grpo.window.size=1",
@@ -117,7 +117,7 @@ def test_another_objectives_section_changes_nothing_in_a_run(tmp_path):
 def test_a_checkpoint_of_the_old_layout_resumes(tmp_path):
     """A checkpoint written before GRPO's keys moved (its saved config spells them the old way) resumes, the old
     keys read where they are now: no refusal, no change reported."""
-    from flowrl.trainer import Trainer
+    from flowrl.train import Trainer
 
     run = tmp_path / "run"
     args = [*TINY, "train.grpo.beta=0.01", "train.grpo.window.kind=fixed", "train.grpo.window.size=2",

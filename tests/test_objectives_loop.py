@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from flowrl import core
-from flowrl.checkpoint import read_checkpoint
+from flowrl.run.checkpoint import read_checkpoint
 from flowrl.config import ConfigError, describe, load_config
 from flowrl.families import family, family_names
 from flowrl.sampling import ddpm_flow_time, ddpm_velocity
-from flowrl.trainer import Trainer
+from flowrl.train import Trainer
 
 from conditioned import condition_images, prompt_data
 

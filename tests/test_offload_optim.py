@@ -14,8 +14,8 @@ import torch
 
 from flowrl.config import load_config
 from flowrl.offload import Parked, modules_in
-from flowrl.trainer import Trainer
-from flowrl.train_utils import MasterWeightsOptimizer, build_optimizer
+from flowrl.train import Trainer
+from flowrl.train.optim import MasterWeightsOptimizer, build_optimizer
 
 torch.set_num_threads(1)
 print("torch threads:", torch.get_num_threads())
@@ -114,7 +114,7 @@ def test_adamw_8bit_trains_checkpoints_and_resumes(tmp_path):
                  if torch.is_tensor(v) and v.dtype == torch.uint8]
     assert eight_bit, "no parameter got 8-bit states"
     again = Trainer(tiny_cfg(tmp_path, *base, "train.epochs=2", "checkpoint.resume=auto"))
-    from flowrl.checkpoint import resolve_resume
+    from flowrl.run.checkpoint import resolve_resume
 
     again.load(*resolve_resume("auto", tmp_path))
     for k, st in tr.opt.state_dict()["state"].items():
@@ -169,12 +169,12 @@ def test_offload_moves_encoders_vae_and_rewards_only_while_they_run(tmp_path, mo
     backend = tr.policy.backend
     pipe = backend.pipe
     encoders = [m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module) and "text_encoder" in n]
-    assert encoders and tr.parked_rewards[0] is not None
-    net = tr.parked_rewards[0].modules[0]
+    assert encoders and tr.scorer.parked[0] is not None
+    net = tr.scorer.parked[0].modules[0]
     assert isinstance(net, torch.nn.Linear)
     assert {id(m) for m in backend._parked_text.modules} == {id(m) for m in encoders}
     assert [id(m) for m in backend._parked_vae.modules] == [id(pipe.vae)]
-    for parked in (backend._parked_text, backend._parked_vae, tr.parked_rewards[0]):  # parked at start
+    for parked in (backend._parked_text, backend._parked_vae, tr.scorer.parked[0]):  # parked at start
         assert all(str(t.device) == "cpu" for m in parked.modules for t in m.parameters())
         assert parked.device == torch.device("cpu")  # where they compute (this machine's only device)
 

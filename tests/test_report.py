@@ -6,7 +6,7 @@ import re
 import pytest
 from PIL import Image
 
-from flowrl.report import (Curve, curves_figure, headline_eval_keys, load_metrics, plot_curves, result_keys,
+from flowrl.run.report import (Curve, curves_figure, headline_eval_keys, load_metrics, plot_curves, result_keys,
                            scale_groups, write_before_after)
 
 

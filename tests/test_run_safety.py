@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from flowrl.checkpoint import list_checkpoints, write_checkpoint
+from flowrl.run.checkpoint import list_checkpoints, write_checkpoint
 from flowrl.config import load_config
 from flowrl.errors import CheckpointError, NonFiniteError, RunDirError
-from flowrl.trainer import Trainer
+from flowrl.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["sample.height=32", "sample.width=32", "sample.num_steps=3", "sample.max_sequence_length=16",
@@ -107,7 +107,7 @@ def test_resume_refuses_a_changed_adapter_and_warns_of_other_changes(tmp_path):
 def test_keys_newer_than_a_checkpoint_are_no_change_at_their_defaults():
     """A checkpoint written before a key existed lacks it: at its default it is not reported, set otherwise it is."""
     from flowrl.config import Config, to_dict
-    from flowrl.rundir import compare_configs
+    from flowrl.run.rundir import compare_configs
 
     current = to_dict(load_config(None, list(TINY)))
     saved = json.loads(json.dumps(current))
@@ -317,7 +317,7 @@ def test_the_progress_bar_names_the_on_policy_ratio(tmp_path, capsys):
 def test_the_progress_bar_shows_a_ratio_only_for_grpo():
     """The forward-process objectives have no ratio: no "on_policy_ratio=-" on every epoch; DPO shows its pairs."""
     from flowrl.objectives import get_objective
-    from flowrl.trainer import progress_postfix
+    from flowrl.train import progress_postfix
 
     grpo, dpo, nft = (get_objective(name) for name in ("grpo", "dpo", "nft"))
     assert progress_postfix({"reward/total_mean": 0.5, "policy/ratio_first": 1.0}, grpo) == {
@@ -331,7 +331,7 @@ def test_the_progress_bar_shows_a_ratio_only_for_grpo():
 def test_a_wall_clock_budget_ends_the_run_after_the_epoch_that_spends_it(tmp_path):
     """train.max_minutes: the epoch during which the budget runs out is the last one; its metrics are logged (with
     log.every larger than 1), then the final eval and the checkpoint, as after the last epoch."""
-    from flowrl.trainer import Trainer
+    from flowrl.train import Trainer
 
     tr = Trainer(tiny_cfg(tmp_path, "train.epochs=5", "train.max_minutes=0.0001", "log.every=4"))
     tr.fit()
@@ -344,7 +344,7 @@ def test_a_wall_clock_budget_ends_the_run_after_the_epoch_that_spends_it(tmp_pat
 def test_a_process_clock_budget_counts_training_cpu_time_and_every_row_carries_both_clocks(tmp_path):
     """train.budget_clock=process: the budget is this process's CPU time in training epochs; the rows log the
     cumulative training time on both clocks, growing from epoch to epoch."""
-    from flowrl.trainer import Trainer
+    from flowrl.train import Trainer
 
     tr = Trainer(tiny_cfg(tmp_path, "train.epochs=5", "train.max_minutes=0.00001", "train.budget_clock=process"))
     tr.fit()
@@ -397,7 +397,7 @@ def test_a_cosine_over_the_time_budget_follows_the_training_minutes_spent(tmp_pa
     before the epoch, which the previous row logs as time/train_process_minutes (the epoch count barely moves
     it at 10^5 epochs); the first epoch trains at the full lr. A budget schedule without a budget is refused."""
     from flowrl.config import ConfigError
-    from flowrl.trainer import Trainer
+    from flowrl.train import Trainer
 
     budget = 0.02
     tr = Trainer(tiny_cfg(tmp_path, "train.epochs=100000", f"train.max_minutes={budget}", "train.budget_clock=process",

@@ -8,7 +8,7 @@ import pytest
 
 from flowrl.config import load_config
 from flowrl.objectives import OBJECTIVES
-from flowrl.trainer import Trainer
+from flowrl.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +69,7 @@ def test_the_demo_is_the_measured_dpo_setting():
     import importlib.util
 
     from flowrl.config import to_dict, without_other_objectives
-    from flowrl.rundir import _flatten
+    from flowrl.run.rundir import _flatten
 
     spec = importlib.util.spec_from_file_location("race", ROOT / "scripts" / "race_objectives.py")
     race = importlib.util.module_from_spec(spec)

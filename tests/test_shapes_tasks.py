@@ -263,7 +263,7 @@ def test_the_kontext_tiny_preset_edits_the_shipped_source_images(tmp_path, monke
     FLUX.1-Kontext pipeline: an epoch trains (the LoRA moves), the edit reward scores every sample against its
     source scene, and the eval grid is written."""
     from flowrl.config import load_config
-    from flowrl.trainer import Trainer
+    from flowrl.train import Trainer
 
     monkeypatch.chdir(ROOT)  # the preset's prompt files are relative to the repository
     run = tmp_path / "run"

@@ -16,7 +16,7 @@ import torch
 
 from flowrl.config import load_config
 from launching import accelerate_launch
-from flowrl.trainer import Trainer
+from flowrl.train import Trainer
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="gloo multi-process tests written for linux")
 

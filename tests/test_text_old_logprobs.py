@@ -9,7 +9,7 @@ import torch
 
 from flowrl.config import ConfigError, load_config
 from flowrl.policies.text import SampledLogProbs, position_ids_from_mask
-from flowrl.trainer import Trainer
+from flowrl.train import Trainer
 
 
 def text_cfg(model_dir, run_dir, *extra):
@@ -79,8 +79,8 @@ def loss_and_grads(tr, batch, adv, keep):
     tr.opt.zero_grad(set_to_none=True)
     idx = torch.arange(len(batch.prompts))
     unit = tr.objective.train_units(batch, 1)[0]
-    normalizer = tr.minibatch_normalizer(batch, idx, unit, keep)
-    loss, _ = tr.unit_forward(batch, idx, unit, adv, keep, normalizer)
+    normalizer = tr.updater.minibatch_normalizer(batch, idx, unit, keep)
+    loss, _ = tr.objective.unit_loss(batch, idx, unit, adv, keep, normalizer)
     loss.backward()
     return loss.detach(), {n: p.grad.detach().clone() for n, p in tr.named_params.items()}
 

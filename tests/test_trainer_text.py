@@ -8,9 +8,10 @@ from types import SimpleNamespace
 import torch
 
 from flowrl.config import LOSS_PRESETS, load_config
-from flowrl.policy import UnitOutput
+from flowrl.policies.base import UnitOutput
 from flowrl.objectives.grpo import grpo_loss
-from flowrl.trainer import Trainer, combine_advantages
+from flowrl.train import Trainer
+from flowrl.train.scoring import combine_advantages
 
 
 

@@ -157,7 +157,7 @@ def test_bad_video_settings_and_declarations_are_config_errors():
 
 def test_the_config_carries_the_frame_knobs_to_the_built_rewards():
     from flowrl.config import ConfigError, load_config
-    from flowrl.trainer import build_reward_fns
+    from flowrl.train.scoring import build_reward_fns
 
     cfg = load_config(None, ["rewards.0.video_frames=6", "rewards.0.video_aggregate=min"])
     (built,) = build_reward_fns(cfg, "image")

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from flowrl import core
-from flowrl.policy import full_tensor
+from flowrl.policies.base import full_tensor
 from flowrl.seeding import derive_seed
 
 from ._base import MemoryTerms, Objective

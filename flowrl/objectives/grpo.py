@@ -82,7 +82,7 @@ def grpo_loss(out, adv: Tensor, keep: Tensor, settings: GRPOSettings, aggregatio
     the clipped surrogate on GRPO-Guard's normalised log-ratio) x per-step weight, aggregated by `aggregation`,
     plus beta x KL, minus entropy_coef x entropy.
 
-    out: a flowrl.policy.UnitOutput ([b, K] tensors); adv: [b]; keep: [b] bool -> (scalar loss, stats).
+    out: a flowrl.policies.base.UnitOutput ([b, K] tensors); adv: [b]; keep: [b] bool -> (scalar loss, stats).
     `normalizer`: the aggregation's normalizer of the whole minibatch when these b samples are one of its
     micro-batches (core.loss_normalizer), so that the micro-batches' losses add up to the minibatch's.
     """

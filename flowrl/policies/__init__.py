@@ -1,9 +1,9 @@
-"""The policies the trainer drives (see `flowrl.policy.Policy`): `image` (diffusers pipelines of every family in
+"""The policies the trainer drives (see `flowrl.policies.base.Policy`): `image` (diffusers pipelines of every family in
 `flowrl.families`) and `text` (Hugging Face causal LMs)."""
 
 from __future__ import annotations
 
-from flowrl.policy import DTYPES, ImageBatch, Policy, TextBatch, UnitOutput
+from flowrl.policies.base import DTYPES, ImageBatch, Policy, TextBatch, UnitOutput
 
 
 def build_policy(cfg, device) -> Policy:

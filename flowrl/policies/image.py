@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from flowrl import core
-from flowrl.policy import DTYPES, ImageBatch, UnitOutput, full_tensor, shard_blocks
+from flowrl.policies.base import DTYPES, ImageBatch, UnitOutput, full_tensor, shard_blocks
 from flowrl.seeding import derive_seed
 
 

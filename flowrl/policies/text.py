@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from flowrl import core
-from flowrl.policy import DTYPES, TextBatch, UnitOutput, full_tensor, shard_blocks
+from flowrl.policies.base import DTYPES, TextBatch, UnitOutput, full_tensor, shard_blocks
 from flowrl.seeding import derive_seed
 
 
@@ -238,7 +238,7 @@ class TextPolicy:
         return self.base_model if self.sharded else self.train_model
 
     def shard(self) -> None:
-        """FSDP2 over the processes (`flowrl.policy.shard_blocks`): the transformers model, inside the peft wrapper
+        """FSDP2 over the processes (`flowrl.policies.base.shard_blocks`): the transformers model, inside the peft wrapper
         with a LoRA (peft's forward and generate() both end in its forward, where the root's hooks gather what no
         layer holds), and the frozen reference copy of full fine-tuning, sharded the same way. The LoRA's weights, the
         gradients and the optimizer's states are sharded with the layers they belong to."""

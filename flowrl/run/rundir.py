@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 from .checkpoint import CKPT_RE, TEMP_RE, list_checkpoints
-from .errors import RunDirError
+from flowrl.errors import RunDirError
 
 #: Files and directories a run writes into its run_dir (besides ckpt-XXXXXX/ and the temporary checkpoint dirs).
 RUN_FILES = ("metrics.jsonl", "completions.jsonl", "curves.png", "before_after.png")

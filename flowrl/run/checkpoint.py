@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from .errors import CheckpointError, NonFiniteError
+from flowrl.errors import CheckpointError, NonFiniteError
 
 CKPT_RE = re.compile(r"^ckpt-(\d{6})$")
 #: Temporary directories of a checkpoint write (`.tmp-ckpt-…`, `.old-ckpt-…`); a kill can leave them behind.

@@ -143,7 +143,7 @@ def write_before_after(run_dir: str | Path, rows: list[dict], key: str | None) -
     """`before_after.png` from a run's first and final eval grids (`eval-epoch000000.png`, `eval-final.png`: the
     same prompts and seeds), captioned with metric `key`'s first and last values in `rows` (the run's metrics;
     `key` from `result_keys`). None when the run has no such pair of grids (text runs, `eval.grid: false`)."""
-    from .images import before_after
+    from flowrl.images import before_after
 
     run_dir = Path(run_dir)
     first, final = run_dir / "eval-epoch000000.png", run_dir / "eval-final.png"

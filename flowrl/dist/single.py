@@ -1,0 +1,13 @@
+"""One process: the trained module as it is, the optimizer's step, nothing to synchronise."""
+
+from __future__ import annotations
+
+from . import register
+from ._base import Strategy
+
+
+@register
+class Single(Strategy):
+    """One process (`flowrl train` without a launcher)."""
+
+    name = "single"

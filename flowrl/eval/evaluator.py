@@ -1,0 +1,149 @@
+"""The held-out eval, one code path for `flowrl train` (before, during and after training) and `flowrl eval`.
+
+Deterministic (ODE) sampling of the eval plan's prompts with the eval settings, every reward's scores and their
+break-down, and the diversity metrics against the base model's eval: the free attributes' distribution
+(`BaseDistribution`) and, with eval.diversity_features, the feature-space spread and distance (`BaseFeatures`).
+The base model's eval is the first one made of the base model (a run's eval before training, or `flowrl eval`
+without a checkpoint), kept in a directory with the settings it was sampled with; an eval sampled with other
+settings does not pair with it and is not compared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+
+import torch
+
+from flowrl.offload import Parked, visiting
+
+from .diversity import (BaseDistribution, BaseFeatures, eval_settings, feature_metrics, group_features, histograms,
+                        prompt_keys, settings_differences)
+from .summary import eval_plan, eval_summary
+
+
+def build_feature_encoder(cfg, device: torch.device):
+    """The vision backbone of eval.diversity_features (`rewards.features.ImageEncoder`: images -> [N, D]
+    L2-normalised float32 features), in float32 on `device`."""
+    from rewards.features import ImageEncoder
+
+    return ImageEncoder(cfg.eval.diversity_features, None, device, torch.float32)
+
+
+def merge_eval_shares(shares: list[tuple[list, dict[str, torch.Tensor]]]) -> tuple[list, dict[str, torch.Tensor]]:
+    """The processes' eval shares [(outputs [n_p], {column: [n_p]})] in process order, as one (outputs [N],
+    {column: [N]}). A process whose share of the prompts was empty (fewer prompts than processes) has no rows and
+    may lack the reward components' columns; a share with rows that lacks a column is an error naming it."""
+    keys = list(dict.fromkeys(k for out, sc in shares if out for k in sc))
+    for p, (out, sc) in enumerate(shares):
+        if out and set(sc) != set(keys):
+            raise RuntimeError(f"eval: process {p}'s scores have the columns {sorted(sc)}, the others {keys}")
+    outputs = [o for out, _ in shares for o in out]
+    return outputs, {k: torch.cat([sc[k] for out, sc in shares if out]) for k in keys}
+
+
+class Evaluator:
+    """The eval of a config: its plan (prompts, metadata and eval settings, fixed once), its sampling and scoring,
+    and its comparison with the base model's eval. The feature backbone loads at its first use (with `offload`:
+    in CPU memory, on `device` only while it embeds)."""
+
+    def __init__(self, cfg, eval_set, device, *, offload: bool = False):
+        self.cfg, self.device, self.offload = cfg, torch.device(device), offload
+        self.prompts, self.meta, self.eval_cfg = eval_plan(eval_set, cfg.eval)
+        self.settings = eval_settings(self.prompts, self.meta, self.eval_cfg, cfg.sample)
+        self.encoder, self.parked_encoder = None, None
+        self.warned: set[Path] = set()  # the base files a warning was given about (once each)
+
+    # ---- sampling and scoring
+
+    def sample(self, policy, reward_fns: list, *, parked=(), rank: int = 0, world: int = 1
+               ) -> tuple[list, dict[str, torch.Tensor]]:
+        """(outputs [N], {reward or reward/component: scores [N]}) of the plan's prompts, prompt-major. With `world`
+        processes each samples a contiguous share and every process gets the whole (a collective); `parked`: the
+        rewards' offloaded models, put on their device while the eval runs."""
+        share = -(-len(self.prompts) // world)
+        part = slice(min(len(self.prompts), rank * share), min(len(self.prompts), (rank + 1) * share))
+        with contextlib.ExitStack() as on_device:
+            for p in parked:
+                on_device.enter_context(visiting(p))
+            outputs, per_reward, components = policy.evaluate_prompts(self.prompts, self.meta, reward_fns,
+                                                                      self.eval_cfg, part=part)
+        scores = {spec.name: vals for spec, vals in zip(self.cfg.rewards, per_reward)}
+        scores.update(components)
+        if world > 1:
+            from accelerate.utils import gather_object
+
+            outputs, scores = merge_eval_shares(gather_object([(outputs, {k: v.cpu() for k, v in scores.items()})]))
+        return outputs, scores
+
+    # ---- against the base model
+
+    def results(self, outputs: list, scores: dict[str, torch.Tensor], *, base_dir: Path | None,
+                this_is_base: bool, save_base_to: Path | None = None) -> dict[str, float]:
+        """The eval's metrics: each score's mean (and per group), the free attributes' distributions and, with
+        eval.diversity_features, the feature diversity; compared with the base model's eval in `base_dir` when it
+        holds one sampled with these settings. When it holds none and `this_is_base` (the model evaluated is the base
+        model), this eval is its own base, written to `save_base_to` (if given) for the later evals."""
+        stored_dir = Path(base_dir) if base_dir is not None else None
+        hists = histograms(scores)
+        base = None
+        store = BaseDistribution(stored_dir) if stored_dir is not None else None
+        stored = store.load() if store is not None else None
+        if stored is not None:
+            base = None if self._unlike(store) else stored
+        elif this_is_base and hists:
+            base = hists
+            if save_base_to is not None:
+                BaseDistribution(save_base_to).save(hists, self.settings)
+        out = eval_summary(scores, self.meta, self.cfg.eval.group_by, base)
+        if self.cfg.eval.diversity_features:
+            out.update(self.feature_diversity(outputs, stored_dir, this_is_base, save_base_to))
+        return out
+
+    def feature_diversity(self, images: list, base_dir: Path | None, this_is_base: bool,
+                          save_base_to: Path | None) -> dict[str, float]:
+        """`flowrl.eval.diversity.feature_metrics` of the eval images [N], grouped by their prompts, against the base
+        model's features in `base_dir` (by the same backbone, sampled with these settings)."""
+        backbone = self.cfg.eval.diversity_features
+        if self.encoder is None:
+            self.encoder = build_feature_encoder(self.cfg, self.device)
+            if self.offload:
+                self.parked_encoder = Parked([self.encoder.model])
+        with visiting(self.parked_encoder):
+            groups = group_features(self.encoder(images),
+                                    prompt_keys(self.prompts, self.meta, self.eval_cfg.images_per_prompt))
+        store = BaseFeatures(base_dir) if base_dir is not None else None
+        found = store.load() if store is not None else None
+        base = None
+        if found is not None and found[1] == backbone:
+            base = None if self._unlike(store) else found[0]
+        elif this_is_base:  # this model is the base model: its features are the base's
+            base = groups
+            if save_base_to is not None:
+                BaseFeatures(save_base_to).save(groups, backbone, self.settings)
+        elif found is not None and store.path not in self.warned:
+            self.warned.add(store.path)
+            warnings.warn(f"{store.path} holds the base model's features by {found[1]!r}, not by "
+                          f"eval.diversity_features={backbone}: the comparisons with the base model are left out",
+                          stacklevel=2)
+        return feature_metrics(groups, base)
+
+    def _unlike(self, store) -> bool:
+        """Whether a stored base-model eval (`BaseDistribution` or `BaseFeatures`) was sampled with other settings than
+        this eval's (e.g. a run resumed with another eval.num_steps or other eval prompts): its images do not pair
+        with these, so the comparisons with it are left out (warned once per file)."""
+        differences = settings_differences(store.settings(), self.settings)
+        if differences and store.path not in self.warned:
+            self.warned.add(store.path)
+            warnings.warn(f"{store.path} holds the base model's eval with other settings ({'; '.join(differences)}): "
+                          f"its comparisons with the base model (*_from_base) are left out; resume with the eval "
+                          f"settings the run started with to compare", stacklevel=3)
+        return bool(differences)
+
+    # ---- what is written
+
+    def write_outputs(self, policy, outputs: list, scores: dict[str, torch.Tensor], path: Path) -> Path | None:
+        """The eval's outputs next to `path` (an image grid with the headline reward's scores, a JSONL of
+        completions); returns the file."""
+        return policy.save_eval_outputs(outputs, self.prompts, path, scores=scores[self.cfg.rewards[0].name])

@@ -1,0 +1,102 @@
+"""One checkpoint loader for `flowrl train` (resume), `flowrl eval` and `flowrl sample`.
+
+A checkpoint is checked against the config before its weights go anywhere: its saved config (read with the keys'
+current spellings) must describe the same model, adapter and batch shape for a resume (`RESUME_KEYS`: the other
+changes are listed in a warning), the same model and adapter for an eval or a sample (`MODEL_KEYS`). Its trained
+weights must be the ones the policy trains (same names).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from flowrl.config import Config, migrate, to_dict, without_other_objectives
+from flowrl.errors import CheckpointError
+
+from . import rundir
+
+#: Which of a checkpoint's weights an eval or a sample uses: its EMA of the trained weights, the trained weights as
+#: the optimizer left them, or `auto`: the EMA when the run kept one (as its evals did).
+WEIGHTS = ("auto", "ema", "trained")
+#: The sections of a config that define the model a checkpoint's weights belong to.
+MODEL_KEYS = ("backend", "model", "lora")
+
+
+def saved_config(ck: dict, objective: str) -> dict | None:
+    """The config a checkpoint was written with, in the current layout (keys that moved read where they are now),
+    without the sections of objectives other than `objective`; None for a checkpoint that kept none."""
+    saved = ck["state"].get("config")
+    return None if saved is None else without_other_objectives(migrate(saved, hint=False), objective)
+
+
+def check_resume(ck: dict, path: Path, cfg: Config, *, warn: bool = True) -> None:
+    """A resume of checkpoint `path` (read: `ck`) with `cfg`: a changed model, adapter, batch shape or objective is
+    refused with the differing keys (one line); other config changes are listed in a warning."""
+    objective = cfg.train.objective
+    saved = saved_config(ck, objective)
+    if saved is None:
+        return
+    now, defaults = (without_other_objectives(to_dict(c), objective) for c in (cfg, Config()))
+    refused, allowed = rundir.compare_configs(saved, now, defaults)
+    if refused:
+        raise CheckpointError(f"cannot resume from {path}: the config changed what the checkpoint was trained as "
+                              f"({'; '.join(refused)}); undo those changes, or start a new run in another "
+                              "log.run_dir (or log.overwrite=true)")
+    if allowed and warn:
+        warnings.warn(f"resuming from {path} with a changed config: {'; '.join(allowed)}", stacklevel=3)
+
+
+def check_model(ck: dict, path: str | Path, cfg: Config) -> None:
+    """An eval or a sample of checkpoint `path` with `cfg`: its model and adapter must be the config's."""
+    saved = ck["state"].get("config") or {}
+    if not saved:
+        return
+    saved = migrate(saved, hint=False)
+    now = to_dict(cfg)
+    refused, _ = rundir.compare_configs({k: saved.get(k) for k in MODEL_KEYS}, {k: now[k] for k in MODEL_KEYS})
+    if refused:
+        raise CheckpointError(f"checkpoint {path} was trained with another model or adapter than this config's "
+                              f"({'; '.join(refused)}); pass the config of its run")
+
+
+def checkpoint_weights(ck: dict, path: str | Path, which: str = "auto") -> dict[str, torch.Tensor]:
+    """The weights `which` (one of WEIGHTS) picks from a read checkpoint."""
+    if which not in WEIGHTS:
+        raise CheckpointError(f"--weights {which!r} is not one of {', '.join(WEIGHTS)}")
+    if which == "ema" and "ema" not in ck:
+        raise CheckpointError(f"checkpoint {path} has no EMA weights (its run had train.ema_decay=0); "
+                              "use --weights trained (or auto)")
+    return ck["trainable"] if which == "trained" else ck.get("ema", ck["trainable"])
+
+
+def check_weights(named: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], path: str | Path) -> None:
+    """The checkpoint's weights hold every trained weight of the policy (else it is another model or adapter)."""
+    missing = set(named) - set(weights)
+    if missing:
+        raise CheckpointError(f"checkpoint {path} does not match this config's model/LoRA: it lacks trained weights "
+                              f"{sorted(missing)[:3]} (a different model or LoRA config?)")
+
+
+def policy_from_checkpoint(cfg: Config, checkpoint: str | None, which: str = "auto", device: str = "cpu"):
+    """The config's policy on `device`, with checkpoint `checkpoint`'s weights (`which`: see WEIGHTS) when given.
+    The checkpoint is read and checked before the model loads."""
+    from flowrl.policies import build_policy
+
+    from .checkpoint import read_checkpoint
+
+    weights = None
+    if checkpoint:  # a bad path or choice fails before the model loads
+        ck = read_checkpoint(checkpoint)
+        weights = checkpoint_weights(ck, checkpoint, which)
+        check_model(ck, checkpoint, cfg)
+    policy = build_policy(cfg, device)
+    if weights is not None:
+        named = dict(policy.named_trainable_parameters())
+        check_weights(named, weights, checkpoint)
+        with torch.no_grad():
+            for n, p in named.items():
+                p.copy_(weights[n].to(p.dtype))
+    return policy

@@ -1,0 +1,188 @@
+"""Rewards and advantages: scoring a rollout with the configured rewards, their metrics, and the advantages of the
+whole batch (gathered over the processes) by the configured rule.
+
+A sample a reward cannot score (+-inf, or NaN where NaN does not mean "does not apply") is left out of the
+advantages and the loss, counted in `reward/nonfinite_count`.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+
+from flowrl import core
+from flowrl.eval.diversity import distribution_metrics, histograms, is_count
+from flowrl.offload import Parked, modules_in, visiting
+
+
+def build_reward_fns(cfg, kind: str) -> list:
+    """The configured rewards, built (registered names, plug-ins `module:function` / `file.py:function`, and the
+    rewards of installed packages)."""
+    import rewards
+
+    return [rewards.build(spec.name, dict(spec.kwargs), kind, video_frames=spec.video_frames,
+                          video_aggregate=spec.video_aggregate) for spec in cfg.rewards]
+
+
+def invalid_scores(scores: torch.Tensor, weights: torch.Tensor, nan_is_missing: bool) -> torch.Tensor:
+    """Which samples of scores [N, K] cannot be scored [N] bool: a reward gave +-inf, or NaN where NaN is not
+    "does not apply" (`nan_is_missing` False: image rewards always return a number), or no weighted reward
+    applies at all (every one with a non-zero weight gave NaN / None)."""
+    inf = torch.isinf(scores).any(1)
+    nan = torch.isnan(scores)
+    weighted = weights != 0
+    none_apply = nan[:, weighted].all(1)
+    return inf | none_apply | (torch.zeros_like(inf) if nan_is_missing else nan.any(1))
+
+
+def combine_advantages(cfg, scores: torch.Tensor, group_ids: torch.Tensor, prompts: list[str],
+                       tracker: core.PerPromptStatTracker | None, penalty: torch.Tensor | None = None) -> torch.Tensor:
+    """Advantages [N] from per-reward scores [N, K] (NaN = does not apply) of the whole (gathered) batch, by the
+    configured rule; `penalty` [N] (e.g. the KL-in-reward term) is subtracted from the total reward."""
+    t = cfg.train
+    weights = torch.tensor([r.weight for r in cfg.rewards], dtype=scores.dtype)
+    if t.reward_combine == "gdpo":
+        # a reward that does not apply to a sample (NaN) takes its group's mean there: no advantage from it
+        filled = scores.clone()
+        for k in range(scores.shape[1]):
+            col = scores[:, k]
+            for g in group_ids.unique():
+                rows = (group_ids == g) & col.isnan()
+                valid = col[(group_ids == g) & ~col.isnan()]
+                filled[rows, k] = valid.mean() if len(valid) else 0.0
+        if penalty is not None:
+            filled = torch.cat([filled, penalty[:, None].to(filled.dtype)], 1)
+            weights = torch.cat([weights, weights.new_tensor([-1.0])])
+        adv = core.gdpo_advantages(filled, group_ids, weights=weights)
+    else:
+        total = (scores * weights).nansum(1)  # a reward that returned None leaves that sample out of it
+        if penalty is not None:
+            total = total - penalty.to(total.dtype)
+        if tracker is not None:
+            adv = tracker.update(prompts, total)
+        else:
+            estimator = core.get_advantage_estimator(t.adv_estimator)
+            kwargs = {"scale": t.adv_scale} if t.adv_estimator == "grpo" else {}
+            adv = estimator(total, group_ids, **kwargs)
+    return adv.clamp(-t.adv_clip_max, t.adv_clip_max)
+
+
+def adv_metrics(adv: torch.Tensor, keep: torch.Tensor) -> dict:
+    """The advantages' summary of this process's samples [B], and the share `keep` [B] trains."""
+    return {"adv/mean": adv.mean().item(), "adv/std": adv.std().item() if len(adv) > 1 else 0.0,
+            "adv/abs_max": adv.abs().max().item(), "adv/kept_frac": keep.float().mean().item()}
+
+
+class Scorer:
+    """The run's rewards (built once; with train.offload each local reward model waits in CPU memory and visits its
+    device only while it scores), DDPO's per-prompt tracker when train.per_prompt_stats is on, and the
+    computations of an epoch's scoring phase. `dist` answers the questions across processes."""
+
+    def __init__(self, cfg, policy, dist, run_dir: Path, main: bool):
+        t = cfg.train
+        self.cfg, self.policy, self.dist, self.run_dir, self.main = cfg, policy, dist, run_dir, main
+        self.fns = build_reward_fns(cfg, policy.reward_kind)
+        modules = [modules_in(fn) if t.offload else [] for fn in self.fns]
+        self.parked = [Parked(m) if m else None for m in modules]
+        self.tracker = core.PerPromptStatTracker(t.stat_buffer_size, t.stat_min_count) if t.per_prompt_stats else None
+        self.weights = torch.tensor([r.weight for r in cfg.rewards])
+
+    def score(self, batch, epoch: int = 0, *, optimizer_steps: int = 0, max_steps: int = 0
+              ) -> tuple[torch.Tensor, dict]:
+        """Per-reward scores [B_local, K] and extra components, from this process's outputs."""
+        state = self.policy.reward_state  # what TRL-style rewards see as `trainer_state`
+        state.global_step, state.epoch = optimizer_steps, float(epoch)
+        state.max_steps = max_steps
+        columns = {k: [m.get(k) for m in batch.metadata] for k in {k for m in batch.metadata for k in m}}
+        scores, components = [], {}
+        for spec, fn, parked in zip(self.cfg.rewards, self.fns, self.parked):
+            with visiting(parked):
+                s = self.policy.call_reward(fn, batch, columns)
+            scores.append(s)
+            for name, v in (getattr(fn, "last_components", None) or {}).items():
+                components[f"{spec.name}/{name}"] = torch.as_tensor(v, dtype=torch.float32).reshape(-1)
+        return torch.stack(scores, 1), components
+
+    def advantages(self, batch, scores: torch.Tensor, epoch: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Advantages of this process's samples from the whole batch's rewards, which samples to train, and how many
+        samples of the batch had a non-finite reward (left out of the advantages and the loss)."""
+        all_scores = self.dist.gather(scores)
+        all_gids = self.dist.gather(batch.group_ids)
+        invalid = invalid_scores(all_scores, self.weights, nan_is_missing=self.policy.reward_kind == "text")
+        valid = ~invalid
+        n_bad = int(invalid.sum())
+        if n_bad:
+            bad_rewards = [r.name for k, r in enumerate(self.cfg.rewards)
+                           if not torch.isfinite(all_scores[invalid, k]).all()]
+            warnings.warn(f"epoch {epoch}: {n_bad} of {len(all_scores)} samples have a non-finite reward "
+                          f"({', '.join(bad_rewards)}: NaN or inf); they are left out of the advantages and the loss",
+                          stacklevel=2)
+        prompts = [batch.epoch_prompts[g] for g in all_gids[valid].tolist()]
+        penalty = self.policy.reward_penalty(batch)
+        penalty = self.dist.gather(penalty).double()[valid] if penalty is not None else None
+        adv_all = torch.zeros(len(all_scores), dtype=torch.float32)
+        if valid.any():
+            scored = all_scores.double()[valid].masked_fill(torch.isinf(all_scores[valid]), float("nan"))
+            adv_all[valid] = combine_advantages(self.cfg, scored, all_gids[valid], prompts, self.tracker,
+                                                penalty).float()
+        keep_all = valid.clone()
+        if self.cfg.train.drop_zero_adv_groups:
+            nonzero = torch.zeros(int(all_gids.max()) + 1, dtype=torch.bool).index_put_(
+                (all_gids,), adv_all != 0, accumulate=True)
+            keep_all &= nonzero[all_gids]
+        local = len(batch.prompts)
+        sl = slice(self.dist.rank * local, self.dist.rank * local + local)
+        return adv_all[sl], keep_all[sl], n_bad
+
+    def log_outputs(self, batch, scores: torch.Tensor, adv: torch.Tensor, epoch: int, extra: dict | None = None
+                    ) -> None:
+        """Append this process's (prompt, completion, rewards, advantage) rows to completions.jsonl (main
+        process; text backends)."""
+        outputs = self.policy.describe_outputs(batch)
+        if outputs is None or not self.main:
+            return
+        names = [r.name for r in self.cfg.rewards]
+        with open(self.run_dir / "completions.jsonl", "a") as f:
+            for i, (p, c) in enumerate(zip(batch.prompts, outputs)):
+                row = {"epoch": epoch, "prompt": p, "completion": c, "advantage": round(float(adv[i]), 5),
+                       "rewards": {n: (None if not torch.isfinite(scores[i, k]) else float(scores[i, k]))
+                                   for k, n in enumerate(names)}}
+                row.update({col: values[i] for col, values in (extra or {}).items() if i < len(values)})
+                f.write(json.dumps(row, default=str) + "\n")
+
+    def reward_logs(self) -> dict[str, float]:
+        """What the rewards logged with `log_metric` this epoch (TRL's reward API), averaged over processes."""
+        logs = self.policy.pop_reward_logs()
+        if self.dist.world > 1:
+            from accelerate.utils import gather_object
+
+            everyone = gather_object([logs])
+            keys = sorted({k for d in everyone for k in d})
+            logs = {k: sum(d[k] for d in everyone if k in d) / sum(k in d for d in everyone) for k in keys}
+        return logs
+
+    def reward_metrics(self, scores: torch.Tensor, components: dict) -> dict:
+        """The whole batch's reward metrics: each reward's mean, std and share it applies to (finite scores only),
+        the weighted total's mean, the components' means, and the free-attribute counts' distribution."""
+        all_scores = self.dist.gather(scores)
+        m = {}
+        for k, spec in enumerate(self.cfg.rewards):
+            col = all_scores[:, k]
+            col = col[torch.isfinite(col)]  # NaN: does not apply (or invalid: counted in reward/nonfinite_count)
+            m[f"reward/{spec.name}_mean"] = col.mean().item() if len(col) else float("nan")
+            m[f"reward/{spec.name}_std"] = col.std().item() if len(col) > 1 else 0.0
+            m[f"reward/{spec.name}_applies"] = len(col) / len(all_scores)
+        scored = ~torch.isinf(all_scores).any(1)
+        total = (all_scores[scored] * self.weights).nansum(1)
+        m["reward/total_mean"] = total.mean().item() if len(total) else float("nan")
+        counts = {}
+        for name, v in components.items():
+            if is_count(name):  # free-attribute counts: a distribution, not a mean
+                counts[name] = self.dist.gather(v)
+            else:
+                m[f"reward/{name}_mean"] = self.dist.gather(v).mean().item()
+        m.update(distribution_metrics(histograms(counts), prefix="reward/diversity/"))
+        return m

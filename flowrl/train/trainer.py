@@ -1,0 +1,386 @@
+"""The training loop: rollout -> reward -> advantage -> update -> log / eval / checkpoint.
+
+One loop for every backend, objective and distributed strategy, read top to bottom:
+
+    Trainer.__init__   the pieces: policy, objective, strategy (and its optimizer), scorer, updater, evaluator
+    Trainer.fit        resume, then `train_epoch` until the epochs or the time budget run out; the final eval
+    Trainer.train_epoch  rollout, scores, advantages, update, metrics
+
+What differs between images and text lives in the policy (`flowrl.policies`); between objectives, in the objective
+(`flowrl.objectives`); between DDP, FSDP and DeepSpeed, in the strategy (`flowrl.dist`). The math is the core's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from flowrl import dist as distributed
+from flowrl.config import Config, to_dict
+from flowrl.errors import Interrupted
+from flowrl.eval import Evaluator
+from flowrl.objectives import build_objective
+from flowrl.policies.base import full_tensor
+from flowrl.preflight import preflight
+from flowrl.run import rundir
+from flowrl.run.checkpoint import remove_temporary, resolve_resume, set_rng_state, write_checkpoint
+from flowrl.run.loading import check_resume, check_weights
+from flowrl.run.metrics import MetricsLog, Timer, read_metrics
+from flowrl.seeding import derive_seed, seed_everything
+
+from .optim import EMA, build_optimizer, lr_lambda
+from .scoring import Scorer, adv_metrics
+from .signals import StopSignals
+from .update import Updater
+
+
+@dataclass
+class State:
+    """Counters saved in checkpoints."""
+
+    epochs_done: int = 0
+    optimizer_steps: int = 0
+    samples_seen: int = 0
+    train_wall_seconds: float = 0.0  # the epochs' wall-clock, evals excluded (time/train_wall_minutes)
+    train_cpu_seconds: float = 0.0  # this process's CPU time in the epochs (time/train_process_minutes)
+    budget_seconds: float = 0.0  # train.max_minutes spent on train.budget_clock when the checkpoint was written
+
+
+def progress_postfix(metrics: dict, objective) -> dict[str, str]:
+    """What the progress bar shows after an epoch: the mean reward, and the objective's own fields (GRPO: the first
+    minibatch's ratio; DPO: its pairs)."""
+    return {"reward": f"{metrics['reward/total_mean']:.3f}", **objective.progress(metrics)}
+
+
+class Trainer:
+    """Holds the pieces the loop needs; `fit()` is the loop."""
+
+    def __init__(self, cfg: Config, accelerator=None):
+        from flowrl.policies import build_policy
+
+        # everything that can be checked without the model (prompts, rewards, the model's class and image size,
+        # loggers) fails now, before it loads
+        self.train_set, self.eval_set = preflight(cfg)
+        self.cfg, t = cfg, cfg.train
+        self.acc = accelerator or distributed.make_accelerator(cfg)
+        self.run_dir = Path(cfg.log.run_dir)
+        self.main = self.acc.is_main_process
+        if self.main:  # writable, and not another run's (unless resuming it or told to overwrite it)
+            rundir.check_writable(self.run_dir)
+            rundir.claim(self.run_dir, resume=cfg.checkpoint.resume, overwrite=cfg.log.overwrite)
+            remove_temporary(self.run_dir)  # what a kill during a checkpoint write left behind
+        self.acc.wait_for_everyone()
+        seed_everything(t.seed)
+        self.device = self.acc.device if cfg.model.device == "auto" else torch.device(cfg.model.device)
+        self.policy = build_policy(cfg, self.device)
+        # before the strategy wraps or shards the model: an objective may add to it (NFT's "old" adapter)
+        self.objective = build_objective(cfg, self.policy, self.acc.num_processes)
+        self.world = self.acc.num_processes
+        self.batch_total = cfg.sample.prompts_per_epoch * cfg.sample.group_size
+        if self.batch_total % self.world:
+            raise ValueError(f"the epoch batch {self.batch_total} (prompts_per_epoch x group_size) must split evenly "
+                             f"over {self.world} processes")
+        self.batch_local = self.batch_total // self.world
+        self.dist = distributed.build_strategy(cfg, self.acc)
+        self.opt = self.dist.prepare(self.policy, lambda params, sharded: build_optimizer(params, t, sharded=sharded))
+        self.params = self.dist.params
+        self.named_params = dict(self.policy.named_trainable_parameters())
+        self.ema = EMA(self.named_params.items(), t.ema_decay, device="cpu" if t.offload else None
+                       ) if t.ema_decay > 0 else None
+        slots = t.inner_epochs * (self.batch_local // (t.minibatch_size or self.batch_local))
+        self.max_steps = t.epochs * slots  # the lr schedule's length, in minibatch slots
+        self.updater = Updater(cfg, self.objective, self.dist, self.ema, self.batch_local,
+                               lr_lambda(t.warmup_steps, self.max_steps, t.schedule, t.decay_frac))
+        self.scorer = Scorer(cfg, self.policy, self.dist, self.run_dir, self.main)
+        self.evaluator = Evaluator(cfg, self.eval_set, self.device, offload=t.offload)
+        self.state = State()
+        self.signals = StopSignals(announce=self.main)
+        self.clock_start, self.budget_before = time.perf_counter(), 0.0  # train.max_minutes' clock (budget_spent)
+        self.log = MetricsLog(self.run_dir / "metrics.jsonl", self.acc, enabled=self.main)
+        if self.main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.timer = Timer()
+        if cfg.log.tensorboard or cfg.log.wandb:
+            self.acc.init_trackers("flowrl", config={k: str(v) for k, v in to_dict(cfg).items()})
+
+    @property
+    def tracker(self):
+        """DDPO's per-prompt stat tracker (train.per_prompt_stats), or None."""
+        return self.scorer.tracker
+
+    # ------------------------------------------------------------------------------ the loop
+
+    def fit(self) -> dict:
+        """Train to train.epochs (or the time budget), resuming from a checkpoint when asked; returns the last epoch's
+        metrics with the final eval's."""
+        cfg = self.cfg
+        found = resolve_resume(cfg.checkpoint.resume, self.run_dir)
+        if found is not None:
+            self.load(*found)
+        elif cfg.checkpoint.resume == "auto" and self.main and rundir.holds_a_run(self.run_dir):
+            raise rundir.nothing_to_resume(self.run_dir)  # its checkpoints are all corrupt
+        if self.main:  # the epochs after the checkpoint are redone: their old rows go
+            rundir.truncate_logs(self.run_dir, self.state.epochs_done)
+        self.acc.wait_for_everyone()
+        with self.signals.installed():
+            return self._fit()
+
+    def _fit(self) -> dict:
+        cfg, t = self.cfg, self.cfg.train
+        last = {}
+        if cfg.eval.before and self.state.epochs_done == 0 and t.epochs > 0:
+            self.log.log(self.evaluate(tag="epoch000000"), step=0)
+        # the time budget and the time metrics go on from a checkpoint's: a resumed run trains what is left
+        self.clock_start, self.budget_before = time.perf_counter(), self.state.budget_seconds
+        first = self.state.epochs_done
+        if t.max_minutes and first and self.out_of_time():
+            if self.main:
+                print(f"train.max_minutes={t.max_minutes:g} was spent ({self.budget_spent() / 60:.2f} min on the "
+                      f"{t.budget_clock} clock) after {first} epochs: nothing left to train (raise "
+                      f"train.max_minutes to train on)")
+            first = t.epochs
+        bar = tqdm(range(first, t.epochs), desc="epochs", disable=not (self.main and cfg.log.progress),
+                   initial=self.state.epochs_done, total=t.epochs)
+        for epoch in bar:
+            metrics = self.train_epoch(epoch)
+            # train.max_minutes: the epoch that reaches the budget is the last (every process stops together)
+            out_of_time = bool(t.max_minutes) and self.out_of_time()
+            done = epoch + 1
+            if cfg.eval.every and done % cfg.eval.every == 0 and done < t.epochs:
+                metrics.update(self.evaluate(tag=f"epoch{done:06d}"))
+            if done % cfg.log.every == 0 or done == t.epochs or out_of_time:
+                self.log.log(metrics, step=done)
+            if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < t.epochs:
+                self.save()
+            bar.set_postfix(progress_postfix(metrics, self.objective))
+            last = metrics
+            self.stop_if_asked(done, mid_epoch=False)
+            if out_of_time:
+                if self.main:
+                    print(f"train.max_minutes={t.max_minutes:g} ({t.budget_clock} clock) reached after {done} "
+                          f"epochs: the final eval and checkpoint follow")
+                break
+        if last:  # some epoch ran in this call (a resume of a finished run does nothing)
+            final = self.evaluate(tag="final")
+            self.log.log({**final, "final": True}, step=self.state.epochs_done)
+            last.update(final)
+            self.save()
+            if self.main:
+                self.report()
+        divergence = self.dist.replica_divergence()  # (sharded weights differ by design: None)
+        if divergence is not None:
+            last["dist/replica_max_abs_diff"] = divergence
+            self.log.log({"dist/replica_max_abs_diff": divergence}, step=self.state.epochs_done)
+        self.acc.wait_for_everyone()
+        if cfg.log.tensorboard or cfg.log.wandb:
+            self.acc.end_training()
+        return last
+
+    def train_epoch(self, epoch: int) -> dict:
+        """One epoch: roll out, score, the advantages of the whole batch, the update; returns its metrics."""
+        cfg = self.cfg
+        if cfg.train.schedule_over == "budget":  # the lr's position in a run that ends on its time budget
+            self.updater.budget_fraction = self.dist.largest(self.budget_spent() / (60 * cfg.train.max_minutes))
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        with self.timer("rollout"):
+            batch = self.rollout(epoch)
+        with self.timer("reward"):
+            scores, components = self.score(batch, epoch)
+        self.stop_if_asked(epoch, mid_epoch=False)  # nothing of this epoch has changed the weights yet
+        metrics = self.scorer.reward_metrics(scores, components)
+        metrics.update(self.scorer.reward_logs())
+        extra = self.policy.pop_reward_extra()  # columns the rewards logged with log_extra (TRL's reward API)
+        with self.timer("advantage"):
+            adv, keep, invalid = self.advantages(batch, scores, epoch)
+        metrics.update(adv_metrics(adv, keep))
+        metrics["reward/nonfinite_count"] = invalid
+        if cfg.log.completions_every and epoch % cfg.log.completions_every == 0:
+            self.scorer.log_outputs(batch, scores, adv, epoch, extra)
+        with self.timer("train"):
+            metrics.update(self.update(batch, adv, keep, epoch))
+        self.state.epochs_done = epoch + 1
+        self.state.samples_seen += self.batch_total
+        seconds = time.perf_counter() - t0
+        self.state.train_wall_seconds += seconds
+        self.state.train_cpu_seconds += time.process_time() - cpu0
+        metrics.update({f"time/{k}": v for k, v in self.timer.pop().items()})
+        metrics["time/train_wall_minutes"] = self.state.train_wall_seconds / 60
+        metrics["time/train_process_minutes"] = self.state.train_cpu_seconds / 60
+        metrics["perf/samples_per_s"] = self.batch_total / seconds
+        metrics["perf/trained_steps_x_samples_per_s"] = metrics["policy/trained_units"] / seconds
+        metrics["lr"] = self.opt.param_groups[0]["lr"]
+        return metrics
+
+    # ------------------------------------------------------------------------------ the phases
+
+    def rollout(self, epoch: int):
+        """This process's slice of the epoch's samples: P prompts x G, laid out prompt-major and cut into
+        `world` contiguous slices (so a group may span two processes)."""
+        cfg = self.cfg
+        prompts, meta = self.train_set.draw(cfg.sample.prompts_per_epoch, epoch, cfg.train.seed,
+                                             cfg.data.balance_by)
+        G = cfg.sample.group_size
+        start = self.acc.process_index * self.batch_local
+        gids = [i // G for i in range(start, start + self.batch_local)]
+        gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, epoch, self.acc.process_index))
+        batch = self.objective.rollout([prompts[g] for g in gids], [meta[g] for g in gids], epoch=epoch, generator=gen)
+        batch.group_ids = torch.tensor(gids)
+        batch.epoch_prompts = prompts
+        return batch
+
+    def score(self, batch, epoch: int = 0) -> tuple[torch.Tensor, dict]:
+        """Per-reward scores [B_local, K] and extra components, from this process's outputs."""
+        return self.scorer.score(batch, epoch, optimizer_steps=self.state.optimizer_steps, max_steps=self.max_steps)
+
+    def advantages(self, batch, scores: torch.Tensor, epoch: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Advantages of this process's samples from the whole batch's rewards, which samples to train, and how many
+        samples of the batch had a non-finite reward (left out of the advantages and the loss)."""
+        return self.scorer.advantages(batch, scores, epoch)
+
+    def update(self, batch, adv: torch.Tensor, keep: torch.Tensor, epoch: int) -> dict:
+        """The epoch's update (`flowrl.train.update`), stopping at a safe point when a signal asks."""
+        return self.updater.run(batch, adv, keep, epoch, self.state, self.stop_if_asked)
+
+    @torch.no_grad()
+    def evaluate(self, tag: str) -> dict:
+        """The held-out eval (EMA weights when on): every process samples a share of the prompts (all of them when
+        the weights are sharded: every forward pass is a collective); the main process compares with the base
+        model's eval (the run's first, before any optimizer step) and draws the grid."""
+        world = 1 if self.dist.sharded else self.world
+        rank = 0 if world == 1 else self.acc.process_index
+        with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
+            outputs, scores = self.evaluator.sample(self.policy, self.scorer.fns, parked=self.scorer.parked,
+                                                    rank=rank, world=world)
+        results = {}
+        if self.main:
+            base = self.state.optimizer_steps == 0
+            results = self.evaluator.results(outputs, scores, base_dir=self.run_dir, this_is_base=base,
+                                             save_base_to=self.run_dir)
+            if self.cfg.eval.grid:
+                path = self.evaluator.write_outputs(self.policy, outputs, scores, self.run_dir / f"eval-{tag}")
+                self.log_eval_images(path, tag)
+        self.acc.wait_for_everyone()
+        return results
+
+    def log_eval_images(self, path: Path | None, tag: str) -> None:
+        """The eval grid to TensorBoard / W&B when those loggers are on."""
+        if path is None or not (self.cfg.log.tensorboard or self.cfg.log.wandb) or not self.acc.trackers:
+            return
+        import numpy as np
+        from PIL import Image
+
+        grid = np.asarray(Image.open(path).convert("RGB"))
+        for tracker in self.acc.trackers:
+            if tracker.name == "tensorboard":
+                tracker.writer.add_image(f"eval/{tag}", grid, self.state.epochs_done, dataformats="HWC")
+            elif tracker.name == "wandb":
+                import wandb
+
+                tracker.log({f"eval/{tag}": wandb.Image(grid)}, step=self.state.epochs_done)
+
+    def report(self) -> None:
+        """The run's curves (and the before/after grid when the run evaluated before training) in its directory."""
+        from flowrl.run.report import plot_curves, result_keys, write_before_after
+
+        rows = read_metrics(self.run_dir / "metrics.jsonl")
+        headline = next(iter(result_keys(rows, self.cfg.rewards[0].name, self.cfg.eval.group_by)), None)
+        plot_curves(self.run_dir, title=f"{self.cfg.model.path}: {headline}" if headline else None)
+        if self.cfg.eval.before:  # else an eval-epoch000000.png here would be an earlier run's
+            write_before_after(self.run_dir, rows, headline)
+
+    # ------------------------------------------------------------------------------ time, signals, checkpoints
+
+    def budget_spent(self) -> float:
+        """Seconds of train.max_minutes spent, on train.budget_clock, since the run began (across resumes):
+        `process` = this process's CPU time in the epochs; `wall` = the wall-clock of the calls of fit, evals
+        included."""
+        if self.cfg.train.budget_clock == "process":
+            return self.state.train_cpu_seconds
+        return self.budget_before + time.perf_counter() - self.clock_start
+
+    def out_of_time(self) -> bool:
+        """Whether train.max_minutes is spent on some process (a collective)."""
+        return self.dist.any_process(self.budget_spent() >= 60 * self.cfg.train.max_minutes)
+
+    def stop_if_asked(self, epoch: int, *, mid_epoch: bool) -> None:
+        """At a safe point: when a stop signal arrived (on any process), write a checkpoint and raise Interrupted.
+        `epoch`: the epoch in progress (mid_epoch) or the number of epochs done."""
+        signum = self.signals.signum
+        if not self.dist.any_process(signum is not None):
+            return
+        signum = signum or signal.SIGTERM
+        path = self.save()
+        what = (f"during epoch {epoch + 1} (its finished minibatches are in the weights; the epoch restarts on resume)"
+                if mid_epoch else f"after {self.state.epochs_done} epochs")
+        raise Interrupted(f"stopped by {signal.Signals(signum).name} {what}; checkpoint {path or self.run_dir}. "
+                          f"Resume with checkpoint.resume=auto (same config and log.run_dir={self.run_dir})", signum)
+
+    def save(self) -> Path | None:
+        """Write a checkpoint (main process). Partitioned weights and states are gathered first, by every process."""
+        self.state.budget_seconds = self.budget_spent()
+        sharded = self.dist.sharded
+        optimizer = self.dist.optimizer_state()  # whole tensors (a collective when they are partitioned)
+        objective = self.objective.state_dict()  # e.g. NFT's old adapter (gathered when sharded: every process)
+        trainable = {n: full_tensor(p).detach() if sharded else p for n, p in self.named_params.items()}
+        ema = self.ema.state_dict() if self.ema else None
+        if sharded and ema is not None:
+            ema = {n: full_tensor(v) for n, v in ema.items()}
+        exported = None
+        if sharded:  # the LoRA's or the whole model's tensors, gathered (a collective)
+            with self.ema.applied() if self.ema else contextlib.nullcontext(), self.dist.gathered():
+                exported = self.policy.export_state()
+        path = None
+        if self.main:
+            st = {"counters": vars(self.state), "tracker": self.tracker.state_dict() if self.tracker else None,
+                  "config": to_dict(self.cfg)}
+            extra = ({"lora" if self.cfg.lora.enabled else "model": functools.partial(self.export, exported=exported)}
+                     if self.policy.can_export else {})
+            path = write_checkpoint(self.run_dir, self.state.epochs_done, trainable=trainable, optimizer=optimizer,
+                                    ema=ema, state=st, extra_dirs=extra, keep=self.cfg.checkpoint.keep,
+                                    objective=objective or None)
+        self.acc.wait_for_everyone()
+        return path
+
+    def export(self, directory: Path, exported: dict | None = None) -> None:
+        """The trained weights (their EMA when on) in the format their library loads, into `directory`;
+        `exported`: the gathered tensors when sharded."""
+        if exported is not None:
+            self.policy.export(directory, state=exported)
+            return
+        with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
+            self.policy.export(directory)
+
+    def load(self, path: Path, ck: dict) -> None:
+        """Continue from checkpoint `path` (read: `ck`). A changed model, adapter or batch shape is refused with the
+        differing keys; other config changes are listed in a warning."""
+        check_resume(ck, path, self.cfg, warn=self.main)
+        check_weights(self.named_params, ck["trainable"], path)
+        self.dist.load_trained(self.named_params, ck["trainable"])
+        self.dist.load_optimizer_state(ck)
+        st = ck["state"]
+        if self.ema is not None and "ema" in ck:
+            self.ema.load_state_dict({n: distributed.like(v, self.named_params[n]) for n, v in ck["ema"].items()})
+        if self.tracker is not None and st.get("tracker"):
+            self.tracker.load_state_dict(st["tracker"])
+        self.objective.load_state_dict(ck.get("objective", {}), distributed.like)
+        self.state = State(**st["counters"])
+        set_rng_state(ck["rng_tensors"], st["rng"])
+        if self.main:
+            print(f"resumed from {path} after {self.state.epochs_done} epochs")
+
+
+def train(cfg: Config) -> dict:
+    """Build a Trainer from `cfg` and run it; returns the last epoch's metrics."""
+    try:
+        return Trainer(cfg).fit()
+    finally:
+        # leave no gloo/NCCL threads running into interpreter shutdown (they abort the process there)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
