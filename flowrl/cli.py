@@ -57,56 +57,13 @@ def _device(cfg) -> str:
     return "cuda" if cfg.model.device == "auto" else cfg.model.device
 
 
-def _eval_base(args, settings: dict) -> "Path | None":
-    """The directory whose base-model eval files (`eval-base-distribution.json`, `eval-base-features.safetensors`)
-    `flowrl eval` of a checkpoint compares with: --base, else the checkpoint's run directory when it holds one
-    (its eval before training wrote them), else None. The base's eval must have been sampled with this eval's
-    `settings` (`flowrl.eval.diversity.eval_settings`: prompts, steps, CFG, seed, size), else its images do not pair with
-    these: a --base that differs is an error naming the differences; a run directory that differs (e.g. an eval of
-    the run's checkpoint on other prompts) is not compared with (said on stderr)."""
-    from pathlib import Path
-
-    from .eval.diversity import BaseDistribution, BaseFeatures, settings_differences
-
-    def holds(d: Path) -> bool:
-        return BaseDistribution(d).path.exists() or BaseFeatures(d).exists()
-
-    def differences(d: Path) -> list[str]:
-        found = [store.settings() for store in (BaseDistribution(d), BaseFeatures(d)) if store.path.exists()]
-        return sorted({line for stored in found for line in settings_differences(stored, settings)})
-
-    if args.base:
-        base = Path(args.base)
-        if not holds(base):
-            raise SystemExit(f"flowrl eval: --base {base} holds no base-model eval ({BaseDistribution(base).path.name} "
-                             f"or {BaseFeatures.NAME}): pass a training run's directory (its eval before training "
-                             f"writes them) or the --out of `flowrl eval` of the base model (no --checkpoint)")
-        unlike = differences(base)
-        if unlike:
-            raise SystemExit(f"flowrl eval: --base {base} holds a base-model eval sampled with other settings than "
-                             f"this eval's ({'; '.join(unlike)}), whose images do not pair with these: give this eval "
-                             f"the base's settings, or make a base with this eval's (`flowrl eval` of the same config "
-                             f"and overrides without --checkpoint, --out DIR)")
-        return base
-    if args.checkpoint and holds(Path(args.checkpoint).parent):
-        run = Path(args.checkpoint).parent
-        unlike = differences(run)
-        if unlike:
-            print(f"flowrl eval: the run directory {run} holds the base model's eval with other settings than this "
-                  f"eval's ({'; '.join(unlike)}): no comparison with the base model (pass --base DIR of a base eval "
-                  f"with these settings to compare)", file=sys.stderr)
-            return None
-        return run
-    return None
-
-
 def _eval(args) -> int:
     """The eval of a checkpoint (or of the base model) on the eval prompts. The diversity metrics compare with the
     base model's eval: an eval of the base model with --out writes its files there; an eval of a checkpoint reads
     them from --base, else from the checkpoint's run directory (its eval before training), when there."""
     from pathlib import Path
 
-    from .eval import Evaluator
+    from .eval import Evaluator, base_for_eval
     from .preflight import preflight
     from .run.loading import policy_from_checkpoint
     from .train.scoring import build_reward_fns
@@ -115,7 +72,7 @@ def _eval(args) -> int:
     # prompts, rewards and the model's class and size are checked before the model loads
     _, eval_set = preflight(cfg)
     evaluator = Evaluator(cfg, eval_set, _device(cfg))
-    base_dir = _eval_base(args, evaluator.settings)
+    base_dir = base_for_eval(args.base, args.checkpoint, evaluator.settings)
     policy = policy_from_checkpoint(cfg, args.checkpoint, args.weights, _device(cfg))
     outputs, scores = evaluator.sample(policy, build_reward_fns(cfg, policy.reward_kind))
     out = Path(args.out) if args.out else None
@@ -137,12 +94,11 @@ def _eval(args) -> int:
 
 
 def _sample(args) -> int:
-    """Images of each --prompt with seeds --seed, --seed + 1, ... (--num of them), named `PPP_seedS.png` (prompt
-    index, seed; a video model's `PPP_seedS.webp`, eval.video_format); image (prompt, seed) is the same whatever
-    else is sampled beside it. samples.jsonl lists them."""
+    """Images of each --prompt with seeds --seed, --seed + 1, ... (--num of them): flowrl.eval.samples."""
     from pathlib import Path
 
-    from .preflight import check_model
+    from .eval.samples import sample_to_dir
+    from .preflight import check_model, check_sample_images
     from .run.loading import policy_from_checkpoint
 
     cfg = _load(args)
@@ -151,40 +107,13 @@ def _sample(args) -> int:
     if args.num < 1 or args.steps < 0:
         raise SystemExit(f"flowrl sample: --num must be >= 1 and --steps >= 0, got {args.num} and {args.steps}")
     family_name = check_model(cfg)  # the model's class and the image size, before it loads
-    _check_sample_images(family_name, args.image or [])
+    check_sample_images(family_name, args.image or [])
     policy = policy_from_checkpoint(cfg, args.checkpoint, args.weights, _device(cfg))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     seeds = [args.seed + k for k in range(args.num)]
-    images = policy.sample(args.prompt, seeds, num_steps=args.steps or cfg.eval.num_steps,
-                           guidance_scale=cfg.eval.guidance_scale, image_paths=args.image)
-    rows = []
-    for i, prompt in enumerate(args.prompt):
-        for k, seed in enumerate(seeds):
-            path = policy.save_sample(images[i * len(seeds) + k], out / f"{i:03d}_seed{seed}")
-            rows.append({"file": path.name, "prompt": prompt, "seed": seed})
-    (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print(f"wrote {len(rows)} images to {out} (listed in samples.jsonl)")
+    count = sample_to_dir(policy, args.prompt, seeds, Path(args.out), num_steps=args.steps or cfg.eval.num_steps,
+                          guidance_scale=cfg.eval.guidance_scale, image_paths=args.image)
+    print(f"wrote {count} images to {args.out} (listed in samples.jsonl)")
     return 0
-
-
-def _check_sample_images(family_name: str, paths: list[str]) -> None:
-    """`flowrl sample --image`: each path a file Pillow reads, as many as the model's family takes per prompt."""
-    from PIL import Image, UnidentifiedImageError
-
-    from .conditioning import count_problem
-    from .families import family
-    from .preflight import PreflightError
-
-    for path in paths:
-        try:
-            with Image.open(path) as im:
-                im.verify()
-        except (OSError, UnidentifiedImageError) as e:
-            raise PreflightError(f"--image {path!r} is not an image Pillow reads ({e})") from None
-    problem = count_problem(len(paths), family(family_name).condition_images, family_name)
-    if problem:
-        raise PreflightError(f"--image: {problem} (give each image with its own --image)")
 
 
 def _plan(args) -> int:
@@ -208,67 +137,10 @@ def _report(args) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    """The embedded default: configs/shapes.yaml (online Diffusion-DPO on the shapes world's tiny SD3), evaluated
-    before and after; or another config run the same way."""
-    import time
-    from pathlib import Path
+    """The embedded default (`make demo`): flowrl.worlds.demo."""
+    from .worlds.demo import run_demo
 
-    from .config import load_config
-    from .objectives import get_objective
-    from .run.metrics import read_metrics
-    from .run.report import result_keys
-    from .train import train
-
-    path = Path(args.config)
-    model_dir = Path("samples/shapes/model")
-    if not args.toy and path == Path("configs/shapes.yaml") and not (model_dir / "model_index.json").exists():
-        print(f"flowrl demo: the shapes world's pre-trained model ({model_dir}) is not built yet "
-              "(scripts/pretrain_shapes.py), so this runs the smallest real thing instead: GRPO from flowrl.core "
-              "teaching a tabular token policy to spell 'flowrl' (reward = matching letters).")
-        args.toy = True
-    if args.toy:
-        from .toy import run_toy_grpo
-
-        history = run_toy_grpo(steps=60, seed=0)
-        print(f"mean reward, first 5 steps {sum(history[:5]) / 5:.3f} -> last 5 steps {sum(history[-5:]) / 5:.3f}")
-        return 0
-    if not path.exists():
-        raise SystemExit(f"flowrl demo: {path} not found; run it from the repository root (where configs/ is)")
-    cfg = load_config(path, args.overrides)
-    objective = get_objective(cfg.train.objective).title
-    adapter = "LoRA" if cfg.lora.enabled else "full fine-tuning"
-    print(f"flowrl demo: {objective} + {adapter} on {cfg.model.path}, trained on {describe_rewards(cfg.rewards)}, "
-          f"{cfg.train.epochs} epochs of {cfg.sample.prompts_per_epoch} prompts x {cfg.sample.group_size} images, "
-          f"on the CPU")
-    t0 = time.perf_counter()
-    train(cfg)  # what `flowrl train` runs: it evaluates before and after and draws the figures
-    minutes = (time.perf_counter() - t0) / 60
-    run = Path(cfg.log.run_dir)
-    rows = read_metrics(run / "metrics.jsonl")
-    for key in result_keys(rows, cfg.rewards[0].name, cfg.eval.group_by):  # headline first: GenEval's overall
-        evals = [r for r in rows if key in r]
-        b, a = evals[0][key], evals[-1][key]
-        print(f"{key}: before {b:.3f} -> after {a:.3f} ({a - b:+.3f})")
-    # what the reward does not see: how far the model's free choices (colours...) moved from the base model's
-    final = next((r for r in reversed(rows) if r.get("final")), {})
-    for key in sorted(k for k in final if k.startswith("eval/diversity/") and k.endswith("_from_base")):
-        meaning = "1 = as diverse as the base model" if key.endswith("spread_from_base") else "0 = the base model's"
-        print(f"{key}: {final[key]:.3f} ({meaning})")
-    import torch
-
-    # the thread count changes float rounding, so the trajectory, and the time: printed beside the figures
-    print(f"wall-clock {minutes:.1f} min at {torch.get_num_threads()} torch threads")
-    figures = [str(f) for f in (run / "before_after.png", run / "curves.png") if f.exists()]
-    if figures:
-        print("wrote " + " and ".join(figures))
-    return 0
-
-
-def describe_rewards(specs) -> str:
-    """The weighted sum a run trains on, e.g. "1 x shapes_soft (reported only, weight 0: shapes_geneval)"."""
-    trained = " + ".join(f"{r.weight:g} x {r.name}" for r in specs if r.weight) or "no reward (all weights 0)"
-    reported = [r.name for r in specs if not r.weight]
-    return trained + (f" (reported only, weight 0: {', '.join(reported)})" if reported else "")
+    return run_demo(args.config, args.overrides, toy=args.toy)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -356,25 +228,32 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _one_line_config_hints() -> None:
-    """Print a config hint (ConfigWarning: a key spelled the old way) as one line `flowrl: ...` on stderr, not as
-    Python's two-line warning with the source line."""
+def _one_line_warnings() -> None:
+    """Show flowrl's own warnings (a config key spelled the old way, a resume with a changed config, a non-finite
+    reward, ...) as one line `flowrl: ...` on stderr, not as Python's two lines with the source line; warnings of
+    other libraries keep their form. (The format changes, not the route: a caller recording warnings still gets
+    them.)"""
+    import os
     import warnings
+
+    import rewards
+
+    import flowrl
 
     from .config import ConfigWarning
 
-    shown = warnings.showwarning
-    if getattr(shown, "flowrl_config_hints", False):
+    formatted = warnings.formatwarning
+    if getattr(formatted, "flowrl_one_line", False):
         return
+    ours = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (flowrl, rewards))
 
-    def show(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, ConfigWarning):
-            print(f"flowrl: {message}", file=file or sys.stderr)
-        else:
-            shown(message, category, filename, lineno, file, line)
+    def one_line(message, category, filename, lineno, line=None):
+        if issubclass(category, ConfigWarning) or os.path.abspath(filename).startswith(ours):
+            return f"flowrl: {message}\n"
+        return formatted(message, category, filename, lineno, line)
 
-    show.flowrl_config_hints = True
-    warnings.showwarning = show
+    one_line.flowrl_one_line = True
+    warnings.formatwarning = one_line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -385,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import FlowrlError
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    _one_line_config_hints()
+    _one_line_warnings()
     if argv and argv[0] == "serve-reward":
         from rewards.server import serve_main
 

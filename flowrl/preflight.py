@@ -235,3 +235,21 @@ def preflight(cfg: Config) -> tuple[PromptSet, PromptSet]:
     check_loggers(cfg)
     check_optimizer(cfg)
     return train_set, eval_set
+
+
+def check_sample_images(family_name: str, paths: list[str]) -> None:
+    """`flowrl sample --image`: each path a file Pillow reads, as many as the model's family takes per prompt."""
+    from PIL import Image, UnidentifiedImageError
+
+    from .conditioning import count_problem
+    from .families import family
+
+    for path in paths:
+        try:
+            with Image.open(path) as im:
+                im.verify()
+        except (OSError, UnidentifiedImageError) as e:
+            raise PreflightError(f"--image {path!r} is not an image Pillow reads ({e})") from None
+    problem = count_problem(len(paths), family(family_name).condition_images, family_name)
+    if problem:
+        raise PreflightError(f"--image: {problem} (give each image with its own --image)")

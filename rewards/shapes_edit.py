@@ -1,5 +1,5 @@
 """The shapes world's exact editing reward: was the instruction carried out, and was the rest of the scene kept?
-(`flowrl.shapes.edit.check_edit`). The source image is the prompt record's conditioning image (its `image` column,
+(`flowrl.worlds.shapes.edit.check_edit`). The source image is the prompt record's conditioning image (its `image` column,
 absolute paths from the data loader), the instruction its `edit` column, as in samples/shapes/edit/*.jsonl."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class ShapesEdit:
         self.last_details: list[dict] = []
 
     def __call__(self, images, prompts, edit=None, **columns) -> torch.Tensor:
-        from flowrl.shapes.edit import score_edits
+        from flowrl.worlds.shapes.edit import score_edits
 
         paths = columns.get(self.source_column)
         if edit is None or paths is None:

@@ -29,7 +29,7 @@ class ShapesGenEval:
         self.last_details: list[dict] = []
 
     def __call__(self, images, prompts, objects=None, relation=None, **_columns) -> torch.Tensor:
-        from flowrl.shapes.detect import score_images
+        from flowrl.worlds.shapes.detect import score_images
 
         if objects is None:
             raise ValueError("shapes_geneval needs each prompt's metadata: the prompt file's `objects` (and "
@@ -47,7 +47,7 @@ def free_color_counts(details: list[dict], metadata: list[dict]) -> dict[str, to
     """Per image, how many objects of a shape the prompt asked for without a colour came out in each colour:
     {"free_color=<colour>": [B] counts} for every colour of the palette (see flowrl.eval.diversity: summed over an
     eval they are the model's colour distribution where the prompt leaves colour free)."""
-    from flowrl.shapes import COLORS
+    from flowrl.worlds.shapes import COLORS
 
     counts = {c: torch.zeros(len(details)) for c in COLORS}
     for i, (found, meta) in enumerate(zip(details, metadata)):
@@ -61,7 +61,7 @@ def free_color_counts(details: list[dict], metadata: list[dict]) -> dict[str, to
 @register("shapes_soft", kind=IMAGE, memory=NOTHING)
 class ShapesSoft:
     """reward(images, prompts, objects=[...]) -> Tensor[B]: a graded match of the detected objects to the
-    prompt's (`flowrl.shapes.detect.soft_score`: shape IoU, colour, extra objects), in about [-0.5k, 1].
+    prompt's (`flowrl.worlds.shapes.detect.soft_score`: shape IoU, colour, extra objects), in about [-0.5k, 1].
 
     A training signal to add to `shapes_geneval`'s clause fraction (a weighted second reward): it tells a
     crisp, right-coloured square from a blob that is barely one, which the clauses score alike."""
@@ -72,7 +72,7 @@ class ShapesSoft:
         self.last_components: dict[str, torch.Tensor] = {}
 
     def __call__(self, images, prompts, objects=None, **_columns) -> torch.Tensor:
-        from flowrl.shapes.detect import soft_scores
+        from flowrl.worlds.shapes.detect import soft_scores
 
         if objects is None:
             raise ValueError("shapes_soft needs each prompt's metadata: the prompt file's `objects` column, as in "

@@ -1,5 +1,5 @@
 """The shapes world's exact video reward: the asked shape (and colour), alone in every frame, moving the asked way
-(`flowrl.shapes.motion.check_motion`). Its metadata are the prompt record's `objects` and `motion` columns, as in
+(`flowrl.worlds.shapes.motion.check_motion`). Its metadata are the prompt record's `objects` and `motion` columns, as in
 samples/shapes/motion/*.jsonl."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class ShapesMotion:
         self.last_components: dict[str, torch.Tensor] = {}
 
     def __call__(self, videos, prompts, objects=None, motion=None, **_columns) -> torch.Tensor:
-        from flowrl.shapes.motion import score_motions
+        from flowrl.worlds.shapes.motion import score_motions
 
         if objects is None or motion is None:
             raise ValueError("shapes_motion needs each prompt's `objects` and `motion` columns, as in "

@@ -4,7 +4,7 @@ Loads the model exactly as a user loads SD3 (`StableDiffusion3Pipeline.from_pret
 prompts of a JSONL file (the test split by default) in turn, `--images` in all, with the pipeline's own
 Euler ODE sampler and classifier-free guidance, and reports GenEval's strict accuracy (every clause
 holds), the mean fraction of clauses that hold, the strict accuracy per family, and why images fail (the share
-of images with each of `flowrl.shapes.detect.FAILURE_KINDS`: a missing shape, a swapped colour, ...).
+of images with each of `flowrl.worlds.shapes.detect.FAILURE_KINDS`: a missing shape, a swapped colour, ...).
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python scripts/eval_shapes_ode.py --model samples/shapes/model \
         --prompts samples/shapes/test.jsonl --images 256 --steps 20 --guidance 5
@@ -63,8 +63,8 @@ def main(argv=None) -> dict:
     import torch
     from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
-    from flowrl.shapes import load_jsonl
-    from flowrl.shapes.model import MAX_SEQUENCE_LENGTH, ode_accuracy
+    from flowrl.worlds.shapes import load_jsonl
+    from flowrl.worlds.shapes.model import MAX_SEQUENCE_LENGTH, ode_accuracy
 
     torch.set_num_threads(args.threads)
     pipe = StableDiffusion3Pipeline.from_pretrained(args.model)

@@ -1,9 +1,9 @@
 """Write the shapes world's editing and video task data (deterministic: the same files on every run).
 
     samples/shapes/edit/{train,test}.jsonl   instructions with their source image (`image`, relative paths),
-                                             `edit` and `edit_region` columns (flowrl.shapes.edit)
+                                             `edit` and `edit_region` columns (flowrl.worlds.shapes.edit)
     samples/shapes/edit/images/*.png         the 64x64 source scenes, rendered by the shapes renderer
-    samples/shapes/motion/{train,test}.jsonl moving-shape prompts with `objects` and `motion` (flowrl.shapes.motion)
+    samples/shapes/motion/{train,test}.jsonl moving-shape prompts with `objects` and `motion` (flowrl.worlds.shapes.motion)
 
     python scripts/make_shapes_tasks.py [--out samples/shapes] [--per-instruction 4] [--seed 0]
 """
@@ -22,8 +22,8 @@ def write_edit_task(out: Path, per_instruction: int, seed: int) -> dict[str, int
     """The edit JSONLs and their PNGs under `out`/edit; PNGs of an earlier run not written again are removed."""
     from PIL import Image
 
-    from flowrl.shapes import draw, write_jsonl
-    from flowrl.shapes.edit import edit_records
+    from flowrl.worlds.shapes import draw, write_jsonl
+    from flowrl.worlds.shapes.edit import edit_records
 
     folder = out / "edit"
     (folder / "images").mkdir(parents=True, exist_ok=True)
@@ -44,8 +44,8 @@ def write_edit_task(out: Path, per_instruction: int, seed: int) -> dict[str, int
 
 
 def write_motion_task(out: Path) -> dict[str, int]:
-    from flowrl.shapes import write_jsonl
-    from flowrl.shapes.motion import motion_prompts
+    from flowrl.worlds.shapes import write_jsonl
+    from flowrl.worlds.shapes.motion import motion_prompts
 
     counts = {}
     for split in ("train", "test"):

@@ -2,7 +2,7 @@
 
 The model learns "<bos>37+45=" -> "82<eos>" by next-token cross-entropy on the ANSWER tokens only (the
 digits of the sum and the eos): the operands are uniform random digits, so predicting them teaches
-nothing. Batches are drawn with replacement from the 9,005 training prompts of `flowrl.arith`.
+nothing. Batches are drawn with replacement from the 9,005 training prompts of `flowrl.worlds.arith`.
 
 The goal is an IMPERFECT model (held-out greedy exact match in [--low, --high]) that GRPO can improve.
 Every `--eval-every` steps the greedy exact-match accuracy on all 995 held-out prompts (and on as many
@@ -95,7 +95,7 @@ def answer_loss(model, ids, mask):
 def build_model(tokenizer, args):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from flowrl.arith import MAX_LENGTH
+    from flowrl.worlds.arith import MAX_LENGTH
 
     config = GPT2Config(
         vocab_size=len(tokenizer), n_positions=MAX_LENGTH, n_embd=args.n_embd, n_layer=args.n_layer,
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     import torch
     from tqdm import tqdm
 
-    from flowrl.arith import arith_tokenizer, greedy_accuracy, make_prompts, split_rows, write_splits
+    from flowrl.worlds.arith import arith_tokenizer, greedy_accuracy, make_prompts, split_rows, write_splits
     from flowrl.run.checkpoint import resolve_resume, set_rng_state, write_checkpoint
 
     torch.set_num_threads(args.threads)

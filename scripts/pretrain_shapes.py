@@ -1,6 +1,6 @@
 """Pre-train the tiny SD3 pipeline of the shapes world, from scratch, on a CPU.
 
-Two stages, on images rendered on the fly from the train split's prompts (`flowrl.shapes`):
+Two stages, on images rendered on the fly from the train split's prompts (`flowrl.worlds.shapes`):
 
 1. the VAE (AutoencoderKL, 64x64x3 <-> 8x8x4) learns to reconstruct the world: MSE + a small KL term;
    then the latent mean and standard deviation over fresh images become its `shift_factor` and
@@ -22,7 +22,7 @@ prompts (ODE sampling) is logged to `WORKDIR/log.jsonl`. At the end the EMA pipe
 (the shipped model's command, whose defaults are `--steps 11500 --distractor-prob 0.7 --distractor-from 10000
 --distractor-sides 8`: about 86 min on 2 cores). The last 1,500 flow steps train on incomplete captions:
 70% of the images also hold one small object (8 px, the asked ones are 12 or 16) that their prompt does not
-mention (`flowrl.shapes.add_distractor`), as captions leave out background clutter; so the model learns to
+mention (`flowrl.worlds.shapes.add_distractor`), as captions leave out background clutter; so the model learns to
 add small unasked objects, a failure that GRPO with the GenEval-style reward can remove without drawing
 less of what was asked.
 """
@@ -81,7 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 0.0 <= args.distractor_prob <= 1.0:  # checked now, not when the incomplete captions start, hours in
         p.error(f"--distractor-prob must lie in [0, 1], got {args.distractor_prob}")
-    from flowrl.shapes.render import GAP, IMAGE_SIZE
+    from flowrl.worlds.shapes.render import GAP, IMAGE_SIZE
 
     widest = IMAGE_SIZE - 2 * GAP  # an object must fit inside the border gap on both sides
     if any(not 3 <= side <= widest for side in args.distractor_sides):
@@ -109,10 +109,10 @@ def family_balanced_sampler(records: list[dict]):
 
 def render_batch(records: list[dict], rng: np.random.Generator, sides=(12, 16), grid: int = 4,
                  distractor_prob: float = 0.0, distractor_sides=None):
-    """-> float32 tensor [B, 3, 64, 64] in [-1, 1]; see `flowrl.shapes.render` for the distractor arguments."""
+    """-> float32 tensor [B, 3, 64, 64] in [-1, 1]; see `flowrl.worlds.shapes.render` for the distractor arguments."""
     import torch
 
-    from flowrl.shapes import render
+    from flowrl.worlds.shapes import render
 
     images = np.stack([render(r, rng, sides=tuple(sides), grid=grid, distractor_prob=distractor_prob,
                               distractor_sides=tuple(distractor_sides) if distractor_sides else None)[0]
@@ -191,8 +191,8 @@ class Trainer:
     def __init__(self, args: argparse.Namespace):
         import torch
 
-        from flowrl.shapes import prompts_of_split
-        from flowrl.shapes.model import build_pipeline
+        from flowrl.worlds.shapes import prompts_of_split
+        from flowrl.worlds.shapes.model import build_pipeline
 
         self.args = args
         self.workdir = Path(args.workdir)
@@ -245,7 +245,7 @@ class Trainer:
     def load(self) -> None:
         import torch
 
-        from flowrl.shapes.model import set_latent_stats
+        from flowrl.worlds.shapes.model import set_latent_stats
 
         tensors, meta = load_checkpoint(self.ckpt_path)
         load_module(self.pipe.vae, tensors, "vae")
@@ -276,7 +276,7 @@ class Trainer:
         import torch
         from tqdm import tqdm
 
-        from flowrl.shapes import score_images
+        from flowrl.worlds.shapes import score_images
 
         a, vae = self.args, self.pipe.vae
         vae.train()
@@ -306,7 +306,7 @@ class Trainer:
         bar.close()
         vae.eval()
         # latent statistics and a reconstruction check with the detector, on fresh images
-        from flowrl.shapes.model import set_latent_stats
+        from flowrl.worlds.shapes.model import set_latent_stats
 
         with torch.no_grad():
             n = a.stats_images
@@ -327,7 +327,7 @@ class Trainer:
 
     # --- stage 2
     def encode(self, prompts: list[str]):
-        from flowrl.shapes.model import MAX_SEQUENCE_LENGTH
+        from flowrl.worlds.shapes.model import MAX_SEQUENCE_LENGTH
 
         embeds, _, pooled, _ = self.pipe.encode_prompt(
             prompts, None, None, do_classifier_free_guidance=False, max_sequence_length=MAX_SEQUENCE_LENGTH
@@ -356,7 +356,7 @@ class Trainer:
                     self.ema[n][k] = live
 
     def snapshot(self, evaluate: bool) -> None:
-        from flowrl.shapes.model import ode_accuracy
+        from flowrl.worlds.shapes.model import ode_accuracy
 
         dest = self.workdir / "snapshots" / f"step-{self.step:05d}"
         self.swap_ema()

@@ -61,7 +61,7 @@ def tiny_lm(tmp_path_factory):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from flowrl.arith import arith_tokenizer
+    from flowrl.worlds.arith import arith_tokenizer
 
     d = tmp_path_factory.mktemp("tiny_gpt2")
     tok = arith_tokenizer()

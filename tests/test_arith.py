@@ -9,7 +9,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from flowrl.arith import (  # noqa: E402
+from flowrl.worlds.arith import (  # noqa: E402
     BOS, EOS, MAX_OPERAND, N_TEST_PAIRS, PAD, arith_tokenizer, exact_match, greedy_accuracy,
     greedy_completions, make_prompts, split_rows,
 )

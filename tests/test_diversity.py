@@ -88,7 +88,7 @@ def test_shapes_reward_counts_the_colours_of_objects_the_prompt_left_uncoloured(
     """Rendered scenes: "a square" (free colour) drawn red counts red; "a blue circle" (colour fixed) counts
     nothing; "two triangles" (free) count both triangles' colours."""
     import rewards
-    from flowrl.shapes.render import render
+    from flowrl.worlds.shapes.render import render
 
     rows = [{"objects": [{"shape": "square", "color": None, "count": 1}], "relation": None},
             {"objects": [{"shape": "circle", "color": "blue", "count": 1}], "relation": None},

@@ -87,13 +87,20 @@ def test_old_spellings_are_read_with_a_one_line_hint(tmp_path):
     assert all(any(k == new or k.startswith(new + ".") for k in keys) for new in MOVED_KEYS.values())
 
 
-def test_the_cli_prints_an_old_spelling_as_one_line(tmp_path, capsys):
-    from flowrl.cli import main
+def test_the_cli_prints_an_old_spelling_as_one_line(tmp_path):
+    """As a user sees it: `flowrl plan` with an old key prints one line naming the new one, then the plan."""
+    import os
+    import subprocess
+    import sys
 
-    assert main(["plan", "configs/tiny_cpu.yaml", "train.beta=0.2"]) == 0
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["flowrl: override train.beta is now train.grpo.beta: read as train.grpo.beta (rename it to "
-                   "silence this)"]
+    out = subprocess.run([sys.executable, "-m", "flowrl.cli", "plan", "configs/tiny_cpu.yaml", "train.beta=0.2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "default"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    hints = [line for line in out.stderr.splitlines() if "train.beta" in line]
+    assert hints == ["flowrl: override train.beta is now train.grpo.beta: read as train.grpo.beta (rename it to "
+                     "silence this)"], out.stderr[-2000:]
+    assert "beta 0.2" in out.stdout  # the plan read it as train.grpo.beta
 
 
 def test_another_objectives_section_changes_nothing_in_a_run(tmp_path):

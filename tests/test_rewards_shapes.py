@@ -6,8 +6,8 @@ import torch
 from PIL import Image
 
 import rewards
-from flowrl.shapes.prompts import load_jsonl
-from flowrl.shapes.render import render
+from flowrl.worlds.shapes.prompts import load_jsonl
+from flowrl.worlds.shapes.render import render
 
 
 def test_shapes_reward_scores_rendered_ground_truth_and_a_blank():
@@ -39,14 +39,14 @@ def test_shapes_reward_needs_metadata():
 # ---------------------------------------------------------------- shapes_soft: the graded training signal
 
 def _det(shape_ious, color="red", w=10, h=10, x0=0):
-    from flowrl.shapes.detect import Detection
+    from flowrl.worlds.shapes.detect import Detection
 
     return Detection(None, color, x0, 0, x0 + w, h, w * h, tuple(shape_ious))  # ious: circle, square, triangle
 
 
 def test_soft_score_by_hand():
-    from flowrl.shapes.detect import soft_score
-    from flowrl.shapes.render import SHAPES
+    from flowrl.worlds.shapes.detect import soft_score
+    from flowrl.worlds.shapes.render import SHAPES
 
     assert SHAPES == ("circle", "square", "triangle")  # the order of Detection.ious in _det
     red_circle = {"objects": [{"shape": "circle", "color": "red", "count": 1}]}

@@ -156,7 +156,7 @@ def test_temporal_consistency_is_the_mean_cosine_of_consecutive_frames(backbones
 def test_a_static_clip_scores_higher_than_shuffled_noise(backbones):
     """A still scene (one rendered frame, repeated) against frames of independent noise, through the built reward
     (a video-native reward gets whole clips); images are refused."""
-    from flowrl.shapes import render
+    from flowrl.worlds.shapes import render
 
     reward = build("temporal_consistency", {"model": backbones["dinov2"][0], "device": "cpu"}, "image")
     scene, _ = render({"objects": [{"shape": "circle", "color": "red", "count": 1}], "relation": None},
@@ -192,8 +192,8 @@ def test_a_correct_shapes_edit_keeps_everything_outside_the_records_edit_region(
     from pathlib import Path
 
     from flowrl.data import load_prompts
-    from flowrl.shapes import draw
-    from flowrl.shapes.edit import apply_edit, edit_records
+    from flowrl.worlds.shapes import draw
+    from flowrl.worlds.shapes.edit import apply_edit, edit_records
 
     shipped = load_prompts(Path(__file__).resolve().parents[1] / "samples" / "shapes" / "edit" / "test.jsonl")
     pairs = [(meta, scene) for meta, (_, scene) in zip(shipped.metadata, edit_records("test", 4))

@@ -143,7 +143,7 @@ def _pixels(path):
 
 
 def test_describe_rewards_names_weights_and_report_only_rewards():
-    from flowrl.cli import describe_rewards
+    from flowrl.worlds.demo import describe_rewards
     from flowrl.config import RewardSpec
 
     assert describe_rewards([RewardSpec("shapes_geneval")]) == "1 x shapes_geneval"

@@ -11,8 +11,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 torch.set_num_threads(1)
 
-from flowrl.shapes import prompts_of_split, render, score_images, vocabulary  # noqa: E402
-from flowrl.shapes.model import (  # noqa: E402
+from flowrl.worlds.shapes import prompts_of_split, render, score_images, vocabulary  # noqa: E402
+from flowrl.worlds.shapes.model import (  # noqa: E402
     LATENT_CHANNELS,
     MAX_SEQUENCE_LENGTH,
     TRANSFORMER_CONFIG,
@@ -63,7 +63,7 @@ def test_shipped_model_loads_as_sd3_and_draws_64px_images():
     pipe = StableDiffusion3Pipeline.from_pretrained(MODEL)
     assert pipe.vae.config.scaling_factor != 1.0 and pipe.vae.config.shift_factor != 0.0
     assert pipe.transformer.config.joint_attention_dim == pipe.text_encoder_3.config.d_model
-    # the shipped weights are the architecture the code builds (flowrl.shapes.model), not an older one
+    # the shipped weights are the architecture the code builds (flowrl.worlds.shapes.model), not an older one
     for key, value in TRANSFORMER_CONFIG.items():
         assert pipe.transformer.config[key] == value, key
     assert tuple(pipe.vae.config.block_out_channels) == VAE_CHANNELS
@@ -95,8 +95,8 @@ def test_shipped_model_loads_as_sd3_and_draws_64px_images():
 def test_ode_accuracy_reports_why_images_fail():
     from diffusers import StableDiffusion3Pipeline
 
-    from flowrl.shapes import FAILURE_KINDS
-    from flowrl.shapes.model import ode_accuracy
+    from flowrl.worlds.shapes import FAILURE_KINDS
+    from flowrl.worlds.shapes.model import ode_accuracy
 
     pipe = StableDiffusion3Pipeline.from_pretrained(MODEL)
     pipe.set_progress_bar_config(disable=True)

@@ -11,9 +11,9 @@ import torch
 from PIL import Image
 
 from flowrl.data import load_prompts
-from flowrl.shapes import COLORS, SHAPES, ShapeObject, detect_objects, draw, load_jsonl
-from flowrl.shapes.edit import all_edits, apply_edit, edit_records, instruction, sample_source, split_of_edit
-from flowrl.shapes.motion import DIRECTIONS, motion_prompts, render_motion
+from flowrl.worlds.shapes import COLORS, SHAPES, ShapeObject, detect_objects, draw, load_jsonl
+from flowrl.worlds.shapes.edit import all_edits, apply_edit, edit_records, instruction, sample_source, split_of_edit
+from flowrl.worlds.shapes.motion import DIRECTIONS, motion_prompts, render_motion
 from rewards.registry import RewardError, build
 
 torch.set_num_threads(1)

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flowrl.shapes import (
+from flowrl.worlds.shapes import (
     COLORS,
     FAMILIES,
     RELATIONS,
@@ -24,8 +24,8 @@ from flowrl.shapes import (
     score_images,
     split_of,
 )
-from flowrl.shapes.detect import label_components, relation_holds
-from flowrl.shapes.render import BACKGROUND, SIDES, shape_mask
+from flowrl.worlds.shapes.detect import label_components, relation_holds
+from flowrl.worlds.shapes.render import BACKGROUND, SIDES, shape_mask
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -286,7 +286,7 @@ def test_detector_ignores_specks_and_rejects_merged_blobs():
 
 
 def test_relation_rule_by_hand():
-    from flowrl.shapes.detect import Detection
+    from flowrl.worlds.shapes.detect import Detection
 
     a = Detection("circle", "red", 0, 20, 10, 30, 78)  # centre (5, 25), side 10
     b = Detection("square", "blue", 9, 22, 19, 32, 100)  # centre (14, 27): 9 px right, 2 px down
@@ -299,7 +299,7 @@ def test_relation_rule_by_hand():
 
 
 def test_diagnose_names_each_kind_of_failure():
-    from flowrl.shapes import diagnose
+    from flowrl.worlds.shapes import diagnose
 
     def why(scene, meta):
         (found,) = detect_objects([draw(scene)])
@@ -331,7 +331,7 @@ def test_diagnose_names_each_kind_of_failure():
 
 
 def test_diagnose_is_empty_exactly_when_strict_holds():
-    from flowrl.shapes.detect import FAILURE_KINDS
+    from flowrl.worlds.shapes.detect import FAILURE_KINDS
 
     # every prompt names distinct shapes, which the object-count argument in diagnose relies on
     for r in all_prompts():
@@ -370,9 +370,9 @@ def test_out_of_template_split_is_new_wording_scored_by_the_same_reward():
     clause of the detector, so the shapes reward scores them as it scores the test split."""
     from pathlib import Path
 
-    from flowrl.shapes.detect import score_images
-    from flowrl.shapes.prompts import all_prompts, load_jsonl, out_of_template_prompts
-    from flowrl.shapes.render import render
+    from flowrl.worlds.shapes.detect import score_images
+    from flowrl.worlds.shapes.prompts import all_prompts, load_jsonl, out_of_template_prompts
+    from flowrl.worlds.shapes.render import render
 
     records = out_of_template_prompts()
     shipped = load_jsonl(Path(__file__).resolve().parents[1] / "samples" / "shapes" / "out_of_template.jsonl")

@@ -4,7 +4,7 @@ import socket
 
 import pytest
 
-from flowrl.toy import run_toy_grpo
+from flowrl.worlds.toy import run_toy_grpo
 
 
 def test_network_guard_blocks_non_loopback():

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from flowrl.errors import FlowrlError
 from flowrl.offload import Parked, visiting
 
 from .diversity import (BaseDistribution, BaseFeatures, eval_settings, feature_metrics, group_features, histograms,
@@ -29,6 +30,50 @@ def build_feature_encoder(cfg, device: torch.device):
     from rewards.features import ImageEncoder
 
     return ImageEncoder(cfg.eval.diversity_features, None, device, torch.float32)
+
+
+class EvalBaseError(FlowrlError, ValueError):
+    """A base-model eval to compare with that cannot be: none in the directory given, or sampled otherwise."""
+
+
+def base_for_eval(base: str | None, checkpoint: str | None, settings: dict) -> Path | None:
+    """The directory whose base-model eval (`eval-base-distribution.json`, `eval-base-features.safetensors`) an eval
+    of `checkpoint` compares with: `base` (flowrl eval --base), else the checkpoint's run directory when it holds one
+    (its eval before training wrote it), else None. The base's eval must have been sampled with this eval's
+    `settings` (`flowrl.eval.diversity.eval_settings`: prompts, steps, CFG, seed, size), else its images do not pair
+    with these: a `base` that differs is an EvalBaseError naming the differences; a run directory that differs (e.g.
+    an eval of the run's checkpoint on other prompts) is not compared with (a warning says so)."""
+
+    def holds(d: Path) -> bool:
+        return BaseDistribution(d).path.exists() or BaseFeatures(d).exists()
+
+    def differences(d: Path) -> list[str]:
+        found = [store.settings() for store in (BaseDistribution(d), BaseFeatures(d)) if store.path.exists()]
+        return sorted({line for stored in found for line in settings_differences(stored, settings)})
+
+    if base:
+        where = Path(base)
+        if not holds(where):
+            raise EvalBaseError(f"--base {where} holds no base-model eval ({BaseDistribution(where).path.name} or "
+                                f"{BaseFeatures.NAME}): pass a training run's directory (its eval before training "
+                                f"writes them) or the --out of `flowrl eval` of the base model (no --checkpoint)")
+        unlike = differences(where)
+        if unlike:
+            raise EvalBaseError(f"--base {where} holds a base-model eval sampled with other settings than this "
+                                f"eval's ({'; '.join(unlike)}), whose images do not pair with these: give this eval "
+                                f"the base's settings, or make a base with this eval's (`flowrl eval` of the same "
+                                f"config and overrides without --checkpoint, --out DIR)")
+        return where
+    if checkpoint and holds(Path(checkpoint).parent):
+        run = Path(checkpoint).parent
+        unlike = differences(run)
+        if unlike:
+            warnings.warn(f"the run directory {run} holds the base model's eval with other settings than this eval's "
+                          f"({'; '.join(unlike)}): no comparison with the base model (pass --base DIR of a base eval "
+                          f"with these settings to compare)", stacklevel=2)
+            return None
+        return run
+    return None
 
 
 def merge_eval_shares(shares: list[tuple[list, dict[str, torch.Tensor]]]) -> tuple[list, dict[str, torch.Tensor]]:

@@ -11,7 +11,7 @@ Detection, per image:
    Boxes more elongated than `MAX_ASPECT` (e.g. two objects merged) or with a best IoU below `MIN_IOU`
    are objects of unknown shape (`None`): they count as objects, but as none of the shapes.
 
-Clauses, per prompt (its metadata, see `flowrl.shapes.prompts`):
+Clauses, per prompt (its metadata, see `flowrl.worlds.shapes.prompts`):
 - for each object `o`: "exactly `o.count` `o.shape`(s)" among the detected objects;
 - if `o.color` is named: "every `o.shape` is `o.color`" (and there is one);
 - if there is a relation: the largest `objects[0]` shape and the largest `objects[1]` shape stand in it:

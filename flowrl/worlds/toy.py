@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .core import aggregate_loss, group_advantages, kl_estimate, ppo_clip_loss, token_log_probs
+from flowrl.core import aggregate_loss, group_advantages, kl_estimate, ppo_clip_loss, token_log_probs
 
 
 def run_toy_grpo(

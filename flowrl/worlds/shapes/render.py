@@ -2,7 +2,7 @@
 
 A scene is a list of `ShapeObject`s (shape, colour, top-left corner, side); `draw` paints it without
 anti-aliasing, so every pixel of a ground-truth image is exactly the background or one palette colour.
-`sample_scene` lays out the objects a prompt asks for (see `flowrl.shapes.prompts` for the metadata):
+`sample_scene` lays out the objects a prompt asks for (see `flowrl.worlds.shapes.prompts` for the metadata):
 sizes (12 or 16 px) and positions at random, on a 4-pixel grid (half the shipped VAE's 8-pixel stride, so
 an object takes one of few latent patterns: this keeps the world learnable by a tiny model), colours at random
 where the prompt names none, objects never touching, and for a relation ("a circle left of a square") a
@@ -204,7 +204,7 @@ def render(
 ) -> tuple[np.ndarray, list[ShapeObject]]:
     """A ground-truth image of one prompt -> (uint8[size, size, 3], scene).
 
-    metadata: a prompt record (`{"objects": [...], "relation": ...}`, see `flowrl.shapes.prompts`).
+    metadata: a prompt record (`{"objects": [...], "relation": ...}`, see `flowrl.worlds.shapes.prompts`).
     sides, grid: the layout's object sides and corner grid (see `sample_scene`).
     distractor_prob: the chance that the image also holds one object the prompt does not mention
       (`add_distractor`), i.e. that the prompt is an incomplete caption of it. At 0 (the default) no random
