@@ -3,6 +3,8 @@ stale.
 
 - `config.md`, the configuration reference, is written from the config tree's own docstrings
   (`flowrl.config.describe()`), one table per section, in the order the tree declares them.
+- The table of rewards on `rewards.md` is written from the rewards' registrations (their kind and `summary`),
+  where the page holds REWARDS_MARKER: adding a reward adds its row.
 - The few pictures the pages show live beside the files they describe (`samples/...`); they are served from
   there under `repo/samples/...` instead of being copied into docs/.
 """
@@ -26,6 +28,8 @@ REPO_FILES = (
 )
 
 CONFIG_PAGE = "config.md"
+REWARDS_PAGE = "rewards.md"
+REWARDS_MARKER = "<!-- the table of the package's rewards, generated from their registrations by docs/hooks.py -->"
 
 INTRO = """# Configuration reference
 
@@ -131,6 +135,22 @@ def generated_config_reference() -> str:
     return config_reference(expand(describe(), describe))
 
 
+def rewards_table() -> str:
+    """A Markdown table of the rewards of the `rewards` package: name, what it scores (image, video or text) and
+    its registration's summary."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from rewards.registry import REWARDS, load_all
+
+    load_all()
+    lines = ["| name | scores | what it scores |", "| --- | --- | --- |"]
+    for name in REWARDS.names():
+        factory = REWARDS.get(name)
+        kind = "videos" if getattr(factory, "reward_accepts", None) == ("video",) else f"{factory.reward_kind}s"
+        lines.append(f"| {_code(name)} | {kind} | {_cell(getattr(factory, 'reward_summary', '')) or '-'} |")
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------------------- MkDocs events
 
 
@@ -144,3 +164,12 @@ def on_files(files, config):
             raise FileNotFoundError(f"docs/hooks.py: REPO_FILES names {path}, which does not exist")
         files.append(File.generated(config, f"repo/{path}", abs_src_path=str(source)))
     return files
+
+
+def on_page_markdown(markdown, page, config, files):
+    if page.file.src_uri == REWARDS_PAGE:
+        if REWARDS_MARKER not in markdown:
+            raise ValueError(f"docs/hooks.py: {REWARDS_PAGE} lost the line where the rewards' table goes: "
+                             f"{REWARDS_MARKER}")
+        return markdown.replace(REWARDS_MARKER, rewards_table())
+    return markdown

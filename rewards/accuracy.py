@@ -120,7 +120,8 @@ class Accuracy:
         return scores
 
 
-@register("accuracy", kind=TEXT, memory=NOTHING)
+@register("accuracy", kind=TEXT, memory=NOTHING,
+          summary="text: the accuracy of the final numeric answer against the row's `answer`")
 def accuracy(rel_tol: float = 1e-6) -> Accuracy:
     """The numeric final-answer accuracy reward (see the module docstring)."""
     return Accuracy(rel_tol)

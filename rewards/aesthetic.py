@@ -33,7 +33,8 @@ class AestheticMLP(nn.Module):
         return self.layers(embeds)
 
 
-@register("aesthetic", kind=IMAGE, memory=hub_model("model", "CLIPModel"))  # + a 0.9M-parameter head
+@register("aesthetic", kind=IMAGE, memory=hub_model("model", "CLIPModel"),
+          summary="the LAION improved aesthetic predictor on CLIP ViT-L/14 (DDPO), roughly 1-10")  # + a 0.9M head
 class Aesthetic:
     """``head(e / |e|)`` with ``e`` the projected CLIP image embedding.
 

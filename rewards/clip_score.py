@@ -17,7 +17,8 @@ def clip_cosine(image_embeds: torch.Tensor, text_embeds: torch.Tensor) -> torch.
     return (image_embeds * text_embeds).sum(-1)
 
 
-@register("clip_score", kind=IMAGE, memory=hub_model("model", "CLIPModel"))
+@register("clip_score", kind=IMAGE, memory=hub_model("model", "CLIPModel"),
+          summary="`scale · cos` of the CLIP image and text embeddings")
 class ClipScore:
     """``scale · cos(CLIP_image(x), CLIP_text(prompt))`` per image, one forward per tower and batch.
 

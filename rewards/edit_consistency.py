@@ -27,7 +27,8 @@ from rewards.memory import hub_model
 from rewards.registry import IMAGE, register
 
 
-@register("edit_consistency", kind=IMAGE, memory=hub_model("model", ARCHITECTURES))
+@register("edit_consistency", kind=IMAGE, memory=hub_model("model", ARCHITECTURES),
+          summary="the similarity of an edited image's features to its source image's (DINOv2 or CLIP)")
 class EditConsistency:
     """reward(images, prompts, image=[[source path, ...], ...], edit_region=[box or boxes or None, ...])
     -> Tensor[B]: ``scale · cos(f(edited), f(source))``; component ``masked`` [B] (1 where a region was left out).

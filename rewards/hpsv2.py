@@ -55,7 +55,8 @@ def clip_h_memory(options: dict) -> list[Held]:
     return [HubModel(VIT_H_14, "CLIPModel", dtype_name(options["dtype"]))]
 
 
-@register("hpsv2", kind=IMAGE, memory=clip_h_memory)
+@register("hpsv2", kind=IMAGE, memory=clip_h_memory,
+          summary="HPS v2 / v2.1 (open_clip ViT-H-14)")
 class HPSv2:
     """HPS v2(.1) per image: ``<f_img/|f_img|, f_txt/|f_txt|>``.
 

@@ -23,7 +23,8 @@ def blip_memory(options: dict) -> Parameters:
     return Parameters(PARAMETERS, "ImageReward BLIP ViT-L + BERT-base", dtype_name(options["dtype"]))
 
 
-@register("imagereward", kind=IMAGE, memory=blip_memory)
+@register("imagereward", kind=IMAGE, memory=blip_memory,
+          summary="ImageReward (the optional package `image-reward`: `pip install -e \".[imagereward]\"`)")
 class ImageRewardScore:
     """ImageReward per image, the whole batch in one forward (the package's ``score`` loops per image).
 

@@ -116,7 +116,9 @@ def engine_memory(options: dict) -> list[Held]:
     return [NotEstimated(f"the {options.get('engine')} engine runs in PaddlePaddle's memory")]
 
 
-@register("ocr", kind=IMAGE, memory=engine_memory)
+@register("ocr", kind=IMAGE, memory=engine_memory,
+          summary="Flow-GRPO's text rendering: the prompt's quoted text against the OCR'd image, `1 - min(d, n)/n`; "
+                  "Tesseract (`\".[ocr]\"` and `apt-get install tesseract-ocr`) or PaddleOCR (`\".[paddleocr]\"`)")
 class OCRReward:
     """``1 - min(d, n)/n`` per image (see the module docstring).
 

@@ -17,7 +17,8 @@ def pickscore(image_embeds: torch.Tensor, text_embeds: torch.Tensor, logit_scale
     return logit_scale.exp() * (image_embeds * text_embeds).sum(-1)
 
 
-@register("pickscore", kind=IMAGE, memory=hub_model("model", "CLIPModel"))
+@register("pickscore", kind=IMAGE, memory=hub_model("model", "CLIPModel"),
+          summary="PickScore, a CLIP-H fine-tuned on human preferences (Flow-GRPO divides it by 26)")
 class PickScore:
     """PickScore per image, ``scale · exp(logit_scale) · cos``.
 

@@ -5,7 +5,8 @@ How to add a reward (e.g. ``rewards/shapes_geneval.py``)::
     from rewards.memory import NOTHING
     from rewards.registry import IMAGE, register
 
-    @register("shapes_geneval", kind=IMAGE, memory=NOTHING)
+    @register("shapes_geneval", kind=IMAGE, memory=NOTHING,
+              summary="the shapes world's GenEval-style check: the fraction of the prompt's clauses that hold")
     class ShapesGenEval:
         kind = IMAGE
         def __init__(self, threshold: float = 0.5): ...
@@ -103,12 +104,13 @@ class RewardError(RuntimeError):
     """A built reward failed; the message starts with its name and the error is chained."""
 
 
-def register(name: str, *, kind: str, accepts: tuple[str, ...] | None = None, memory: Any = None
-             ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def register(name: str, *, kind: str, accepts: tuple[str, ...] | None = None, memory: Any = None,
+             summary: str = "") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: register a reward factory under ``name``; ``kind`` is "image" or "text". An image reward's
     ``accepts`` says which samples it scores: ("image",) by default, ("video",) for a video-native one, or both.
     ``memory`` declares what it keeps on the accelerator, for the planner (``rewards.memory``: ``NOTHING``, held
-    items, or a function of its options); None: not declared, so not estimated."""
+    items, or a function of its options); None: not declared, so not estimated. ``summary``: what it scores, in
+    one line (Markdown), for the docs' table of rewards (generated from the registry)."""
     if kind not in KINDS:
         raise ValueError(f"reward {name!r}: kind must be one of {KINDS}, got {kind!r}")
     if accepts is not None:
@@ -123,6 +125,7 @@ def register(name: str, *, kind: str, accepts: tuple[str, ...] | None = None, me
             factory.reward_accepts = tuple(accepts)  # type: ignore[attr-defined]
         if memory is not None:
             factory.reward_memory = memory  # type: ignore[attr-defined]
+        factory.reward_summary = summary  # type: ignore[attr-defined]
         return REWARDS.register(name)(factory)
 
     return deco

@@ -45,7 +45,8 @@ def check_url_and_kind(url: str, kind: str) -> None:
         raise ValueError(f"remote reward url must look like http://HOST:PORT, got {url!r}")
 
 
-@register("remote", kind=IMAGE, memory=NOTHING)  # the server holds its models
+@register("remote", kind=IMAGE, memory=NOTHING,
+          summary="a reward computed by a reward server (`flowrl serve-reward`)")  # the server holds its models
 class RemoteReward:
     """Calls ``POST {url}/score``; the kind ("image" or "text") must match the server's reward.
 

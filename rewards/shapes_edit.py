@@ -11,7 +11,8 @@ from rewards.memory import NOTHING
 from rewards.registry import IMAGE, register
 
 
-@register("shapes_edit", kind=IMAGE, memory=NOTHING)
+@register("shapes_edit", kind=IMAGE, memory=NOTHING,
+          summary="the shapes world's edit check: the instruction carried out, the rest of the scene kept")
 class ShapesEdit:
     """reward(images, prompts, edit=[...], image=[[source path], ...]) -> Tensor[B]: the fraction of the edit's
     clauses that hold (`score="strict"`: 1 iff all do); components `strict` and `fraction` [B].

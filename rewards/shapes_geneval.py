@@ -13,7 +13,9 @@ from rewards.memory import NOTHING
 from rewards.registry import IMAGE, register
 
 
-@register("shapes_geneval", kind=IMAGE, memory=NOTHING)
+@register("shapes_geneval", kind=IMAGE, memory=NOTHING,
+          summary="the shapes world's GenEval-style check: the fraction of the prompt's clauses that hold "
+                  "(`score: strict`: all of them)")
 class ShapesGenEval:
     """reward(images, prompts, objects=[...], relation=[...]) -> Tensor[B] (fraction of clauses that hold);
     `last_components`: `strict` [B] (all clauses hold), `fraction` [B], and `free_color=<colour>` [B]: how many
@@ -58,7 +60,8 @@ def free_color_counts(details: list[dict], metadata: list[dict]) -> dict[str, to
     return {f"free_color={c}": v for c, v in counts.items()}
 
 
-@register("shapes_soft", kind=IMAGE, memory=NOTHING)
+@register("shapes_soft", kind=IMAGE, memory=NOTHING,
+          summary="the shapes world's graded check: shape IoU, colour, extra objects")
 class ShapesSoft:
     """reward(images, prompts, objects=[...]) -> Tensor[B]: a graded match of the detected objects to the
     prompt's (`flowrl.worlds.shapes.detect.soft_score`: shape IoU, colour, extra objects), in about [-0.5k, 1].

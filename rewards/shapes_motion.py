@@ -10,7 +10,8 @@ from rewards.memory import NOTHING
 from rewards.registry import IMAGE, register
 
 
-@register("shapes_motion", kind=IMAGE, accepts=("video",), memory=NOTHING)
+@register("shapes_motion", kind=IMAGE, accepts=("video",), memory=NOTHING,
+          summary="the shapes world's motion check: the asked shape alone in every frame, moving the asked way")
 class ShapesMotion:
     """reward(videos, prompts, objects=[...], motion=[...]) -> Tensor[B] in [0, 1]: the mean of presence (frames
     holding the object alone), monotonic (consecutive frames moving the asked way, up to `tolerance`) and travel

@@ -56,7 +56,8 @@ class SoftOverlong:
                 for n in self.lengths(completions, completion_ids)]
 
 
-@register("soft_overlong", kind=TEXT, memory=NOTHING)
+@register("soft_overlong", kind=TEXT, memory=NOTHING,
+          summary="text: DAPO's soft overlong punishment")
 def soft_overlong(max_length: int, cache_length: int, tokenizer: Any = None) -> SoftOverlong:
     """DAPO's soft overlong punishment with ``L_max = max_length`` and ``L_cache = cache_length``."""
     return SoftOverlong(max_length, cache_length, tokenizer)

@@ -13,7 +13,8 @@ from rewards.memory import hub_model
 from rewards.registry import IMAGE, register
 
 
-@register("temporal_consistency", kind=IMAGE, accepts=("video",), memory=hub_model("model", ARCHITECTURES))
+@register("temporal_consistency", kind=IMAGE, accepts=("video",), memory=hub_model("model", ARCHITECTURES),
+          summary="the similarity of a video's consecutive frames' features (DINOv2 or CLIP)")
 class TemporalConsistency:
     """reward(videos, prompts) -> Tensor[B]: per video, ``scale · mean_t cos(f(frame_t), f(frame_t+stride))`` over
     its frames 0, stride, 2·stride, ...; component ``min`` [B]: the least similar consecutive pair (the worst jump).

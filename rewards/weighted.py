@@ -80,7 +80,8 @@ def components_memory(options: Mapping[str, Any]) -> list[Held]:
     return held
 
 
-@register("weighted", kind=IMAGE, memory=components_memory)
+@register("weighted", kind=IMAGE, memory=components_memory,
+          summary="a weighted sum of rewards, each kept as a component")
 def weighted(components: Mapping[str, float | Mapping[str, Any]]) -> WeightedSum:
     """Build each component by name and sum them with weights.
 

@@ -166,11 +166,20 @@ def test_the_pages_use_the_objective_sections_key_spellings():
     assert not found, found
 
 
-def test_every_registered_reward_is_on_the_rewards_page():
-    import rewards
+def test_every_reward_of_the_package_is_in_the_rewards_pages_table():
+    """The rewards page's table is generated from the registrations: every reward of the package has a row with its
+    summary, so adding a reward adds its row (and a reward without a summary fails here)."""
+    from rewards.registry import REWARDS, load_all
 
-    page = (DOCS / "rewards.md").read_text()
-    assert [name for name in rewards.available() if f"`{name}`" not in page] == []
+    hooks = _hooks()
+    assert hooks.REWARDS_MARKER in (DOCS / "rewards.md").read_text()
+    load_all()
+    table = hooks.rewards_table().splitlines()
+    for name in REWARDS.names():
+        row = next((line for line in table if line.startswith(f"| `{name}` |")), None)
+        summary = REWARDS.get(name).reward_summary
+        assert row is not None and summary and row.endswith(f"| {hooks._cell(summary)} |"), name
+    assert "| `shapes_motion` | videos |" in "\n".join(table) and "| `accuracy` | texts |" in "\n".join(table)
 
 
 # ------------------------------------------------------------------------------------------- config reference
