@@ -47,17 +47,16 @@ def strategy_names() -> list[str]:
 
 
 def detect(cfg, num_processes: int, distributed_type) -> str:
-    """Which strategy the launch asks for: "deepspeed" (an accelerate config of distributed_type DEEPSPEED: accelerate
-    prepares the model and optimizer together), "single" (one process), "fsdp" (train.sharding=fsdp, or an accelerate
-    config of distributed_type FSDP: flowrl shards with its own FSDP2 path, not accelerate's plugin) or "ddp"."""
-    kind = str(distributed_type).rpartition(".")[2]
-    if kind == "DEEPSPEED":
-        return "deepspeed"
-    if num_processes == 1:
-        return "single"
-    if cfg.train.sharding == "fsdp" or kind == "FSDP":
-        return "fsdp"
-    return "ddp"
+    """Which strategy runs this launch: of the registered strategies that apply to it (`Strategy.applies`: DeepSpeed
+    for an accelerate DEEPSPEED config; one process; FSDP for train.sharding=fsdp or an accelerate FSDP config, which
+    flowrl shards with its own FSDP2 path, not accelerate's plugin; DDP otherwise), the one of highest priority."""
+    load_all()
+    launch = str(distributed_type).rpartition(".")[2]
+    found = [STRATEGIES.get(n) for n in STRATEGIES.names() if STRATEGIES.get(n).applies(cfg, num_processes, launch)]
+    if not found:
+        raise ValueError(f"no distributed strategy runs {num_processes} process(es) of distributed_type {launch}; "
+                         f"registered: {', '.join(STRATEGIES.names())}")
+    return max(found, key=lambda cls: cls.priority).name
 
 
 def make_accelerator(cfg):

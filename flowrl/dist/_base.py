@@ -33,6 +33,14 @@ class Strategy:
     name: ClassVar[str] = ""
     #: what it splits over the processes, for `flowrl plan`: any of "weights", "gradients", "optimizer"
     shards: ClassVar[tuple[str, ...]] = ()
+    #: when several strategies apply to a launch (`applies`), the highest priority runs
+    priority: ClassVar[int] = 0
+
+    @classmethod
+    def applies(cls, cfg, num_processes: int, launch: str) -> bool:
+        """Whether this strategy can run a launch of `num_processes` processes whose accelerate distributed_type is
+        `launch` ("NO", "MULTI_GPU", "MULTI_CPU", "FSDP", "DEEPSPEED", ...) with config `cfg`."""
+        raise NotImplementedError
 
     def __init__(self, cfg, acc):
         self.cfg, self.acc = cfg, acc

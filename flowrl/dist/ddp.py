@@ -16,6 +16,10 @@ class DDP(Strategy):
 
     name = "ddp"
 
+    @classmethod
+    def applies(cls, cfg, num_processes, launch):
+        return True  # the default of several processes
+
     def prepare(self, policy, make_optimizer):
         self.policy = policy
         policy.wrap_trained(self.acc.prepare)

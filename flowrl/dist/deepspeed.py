@@ -20,6 +20,11 @@ class DeepSpeed(Strategy):
 
     name = "deepspeed"
     shards = ("gradients", "optimizer")  # ZeRO-2's; ZeRO-3 shards the weights too (`sharded`)
+    priority = 30  # an accelerate DEEPSPEED config, even with one process
+
+    @classmethod
+    def applies(cls, cfg, num_processes, launch):
+        return launch == "DEEPSPEED"
 
     def __init__(self, cfg, acc):
         super().__init__(cfg, acc)

@@ -17,6 +17,11 @@ class FSDP(Strategy):
 
     name = "fsdp"
     shards = ("weights", "gradients", "optimizer")
+    priority = 10
+
+    @classmethod
+    def applies(cls, cfg, num_processes, launch):
+        return num_processes > 1 and (cfg.train.sharding == "fsdp" or launch == "FSDP")
 
     def prepare(self, policy, make_optimizer):
         self.policy = policy

@@ -11,3 +11,8 @@ class Single(Strategy):
     """One process (`flowrl train` without a launcher)."""
 
     name = "single"
+    priority = 20  # one process: nothing to share, whatever the sharding key says (DeepSpeed's config aside)
+
+    @classmethod
+    def applies(cls, cfg, num_processes, launch):
+        return num_processes == 1
