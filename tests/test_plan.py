@@ -189,9 +189,9 @@ def test_token_counts_of_the_shipped_denoisers_at_512_px(repo, image_tokens, tex
     _, parts, _ = pipeline_components(repo, "bfloat16")
     components = {p.name: p for p in parts}
     attr = "unet" if "unet" in components else "transformer"
-    from flowrl.plan import _family_of
+    from flowrl.plan import family_of
 
-    shape = image_shape(components, attr, 512, 512, 128, family=_family_of(repo, "auto"))
+    shape = image_shape(components, attr, 512, 512, 128, family=family_of(repo, "auto"))
     assert (shape.image_tokens, shape.text_tokens) == (image_tokens, text_tokens)
     layers = denoiser_layers(components[attr].module, components[attr].class_name, image_tokens=shape.image_tokens,
                              text_tokens=shape.text_tokens, levels=shape.levels)

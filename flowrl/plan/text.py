@@ -1,0 +1,96 @@
+"""The plan of a text run: the causal LM built on meta, its LoRA, one completion's activations (its output head
+and the log-prob's row chunks), and the rollout: generate()'s KV cache, then the old log-probs in one forward."""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Mapping
+
+import torch
+
+from .activations import Layer, activation_bytes, activation_terms, block_params, calibration
+from .budget import Training, batch_shape, finish, training_rows
+from .models import DTYPE_BYTES, causal_lm, inject_lora, lora_parameters
+from .report import LOGITS_PHASE, Plan, RolloutEstimate, Row, UpdateEstimate
+
+#: the decoder layers of a causal LM, which transformers' gradient checkpointing recomputes one at a time
+LM_BLOCKS = r"(?:.*\.)?(?:layers|h|blocks)\.\d+"
+
+
+def lm_layers(module: torch.nn.Module, tokens: int, lora_targets: Mapping[str, int]) -> tuple[list[Layer], int]:
+    """(the Linear / Conv1D layers of a causal LM but its output head, all seeing `tokens` tokens; the vocabulary
+    size of the head)."""
+    from transformers.pytorch_utils import Conv1D
+
+    head = module.get_output_embeddings()
+    vocab = head.out_features if head is not None else 0
+    layers = []
+    for name, mod in module.named_modules():
+        if ".lora_" in name or mod is head:
+            continue
+        name = name.removeprefix("base_model.model.").removesuffix(".base_layer")
+        if isinstance(mod, torch.nn.Linear):
+            fan_in, fan_out = mod.in_features, mod.out_features
+        elif isinstance(mod, Conv1D):  # GPT-2's transposed linear: weight [fan_in, fan_out]
+            fan_in, fan_out = mod.weight.shape
+        else:
+            continue
+        block = re.match(rf"({LM_BLOCKS})(\.|$)", name)
+        layers.append(Layer(name, "tok", tokens, tokens, fan_in, fan_out, block.group(1) if block else None,
+                            lora_targets.get(name, 0)))
+    return layers, vocab
+
+
+def plan_text(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
+    """The plan of a text run (a causal LM) on `gpus` GPUs of `gpu_memory_gib` GiB."""
+    m, t, x = cfg.model, cfg.train, cfg.text
+    local, minibatch, micro = batch_shape(cfg, gpus)
+    dtype, b = m.dtype, DTYPE_BYTES[m.dtype]
+    model, source = causal_lm(m.path, dtype)
+    if cfg.lora.enabled:  # the adapters go into a copy: the built module is shared
+        module, adapted = inject_lora(copy.deepcopy(model.module), cfg.lora.rank, cfg.lora.alpha,
+                                      cfg.lora.target_modules, causal_lm=True)
+        n_trained = lora_parameters(module)
+    else:
+        module, adapted, n_trained = model.module, {}, model.params
+    from flowrl.objectives import get_objective
+
+    obj = get_objective(t.objective).memory_terms(cfg, 1)
+    tr = Training(n_trained, f"LoRA r{cfg.lora.rank} on {len(adapted)} layers" if cfg.lora.enabled else None,
+                   "float32" if cfg.lora.enabled else dtype, t.ema_decay > 0,
+                   (0.0 if cfg.lora.enabled else model.weight_bytes) if obj.reference else None,
+                   2 * block_params(model.module, LM_BLOCKS) * b, t.optimizer)
+    tokens = x.max_prompt_length + x.max_new_tokens  # prompts are left-padded to the batch's longest
+    layers, vocab = lm_layers(module, tokens, adapted)
+    terms = activation_terms(layers, dtype)
+    update = UpdateEstimate("causal LM", dtype, 1, terms,
+                            activation_bytes(terms, "causal LM", dtype, head_units=tokens * vocab),
+                            n_trained * DTYPE_BYTES[tr.dtype], 0.0, tokens * vocab, vocab, x.max_new_tokens)
+    rows = [Row(f"model ({model.class_name})", model.params / 1e9,
+                {"DDP": model.weight_bytes, "FSDP": model.weight_bytes / gpus, "offload": model.weight_bytes})]
+    rows += training_rows(tr, gpus)
+    rows_note = f"{tokens} tokens (max_prompt_length + max_new_tokens), vocabulary {vocab}"
+    targets = ", ".join(cfg.lora.target_modules) if cfg.lora.target_modules else "peft's default for the model"
+    lora = (f"LoRA r{cfg.lora.rank} alpha {cfg.lora.alpha:g} on {targets}" if cfg.lora.enabled
+            else f"full fine-tuning (weights, gradients, AdamW in {dtype})")
+    facts = [
+        ("model", f"{m.path} ({model.class_name}; configuration: {source})"),
+        ("update", f"{lora}; {dtype}; {rows_note}; {obj.reference_note}"),
+        ("batch", f"{local} completions per GPU per epoch, minibatch {minibatch}, micro-batch {micro}, "
+                  f"gradient checkpointing {'on' if t.gradient_checkpointing else 'off'}"),
+        ("GPUs", f"{gpus} x {gpu_memory_gib:g} GiB"),
+    ]
+    notes = [f"activations of the causal LM: {calibration('causal LM').measured}"]
+    # the rollout: generate() with its KV cache, then the old log-probs of the whole per-GPU batch in one forward
+    config = model.module.config.get_text_config()
+    heads = getattr(config, "num_attention_heads", 1)
+    kv = 2 * config.num_hidden_layers * (getattr(config, "num_key_value_heads", None) or heads)  # keys and values
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    logits = calibration("causal LM").gamma * b * tokens * vocab
+    gamma_chunk = calibration("causal LM").gamma_chunk
+    rollout = RolloutEstimate(local, {"generate (KV cache)": (kv * head_dim * tokens * b, False),
+                                      LOGITS_PHASE: (logits, False)}, lambda n: gamma_chunk * 4 * update.chunk_units(n))
+    host = tr.host_bytes()
+    return finish(facts, rows, update, rollout, tr, micro, minibatch, local, cfg, gpus, gpu_memory_gib, host, notes,
+                   rows_note)
