@@ -191,9 +191,11 @@ def test_token_counts_of_the_shipped_denoisers_at_512_px(repo, image_tokens, tex
     attr = "unet" if "unet" in components else "transformer"
     from flowrl.plan import family_of
 
-    shape = image_shape(components, attr, 512, 512, 128, family=family_of(repo, "auto"))
+    fam = family_of(repo, "auto")
+    shape = image_shape(components, attr, 512, 512, 128, family=fam)
     assert (shape.image_tokens, shape.text_tokens) == (image_tokens, text_tokens)
-    layers = denoiser_layers(components[attr].module, components[attr].class_name, image_tokens=shape.image_tokens,
+    assert components[attr].class_name == fam.denoiser_class
+    layers = denoiser_layers(components[attr].module, fam.plan_layout, image_tokens=shape.image_tokens,
                              text_tokens=shape.text_tokens, levels=shape.levels)
     terms = activation_terms(layers, "bfloat16")
     assert 0 < terms.units_checkpointed < terms.units and terms.kept > 0

@@ -32,9 +32,14 @@ local pipeline directory (model_index.json and each component's config.json), th
 or the hub itself through huggingface_hub (its cache, or a download unless HF_HUB_OFFLINE is set).
 
 Every figure is an estimate. The activation model (`activation_bytes`) was calibrated against peaks measured
-on a CPU (benchmarks/memory.py, with its live-tensor tracker) on mid-size random models (CALIBRATION says
-which, with the numbers); it leaves out the CUDA context, kernel workspaces and allocator fragmentation, for
-which `RESERVE_GIB` and `RESERVE_FRACTION` of each GPU are kept free.
+on a CPU (benchmarks/memory.py, with its live-tensor tracker) on mid-size random models (each family's
+`plan_calibration` says which, with the numbers; `text.LM_CALIBRATION` a causal LM's); it leaves out the CUDA
+context, kernel workspaces and allocator fragmentation, for which `RESERVE_GIB` and `RESERVE_FRACTION` of each GPU
+are kept free.
+
+What the planner knows of a model family, it asks the family: its denoiser's layout and activation factors
+(`plan_layout`, `plan_calibration` in flowrl/families/), its LoRA targets, its conditioning images' tokens; of an
+objective, its memory terms (`Objective.memory_terms`); of a reward, the models it keeps (`rewards.memory_spec`).
 """
 
 from __future__ import annotations
@@ -42,20 +47,16 @@ from __future__ import annotations
 import re
 
 from .activations import (
-    CALIBRATION,
-    GENERIC_LAYOUT,
-    LAYOUTS,
     Activations,
     ActivationTerms,
     Layer,
     activation_bytes,
     activation_terms,
-    calibration,
     denoiser_layers,
     lora_cast_bytes,
 )
-from .declarations import Calibration, Layout
-from .image import plan_image
+from .declarations import GENERIC_LAYOUT, NOT_CALIBRATED, Calibration, Layout
+from .image import denoiser_declarations, plan_image
 from .models import (
     DTYPE_BYTES,
     GIB,
@@ -86,7 +87,7 @@ from .report import (
     usable_gib,
 )
 from .shapes import VAE_DECODE_FACTOR, ImageShape, image_shape, latent_frames, vae_decode_bytes
-from .text import LM_BLOCKS, lm_layers, plan_text
+from .text import LM_BLOCKS, LM_CALIBRATION, lm_layers, plan_text
 
 
 def plan(cfg, *, gpus: int = 1, gpu_memory_gib: float = 80.0) -> Plan:
@@ -126,11 +127,11 @@ def main(config: str | None, overrides: list[str] | None = None, *, gpus: int = 
 
 
 __all__ = [
-    "CALIBRATION", "DTYPE_BYTES", "GENERIC_LAYOUT", "GIB", "LAYOUTS", "LM_BLOCKS", "LOGITS_PHASE", "RESERVE_FRACTION",
-    "RESERVE_GIB", "SHIPPED_DIR", "STRATEGIES", "VAE_DECODE_FACTOR", "ActivationTerms", "Activations", "Calibration",
-    "Component", "Fit", "ImageShape", "Layer", "Layout", "Plan", "PlanError", "RolloutEstimate", "Row", "UpdateEstimate",
-    "activation_bytes", "activation_terms", "build_on_meta", "calibration", "causal_lm", "config_reader",
-    "denoiser_layers", "family_of", "feature_components", "image_shape", "inject_lora", "latent_frames", "lm_layers",
-    "lora_cast_bytes", "lora_parameters", "main", "parse_memory", "pipeline_components", "plan", "reward_components",
-    "shipped_models", "usable_gib", "vae_decode_bytes",
+    "DTYPE_BYTES", "GENERIC_LAYOUT", "GIB", "LM_BLOCKS", "LM_CALIBRATION", "LOGITS_PHASE", "NOT_CALIBRATED",
+    "RESERVE_FRACTION", "RESERVE_GIB", "SHIPPED_DIR", "STRATEGIES", "VAE_DECODE_FACTOR", "ActivationTerms",
+    "Activations", "Calibration", "Component", "Fit", "ImageShape", "Layer", "Layout", "Plan", "PlanError",
+    "RolloutEstimate", "Row", "UpdateEstimate", "activation_bytes", "activation_terms", "build_on_meta", "causal_lm",
+    "config_reader", "denoiser_declarations", "denoiser_layers", "family_of", "feature_components", "image_shape",
+    "inject_lora", "latent_frames", "lm_layers", "lora_cast_bytes", "lora_parameters", "main", "parse_memory",
+    "pipeline_components", "plan", "reward_components", "shipped_models", "usable_gib", "vae_decode_bytes",
 ]

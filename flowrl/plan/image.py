@@ -5,16 +5,9 @@ from __future__ import annotations
 
 import copy
 
-from .activations import (
-    GENERIC_LAYOUT,
-    LAYOUTS,
-    activation_bytes,
-    activation_terms,
-    block_params,
-    calibration,
-    denoiser_layers,
-)
+from .activations import activation_bytes, activation_terms, block_params, denoiser_layers
 from .budget import Training, batch_shape, finish, training_rows
+from .declarations import GENERIC_LAYOUT, NOT_CALIBRATED, Calibration, Layout
 from .models import (
     DTYPE_BYTES,
     PlanError,
@@ -27,6 +20,23 @@ from .models import (
 )
 from .report import STRATEGIES, Plan, RolloutEstimate, Row, UpdateEstimate
 from .shapes import config_dict, image_shape, prompt_file, vae_decode_bytes
+
+
+def denoiser_declarations(fam, class_name: str) -> tuple[Layout, Calibration, str | None]:
+    """(layout, calibration, note) of the denoiser class `class_name` that family `fam` trains: what the family
+    declares (`plan_layout`, `plan_calibration`) when it is the family's `denoiser_class`; for another class (a model
+    of the user's own under the family's pipeline) the generic layout and uncalibrated factors, and a note saying so.
+    A family that declares none is a PlanError naming what is missing."""
+    missing = [name for name in ("plan_layout", "plan_calibration") if not hasattr(fam, name)]
+    if missing:
+        raise PlanError(f"family {fam.family!r} declares no {' and no '.join(missing)} for flowrl plan: add them to "
+                        f"its backend class (docs/new_model.md)")
+    if class_name == fam.denoiser_class:
+        return fam.plan_layout, fam.plan_calibration, None
+    return GENERIC_LAYOUT, NOT_CALIBRATED, (
+        f"the denoiser is a {class_name}, not the {fam.denoiser_class} the {fam.family} family declares a layout "
+        f"for: its layers are read by the names diffusers' transformers share (flowrl.plan.declarations."
+        f"GENERIC_LAYOUT), its activations with uncalibrated factors")
 
 
 def plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
@@ -44,7 +54,9 @@ def plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
     rewards, notes = reward_components(cfg.rewards)
     features, feature_notes = feature_components(cfg.eval.diversity_features)
     rewards, notes = rewards + features, notes + feature_notes  # placed as rewards are: off the GPU with offload
-    layout = LAYOUTS.get(den.class_name, GENERIC_LAYOUT)
+    layout, cal, generic = denoiser_declarations(fam, den.class_name)
+    if generic:
+        notes.append(generic)
 
     targets = list(cfg.lora.target_modules or fam.lora_targets)
     if cfg.lora.enabled:  # the adapters go into a copy: the built modules are shared
@@ -60,9 +72,9 @@ def plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
         minibatch = min(minibatch, local // s.group_size)
         micro = min(micro, minibatch)
     tr = Training(n_trained, f"LoRA r{cfg.lora.rank} on {len(adapted)} layers" if cfg.lora.enabled else None,
-                   "float32" if cfg.lora.enabled else dtype, t.ema_decay > 0,
-                   (0.0 if cfg.lora.enabled else den.weight_bytes) if obj.reference else None,
-                   2 * block_params(den.module, layout.blocks) * b, t.optimizer)
+                  "float32" if cfg.lora.enabled else dtype, t.ema_decay > 0,
+                  (0.0 if cfg.lora.enabled else den.weight_bytes) if obj.reference else None,
+                  2 * block_params(den.module, layout.blocks) * b, t.optimizer)
 
     # what the rollout leaves on the GPU for the update: the trajectory and the prompt encodings
     try:
@@ -81,17 +93,17 @@ def plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
     prompt_cache = n_prompts * shape.text_tokens * shape.text_width * b
 
     # one micro-batch sample: K trained steps stacked along the batch, doubled by CFG
-    layers = denoiser_layers(den_module, den.class_name, image_tokens=shape.image_tokens,
+    layers = denoiser_layers(den_module, layout, image_tokens=shape.image_tokens,
                              text_tokens=shape.text_tokens, levels=shape.levels, lora_targets=adapted)
     terms = activation_terms(layers, dtype)
-    update = UpdateEstimate(den.class_name, dtype, obj.rows, terms,
-                            activation_bytes(terms, den.class_name, dtype), n_trained * DTYPE_BYTES[tr.dtype], 0.0)
+    update = UpdateEstimate(den.class_name, cal, dtype, obj.rows, terms, activation_bytes(terms, cal, dtype),
+                            n_trained * DTYPE_BYTES[tr.dtype], 0.0)
 
     # the rollout, without gradients: `chunk` images through the denoiser (their CFG rows), then the VAE decoder
     chunk = s.rollout_batch_size or local
     if obj.whole_groups:  # whole groups per call, as ImagePolicy.rollout makes them
         chunk = max(s.group_size, chunk - chunk % s.group_size)
-    phases = {"denoiser": (cfg_rows * calibration(den.class_name).gamma * b * terms.units_checkpointed, False)}
+    phases = {"denoiser": (cfg_rows * cal.gamma * b * terms.units_checkpointed, False)}
     if "vae" in components:
         decode = vae_decode_bytes(config_dict(components["vae"].module), s.height, s.width, b)
         if decode is None:
@@ -137,7 +149,7 @@ def plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
                   f"gradient checkpointing {'on' if t.gradient_checkpointing else 'off'}"),
         ("GPUs", f"{gpus} x {gpu_memory_gib:g} GiB"),
     ]
-    notes.append(f"activations of {den.class_name}: {calibration(den.class_name).measured}")
+    notes.append(f"activations of {den.class_name}: {cal.measured}")
     host = sum(c.weight_bytes for c in off_gpu) + tr.host_bytes()
     return finish(facts, rows, update, rollout, tr, micro, minibatch, local, cfg, gpus, gpu_memory_gib, host, notes,
                    rows_note, obj.unit)

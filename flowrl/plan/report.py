@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .activations import Activations, ActivationTerms, calibration
+from .activations import Activations, ActivationTerms
+from .declarations import Calibration
 from .models import GIB
 
 #: kept free on every GPU: the CUDA context and kernel workspaces (RESERVE_GIB) and allocator fragmentation
@@ -44,10 +45,11 @@ class Fit:
 @dataclass(frozen=True)
 class UpdateEstimate:
     """The pieces of the update's estimate (bytes), for checking it against a measurement: the model rows per
-    micro-batch sample, the activation terms of one row and their bytes, the gradients, and the transient
-    after the backward pass (DDP)."""
+    micro-batch sample, the activation terms of one row and their bytes (with the factors of `calibration`), the
+    gradients, and the transient after the backward pass (DDP)."""
 
     class_name: str
+    calibration: Calibration
     dtype: str
     rows_per_sample: int
     terms: ActivationTerms
@@ -68,7 +70,7 @@ class UpdateEstimate:
         return self.vocab * min(micro_batch * self.completion_tokens, max(1, _CHUNK_FLOATS // self.vocab))
 
     def chunk_bytes(self, micro_batch: int) -> float:
-        return calibration(self.class_name).chunk * 4 * self.chunk_units(micro_batch)
+        return self.calibration.chunk * 4 * self.chunk_units(micro_batch)
 
     def activation_peak(self, micro_batch: int, checkpointing: bool) -> float:
         """The activations of a micro-batch at their peak (bytes); a causal LM's log-prob chunks come with its

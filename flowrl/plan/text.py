@@ -9,13 +9,30 @@ from collections.abc import Mapping
 
 import torch
 
-from .activations import Layer, activation_bytes, activation_terms, block_params, calibration
+from .activations import Layer, activation_bytes, activation_terms, block_params
 from .budget import Training, batch_shape, finish, training_rows
+from .declarations import Calibration
 from .models import DTYPE_BYTES, causal_lm, inject_lora, lora_parameters
 from .report import LOGITS_PHASE, Plan, RolloutEstimate, Row, UpdateEstimate
 
 #: the decoder layers of a causal LM, which transformers' gradient checkpointing recomputes one at a time
 LM_BLOCKS = r"(?:.*\.)?(?:layers|h|blocks)\.\d+"
+
+#: The activation factors of a causal LM (the text backend: any transformers causal LM, not a family), set by
+#: `python benchmarks/memory.py --fit` on random Qwen2s (CPU, bfloat16, LoRA r16 on peft's default, beta 0.04, 64 new
+#: tokens, ~69 tokens in all); the measured activations (MiB, on top of the static memory) for micro-batch 2 / 4 / 8,
+#: without and with gradient checkpointing: 4 layers of 256 with a 151,936 vocabulary: 313.1 / 498.7 / 742.4 and
+#: 307.1 / 486.6 / 718.2; 8 layers of 512, vocabulary 1,024: 27.7 / 55.4 / 110.9 and 6.1 / 12.2 / 24.4; 24 layers
+#: of 256: 41.1 / 82.2 / 164.3 and 4.2 / 8.4 / 16.9. Over micro-batch 1 to 16 (the benchmark's default run) within 14%
+#: without checkpointing (at micro-batch 1 the logits' slice is contiguous and the log-prob makes one copy fewer) and
+#: 19% with it.
+#: The rollout (generate, then the old log-probs of 2 / 4 / 8 completions in one forward), vocabulary 151,936:
+#: 205.8 / 284.0 / 440.5 MiB: 39.1 MiB per completion = 1.95 x its bf16 logits (they and the copy the log-prob makes
+#: of their slice) and 128 MiB once = 2 float32 row chunks of 2^24 elements; within 2% up to 16 completions. With a
+#: 1,024 vocabulary the hidden states, left out, matter: 32% under.
+LM_CALIBRATION = Calibration(0.849, 0.52, 1.42, "calibrated on measured Qwen2s of 4 x 256 (vocabulary 151,936), "
+                                                "8 x 512 and 24 x 256 layers (benchmarks/memory.py)",
+                             head=3.437, chunk=2.714, gamma=1.95, gamma_chunk=2.0)
 
 
 def lm_layers(module: torch.nn.Module, tokens: int, lora_targets: Mapping[str, int]) -> tuple[list[Layer], int]:
@@ -58,14 +75,14 @@ def plan_text(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
 
     obj = get_objective(t.objective).memory_terms(cfg, 1)
     tr = Training(n_trained, f"LoRA r{cfg.lora.rank} on {len(adapted)} layers" if cfg.lora.enabled else None,
-                   "float32" if cfg.lora.enabled else dtype, t.ema_decay > 0,
-                   (0.0 if cfg.lora.enabled else model.weight_bytes) if obj.reference else None,
-                   2 * block_params(model.module, LM_BLOCKS) * b, t.optimizer)
+                  "float32" if cfg.lora.enabled else dtype, t.ema_decay > 0,
+                  (0.0 if cfg.lora.enabled else model.weight_bytes) if obj.reference else None,
+                  2 * block_params(model.module, LM_BLOCKS) * b, t.optimizer)
     tokens = x.max_prompt_length + x.max_new_tokens  # prompts are left-padded to the batch's longest
     layers, vocab = lm_layers(module, tokens, adapted)
     terms = activation_terms(layers, dtype)
-    update = UpdateEstimate("causal LM", dtype, 1, terms,
-                            activation_bytes(terms, "causal LM", dtype, head_units=tokens * vocab),
+    update = UpdateEstimate("causal LM", LM_CALIBRATION, dtype, 1, terms,
+                            activation_bytes(terms, LM_CALIBRATION, dtype, head_units=tokens * vocab),
                             n_trained * DTYPE_BYTES[tr.dtype], 0.0, tokens * vocab, vocab, x.max_new_tokens)
     rows = [Row(f"model ({model.class_name})", model.params / 1e9,
                 {"DDP": model.weight_bytes, "FSDP": model.weight_bytes / gpus, "offload": model.weight_bytes})]
@@ -81,14 +98,14 @@ def plan_text(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
                   f"gradient checkpointing {'on' if t.gradient_checkpointing else 'off'}"),
         ("GPUs", f"{gpus} x {gpu_memory_gib:g} GiB"),
     ]
-    notes = [f"activations of the causal LM: {calibration('causal LM').measured}"]
+    notes = [f"activations of the causal LM: {LM_CALIBRATION.measured}"]
     # the rollout: generate() with its KV cache, then the old log-probs of the whole per-GPU batch in one forward
     config = model.module.config.get_text_config()
     heads = getattr(config, "num_attention_heads", 1)
     kv = 2 * config.num_hidden_layers * (getattr(config, "num_key_value_heads", None) or heads)  # keys and values
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    logits = calibration("causal LM").gamma * b * tokens * vocab
-    gamma_chunk = calibration("causal LM").gamma_chunk
+    logits = LM_CALIBRATION.gamma * b * tokens * vocab
+    gamma_chunk = LM_CALIBRATION.gamma_chunk
     rollout = RolloutEstimate(local, {"generate (KV cache)": (kv * head_dim * tokens * b, False),
                                       LOGITS_PHASE: (logits, False)}, lambda n: gamma_chunk * 4 * update.chunk_units(n))
     host = tr.host_bytes()
