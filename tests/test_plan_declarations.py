@@ -1,14 +1,26 @@
-"""The planner asks the registries instead of keeping tables of their names: every model family declares how the
+"""The planner asks the registries instead of keeping tables of their names. Every model family declares how the
 planner reads its denoiser (`plan_layout`) and its activation factors (`plan_calibration`), in its own class body or
-shared, by inheritance or by name, with a family of the same denoiser class; a family that declares nothing, or a
-subclass that would inherit another denoiser class's layout, fails here. (Every objective's memory terms:
-tests/test_objective_modules.py; every reward's memory: tests/test_rewards_memory.py.)"""
+shared, by inheritance or by name, with a family of the same denoiser class; every distributed strategy declares what
+it shards and its column (`shards`, `plan_column`). An entry that declares nothing, or a family subclass that would
+inherit another denoiser class's layout, fails here. (Every objective's memory terms: tests/test_objective_modules.py;
+every reward's memory: tests/test_rewards_memory.py.)"""
 
 import pytest
 
 from flowrl.config import load_config
+from flowrl.dist import STRATEGIES, Strategy, strategy_names
 from flowrl.families import ImageBackend, family, family_names
-from flowrl.plan import Calibration, Layout, PlanError, activation_terms, denoiser_layers, pipeline_components, plan
+from flowrl.plan import (
+    GIB,
+    Calibration,
+    Layout,
+    PlanError,
+    activation_terms,
+    denoiser_layers,
+    pipeline_components,
+    plan,
+)
+from flowrl.plan.declarations import SHARDABLE
 
 TINY = ["sample.height=32", "sample.width=32", "sample.max_sequence_length=16"]
 
@@ -106,3 +118,96 @@ def test_the_planner_asks_the_family(monkeypatch):
     monkeypatch.delattr(SD3Backend, "plan_layout")
     with pytest.raises(PlanError, match="family 'sd3' declares no plan_layout"):
         plan(cfg)
+
+
+# ---------------------------------------------------------------------------------------------- distributed strategies
+
+
+def undeclared_strategies(classes) -> list[str]:
+    """What each strategy class fails to declare in its own body for the planner: `shards` (a tuple of "weights",
+    "gradients", "optimizer") and `plan_column` (its column's title, at most 10 characters, or None); a title
+    declared twice."""
+    problems, titles = [], []
+    for cls in classes:
+        problems += [f"{cls.name}: no {attr}" for attr in ("shards", "plan_column") if attr not in vars(cls)]
+        shards = vars(cls).get("shards", ())
+        if not isinstance(shards, tuple) or not set(shards) <= set(SHARDABLE):
+            problems.append(f"{cls.name}: shards {shards!r} is not a tuple of {', '.join(SHARDABLE)}")
+        title = vars(cls).get("plan_column")
+        if title is not None and not (isinstance(title, str) and 0 < len(title) <= 10):
+            problems.append(f"{cls.name}: plan_column {title!r} is not a title of 1 to 10 characters")
+        titles += [title] if title else []
+    problems += [f"column {t!r} declared twice" for t in sorted({t for t in titles if titles.count(t) > 1})]
+    return problems
+
+
+def test_every_strategy_declares_what_it_shards_and_its_column():
+    strategies = [STRATEGIES.get(n) for n in strategy_names()]
+    assert len(strategies) >= 4
+    assert undeclared_strategies(strategies) == []
+    assert not any(attr in vars(Strategy) for attr in ("shards", "plan_column"))  # nothing to inherit silently
+    # the plan's columns are the declared ones, and offload
+    titles = plan(load_config(None, ["model.path=tiny-sd3", *TINY])).titles
+    assert set(titles) == {s.plan_column for s in strategies if s.plan_column} | {"offload"}
+
+
+def test_the_strategy_check_finds_what_is_missing():
+    class Bare(Strategy):
+        name = "bare"
+
+    class Odd(Strategy):
+        name, shards, plan_column = "odd", ("activations",), "a very long title"
+
+    class Twin(Strategy):
+        name, shards, plan_column = "twin", (), "DDP"
+
+    assert undeclared_strategies([Bare, Odd, Twin, STRATEGIES.get("ddp")]) == [
+        "bare: no shards", "bare: no plan_column", "odd: shards ('activations',) is not a tuple of weights, gradients, "
+        "optimizer", "odd: plan_column 'a very long title' is not a title of 1 to 10 characters",
+        "column 'DDP' declared twice"]
+
+
+def test_the_planner_asks_the_strategies(monkeypatch):
+    """A column's title and what it shards are the strategy's; a strategy without them is a PlanError naming it."""
+    from flowrl.dist.fsdp import FSDP
+
+    cfg = load_config(None, ["model.path=tiny-sd3", *TINY, "sample.prompts_per_epoch=4", "sample.group_size=4",
+                             "train.minibatch_size=8"])
+    monkeypatch.setattr(FSDP, "plan_column", "FSDP2")
+    monkeypatch.setattr(FSDP, "shards", ("gradients", "optimizer"))  # no longer the weights
+    p = plan(cfg, gpus=2)
+    assert "FSDP" not in p.titles and "FSDP2" in p.titles
+    assert p.rows[0].gib["FSDP2"] == p.rows[0].gib["DDP"]
+    monkeypatch.delattr(FSDP, "plan_column")
+    with pytest.raises(PlanError, match="distributed strategy 'fsdp' declares no plan_column"):
+        plan(cfg, gpus=2)
+
+
+def test_zero2_shards_gradients_and_states_and_refuses_what_deepspeed_refuses():
+    """Full fine-tuning in float32 on 8 GPUs: under ZeRO-2 the weights are whole, the gradients and AdamW states an
+    eighth; ZeRO keeps a float32 copy of its eighth of the trained weights and, in the backward pass only, a gradient
+    bucket of DeepSpeed's default 5e8 float32 (not in the rollout). train.optimizer=adamw_8bit and full fine-tuning in
+    bfloat16 are refused, as DeepSpeed's strategy refuses them, and the column says so."""
+    from flowrl.dist.deepspeed import REDUCE_BUCKET
+
+    base = ["model.path=stabilityai/stable-diffusion-3.5-medium", "lora.enabled=false", "model.dtype=float32"]
+    p = plan(load_config(None, base + ["sample.prompts_per_epoch=8", "sample.group_size=8"]), gpus=8)
+    gib = {r.label: r.gib for r in p.rows}
+    den = gib["transformer (SD3Transformer2DModel)"]
+    assert den["ZeRO-2"] == den["DDP"] == 8 * den["FSDP"]
+    for label in ("gradients (float32)", "AdamW states (2 x float32)"):
+        assert gib[label]["ZeRO-2"] == pytest.approx(gib[label]["DDP"] / 8)
+    assert gib["ZeRO-2: float32 partition of the weights"]["ZeRO-2"] == pytest.approx(den["DDP"] / 8)
+    bucket = gib["ZeRO-2: gradient bucket, backward only"]
+    assert bucket["ZeRO-2"] * GIB == 4 * REDUCE_BUCKET and bucket["DDP"] == bucket["FSDP"] == 0
+    update, rollout = p.fits["ZeRO-2"].static_gib, p.rollout_fits["ZeRO-2"][0] - p.rollout.peak(p.rollout.items) / GIB
+    assert update - rollout == pytest.approx(bucket["ZeRO-2"])
+    assert p.refused == {} and any(n.startswith("ZeRO-2: DeepSpeed ZeRO stage 2") for n in p.notes)
+
+    for override, why in (("train.optimizer=adamw_8bit", "its ZeRO optimizer wraps torch's AdamW"),
+                          ("model.dtype=bfloat16", "full fine-tuning of bf16/fp16 weights under DeepSpeed")):
+        refused = plan(load_config(None, base + [override]))
+        assert why in refused.refused["ZeRO-2"] and not refused.fits_as_configured("ZeRO-2")
+        assert f"ZeRO-2 refuses this config: {refused.refused['ZeRO-2']}" in refused.notes
+        fits_line = next(ln for ln in refused.render().splitlines() if ln.startswith("  fits in"))
+        assert fits_line.split()[-3] == "refused"

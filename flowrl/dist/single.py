@@ -11,3 +11,5 @@ class Single(Strategy):
     """One process (`flowrl train` without a launcher)."""
 
     name = "single"
+    shards = ()
+    plan_column = None  # one process: the plan's DDP column at --gpus 1

@@ -55,7 +55,8 @@ from .activations import (
     denoiser_layers,
     lora_cast_bytes,
 )
-from .declarations import GENERIC_LAYOUT, NOT_CALIBRATED, Calibration, Layout
+from .columns import Column, columns
+from .declarations import GENERIC_LAYOUT, NOT_CALIBRATED, Calibration, Layout, StrategyTerms
 from .image import denoiser_declarations, plan_image
 from .models import (
     DTYPE_BYTES,
@@ -78,7 +79,6 @@ from .report import (
     LOGITS_PHASE,
     RESERVE_FRACTION,
     RESERVE_GIB,
-    STRATEGIES,
     Fit,
     Plan,
     RolloutEstimate,
@@ -117,21 +117,22 @@ def parse_memory(text: str) -> float:
 
 def main(config: str | None, overrides: list[str] | None = None, *, gpus: int = 1, gpu_memory: str = "80GiB") -> int:
     """`flowrl plan CONFIG [key=value ...] [--gpus N] [--gpu-memory 80GiB]`: print the plan; 0 if the config as it
-    is (its update and its rollout) fits under one of the strategies, 1 if it fits under none."""
+    is (its update and its rollout) fits under one of the columns, 1 if it fits under none."""
     from flowrl.config import load_config
 
     cfg = load_config(config, overrides or [])
     result = plan(cfg, gpus=gpus, gpu_memory_gib=parse_memory(gpu_memory))
     print(result.render())
-    return 0 if any(result.fits_as_configured(s) for s in STRATEGIES) else 1
+    return 0 if any(result.fits_as_configured(s) for s in result.titles) else 1
 
 
 __all__ = [
     "DTYPE_BYTES", "GENERIC_LAYOUT", "GIB", "LM_BLOCKS", "LM_CALIBRATION", "LOGITS_PHASE", "NOT_CALIBRATED",
-    "RESERVE_FRACTION", "RESERVE_GIB", "SHIPPED_DIR", "STRATEGIES", "VAE_DECODE_FACTOR", "ActivationTerms",
-    "Activations", "Calibration", "Component", "Fit", "ImageShape", "Layer", "Layout", "Plan", "PlanError",
-    "RolloutEstimate", "Row", "UpdateEstimate", "activation_bytes", "activation_terms", "build_on_meta", "causal_lm",
-    "config_reader", "denoiser_declarations", "denoiser_layers", "family_of", "feature_components", "image_shape",
-    "inject_lora", "latent_frames", "lm_layers", "lora_cast_bytes", "lora_parameters", "main", "parse_memory",
-    "pipeline_components", "plan", "reward_components", "shipped_models", "usable_gib", "vae_decode_bytes",
+    "RESERVE_FRACTION", "RESERVE_GIB", "SHIPPED_DIR", "VAE_DECODE_FACTOR", "ActivationTerms", "Activations",
+    "Calibration", "Column", "Component", "Fit", "ImageShape", "Layer", "Layout", "Plan", "PlanError",
+    "RolloutEstimate", "Row", "StrategyTerms", "UpdateEstimate", "activation_bytes", "activation_terms",
+    "build_on_meta", "causal_lm", "columns", "config_reader", "denoiser_declarations", "denoiser_layers", "family_of",
+    "feature_components", "image_shape", "inject_lora", "latent_frames", "lm_layers", "lora_cast_bytes",
+    "lora_parameters", "main", "parse_memory", "pipeline_components", "plan", "reward_components", "shipped_models",
+    "usable_gib", "vae_decode_bytes"
 ]

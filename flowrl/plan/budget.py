@@ -7,17 +7,19 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .columns import Column, replicated, spread
 from .models import DTYPE_BYTES, GIB, PlanError
-from .report import STRATEGIES, Fit, Plan, RolloutEstimate, Row, UpdateEstimate, usable_gib
+from .report import Fit, Plan, RolloutEstimate, Row, UpdateEstimate, usable_gib
 
 
-def verdicts(static: dict[str, float], transient: dict[str, float], activations: Callable[[int, bool], float],
-             micro: int, checkpointing: bool, gpu_memory_gib: float) -> dict[str, Fit]:
-    """Each strategy's Fit, from bytes: the peak of a micro-batch of m samples is
+def verdicts(cols: list[Column], static: dict[str, float], transient: dict[str, float],
+             activations: Callable[[int, bool], float], micro: int, checkpointing: bool,
+             gpu_memory_gib: float) -> dict[str, Fit]:
+    """Each column's Fit, from bytes: the peak of a micro-batch of m samples is
     static + max(activations(m, checkpointing), transient)."""
     budget = usable_gib(gpu_memory_gib) * GIB
     fits = {}
-    for s in STRATEGIES:
+    for s in (c.title for c in cols):
         def peak(m: int, ck: bool) -> float:
             return static[s] + max(activations(m, ck), transient[s])
 
@@ -34,6 +36,19 @@ def verdicts(static: dict[str, float], transient: dict[str, float], activations:
         per_sample = {ck: activations(1, ck) / GIB for ck in (False, True)}
         fits[s] = Fit(static[s] / GIB, transient[s] / GIB, per_sample, largest, configured / GIB, configured <= budget)
     return fits
+
+
+def transients(cols: list[Column], tr: Training, grads: float, gpus: int) -> dict[str, float]:
+    """What each column allocates after the backward pass, on top of the gradients (bytes): AdamW's foreach step, a
+    temporary the size of a state (a GPU's share where the states are sharded; on the CPU under offload), or the
+    gradient all-reduce's copy of the gradients (DDP's buckets, with more than one process), the larger."""
+    step = tr.state_bytes / 2
+    out = {}
+    for c in cols:
+        on_gpu = 0.0 if c.offload else step / gpus if "optimizer" in c.shards else step
+        sync = grads if c.terms.gradient_copy and gpus > 1 else 0.0
+        out[c.title] = max(on_gpu, sync)
+    return out
 
 
 def batch_shape(cfg, gpus: int) -> tuple[int, int, int]:
@@ -54,14 +69,14 @@ def batch_shape(cfg, gpus: int) -> tuple[int, int, int]:
 
 @dataclass(frozen=True)
 class Training:
-    """What the update trains and keeps besides the model, for `_training_rows`."""
+    """What the update trains and keeps besides the model, for `training_rows`."""
 
     n_trained: int  # trained parameters
     lora_label: str | None  # "LoRA r32 on 191 layers" (their weights are extra), None: full fine-tuning
     dtype: str  # of the trained parameters and their gradients
     ema: bool
     reference: float | None  # bytes of a frozen reference copy (0: the adapter off), None: no reference pass
-    gather: float  # bytes FSDP gathers at once (two blocks)
+    block: float  # bytes of the largest checkpointed block (what a sharding strategy gathers whole)
     optimizer: str = "adamw"  # train.optimizer
 
     @property
@@ -80,60 +95,74 @@ class Training:
         return self.state_bytes + 4 * self.n_trained + (4 * self.n_trained if self.ema else 0)
 
 
-def training_rows(tr: Training, gpus: int) -> list[Row]:
-    """The rows of the trained parameters, gradients, AdamW states, EMA, reference and FSDP's gathered blocks
-    (bytes per GPU; FSDP shards all but the gathered blocks, offload moves AdamW and the EMA to the CPU)."""
+#: how a row names the blocks a strategy gathers at once
+COUNTS = {1: "one block", 2: "two blocks", 3: "three blocks"}
+
+
+def training_rows(tr: Training, cols: list[Column], gpus: int) -> list[Row]:
+    """The rows of the trained parameters, gradients, AdamW states, EMA, reference (bytes per GPU, a GPU's share of
+    what each column shards; offload moves AdamW, the master weights and the EMA to the CPU), then each strategy's own:
+    the blocks it gathers whole, the buffers it keeps."""
     b = DTYPE_BYTES[tr.dtype]
-    sharded = lambda v: {"DDP": v, "FSDP": v / gpus, "offload": v}  # noqa: E731
-    in_cpu = lambda v: {"DDP": v, "FSDP": v / gpus, "offload": None}  # noqa: E731
     rows = []
     if tr.lora_label:
-        rows.append(Row(f"{tr.lora_label} ({tr.dtype})", tr.n_trained / 1e9, sharded(tr.n_trained * b)))
-    rows.append(Row(f"gradients ({tr.dtype})", None, sharded(tr.n_trained * b)))
-    if tr.optimizer == "adamw_8bit":
-        rows.append(Row("AdamW8bit states (2 x uint8)", None, in_cpu(tr.state_bytes)))
-    else:
-        rows.append(Row("AdamW states (2 x float32)", None, in_cpu(tr.state_bytes)))
+        rows.append(Row(f"{tr.lora_label} ({tr.dtype})", tr.n_trained / 1e9,
+                        spread(cols, tr.n_trained * b, gpus, "weights")))
+    rows.append(Row(f"gradients ({tr.dtype})", None, spread(cols, tr.n_trained * b, gpus, "gradients")))
+    states = "AdamW8bit states (2 x uint8)" if tr.optimizer == "adamw_8bit" else "AdamW states (2 x float32)"
+    rows.append(Row(states, None, spread(cols, tr.state_bytes, gpus, "optimizer", offloaded=True)))
     if tr.master_bytes:
-        rows.append(Row("float32 master weights", None, in_cpu(tr.master_bytes)))
+        rows.append(Row("float32 master weights", None, spread(cols, tr.master_bytes, gpus, "optimizer", True)))
     if tr.ema:
-        rows.append(Row("EMA of the trained parameters (float32)", None, in_cpu(4 * tr.n_trained)))
+        rows.append(Row("EMA of the trained parameters (float32)", None,
+                        spread(cols, 4 * tr.n_trained, gpus, "weights", offloaded=True)))
     if tr.reference is not None:
         label = "reference: a frozen copy" if tr.reference else "reference: the adapter off (no weights)"
-        rows.append(Row(label, None, sharded(tr.reference)))
-    rows.append(Row("FSDP: two blocks gathered at once", None, {"DDP": 0.0, "FSDP": tr.gather, "offload": 0.0}))
+        rows.append(Row(label, None, spread(cols, tr.reference, gpus, "weights")))
+    for c in cols:
+        if c.base:  # offload: the rows of the column it is built on are its own too
+            continue
+        own = [(label, nbytes, False) for label, nbytes in c.terms.kept]
+        own += [(label, nbytes, True) for label, nbytes in c.terms.backward]
+        if c.terms.gathered_blocks:
+            n = c.terms.gathered_blocks
+            own.insert(0, (f"{c.title}: {COUNTS.get(n, f'{n} blocks')} gathered at once", n * tr.block, False))
+        rows += [Row(label, None, {k.title: nbytes if c.title in (k.title, k.base) else 0.0 for k in cols},
+                     update_only=backward) for label, nbytes, backward in own]
     return rows
 
 
-def finish(facts, rows: list[Row], update: UpdateEstimate, rollout: RolloutEstimate, tr: Training, micro: int,
-           minibatch: int, local: int, cfg, gpus: int, gpu_memory_gib: float, host_bytes: float, notes: list[str],
-           rows_note: str, unit: str = "samples") -> Plan:
+def finish(facts, rows: list[Row], update: UpdateEstimate, rollout: RolloutEstimate, tr: Training, cols: list[Column],
+           micro: int, minibatch: int, local: int, cfg, gpus: int, gpu_memory_gib: float, host_bytes: float,
+           notes: list[str], rows_note: str, unit: str = "samples") -> Plan:
     """The Plan from its rows (bytes per GPU) and the update's and rollout's estimates: the verdicts, then
-    everything in GiB."""
+    everything in GiB; the columns' notes and what they refuse after the others."""
     t = cfg.train
-    static = {k: sum(r.gib[k] or 0.0 for r in rows) for k in STRATEGIES}
-    step = tr.state_bytes / 2  # AdamW's foreach step: a temporary the size of a state
-    sync = update.grads if gpus > 1 else 0.0  # DDP's gradient buckets: a copy of the gradients
-    transient = {"DDP": max(step, sync), "FSDP": step / gpus, "offload": sync}
-    update = dataclasses.replace(update, transient=transient["DDP"])
-    fits = verdicts(static, transient, update.activation_peak, micro, t.gradient_checkpointing, gpu_memory_gib)
+    titles = [c.title for c in cols]
+    static = {k: sum(r.gib[k] or 0.0 for r in rows) for k in titles}
+    rollout_static = {k: sum(r.gib[k] or 0.0 for r in rows if not r.update_only) for k in titles}
+    transient = transients(cols, tr, update.grads, gpus)
+    update = dataclasses.replace(update, transient=transient[replicated(cols).title])
+    fits = verdicts(cols, static, transient, update.activation_peak, micro, t.gradient_checkpointing, gpu_memory_gib)
     per_sample = {False: update.rows_per_sample * update.activations.plain,
                   True: update.rows_per_sample * update.activations.checkpointed}
     for r in rows:
         r.gib = {k: (None if v is None else v / GIB) for k, v in r.gib.items()}
     activation_rows = [
-        Row("activations / sample, no checkpointing", None, {k: per_sample[False] / GIB for k in STRATEGIES},
-            rows_note),
-        Row("activations / sample, checkpointing", None, {k: per_sample[True] / GIB for k in STRATEGIES}),
+        Row("activations / sample, no checkpointing", None, {k: per_sample[False] / GIB for k in titles}, rows_note),
+        Row("activations / sample, checkpointing", None, {k: per_sample[True] / GIB for k in titles}),
     ]
     if update.vocab:
         activation_rows.append(Row("log-prob row chunks (float32, at most)", None,
-                                   {k: update.chunk_bytes(10**9) / GIB for k in STRATEGIES}))
+                                   {k: update.chunk_bytes(10**9) / GIB for k in titles}))
     budget = usable_gib(gpu_memory_gib) * GIB
     rollout_fits = {}
-    for k in STRATEGIES:  # the largest number of items per call that fits, up to the whole per-GPU batch
-        fitting = [n for n in range(1, local + 1) if static[k] + rollout.peak(n, k) <= budget]
-        at_config = static[k] + rollout.peak(rollout.items, k)
+    for c in cols:  # the largest number of items per call that fits, up to the whole per-GPU batch
+        k = c.title
+        fitting = [n for n in range(1, local + 1) if rollout_static[k] + rollout.peak(n, c.offload) <= budget]
+        at_config = rollout_static[k] + rollout.peak(rollout.items, c.offload)
         rollout_fits[k] = (at_config / GIB, at_config <= budget, max(fitting, default=0))
+    notes = notes + [c.note for c in cols if c.note]
+    notes += [f"{c.title} refuses this config: {c.problem}" for c in cols if c.problem]
     return Plan(facts, rows, activation_rows, fits, micro, minibatch, t.gradient_checkpointing, gpus,
-                gpu_memory_gib, host_bytes / GIB, update, rollout, rollout_fits, notes, unit)
+                gpu_memory_gib, host_bytes / GIB, update, rollout, rollout_fits, notes, unit, cols)

@@ -69,3 +69,20 @@ class Calibration:
 #: the factors of a class never measured and like no measured one: a guess from the calibrated classes
 NOT_CALIBRATED = Calibration(alpha=1.0, kappa=1.5, rho=1.5, head=4.0, chunk=3.0, calibrated=False,
                              measured="not calibrated: the factors are a guess from the calibrated classes")
+
+
+#: what a distributed strategy may split over the processes (`Strategy.shards`)
+SHARDABLE = ("weights", "gradients", "optimizer")
+
+
+@dataclass(frozen=True)
+class StrategyTerms:
+    """What a distributed strategy keeps on each GPU besides dividing what it shards by the process count, as it
+    declares it (`Strategy.plan_terms`) for its column of `flowrl plan`."""
+
+    gathered_blocks: int = 0  # whole blocks it gathers from the shards at once (FSDP2: the one running, the next)
+    gradient_copy: bool = False  # its gradient all-reduce holds a copy of the gradients (DDP's buckets), > 1 process
+    kept: tuple[tuple[str, float], ...] = ()  # (row label, bytes per GPU) of buffers of its own, held all along
+    #: (row label, bytes per GPU) of buffers only its backward pass holds, beside the activations (ZeRO's gradient
+    #: bucket): counted in the update, not in the rollout
+    backward: tuple[tuple[str, float], ...] = ()

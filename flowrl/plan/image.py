@@ -7,6 +7,7 @@ import copy
 
 from .activations import activation_bytes, activation_terms, block_params, denoiser_layers
 from .budget import Training, batch_shape, finish, training_rows
+from .columns import columns, spread
 from .declarations import GENERIC_LAYOUT, NOT_CALIBRATED, Calibration, Layout
 from .models import (
     DTYPE_BYTES,
@@ -18,7 +19,7 @@ from .models import (
     pipeline_components,
     reward_components,
 )
-from .report import STRATEGIES, Plan, RolloutEstimate, Row, UpdateEstimate
+from .report import Plan, RolloutEstimate, Row, UpdateEstimate
 from .shapes import config_dict, image_shape, prompt_file, vae_decode_bytes
 
 
@@ -74,7 +75,8 @@ def plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
     tr = Training(n_trained, f"LoRA r{cfg.lora.rank} on {len(adapted)} layers" if cfg.lora.enabled else None,
                   "float32" if cfg.lora.enabled else dtype, t.ema_decay > 0,
                   (0.0 if cfg.lora.enabled else den.weight_bytes) if obj.reference else None,
-                  2 * block_params(den.module, layout.blocks) * b, t.optimizer)
+                  block_params(den.module, layout.blocks) * b, t.optimizer)
+    cols = columns(cfg, n_trained, gpus)
 
     # what the rollout leaves on the GPU for the update: the trajectory and the prompt encodings
     try:
@@ -112,25 +114,23 @@ def plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
             phases["VAE decode"] = (decode, True)
     rollout = RolloutEstimate(min(chunk, local), phases)
 
-    everywhere = lambda v: {k: v for k in STRATEGIES}  # noqa: E731
     rows = [Row(f"{fam.denoiser_attr} ({den.class_name})", den.params / 1e9,
-                {"DDP": den.weight_bytes, "FSDP": den.weight_bytes / gpus, "offload": den.weight_bytes})]
-    off_gpu = [c for c in parts if c.name != fam.denoiser_attr] + rewards
-    rows += [Row(f"{c.name} ({c.class_name})", c.params / 1e9, {"DDP": c.weight_bytes, "FSDP": c.weight_bytes,
-                                                                "offload": None}, "" if c.dtype == dtype else c.dtype)
-             for c in off_gpu]
-    rows += training_rows(tr, gpus)
+                spread(cols, den.weight_bytes, gpus, "weights"))]
+    off_gpu = [c for c in parts if c.name != fam.denoiser_attr] + rewards  # no strategy shards them; offload moves them
+    rows += [Row(f"{c.name} ({c.class_name})", c.params / 1e9, spread(cols, c.weight_bytes, gpus, offloaded=True),
+                 "" if c.dtype == dtype else c.dtype) for c in off_gpu]
+    rows += training_rows(tr, cols, gpus)
     for name in obj.shadows:  # NFT's old policy, AWM's EMA policy: a second adapter, or a frozen copy
         if cfg.lora.enabled:
             rows.append(Row(f"{t.objective}: shadow adapter '{name}' (float32)", None,
-                            {"DDP": 4 * n_trained, "FSDP": 4 * n_trained / gpus, "offload": 4 * n_trained}))
+                            spread(cols, 4 * n_trained, gpus, "weights")))
         else:
             rows.append(Row(f"{t.objective}: shadow policy '{name}', a frozen copy", None,
-                            {"DDP": den.weight_bytes, "FSDP": den.weight_bytes / gpus, "offload": den.weight_bytes}))
+                            spread(cols, den.weight_bytes, gpus, "weights")))
     rows.append(Row(f"trajectory latents ({local} samples x {kept}"
                     + (", with their conditions" if shape.condition_elements else "") + ")", None,
-                    everywhere(trajectory)))
-    rows.append(Row(f"prompt-encoding cache ({n_prompts} prompts)", None, everywhere(prompt_cache)))
+                    spread(cols, trajectory, gpus)))
+    rows.append(Row(f"prompt-encoding cache ({n_prompts} prompts)", None, spread(cols, prompt_cache, gpus)))
 
     rows_note = obj.rows_note
     lora = (f"LoRA r{cfg.lora.rank} alpha {cfg.lora.alpha:g} on {', '.join(targets)}" if cfg.lora.enabled
@@ -151,5 +151,5 @@ def plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
     ]
     notes.append(f"activations of {den.class_name}: {cal.measured}")
     host = sum(c.weight_bytes for c in off_gpu) + tr.host_bytes()
-    return finish(facts, rows, update, rollout, tr, micro, minibatch, local, cfg, gpus, gpu_memory_gib, host, notes,
-                   rows_note, obj.unit)
+    return finish(facts, rows, update, rollout, tr, cols, micro, minibatch, local, cfg, gpus, gpu_memory_gib, host,
+                  notes, rows_note, obj.unit)

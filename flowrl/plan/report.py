@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .activations import Activations, ActivationTerms
+from .columns import Column
 from .declarations import Calibration
 from .models import GIB
 
@@ -14,7 +15,6 @@ from .models import GIB
 #: (RESERVE_FRACTION of the memory)
 RESERVE_GIB = 1.0
 RESERVE_FRACTION = 0.05
-STRATEGIES = ("DDP", "FSDP", "offload")
 
 
 @dataclass
@@ -25,6 +25,7 @@ class Row:
     params_b: float | None  # billions of parameters, where it is a model
     gib: dict[str, float | None]
     note: str = ""
+    update_only: bool = False  # held by the update's backward pass only, not while the rollout runs
 
 
 @dataclass
@@ -97,9 +98,11 @@ class RolloutEstimate:
     phases: dict[str, tuple[float, bool]]
     chunk: Callable[[int], float] = lambda n: 0.0
 
-    def peak(self, items: int, strategy: str) -> float:
+    def peak(self, items: int, offload: bool = False) -> float:
+        """The peak of a call of `items` (bytes): its largest phase, but those the offload lever (`offload`) moves off
+        the GPU."""
         return max((items * per + (self.chunk(items) if name == LOGITS_PHASE else 0.0)
-                    for name, (per, offloaded) in self.phases.items() if not (offloaded and strategy == "offload")),
+                    for name, (per, offloaded) in self.phases.items() if not (offloaded and offload)),
                    default=0.0)
 
 
@@ -108,7 +111,8 @@ LOGITS_PHASE = "old log-probs (logits)"
 
 @dataclass
 class Plan:
-    """What `plan` found: the header facts, the memory rows, each strategy's verdict, notes."""
+    """What `plan` found: the header facts, the memory rows, each column's verdict (keyed by its title), notes, and
+    the columns (the distributed strategies' and offload)."""
 
     facts: list[tuple[str, str]]
     rows: list[Row]
@@ -119,16 +123,27 @@ class Plan:
     checkpointing: bool
     gpus: int
     gpu_memory_gib: float
-    host_gib: float  # CPU memory the offload strategy needs per GPU process
+    host_gib: float  # CPU memory the offload column needs per GPU process
     update: UpdateEstimate
     rollout: RolloutEstimate
-    rollout_fits: dict[str, tuple[float, bool, int]]  # strategy -> (GiB at the config, fits, largest items per call)
+    rollout_fits: dict[str, tuple[float, bool, int]]  # column -> (GiB at the config, fits, largest items per call)
     notes: list[str] = field(default_factory=list)
     unit: str = "samples"  # what micro_batch and minibatch count: DPO's micro-batches count pairs
+    columns: list[Column] = field(default_factory=list)
 
-    def fits_as_configured(self, strategy: str) -> bool:
-        """The config as it is, its update and its rollout, fits under `strategy`."""
-        return self.fits[strategy].fits and self.rollout_fits[strategy][1]
+    @property
+    def titles(self) -> list[str]:
+        """The columns' titles, in the table's order: the keys of `fits` and `rollout_fits`."""
+        return [c.title for c in self.columns]
+
+    @property
+    def refused(self) -> dict[str, str]:
+        """Column -> what in the config its strategy cannot train, for the columns that refuse it."""
+        return {c.title: c.problem for c in self.columns if c.problem}
+
+    def fits_as_configured(self, column: str) -> bool:
+        """The config as it is, its update and its rollout, fits under `column`, whose strategy trains it."""
+        return column not in self.refused and self.fits[column].fits and self.rollout_fits[column][1]
 
     @property
     def usable_gib(self) -> float:
@@ -137,44 +152,45 @@ class Plan:
     def render(self) -> str:
         """The plan as a text table (every memory figure in GiB per GPU; estimates, not measurements)."""
         width = max(44, *(len(r.label) + 2 for r in self.rows + self.activation_rows))
+        titles, refused = self.titles, self.refused
         out = ["flowrl plan: ESTIMATES (models built without weights; nothing was measured on a GPU)"]
         out += [f"{k:<9}{v}" for k, v in self.facts]
         out.append("")
-        head = f"{'GiB per GPU':<{width}}{'params':>9}" + "".join(f"{s:>10}" for s in STRATEGIES)
+        head = f"{'GiB per GPU':<{width}}{'params':>9}" + "".join(f"{s:>10}" for s in titles)
         out += [head, "-" * len(head)]
 
         def line(row: Row) -> str:
             params = ("" if row.params_b is None else f"{row.params_b:.2f} B"
                       if row.params_b >= 0.01 or not row.params_b else f"{row.params_b * 1e3:.2f} M")
-            cells = "".join(f"{'-' if row.gib[s] is None else _gib(row.gib[s]):>10}" for s in STRATEGIES)
+            cells = "".join(f"{'-' if row.gib[s] is None else _gib(row.gib[s]):>10}" for s in titles)
             return f"{row.label:<{width}}{params:>9}{cells}" + (f"   {row.note}" if row.note else "")
 
         out += [line(r) for r in self.rows]
         out.append("-" * len(head))
         out.append(f"{'all but the activations':<{width}}{'':>9}"
-                   + "".join(f"{_gib(self.fits[s].static_gib):>10}" for s in STRATEGIES))
+                   + "".join(f"{_gib(self.fits[s].static_gib):>10}" for s in titles))
         out += [line(r) for r in self.activation_rows]
         ckpt = "checkpointing" if self.checkpointing else "no checkpointing"
         out.append(f"{f'at micro-batch {self.micro_batch}, {ckpt} (the config)':<{width}}{'':>9}"
-                   + "".join(f"{_gib(self.fits[s].configured_gib):>10}" for s in STRATEGIES))
+                   + "".join(f"{_gib(self.fits[s].configured_gib):>10}" for s in titles))
         out.append(f"{'  fits in ' + _gib(self.usable_gib) + ' GiB usable?':<{width}}{'':>9}"
-                   + "".join(f"{'yes' if self.fits[s].fits else 'NO':>10}" for s in STRATEGIES))
+                   + "".join(f"{_verdict(self.fits[s].fits, s in refused):>10}" for s in titles))
         for ck in (False, True):
             label = "largest micro-batch, " + ("checkpointing" if ck else "no checkpointing")
-            cells = [self.fits[s].largest[ck] for s in STRATEGIES]
+            cells = [self.fits[s].largest[ck] for s in titles]
             cells = [f"all {self.minibatch}" if n >= self.minibatch else str(n) for n in cells]
             out.append(f"{label:<{width}}{'':>9}" + "".join(f"{c:>10}" for c in cells))
         out.append("-" * len(head))
         what = "images" if "denoiser" in self.rollout.phases else "completions"
         for name, (per, offloaded) in self.rollout.phases.items():
             out.append(line(Row(f"rollout, per {what[:-1]}: {name}", None,
-                                {s: (None if offloaded and s == "offload" else per / GIB) for s in STRATEGIES})))
+                                {c.title: (None if offloaded and c.offload else per / GIB) for c in self.columns})))
         out.append(f"{f'rollout of {self.rollout.items} {what} per call':<{width}}{'':>9}"
-                   + "".join(f"{_gib(self.rollout_fits[s][0]):>10}" for s in STRATEGIES))
+                   + "".join(f"{_gib(self.rollout_fits[s][0]):>10}" for s in titles))
         out.append(f"{'  fits?':<{width}}{'':>9}"
-                   + "".join(f"{'yes' if self.rollout_fits[s][1] else 'NO':>10}" for s in STRATEGIES))
+                   + "".join(f"{_verdict(self.rollout_fits[s][1], s in refused):>10}" for s in titles))
         label = "largest sample.rollout_batch_size" if what == "images" else "largest completions per GPU"
-        out.append(f"{label:<{width}}{'':>9}" + "".join(f"{self.rollout_fits[s][2]:>10}" for s in STRATEGIES))
+        out.append(f"{label:<{width}}{'':>9}" + "".join(f"{self.rollout_fits[s][2]:>10}" for s in titles))
         out.append("")
         out.append(f"usable = {self.gpu_memory_gib:g} GiB x {1 - RESERVE_FRACTION:g} - {RESERVE_GIB:g} GiB (CUDA "
                    f"context, workspaces, fragmentation). A micro-batch is at most the minibatch "
@@ -182,6 +198,11 @@ class Plan:
                    f"GPU process.")
         out += [f"note: {n}" for n in self.notes]
         return "\n".join(out)
+
+
+def _verdict(fits: bool, refused: bool) -> str:
+    """A column's answer to "fits?": "refused" when its strategy cannot train the config at all."""
+    return "refused" if refused else "yes" if fits else "NO"
 
 
 def _gib(gib: float) -> str:

@@ -11,6 +11,7 @@ import torch
 
 from .activations import Layer, activation_bytes, activation_terms, block_params
 from .budget import Training, batch_shape, finish, training_rows
+from .columns import columns, spread
 from .declarations import Calibration
 from .models import DTYPE_BYTES, causal_lm, inject_lora, lora_parameters
 from .report import LOGITS_PHASE, Plan, RolloutEstimate, Row, UpdateEstimate
@@ -77,7 +78,8 @@ def plan_text(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
     tr = Training(n_trained, f"LoRA r{cfg.lora.rank} on {len(adapted)} layers" if cfg.lora.enabled else None,
                   "float32" if cfg.lora.enabled else dtype, t.ema_decay > 0,
                   (0.0 if cfg.lora.enabled else model.weight_bytes) if obj.reference else None,
-                  2 * block_params(model.module, LM_BLOCKS) * b, t.optimizer)
+                  block_params(model.module, LM_BLOCKS) * b, t.optimizer)
+    cols = columns(cfg, n_trained, gpus)
     tokens = x.max_prompt_length + x.max_new_tokens  # prompts are left-padded to the batch's longest
     layers, vocab = lm_layers(module, tokens, adapted)
     terms = activation_terms(layers, dtype)
@@ -85,8 +87,8 @@ def plan_text(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
                             activation_bytes(terms, LM_CALIBRATION, dtype, head_units=tokens * vocab),
                             n_trained * DTYPE_BYTES[tr.dtype], 0.0, tokens * vocab, vocab, x.max_new_tokens)
     rows = [Row(f"model ({model.class_name})", model.params / 1e9,
-                {"DDP": model.weight_bytes, "FSDP": model.weight_bytes / gpus, "offload": model.weight_bytes})]
-    rows += training_rows(tr, gpus)
+                spread(cols, model.weight_bytes, gpus, "weights"))]
+    rows += training_rows(tr, cols, gpus)
     rows_note = f"{tokens} tokens (max_prompt_length + max_new_tokens), vocabulary {vocab}"
     targets = ", ".join(cfg.lora.target_modules) if cfg.lora.target_modules else "peft's default for the model"
     lora = (f"LoRA r{cfg.lora.rank} alpha {cfg.lora.alpha:g} on {targets}" if cfg.lora.enabled
@@ -109,5 +111,5 @@ def plan_text(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
     rollout = RolloutEstimate(local, {"generate (KV cache)": (kv * head_dim * tokens * b, False),
                                       LOGITS_PHASE: (logits, False)}, lambda n: gamma_chunk * 4 * update.chunk_units(n))
     host = tr.host_bytes()
-    return finish(facts, rows, update, rollout, tr, micro, minibatch, local, cfg, gpus, gpu_memory_gib, host, notes,
-                   rows_note)
+    return finish(facts, rows, update, rollout, tr, cols, micro, minibatch, local, cfg, gpus, gpu_memory_gib, host,
+                  notes, rows_note)
