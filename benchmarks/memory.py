@@ -22,7 +22,8 @@ micro-batch (= the minibatch) and gradient checkpointing off or on. Reported, in
            the trajectory it records (images; the VAE decoder is measured apart, with --vae, at its real width),
            or of the text rollout (generate, then the old log-probs of the batch) on top of the batch it returns;
 beside the planner's figures for the same config (`flowrl.plan.plan` on the saved directory) and their ratios.
-`--fit` solves the factors the planner's CALIBRATION table holds (see flowrl.plan.activation_bytes).
+`--fit` solves the factors a family declares (`plan_calibration` in flowrl/families/) and flowrl.plan.text's
+LM_CALIBRATION (see flowrl.plan.activation_bytes).
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def measure(directory: str, *, micro: int, checkpointing: bool, size: int = 256,
     """One trainer update on the saved model at `directory` with micro-batches of `micro` samples (minibatch =
     micro, so the peak is one micro-batch's); its measured static and dynamic memory and the planner's."""
     from flowrl.config import load_config
-    from flowrl.plan import DTYPE_BYTES, calibration, plan
+    from flowrl.plan import DTYPE_BYTES, plan
     from flowrl.train import Trainer
 
     work = work or tempfile.mkdtemp(prefix="flowrl-memory-")
@@ -199,7 +200,7 @@ def measure(directory: str, *, micro: int, checkpointing: bool, size: int = 256,
                 static=static, dynamic=tracker.peak, seconds=seconds, rollout=rollout, rollout_images=group,
                 planned_rollout=group * estimate.rollout.phases["denoiser"][0], rollout_once=0.0,
                 rollout_units=group * estimate.rollout.phases["denoiser"][0]
-                / (calibration(estimate.update.class_name).gamma * DTYPE_BYTES[dtype]),
+                / (estimate.update.calibration.gamma * DTYPE_BYTES[dtype]),
                 planned_static=planned_static,
                 planned_dynamic=estimate.update.dynamic(micro, checkpointing),
                 rows=estimate.update.rows_per_sample, grads=estimate.update.grads,

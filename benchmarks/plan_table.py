@@ -2,9 +2,10 @@
 
     python benchmarks/plan_table.py > /tmp/table.md
 
-Columns: the update's GiB per GPU at the preset's own micro-batch under DDP / FSDP / offload, the strategies
-under which the preset as written fits (update and rollout), and the largest micro-batch under DDP without and
-with gradient checkpointing. Offline: a preset whose model has no shipped architecture config is listed as such.
+Columns: the update's GiB per GPU at the preset's own micro-batch under each of the plan's columns (the distributed
+strategies that declare one, and offload), the columns under which the preset as written fits (update and rollout),
+and the largest micro-batch under DDP without and with gradient checkpointing. Offline: a preset whose model has no
+shipped architecture config is listed as such.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from flowrl.config import load_config  # noqa: E402
-from flowrl.plan import STRATEGIES, PlanError, plan, shipped_models  # noqa: E402
+from flowrl.plan import PlanError, plan, shipped_models  # noqa: E402
 
 
 def rows() -> list[str]:
     shipped = set(shipped_models())
-    out = ["| preset | GPUs | update GiB/GPU at the config: DDP / FSDP / offload | fits (update and rollout) "
-           "| largest micro-batch DDP (ckpt off / on) |", "| --- | --- | --- | --- | --- |"]
+    titles = None
+    out = []
     for path in sorted((ROOT / "configs").glob("*.yaml")):
         cfg = load_config(str(path), [])
         if cfg.model.path.startswith("tiny") or (ROOT / cfg.model.path).exists():
@@ -41,11 +42,13 @@ def rows() -> list[str]:
                     out.append(f"{name} - | batch does not split over {gpus} | - |")
                     continue
                 raise
-            update = " / ".join(f"{p.fits[s].configured_gib:.1f}" for s in STRATEGIES)
-            fits = ", ".join(s for s in STRATEGIES if p.fits_as_configured(s)) or "none"
+            titles = p.titles
+            update = " / ".join(f"{p.fits[s].configured_gib:.1f}" for s in titles)
+            fits = ", ".join(s for s in titles if p.fits_as_configured(s)) or "none"
             largest = p.fits["DDP"].largest
             out.append(f"{name} {update} | {fits} | {largest[False]} / {largest[True]} |")
-    return out
+    head = f"| preset | GPUs | update GiB/GPU at the config: {' / '.join(titles or ['-'])} | fits (update and rollout) "
+    return [head + "| largest micro-batch DDP (ckpt off / on) |", "| --- | --- | --- | --- | --- |", *out]
 
 
 if __name__ == "__main__":

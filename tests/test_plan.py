@@ -12,7 +12,6 @@ import torch
 from flowrl.config import load_config
 from flowrl.plan import (
     GIB,
-    STRATEGIES,
     PlanError,
     causal_lm,
     config_reader,
@@ -189,11 +188,13 @@ def test_token_counts_of_the_shipped_denoisers_at_512_px(repo, image_tokens, tex
     _, parts, _ = pipeline_components(repo, "bfloat16")
     components = {p.name: p for p in parts}
     attr = "unet" if "unet" in components else "transformer"
-    from flowrl.plan import _family_of
+    from flowrl.plan import family_of
 
-    shape = image_shape(components, attr, 512, 512, 128, family=_family_of(repo, "auto"))
+    fam = family_of(repo, "auto")
+    shape = image_shape(components, attr, 512, 512, 128, family=fam)
     assert (shape.image_tokens, shape.text_tokens) == (image_tokens, text_tokens)
-    layers = denoiser_layers(components[attr].module, components[attr].class_name, image_tokens=shape.image_tokens,
+    assert components[attr].class_name == fam.denoiser_class
+    layers = denoiser_layers(components[attr].module, fam.plan_layout, image_tokens=shape.image_tokens,
                              text_tokens=shape.text_tokens, levels=shape.levels)
     terms = activation_terms(layers, "bfloat16")
     assert 0 < terms.units_checkpointed < terms.units and terms.kept > 0
@@ -271,7 +272,7 @@ def test_bigger_micro_batch_needs_more_memory_and_checkpointing_less():
     assert totals == sorted(totals) and len(set(totals)) == 4
     off = plan(_preset("sd35m_pickscore"))
     on = plan(_preset("sd35m_pickscore", "train.gradient_checkpointing=true"))
-    for s in STRATEGIES:
+    for s in on.titles:
         assert on.fits[s].per_sample_gib[True] < off.fits[s].per_sample_gib[False]
         assert on.fits[s].configured_gib < off.fits[s].configured_gib
         assert on.fits[s].largest[True] >= off.fits[s].largest[False]
@@ -401,7 +402,7 @@ def test_parse_memory_rejects(text):
 def test_main_prints_the_table_and_says_whether_it_fits(capsys):
     assert main(str(ROOT / "configs" / "tiny_cpu.yaml"), [], gpus=1, gpu_memory="80GiB") == 0
     out = capsys.readouterr().out
-    assert "tiny-sd3" in out and "DDP" in out and "FSDP" in out and "offload" in out
+    assert "tiny-sd3" in out and "DDP" in out and "FSDP" in out and "offload" in out and "ZeRO-2" in out
     assert main(str(ROOT / "configs" / "flux_dev_pickscore.yaml"), ["lora.enabled=false"], gpu_memory="24GiB") == 1
     assert "NO" in capsys.readouterr().out
 

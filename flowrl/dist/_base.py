@@ -14,6 +14,7 @@ from typing import Callable, ClassVar
 
 import torch
 
+from flowrl.plan.declarations import StrategyTerms
 from flowrl.policies.base import full_tensor
 
 
@@ -31,8 +32,29 @@ class Strategy:
 
     #: the registered name
     name: ClassVar[str] = ""
-    #: what it splits over the processes, for `flowrl plan`: any of "weights", "gradients", "optimizer"
-    shards: ClassVar[tuple[str, ...]] = ()
+
+    # ---- what it declares for `flowrl plan` (every strategy declares `shards` and `plan_column` in its own body)
+
+    #: what it splits over the processes: any of "weights", "gradients", "optimizer" (flowrl.plan.declarations)
+    shards: ClassVar[tuple[str, ...]]
+    #: the title of its column in the plan's table (at most 10 characters), or None for a strategy the plan shows
+    #: under another's column (one process: the DDP column at --gpus 1)
+    plan_column: ClassVar[str | None]
+    #: what the plan says under its table about the column ("": nothing)
+    plan_note: ClassVar[str] = ""
+
+    @classmethod
+    def plan_terms(cls, trained: int, gpus: int) -> StrategyTerms:
+        """What it keeps on each GPU besides its shards (gathered blocks, a copy of the gradients, buffers of its own)
+        for a run that trains `trained` parameters on `gpus` processes."""
+        return StrategyTerms()
+
+    @classmethod
+    def config_problem(cls, cfg) -> str:
+        """What in `cfg` this backend cannot train, naming the fix ("": nothing), known from the config alone: the plan
+        marks its column refused; `prepare` raises it."""
+        return ""
+
     #: when several strategies apply to a launch (`applies`), the highest priority runs
     priority: ClassVar[int] = 0
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 
+from flowrl.plan.declarations import StrategyTerms
+
 from . import register
 from ._base import Strategy
 
@@ -15,6 +17,13 @@ class DDP(Strategy):
     backward averages the accumulated gradients over the processes."""
 
     name = "ddp"
+    shards = ()  # every process holds the whole model, its gradients and optimizer states
+    plan_column = "DDP"
+
+    @classmethod
+    def plan_terms(cls, trained, gpus):
+        """The all-reduce's buckets: a copy of the gradients."""
+        return StrategyTerms(gradient_copy=True)
 
     @classmethod
     def applies(cls, cfg, num_processes, launch):

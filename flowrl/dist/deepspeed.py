@@ -6,8 +6,16 @@ import contextlib
 
 import torch
 
+from flowrl.plan.declarations import StrategyTerms
+
 from . import register
 from ._base import Strategy
+
+#: DeepSpeed's default `reduce_bucket_size` (elements), which configs/accelerate/deepspeed_zero*.yaml leave as it is:
+#: ZeRO-1/2 allocate a gradient bucket of this many elements, in the trained weights' dtype, for the reduction
+REDUCE_BUCKET = 500_000_000
+FULL_LOW_PRECISION = ("full fine-tuning of bf16/fp16 weights under DeepSpeed would keep their optimizer states in that "
+                      "dtype: use train.sharding=fsdp (float32 master shards) or model.dtype=float32")
 
 
 @register
@@ -20,6 +28,31 @@ class DeepSpeed(Strategy):
 
     name = "deepspeed"
     shards = ("gradients", "optimizer")  # ZeRO-2's; ZeRO-3 shards the weights too (`sharded`)
+    # One column, ZeRO-2's: ZeRO-3 is this class with zero_stage 3 in the accelerate config, and its memory is the
+    # FSDP column's (weights, gradients and states partitioned, with FSDP's limits) plus its buffers.
+    plan_column = "ZeRO-2"
+    plan_note = ("ZeRO-2: DeepSpeed ZeRO stage 2 (configs/accelerate/deepspeed_zero2.yaml): gradients and AdamW states "
+                 "partitioned, weights whole, plus ZeRO's float32 partition of the trained weights and its gradient "
+                 f"bucket ({REDUCE_BUCKET:,} float32, DeepSpeed's default size). ZeRO-3 (deepspeed_zero3.yaml, the "
+                 "same strategy at zero_stage 3) partitions the weights too, as the FSDP column does, with ZeRO's "
+                 "buffers on top: it has no column of its own")
+
+    @classmethod
+    def plan_terms(cls, trained, gpus):
+        """ZeRO-1/2's float32 copy of this process's partition of the trained weights (float32 ones too: flowrl
+        refuses the others), and the gradient bucket each backward pass allocates and releases."""
+        return StrategyTerms(kept=(("ZeRO-2: float32 partition of the weights", 4 * trained / gpus),),
+                             backward=(("ZeRO-2: gradient bucket, backward only", 4 * REDUCE_BUCKET),))
+
+    @classmethod
+    def config_problem(cls, cfg):
+        if cfg.train.optimizer != "adamw":
+            return (f"train.optimizer={cfg.train.optimizer} under DeepSpeed: its ZeRO optimizer wraps torch's AdamW; "
+                    "use train.optimizer=adamw (ZeRO already partitions the states)")
+        if not cfg.lora.enabled and cfg.model.dtype != "float32":
+            return FULL_LOW_PRECISION
+        return ""
+
     priority = 30  # an accelerate DEEPSPEED config, even with one process
 
     @classmethod
@@ -39,12 +72,11 @@ class DeepSpeed(Strategy):
             raise ValueError("DeepSpeed's bf16 / fp16 would cast flowrl's float32 trained weights: set "
                              "mixed_precision: \"no\" in the accelerate config (model.dtype=bfloat16 keeps the frozen "
                              "weights in bf16)")
-        if self.cfg.train.optimizer != "adamw":
-            raise ValueError(f"train.optimizer={self.cfg.train.optimizer} under DeepSpeed: its ZeRO optimizer wraps "
-                             "torch's AdamW; use train.optimizer=adamw (ZeRO already partitions the states)")
-        if any(p.dtype != torch.float32 for p in self.params):
-            raise ValueError("full fine-tuning of bf16/fp16 weights under DeepSpeed would keep their optimizer states "
-                             "in that dtype: use train.sharding=fsdp (float32 master shards) or model.dtype=float32")
+        problem = self.config_problem(self.cfg)
+        if problem:
+            raise ValueError(problem)
+        if any(p.dtype != torch.float32 for p in self.params):  # what config_problem foresees from the config
+            raise ValueError(FULL_LOW_PRECISION)
         ds.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1,
                   gradient_clipping=max(self.cfg.train.max_grad_norm, 0.0))
         if ds.get("zero_optimization", {}).get("stage") == 3:  # the weights partitioned, as FSDP's (`sharded`)

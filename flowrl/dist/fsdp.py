@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 
+from flowrl.plan.declarations import StrategyTerms
+
 from . import register
 from ._base import Strategy
 
@@ -17,6 +19,13 @@ class FSDP(Strategy):
 
     name = "fsdp"
     shards = ("weights", "gradients", "optimizer")
+    plan_column = "FSDP"
+
+    @classmethod
+    def plan_terms(cls, trained, gpus):
+        """Two blocks whole at once: the one running and the next, prefetched."""
+        return StrategyTerms(gathered_blocks=2)
+
     priority = 10
 
     @classmethod

@@ -11,6 +11,8 @@ class Single(Strategy):
     """One process (`flowrl train` without a launcher)."""
 
     name = "single"
+    shards = ()
+    plan_column = None  # one process: the plan's DDP column at --gpus 1
     priority = 20  # one process: nothing to share, whatever the sharding key says (DeepSpeed's config aside)
 
     @classmethod

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from flowrl.core.registry import Registry
+from flowrl.plan.declarations import Calibration, Layout
 from flowrl.sampling import (
     DEFAULT_NOISE_LEVEL,
     PromptEncodings,
@@ -177,6 +178,12 @@ class ImageBackend:
     default_num_frames: ClassVar[int] = 1  # frames per sample when none are asked for (the pipeline's default)
     tiny_num_frames: ClassVar[int] = 1  # frames per sample of the tiny test model's runs
     tiny_denoiser: ClassVar[dict]  # the denoiser config of its tiny random-weight test model
+    #: how the memory planner (`flowrl plan`) reads `denoiser_class`: which layers see which token streams, which
+    #: modules gradient checkpointing recomputes (flowrl.plan.declarations.Layout)
+    plan_layout: ClassVar[Layout]
+    #: the planner's activation factors for `denoiser_class`: measured by benchmarks/memory.py, borrowed from a
+    #: similar measured class (`Calibration.borrowed`), or `NOT_CALIBRATED`; its `measured` says which
+    plan_calibration: ClassVar[Calibration]
 
     @classmethod
     def condition_tokens(cls, height: int, width: int, tokens_at) -> tuple[int, int]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from flowrl.plan.declarations import MMDIT_ADALN, Calibration, Layout
+
 from . import _tiny as tiny
 from ._base import SizeRule, register_family
 from ._flow import FlowMatchingBackend
@@ -38,6 +40,15 @@ class FluxBackend(FlowMatchingBackend):
                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
     tiny_denoiser = TINY_TRANSFORMER
     parity_guidance = (3.5,)  # the guidance embedding; FLUX.1 has no CFG
+    plan_layout = Layout(blocks=r"(single_)?transformer_blocks\.\d+", one=rf"time_text_embed|{MMDIT_ADALN}",
+                         txt=r"context_embedder|attn\.add_|to_add_out|ff_context", joint=r"single_transformer_blocks")
+    # Measured by `python benchmarks/memory.py --fit` (as SD3's, see sd3.py): a FLUX.1 of 3 double + 6 single blocks
+    # of 512, 256 + 16 tokens: 54.7 / 213.9 / 850.8 and 12.6 / 46.2 / 180.5 MiB; of 6 + 12 blocks of 256: 52.7 /
+    # 205.9 and 8.2 / 28.7. Within 2.5% without checkpointing, 0.8% with it. The rollout's denoiser (2 and 4 images):
+    # 9.4 / 18.7 MiB, gamma 0.873. Checked on a FLUX.1 of 4 + 8 blocks of 768 at 384 px, not used to fit them:
+    # estimate / measured 1.00-1.01.
+    plan_calibration = Calibration(0.860, 1.00, 1.25, "calibrated on measured FLUX.1s of 3 + 6 x 512 and 6 + 12 x 256 "
+                                                      "blocks (benchmarks/memory.py)", gamma=0.873)
     default_max_sequence_length = 512
     _t5_tokenizer_attr = "tokenizer_2"
 

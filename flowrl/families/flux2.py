@@ -26,9 +26,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from flowrl.plan.declarations import Layout
+
 from . import _tiny as tiny
 from ._base import SizeRule, register_family
 from ._flow import FlowMatchingBackend
+from .flux import FluxBackend
 
 # the tiny test models' transformer (`tiny-flux2`; klein's is the same without the guidance embedding)
 TINY_TEXT_HIDDEN = 16  # the tiny text encoders' hidden size; the prompt embedding stacks three of their layers
@@ -244,6 +247,11 @@ class Flux2Backend(FlowMatchingBackend):
                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
                     "attn.to_qkv_mlp_proj")
     tiny_denoiser = TINY_TRANSFORMER
+    plan_layout = Layout(blocks=r"(single_)?transformer_blocks\.\d+",
+                         one=r"time_guidance_embed|modulation|norm_out\.linear",
+                         txt=r"context_embedder|attn\.add_|to_add_out|ff_context", joint=r"single_transformer_blocks")
+    # not measured yet: FLUX.1's factors (double- then single-stream blocks, as FLUX.1's)
+    plan_calibration = FluxBackend.plan_calibration.borrowed(FluxBackend.denoiser_class, denoiser_class)
     # dev: two values of the guidance embedding; klein base: without CFG (1) and with it (4)
     parity_guidance = (1.0, 4.0)
     default_max_sequence_length = 512  # both pipelines' default

@@ -31,9 +31,12 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from flowrl.plan.declarations import Layout
+
 from . import _tiny as tiny
 from ._base import SizeRule, encode_prompt_per_prompt, register_family
 from ._flow import FlowMatchingBackend
+from .flux import FluxBackend
 
 # QwenImagePipeline packs the latents in 2x2 patches whatever the transformer's patch_size says
 PACK = 2
@@ -160,6 +163,10 @@ class QwenImageBackend(FlowMatchingBackend):
     lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
     tiny_denoiser = TINY_TRANSFORMER
+    plan_layout = Layout(blocks=r"transformer_blocks\.\d+", one=r"time_text_embed|_mod\.|norm_out\.linear",
+                         txt=r"txt_|attn\.add_|to_add_out")
+    # not measured yet: FLUX.1's factors (double-stream blocks with RoPE, as FLUX.1's)
+    plan_calibration = FluxBackend.plan_calibration.borrowed(FluxBackend.denoiser_class, denoiser_class)
     parity_guidance = (1.0, 4.0)  # without true CFG and with it (the recipes' 4)
     default_max_sequence_length = 512  # QwenImagePipeline.__call__'s default
     uses_cfg_encodings = True

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
+from flowrl.plan.declarations import NOT_CALIBRATED, Layout
+
 from . import _tiny as tiny
 from ._base import SizeRule, encode_prompt_per_prompt, register_family
 from ._flow import FlowMatchingBackend
@@ -77,6 +79,10 @@ class SanaBackend(FlowMatchingBackend):
     # train_dreambooth_lora_sana.py targets them, and their output projections, as Flow-GRPO does for SD3's
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     tiny_denoiser = TINY_TRANSFORMER
+    plan_layout = Layout(blocks=r"transformer_blocks\.\d+", one=r"time_embed",
+                         txt=r"caption_projection|attn2\.to_[kv]$")
+    # never measured, and its linear-attention blocks resemble no measured class's: a guess
+    plan_calibration = NOT_CALIBRATED
     parity_guidance = (1.0, 4.5)
     uses_cfg_encodings = True
     _t5_tokenizer_attr = "tokenizer"  # bounds max_sequence_length by the Gemma tokenizer's model_max_length

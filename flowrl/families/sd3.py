@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from flowrl.plan.declarations import MMDIT_ADALN, Calibration, Layout
+
 from . import _tiny as tiny
 from ._base import SizeRule, register_family
 from ._flow import FlowMatchingBackend
@@ -41,6 +43,18 @@ class SD3Backend(FlowMatchingBackend):
     uses_cfg_encodings = True
     _t5_tokenizer_attr = "tokenizer_3"
     t5_components = ("text_encoder_3", "tokenizer_3")  # without them, T5's part of the prompt embedding is zeros
+    plan_layout = Layout(blocks=r"transformer_blocks\.\d+", one=rf"time_text_embed|{MMDIT_ADALN}",
+                         txt=r"context_embedder|attn\.add_|to_add_out|ff_context")
+    # Measured by `python benchmarks/memory.py --fit` (CPU, bfloat16, LoRA r8 on lora_targets, beta 0.01 with CFG at
+    # 256 px; activations in MiB on top of the static memory for micro-batch 1 / 4 / 16, without and with gradient
+    # checkpointing): an SD3 of 8 blocks of 512 (dual attention in 4, qk RMS norm), 256 + 32 tokens: 133.4 / 527.6 /
+    # 2104.4 and 27.2 / 103.1 / 406.4; of 24 blocks of 256 (dual attention in 13): 201.7 / 798.0 and 18.4 / 64.7
+    # (micro 1 / 4). Within 0.3% without checkpointing, 0.2% with it. The rollout's denoiser (no gradients, 2 and 4
+    # images with CFG): 15.7 / 31.4 MiB, gamma 0.513. Checked on models not used to fit them (estimate / measured,
+    # micro-batch 1 and 2, checkpointing off and on): an SD3 of 12 blocks of 768 at 384 px (576 + 32 tokens)
+    # 0.99-1.00, one of 4 blocks of 256 at 128 px 0.98-1.02 (tests/test_plan.py's).
+    plan_calibration = Calibration(0.970, 0.61, 1.17, "calibrated on measured SD3s of 8 x 512 and 24 x 256 blocks "
+                                                      "(benchmarks/memory.py)", gamma=0.513)
 
     def _encode_text(self, prompts):
         prompt_embeds, _, pooled, _ = self.pipe.encode_prompt(

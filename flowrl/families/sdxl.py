@@ -66,6 +66,10 @@ class SDXLBackend(SD15Backend):
     # the UNet's attention projections, as diffusers' train_text_to_image_lora_sdxl.py targets them
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     tiny_denoiser = TINY_UNET
+    # SD1.5's UNet2DConditionModel class (its add_embedding is among the layout's per-sample layers): the same
+    # layout and the factors measured on SD1.5-style UNets
+    plan_layout = SD15Backend.plan_layout
+    plan_calibration = SD15Backend.plan_calibration
     default_guidance_scale = 5.0
     parity_guidance = (1.0, 5.0)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from flowrl.plan.declarations import NOT_CALIBRATED, Layout
+
 from . import _tiny as tiny
 from ._base import ImageModelError, SizeRule, register_family
 from ._flow import FlowMatchingBackend
@@ -48,6 +50,14 @@ class WanBackend(FlowMatchingBackend):
     # self- and cross-attention projections of every block (attn1, attn2), as diffusers' Wan LoRA trainers target
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     tiny_denoiser = TINY_TRANSFORMER
+    # WanTransformer3DModel: `blocks` (checkpointed one by one), each self-attention over the video's tokens (attn1),
+    # cross-attention to the text (attn2: its keys and values from the text; image-to-video's added keys and values
+    # from the CLIP image tokens, which the planner counts among the text tokens), a feed-forward; the time embedding
+    # and its projection give one vector per sample.
+    plan_layout = Layout(blocks=r"blocks\.\d+", one=r"condition_embedder\.time_",
+                         txt=r"condition_embedder\.(text|image)_embedder|attn2\.(to_[kv]|add_[kv]_proj)$")
+    # never measured, and no measured class has its cross-attention blocks: a guess
+    plan_calibration = NOT_CALIBRATED
     parity_guidance = (1.0, 5.0)
     uses_cfg_encodings = True
     _t5_tokenizer_attr = "tokenizer"

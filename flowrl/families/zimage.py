@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import torch
 
+from flowrl.plan.declarations import Layout
+
 from . import _tiny as tiny
 from ._base import SizeRule, register_family
 from ._flow import FlowMatchingBackend
+from .flux import FluxBackend
 
 # the pipeline calls its transformer with the default patch sizes (spatial 2, frame 1)
 PATCH_SIZE = 2
@@ -126,6 +129,10 @@ class ZImageBackend(FlowMatchingBackend):
     # feed_forward.w1/w2/w3: the preset lists them)
     lora_targets = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0")
     tiny_denoiser = TINY_TRANSFORMER
+    plan_layout = Layout(blocks=r"(layers|noise_refiner|context_refiner)\.\d+", one=r"t_embedder|adaLN_modulation",
+                         txt=r"cap_embedder|context_refiner", joint=r"^layers\.")
+    # not measured yet: FLUX.1's factors (single-stream blocks over image and text tokens, as FLUX.1's last ones)
+    plan_calibration = FluxBackend.plan_calibration.borrowed(FluxBackend.denoiser_class, denoiser_class)
     parity_guidance = (0.0, 4.0)  # without CFG (Turbo) and with it (Z-Image)
     default_max_sequence_length = 512  # ZImagePipeline's default
     uses_cfg_encodings = True
