@@ -88,7 +88,7 @@ def test_entropy_against_categorical():
 def test_chunked_entropy_and_its_gradient_equal_autograd_of_the_definition(temperature, monkeypatch):
     """The fused entropy against -sum p log p of softmax(z / tau) differentiated by autograd, across many chunks;
     a -inf logit (a masked token) contributes nothing; bf16 logits get a float32 entropy and a bf16 gradient."""
-    monkeypatch.setattr(logprobs_mod, "_CHUNK_FLOATS", 40)  # V=13 -> 3 rows per chunk
+    monkeypatch.setattr(logprobs_mod, "CHUNK_FLOATS", 40)  # V=13 -> 3 rows per chunk
     gen = torch.Generator().manual_seed(4)
     base = torch.randn(3, 5, 13, generator=gen, dtype=torch.float64) * 2
     logits, ref = base.clone().requires_grad_(), base.clone().requires_grad_()
@@ -115,7 +115,7 @@ def test_chunked_entropy_and_its_gradient_equal_autograd_of_the_definition(tempe
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_token_log_probs_equal_log_softmax_gather_and_grad(temperature, monkeypatch):
-    monkeypatch.setattr(logprobs_mod, "_CHUNK_FLOATS", 40)  # V=13 -> 3 rows per chunk: many chunks
+    monkeypatch.setattr(logprobs_mod, "CHUNK_FLOATS", 40)  # V=13 -> 3 rows per chunk: many chunks
     gen = torch.Generator().manual_seed(3)
     logits = (torch.randn(3, 5, 13, generator=gen, dtype=torch.float64) * 2).requires_grad_()
     tokens = torch.randint(0, 13, (3, 5), generator=gen)
@@ -132,7 +132,7 @@ def test_token_log_probs_equal_log_softmax_gather_and_grad(temperature, monkeypa
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_token_log_probs_grad_in_place_per_chunk(dtype, atol, monkeypatch):
     """Lower-precision logits, many chunks: values and gradients equal a float64 log-softmax's."""
-    monkeypatch.setattr(logprobs_mod, "_CHUNK_FLOATS", 40)
+    monkeypatch.setattr(logprobs_mod, "CHUNK_FLOATS", 40)
     gen = torch.Generator().manual_seed(6)
     logits = (torch.randn(4, 3, 13, generator=gen) * 2).to(dtype).requires_grad_()
     tokens = torch.randint(0, 13, (4, 3), generator=gen)

@@ -3,8 +3,9 @@ module that imports it back (the trainer <-> policies <-> text backend and image
 flowrl -> rewards -> flowrl counts like any other (rewards.registry uses flowrl.core.registry; flowrl builds rewards).
 The nodes are modules, not packages. Imports inside functions (lazy ones) count too: they were how those cycles hid.
 
-The two packages meet through public names only: no flowrl module imports a private module or name of rewards
-(`rewards._common`, `rewards.registry._checked`), and no rewards module a private one of flowrl."""
+The packages meet through public names only: no flowrl module imports a private module or name of rewards
+(`rewards._common`, `rewards.registry._checked`), no rewards module a private one of flowrl, and no subpackage of
+flowrl a private one of another (`flowrl.families._loading` from `flowrl.plan`)."""
 
 import ast
 from pathlib import Path
@@ -72,13 +73,23 @@ def private(dotted: str) -> bool:
     return any(p.startswith("_") and not p.startswith("__") for p in dotted.split("."))
 
 
+def package_of(module: str, root: Path = ROOT) -> str:
+    """The package a module belongs to for the private-name rule: `rewards`; a subpackage of flowrl (`flowrl.plan`,
+    `flowrl.families`, ...); or `flowrl` itself for its top-level modules."""
+    parts = module.split(".")
+    if parts[0] == "flowrl" and len(parts) > 1 and (root / "flowrl" / parts[1]).is_dir():
+        return ".".join(parts[:2])
+    return parts[0]
+
+
 def private_imports(root: Path = ROOT) -> set[tuple[str, str]]:
-    """(importing module, dotted name) for each private module or name of one package that a module of the other
-    imports; within a package private names are its own business."""
+    """(importing module, dotted name) for each private module or name of one package that a module of another
+    imports: rewards and flowrl, and flowrl's subpackages among themselves; within a package private names are its
+    own business."""
     found = set()
     for name, path in modules(root).items():
         for target, names in import_statements(path, root):
-            if target.split(".")[0] == name.split(".")[0]:
+            if package_of(target, root) == package_of(name, root):
                 continue
             for dotted in [f"{target}.{n}" for n in names] or [target]:
                 if private(dotted):
@@ -140,9 +151,17 @@ def test_the_private_import_finder_finds_them(tmp_path):
         "import rewards._common\nfrom rewards import _wire, get\nfrom flowrl import _own\nfrom flowrl import __version__\n"
         "def f():\n    from rewards.registry import _checked\n")
     (tmp_path / "rewards" / "b.py").write_text("from . import _common\nfrom flowrl.video import _frames, aggregate\n")
+    # flowrl's subpackages among themselves: a private module or name of another is flagged, its own are not
+    for sub in ("plan", "families"):
+        (tmp_path / "flowrl" / sub).mkdir()
+        (tmp_path / "flowrl" / sub / "__init__.py").write_text("")
+    (tmp_path / "flowrl" / "plan" / "m.py").write_text(
+        "from flowrl.families._loading import _read, public\nfrom ._own import x\nfrom flowrl.families import ok\n")
     assert private_imports(tmp_path) == {("flowrl.a", "rewards._common"), ("flowrl.a", "rewards._wire"),
                                          ("flowrl.a", "rewards.registry._checked"),
-                                         ("rewards.b", "flowrl.video._frames")}
+                                         ("rewards.b", "flowrl.video._frames"),
+                                         ("flowrl.plan.m", "flowrl.families._loading._read"),
+                                         ("flowrl.plan.m", "flowrl.families._loading.public")}
 
 
 def test_the_core_and_the_families_package_import_no_backend_library():

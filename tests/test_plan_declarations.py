@@ -124,12 +124,12 @@ def test_the_planner_asks_the_family(monkeypatch):
 
 
 def undeclared_strategies(classes) -> list[str]:
-    """What each strategy class fails to declare in its own body for the planner: `shards` (a tuple of "weights",
-    "gradients", "optimizer") and `plan_column` (its column's title, at most 10 characters, or None); a title
-    declared twice."""
+    """What each strategy class fails to declare in its own body: `applies` (which launches it runs) and, for the
+    planner, `shards` (a tuple of "weights", "gradients", "optimizer") and `plan_column` (its column's title, at most
+    10 characters, or None); a title declared twice."""
     problems, titles = [], []
     for cls in classes:
-        problems += [f"{cls.name}: no {attr}" for attr in ("shards", "plan_column") if attr not in vars(cls)]
+        problems += [f"{cls.name}: no {attr}" for attr in ("shards", "plan_column", "applies") if attr not in vars(cls)]
         shards = vars(cls).get("shards", ())
         if not isinstance(shards, tuple) or not set(shards) <= set(SHARDABLE):
             problems.append(f"{cls.name}: shards {shards!r} is not a tuple of {', '.join(SHARDABLE)}")
@@ -162,8 +162,9 @@ def test_the_strategy_check_finds_what_is_missing():
         name, shards, plan_column = "twin", (), "DDP"
 
     assert undeclared_strategies([Bare, Odd, Twin, STRATEGIES.get("ddp")]) == [
-        "bare: no shards", "bare: no plan_column", "odd: shards ('activations',) is not a tuple of weights, gradients, "
-        "optimizer", "odd: plan_column 'a very long title' is not a title of 1 to 10 characters",
+        "bare: no shards", "bare: no plan_column", "bare: no applies", "odd: no applies",
+        "odd: shards ('activations',) is not a tuple of weights, gradients, optimizer",
+        "odd: plan_column 'a very long title' is not a title of 1 to 10 characters", "twin: no applies",
         "column 'DDP' declared twice"]
 
 

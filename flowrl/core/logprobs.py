@@ -6,11 +6,11 @@ import torch
 from torch import Tensor
 
 #: Rows of the vocabulary processed at once; bounds the float32 scratch to ~ this many floats.
-_CHUNK_FLOATS = 1 << 24
+CHUNK_FLOATS = 1 << 24
 
 
 def _row_chunks(n_rows: int, vocab: int):
-    step = max(1, _CHUNK_FLOATS // max(vocab, 1))
+    step = max(1, CHUNK_FLOATS // max(vocab, 1))
     for start in range(0, n_rows, step):
         yield slice(start, min(start + step, n_rows))
 

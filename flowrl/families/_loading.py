@@ -84,7 +84,7 @@ def detect_family(pipe) -> str:
 # ---- before loading: the model's configuration files only ----------------------------------------------
 
 
-def _hub_offline() -> bool:
+def hub_offline() -> bool:
     """HF_HUB_OFFLINE as huggingface_hub read it at import, or as the environment says now."""
     from huggingface_hub import constants
 
@@ -102,7 +102,7 @@ def _read_local_json(directory: str, name: str) -> dict:
         return json.load(f)
 
 
-def _read_hub_json(repo_id: str, name: str, **hub_kwargs) -> dict:
+def read_hub_json(repo_id: str, name: str, **hub_kwargs) -> dict:
     """The JSON file `name` of a hub model, from the huggingface_hub cache or downloaded (never with
     HF_HUB_OFFLINE set: then a file not cached fails at once)."""
     from huggingface_hub import hf_hub_download
@@ -113,7 +113,7 @@ def _read_hub_json(repo_id: str, name: str, **hub_kwargs) -> dict:
         RepositoryNotFoundError,
     )
 
-    offline = _hub_offline()
+    offline = hub_offline()
     subfolder, filename = posixpath.split(name)
     hub_kwargs["local_files_only"] = hub_kwargs.get("local_files_only", False) or offline
     try:
@@ -148,7 +148,7 @@ def _config_reader(path: str, **hub_kwargs) -> Callable[[str], dict]:
         return lambda name: _read_local_json(path, name)
     if os.path.exists(path):
         raise ImageModelError(f"{path} is a file; a model is a diffusers pipeline directory or a hub id (ORG/NAME)")
-    return lambda name: _read_hub_json(path, name, **hub_kwargs)
+    return lambda name: read_hub_json(path, name, **hub_kwargs)
 
 
 def _class_name(model_index: Mapping) -> str:

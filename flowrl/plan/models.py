@@ -79,12 +79,12 @@ def config_reader(path: str) -> tuple[Callable[[str], dict], str]:
 
 def _read_hub(repo_id: str, name: str) -> dict:
     from flowrl.families import ImageModelError
-    from flowrl.families._loading import _hub_offline, _read_hub_json
+    from flowrl.families import hub_offline, read_hub_json
 
     try:
-        return _read_hub_json(repo_id, name)
+        return read_hub_json(repo_id, name)
     except ImageModelError as e:
-        offline = " (HF_HUB_OFFLINE is set)" if _hub_offline() else ""
+        offline = " (HF_HUB_OFFLINE is set)" if hub_offline() else ""
         raise PlanError(
             f"no configuration for model {repo_id!r}: flowrl ships none for it and the hub gave none{offline}: {e}. "
             f"Shipped: {', '.join(shipped_models())}; or point model.path to a local directory holding its "

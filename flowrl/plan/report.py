@@ -63,12 +63,12 @@ class UpdateEstimate:
 
     def chunk_units(self, micro_batch: int) -> int:
         """A causal LM's log-prob row chunks: float32 elements of one [rows, vocabulary] buffer (flowrl.core's
-        token_log_probs works in chunks of at most _CHUNK_FLOATS elements)."""
+        token_log_probs works in chunks of at most CHUNK_FLOATS elements)."""
         if not self.vocab:
             return 0
-        from flowrl.core.logprobs import _CHUNK_FLOATS
+        from flowrl.core.logprobs import CHUNK_FLOATS
 
-        return self.vocab * min(micro_batch * self.completion_tokens, max(1, _CHUNK_FLOATS // self.vocab))
+        return self.vocab * min(micro_batch * self.completion_tokens, max(1, CHUNK_FLOATS // self.vocab))
 
     def chunk_bytes(self, micro_batch: int) -> float:
         return self.calibration.chunk * 4 * self.chunk_units(micro_batch)
