@@ -236,9 +236,8 @@ def _one_line_warnings() -> None:
     import os
     import warnings
 
-    import rewards
-
     import flowrl
+    import rewards
 
     from .config import ConfigWarning
 

@@ -6,7 +6,6 @@ Each failure is one FlowrlError line saying what was wrong and what would be rig
 from __future__ import annotations
 
 import dataclasses
-
 from typing import TYPE_CHECKING
 
 from .errors import FlowrlError
@@ -85,8 +84,12 @@ def hub_file(key: str, repo_id: str, filename: str) -> str:
     import os
 
     from huggingface_hub import constants, hf_hub_download
-    from huggingface_hub.errors import (EntryNotFoundError, HFValidationError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError)
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
     offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
     try:

@@ -26,9 +26,26 @@ Importing this package loads no model.
 
 from rewards._common import RewardState, call_text_reward
 from rewards.memory import NOTHING, HubModel, NotEstimated, Parameters, hub_model
-from rewards.registry import (ENTRY_POINT_GROUP, IMAGE, KINDS, REWARDS, TEXT, VIDEO, NamedReward, RewardConfigError,
-                              RewardError, accepts_of, available, build, check, declared_accepts, get, kind_of,
-                              memory_spec, register)
+from rewards.registry import (
+    ENTRY_POINT_GROUP,
+    IMAGE,
+    KINDS,
+    REWARDS,
+    TEXT,
+    VIDEO,
+    NamedReward,
+    RewardConfigError,
+    RewardError,
+    accepts_of,
+    available,
+    build,
+    check,
+    declared_accepts,
+    get,
+    kind_of,
+    memory_spec,
+    register,
+)
 
 
 def combine(named, weights=None):

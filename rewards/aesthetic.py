@@ -7,8 +7,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rewards._common import (check_images, load_clip, load_state_dict, pooled, resolve_device, resolve_dtype,
-                             resolve_file)
+from rewards._common import (
+    check_images,
+    load_clip,
+    load_state_dict,
+    pooled,
+    resolve_device,
+    resolve_dtype,
+    resolve_file,
+)
 from rewards.memory import hub_model
 from rewards.registry import IMAGE, register
 

@@ -79,8 +79,14 @@ from types import ModuleType
 from typing import Any, Callable
 
 from flowrl.core.registry import Registry, unknown_name_error
-from rewards._common import (TRL_EXTRAS, accepted_kwargs, image_scores, invoke_text_reward, takes_batch_by_position,
-                             text_scores)
+from rewards._common import (
+    TRL_EXTRAS,
+    accepted_kwargs,
+    image_scores,
+    invoke_text_reward,
+    takes_batch_by_position,
+    text_scores,
+)
 from rewards.memory import Held, NotEstimated, is_declaration, resolve
 
 IMAGE = "image"

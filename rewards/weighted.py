@@ -66,7 +66,7 @@ class WeightedSum:
 
 def combine(named: Mapping[str, Callable[..., Any]], weights: Mapping[str, float] | None = None) -> WeightedSum:
     """The weighted sum of already-built rewards; all weights 1 when ``weights`` is None."""
-    return WeightedSum(named, weights if weights is not None else {name: 1.0 for name in named})
+    return WeightedSum(named, weights if weights is not None else dict.fromkeys(named, 1.0))
 
 
 def components_memory(options: Mapping[str, Any]) -> list[Held]:

@@ -140,8 +140,8 @@ def main(argv=None) -> int:
     import torch
     from tqdm import tqdm
 
-    from flowrl.worlds.arith import arith_tokenizer, greedy_accuracy, make_prompts, split_rows, write_splits
     from flowrl.run.checkpoint import resolve_resume, set_rng_state, write_checkpoint
+    from flowrl.worlds.arith import arith_tokenizer, greedy_accuracy, make_prompts, split_rows, write_splits
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

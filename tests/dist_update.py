@@ -9,9 +9,9 @@ import sys
 import torch
 from safetensors.torch import save_file
 
-from flowrl.run.checkpoint import resolve_resume
 from flowrl.config import load_config
 from flowrl.policies.base import ImageBatch, full_tensor
+from flowrl.run.checkpoint import resolve_resume
 from flowrl.train import Trainer
 
 torch.set_num_threads(1)

@@ -10,8 +10,17 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from flowrl.worlds.arith import (  # noqa: E402
-    BOS, EOS, MAX_OPERAND, N_TEST_PAIRS, PAD, arith_tokenizer, exact_match, greedy_accuracy,
-    greedy_completions, make_prompts, split_rows,
+    BOS,
+    EOS,
+    MAX_OPERAND,
+    N_TEST_PAIRS,
+    PAD,
+    arith_tokenizer,
+    exact_match,
+    greedy_accuracy,
+    greedy_completions,
+    make_prompts,
+    split_rows,
 )
 
 SAMPLES = Path(__file__).resolve().parents[1] / "samples" / "arith"

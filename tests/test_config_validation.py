@@ -7,7 +7,8 @@ import typing
 
 import pytest
 
-from flowrl.config import ALIASES, RANGES, Config, ConfigError, Range, RewardSpec, _hints, describe, load_config
+from flowrl.config import ALIASES, RANGES, Config, ConfigError, Range, RewardSpec, describe, load_config
+from flowrl.config.tree import _hints
 
 
 def _numeric_keys() -> list[str]:
@@ -107,7 +108,7 @@ def test_unknown_keys_get_a_suggestion_across_sections(override, wanted):
 
 
 def test_every_alias_points_at_a_real_key():
-    from flowrl.config import _all_keys
+    from flowrl.config.load import _all_keys
 
     keys = set(_all_keys()) | {"rewards"}
     assert sorted(t for t in ALIASES.values() if t not in keys) == []

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from launching import accelerate_launch
+from test_trainer_image import TINY, tiny_cfg
 
 from flowrl.train import Trainer
-from launching import accelerate_launch
-
-from test_trainer_image import TINY, tiny_cfg
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "accelerate"
 

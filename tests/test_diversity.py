@@ -9,8 +9,16 @@ import torch
 from PIL import Image
 
 from flowrl.config import EvalConfig, SampleConfig
-from flowrl.eval.diversity import (BaseDistribution, distribution_metrics, entropy_bits, eval_settings, histograms,
-                              is_count, settings_differences, total_variation)
+from flowrl.eval.diversity import (
+    BaseDistribution,
+    distribution_metrics,
+    entropy_bits,
+    eval_settings,
+    histograms,
+    is_count,
+    settings_differences,
+    total_variation,
+)
 from flowrl.eval.summary import eval_summary
 
 

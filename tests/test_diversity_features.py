@@ -10,8 +10,14 @@ import pytest
 import torch
 
 from flowrl.config import ConfigError, load_config
-from flowrl.eval.diversity import (BaseFeatures, energy_distance, feature_metrics, feature_spread, group_features,
-                              prompt_keys)
+from flowrl.eval.diversity import (
+    BaseFeatures,
+    energy_distance,
+    feature_metrics,
+    feature_spread,
+    group_features,
+    prompt_keys,
+)
 from flowrl.preflight import PreflightError, check_eval_features, load_prompt_sets
 
 SPREAD, RATIO, DISTANCE = (f"eval/diversity/features/{k}" for k in ("spread", "spread_from_base", "distance_from_base"))
@@ -195,8 +201,8 @@ def test_a_video_family_is_refused(tmp_path):
 
 
 def test_a_backbone_that_cannot_load_offline_fails_before_the_model_loads(tmp_path, monkeypatch, capsys):
-    from flowrl.cli import main
     import flowrl.policies
+    from flowrl.cli import main
 
     def refuse(*a, **k):
         raise AssertionError("the model was loaded before the backbone was checked")

@@ -11,10 +11,9 @@ import contextlib
 
 import pytest
 import torch
+from conditioned import source_image
 
 from flowrl.families import load_image_backend
-
-from conditioned import source_image
 
 torch.set_num_threads(1)
 SIZE = 32

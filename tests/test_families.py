@@ -13,10 +13,9 @@ import json
 
 import pytest
 import torch
+from conditioned import condition_images, images_per_prompt, prompt_data, sample_args
 
 from flowrl.families import family, family_names, load_image_backend, tiny_pipeline
-
-from conditioned import condition_images, images_per_prompt, prompt_data, sample_args
 
 torch.set_num_threads(1)
 
@@ -125,8 +124,8 @@ def test_the_exported_lora_loads_in_the_pipeline_and_reproduces_the_trained_mode
 @pytest.mark.parametrize("name", FAMILIES)
 def test_a_saved_pipeline_trains_one_epoch_and_flowrl_sample_loads_its_checkpoint(name, tmp_path):
     from flowrl.cli import main
-    from flowrl.train import Trainer
     from flowrl.config import load_config
+    from flowrl.train import Trainer
 
     model = tmp_path / "model"
     tiny_pipeline(f"tiny-{name}").save_pretrained(model)  # diffusers' own format, not flowrl's builder
@@ -183,11 +182,11 @@ def _one_noise(backend, n: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", CONDITIONED)
 def test_a_wrong_image_count_in_the_prompt_file_stops_the_run_naming_file_and_line(name, tmp_path, monkeypatch):
+    from conditioned import source_image
+
     from flowrl import families
     from flowrl.config import load_config
     from flowrl.preflight import PreflightError, preflight
-
-    from conditioned import source_image
 
     monkeypatch.setattr(families, "load_image_backend", lambda *a, **k: pytest.fail("preflight loaded a model"))
     low, high = family(name).condition_images

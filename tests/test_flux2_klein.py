@@ -3,10 +3,10 @@ import json
 
 import pytest
 import torch
+from test_families import PROMPTS, SIZE, TRAIN, _pipe_latents
 
 from flowrl.families import load_image_backend
 from flowrl.families.flux2 import tiny_flux2_pipeline
-from test_families import PROMPTS, SIZE, TRAIN, _pipe_latents
 
 VARIANTS = {"base": dict(klein=True), "distilled": dict(klein=True, distilled=True)}
 
@@ -65,8 +65,8 @@ def test_lora_export(variant, saved, tmp_path):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_saved_trains_and_samples(variant, saved, tmp_path):
     from flowrl.cli import main
-    from flowrl.train import Trainer
     from flowrl.config import load_config
+    from flowrl.train import Trainer
 
     model = saved[variant]
     run = tmp_path / "run"

@@ -6,8 +6,16 @@ import pytest
 from PIL import Image, ImageFont
 
 from flowrl import images
-from flowrl.images import (MAX_CAPTION_LINES, before_after, eval_grid, format_score, image_grid, label_font,
-                           row_caption, wrap_text)
+from flowrl.images import (
+    MAX_CAPTION_LINES,
+    before_after,
+    eval_grid,
+    format_score,
+    image_grid,
+    label_font,
+    row_caption,
+    wrap_text,
+)
 
 WHITE = (255, 255, 255)
 

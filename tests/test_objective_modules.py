@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.config import Config, ConfigError, ConfigWarning, MOVED_KEYS, describe, load_config
+from flowrl.config import MOVED_KEYS, Config, ConfigError, ConfigWarning, describe, load_config
 from flowrl.objectives import MemoryTerms, Objective, get_objective, objective_names
 
 ROOT = Path(__file__).resolve().parents[1]

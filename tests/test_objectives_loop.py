@@ -16,15 +16,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conditioned import condition_images, prompt_data
 
 from flowrl import core
-from flowrl.run.checkpoint import read_checkpoint
 from flowrl.config import ConfigError, describe, load_config
 from flowrl.families import family, family_names
+from flowrl.run.checkpoint import read_checkpoint
 from flowrl.sampling import ddpm_flow_time, ddpm_velocity
 from flowrl.train import Trainer
-
-from conditioned import condition_images, prompt_data
 
 torch.set_num_threads(1)
 

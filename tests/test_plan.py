@@ -81,9 +81,9 @@ def test_shipped_text_model_and_reward_backbones_have_the_published_sizes():
     lm, _ = causal_lm("Qwen/Qwen2.5-0.5B-Instruct", "bfloat16")
     assert lm.params / 1e9 == pytest.approx(0.494, rel=0.01)
     assert lm.weight_bytes == pytest.approx(2 * lm.params, rel=0.01)  # tied embedding counted once
-    from flowrl.plan import build_on_meta
-
     import transformers
+
+    from flowrl.plan import build_on_meta
 
     for repo, cls, published in [("yuvalkirstain/PickScore_v1", "CLIPModel", 0.986),
                                  ("openai/clip-vit-large-patch14", "CLIPModel", 0.428),

@@ -6,8 +6,16 @@ import re
 import pytest
 from PIL import Image
 
-from flowrl.run.report import (Curve, curves_figure, headline_eval_keys, load_metrics, plot_curves, result_keys,
-                           scale_groups, write_before_after)
+from flowrl.run.report import (
+    Curve,
+    curves_figure,
+    headline_eval_keys,
+    load_metrics,
+    plot_curves,
+    result_keys,
+    scale_groups,
+    write_before_after,
+)
 
 
 def test_plot_curves_writes_a_png(tmp_path):
@@ -124,7 +132,7 @@ def lines_of(fig):
 
 def test_a_resumed_run_draws_one_point_per_epoch_the_last_logged_winning():
     reward_axes, *eval_axes = lines_of(curves_figure(resumed_run_rows()))
-    batch = dict((label, (x, y)) for label, x, y in reward_axes)["batch mean"]
+    batch = {label: (x, y) for label, x, y in reward_axes}["batch mean"]
     assert batch[0] == [1, 2, 3, 4, 5, 6, 7, 8]  # 5 and 6 once each; the final eval row takes no point from 8
     assert batch[1][4:6] == pytest.approx([0.55, 0.65])  # the resumed run's values, logged last
     for axes in eval_axes:

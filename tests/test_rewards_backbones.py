@@ -11,10 +11,10 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from rewardtiny import block_non_loopback, random_images, save_tiny_clip, save_tiny_hps
 from safetensors.torch import save_file
 
 import rewards
-from rewardtiny import block_non_loopback, random_images, save_tiny_clip, save_tiny_hps
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)

@@ -107,6 +107,7 @@ def test_imagereward_parameters_match_transformers_vit_and_bert():
     cross-attention and no token-type embeddings is its text encoder, except that BLIP's cross-attention keys and
     values read the 1024-wide image tokens (transformers' read 768: 12 layers x 2 x 256 x 768 more)."""
     import transformers
+
     from flowrl.plan import build_on_meta
 
     def count(module):

@@ -8,9 +8,9 @@ import random
 import shutil
 
 import pytest
+from rewardtiny import block_non_loopback, render_text
 
 import rewards
-from rewardtiny import block_non_loopback, render_text
 from rewards.ocr import levenshtein, ocr_distance, ocr_score, quoted_target
 
 

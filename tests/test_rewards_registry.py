@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from rewardtiny import random_images
 
 import rewards
 import rewards.registry as registry
-from rewardtiny import random_images
 
 EXPECTED = {"accuracy", "aesthetic", "clip_score", "hpsv2", "imagereward", "jpeg_compressibility",
             "jpeg_incompressibility", "ocr", "pickscore", "remote", "soft_overlong", "think_format", "weighted"}

@@ -12,10 +12,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 import torch
+from rewardtiny import NetworkBlockedError, block_non_loopback, random_images
 
 import rewards
 import rewards.remote as remote_module
-from rewardtiny import NetworkBlockedError, block_non_loopback, random_images
 from rewards.registry import IMAGE
 from rewards.remote import RewardServerError, backoff_delays
 from rewards.server import make_server, parse_reward_args, serve_main

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from PIL import Image
+from rewardtiny import block_non_loopback, random_images, save_tiny_clip, save_tiny_dinov2
 
 import rewards
-from rewardtiny import block_non_loopback, random_images, save_tiny_clip, save_tiny_dinov2
 from rewards.registry import RewardError, build
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

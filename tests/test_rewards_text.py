@@ -198,9 +198,9 @@ def test_text_policy_calls_trl_rewards_and_pops_their_logs(tmp_path):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from flowrl.worlds.arith import arith_tokenizer
-    from flowrl.policies.text import TextPolicy
     from flowrl.config import load_config
+    from flowrl.policies.text import TextPolicy
+    from flowrl.worlds.arith import arith_tokenizer
 
     tok = arith_tokenizer()
     torch.manual_seed(0)

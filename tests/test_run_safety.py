@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from flowrl.run.checkpoint import list_checkpoints, write_checkpoint
 from flowrl.config import load_config
 from flowrl.errors import CheckpointError, NonFiniteError, RunDirError
+from flowrl.run.checkpoint import list_checkpoints, write_checkpoint
 from flowrl.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -143,8 +143,8 @@ def _pixels(path):
 
 
 def test_describe_rewards_names_weights_and_report_only_rewards():
-    from flowrl.worlds.demo import describe_rewards
     from flowrl.config import RewardSpec
+    from flowrl.worlds.demo import describe_rewards
 
     assert describe_rewards([RewardSpec("shapes_geneval")]) == "1 x shapes_geneval"
     assert describe_rewards([RewardSpec("shapes_geneval", 0.0), RewardSpec("shapes_soft"),

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from launching import accelerate_launch
 
 from flowrl.config import load_config
-from launching import accelerate_launch
 from flowrl.train import Trainer
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="gloo multi-process tests written for linux")

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from launching import accelerate_launch
 
 from flowrl.config import load_config
-from launching import accelerate_launch
 from flowrl.train import Trainer
 
 TINY = ["sample.height=32", "sample.width=32", "sample.num_steps=4", "sample.max_sequence_length=16",
@@ -549,10 +549,10 @@ def test_no_before_after_grid_without_a_before_eval(tmp_path):
 
 
 def test_eval_weights_choose_the_ema_or_the_trained_weights(tmp_path):
+    from flowrl.errors import CheckpointError
     from flowrl.run.checkpoint import read_checkpoint
     from flowrl.run.loading import checkpoint_weights as _checkpoint_weights
     from flowrl.run.loading import policy_from_checkpoint as _policy_from_checkpoint
-    from flowrl.errors import CheckpointError
 
     cfg = tiny_cfg(tmp_path, "train.epochs=1", "train.ema_decay=0.5", "eval.grid=false", "train.lr=1e-2")
     Trainer(cfg).fit()

@@ -8,11 +8,10 @@ from types import SimpleNamespace
 import torch
 
 from flowrl.config import LOSS_PRESETS, load_config
-from flowrl.policies.base import UnitOutput
 from flowrl.objectives.grpo import grpo_loss
+from flowrl.policies.base import UnitOutput
 from flowrl.train import Trainer
 from flowrl.train.scoring import combine_advantages
-
 
 
 def text_cfg(model_dir, run_dir, *extra):

@@ -12,8 +12,16 @@ from PIL import Image
 
 import rewards
 from flowrl.images import eval_grid, image_grid
-from flowrl.video import (aggregate, as_video, contact_sheet, frame_indices, is_video, mp4_available,
-                          sampled_frames, save_animation)
+from flowrl.video import (
+    aggregate,
+    as_video,
+    contact_sheet,
+    frame_indices,
+    is_video,
+    mp4_available,
+    sampled_frames,
+    save_animation,
+)
 from rewards.registry import NamedReward, RewardConfigError, RewardError
 
 

@@ -8,15 +8,38 @@ tools' names, keys that moved), `checks` validates a built config once, before a
 error naming the closest valid keys, a value of the wrong type or outside its choices names what would be right.
 """
 
+from flowrl.errors import ConfigError, ConfigWarning
 from flowrl.ranges import AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, Range
 
 from .checks import RANGES, range_problems, validate
-from flowrl.errors import ConfigError, ConfigWarning
-
-from .load import (ALIASES, LOSS_PRESETS, MOVED_KEYS, _all_keys, load_config, migrate, moved_key, parse_overrides,
-                   read_yaml, to_dict, without_other_objectives)
-from .tree import (CheckpointConfig, Config, DataConfig, EvalConfig, LogConfig, LoraConfig, ModelConfig, RewardSpec,
-                   SampleConfig, TextConfig, TrainConfig, _hints, describe, field_docs, section_ranges)
+from .load import (
+                   ALIASES,
+                   LOSS_PRESETS,
+                   MOVED_KEYS,
+                   load_config,
+                   migrate,
+                   moved_key,
+                   parse_overrides,
+                   read_yaml,
+                   to_dict,
+                   without_other_objectives,
+)
+from .tree import (
+                   CheckpointConfig,
+                   Config,
+                   DataConfig,
+                   EvalConfig,
+                   LogConfig,
+                   LoraConfig,
+                   ModelConfig,
+                   RewardSpec,
+                   SampleConfig,
+                   TextConfig,
+                   TrainConfig,
+                   describe,
+                   field_docs,
+                   section_ranges,
+)
 
 __all__ = ["ALIASES", "AT_LEAST_0", "AT_LEAST_1", "CheckpointConfig", "Config", "ConfigError", "ConfigWarning",
            "DataConfig", "EvalConfig", "FRACTION", "LOSS_PRESETS", "LogConfig", "LoraConfig", "MOVED_KEYS",

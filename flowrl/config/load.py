@@ -23,7 +23,6 @@ from flowrl.errors import ConfigError, ConfigWarning
 from .checks import validate
 from .tree import Config, _dataclass_of, _hints, describe
 
-
 #: Names users bring from TRL, diffusers' training scripts, Flow-GRPO and DDPO -> the flowrl key.
 ALIASES: dict[str, str] = {
     # TRL (GRPOConfig / TrainingArguments)

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Literal, Optional
 
 from flowrl.ranges import AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, Range
 
+
 @dataclass
 class ModelConfig:
     path: str = "tiny-sd3"

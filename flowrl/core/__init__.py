@@ -30,6 +30,7 @@ from .losses import (
     ppo_clip_loss,
     sequence_log_ratio,
 )
+from .masked import masked_mean, masked_sum, masked_var, masked_whiten
 from .objectives import (
     AWM_WEIGHTINGS,
     OBJECTIVE_LOSSES,
@@ -44,10 +45,17 @@ from .objectives import (
     soft_update_,
     soft_update_decay,
 )
-from .masked import masked_mean, masked_sum, masked_var, masked_whiten
 from .registry import Registry, unknown_name_error
 from .steps import STEP_WEIGHTINGS, inverse_dt_step_weights, noise_step_weights, ratio_norm_log_ratio
 
-from types import ModuleType as _ModuleType
-
-__all__ = [n for n, v in list(globals().items()) if not n.startswith("_") and not isinstance(v, _ModuleType)]
+__all__ = [
+    "ADVANTAGE_ESTIMATORS", "AGGREGATION_MODES", "AWM_WEIGHTINGS", "KL_KINDS", "OBJECTIVE_LOSSES", "POLICY_LOSSES",
+    "PerPromptStatTracker", "Registry", "STEP_WEIGHTINGS", "aggregate_loss", "awm_loss", "awm_matching_loss",
+    "best_worst_pairs", "clipped_surrogate", "dpo_loss", "dr_grpo_advantages", "entropy_from_logits",
+    "forward_noising", "gae_advantages", "gaussian_kl", "gdpo_advantages", "get_advantage_estimator",
+    "get_objective_loss", "get_policy_loss", "group_advantages", "group_index", "gspo_loss",
+    "inverse_dt_step_weights", "kl_estimate", "loss_normalizer", "loss_numerator", "masked_mean", "masked_sum",
+    "masked_var", "masked_whiten", "nft_loss", "noise_step_weights", "optimality_probability", "ppo_clip_loss",
+    "ratio_norm_log_ratio", "reinforce_pp_advantages", "rloo_advantages", "sample_categorical",
+    "sequence_log_ratio", "soft_update_", "soft_update_decay", "token_log_probs", "unknown_name_error"
+]

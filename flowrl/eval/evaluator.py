@@ -19,8 +19,16 @@ import torch
 from flowrl.errors import FlowrlError
 from flowrl.offload import Parked, visiting
 
-from .diversity import (BaseDistribution, BaseFeatures, eval_settings, feature_metrics, group_features, histograms,
-                        prompt_keys, settings_differences)
+from .diversity import (
+    BaseDistribution,
+    BaseFeatures,
+    eval_settings,
+    feature_metrics,
+    group_features,
+    histograms,
+    prompt_keys,
+    settings_differences,
+)
 from .summary import eval_plan, eval_summary
 
 

@@ -246,7 +246,7 @@ _HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only")
 
 def _without(pipe, components: Sequence[str]):
     """A new pipeline of pipe's class sharing its modules, with `components` set to None."""
-    return type(pipe)(**{**pipe.components, **{name: None for name in components}})
+    return type(pipe)(**{**pipe.components, **dict.fromkeys(components)})
 
 
 def _load_pipeline(path: str, family: str, dtype, drop_t5: bool, from_pretrained_kwargs: dict):
@@ -264,9 +264,9 @@ def _load_pipeline(path: str, family: str, dtype, drop_t5: bool, from_pretrained
     dtype_kwarg = "dtype" if hasattr(pipeline_utils, "_resolve_dtype") else "torch_dtype"
     kwargs = {dtype_kwarg: dtype or torch.float32}
     # a component saved as None ([null, null], e.g. an SD3 saved without T5) must be passed as None again
-    kwargs.update({name: None for name in _null_components(model_index)})
+    kwargs.update(dict.fromkeys(_null_components(model_index)))
     if drop_t5:  # never read the T5 weights
-        kwargs.update({name: None for name in backend_cls.t5_components})
+        kwargs.update(dict.fromkeys(backend_cls.t5_components))
     return DiffusionPipeline.from_pretrained(path, **{**kwargs, **from_pretrained_kwargs})
 
 

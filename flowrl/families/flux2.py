@@ -401,8 +401,12 @@ class Flux2Backend(FlowMatchingBackend):
         embedding), or with klein=True a Flux2KleinPipeline (a Qwen3 text encoder, no guidance embedding; CFG unless
         distilled=True). Both: a transformer with one double and one single block, a 4-channel AutoencoderKLFlux2,
         FLUX.2's dynamically shifted scheduler."""
-        from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Pipeline
-        from diffusers import Flux2Transformer2DModel
+        from diffusers import (
+            FlowMatchEulerDiscreteScheduler,
+            Flux2KleinPipeline,
+            Flux2Pipeline,
+            Flux2Transformer2DModel,
+        )
 
         if distilled and not klein:
             raise ValueError("distilled=True is a klein option (Flux2KleinPipeline's is_distilled)")

@@ -103,8 +103,12 @@ class WanImageToVideoBackend(WanBackend):
     def tiny_pipeline(cls, seed: int = 0):
         """A WanImageToVideoPipeline: the tiny Wan T2V parts, a transformer taking 36 channels and 4-wide image
         features, a 2-layer CLIP vision encoder over 32 px in 4 px patches."""
-        from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline
-        from diffusers import WanTransformer3DModel
+        from diffusers import (
+            AutoencoderKLWan,
+            FlowMatchEulerDiscreteScheduler,
+            WanImageToVideoPipeline,
+            WanTransformer3DModel,
+        )
         from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
 
         tok = tiny.t5_tokenizer()

@@ -149,8 +149,8 @@ def finish(facts, rows: list[Row], update: UpdateEstimate, rollout: RolloutEstim
     for r in rows:
         r.gib = {k: (None if v is None else v / GIB) for k, v in r.gib.items()}
     activation_rows = [
-        Row("activations / sample, no checkpointing", None, {k: per_sample[False] / GIB for k in titles}, rows_note),
-        Row("activations / sample, checkpointing", None, {k: per_sample[True] / GIB for k in titles}),
+        Row("activations / sample, no checkpointing", None, dict.fromkeys(titles, per_sample[False] / GIB), rows_note),
+        Row("activations / sample, checkpointing", None, dict.fromkeys(titles, per_sample[True] / GIB)),
     ]
     if update.vocab:
         activation_rows.append(Row("log-prob row chunks (float32, at most)", None,

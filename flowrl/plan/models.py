@@ -78,8 +78,7 @@ def config_reader(path: str) -> tuple[Callable[[str], dict], str]:
 
 
 def _read_hub(repo_id: str, name: str) -> dict:
-    from flowrl.families import ImageModelError
-    from flowrl.families import hub_offline, read_hub_json
+    from flowrl.families import ImageModelError, hub_offline, read_hub_json
 
     try:
         return read_hub_json(repo_id, name)

@@ -11,8 +11,9 @@ import os
 import shutil
 from pathlib import Path
 
-from .checkpoint import CKPT_RE, TEMP_RE, list_checkpoints
 from flowrl.errors import RunDirError
+
+from .checkpoint import CKPT_RE, TEMP_RE, list_checkpoints
 
 #: Files and directories a run writes into its run_dir (besides ckpt-XXXXXX/ and the temporary checkpoint dirs).
 RUN_FILES = ("metrics.jsonl", "completions.jsonl", "curves.png", "before_after.png")

@@ -21,7 +21,16 @@ from .prompts import (
     write_jsonl,
 )
 from .render import (
-    BACKGROUND, COLORS, IMAGE_SIZE, RELATIONS, SHAPES, ShapeObject, add_distractor, draw, render, sample_scene,
+    BACKGROUND,
+    COLORS,
+    IMAGE_SIZE,
+    RELATIONS,
+    SHAPES,
+    ShapeObject,
+    add_distractor,
+    draw,
+    render,
+    sample_scene,
 )
 
 __all__ = [
