@@ -80,9 +80,18 @@ def former_generate(policy):
     def generate_samples(input_ids, attn, recorder=None):
         t, tok = policy.text, policy.tokenizer
         return policy.model.generate(
-            input_ids=input_ids, attention_mask=attn, do_sample=True, temperature=t.temperature, top_p=t.top_p,
-            top_k=t.top_k or None, max_new_tokens=t.max_new_tokens, use_cache=True, pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id, logits_processor=[recorder] if recorder is not None else None)
+            input_ids=input_ids,
+            attention_mask=attn,
+            do_sample=True,
+            temperature=t.temperature,
+            top_p=t.top_p,
+            top_k=t.top_k or None,
+            max_new_tokens=t.max_new_tokens,
+            use_cache=True,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            logits_processor=[recorder] if recorder is not None else None,
+        )
 
     return generate_samples
 
@@ -129,8 +138,14 @@ def main(argv=None) -> dict:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     os.chdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    bench_args = argparse.Namespace(config="configs/text_arith.yaml", setting=args.setting, profile=False,
-                                    warmup=args.warmup, repeats=args.repeats, **text_step.SETTINGS[args.setting])
+    bench_args = argparse.Namespace(
+        config="configs/text_arith.yaml",
+        setting=args.setting,
+        profile=False,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        **text_step.SETTINGS[args.setting],
+    )
     runs = {}
     for name, (source, icdf, _, _) in VARIANTS.items():
         bench_args.overrides = [f"text.old_log_probs={source}"]
@@ -138,16 +153,20 @@ def main(argv=None) -> dict:
         if not icdf:
             run.tr.policy.generate_samples = former_generate(run.tr.policy)
         runs[name] = run
-    print(f"text step ablation, {args.setting} setting, {bench_args.prompts} prompts x {bench_args.group}, "
-          f"max_new_tokens {bench_args.max_new_tokens}; variants in turns, median of {args.repeats} epochs after "
-          f"{args.warmup}; threads {torch.get_num_threads()}")
+    print(
+        f"text step ablation, {args.setting} setting, {bench_args.prompts} prompts x {bench_args.group}, "
+        f"max_new_tokens {bench_args.max_new_tokens}; variants in turns, median of {args.repeats} epochs after "
+        f"{args.warmup}; threads {torch.get_num_threads()}"
+    )
     for e in range(args.warmup + args.repeats):
         for name, run in runs.items():
             _, _, fused_lp, keep = VARIANTS[name]
             with former_functions(fused_lp, keep):
                 run.epoch(e)
-    table = {name: {k: statistics.median(r[k] for r in run.rows[args.warmup:]) for k in text_step.PHASES}
-             for name, run in runs.items()}
+    table = {
+        name: {k: statistics.median(r[k] for r in run.rows[args.warmup :]) for k in text_step.PHASES}
+        for name, run in runs.items()
+    }
     print(f"{'':16s}" + "".join(f"{p + ' (s)':>16s}" for p in text_step.PHASES))
     for name, row in table.items():
         print(f"{name:16s}" + "".join(f"{row[p]:16.4g}" for p in text_step.PHASES) + f"   [threads {args.threads}]")

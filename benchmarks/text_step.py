@@ -65,16 +65,26 @@ import torch
 
 PHASES = ("generate", "rollout", "reward+adv", "update", "step")
 #: Each setting's work per step: prompts x group completions of at most max_new_tokens tokens.
-SETTINGS = {"tiny": {"prompts": 32, "group": 8, "max_new_tokens": 4},
-            "realistic": {"prompts": 2, "group": 8, "max_new_tokens": 128}}
+SETTINGS = {
+    "tiny": {"prompts": 32, "group": 8, "max_new_tokens": 4},
+    "realistic": {"prompts": 2, "group": 8, "max_new_tokens": 128},
+}
 
 #: The realistic setting's model: a random-weight Qwen2 (the Qwen2.5 family's architecture: GQA, SwiGLU, RMSNorm,
 #: RoPE, tied embeddings) at a small width, with a real-sized vocabulary.
-REALISTIC = {"vocab_size": 32768, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
-             "num_attention_heads": 4, "num_key_value_heads": 2}
+REALISTIC = {
+    "vocab_size": 32768,
+    "hidden_size": 256,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 #: Its prompts: an addition in a sentence, ~115 tokens with the character-level tokenizer.
-REALISTIC_TEMPLATE = ("Question: Tom has some apples and buys more at the market. What is {prompt}? Think it through "
-                      "and answer with a number.")
+REALISTIC_TEMPLATE = (
+    "Question: Tom has some apples and buys more at the market. What is {prompt}? Think it through "
+    "and answer with a number."
+)
 
 
 def build_realistic_model(directory: str) -> str:
@@ -103,12 +113,20 @@ def build_realistic_model(directory: str) -> str:
     tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<|pad|>", eos_token="<|endoftext|>")
     tok.save_pretrained(d)
     torch.manual_seed(0)
-    cfg = Qwen2Config(**REALISTIC, max_position_embeddings=512, tie_word_embeddings=True,
-                      pad_token_id=vocab["<|pad|>"], eos_token_id=vocab["<|endoftext|>"],
-                      bos_token_id=vocab["<|endoftext|>"])
+    cfg = Qwen2Config(
+        **REALISTIC,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        pad_token_id=vocab["<|pad|>"],
+        eos_token_id=vocab["<|endoftext|>"],
+        bos_token_id=vocab["<|endoftext|>"],
+    )
     Qwen2ForCausalLM(cfg).save_pretrained(d)
-    rows = [{"prompt": REALISTIC_TEMPLATE.format(prompt=f"{a}+{b}"), "answer": str(a + b)}
-            for a in range(10, 50) for b in range(10, 50)]
+    rows = [
+        {"prompt": REALISTIC_TEMPLATE.format(prompt=f"{a}+{b}"), "answer": str(a + b)}
+        for a in range(10, 50)
+        for b in range(10, 50)
+    ]
     (d / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(d)
 
@@ -136,19 +154,36 @@ def setting_overrides(args) -> list[str]:
     if args.setting == "tiny":
         return []
     d = build_realistic_model(tempfile.mkdtemp(prefix="flowrl-text-bench-model-"))
-    return [f"model.path={d}", f"data.train_prompts={d}/prompts.jsonl", f"data.eval_prompts={d}/prompts.jsonl",
-            "rewards=[{name: 'benchmarks/text_step.py:even_token_share'}]", "text.max_prompt_length=256"]
+    return [
+        f"model.path={d}",
+        f"data.train_prompts={d}/prompts.jsonl",
+        f"data.eval_prompts={d}/prompts.jsonl",
+        "rewards=[{name: 'benchmarks/text_step.py:even_token_share'}]",
+        "text.max_prompt_length=256",
+    ]
 
 
 def build_flowrl(args):
     from flowrl.config import load_config
     from flowrl.train import Trainer
 
-    cfg = load_config(args.config, [
-        f"sample.prompts_per_epoch={args.prompts}", f"sample.group_size={args.group}",
-        f"text.max_new_tokens={args.max_new_tokens}", "text.temperature=1.0", "train.grpo.beta=0.0",
-        "log.progress=false", "log.completions_every=0", "log.tensorboard=false", "log.wandb=false",
-        f"log.run_dir={tempfile.mkdtemp(prefix='flowrl-text-bench-')}", *setting_overrides(args), *args.overrides])
+    cfg = load_config(
+        args.config,
+        [
+            f"sample.prompts_per_epoch={args.prompts}",
+            f"sample.group_size={args.group}",
+            f"text.max_new_tokens={args.max_new_tokens}",
+            "text.temperature=1.0",
+            "train.grpo.beta=0.0",
+            "log.progress=false",
+            "log.completions_every=0",
+            "log.tensorboard=false",
+            "log.wandb=false",
+            f"log.run_dir={tempfile.mkdtemp(prefix='flowrl-text-bench-')}",
+            *setting_overrides(args),
+            *args.overrides,
+        ],
+    )
     return Trainer(cfg)
 
 
@@ -162,8 +197,15 @@ def flowrl_epoch(tr, epoch: int, gen_times: list) -> dict:
     t2 = time.perf_counter()
     tr.update(batch, adv, keep, epoch)
     t3 = time.perf_counter()
-    return {"generate": gen_times[-1], "rollout": t1 - t0, "reward+adv": t2 - t1, "update": t3 - t2,
-            "step": t3 - t0, "tokens": float(batch.completion_mask.sum()), "samples": len(batch.prompts)}
+    return {
+        "generate": gen_times[-1],
+        "rollout": t1 - t0,
+        "reward+adv": t2 - t1,
+        "update": t3 - t2,
+        "step": t3 - t0,
+        "tokens": float(batch.completion_mask.sum()),
+        "samples": len(batch.prompts),
+    }
 
 
 class FlowrlRun:
@@ -190,7 +232,7 @@ class FlowrlRun:
             prof.disable()
             print(f"\ncProfile of one flowrl epoch (threads {torch.get_num_threads()}):")
             pstats.Stats(prof).sort_stats("tottime").print_stats(30)
-        return {"rows": self.rows[self.args.warmup:]}
+        return {"rows": self.rows[self.args.warmup :]}
 
 
 def run_trl(args, flowrl_cfg, train_set, between=None) -> dict | str:
@@ -215,18 +257,46 @@ def run_trl(args, flowrl_cfg, train_set, between=None) -> dict | str:
     batch = args.prompts * args.group
     out_dir = tempfile.mkdtemp(prefix="trl-text-bench-")
     config = trl.GRPOConfig(
-        output_dir=out_dir, max_steps=steps, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
-        num_generations=args.group, max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
-        beta=0.0, epsilon=t.clip_low, loss_type="dapo", scale_rewards="group", num_iterations=1,
-        learning_rate=t.lr, weight_decay=t.weight_decay, adam_beta1=t.adam_betas[0], adam_beta2=t.adam_betas[1],
-        adam_epsilon=t.adam_eps, max_grad_norm=t.max_grad_norm, lr_scheduler_type="constant", warmup_steps=0,
-        use_cpu=True, bf16=False, fp16=False, report_to="none", logging_strategy="no", save_strategy="no",
-        disable_tqdm=True, shuffle_dataset=False, log_completions=False, seed=t.seed, dataloader_num_workers=0)
+        output_dir=out_dir,
+        max_steps=steps,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        num_generations=args.group,
+        max_completion_length=args.max_new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=0.0,
+        epsilon=t.clip_low,
+        loss_type="dapo",
+        scale_rewards="group",
+        num_iterations=1,
+        learning_rate=t.lr,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_betas[0],
+        adam_beta2=t.adam_betas[1],
+        adam_epsilon=t.adam_eps,
+        max_grad_norm=t.max_grad_norm,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        report_to="none",
+        logging_strategy="no",
+        save_strategy="no",
+        disable_tqdm=True,
+        shuffle_dataset=False,
+        log_completions=False,
+        seed=t.seed,
+        dataloader_num_workers=0,
+    )
     tok = AutoTokenizer.from_pretrained(flowrl_cfg.model.path)
     model = AutoModelForCausalLM.from_pretrained(flowrl_cfg.model.path, dtype=torch.float32)
     reward = rewards.get("accuracy") if args.setting == "tiny" else even_token_share
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=[reward], args=config,
-                              train_dataset=dataset, processing_class=tok)
+    trainer = trl.GRPOTrainer(
+        model=model, reward_funcs=[reward], args=config, train_dataset=dataset, processing_class=tok
+    )
     torch.set_num_threads(args.threads)  # in case the set-up changed it
 
     gen, rollout, prep, tokens = [], [], [], []
@@ -257,10 +327,14 @@ def run_trl(args, flowrl_cfg, train_set, between=None) -> dict | str:
     trainer.remove_callback(PrinterCallback)  # no end-of-training metrics dump
     trainer.train()
     if not (len(step_times) == len(gen) == len(rollout) == len(prep) == steps):
-        return (f"TRL's step structure differs from this script's assumption (steps {len(step_times)}, generate "
-                f"{len(gen)}, _generate {len(rollout)}, _generate_and_score {len(prep)}; expected {steps} each)")
-    rows = [{"generate": g, "rollout": r, "reward+adv": p - r, "update": s - p, "step": s, "tokens": n,
-             "samples": batch} for g, r, p, s, n in zip(gen, rollout, prep, step_times, tokens)][args.warmup:]
+        return (
+            f"TRL's step structure differs from this script's assumption (steps {len(step_times)}, generate "
+            f"{len(gen)}, _generate {len(rollout)}, _generate_and_score {len(prep)}; expected {steps} each)"
+        )
+    rows = [
+        {"generate": g, "rollout": r, "reward+adv": p - r, "update": s - p, "step": s, "tokens": n, "samples": batch}
+        for g, r, p, s, n in zip(gen, rollout, prep, step_times, tokens)
+    ][args.warmup :]
     return {"rows": rows, "version": trl.__version__}
 
 
@@ -277,19 +351,39 @@ def generate_ab(args) -> dict:
     tok, model = pol.tokenizer, pol.model
     prompts, _ = run.tr.train_set.draw(args.prompts, 0, run.tr.cfg.train.seed)
     ids, attn = pol.encode_prompts([p for p in prompts for _ in range(args.group)])
-    trl_config = GenerationConfig(max_new_tokens=t.max_new_tokens, do_sample=True, pad_token_id=tok.pad_token_id,
-                                  bos_token_id=tok.bos_token_id, eos_token_id=[tok.eos_token_id],
-                                  temperature=t.temperature, top_p=t.top_p, top_k=t.top_k, min_p=None,
-                                  repetition_penalty=1.0, cache_implementation=None, disable_compile=True)
+    trl_config = GenerationConfig(
+        max_new_tokens=t.max_new_tokens,
+        do_sample=True,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=[tok.eos_token_id],
+        temperature=t.temperature,
+        top_p=t.top_p,
+        top_k=t.top_k,
+        min_p=None,
+        repetition_penalty=1.0,
+        cache_implementation=None,
+        disable_compile=True,
+    )
     variants = {
         "flowrl: inverse CDF + recorder": lambda: pol.generate_samples(ids, attn, SampledLogProbs(t.temperature)),
         "flowrl: inverse CDF": lambda: pol.generate_samples(ids, attn),
-        "TRL's call: multinomial": lambda: model.generate(input_ids=ids, attention_mask=attn,
-                                                          generation_config=trl_config),
+        "TRL's call: multinomial": lambda: model.generate(
+            input_ids=ids, attention_mask=attn, generation_config=trl_config
+        ),
         "flowrl's former call: multinomial": lambda: model.generate(
-            input_ids=ids, attention_mask=attn, do_sample=True, temperature=t.temperature, top_p=t.top_p,
-            top_k=t.top_k or None, max_new_tokens=t.max_new_tokens, use_cache=True, pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id, synced_gpus=False),
+            input_ids=ids,
+            attention_mask=attn,
+            do_sample=True,
+            temperature=t.temperature,
+            top_p=t.top_p,
+            top_k=t.top_k or None,
+            max_new_tokens=t.max_new_tokens,
+            use_cache=True,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            synced_gpus=False,
+        ),
     }
     times: dict[str, list[float]] = {k: [] for k in variants}
     with torch.no_grad():
@@ -301,8 +395,10 @@ def generate_ab(args) -> dict:
                 if rep >= args.warmup:
                     times[name].append(time.perf_counter() - t0)
     out = {k: statistics.median(v) for k, v in times.items()}
-    print(f"\ngenerate() alone, {ids.shape[0]} rows x {t.max_new_tokens} new tokens, the calls taking turns; median "
-          f"of {args.repeats}, threads {torch.get_num_threads()}")
+    print(
+        f"\ngenerate() alone, {ids.shape[0]} rows x {t.max_new_tokens} new tokens, the calls taking turns; median "
+        f"of {args.repeats}, threads {torch.get_num_threads()}"
+    )
     for name, sec in out.items():
         print(f"{name:34s}{sec:10.4g} s   [threads {torch.get_num_threads()}]")
     return out
@@ -324,7 +420,8 @@ def print_table(fl: dict, tr: dict | None, threads: int, repeats: int) -> None:
     lines = [(f"{p} (s)", p, 1.0, True) for p in PHASES] + [
         ("update per sample (ms)", "update/sample", 1e3, True),
         ("rollout tokens/s", "tok/s", 1.0, False),
-        ("completion tokens/step", "tokens", 1.0, None)]
+        ("completion tokens/step", "tokens", 1.0, None),
+    ]
     for label, key, scale, time_like in lines:
         s = f"{label:28s}{fl[key] * scale:12.4g}"
         if tr:
@@ -335,11 +432,16 @@ def print_table(fl: dict, tr: dict | None, threads: int, repeats: int) -> None:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
-                                                      "text_arith.yaml"))
+    ap.add_argument(
+        "--config", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "text_arith.yaml")
+    )
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--setting", choices=sorted(SETTINGS), default="tiny",
-                    help="tiny: samples/arith; realistic: a random Qwen2, vocabulary 32768, 128-token completions")
+    ap.add_argument(
+        "--setting",
+        choices=sorted(SETTINGS),
+        default="tiny",
+        help="tiny: samples/arith; realistic: a random Qwen2, vocabulary 32768, 128-token completions",
+    )
     ap.add_argument("--prompts", type=int, help="prompts per step (default: the setting's)")
     ap.add_argument("--group", type=int, help="completions per prompt (default: the setting's)")
     ap.add_argument("--max-new-tokens", type=int, help="default: the setting's")
@@ -347,8 +449,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--no-trl", action="store_true", help="flowrl only")
     ap.add_argument("--profile", action="store_true", help="cProfile one more flowrl epoch")
-    ap.add_argument("--generate-ab", action="store_true",
-                    help="time generate() alone: flowrl's call beside TRL's, taking turns (no training)")
+    ap.add_argument(
+        "--generate-ab",
+        action="store_true",
+        help="time generate() alone: flowrl's call beside TRL's, taking turns (no training)",
+    )
     ap.add_argument("overrides", nargs="*", help="flowrl config overrides key=value (flowrl's half only)")
     args = ap.parse_args(argv)
     for key, value in SETTINGS[args.setting].items():
@@ -365,15 +470,20 @@ def main(argv=None) -> dict:
     try:
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-        print(f"text GRPO step, {args.setting} setting: {args.prompts} prompts x {args.group}, "
-              f"max_new_tokens {args.max_new_tokens}, "
-              f"temperature 1, beta 0, 1 optimizer step per batch; warm-up {args.warmup}, repeats {args.repeats}; "
-              f"threads {torch.get_num_threads()}")
+        print(
+            f"text GRPO step, {args.setting} setting: {args.prompts} prompts x {args.group}, "
+            f"max_new_tokens {args.max_new_tokens}, "
+            f"temperature 1, beta 0, 1 optimizer step per batch; warm-up {args.warmup}, repeats {args.repeats}; "
+            f"threads {torch.get_num_threads()}"
+        )
         if args.generate_ab:
             return {"generate_ab": generate_ab(args), "threads": torch.get_num_threads()}
         flowrl = FlowrlRun(args)
-        trl_out = "skipped (--no-trl)" if args.no_trl else run_trl(args, flowrl.tr.cfg, flowrl.tr.train_set,
-                                                                   between=flowrl.epoch)
+        trl_out = (
+            "skipped (--no-trl)"
+            if args.no_trl
+            else run_trl(args, flowrl.tr.cfg, flowrl.tr.train_set, between=flowrl.epoch)
+        )
         for e in range(len(flowrl.rows), args.warmup + args.repeats):  # without TRL (or if it failed early)
             flowrl.epoch(e)
         fl_m, tr_m = medians(flowrl.result()["rows"]), None
@@ -381,8 +491,10 @@ def main(argv=None) -> dict:
             print(f"TRL: {trl_out}")
         else:
             tr_m = medians(trl_out["rows"])
-            print(f"TRL {trl_out['version']} GRPOTrainer on the same prompts, its steps and flowrl's epochs taking "
-                  f"turns (threads {torch.get_num_threads()})")
+            print(
+                f"TRL {trl_out['version']} GRPOTrainer on the same prompts, its steps and flowrl's epochs taking "
+                f"turns (threads {torch.get_num_threads()})"
+            )
         print_table(fl_m, tr_m, torch.get_num_threads(), args.repeats)
     finally:
         os.chdir(cwd)

@@ -43,14 +43,28 @@ def main(argv=None) -> int:
     from flowrl.config import load_config
     from flowrl.train import Trainer
 
-    print(f"model {args.model}  device {args.device}  threads {torch.get_num_threads()}  "
-          f"batch {args.prompts}x{args.group}  steps {args.steps}  {args.height}x{args.width}  beta {args.beta}")
+    print(
+        f"model {args.model}  device {args.device}  threads {torch.get_num_threads()}  "
+        f"batch {args.prompts}x{args.group}  steps {args.steps}  {args.height}x{args.width}  beta {args.beta}"
+    )
     for k in (1, 4):
-        cfg = load_config(None, [
-            f"model.path={args.model}", f"model.device={args.device}", f"sample.height={args.height}",
-            f"sample.width={args.width}", f"sample.num_steps={args.steps}", f"sample.prompts_per_epoch={args.prompts}",
-            f"sample.group_size={args.group}", "sample.max_sequence_length=16", f"train.grpo.beta={args.beta}",
-            f"train.steps_per_forward={k}", "log.progress=false", "log.run_dir=/tmp/flowrl-bench"])
+        cfg = load_config(
+            None,
+            [
+                f"model.path={args.model}",
+                f"model.device={args.device}",
+                f"sample.height={args.height}",
+                f"sample.width={args.width}",
+                f"sample.num_steps={args.steps}",
+                f"sample.prompts_per_epoch={args.prompts}",
+                f"sample.group_size={args.group}",
+                "sample.max_sequence_length=16",
+                f"train.grpo.beta={args.beta}",
+                f"train.steps_per_forward={k}",
+                "log.progress=false",
+                "log.run_dir=/tmp/flowrl-bench",
+            ],
+        )
         tr = Trainer(cfg)
         den = tr.policy.backend.denoiser
         calls = []
@@ -84,10 +98,12 @@ def main(argv=None) -> int:
             model = min(model or elapsed, elapsed)
         tr.opt.zero_grad(set_to_none=True)
         units = out["policy/trained_units"]
-        print(f"steps_per_forward={k}: {units / best:8.1f} trained steps x samples / s   "
-              f"update {best * 1e3:7.1f} ms   model fwd/bwd alone {model * 1e3:7.1f} ms   "
-              f"outside model {100 * max(0.0, 1 - model / best):5.1f}%   ({len(calls)} denoiser calls, "
-              f"threads {torch.get_num_threads()})")
+        print(
+            f"steps_per_forward={k}: {units / best:8.1f} trained steps x samples / s   "
+            f"update {best * 1e3:7.1f} ms   model fwd/bwd alone {model * 1e3:7.1f} ms   "
+            f"outside model {100 * max(0.0, 1 - model / best):5.1f}%   ({len(calls)} denoiser calls, "
+            f"threads {torch.get_num_threads()})"
+        )
     return 0
 
 

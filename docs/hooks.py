@@ -169,7 +169,8 @@ def on_files(files, config):
 def on_page_markdown(markdown, page, config, files):
     if page.file.src_uri == REWARDS_PAGE:
         if REWARDS_MARKER not in markdown:
-            raise ValueError(f"docs/hooks.py: {REWARDS_PAGE} lost the line where the rewards' table goes: "
-                             f"{REWARDS_MARKER}")
+            raise ValueError(
+                f"docs/hooks.py: {REWARDS_PAGE} lost the line where the rewards' table goes: {REWARDS_MARKER}"
+            )
         return markdown.replace(REWARDS_MARKER, rewards_table())
     return markdown

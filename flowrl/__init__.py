@@ -1,4 +1,5 @@
 """flowrl: GRPO for image generators and text LLMs on one RL core."""
+
 import logging as _logging
 
 __version__ = "0.1.0"

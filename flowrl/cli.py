@@ -1,13 +1,13 @@
 """The `flowrl` command line.
 
-    flowrl train [CONFIG] [key=value ...]       RL fine-tuning (`flowrl train --help` lists every key)
-    flowrl eval CONFIG --checkpoint DIR         evaluate a checkpoint on the held-out prompts
-                [--weights auto|ema|trained]    (auto: the EMA weights when the run kept them)
-    flowrl sample CONFIG [--checkpoint DIR] --prompt TEXT ...   save images
-    flowrl serve-reward NAME [--host 127.0.0.1] [--port 8000]  serve a reward over HTTP
-    flowrl report RUN_DIR                        plot the reward and eval curves to RUN_DIR/curves.png
-    flowrl plan CONFIG [--gpus N] [--gpu-memory 80GiB]   memory per GPU, estimated before renting them
-    flowrl demo                                  the embedded default
+flowrl train [CONFIG] [key=value ...]       RL fine-tuning (`flowrl train --help` lists every key)
+flowrl eval CONFIG --checkpoint DIR         evaluate a checkpoint on the held-out prompts
+            [--weights auto|ema|trained]    (auto: the EMA weights when the run kept them)
+flowrl sample CONFIG [--checkpoint DIR] --prompt TEXT ...   save images
+flowrl serve-reward NAME [--host 127.0.0.1] [--port 8000]  serve a reward over HTTP
+flowrl report RUN_DIR                        plot the reward and eval curves to RUN_DIR/curves.png
+flowrl plan CONFIG [--gpus N] [--gpu-memory 80GiB]   memory per GPU, estimated before renting them
+flowrl demo                                  the embedded default
 """
 
 from __future__ import annotations
@@ -78,8 +78,7 @@ def _eval(args) -> int:
     out = Path(args.out) if args.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
-    result = evaluator.results(outputs, scores, base_dir=base_dir, this_is_base=not args.checkpoint,
-                               save_base_to=out)
+    result = evaluator.results(outputs, scores, base_dir=base_dir, this_is_base=not args.checkpoint, save_base_to=out)
     result["checkpoint"] = args.checkpoint or "(base model)"
     if args.checkpoint:
         result["weights"] = args.weights
@@ -110,8 +109,15 @@ def _sample(args) -> int:
     check_sample_images(family_name, args.image or [])
     policy = policy_from_checkpoint(cfg, args.checkpoint, args.weights, _device(cfg))
     seeds = [args.seed + k for k in range(args.num)]
-    count = sample_to_dir(policy, args.prompt, seeds, Path(args.out), num_steps=args.steps or cfg.eval.num_steps,
-                          guidance_scale=cfg.eval.guidance_scale, image_paths=args.image)
+    count = sample_to_dir(
+        policy,
+        args.prompt,
+        seeds,
+        Path(args.out),
+        num_steps=args.steps or cfg.eval.num_steps,
+        guidance_scale=cfg.eval.guidance_scale,
+        image_paths=args.image,
+    )
     print(f"wrote {count} images to {args.out} (listed in samples.jsonl)")
     return 0
 
@@ -146,28 +152,40 @@ def _demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from .run.loading import WEIGHTS
 
-    parser = argparse.ArgumentParser(prog="flowrl", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="flowrl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     def with_config(p, optional: bool):
         p.add_argument("config", nargs="?" if optional else None, help="YAML preset (configs/*.yaml)")
         p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.lr=1e-4")
 
-    train = sub.add_parser("train", help="RL fine-tuning (GRPO, DiffusionNFT, AWM, online DPO)", epilog=_config_help(),
-                           formatter_class=_HelpWithConfig)
+    train = sub.add_parser(
+        "train",
+        help="RL fine-tuning (GRPO, DiffusionNFT, AWM, online DPO)",
+        epilog=_config_help(),
+        formatter_class=_HelpWithConfig,
+    )
     with_config(train, optional=True)
     train.set_defaults(func=_train)
 
     ev = sub.add_parser("eval", help="evaluate a checkpoint (or the base model) on the eval prompts")
     ev.add_argument("--checkpoint", default=None, help="a ckpt-XXXXXX directory; omit for the base model")
     ev.add_argument("--out", default=None, help="directory for the image grid and eval.json")
-    ev.add_argument("--weights", choices=WEIGHTS, default="auto",
-                    help="the checkpoint's EMA weights, its trained weights, or auto: the EMA when it has one")
-    ev.add_argument("--base", default=None,
-                    help="a directory holding the base model's eval (a run directory, or the --out of an eval "
-                         "without --checkpoint) for the diversity metrics' comparisons; default: the "
-                         "checkpoint's run directory, when its eval before training wrote one")
+    ev.add_argument(
+        "--weights",
+        choices=WEIGHTS,
+        default="auto",
+        help="the checkpoint's EMA weights, its trained weights, or auto: the EMA when it has one",
+    )
+    ev.add_argument(
+        "--base",
+        default=None,
+        help="a directory holding the base model's eval (a run directory, or the --out of an eval "
+        "without --checkpoint) for the diversity metrics' comparisons; default: the "
+        "checkpoint's run directory, when its eval before training wrote one",
+    )
     with_config(ev, optional=False)
     ev.set_defaults(func=_eval)
 
@@ -175,8 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
     sa.add_argument("--checkpoint", default=None)
     sa.add_argument("--weights", choices=WEIGHTS, default="auto", help="as for eval")
     sa.add_argument("--prompt", action="append", required=True, help="repeatable")
-    sa.add_argument("--image", action="append", default=None,
-                    help="repeatable: a conditioning image of every prompt (an editing or image-to-video model)")
+    sa.add_argument(
+        "--image",
+        action="append",
+        default=None,
+        help="repeatable: a conditioning image of every prompt (an editing or image-to-video model)",
+    )
     sa.add_argument("--num", type=int, default=1, help="images per prompt")
     sa.add_argument("--steps", type=int, default=0, help="ODE steps (default eval.num_steps)")
     sa.add_argument("--seed", type=int, default=0)
@@ -189,8 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", default=None)
     rep.set_defaults(func=_report)
 
-    demo = sub.add_parser("demo", help="run the embedded default (offline, CPU): online Diffusion-DPO on the shapes "
-                                       "world")
+    demo = sub.add_parser(
+        "demo", help="run the embedded default (offline, CPU): online Diffusion-DPO on the shapes world"
+    )
     demo.add_argument("config", nargs="?", default="configs/shapes.yaml")
     demo.add_argument("overrides", nargs="*", metavar="key=value")
     demo.add_argument("--toy", action="store_true", help="the tabular GRPO toy instead (seconds)")
@@ -202,8 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(pl, optional=False)
     pl.set_defaults(func=_plan)
 
-    sub.add_parser("serve-reward", add_help=False,
-                   help="serve a registered reward over HTTP (see `flowrl serve-reward --help`)")
+    sub.add_parser(
+        "serve-reward", add_help=False, help="serve a registered reward over HTTP (see `flowrl serve-reward --help`)"
+    )
     return parser
 
 

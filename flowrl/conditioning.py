@@ -33,8 +33,10 @@ def count_problem(count: int, accepts: tuple[int, int], family: str) -> str:
     if low <= count <= high:
         return ""
     if high == 0:
-        return (f"{family} is a text-to-image family and takes no conditioning image, got {count}; use an "
-                f"image-editing family, or set data.image_column='' to keep the column as metadata only")
+        return (
+            f"{family} is a text-to-image family and takes no conditioning image, got {count}; use an "
+            f"image-editing family, or set data.image_column='' to keep the column as metadata only"
+        )
     return f"{family} takes {describe_count(accepts)} per prompt, got {count}"
 
 
@@ -46,8 +48,9 @@ def image_count(meta: dict, column: str) -> int:
     return 1 if isinstance(value, str) else len(value)
 
 
-def check_image_counts(metadata: Sequence[dict], origins: Sequence[str], column: str, accepts: tuple[int, int],
-                       family: str) -> None:
+def check_image_counts(
+    metadata: Sequence[dict], origins: Sequence[str], column: str, accepts: tuple[int, int], family: str
+) -> None:
     """A ValueError naming the first prompt (its origin, "file:line") whose number of conditioning images in
     `column` the family does not take, and what it takes."""
     for meta, where in zip(metadata, origins, strict=True):

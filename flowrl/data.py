@@ -24,8 +24,14 @@ if TYPE_CHECKING:
     from .config import DataConfig
 
 BUILTIN_PROMPTS = [
-    "a red circle", "a blue square", "a green triangle", "a yellow circle",
-    "two red squares", "a cat on a mat", "a photo of a mountain lake", "an apple on a table",
+    "a red circle",
+    "a blue square",
+    "a green triangle",
+    "a yellow circle",
+    "two red squares",
+    "a cat on a mat",
+    "a photo of a mountain lake",
+    "an apple on a table",
 ]
 
 
@@ -64,7 +70,7 @@ class PromptSet:
         while len(order) < start % len(self) + n:
             order.extend(self._permutation(seed, cycle))
             cycle += 1
-        idx = order[start % len(self): start % len(self) + n]
+        idx = order[start % len(self) : start % len(self) + n]
         return [self.prompts[i] for i in idx], [dict(self.metadata[i]) for i in idx]
 
     def strata(self, column: str) -> list[list[int]]:
@@ -115,20 +121,26 @@ def require_column(metadata: list[dict], column: str, what: str) -> None:
     missing = next((i for i, m in enumerate(metadata) if column not in (m or {})), None)
     if missing is not None:
         keys = sorted({k for m in metadata for k in (m or {})})
-        raise ValueError(f"{what}: prompt {missing} has no column {column!r}; the prompts' metadata columns are "
-                         f"{keys or 'none (plain-text prompts, e.g. a .txt prompt file)'}")
+        raise ValueError(
+            f"{what}: prompt {missing} has no column {column!r}; the prompts' metadata columns are "
+            f"{keys or 'none (plain-text prompts, e.g. a .txt prompt file)'}"
+        )
 
 
 # ------------------------------------------------------------------------------------------ loading
 
-FORMATS = (".txt (one prompt per line), .jsonl (one JSON object per line) or hf:ORG/NAME (a Hugging Face dataset; "
-           "hf:DIR for a local copy)")
+FORMATS = (
+    ".txt (one prompt per line), .jsonl (one JSON object per line) or hf:ORG/NAME (a Hugging Face dataset; "
+    "hf:DIR for a local copy)"
+)
 HF_PREFIX = "hf:"
 OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 _TRUE = {"1", "ON", "YES", "TRUE"}
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
-_LOCAL_COPY = ("point to a local copy: hf:/path/to/dir (a folder written by Dataset.save_to_disk, or holding "
-               "json/jsonl/csv/parquet files)")
+_LOCAL_COPY = (
+    "point to a local copy: hf:/path/to/dir (a folder written by Dataset.save_to_disk, or holding "
+    "json/jsonl/csv/parquet files)"
+)
 
 
 class PromptFileError(ValueError):
@@ -140,8 +152,15 @@ class _MissingPromptFile(PromptFileError, FileNotFoundError):
     """A prompt file that does not exist (also a FileNotFoundError, as load_prompts raised before)."""
 
 
-def load_prompts(path: str | Path | None, *, column: str = "prompt", template: str = "{prompt}",
-                 split: str = "train", hf_config: str = "", image_column: str = "image") -> PromptSet:
+def load_prompts(
+    path: str | Path | None,
+    *,
+    column: str = "prompt",
+    template: str = "{prompt}",
+    split: str = "train",
+    hf_config: str = "",
+    image_column: str = "image",
+) -> PromptSet:
     """The prompts of a .txt file (one per line), a .jsonl file (one JSON object per line) or `hf:ORG/NAME` (a
     Hugging Face dataset; `hf:DIR` a local one); an empty path gives the built-in prompts.
 
@@ -162,8 +181,9 @@ def load_prompts(path: str | Path | None, *, column: str = "prompt", template: s
         return _load_hf(source, column, template, fields, split, hf_config, image_column)
     path = Path(source)
     if path.suffix not in (".txt", ".jsonl"):
-        raise PromptFileError(f"prompt source {source!r}: unknown format {path.suffix or '(no extension)'!r}; "
-                              f"valid: {FORMATS}")
+        raise PromptFileError(
+            f"prompt source {source!r}: unknown format {path.suffix or '(no extension)'!r}; valid: {FORMATS}"
+        )
     rows = _file_rows(path, column)
     if image_column and path.suffix == ".jsonl":
         rows = ((where, _with_images(row, where, image_column, path.parent)) for where, row in rows)
@@ -180,8 +200,14 @@ def load_config_prompts(data: DataConfig, part: str = "train") -> PromptSet:
     if part == "eval" and data.eval_prompts:
         key, source, split = "eval_prompts", data.eval_prompts, data.eval_split
     try:
-        return load_prompts(source, column=data.prompt_column, template=data.prompt_template, split=split,
-                            hf_config=data.hf_config, image_column=data.image_column)
+        return load_prompts(
+            source,
+            column=data.prompt_column,
+            template=data.prompt_template,
+            split=split,
+            hf_config=data.hf_config,
+            image_column=data.image_column,
+        )
     except PromptFileError as e:
         raise type(e)(f"data.{key}: {e}") from e
 
@@ -195,8 +221,10 @@ def _template_columns(template: str) -> list[str]:
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as e:
-        raise PromptFileError(f"{what} is not a valid format string ({e}); write a column as {{prompt}} and a "
-                              f"literal brace as {{{{ or }}}}") from None
+        raise PromptFileError(
+            f"{what} is not a valid format string ({e}); write a column as {{prompt}} and a "
+            f"literal brace as {{{{ or }}}}"
+        ) from None
     columns = []
     for _, name, _, _ in parsed:
         if name is None:
@@ -224,26 +252,32 @@ def _prompt_set(rows: Iterable[tuple[str, dict]], column: str, template: str, fi
 def _row_prompt(row: dict, where: str, column: str, template: str, fields: list[str]) -> tuple[str, dict]:
     """One row's prompt (its `column` through `template`) and metadata (its other columns)."""
     if column not in row:
-        raise PromptFileError(f"{where}: no prompt column {column!r} (data.prompt_column); the row's keys are "
-                              f"{sorted(row)}")
+        raise PromptFileError(
+            f"{where}: no prompt column {column!r} (data.prompt_column); the row's keys are {sorted(row)}"
+        )
     value = row[column]
     if not isinstance(value, str) or not value.strip():
-        raise PromptFileError(f"{where}: the prompt ({column!r}) must be a non-empty string, got "
-                              f"{_clip(repr(value))} ({type(value).__name__})")
+        raise PromptFileError(
+            f"{where}: the prompt ({column!r}) must be a non-empty string, got "
+            f"{_clip(repr(value))} ({type(value).__name__})"
+        )
     missing = next((f for f in fields if f != "prompt" and f not in row), None)
     if missing is not None:
-        raise PromptFileError(f"{where}: data.prompt_template {template!r} names column {missing!r}, which this row "
-                              f"lacks; its columns are {sorted(row)} ({{prompt}} is the prompt column, {column!r})")
+        raise PromptFileError(
+            f"{where}: data.prompt_template {template!r} names column {missing!r}, which this row "
+            f"lacks; its columns are {sorted(row)} ({{prompt}} is the prompt column, {column!r})"
+        )
     try:
         prompt = template.format_map({**row, "prompt": value})
     except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:
-        raise PromptFileError(f"{where}: data.prompt_template {template!r} does not apply to this row: "
-                              f"{type(e).__name__}: {e}") from None
+        raise PromptFileError(
+            f"{where}: data.prompt_template {template!r} does not apply to this row: {type(e).__name__}: {e}"
+        ) from None
     return prompt, {k: v for k, v in row.items() if k != column}
 
 
 def _clip(text: str, limit: int = 60) -> str:
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ------------------------------------------------------------------------------------------ files
@@ -253,8 +287,10 @@ def _read_lines(path: Path) -> list[tuple[int, str]]:
     """The non-blank lines of a prompt file with their 1-based numbers (a UTF-8 byte-order mark is skipped);
     errors for a missing file, a directory, text that is not UTF-8, and a file without prompts."""
     if not path.exists():
-        raise _MissingPromptFile(f"prompt file {str(path)!r} does not exist (relative paths are read from the "
-                                 f"working directory, {os.getcwd()}){_nearby_files(path)}")
+        raise _MissingPromptFile(
+            f"prompt file {str(path)!r} does not exist (relative paths are read from the "
+            f"working directory, {os.getcwd()}){_nearby_files(path)}"
+        )
     if path.is_dir():
         raise PromptFileError(f"prompt file {str(path)!r} is a directory; for a dataset folder write hf:{path}")
     data = path.read_bytes()
@@ -265,13 +301,18 @@ def _read_lines(path: Path) -> list[tuple[int, str]]:
         offset = bom + e.start
         line = data.count(b"\n", 0, offset) + 1
         in_line = offset - data.rfind(b"\n", 0, offset)  # 1-based
-        raise PromptFileError(f"{path}:{line}: not UTF-8 text: byte 0x{data[offset]:02x} at byte offset {offset} "
-                              f"(byte {in_line} of the line); save the file as UTF-8") from None
+        raise PromptFileError(
+            f"{path}:{line}: not UTF-8 text: byte 0x{data[offset]:02x} at byte offset {offset} "
+            f"(byte {in_line} of the line); save the file as UTF-8"
+        ) from None
     lines = [(i + 1, line.rstrip("\r")) for i, line in enumerate(text.split("\n")) if line.strip()]
     if not lines:
         state = "is empty" if not text else "holds only blank lines"
-        want = ("one prompt per line" if path.suffix == ".txt" else
-                'one JSON object per line, e.g. {"prompt": "a red apple"}')
+        want = (
+            "one prompt per line"
+            if path.suffix == ".txt"
+            else 'one JSON object per line, e.g. {"prompt": "a red apple"}'
+        )
         raise PromptFileError(f"{path}: no prompts: the file {state}; write {want}")
     return lines
 
@@ -302,12 +343,15 @@ def _jsonl_row(line: str, where: str, column: str) -> dict:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
-        raise PromptFileError(f"{where}: not valid JSON: {e.msg} at column {e.colno}; each line must be one JSON "
-                              f'object, e.g. {{"{column}": "a red apple"}}') from None
+        raise PromptFileError(
+            f"{where}: not valid JSON: {e.msg} at column {e.colno}; each line must be one JSON "
+            f'object, e.g. {{"{column}": "a red apple"}}'
+        ) from None
     if not isinstance(row, dict):
         kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(row), "a number")
-        raise PromptFileError(f"{where}: a row must be a JSON object with a {column!r} key, got {kind}: "
-                              f"{_clip(line.strip())}")
+        raise PromptFileError(
+            f"{where}: a row must be a JSON object with a {column!r} key, got {kind}: {_clip(line.strip())}"
+        )
     return row
 
 
@@ -319,19 +363,24 @@ def _with_images(row: dict, where: str, column: str, base: Path, base_is: str = 
     value = row[column]
     paths = [value] if isinstance(value, str) else value
     if not isinstance(paths, list) or not paths or not all(isinstance(p, str) and p.strip() for p in paths):
-        raise PromptFileError(f"{where}: {column!r} must be an image path or a non-empty list of image paths "
-                              f"(relative to the .jsonl file), got {_clip(repr(value))} (data.image_column)")
+        raise PromptFileError(
+            f"{where}: {column!r} must be an image path or a non-empty list of image paths "
+            f"(relative to the .jsonl file), got {_clip(repr(value))} (data.image_column)"
+        )
     resolved = []
     for given in paths:
         file = (base / Path(given).expanduser()).resolve()
         if not file.is_file():
             state = "is a directory" if file.is_dir() else "does not exist"
-            raise PromptFileError(f"{where}: image {given!r} {state} (looked for {file}; paths are relative to "
-                                  f"{base_is} {base})")
+            raise PromptFileError(
+                f"{where}: image {given!r} {state} (looked for {file}; paths are relative to {base_is} {base})"
+            )
         problem = _unreadable_image(file)
         if problem:
-            raise PromptFileError(f"{where}: image {given!r} ({file}) is not an image Pillow can read: {problem}; "
-                                  f"give a PNG, JPEG or WebP file")
+            raise PromptFileError(
+                f"{where}: image {given!r} ({file}) is not an image Pillow can read: {problem}; "
+                f"give a PNG, JPEG or WebP file"
+            )
         resolved.append(str(file))
     return {**row, column: resolved}
 
@@ -353,28 +402,36 @@ def _unreadable_image(file: Path) -> str:
 # ------------------------------------------------------------------------------------------ hf: datasets
 
 
-def _load_hf(source: str, column: str, template: str, fields: list[str], split: str, hf_config: str,
-             image_column: str = "") -> PromptSet:
+def _load_hf(
+    source: str, column: str, template: str, fields: list[str], split: str, hf_config: str, image_column: str = ""
+) -> PromptSet:
     """The prompts of `hf:ORG/NAME` (the hub, or its local cache) or `hf:DIR` (a local dataset): split `split`,
     prompt from `column` through `template`, the other JSON-valued columns as metadata, and the images of
     `image_column` (when the dataset has it) as paths of files (see `_hf_images`)."""
-    name = source[len(HF_PREFIX):].strip()
+    name = source[len(HF_PREFIX) :].strip()
     datasets = _import_datasets(source)
     local = Path(name).expanduser()
-    loaded = (_load_local_dataset(datasets, source, local, hf_config) if name and local.is_dir() else
-              _load_hub_dataset(datasets, source, name, hf_config))
+    loaded = (
+        _load_local_dataset(datasets, source, local, hf_config)
+        if name and local.is_dir()
+        else _load_hub_dataset(datasets, source, name, hf_config)
+    )
     table = _choose_split(loaded, source, split)
     where = f"{source} (split {split!r})"
     if column not in table.column_names:
-        raise PromptFileError(f"{where}: no prompt column {column!r} (data.prompt_column); the dataset's columns "
-                              f"are {table.column_names}")
+        raise PromptFileError(
+            f"{where}: no prompt column {column!r} (data.prompt_column); the dataset's columns are {table.column_names}"
+        )
     missing = next((f for f in fields if f != "prompt" and f not in table.column_names), None)
     if missing is not None:
-        raise PromptFileError(f"{where}: data.prompt_template {template!r} names column {missing!r}, which the "
-                              f"dataset lacks; its columns are {table.column_names}")
+        raise PromptFileError(
+            f"{where}: data.prompt_template {template!r} names column {missing!r}, which the "
+            f"dataset lacks; its columns are {table.column_names}"
+        )
     if len(table) == 0:
-        raise PromptFileError(f"{where}: the split has no rows; choose another split (data.train_split / "
-                              f"data.eval_split)")
+        raise PromptFileError(
+            f"{where}: the split has no rows; choose another split (data.train_split / data.eval_split)"
+        )
     rows = table.to_list()
     if image_column and image_column in table.column_names and image_column != column:
         base = local if name and local.is_dir() else None
@@ -399,9 +456,11 @@ def _hf_images(row: dict, where: str, column: str, base: Path | None, cache: Pat
             item = item["path"]  # an undecoded Image feature that points to a file
         if isinstance(item, str):
             if base is None and not Path(item).expanduser().is_absolute():
-                raise PromptFileError(f"{where}: image {item!r} ({column!r}, data.image_column) is a relative path "
-                                      f"in a hub dataset, with no folder to resolve it against; use a dataset whose "
-                                      f"column holds images (an Image feature), or a local copy (hf:DIR)")
+                raise PromptFileError(
+                    f"{where}: image {item!r} ({column!r}, data.image_column) is a relative path "
+                    f"in a hub dataset, with no folder to resolve it against; use a dataset whose "
+                    f"column holds images (an Image feature), or a local copy (hf:DIR)"
+                )
             paths.append(item)
         else:
             paths.append(_cached_image(item, where, column, cache))
@@ -424,8 +483,10 @@ def _cached_image(item, where: str, column: str, cache: Path) -> str:
     elif isinstance(item, dict) and isinstance(item.get("bytes"), (bytes, bytearray)):
         data, suffix = bytes(item["bytes"]), Path(str(item.get("path") or "")).suffix.lower() or ".img"
     else:
-        raise PromptFileError(f"{where}: {column!r} (data.image_column) must hold images, image paths or lists of "
-                              f"them, got {type(item).__name__}: {_clip(repr(item))}")
+        raise PromptFileError(
+            f"{where}: {column!r} (data.image_column) must hold images, image paths or lists of "
+            f"them, got {type(item).__name__}: {_clip(repr(item))}"
+        )
     file = cache / f"{hashlib.sha256(data).hexdigest()}{suffix}"
     if not file.is_file():
         cache.mkdir(parents=True, exist_ok=True)
@@ -440,8 +501,10 @@ def _import_datasets(source: str):
     try:
         import datasets
     except ImportError as e:
-        raise PromptFileError(f"{source}: Hugging Face prompt datasets need the `datasets` package, which is not "
-                              f"installed: pip install 'flowrl[hf]'") from e
+        raise PromptFileError(
+            f"{source}: Hugging Face prompt datasets need the `datasets` package, which is not "
+            f"installed: pip install 'flowrl[hf]'"
+        ) from e
     return datasets
 
 
@@ -455,16 +518,19 @@ def _load_local_dataset(datasets, source: str, local: Path, hf_config: str):
         return datasets.load_dataset(str(local), hf_config or None)
     except Exception as e:  # datasets raises many kinds; the message is what matters
         config = f" (data.hf_config={hf_config!r})" if hf_config and not saved else ""
-        raise PromptFileError(f"{source}: cannot load the local dataset{config}: {_one_line(e)}; expected a folder "
-                              f"written by Dataset.save_to_disk or holding json/jsonl/csv/parquet files") from e
+        raise PromptFileError(
+            f"{source}: cannot load the local dataset{config}: {_one_line(e)}; expected a folder "
+            f"written by Dataset.save_to_disk or holding json/jsonl/csv/parquet files"
+        ) from e
 
 
 def _load_hub_dataset(datasets, source: str, name: str, hf_config: str):
     """A dataset of the Hugging Face Hub (or its local cache). Offline and not cached: an error at once, without
     calling `datasets` (which could spend a minute on retries)."""
     if not _HUB_ID.fullmatch(name):
-        raise PromptFileError(f"{source}: {name!r} is neither a local directory nor a dataset id such as "
-                              f"hf:openai/gsm8k")
+        raise PromptFileError(
+            f"{source}: {name!r} is neither a local directory nor a dataset id such as hf:openai/gsm8k"
+        )
     offline = _offline_variables()
     if offline and not any(d.exists() for d in _cache_dirs(datasets, name)):
         raise PromptFileError(_offline_message(datasets, source, name, offline))
@@ -474,8 +540,9 @@ def _load_hub_dataset(datasets, source: str, name: str, hf_config: str):
     except ConnectionError as e:
         if offline:
             raise PromptFileError(_offline_message(datasets, source, name, offline)) from e
-        raise PromptFileError(f"{source}: cannot reach the Hugging Face Hub ({_one_line(e)}); check the network, "
-                              f"or {_LOCAL_COPY}") from e
+        raise PromptFileError(
+            f"{source}: cannot reach the Hugging Face Hub ({_one_line(e)}); check the network, or {_LOCAL_COPY}"
+        ) from e
     except Exception as e:  # datasets raises many kinds; the message is what matters
         raise PromptFileError(f"{source}: cannot load dataset {name!r}{config}: {_one_line(e)}") from e
 
@@ -490,12 +557,15 @@ def _cache_dirs(datasets, name: str) -> list[Path]:
     """Where a hub dataset `name` would be cached: the datasets cache (`ORG___NAME`, as `datasets` names it)
     and the hub cache (`datasets--ORG--NAME`), read from the environment now and from `datasets`' settings."""
     home = Path(os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "huggingface")
-    roots = {Path(os.environ.get("HF_DATASETS_CACHE") or home / "datasets").expanduser(),
-             Path(getattr(datasets.config, "HF_DATASETS_CACHE", home / "datasets")).expanduser()}
+    roots = {
+        Path(os.environ.get("HF_DATASETS_CACHE") or home / "datasets").expanduser(),
+        Path(getattr(datasets.config, "HF_DATASETS_CACHE", home / "datasets")).expanduser(),
+    }
     hub = Path(os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or home / "hub").expanduser()
     org, _, short = name.rpartition("/")
     try:
         from datasets.naming import camelcase_to_snakecase
+
         short = camelcase_to_snakecase(short)
     except ImportError:
         pass
@@ -507,9 +577,11 @@ def _offline_message(datasets, source: str, name: str, variables: list[str]) -> 
     """Why an offline machine cannot load hub dataset `name`, and the two ways out."""
     dirs = " or ".join(str(d) for d in _cache_dirs(datasets, name))
     settings = ", ".join(f"{v}={os.environ.get(v)}" for v in variables)
-    return (f"{source}: dataset {name!r} is neither a local directory nor in the Hugging Face cache ({dirs}), and "
-            f"this machine is offline ({settings}), so it cannot be downloaded; run once with network access and "
-            f"{' and '.join(variables)} unset to cache it, or {_LOCAL_COPY}")
+    return (
+        f"{source}: dataset {name!r} is neither a local directory nor in the Hugging Face cache ({dirs}), and "
+        f"this machine is offline ({settings}), so it cannot be downloaded; run once with network access and "
+        f"{' and '.join(variables)} unset to cache it, or {_LOCAL_COPY}"
+    )
 
 
 def _choose_split(loaded, source: str, split: str):
@@ -518,8 +590,10 @@ def _choose_split(loaded, source: str, split: str):
     if not isinstance(loaded, dict):
         return loaded
     if split not in loaded:
-        raise PromptFileError(f"{source}: no split {split!r}; the dataset's splits are {list(loaded)} "
-                              f"(data.train_split / data.eval_split)")
+        raise PromptFileError(
+            f"{source}: no split {split!r}; the dataset's splits are {list(loaded)} "
+            f"(data.train_split / data.eval_split)"
+        )
     return loaded[split]
 
 
@@ -528,8 +602,11 @@ def _json_columns(rows: list[dict], column: str, source: str) -> list[dict]:
     naming them: metadata is logged and sent to remote rewards as JSON."""
     dropped = sorted({k for row in rows for k, v in row.items() if k != column and not _is_json(v)})
     if dropped:
-        warnings.warn(f"{source}: columns {dropped} hold values that are not JSON (images, bytes, dates, ...) and "
-                      f"are left out of the prompts' metadata", stacklevel=3)
+        warnings.warn(
+            f"{source}: columns {dropped} hold values that are not JSON (images, bytes, dates, ...) and "
+            f"are left out of the prompts' metadata",
+            stacklevel=3,
+        )
         rows = [{k: v for k, v in row.items() if k not in dropped} for row in rows]
     return rows
 

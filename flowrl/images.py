@@ -10,8 +10,15 @@ from PIL import Image, ImageDraw, ImageFont
 MAX_CAPTION_LINES = 2  # a row's caption wraps onto at most this many lines, then ends with an ellipsis
 
 
-def image_grid(images: list, cols: int | None = None, pad: int = 2, background=(255, 255, 255), *,
-               row_labels: list[str] | None = None, cell_labels: list[str] | None = None) -> Image.Image:
+def image_grid(
+    images: list,
+    cols: int | None = None,
+    pad: int = 2,
+    background=(255, 255, 255),
+    *,
+    row_labels: list[str] | None = None,
+    cell_labels: list[str] | None = None,
+) -> Image.Image:
     """Tile PIL images (all of one size) row-major into one image with `pad` pixels between them.
 
     row_labels: one caption per row (e.g. the row's prompt), drawn in a strip above the row, wrapped onto at most
@@ -29,8 +36,10 @@ def image_grid(images: list, cols: int | None = None, pad: int = 2, background=(
         if im.size != (w, h):
             raise ValueError(f"image {i} is {im.size}, expected {(w, h)} like the first")
     if row_labels is not None and len(row_labels) != rows:
-        raise ValueError(f"row_labels has {len(row_labels)} labels for the grid's {rows} rows ({len(images)} images "
-                         f"in {cols} columns); give one label per row")
+        raise ValueError(
+            f"row_labels has {len(row_labels)} labels for the grid's {rows} rows ({len(images)} images "
+            f"in {cols} columns); give one label per row"
+        )
     if cell_labels is not None and len(cell_labels) != len(images):
         raise ValueError(f"cell_labels has {len(cell_labels)} labels for {len(images)} images; give one per image")
     width = cols * w + (cols + 1) * pad
@@ -71,7 +80,7 @@ def eval_grid(images: list, prompts: list[str], scores=None, cols: int | None = 
     n = len(images) // len(prompts)
     cols = cols or (n if n > 1 else min(8, len(images)))
     per_image = [p for p in prompts for _ in range(n)]
-    row_labels = [row_caption(per_image[i:i + cols]) for i in range(0, len(images), cols)]
+    row_labels = [row_caption(per_image[i : i + cols]) for i in range(0, len(images), cols)]
     cell_labels = None if scores is None else [format_score(float(s)) for s in scores]
     return image_grid(images, cols=cols, row_labels=row_labels, cell_labels=cell_labels)
 
@@ -96,6 +105,7 @@ def format_score(value: float) -> str:
 
 
 # ------------------------------------------------------------------------------ text
+
 
 def caption_size(image_height: int) -> int:
     """The caption font's size in pixels for a grid of images `image_height` tall (12 for 64 px images, up to 20)."""
@@ -182,6 +192,7 @@ def text_color(background) -> tuple[int, int, int]:
 
 
 # ------------------------------------------------------------------------------ before / after
+
 
 def before_after(before_path, after_path, out_path, labels=("before", "after"), pad: int = 6):
     """Two grids side by side with a caption strip above each; written atomically to `out_path`."""

@@ -44,8 +44,13 @@ def load_prompt_sets(cfg: Config) -> tuple[PromptSet, PromptSet]:
     if d.balance_by:
         _checked("data.balance_by", train_set.strata, d.balance_by)
     if cfg.eval.group_by:
-        _checked("eval.group_by", require_column, eval_set.head(cfg.eval.num_prompts)[1], cfg.eval.group_by,
-                 f"eval.group_by={cfg.eval.group_by!r}")
+        _checked(
+            "eval.group_by",
+            require_column,
+            eval_set.head(cfg.eval.num_prompts)[1],
+            cfg.eval.group_by,
+            f"eval.group_by={cfg.eval.group_by!r}",
+        )
         _checked("eval.images_per_group", eval_plan, eval_set, cfg.eval)
     return train_set, eval_set
 
@@ -74,8 +79,10 @@ def check_reward_samples(cfg: Config, family_name: str | None) -> None:
     for i, spec in enumerate(cfg.rewards):
         accepts = _checked(f"rewards[{i}] ({spec.name})", declared_accepts, spec.name)
         if "image" not in accepts:
-            raise PreflightError(f"rewards[{i}] ({spec.name}) scores videos only ({', '.join(accepts)}), and "
-                                 f"{family_name} makes images; use an image reward or a video model")
+            raise PreflightError(
+                f"rewards[{i}] ({spec.name}) scores videos only ({', '.join(accepts)}), and "
+                f"{family_name} makes images; use an image reward or a video model"
+            )
 
 
 def hub_file(key: str, repo_id: str, filename: str) -> str:
@@ -98,8 +105,10 @@ def hub_file(key: str, repo_id: str, filename: str) -> str:
         raise PreflightError(f"{key}={repo_id!r} is neither a local directory nor a hub id (ORG/NAME)") from None
     except LocalEntryNotFoundError:
         why = "HF_HUB_OFFLINE=1 forbids downloading it" if offline else "the hub could not be reached"
-        raise PreflightError(f"{key}={repo_id}: the hub model is not in the Hugging Face cache and {why}; "
-                             "download it once online (without HF_HUB_OFFLINE) or pass a local directory") from None
+        raise PreflightError(
+            f"{key}={repo_id}: the hub model is not in the Hugging Face cache and {why}; "
+            "download it once online (without HF_HUB_OFFLINE) or pass a local directory"
+        ) from None
     except RepositoryNotFoundError:
         raise PreflightError(f"{key}={repo_id}: no such model on the hub") from None
     except EntryNotFoundError:
@@ -113,8 +122,10 @@ def check_text_model(path: str) -> None:
 
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
-            raise PreflightError(f"model.path={path}: no config.json there; a causal LM directory is what "
-                                 "model.save_pretrained(DIR) writes")
+            raise PreflightError(
+                f"model.path={path}: no config.json there; a causal LM directory is what "
+                "model.save_pretrained(DIR) writes"
+            )
         return
     hub_file("model.path", path, "config.json")
 
@@ -133,8 +144,10 @@ def check_eval_features(cfg: Config, family_name: str | None, eval_set: PromptSe
     from .families import family
 
     if family(family_name).video:
-        raise PreflightError(f"{key}={path} embeds images, and {family_name} makes videos (their diversity is not "
-                             f"measured); set {key}='' (off)")
+        raise PreflightError(
+            f"{key}={path} embeds images, and {family_name} makes videos (their diversity is not "
+            f"measured); set {key}='' (off)"
+        )
     _check_images_per_prompt(cfg, eval_set)
     from rewards.features import BACKBONES
 
@@ -143,15 +156,19 @@ def check_eval_features(cfg: Config, family_name: str | None, eval_set: PromptSe
         if os.path.isdir(path):
             files[name] = os.path.join(path, name)
             if not os.path.isfile(files[name]):
-                raise PreflightError(f"{key}={path}: no {name} there; a backbone directory is what "
-                                     "model.save_pretrained(DIR) and its image processor's save_pretrained(DIR) write")
+                raise PreflightError(
+                    f"{key}={path}: no {name} there; a backbone directory is what "
+                    "model.save_pretrained(DIR) and its image processor's save_pretrained(DIR) write"
+                )
         else:
             files[name] = hub_file(key, path, name)
     with open(files["config.json"], encoding="utf-8") as f:
         model_type = json.load(f).get("model_type")
     if model_type not in BACKBONES:
-        raise PreflightError(f"{key}={path} is a {model_type!r} checkpoint; the feature diversity embeds with one of "
-                             f"{', '.join(BACKBONES)} (e.g. facebook/dinov2-small or openai/clip-vit-large-patch14)")
+        raise PreflightError(
+            f"{key}={path} is a {model_type!r} checkpoint; the feature diversity embeds with one of "
+            f"{', '.join(BACKBONES)} (e.g. facebook/dinov2-small or openai/clip-vit-large-patch14)"
+        )
 
 
 def _check_images_per_prompt(cfg: Config, eval_set: PromptSet) -> None:
@@ -169,16 +186,20 @@ def _check_images_per_prompt(cfg: Config, eval_set: PromptSet) -> None:
     if not counts or min(counts.values()) >= 2:
         return
     if not e.images_per_group:
-        raise PreflightError(f"eval.diversity_features needs >= 2 images of every eval prompt; set "
-                             f"eval.images_per_prompt=2 or more (now {e.images_per_prompt})")
+        raise PreflightError(
+            f"eval.diversity_features needs >= 2 images of every eval prompt; set "
+            f"eval.images_per_prompt=2 or more (now {e.images_per_prompt})"
+        )
     sizes = group_prompt_counts(eval_set.head(e.num_prompts)[1], e.group_by)
     lcm = math.lcm(*sizes.values())
     least = lcm * -(-2 * max(sizes.values()) // lcm)
     few = {g: n for g, n in sorted(sizes.items()) if e.images_per_group // n < 2}
-    raise PreflightError(f"eval.diversity_features needs >= 2 images of every eval prompt, and "
-                         f"eval.images_per_group={e.images_per_group} gives fewer to the prompts of the {e.group_by!r} "
-                         f"groups of these prompt counts: {few}; set eval.images_per_group={least} (the smallest "
-                         f"multiple of every group's prompt count that gives each prompt 2)")
+    raise PreflightError(
+        f"eval.diversity_features needs >= 2 images of every eval prompt, and "
+        f"eval.images_per_group={e.images_per_group} gives fewer to the prompts of the {e.group_by!r} "
+        f"groups of these prompt counts: {few}; set eval.images_per_group={least} (the smallest "
+        f"multiple of every group's prompt count that gives each prompt 2)"
+    )
 
 
 def check_model(cfg: Config) -> str | None:
@@ -190,8 +211,16 @@ def check_model(cfg: Config) -> str | None:
     from .families import preflight_image_model
 
     m, s = cfg.model, cfg.sample
-    return _checked(f"model.path={m.path}", preflight_image_model, m.path, m.family, height=s.height, width=s.width,
-                    drop_t5=m.drop_t5, num_frames=s.num_frames)
+    return _checked(
+        f"model.path={m.path}",
+        preflight_image_model,
+        m.path,
+        m.family,
+        height=s.height,
+        width=s.width,
+        drop_t5=m.drop_t5,
+        num_frames=s.num_frames,
+    )
 
 
 def check_conditioning(cfg: Config, family_name: str | None, *prompt_sets: PromptSet) -> None:
@@ -204,8 +233,9 @@ def check_conditioning(cfg: Config, family_name: str | None, *prompt_sets: Promp
 
     accepts = family(family_name).condition_images
     for key, prompts in zip(("data.train_prompts", "data.eval_prompts"), prompt_sets):
-        _checked(key, check_image_counts, prompts.metadata, prompts.origins, cfg.data.image_column, accepts,
-                 family_name)
+        _checked(
+            key, check_image_counts, prompts.metadata, prompts.origins, cfg.data.image_column, accepts, family_name
+        )
 
 
 def check_loggers(cfg: Config) -> None:
@@ -214,8 +244,10 @@ def check_loggers(cfg: Config) -> None:
             try:
                 __import__(module)
             except ImportError:
-                raise PreflightError(f"log.{flag}=true needs the `{module}` package: pip install 'flowrl[{extra}]' "
-                                     f"(or set log.{flag}=false)") from None
+                raise PreflightError(
+                    f"log.{flag}=true needs the `{module}` package: pip install 'flowrl[{extra}]' "
+                    f"(or set log.{flag}=false)"
+                ) from None
 
 
 def check_optimizer(cfg: Config) -> None:

@@ -86,7 +86,7 @@ def aggregate(values, counts: list[int], how: str = "mean") -> np.ndarray:
     fn = {"mean": np.nanmean, "min": np.nanmin, "max": np.nanmax}[how]
     out, start = [], 0
     for n in counts:
-        chunk = values[start:start + n]
+        chunk = values[start : start + n]
         start += n
         out.append(np.nan if np.isnan(chunk).all() else fn(chunk))
     return np.asarray(out, dtype=np.float32)
@@ -122,8 +122,9 @@ def save_animation(video, path, fps: float = 8.0) -> Path:
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in ANIMATION_FORMATS:
-        raise ValueError(f"cannot write a video as {suffix or '(no extension)'!r}; "
-                         f"valid: {', '.join(ANIMATION_FORMATS)}")
+        raise ValueError(
+            f"cannot write a video as {suffix or '(no extension)'!r}; valid: {', '.join(ANIMATION_FORMATS)}"
+        )
     if fps <= 0:
         raise ValueError(f"fps must be > 0, got {fps}")
     video = as_video(video)
@@ -131,16 +132,19 @@ def save_animation(video, path, fps: float = 8.0) -> Path:
     tmp = path.with_name(path.stem + ".tmp" + suffix)
     if suffix == ".mp4":
         if not mp4_available():
-            raise ImportError("writing MP4 needs imageio with ffmpeg: pip install 'imageio[ffmpeg]'; or write .webp "
-                              "or .gif, which need nothing more")
+            raise ImportError(
+                "writing MP4 needs imageio with ffmpeg: pip install 'imageio[ffmpeg]'; or write .webp "
+                "or .gif, which need nothing more"
+            )
         import imageio.v3 as iio
 
         iio.imwrite(tmp, video if video.shape[-1] == 3 else video[..., :3], fps=fps, codec="libx264")
     else:
         frames = [frame_image(video, i) for i in range(len(video))]
         options = {"lossless": True} if suffix == ".webp" else {}
-        frames[0].save(tmp, save_all=True, append_images=frames[1:], duration=max(1, round(1000 / fps)), loop=0,
-                       **options)
+        frames[0].save(
+            tmp, save_all=True, append_images=frames[1:], duration=max(1, round(1000 / fps)), loop=0, **options
+        )
     tmp.replace(path)
     return path
 

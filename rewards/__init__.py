@@ -55,7 +55,31 @@ def combine(named, weights=None):
     return _combine(named, weights)
 
 
-__all__ = ["ENTRY_POINT_GROUP", "IMAGE", "KINDS", "NOTHING", "REWARDS", "TEXT", "VIDEO", "HubModel", "NamedReward",
-           "NotEstimated", "Parameters", "RewardConfigError", "RewardError", "RewardState", "accepts_of", "available",
-           "build", "call_text_reward", "check", "combine", "declared_accepts", "get", "hub_model", "kind_of",
-           "memory_spec", "register"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "IMAGE",
+    "KINDS",
+    "NOTHING",
+    "REWARDS",
+    "TEXT",
+    "VIDEO",
+    "HubModel",
+    "NamedReward",
+    "NotEstimated",
+    "Parameters",
+    "RewardConfigError",
+    "RewardError",
+    "RewardState",
+    "accepts_of",
+    "available",
+    "build",
+    "call_text_reward",
+    "check",
+    "combine",
+    "declared_accepts",
+    "get",
+    "hub_model",
+    "kind_of",
+    "memory_spec",
+    "register",
+]

@@ -113,8 +113,14 @@ def pooled(output: Any) -> "torch.Tensor":
     return output if isinstance(output, torch.Tensor) else output.pooler_output
 
 
-def clip_embeddings(model: Any, processor: Any, images: list["Image.Image"], prompts: Sequence[str],
-                    device: "torch.device", dtype: "torch.dtype") -> tuple["torch.Tensor", "torch.Tensor"]:
+def clip_embeddings(
+    model: Any,
+    processor: Any,
+    images: list["Image.Image"],
+    prompts: Sequence[str],
+    device: "torch.device",
+    dtype: "torch.dtype",
+) -> tuple["torch.Tensor", "torch.Tensor"]:
     """L2-normalised CLIP image and text embeddings, ``[B, D]`` each, float32, from one forward of
     each tower. Text is padded and truncated to the model's 77 positions."""
     import torch
@@ -124,8 +130,11 @@ def clip_embeddings(model: Any, processor: Any, images: list["Image.Image"], pro
     text = processor(text=list(prompts), padding=True, truncation=True, max_length=max_len, return_tensors="pt")
     with torch.no_grad():
         img = pooled(model.get_image_features(pixel_values=pixels)).float()  # [B, D]
-        txt = pooled(model.get_text_features(input_ids=text["input_ids"].to(device),
-                                             attention_mask=text["attention_mask"].to(device))).float()  # [B, D]
+        txt = pooled(
+            model.get_text_features(
+                input_ids=text["input_ids"].to(device), attention_mask=text["attention_mask"].to(device)
+            )
+        ).float()  # [B, D]
     return img / img.norm(dim=-1, keepdim=True), txt / txt.norm(dim=-1, keepdim=True)
 
 
@@ -227,8 +236,10 @@ def text_scores(values: Any, n: int, who: str) -> list[float | None]:
     Lists, tuples, arrays and tensors are read; anything else, another length or a score that is not a
     number is a ValueError naming ``who``. NaN and infinities pass through: the trainer decides."""
     if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__"):
-        raise ValueError(f"reward {who!r} returned a {type(values).__name__}; a text reward returns one score "
-                         f"(a number or None) per completion")
+        raise ValueError(
+            f"reward {who!r} returned a {type(values).__name__}; a text reward returns one score "
+            f"(a number or None) per completion"
+        )
     values = list(values)
     if len(values) != n:
         raise ValueError(f"reward {who!r} returned {len(values)} scores for {n} completions")
@@ -242,15 +253,24 @@ def text_scores(values: Any, n: int, who: str) -> list[float | None]:
                 raise TypeError
             scores.append(float(value))
         except (TypeError, ValueError):
-            raise ValueError(f"reward {who!r} returned {value!r} ({type(value).__name__}) for completion {i}; "
-                             f"scores are numbers or None") from None
+            raise ValueError(
+                f"reward {who!r} returned {value!r} ({type(value).__name__}) for completion {i}; "
+                f"scores are numbers or None"
+            ) from None
     return scores
 
 
-def call_text_reward(fn: Callable[..., Any], prompts: Sequence[Any], completions: Sequence[Any],
-                     completion_ids: Sequence[Sequence[int]] | None, columns: dict[str, Sequence[Any]], *,
-                     state: RewardState, logs: dict[str, list[float]],
-                     extra: dict[str, list[Any]] | None = None) -> list[float | None]:
+def call_text_reward(
+    fn: Callable[..., Any],
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    completion_ids: Sequence[Sequence[int]] | None,
+    columns: dict[str, Sequence[Any]],
+    *,
+    state: RewardState,
+    logs: dict[str, list[float]],
+    extra: dict[str, list[Any]] | None = None,
+) -> list[float | None]:
     """Call a text reward as TRL's ``GRPOTrainer`` does, and return its scores (float or None each).
 
     The reward gets, by keyword, ``prompts``, ``completions``, ``completion_ids``, each dataset column
@@ -260,6 +280,7 @@ def call_text_reward(fn: Callable[..., Any], prompts: Sequence[Any], completions
     ``float(value)`` to ``logs[name]``; ``log_extra`` extends ``extra[column]`` (dropped when ``extra``
     is None).
     """
+
     def log_metric(name: str, value: float) -> None:
         logs.setdefault(str(name), []).append(float(value))
 
@@ -267,9 +288,15 @@ def call_text_reward(fn: Callable[..., Any], prompts: Sequence[Any], completions
         if extra is not None:
             extra.setdefault(str(column), []).extend(values)
 
-    kwargs = {**columns, "prompts": list(prompts), "completions": list(completions),
-              "completion_ids": None if completion_ids is None else [list(ids) for ids in completion_ids],
-              "trainer_state": state, "log_metric": log_metric, "log_extra": log_extra}
+    kwargs = {
+        **columns,
+        "prompts": list(prompts),
+        "completions": list(completions),
+        "completion_ids": None if completion_ids is None else [list(ids) for ids in completion_ids],
+        "trainer_state": state,
+        "log_metric": log_metric,
+        "log_extra": log_extra,
+    }
     out = resolve_awaitable(invoke_text_reward(fn, kwargs))
     return text_scores(out, len(completions), getattr(fn, "__name__", repr(fn)))
 
@@ -307,8 +334,10 @@ def image_scores(values: Any, n: int, who: str) -> "torch.Tensor":
             raise TypeError(f"a {type(values).__name__}")
         scores = torch.as_tensor(values, dtype=torch.float32).detach().reshape(-1)  # [n]
     except (TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(f"reward {who!r} returned {type(values).__name__} that is not numbers ({e}); an image "
-                         f"reward returns one number per image (a list, tuple, numpy array or tensor)") from None
+        raise ValueError(
+            f"reward {who!r} returned {type(values).__name__} that is not numbers ({e}); an image "
+            f"reward returns one number per image (a list, tuple, numpy array or tensor)"
+        ) from None
     if scores.numel() != n:
         raise ValueError(f"reward {who!r} returned {scores.numel()} scores for {n} images")
     return scores

@@ -31,7 +31,7 @@ def last_boxed(text: str) -> str | None:
     start, cmd = max(starts)
     if start < 0:
         return None
-    rest = text[start + len(cmd):]
+    rest = text[start + len(cmd) :]
     if rest.startswith(" "):  # \boxed 5
         return rest.split()[0] if rest.split() else None
     if not rest.startswith("{"):
@@ -104,8 +104,9 @@ class Accuracy:
     def __call__(self, prompts, completions, **columns) -> list[float | None]:
         column = next((c for c in ("solution", "answer") if c in columns), None)
         if column is None:
-            raise KeyError(f"the accuracy reward needs a 'solution' or 'answer' column; "
-                           f"got columns {sorted(columns) or '(none)'}")
+            raise KeyError(
+                f"the accuracy reward needs a 'solution' or 'answer' column; got columns {sorted(columns) or '(none)'}"
+            )
         references = columns[column]
         if len(references) != len(completions):
             raise ValueError(f"accuracy: {len(completions)} completions but {len(references)} {column!r} values")
@@ -120,8 +121,12 @@ class Accuracy:
         return scores
 
 
-@register("accuracy", kind=TEXT, memory=NOTHING,
-          summary="text: the accuracy of the final numeric answer against the row's `answer`")
+@register(
+    "accuracy",
+    kind=TEXT,
+    memory=NOTHING,
+    summary="text: the accuracy of the final numeric answer against the row's `answer`",
+)
 def accuracy(rel_tol: float = 1e-6) -> Accuracy:
     """The numeric final-answer accuracy reward (see the module docstring)."""
     return Accuracy(rel_tol)

@@ -29,9 +29,12 @@ class AestheticMLP(nn.Module):
     def __init__(self, input_size: int = 768):
         super().__init__()
         self.layers = nn.Sequential(
-            nn.Linear(input_size, 1024), nn.Dropout(0.2),
-            nn.Linear(1024, 128), nn.Dropout(0.2),
-            nn.Linear(128, 64), nn.Dropout(0.1),
+            nn.Linear(input_size, 1024),
+            nn.Dropout(0.2),
+            nn.Linear(1024, 128),
+            nn.Dropout(0.2),
+            nn.Linear(128, 64),
+            nn.Dropout(0.1),
             nn.Linear(64, 16),
             nn.Linear(16, 1),
         )
@@ -40,8 +43,12 @@ class AestheticMLP(nn.Module):
         return self.layers(embeds)
 
 
-@register("aesthetic", kind=IMAGE, memory=hub_model("model", "CLIPModel"),
-          summary="the LAION improved aesthetic predictor on CLIP ViT-L/14 (DDPO), roughly 1-10")  # + a 0.9M head
+@register(
+    "aesthetic",
+    kind=IMAGE,
+    memory=hub_model("model", "CLIPModel"),
+    summary="the LAION improved aesthetic predictor on CLIP ViT-L/14 (DDPO), roughly 1-10",
+)  # + a 0.9M head
 class Aesthetic:
     """``head(e / |e|)`` with ``e`` the projected CLIP image embedding.
 
@@ -55,10 +62,15 @@ class Aesthetic:
 
     kind = IMAGE
 
-    def __init__(self, model: str = "openai/clip-vit-large-patch14", processor: str | None = None,
-                 head: str = "camenduru/improved-aesthetic-predictor",
-                 head_filename: str = "sac+logos+ava1-l14-linearMSE.pth",
-                 device: str | None = None, dtype: str | torch.dtype = "float32"):
+    def __init__(
+        self,
+        model: str = "openai/clip-vit-large-patch14",
+        processor: str | None = None,
+        head: str = "camenduru/improved-aesthetic-predictor",
+        head_filename: str = "sac+logos+ava1-l14-linearMSE.pth",
+        device: str | None = None,
+        dtype: str | torch.dtype = "float32",
+    ):
         self.device, self.dtype = resolve_device(device), resolve_dtype(dtype)
         self.model, self.processor = load_clip(model, processor, self.device, self.dtype)
         self.head = AestheticMLP(self.model.config.projection_dim)
@@ -66,8 +78,9 @@ class Aesthetic:
         try:
             self.head.load_state_dict(load_state_dict(path))
         except RuntimeError as e:
-            raise ValueError(f"aesthetic head {path!r} does not fit the MLP "
-                             f"{self.model.config.projection_dim}→1024→128→64→16→1: {e}") from e
+            raise ValueError(
+                f"aesthetic head {path!r} does not fit the MLP {self.model.config.projection_dim}→1024→128→64→16→1: {e}"
+            ) from e
         self.head.to(self.device).eval().requires_grad_(False)
         self.last_components: dict[str, torch.Tensor] = {}
 

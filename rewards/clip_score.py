@@ -17,8 +17,12 @@ def clip_cosine(image_embeds: torch.Tensor, text_embeds: torch.Tensor) -> torch.
     return (image_embeds * text_embeds).sum(-1)
 
 
-@register("clip_score", kind=IMAGE, memory=hub_model("model", "CLIPModel"),
-          summary="`scale · cos` of the CLIP image and text embeddings")
+@register(
+    "clip_score",
+    kind=IMAGE,
+    memory=hub_model("model", "CLIPModel"),
+    summary="`scale · cos` of the CLIP image and text embeddings",
+)
 class ClipScore:
     """``scale · cos(CLIP_image(x), CLIP_text(prompt))`` per image, one forward per tower and batch.
 
@@ -31,8 +35,14 @@ class ClipScore:
 
     kind = IMAGE
 
-    def __init__(self, model: str = "openai/clip-vit-large-patch14", processor: str | None = None,
-                 scale: float = 1.0, device: str | None = None, dtype: str | torch.dtype = "float32"):
+    def __init__(
+        self,
+        model: str = "openai/clip-vit-large-patch14",
+        processor: str | None = None,
+        scale: float = 1.0,
+        device: str | None = None,
+        dtype: str | torch.dtype = "float32",
+    ):
         self.device, self.dtype = resolve_device(device), resolve_dtype(dtype)
         self.model, self.processor = load_clip(model, processor, self.device, self.dtype)
         self.scale = scale
@@ -40,8 +50,9 @@ class ClipScore:
 
     def __call__(self, images, prompts, **metadata) -> torch.Tensor:
         images = check_images(images, prompts, "clip_score")
-        image_embeds, text_embeds = clip_embeddings(self.model, self.processor, images, prompts,
-                                                    self.device, self.dtype)  # [B, D] each
+        image_embeds, text_embeds = clip_embeddings(
+            self.model, self.processor, images, prompts, self.device, self.dtype
+        )  # [B, D] each
         cosine = clip_cosine(image_embeds, text_embeds).cpu()  # [B]
         self.last_components = {"cosine": cosine}
         return self.scale * cosine

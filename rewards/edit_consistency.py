@@ -27,8 +27,12 @@ from rewards.memory import hub_model
 from rewards.registry import IMAGE, register
 
 
-@register("edit_consistency", kind=IMAGE, memory=hub_model("model", ARCHITECTURES),
-          summary="the similarity of an edited image's features to its source image's (DINOv2 or CLIP)")
+@register(
+    "edit_consistency",
+    kind=IMAGE,
+    memory=hub_model("model", ARCHITECTURES),
+    summary="the similarity of an edited image's features to its source image's (DINOv2 or CLIP)",
+)
 class EditConsistency:
     """reward(images, prompts, image=[[source path, ...], ...], edit_region=[box or boxes or None, ...])
     -> Tensor[B]: ``scale · cos(f(edited), f(source))``; component ``masked`` [B] (1 where a region was left out).
@@ -45,10 +49,18 @@ class EditConsistency:
 
     kind = IMAGE
 
-    def __init__(self, model: str = "facebook/dinov2-small", processor: str | None = None,
-                 source_column: str = "image", source_index: int = 0, region_column: str = "edit_region",
-                 scale: float = 1.0, device: str | None = None, dtype: str | torch.dtype = "float32",
-                 batch_size: int = 64):
+    def __init__(
+        self,
+        model: str = "facebook/dinov2-small",
+        processor: str | None = None,
+        source_column: str = "image",
+        source_index: int = 0,
+        region_column: str = "edit_region",
+        scale: float = 1.0,
+        device: str | None = None,
+        dtype: str | torch.dtype = "float32",
+        batch_size: int = 64,
+    ):
         self.encoder = ImageEncoder(model, processor, resolve_device(device), resolve_dtype(dtype), batch_size)
         self.source_column, self.source_index, self.region_column = source_column, int(source_index), region_column
         self.scale = scale
@@ -63,7 +75,7 @@ class EditConsistency:
         edited = [paint_boxes(im, boxes, fill) for im, boxes in zip(images, regions)]
         kept = [paint_boxes(im, boxes, fill) for im, boxes in zip(sources, regions)]
         features = self.encoder(edited + kept)  # [2B, D], unit norm
-        cosine = (features[: len(images)] * features[len(images):]).sum(-1)  # [B]
+        cosine = (features[: len(images)] * features[len(images) :]).sum(-1)  # [B]
         self.last_components = {"masked": torch.tensor([float(bool(b)) for b in regions])}
         return self.scale * cosine
 
@@ -71,13 +83,17 @@ class EditConsistency:
         """Sample i's source image, read from its path in the source column."""
         values = columns.get(self.source_column)
         if values is None:
-            raise ValueError(f"edit_consistency needs each prompt's source image: a {self.source_column!r} column of "
-                             f"image paths in the prompt file (data.image_column), or set source_column")
+            raise ValueError(
+                f"edit_consistency needs each prompt's source image: a {self.source_column!r} column of "
+                f"image paths in the prompt file (data.image_column), or set source_column"
+            )
         value = values[i]
         paths = [value] if isinstance(value, str) else list(value or [])
         if not -len(paths) <= self.source_index < len(paths):
-            raise ValueError(f"edit_consistency: sample {i} has {len(paths)} image(s) in {self.source_column!r}, "
-                             f"no index {self.source_index} (source_index)")
+            raise ValueError(
+                f"edit_consistency: sample {i} has {len(paths)} image(s) in {self.source_column!r}, "
+                f"no index {self.source_index} (source_index)"
+            )
         with Image.open(paths[self.source_index]) as im:
             return im.convert("RGB")
 
@@ -93,8 +109,10 @@ def parse_boxes(value, index: int = 0) -> list[Box]:
     boxes = [value] if _is_box(value) else list(value)
     for box in boxes:
         if not _is_box(box) or not (0 <= box[0] < box[2] <= 1 and 0 <= box[1] < box[3] <= 1):
-            raise ValueError(f"edit region of sample {index}: expected [x0, y0, x1, y1] in fractions of the image "
-                             f"(0 <= x0 < x1 <= 1, 0 <= y0 < y1 <= 1), or a list of such boxes; got {value!r}")
+            raise ValueError(
+                f"edit region of sample {index}: expected [x0, y0, x1, y1] in fractions of the image "
+                f"(0 <= x0 < x1 <= 1, 0 <= y0 < y1 <= 1), or a list of such boxes; got {value!r}"
+            )
     return [tuple(float(v) for v in box) for box in boxes]
 
 

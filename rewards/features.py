@@ -36,8 +36,9 @@ def encoder_memory(model: str, dtype: str = "float32") -> HubModel:
 class ImageEncoder:
     """``encoder(images) -> Tensor[B, D]``: L2-normalised float32 features of PIL images, ``batch_size`` at a time."""
 
-    def __init__(self, model: str, processor: str | None, device: torch.device, dtype: torch.dtype,
-                 batch_size: int = 64):
+    def __init__(
+        self, model: str, processor: str | None, device: torch.device, dtype: torch.dtype, batch_size: int = 64
+    ):
         from transformers import AutoConfig, AutoImageProcessor
 
         if batch_size < 1:
@@ -45,11 +46,15 @@ class ImageEncoder:
         try:
             self.model_type = AutoConfig.from_pretrained(model).model_type
         except OSError as e:
-            raise OSError(f"backbone {model!r} is neither a local directory nor a hub id that could be loaded here "
-                          f"(offline: is it in the Hugging Face cache?): {str(e).splitlines()[0]}") from e
+            raise OSError(
+                f"backbone {model!r} is neither a local directory nor a hub id that could be loaded here "
+                f"(offline: is it in the Hugging Face cache?): {str(e).splitlines()[0]}"
+            ) from e
         if self.model_type not in BACKBONES:
-            raise ValueError(f"{model!r} is a {self.model_type!r} checkpoint; the similarity rewards take one of "
-                             f"{', '.join(BACKBONES)} (e.g. facebook/dinov2-small or openai/clip-vit-large-patch14)")
+            raise ValueError(
+                f"{model!r} is a {self.model_type!r} checkpoint; the similarity rewards take one of "
+                f"{', '.join(BACKBONES)} (e.g. facebook/dinov2-small or openai/clip-vit-large-patch14)"
+            )
         import transformers
 
         backbone = getattr(transformers, ARCHITECTURES[self.model_type])
@@ -59,7 +64,7 @@ class ImageEncoder:
         self.device, self.dtype, self.batch_size = device, dtype, int(batch_size)
 
     def __call__(self, images: list) -> torch.Tensor:
-        chunks = [self._embed(images[i: i + self.batch_size]) for i in range(0, len(images), self.batch_size)]
+        chunks = [self._embed(images[i : i + self.batch_size]) for i in range(0, len(images), self.batch_size)]
         features = torch.cat(chunks) if chunks else torch.zeros(0, 1)
         return features / features.norm(dim=-1, keepdim=True)
 
@@ -72,4 +77,3 @@ class ImageEncoder:
         if self.model_type == "clip_vision_model":
             return self.model(pixel_values=pixels).image_embeds.float().cpu()
         return self.model(pixel_values=pixels).pooler_output.float().cpu()  # DINOv2: normed [CLS]
-

@@ -55,8 +55,7 @@ def clip_h_memory(options: dict) -> list[Held]:
     return [HubModel(VIT_H_14, "CLIPModel", dtype_name(options["dtype"]))]
 
 
-@register("hpsv2", kind=IMAGE, memory=clip_h_memory,
-          summary="HPS v2 / v2.1 (open_clip ViT-H-14)")
+@register("hpsv2", kind=IMAGE, memory=clip_h_memory, summary="HPS v2 / v2.1 (open_clip ViT-H-14)")
 class HPSv2:
     """HPS v2(.1) per image: ``<f_img/|f_img|, f_txt/|f_txt|>``.
 
@@ -71,8 +70,14 @@ class HPSv2:
 
     kind = IMAGE
 
-    def __init__(self, version: str = "v2.1", checkpoint: str = "xswu/HPSv2", architecture: str = "ViT-H-14",
-                 device: str | None = None, dtype: str | torch.dtype = "float32"):
+    def __init__(
+        self,
+        version: str = "v2.1",
+        checkpoint: str = "xswu/HPSv2",
+        architecture: str = "ViT-H-14",
+        device: str | None = None,
+        dtype: str | torch.dtype = "float32",
+    ):
         if version not in CHECKPOINTS:
             raise ValueError(f"unknown HPS version {version!r}; valid: {', '.join(CHECKPOINTS)}")
         import open_clip
@@ -82,8 +87,13 @@ class HPSv2:
         previous = logging.root.manager.disable
         logging.disable(logging.WARNING)  # open_clip warns "initialized randomly": the weights come next
         try:
-            self.model = open_clip.create_model(arch, pretrained=None, load_weights=False,
-                                                precision=_PRECISION.get(self.dtype, "fp32"), device=self.device)
+            self.model = open_clip.create_model(
+                arch,
+                pretrained=None,
+                load_weights=False,
+                precision=_PRECISION.get(self.dtype, "fp32"),
+                device=self.device,
+            )
         finally:
             logging.disable(previous)
         path = resolve_file(checkpoint, CHECKPOINTS[version])

@@ -23,8 +23,12 @@ def blip_memory(options: dict) -> Parameters:
     return Parameters(PARAMETERS, "ImageReward BLIP ViT-L + BERT-base", dtype_name(options["dtype"]))
 
 
-@register("imagereward", kind=IMAGE, memory=blip_memory,
-          summary="ImageReward (the optional package `image-reward`: `pip install -e \".[imagereward]\"`)")
+@register(
+    "imagereward",
+    kind=IMAGE,
+    memory=blip_memory,
+    summary='ImageReward (the optional package `image-reward`: `pip install -e ".[imagereward]"`)',
+)
 class ImageRewardScore:
     """ImageReward per image, the whole batch in one forward (the package's ``score`` loops per image).
 
@@ -36,10 +40,16 @@ class ImageRewardScore:
 
     kind = IMAGE
 
-    def __init__(self, model: str = "ImageReward-v1.0", download_root: str | None = None,
-                 device: str | None = None, dtype: str | torch.dtype = "float32"):
-        image_reward = require("ImageReward", extra="imagereward", package="image-reward",
-                               purpose="the imagereward reward")
+    def __init__(
+        self,
+        model: str = "ImageReward-v1.0",
+        download_root: str | None = None,
+        device: str | None = None,
+        dtype: str | torch.dtype = "float32",
+    ):
+        image_reward = require(
+            "ImageReward", extra="imagereward", package="image-reward", purpose="the imagereward reward"
+        )
         self.device, self.dtype = resolve_device(device), resolve_dtype(dtype)
         self.model = image_reward.load(model, device=str(self.device), download_root=download_root)
         self.model.to(self.device, self.dtype).eval().requires_grad_(False)
@@ -48,15 +58,20 @@ class ImageRewardScore:
     def __call__(self, images, prompts, **metadata) -> torch.Tensor:
         images = check_images(images, prompts, "imagereward")
         blip = self.model.blip
-        text = blip.tokenizer(list(prompts), padding="max_length", truncation=True,
-                              max_length=MAX_PROMPT_TOKENS, return_tensors="pt").to(self.device)
+        text = blip.tokenizer(
+            list(prompts), padding="max_length", truncation=True, max_length=MAX_PROMPT_TOKENS, return_tensors="pt"
+        ).to(self.device)
         pixels = torch.stack([self.model.preprocess(x) for x in images]).to(self.device, self.dtype)  # [B,3,H,W]
         with torch.no_grad():
             image_embeds = blip.visual_encoder(pixels)  # [B, N, D]
             image_mask = torch.ones(image_embeds.shape[:-1], dtype=torch.long, device=self.device)  # [B, N]
-            text_out = blip.text_encoder(text.input_ids, attention_mask=text.attention_mask,
-                                         encoder_hidden_states=image_embeds, encoder_attention_mask=image_mask,
-                                         return_dict=True)
+            text_out = blip.text_encoder(
+                text.input_ids,
+                attention_mask=text.attention_mask,
+                encoder_hidden_states=image_embeds,
+                encoder_attention_mask=image_mask,
+                return_dict=True,
+            )
             cls_features = text_out.last_hidden_state[:, 0, :]  # [B, D]
             raw = self.model.mlp(cls_features).squeeze(-1).float()  # [B]
         score = ((raw - self.model.mean) / self.model.std).cpu()

@@ -38,15 +38,20 @@ class JpegSize:
         return self.sign * size_kb
 
 
-@register("jpeg_incompressibility", kind=IMAGE, memory=NOTHING,
-          summary="the image's JPEG size at quality 95, in kB (DDPO)")
+@register(
+    "jpeg_incompressibility", kind=IMAGE, memory=NOTHING, summary="the image's JPEG size at quality 95, in kB (DDPO)"
+)
 def jpeg_incompressibility(quality: int = 95) -> JpegSize:
     """Reward = JPEG size in kB."""
     return JpegSize(+1.0, quality)
 
 
-@register("jpeg_compressibility", kind=IMAGE, memory=NOTHING,
-          summary="minus the image's JPEG size at quality 95, in kB (DDPO)")
+@register(
+    "jpeg_compressibility",
+    kind=IMAGE,
+    memory=NOTHING,
+    summary="minus the image's JPEG size at quality 95, in kB (DDPO)",
+)
 def jpeg_compressibility(quality: int = 95) -> JpegSize:
     """Reward = −(JPEG size in kB)."""
     return JpegSize(-1.0, quality)

@@ -30,8 +30,15 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Union
 
 #: canonical dtype names, and the spellings a reward's ``dtype`` option takes (as ``rewards._common.resolve_dtype``)
-DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16", "half": "float16",
-               "bfloat16": "bfloat16", "bf16": "bfloat16"}
+DTYPE_NAMES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+}
 
 
 @dataclass(frozen=True)
@@ -80,15 +87,16 @@ Declaration = Union[Held, tuple, list, Callable[[dict], Any]]
 
 
 def dtype_name(dtype: Any) -> str:
-    """"float32", "bfloat16" or "float16" for a dtype option: one of ``DTYPE_NAMES`` or a ``torch.dtype``."""
+    """ "float32", "bfloat16" or "float16" for a dtype option: one of ``DTYPE_NAMES`` or a ``torch.dtype``."""
     name = str(dtype).removeprefix("torch.")
     if name not in DTYPE_NAMES:
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPE_NAMES)} or a torch.dtype")
     return DTYPE_NAMES[name]
 
 
-def hub_model(option: str, architecture: str | Mapping[str, str], *,
-              dtype_option: str = "dtype") -> Callable[[dict], HubModel]:
+def hub_model(
+    option: str, architecture: str | Mapping[str, str], *, dtype_option: str = "dtype"
+) -> Callable[[dict], HubModel]:
     """The declaration of a reward that loads a transformers model from the hub id or local directory given in its
     option ``option``, as the class ``architecture`` (see ``HubModel``), in the dtype of its option
     ``dtype_option`` (float32 when it has none)."""
@@ -102,8 +110,11 @@ def hub_model(option: str, architecture: str | Mapping[str, str], *,
 
 def is_declaration(declared: Any) -> bool:
     """Whether ``declared`` has one of a declaration's forms (a function's result is checked by ``resolve``)."""
-    return callable(declared) or isinstance(declared, HELD_TYPES) or (
-        isinstance(declared, (tuple, list)) and all(isinstance(h, HELD_TYPES) for h in declared))
+    return (
+        callable(declared)
+        or isinstance(declared, HELD_TYPES)
+        or (isinstance(declared, (tuple, list)) and all(isinstance(h, HELD_TYPES) for h in declared))
+    )
 
 
 def resolve(declared: Declaration, options: dict, reward: str) -> list[Held]:
@@ -113,6 +124,8 @@ def resolve(declared: Declaration, options: dict, reward: str) -> list[Held]:
     if isinstance(held, HELD_TYPES):
         held = [held]
     if not isinstance(held, (tuple, list)) or not all(isinstance(h, HELD_TYPES) for h in held):
-        raise TypeError(f"a memory declaration gives NOTHING, a HubModel, Parameters or NotEstimated, or a list of "
-                        f"them; got {held!r}")
+        raise TypeError(
+            f"a memory declaration gives NOTHING, a HubModel, Parameters or NotEstimated, or a list of "
+            f"them; got {held!r}"
+        )
     return [h if h.reward else replace(h, reward=reward) for h in held]

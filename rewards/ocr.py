@@ -31,9 +31,13 @@ def levenshtein(a: str, b: str) -> int:
     for i, ca in enumerate(a, start=1):
         current = [i]
         for j, cb in enumerate(b, start=1):
-            current.append(min(previous[j] + 1,  # delete ca
-                               current[j - 1] + 1,  # insert cb
-                               previous[j - 1] + (ca != cb)))  # substitute (free if equal)
+            current.append(
+                min(
+                    previous[j] + 1,  # delete ca
+                    current[j - 1] + 1,  # insert cb
+                    previous[j - 1] + (ca != cb),
+                )
+            )  # substitute (free if equal)
         previous = current
     return previous[-1]
 
@@ -42,8 +46,10 @@ def quoted_target(prompt: str) -> str:
     """The text between the first pair of double quotes (straight or curly) of ``prompt``."""
     match = _QUOTED.search(prompt)
     if match is None:
-        raise ValueError(f'the ocr reward needs the target text in double quotes in the prompt, as in '
-                         f'\'a sign that says "OPEN"\'; got prompt {prompt!r}')
+        raise ValueError(
+            f"the ocr reward needs the target text in double quotes in the prompt, as in "
+            f"'a sign that says \"OPEN\"'; got prompt {prompt!r}"
+        )
     return match.group(1)
 
 
@@ -75,8 +81,10 @@ class TesseractEngine:
         try:
             self.pytesseract.get_tesseract_version()
         except self.pytesseract.TesseractNotFoundError as e:
-            raise RuntimeError("the ocr reward's tesseract engine needs the tesseract binary: "
-                               "apt-get install tesseract-ocr (or brew install tesseract)") from e
+            raise RuntimeError(
+                "the ocr reward's tesseract engine needs the tesseract binary: "
+                "apt-get install tesseract-ocr (or brew install tesseract)"
+            ) from e
         self.lang, self.config = lang, config
 
     def __call__(self, image) -> str:
@@ -87,10 +95,13 @@ class PaddleEngine:
     """``image -> text`` with PaddleOCR, keeping lines recognised with confidence > 0 (Flow-GRPO's rule)."""
 
     def __init__(self, lang: str = "en"):
-        paddleocr = require("paddleocr", extra="paddleocr", package="paddleocr", purpose="the ocr reward's paddle engine")
+        paddleocr = require(
+            "paddleocr", extra="paddleocr", package="paddleocr", purpose="the ocr reward's paddle engine"
+        )
         try:  # PaddleOCR 3.x
-            self.ocr = paddleocr.PaddleOCR(lang=lang, use_doc_orientation_classify=False,
-                                           use_doc_unwarping=False, use_textline_orientation=False)
+            self.ocr = paddleocr.PaddleOCR(
+                lang=lang, use_doc_orientation_classify=False, use_doc_unwarping=False, use_textline_orientation=False
+            )
         except (TypeError, ValueError):  # PaddleOCR 2.x
             self.ocr = paddleocr.PaddleOCR(use_angle_cls=False, lang=lang, show_log=False)
 
@@ -116,9 +127,13 @@ def engine_memory(options: dict) -> list[Held]:
     return [NotEstimated(f"the {options.get('engine')} engine runs in PaddlePaddle's memory")]
 
 
-@register("ocr", kind=IMAGE, memory=engine_memory,
-          summary="Flow-GRPO's text rendering: the prompt's quoted text against the OCR'd image, `1 - min(d, n)/n`; "
-                  "Tesseract (`\".[ocr]\"` and `apt-get install tesseract-ocr`) or PaddleOCR (`\".[paddleocr]\"`)")
+@register(
+    "ocr",
+    kind=IMAGE,
+    memory=engine_memory,
+    summary="Flow-GRPO's text rendering: the prompt's quoted text against the OCR'd image, `1 - min(d, n)/n`; "
+    'Tesseract (`".[ocr]"` and `apt-get install tesseract-ocr`) or PaddleOCR (`".[paddleocr]"`)',
+)
 class OCRReward:
     """``1 - min(d, n)/n`` per image (see the module docstring).
 

@@ -17,8 +17,12 @@ def pickscore(image_embeds: torch.Tensor, text_embeds: torch.Tensor, logit_scale
     return logit_scale.exp() * (image_embeds * text_embeds).sum(-1)
 
 
-@register("pickscore", kind=IMAGE, memory=hub_model("model", "CLIPModel"),
-          summary="PickScore, a CLIP-H fine-tuned on human preferences (Flow-GRPO divides it by 26)")
+@register(
+    "pickscore",
+    kind=IMAGE,
+    memory=hub_model("model", "CLIPModel"),
+    summary="PickScore, a CLIP-H fine-tuned on human preferences (Flow-GRPO divides it by 26)",
+)
 class PickScore:
     """PickScore per image, ``scale · exp(logit_scale) · cos``.
 
@@ -31,9 +35,14 @@ class PickScore:
 
     kind = IMAGE
 
-    def __init__(self, model: str = "yuvalkirstain/PickScore_v1",
-                 processor: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", scale: float = 1.0,
-                 device: str | None = None, dtype: str | torch.dtype = "float32"):
+    def __init__(
+        self,
+        model: str = "yuvalkirstain/PickScore_v1",
+        processor: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
+        scale: float = 1.0,
+        device: str | None = None,
+        dtype: str | torch.dtype = "float32",
+    ):
         self.device, self.dtype = resolve_device(device), resolve_dtype(dtype)
         self.model, self.processor = load_clip(model, processor, self.device, self.dtype)
         self.scale = scale
@@ -41,8 +50,9 @@ class PickScore:
 
     def __call__(self, images, prompts, **metadata) -> torch.Tensor:
         images = check_images(images, prompts, "pickscore")
-        image_embeds, text_embeds = clip_embeddings(self.model, self.processor, images, prompts,
-                                                    self.device, self.dtype)  # [B, D] each
+        image_embeds, text_embeds = clip_embeddings(
+            self.model, self.processor, images, prompts, self.device, self.dtype
+        )  # [B, D] each
         score = pickscore(image_embeds, text_embeds, self.model.logit_scale.float()).cpu()  # [B]
         self.last_components = {"cosine": (image_embeds * text_embeds).sum(-1).cpu()}
         return self.scale * score

@@ -110,8 +110,9 @@ class RewardError(RuntimeError):
     """A built reward failed; the message starts with its name and the error is chained."""
 
 
-def register(name: str, *, kind: str, accepts: tuple[str, ...] | None = None, memory: Any = None,
-             summary: str = "") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def register(
+    name: str, *, kind: str, accepts: tuple[str, ...] | None = None, memory: Any = None, summary: str = ""
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: register a reward factory under ``name``; ``kind`` is "image" or "text". An image reward's
     ``accepts`` says which samples it scores: ("image",) by default, ("video",) for a video-native one, or both.
     ``memory`` declares what it keeps on the accelerator, for the planner (``rewards.memory``: ``NOTHING``, held
@@ -122,8 +123,10 @@ def register(name: str, *, kind: str, accepts: tuple[str, ...] | None = None, me
     if accepts is not None:
         _check_accepts(name, accepts)
     if memory is not None and not is_declaration(memory):
-        raise ValueError(f"reward {name!r}: memory must be NOTHING, a HubModel, Parameters or NotEstimated, a list "
-                         f"of them, or a function of the options giving them (see rewards.memory); got {memory!r}")
+        raise ValueError(
+            f"reward {name!r}: memory must be NOTHING, a HubModel, Parameters or NotEstimated, a list "
+            f"of them, or a function of the options giving them (see rewards.memory); got {memory!r}"
+        )
 
     def deco(factory: Callable[..., Any]) -> Callable[..., Any]:
         factory.reward_kind = kind  # type: ignore[attr-defined]
@@ -181,7 +184,7 @@ def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
 
 
 def _origin(entry_point: importlib.metadata.EntryPoint) -> str:
-    """"entry point NAME = VALUE (group flowrl.rewards) of distribution DIST VERSION"."""
+    """ "entry point NAME = VALUE (group flowrl.rewards) of distribution DIST VERSION"."""
     dist = getattr(entry_point, "dist", None)
     owner = f"distribution {dist.name} {dist.version}" if dist is not None else "an unnamed distribution"
     return f"entry point {entry_point.name} = {entry_point.value} (group {ENTRY_POINT_GROUP}) of {owner}"
@@ -193,21 +196,26 @@ def _load_entry_point(entry_point: importlib.metadata.EntryPoint) -> None:
     fails, or it does not register that name."""
     name = entry_point.name
     if entry_point.attr:
-        raise RewardConfigError(f"reward {name!r}: {_origin(entry_point)} names an attribute; its value must be a "
-                                f"module that calls rewards.register({name!r}, kind=...) on import: "
-                                f"{name} = {entry_point.module}")
+        raise RewardConfigError(
+            f"reward {name!r}: {_origin(entry_point)} names an attribute; its value must be a "
+            f"module that calls rewards.register({name!r}, kind=...) on import: "
+            f"{name} = {entry_point.module}"
+        )
     before = set(REWARDS.names())
     try:
         importlib.import_module(entry_point.module)
     except Exception as e:  # ImportError, or the module's own code failed
         first = (str(e).strip().splitlines() or [""])[0]
-        raise RewardConfigError(f"reward {name!r}: {_origin(entry_point)} failed to import: "
-                                f"{type(e).__name__}: {first}") from e
+        raise RewardConfigError(
+            f"reward {name!r}: {_origin(entry_point)} failed to import: {type(e).__name__}: {first}"
+        ) from e
     if name not in REWARDS:
         others = sorted(set(REWARDS.names()) - before)
-        raise RewardConfigError(f"reward {name!r}: {_origin(entry_point)}: module {entry_point.module} registered "
-                                f"{', '.join(map(repr, others)) or 'nothing'}, not {name!r}; it must call "
-                                f"rewards.register({name!r}, kind=...)")
+        raise RewardConfigError(
+            f"reward {name!r}: {_origin(entry_point)}: module {entry_point.module} registered "
+            f"{', '.join(map(repr, others)) or 'nothing'}, not {name!r}; it must call "
+            f"rewards.register({name!r}, kind=...)"
+        )
 
 
 def _factory(name: str) -> Callable[..., Any] | None:
@@ -231,11 +239,13 @@ def _registered(name: str) -> Callable[..., Any]:
 
 
 def _options_message(name: str, unknown: list[str], valid: list[str]) -> str:
-    """"reward NAME got unknown option(s) ... Valid options: ..." with a did-you-mean for each."""
+    """ "reward NAME got unknown option(s) ... Valid options: ..." with a did-you-mean for each."""
     close = [c for k in unknown for c in difflib.get_close_matches(k, valid, n=1, cutoff=0.6)]
     hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
-    return (f"reward {name!r} got unknown option(s) {', '.join(map(repr, unknown))}.{hint} "
-            f"Valid options: {', '.join(valid) or '(none)'}.")
+    return (
+        f"reward {name!r} got unknown option(s) {', '.join(map(repr, unknown))}.{hint} "
+        f"Valid options: {', '.join(valid) or '(none)'}."
+    )
 
 
 def get(name: str, **kwargs: Any) -> Callable[..., Any]:
@@ -322,8 +332,9 @@ def memory_spec(name: str, kwargs: Mapping[str, Any] | None = None) -> list[Held
     except RewardConfigError:
         raise
     except Exception as e:  # the declaration's function failed on these options, or gave something else
-        raise RewardConfigError(f"reward {name!r}: its memory declaration failed on options {kwargs}: "
-                                f"{type(e).__name__}: {e}") from e
+        raise RewardConfigError(
+            f"reward {name!r}: its memory declaration failed on options {kwargs}: {type(e).__name__}: {e}"
+        ) from e
 
 
 def _defaults(fn: Callable[..., Any]) -> dict[str, Any]:
@@ -350,8 +361,9 @@ def check(name: str, kwargs: Mapping[str, Any], kind: str) -> None:
     _checked(name, dict(kwargs or {}), kind)
 
 
-def build(name: str, kwargs: Mapping[str, Any], kind: str, *, video_frames: int = 4,
-          video_aggregate: str = "mean") -> "NamedReward":
+def build(
+    name: str, kwargs: Mapping[str, Any], kind: str, *, video_frames: int = 4, video_aggregate: str = "mean"
+) -> "NamedReward":
     """The reward ``name`` with options ``kwargs``, for a backend of ``kind``, checked first (see
     ``check``) and wrapped in a ``NamedReward``: ``.kind``, ``.__name__ == name``, failures named.
     video_frames, video_aggregate: how an image-only reward scores a video (see ``NamedReward``)."""
@@ -387,28 +399,36 @@ def _check_registered(name: str, kwargs: dict[str, Any], kind: str) -> None:
     if factory is None:
         close = difflib.get_close_matches(name, available(), n=3, cutoff=0.5)
         hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
-        raise RewardConfigError(f"unknown reward {name!r}.{hint} Valid {kind} rewards: "
-                                f"{', '.join(available(kind))}; or {PLUGIN_FORMS}.")
+        raise RewardConfigError(
+            f"unknown reward {name!r}.{hint} Valid {kind} rewards: {', '.join(available(kind))}; or {PLUGIN_FORMS}."
+        )
     params = inspect.signature(factory).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     options = [k for k, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     unknown = [k for k in kwargs if k not in options and not takes_any]
     if unknown:
         raise RewardConfigError(_options_message(name, unknown, options))
-    missing = [k for k, p in params.items()
-               if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and k not in kwargs]
+    missing = [
+        k
+        for k, p in params.items()
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and k not in kwargs
+    ]
     if missing:
-        raise RewardConfigError(f"reward {name!r} needs option(s) {', '.join(map(repr, missing))} in its kwargs; "
-                                f"its options: {', '.join(options)}.")
+        raise RewardConfigError(
+            f"reward {name!r} needs option(s) {', '.join(map(repr, missing))} in its kwargs; "
+            f"its options: {', '.join(options)}."
+        )
     kind_check = getattr(factory, "check_options", None) or _KIND_CHECKS.get(name)
     actual = kind_check(kwargs, kind) if kind_check else factory.reward_kind
     if actual != kind:
-        raise RewardConfigError(f"reward {name!r} is {_a(actual)} reward; this backend needs {kind} rewards: "
-                                f"{', '.join(available(kind))}, or {PLUGIN_FORMS}.")
+        raise RewardConfigError(
+            f"reward {name!r} is {_a(actual)} reward; this backend needs {kind} rewards: "
+            f"{', '.join(available(kind))}, or {PLUGIN_FORMS}."
+        )
 
 
 def _a(kind: str) -> str:
-    """"an image" / "a text"."""
+    """ "an image" / "a text"."""
     return f"an {kind}" if kind[0] in "aeiou" else f"a {kind}"
 
 
@@ -417,8 +437,10 @@ def _check_weighted(kwargs: dict[str, Any], kind: str) -> str:
     (Here rather than in ``rewards/weighted.py`` until that factory grows a ``check_options``.)"""
     components = kwargs.get("components")
     if not isinstance(components, Mapping) or not components:
-        raise RewardConfigError(f"reward 'weighted' needs components={{name: weight, or name: {{weight: w, "
-                                f"reward: registered_name, **options}}}}, got {components!r}")
+        raise RewardConfigError(
+            f"reward 'weighted' needs components={{name: weight, or name: {{weight: w, "
+            f"reward: registered_name, **options}}}}, got {components!r}"
+        )
     for key, spec in components.items():
         if isinstance(spec, bool) or not isinstance(spec, (int, float, Mapping)):
             raise RewardConfigError(f"weighted component {key!r}: expected a weight or a dict of options, got {spec!r}")
@@ -426,8 +448,10 @@ def _check_weighted(kwargs: dict[str, Any], kind: str) -> str:
         options.pop("weight", None)
         component = str(options.pop("reward", key))
         if is_plugin(component):
-            raise RewardConfigError(f"weighted component {key!r}: plug-in {component!r} cannot be a component; "
-                                    f"give it its own entry in the config's rewards list, with its weight")
+            raise RewardConfigError(
+                f"weighted component {key!r}: plug-in {component!r} cannot be a component; "
+                f"give it its own entry in the config's rewards list, with its weight"
+            )
         try:
             _check_registered(component, options, kind)
         except RewardConfigError as e:
@@ -448,8 +472,9 @@ def _check_plugin(name: str, kwargs: dict[str, Any], kind: str) -> Callable[...,
     if declared is not None and declared not in KINDS:
         raise RewardConfigError(f"reward {name!r} declares kind {declared!r}; valid kinds: {', '.join(KINDS)}")
     if declared is not None and declared != kind:
-        raise RewardConfigError(f"reward {name!r} is {_a(declared)} reward (its .kind); "
-                                f"this backend needs {kind} rewards")
+        raise RewardConfigError(
+            f"reward {name!r} is {_a(declared)} reward (its .kind); this backend needs {kind} rewards"
+        )
     if kind == IMAGE:
         try:
             accepts_of(fn)
@@ -472,12 +497,16 @@ def load_plugin(name: str) -> Callable[..., Any]:
             found = _public_callables(module)
             close = difflib.get_close_matches(part, found, n=3, cutoff=0.5)
             hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
-            raise RewardConfigError(f"reward {name!r}: {target!r} has no attribute {attr!r}.{hint} "
-                                    f"Its public callables: {', '.join(found) or '(none)'}.")
+            raise RewardConfigError(
+                f"reward {name!r}: {target!r} has no attribute {attr!r}.{hint} "
+                f"Its public callables: {', '.join(found) or '(none)'}."
+            )
         obj = getattr(obj, part)
     if inspect.isclass(obj):
-        raise RewardConfigError(f"reward {name!r} is a class; name the reward function, or an instance made in "
-                                f"the module (e.g. `{attr.lower()} = {attr}(...)`) whose __call__ scores a batch")
+        raise RewardConfigError(
+            f"reward {name!r} is a class; name the reward function, or an instance made in "
+            f"the module (e.g. `{attr.lower()} = {attr}(...)`) whose __call__ scores a batch"
+        )
     if not callable(obj):
         raise RewardConfigError(f"reward {name!r} is not callable (type {type(obj).__name__}); name a function")
     return obj
@@ -497,14 +526,17 @@ def _import_module(name: str, target: str) -> ModuleType:
         return importlib.import_module(target)
     except ModuleNotFoundError as e:
         if e.name and (target == e.name or target.startswith(e.name + ".")):
-            raise RewardConfigError(f"reward {name!r}: module {target!r} not found (no module named {e.name!r} "
-                                    f"on sys.path, which includes the working directory {cwd})") from None
+            raise RewardConfigError(
+                f"reward {name!r}: module {target!r} not found (no module named {e.name!r} "
+                f"on sys.path, which includes the working directory {cwd})"
+            ) from None
         raise RewardConfigError(f"reward {name!r}: module {target!r} imports {e.name!r}, which is not installed") from e
     except SyntaxError as e:
         raise RewardConfigError(f"reward {name!r}: syntax error in {e.filename} line {e.lineno}: {e.msg}") from None
     except Exception as e:  # the module's own code failed at import
-        raise RewardConfigError(f"reward {name!r}: importing module {target!r} raised "
-                                f"{type(e).__name__}: {e}{_where(e)}") from e
+        raise RewardConfigError(
+            f"reward {name!r}: importing module {target!r} raised {type(e).__name__}: {e}{_where(e)}"
+        ) from e
 
 
 def _load_file(name: str, target: str) -> ModuleType:
@@ -532,13 +564,14 @@ def _load_file(name: str, target: str) -> ModuleType:
         raise RewardConfigError(f"reward {name!r}: file {target!r} imports {e.name!r}, which is not installed") from e
     except Exception as e:
         del sys.modules[module_name]
-        raise RewardConfigError(f"reward {name!r}: running file {target!r} raised "
-                                f"{type(e).__name__}: {e}{_where(e)}") from e
+        raise RewardConfigError(
+            f"reward {name!r}: running file {target!r} raised {type(e).__name__}: {e}{_where(e)}"
+        ) from e
     return module
 
 
 def _where(error: BaseException) -> str:
-    """" (FILE line N)" of the innermost frame of ``error``'s traceback, or ""."""
+    """ " (FILE line N)" of the innermost frame of ``error``'s traceback, or ""."""
     frames = traceback.extract_tb(error.__traceback__)
     return f" ({frames[-1].filename} line {frames[-1].lineno})" if frames else ""
 
@@ -571,18 +604,26 @@ def _check_plugin_signature(name: str, fn: Callable[..., Any], kwargs: dict[str,
     batch = ("images", "prompts") if kind == IMAGE else ("prompts", "completions", "completion_ids", *TRL_EXTRAS)
     clash = [k for k in kwargs if k in batch]
     if clash:
-        raise RewardConfigError(f"reward {name!r}: option(s) {', '.join(map(repr, clash))} would replace what every "
-                                f"{kind} reward is called with ({', '.join(batch)}); rename them")
+        raise RewardConfigError(
+            f"reward {name!r}: option(s) {', '.join(map(repr, clash))} would replace what every "
+            f"{kind} reward is called with ({', '.join(batch)}); rename them"
+        )
     by_position = kind == IMAGE or takes_batch_by_position(fn)
-    slots = [k for k, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2] \
-        if by_position else []
+    slots = (
+        [k for k, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
+        if by_position
+        else []
+    )
     keywordable = [k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     options = [k for k in keywordable if k not in batch and k not in slots]
     unknown = [k for k in kwargs if k not in options and not takes_any]
     if unknown:
         raise RewardConfigError(f"{_options_message(name, unknown, options)[:-1]} (signature {shown}).")
-    call = "f(images, prompts, **metadata)" if kind == IMAGE else \
-        "f(prompts=..., completions=..., **columns) (TRL's signature) or f(prompts, completions, **columns)"
+    call = (
+        "f(images, prompts, **metadata)"
+        if kind == IMAGE
+        else "f(prompts=..., completions=..., **columns) (TRL's signature) or f(prompts, completions, **columns)"
+    )
     problem = ""
     other = ("prompts", "completions") if kind == IMAGE else ("images", "prompts")
     if by_position and slots == list(other):
@@ -595,10 +636,12 @@ def _check_plugin_signature(name: str, fn: Callable[..., Any], kwargs: dict[str,
         else:
             return
     elif ("completions" in keywordable or takes_any) and not any(
-            p.kind is p.POSITIONAL_ONLY and p.default is p.empty for p in params.values()):
+        p.kind is p.POSITIONAL_ONLY and p.default is p.empty for p in params.values()
+    ):
         return
-    raise RewardConfigError(f"reward {name!r}: {_a(kind)} reward is called as {call}, but its signature is "
-                            f"{shown}{problem}")
+    raise RewardConfigError(
+        f"reward {name!r}: {_a(kind)} reward is called as {call}, but its signature is {shown}{problem}"
+    )
 
 
 # ---------------------------------------------------------------------------- the built reward
@@ -619,8 +662,16 @@ class NamedReward:
     per-frame scores and components are reduced per video by ``video_aggregate`` (mean, min or max).
     """
 
-    def __init__(self, reward: Callable[..., Any], name: str, kind: str, options: Mapping[str, Any] | None = None,
-                 *, video_frames: int = 4, video_aggregate: str = "mean"):
+    def __init__(
+        self,
+        reward: Callable[..., Any],
+        name: str,
+        kind: str,
+        options: Mapping[str, Any] | None = None,
+        *,
+        video_frames: int = 4,
+        video_aggregate: str = "mean",
+    ):
         from flowrl.video import AGGREGATES
 
         self.reward = reward
@@ -628,15 +679,18 @@ class NamedReward:
         self.kind = kind
         self.options = dict(options or {})
         if video_frames < 1 or video_aggregate not in AGGREGATES:
-            raise RewardConfigError(f"reward {name!r}: video_frames must be >= 1 and video_aggregate one of "
-                                    f"{AGGREGATES}, got {video_frames} and {video_aggregate!r}")
+            raise RewardConfigError(
+                f"reward {name!r}: video_frames must be >= 1 and video_aggregate one of "
+                f"{AGGREGATES}, got {video_frames} and {video_aggregate!r}"
+            )
         self.video_frames, self.video_aggregate = int(video_frames), video_aggregate
         self.accepts = accepts_of(reward) if kind == IMAGE else ()
         self._frame_components: dict[str, Any] | None = None  # the last call's, when it scored frames
         try:  # the wrapped reward's signature, without the bound options: what callers may pass
             signature = inspect.signature(reward)
             self.__signature__ = signature.replace(
-                parameters=[p for k, p in signature.parameters.items() if k not in self.options])
+                parameters=[p for k, p in signature.parameters.items() if k not in self.options]
+            )
         except (TypeError, ValueError):
             pass
 
@@ -658,8 +712,10 @@ class NamedReward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         clash = sorted(set(kwargs) & set(self.options))
         if clash:
-            raise RewardError(f"reward {self.__name__!r}: option(s) {', '.join(map(repr, clash))} also came as "
-                              f"call argument(s) (a dataset column of the same name?); rename the option")
+            raise RewardError(
+                f"reward {self.__name__!r}: option(s) {', '.join(map(repr, clash))} also came as "
+                f"call argument(s) (a dataset column of the same name?); rename the option"
+            )
         size = self._batch_size(args, kwargs)
         self._frame_components = None
         if self.kind == IMAGE:
@@ -667,12 +723,15 @@ class NamedReward:
             if videos and VIDEO not in self.accepts:
                 return self._call_on_frames(args, kwargs)
         if self.kind == TEXT and len(args) > 2:
-            raise TypeError(f"reward {self.__name__!r} takes (prompts, completions, **columns), got {len(args)} "
-                            f"positional arguments")
+            raise TypeError(
+                f"reward {self.__name__!r} takes (prompts, completions, **columns), got {len(args)} "
+                f"positional arguments"
+            )
         try:
             if self.kind == TEXT:  # by keyword as TRL does, or positionally if the reward names them otherwise
-                out = invoke_text_reward(self.reward, {**dict(zip(("prompts", "completions"), args)),
-                                                       **kwargs, **self.options})
+                out = invoke_text_reward(
+                    self.reward, {**dict(zip(("prompts", "completions"), args)), **kwargs, **self.options}
+                )
             else:
                 out = self.reward(*args, **accepted_kwargs(self.reward, {**kwargs, **self.options}))
         except Exception as e:
@@ -700,8 +759,10 @@ class NamedReward:
             raise RewardError(f"reward {self.__name__!r}: a batch holds both images and videos; give one or the other")
         videos = flags.pop()
         if not videos and IMAGE not in self.accepts:
-            raise RewardError(f"reward {self.__name__!r} scores videos (frames [F, H, W, C]) only; this model makes "
-                              f"images: use an image reward")
+            raise RewardError(
+                f"reward {self.__name__!r} scores videos (frames [F, H, W, C]) only; this model makes "
+                f"images: use an image reward"
+            )
         return videos
 
     def _call_on_frames(self, args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -747,9 +808,11 @@ class NamedReward:
             raise RewardError(f"{e} (frames of {len(counts)} videos)") from None
         components = getattr(self.reward, "last_components", None) or {}
         self._frame_components = {
-            name: torch.from_numpy(aggregate(torch.as_tensor(v, dtype=torch.float32).reshape(-1).numpy(), counts,
-                                             self.video_aggregate))
-            for name, v in components.items()}
+            name: torch.from_numpy(
+                aggregate(torch.as_tensor(v, dtype=torch.float32).reshape(-1).numpy(), counts, self.video_aggregate)
+            )
+            for name, v in components.items()
+        }
         return torch.from_numpy(aggregate(scores.numpy(), counts, self.video_aggregate))
 
     def _failure(self, error: Exception) -> RewardError:

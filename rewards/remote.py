@@ -45,8 +45,9 @@ def check_url_and_kind(url: str, kind: str) -> None:
         raise ValueError(f"remote reward url must look like http://HOST:PORT, got {url!r}")
 
 
-@register("remote", kind=IMAGE, memory=NOTHING,
-          summary="a reward computed by a reward server (`flowrl serve-reward`)")  # the server holds its models
+@register(
+    "remote", kind=IMAGE, memory=NOTHING, summary="a reward computed by a reward server (`flowrl serve-reward`)"
+)  # the server holds its models
 class RemoteReward:
     """Calls ``POST {url}/score``; the kind ("image" or "text") must match the server's reward.
 
@@ -86,8 +87,11 @@ class RemoteReward:
 
     def _score_images(self, images, prompts, **metadata) -> torch.Tensor:
         images = check_images(images, prompts, f"remote reward {self.url}")
-        payload = {"images": [encode_png(x) for x in images], "prompts": list(prompts),
-                   "metadata": to_jsonable(metadata, "metadata")}
+        payload = {
+            "images": [encode_png(x) for x in images],
+            "prompts": list(prompts),
+            "metadata": to_jsonable(metadata, "metadata"),
+        }
         answer = self.post("/score", payload)
         scores = self._scores(answer, len(images), "images")
         self.last_components = self._components(answer, len(images))
@@ -95,9 +99,11 @@ class RemoteReward:
 
     def _score_texts(self, prompts, completions, **columns) -> list[float | None]:
         columns = {k: v for k, v in columns.items() if k not in TRL_EXTRAS}  # the trainer's objects stay here
-        payload = {"prompts": to_jsonable(list(prompts), "prompts"),
-                   "completions": to_jsonable(list(completions), "completions"),
-                   "columns": to_jsonable(columns, "columns")}
+        payload = {
+            "prompts": to_jsonable(list(prompts), "prompts"),
+            "completions": to_jsonable(list(completions), "completions"),
+            "columns": to_jsonable(columns, "columns"),
+        }
         return self._scores(self.post("/score", payload), len(completions), "completions")
 
     def _malformed(self, problem: str) -> RewardServerError:
@@ -115,8 +121,10 @@ class RemoteReward:
         if not isinstance(components, dict):
             raise self._malformed(f"'components' is a {_json_type(components)}, not an object of lists")
         parsed = {k: self._numbers(v, n, "images", f"components[{k!r}]") for k, v in components.items()}
-        return {k: torch.tensor([math.nan if x is None else x for x in values], dtype=torch.float32)
-                for k, values in parsed.items()}
+        return {
+            k: torch.tensor([math.nan if x is None else x for x in values], dtype=torch.float32)
+            for k, values in parsed.items()
+        }
 
     def _numbers(self, values: Any, n: int, what: str, where: str) -> list[float | None]:
         if not isinstance(values, list):
@@ -134,8 +142,9 @@ class RemoteReward:
 
     def post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         body = json.dumps(payload).encode("utf-8")
-        request = urllib.request.Request(self.url + path, data=body, method="POST",
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            self.url + path, data=body, method="POST", headers={"Content-Type": "application/json"}
+        )
         return self._request(request)
 
     def _request(self, request: urllib.request.Request) -> dict[str, Any]:
@@ -179,7 +188,8 @@ def _json_type(value: Any) -> str:
     if value is None:
         return "null"
     return {bool: "boolean", int: "number", float: "number", str: "string", list: "list", dict: "object"}.get(
-        type(value), type(value).__name__)
+        type(value), type(value).__name__
+    )
 
 
 def _error_message(error: urllib.error.HTTPError) -> str:

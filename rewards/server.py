@@ -45,9 +45,16 @@ class RewardHTTPServerV6(RewardHTTPServer):
     address_family = socket.AF_INET6
 
 
-def make_server(reward: Callable[..., Any], host: str = "127.0.0.1", port: int = 0, *,
-                max_request_bytes: int = 64 << 20, name: str = "reward", quiet: bool = False,
-                request_timeout: float = 120.0) -> RewardHTTPServer:
+def make_server(
+    reward: Callable[..., Any],
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    max_request_bytes: int = 64 << 20,
+    name: str = "reward",
+    quiet: bool = False,
+    request_timeout: float = 120.0,
+) -> RewardHTTPServer:
     """A server (not yet serving: call ``serve_forever``) for ``reward``; ``port=0`` picks a free port,
     read it back from ``server.server_address``. Requests over ``max_request_bytes`` get a 413."""
     kind = kind_of(reward)
@@ -83,8 +90,13 @@ def make_server(reward: Callable[..., Any], host: str = "127.0.0.1", port: int =
             if length > max_request_bytes:
                 self._discard(length)
                 self.close_connection = True
-                return self._send(413, {"error": f"request of {length} bytes exceeds the server's limit of "
-                                                 f"{max_request_bytes} bytes (--max-request-mb); send smaller batches"})
+                return self._send(
+                    413,
+                    {
+                        "error": f"request of {length} bytes exceeds the server's limit of "
+                        f"{max_request_bytes} bytes (--max-request-mb); send smaller batches"
+                    },
+                )
             try:
                 request = json.loads(self.rfile.read(length))
                 call = _parse_image_request(request) if kind == IMAGE else _parse_text_request(request)
@@ -168,20 +180,36 @@ def parse_reward_args(pairs: list[str], json_text: str | None) -> dict[str, Any]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flowrl serve-reward",
-                                     description="Serve a registered reward over HTTP (JSON, PNG images).")
-    parser.add_argument("name", metavar="NAME", help="registered reward name (see rewards.available()), or a plug-in "
-                                                     "'package.module:function' or 'path/to/file.py:function'")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address to bind (default loopback; 0.0.0.0 exposes the server to the network)")
+    parser = argparse.ArgumentParser(
+        prog="flowrl serve-reward", description="Serve a registered reward over HTTP (JSON, PNG images)."
+    )
+    parser.add_argument(
+        "name",
+        metavar="NAME",
+        help="registered reward name (see rewards.available()), or a plug-in "
+        "'package.module:function' or 'path/to/file.py:function'",
+    )
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default loopback; 0.0.0.0 exposes the server to the network)",
+    )
     parser.add_argument("--port", type=int, default=8000, help="port (0 picks a free one; default 8000)")
     parser.add_argument("--max-request-mb", type=float, default=64.0, help="largest request body, in MiB")
-    parser.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
-                        help="a reward option, repeatable; VALUE is read as JSON when it parses")
+    parser.add_argument(
+        "--arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a reward option, repeatable; VALUE is read as JSON when it parses",
+    )
     parser.add_argument("--args-json", default=None, metavar="JSON", help="reward options as one JSON object")
-    parser.add_argument("--kind", choices=KINDS, default=None,
-                        help="a plug-in's kind (default: its .kind attribute, else image); "
-                             "registered rewards know theirs")
+    parser.add_argument(
+        "--kind",
+        choices=KINDS,
+        default=None,
+        help="a plug-in's kind (default: its .kind attribute, else image); registered rewards know theirs",
+    )
     parser.add_argument("--quiet", action="store_true", help="do not log each request")
     return parser
 
@@ -211,14 +239,24 @@ def serve_main(argv: list[str], *, on_ready: Callable[[RewardHTTPServer], None] 
     except (ValueError, TypeError) as e:  # unknown name or option: the message lists the valid ones
         print(f"flowrl serve-reward: {e}", file=sys.stderr)
         return 2
-    server = make_server(reward, args.host, args.port, max_request_bytes=int(args.max_request_mb * (1 << 20)),
-                         name=args.name, quiet=args.quiet)
+    server = make_server(
+        reward,
+        args.host,
+        args.port,
+        max_request_bytes=int(args.max_request_mb * (1 << 20)),
+        name=args.name,
+        quiet=args.quiet,
+    )
     host, port = server.server_address[:2]
     if args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"warning: serving on {args.host}, reachable from other machines; there is no authentication",
-              file=sys.stderr)
-    print(f"serving reward {args.name!r} ({kind_of(reward)}) on http://{host}:{port}  (POST /score, GET /health)",
-          flush=True)
+        print(
+            f"warning: serving on {args.host}, reachable from other machines; there is no authentication",
+            file=sys.stderr,
+        )
+    print(
+        f"serving reward {args.name!r} ({kind_of(reward)}) on http://{host}:{port}  (POST /score, GET /health)",
+        flush=True,
+    )
     if on_ready is not None:
         on_ready(server)
     try:

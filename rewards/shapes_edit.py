@@ -11,8 +11,12 @@ from rewards.memory import NOTHING
 from rewards.registry import IMAGE, register
 
 
-@register("shapes_edit", kind=IMAGE, memory=NOTHING,
-          summary="the shapes world's edit check: the instruction carried out, the rest of the scene kept")
+@register(
+    "shapes_edit",
+    kind=IMAGE,
+    memory=NOTHING,
+    summary="the shapes world's edit check: the instruction carried out, the rest of the scene kept",
+)
 class ShapesEdit:
     """reward(images, prompts, edit=[...], image=[[source path], ...]) -> Tensor[B]: the fraction of the edit's
     clauses that hold (`score="strict"`: 1 iff all do); components `strict` and `fraction` [B].
@@ -39,8 +43,10 @@ class ShapesEdit:
 
         paths = columns.get(self.source_column)
         if edit is None or paths is None:
-            raise ValueError(f"shapes_edit needs each prompt's `edit` column and its source image in the "
-                             f"{self.source_column!r} column, as in samples/shapes/edit/*.jsonl")
+            raise ValueError(
+                f"shapes_edit needs each prompt's `edit` column and its source image in the "
+                f"{self.source_column!r} column, as in samples/shapes/edit/*.jsonl"
+            )
         sources = [_open(p) for p in paths]
         strict, fraction, details = score_edits(list(images), sources, list(edit), self.tolerance)
         self.last_components = {"strict": torch.from_numpy(strict), "fraction": torch.from_numpy(fraction)}

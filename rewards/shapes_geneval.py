@@ -13,9 +13,13 @@ from rewards.memory import NOTHING
 from rewards.registry import IMAGE, register
 
 
-@register("shapes_geneval", kind=IMAGE, memory=NOTHING,
-          summary="the shapes world's GenEval-style check: the fraction of the prompt's clauses that hold "
-                  "(`score: strict`: all of them)")
+@register(
+    "shapes_geneval",
+    kind=IMAGE,
+    memory=NOTHING,
+    summary="the shapes world's GenEval-style check: the fraction of the prompt's clauses that hold "
+    "(`score: strict`: all of them)",
+)
 class ShapesGenEval:
     """reward(images, prompts, objects=[...], relation=[...]) -> Tensor[B] (fraction of clauses that hold);
     `last_components`: `strict` [B] (all clauses hold), `fraction` [B], and `free_color=<colour>` [B]: how many
@@ -34,13 +38,18 @@ class ShapesGenEval:
         from flowrl.worlds.shapes.detect import score_images
 
         if objects is None:
-            raise ValueError("shapes_geneval needs each prompt's metadata: the prompt file's `objects` (and "
-                             "`relation`) columns, as in samples/shapes/*.jsonl")
+            raise ValueError(
+                "shapes_geneval needs each prompt's metadata: the prompt file's `objects` (and "
+                "`relation`) columns, as in samples/shapes/*.jsonl"
+            )
         relation = relation if relation is not None else [None] * len(images)
         metadata = [{"objects": o, "relation": r} for o, r in zip(objects, relation)]
         strict, fraction, details = score_images(images, metadata)
-        self.last_components = {"strict": torch.from_numpy(strict), "fraction": torch.from_numpy(fraction),
-                                **free_color_counts(details, metadata)}
+        self.last_components = {
+            "strict": torch.from_numpy(strict),
+            "fraction": torch.from_numpy(fraction),
+            **free_color_counts(details, metadata),
+        }
         self.last_details = details
         return torch.from_numpy(fraction if self.score == "fraction" else strict).float()
 
@@ -60,8 +69,12 @@ def free_color_counts(details: list[dict], metadata: list[dict]) -> dict[str, to
     return {f"free_color={c}": v for c, v in counts.items()}
 
 
-@register("shapes_soft", kind=IMAGE, memory=NOTHING,
-          summary="the shapes world's graded check: shape IoU, colour, extra objects")
+@register(
+    "shapes_soft",
+    kind=IMAGE,
+    memory=NOTHING,
+    summary="the shapes world's graded check: shape IoU, colour, extra objects",
+)
 class ShapesSoft:
     """reward(images, prompts, objects=[...]) -> Tensor[B]: a graded match of the detected objects to the
     prompt's (`flowrl.worlds.shapes.detect.soft_score`: shape IoU, colour, extra objects), in about [-0.5k, 1].
@@ -78,6 +91,8 @@ class ShapesSoft:
         from flowrl.worlds.shapes.detect import soft_scores
 
         if objects is None:
-            raise ValueError("shapes_soft needs each prompt's metadata: the prompt file's `objects` column, as in "
-                             "samples/shapes/*.jsonl")
+            raise ValueError(
+                "shapes_soft needs each prompt's metadata: the prompt file's `objects` column, as in "
+                "samples/shapes/*.jsonl"
+            )
         return torch.from_numpy(soft_scores(images, [{"objects": o} for o in objects])).float()

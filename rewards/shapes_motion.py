@@ -10,8 +10,13 @@ from rewards.memory import NOTHING
 from rewards.registry import IMAGE, register
 
 
-@register("shapes_motion", kind=IMAGE, accepts=("video",), memory=NOTHING,
-          summary="the shapes world's motion check: the asked shape alone in every frame, moving the asked way")
+@register(
+    "shapes_motion",
+    kind=IMAGE,
+    accepts=("video",),
+    memory=NOTHING,
+    summary="the shapes world's motion check: the asked shape alone in every frame, moving the asked way",
+)
 class ShapesMotion:
     """reward(videos, prompts, objects=[...], motion=[...]) -> Tensor[B] in [0, 1]: the mean of presence (frames
     holding the object alone), monotonic (consecutive frames moving the asked way, up to `tolerance`) and travel
@@ -27,8 +32,10 @@ class ShapesMotion:
 
     def __init__(self, tolerance: float = 0.03, min_travel: float = 0.25):
         if not 0 <= tolerance < 1 or not 0 < min_travel <= 1:
-            raise ValueError(f"tolerance must lie in [0, 1) and min_travel in (0, 1] (fractions of the width), got "
-                             f"{tolerance} and {min_travel}")
+            raise ValueError(
+                f"tolerance must lie in [0, 1) and min_travel in (0, 1] (fractions of the width), got "
+                f"{tolerance} and {min_travel}"
+            )
         self.tolerance, self.min_travel = float(tolerance), float(min_travel)
         self.last_components: dict[str, torch.Tensor] = {}
 
@@ -36,8 +43,9 @@ class ShapesMotion:
         from flowrl.worlds.shapes.motion import score_motions
 
         if objects is None or motion is None:
-            raise ValueError("shapes_motion needs each prompt's `objects` and `motion` columns, as in "
-                             "samples/shapes/motion/*.jsonl")
+            raise ValueError(
+                "shapes_motion needs each prompt's `objects` and `motion` columns, as in samples/shapes/motion/*.jsonl"
+            )
         records = [{"objects": o, "motion": m} for o, m in zip(objects, motion)]
         scores = score_motions(list(videos), records, self.tolerance, self.min_travel)
         self.last_components = {k: torch.from_numpy(scores[k]) for k in ("presence", "monotonic", "travel", "strict")}

@@ -34,8 +34,10 @@ class SoftOverlong:
 
     def __init__(self, max_length: int, cache_length: int, tokenizer: Any = None):
         if not 0 < cache_length <= max_length:
-            raise ValueError(f"soft_overlong needs 0 < cache_length <= max_length, "
-                             f"got cache_length={cache_length}, max_length={max_length}")
+            raise ValueError(
+                f"soft_overlong needs 0 < cache_length <= max_length, "
+                f"got cache_length={cache_length}, max_length={max_length}"
+            )
         if isinstance(tokenizer, str):
             from transformers import AutoTokenizer
 
@@ -46,18 +48,21 @@ class SoftOverlong:
         if completion_ids is not None:
             return [len(ids) for ids in completion_ids]
         if self.tokenizer is None:
-            raise ValueError("soft_overlong needs token counts: pass the 'completion_ids' column (TRL does) "
-                             "or build the reward with tokenizer=<tokenizer or its hub id/path>")
+            raise ValueError(
+                "soft_overlong needs token counts: pass the 'completion_ids' column (TRL does) "
+                "or build the reward with tokenizer=<tokenizer or its hub id/path>"
+            )
         texts = [completion_text(c) for c in completions]
         return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
     def __call__(self, prompts, completions, completion_ids=None, **columns) -> list[float]:
-        return [soft_overlong_punishment(n, self.max_length, self.cache_length)
-                for n in self.lengths(completions, completion_ids)]
+        return [
+            soft_overlong_punishment(n, self.max_length, self.cache_length)
+            for n in self.lengths(completions, completion_ids)
+        ]
 
 
-@register("soft_overlong", kind=TEXT, memory=NOTHING,
-          summary="text: DAPO's soft overlong punishment")
+@register("soft_overlong", kind=TEXT, memory=NOTHING, summary="text: DAPO's soft overlong punishment")
 def soft_overlong(max_length: int, cache_length: int, tokenizer: Any = None) -> SoftOverlong:
     """DAPO's soft overlong punishment with ``L_max = max_length`` and ``L_cache = cache_length``."""
     return SoftOverlong(max_length, cache_length, tokenizer)

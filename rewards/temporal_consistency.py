@@ -13,8 +13,13 @@ from rewards.memory import hub_model
 from rewards.registry import IMAGE, register
 
 
-@register("temporal_consistency", kind=IMAGE, accepts=("video",), memory=hub_model("model", ARCHITECTURES),
-          summary="the similarity of a video's consecutive frames' features (DINOv2 or CLIP)")
+@register(
+    "temporal_consistency",
+    kind=IMAGE,
+    accepts=("video",),
+    memory=hub_model("model", ARCHITECTURES),
+    summary="the similarity of a video's consecutive frames' features (DINOv2 or CLIP)",
+)
 class TemporalConsistency:
     """reward(videos, prompts) -> Tensor[B]: per video, ``scale · mean_t cos(f(frame_t), f(frame_t+stride))`` over
     its frames 0, stride, 2·stride, ...; component ``min`` [B]: the least similar consecutive pair (the worst jump).
@@ -28,9 +33,16 @@ class TemporalConsistency:
     kind = IMAGE
     accepts = ("video",)
 
-    def __init__(self, model: str = "facebook/dinov2-small", processor: str | None = None, stride: int = 1,
-                 scale: float = 1.0, device: str | None = None, dtype: str | torch.dtype = "float32",
-                 batch_size: int = 64):
+    def __init__(
+        self,
+        model: str = "facebook/dinov2-small",
+        processor: str | None = None,
+        stride: int = 1,
+        scale: float = 1.0,
+        device: str | None = None,
+        dtype: str | torch.dtype = "float32",
+        batch_size: int = 64,
+    ):
         if stride < 1:
             raise ValueError(f"stride must be >= 1, got {stride}")
         self.encoder = ImageEncoder(model, processor, resolve_device(device), resolve_dtype(dtype), batch_size)
@@ -47,8 +59,10 @@ class TemporalConsistency:
             video = as_video(video)
             picked = range(0, len(video), self.stride)
             if len(picked) < 2:
-                raise ValueError(f"temporal_consistency: video {i} has {len(video)} frame(s), fewer than 2 at stride "
-                                 f"{self.stride}; it compares consecutive frames (lower the stride or make more)")
+                raise ValueError(
+                    f"temporal_consistency: video {i} has {len(video)} frame(s), fewer than 2 at stride "
+                    f"{self.stride}; it compares consecutive frames (lower the stride or make more)"
+                )
             frames.extend(frame_image(video, t) for t in picked)
             counts.append(len(picked))
         features = self.encoder(frames)  # [sum(counts), D], unit norm

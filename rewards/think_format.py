@@ -30,8 +30,12 @@ def think_format_reward(prompts, completions, **columns) -> list[float]:
 think_format_reward.kind = TEXT
 
 
-@register("think_format", kind=TEXT, memory=NOTHING,
-          summary="text: the think-then-answer format (`<think>...</think>` then `<answer>...</answer>`)")
+@register(
+    "think_format",
+    kind=TEXT,
+    memory=NOTHING,
+    summary="text: the think-then-answer format (`<think>...</think>` then `<answer>...</answer>`)",
+)
 def think_format():
     """The think-then-answer format reward (no options)."""
     return think_format_reward

@@ -29,8 +29,10 @@ class WeightedSum:
         if not named:
             raise ValueError("a weighted reward needs at least one component")
         if set(named) != set(weights):
-            raise ValueError(f"weights must name the same rewards as the components: "
-                             f"rewards {sorted(named)}, weights {sorted(weights)}")
+            raise ValueError(
+                f"weights must name the same rewards as the components: "
+                f"rewards {sorted(named)}, weights {sorted(weights)}"
+            )
         kinds = {name: kind_of(fn, default=None) for name, fn in named.items()}
         if len(set(kinds.values())) != 1:
             raise ValueError(f"a weighted reward mixes kinds {kinds}; combine image rewards or text rewards, not both")
@@ -39,8 +41,11 @@ class WeightedSum:
         self.last_components: dict[str, Any] = {}
 
     def __call__(self, prompts_or_images, *args, **kwargs):
-        return self._image(prompts_or_images, *args, **kwargs) if self.kind == IMAGE \
+        return (
+            self._image(prompts_or_images, *args, **kwargs)
+            if self.kind == IMAGE
             else self._text(prompts_or_images, *args, **kwargs)
+        )
 
     def _image(self, images, prompts, **metadata):
         total, components = None, {}
@@ -58,8 +63,11 @@ class WeightedSum:
         self.last_components = per_reward
         totals: list[float | None] = []
         for i in range(len(completions)):
-            terms = [self.weights[name] * values[i] for name, values in per_reward.items()
-                     if values[i] is not None and not math.isnan(values[i])]
+            terms = [
+                self.weights[name] * values[i]
+                for name, values in per_reward.items()
+                if values[i] is not None and not math.isnan(values[i])
+            ]
             totals.append(sum(terms) if terms else None)
         return totals
 
@@ -80,8 +88,9 @@ def components_memory(options: Mapping[str, Any]) -> list[Held]:
     return held
 
 
-@register("weighted", kind=IMAGE, memory=components_memory,
-          summary="a weighted sum of rewards, each kept as a component")
+@register(
+    "weighted", kind=IMAGE, memory=components_memory, summary="a weighted sum of rewards, each kept as a component"
+)
 def weighted(components: Mapping[str, float | Mapping[str, Any]]) -> WeightedSum:
     """Build each component by name and sum them with weights.
 
@@ -90,7 +99,9 @@ def weighted(components: Mapping[str, float | Mapping[str, Any]]) -> WeightedSum
     The result's kind is that of its components (all must share it).
     """
     if not isinstance(components, Mapping) or not components:
-        raise ValueError(f"weighted needs components={{name: weight or {{'weight': w, **options}}}}, got {components!r}")
+        raise ValueError(
+            f"weighted needs components={{name: weight or {{'weight': w, **options}}}}, got {components!r}"
+        )
     named, weights = {}, {}
     for key, spec in components.items():
         if isinstance(spec, (int, float)):

@@ -28,8 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=str(ROOT / "samples/shapes/model"), help="a save_pretrained directory")
-    p.add_argument("--lora", default=None,
-                   help="a LoRA to load on top (a run's `ckpt-XXXXXX/lora` directory, diffusers format)")
+    p.add_argument(
+        "--lora", default=None, help="a LoRA to load on top (a run's `ckpt-XXXXXX/lora` directory, diffusers format)"
+    )
     p.add_argument("--prompts", default=str(ROOT / "samples/shapes/test.jsonl"), help="prompt records (JSONL)")
     p.add_argument("--images", type=int, default=256, help="images in all, cycling through the prompts")
     p.add_argument("--steps", type=int, default=20, help="ODE (Euler) steps")
@@ -94,8 +95,9 @@ def main(argv=None) -> dict:
         "by_family": {k: round(v, 4) for k, v in res["by_family"].items()},
         # why images fail: the share of images with each kind of failure (an image may have several)
         "failures": {k: round(v, 4) for k, v in res["failures"].items()},
-        "failures_by_family": {f: {k: round(v, 4) for k, v in kinds.items() if v}
-                               for f, kinds in res["failures_by_family"].items()},
+        "failures_by_family": {
+            f: {k: round(v, 4) for k, v in kinds.items() if v} for f, kinds in res["failures_by_family"].items()
+        },
         "seconds": round(seconds, 1),
     }
     print(json.dumps(report, indent=1))

@@ -17,15 +17,30 @@ OUT = Path(__file__).resolve().parents[1] / "samples" / "edit"
 SIZE = 256
 #: (file, shapes drawn: (kind, colour, box)), each with its instructions
 SOURCES = [
-    ("red_circle.png", [("circle", (200, 40, 40), (64, 64, 192, 192))],
-     ["make the circle blue", "add a green square to the right of the circle"]),
-    ("blue_square.png", [("square", (40, 60, 200), (72, 72, 184, 184))],
-     ["turn the square into a circle", "make the square yellow"]),
-    ("two_shapes.png", [("circle", (40, 160, 60), (24, 80, 120, 176)), ("square", (220, 180, 30), (140, 80, 236, 176))],
-     ["swap the colours of the two shapes", "remove the circle"]),
-    ("three_circles.png", [("circle", (200, 40, 40), (16, 96, 80, 160)), ("circle", (200, 40, 40), (96, 96, 160, 160)),
-                           ("circle", (200, 40, 40), (176, 96, 240, 160))],
-     ["add one more circle", "make the middle circle blue"]),
+    (
+        "red_circle.png",
+        [("circle", (200, 40, 40), (64, 64, 192, 192))],
+        ["make the circle blue", "add a green square to the right of the circle"],
+    ),
+    (
+        "blue_square.png",
+        [("square", (40, 60, 200), (72, 72, 184, 184))],
+        ["turn the square into a circle", "make the square yellow"],
+    ),
+    (
+        "two_shapes.png",
+        [("circle", (40, 160, 60), (24, 80, 120, 176)), ("square", (220, 180, 30), (140, 80, 236, 176))],
+        ["swap the colours of the two shapes", "remove the circle"],
+    ),
+    (
+        "three_circles.png",
+        [
+            ("circle", (200, 40, 40), (16, 96, 80, 160)),
+            ("circle", (200, 40, 40), (96, 96, 160, 160)),
+            ("circle", (200, 40, 40), (176, 96, 240, 160)),
+        ],
+        ["add one more circle", "make the middle circle blue"],
+    ),
 ]
 TEST = {"three_circles.png"}  # held out for eval
 #: first frame -> what happens next (samples/i2v)
@@ -57,8 +72,12 @@ def main() -> None:
     i2v = OUT.parent / "i2v"
     i2v.mkdir(exist_ok=True)
     for split in ("train", "test"):
-        items = [{"prompt": text, "image": f"../edit/{name}"} for name, texts in MOTIONS.items() for text in texts
-                 if (name in TEST) == (split == "test")]
+        items = [
+            {"prompt": text, "image": f"../edit/{name}"}
+            for name, texts in MOTIONS.items()
+            for text in texts
+            if (name in TEST) == (split == "test")
+        ]
         (i2v / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in items))
 
 

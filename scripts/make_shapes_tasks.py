@@ -1,11 +1,11 @@
 """Write the shapes world's editing and video task data (deterministic: the same files on every run).
 
-    samples/shapes/edit/{train,test}.jsonl   instructions with their source image (`image`, relative paths),
-                                             `edit` and `edit_region` columns (flowrl.worlds.shapes.edit)
-    samples/shapes/edit/images/*.png         the 64x64 source scenes, rendered by the shapes renderer
-    samples/shapes/motion/{train,test}.jsonl moving-shape prompts with `objects` and `motion` (flowrl.worlds.shapes.motion)
+samples/shapes/edit/{train,test}.jsonl   instructions with their source image (`image`, relative paths),
+                                         `edit` and `edit_region` columns (flowrl.worlds.shapes.edit)
+samples/shapes/edit/images/*.png         the 64x64 source scenes, rendered by the shapes renderer
+samples/shapes/motion/{train,test}.jsonl moving-shape prompts with `objects` and `motion` (flowrl.worlds.shapes.motion)
 
-    python scripts/make_shapes_tasks.py [--out samples/shapes] [--per-instruction 4] [--seed 0]
+python scripts/make_shapes_tasks.py [--out samples/shapes] [--per-instruction 4] [--seed 0]
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ def write_edit_task(out: Path, per_instruction: int, seed: int) -> dict[str, int
             name = f"images/{split}_{i:03d}.png"
             Image.fromarray(draw(scene)).save(folder / name, optimize=True)
             written.add(folder / name)
-            records.append({"prompt": record["prompt"], "image": name, **{k: record[k] for k in record
-                                                                             if k != "prompt"}})
+            records.append(
+                {"prompt": record["prompt"], "image": name, **{k: record[k] for k in record if k != "prompt"}}
+            )
         write_jsonl(records, folder / f"{split}.jsonl")
         counts[split] = len(records)
     for stale in set((folder / "images").glob("*.png")) - written:

@@ -67,7 +67,7 @@ def encode_rows(tokenizer, rows: list[dict]):
 
     seqs, n_prompt = [], []
     for r in rows:
-        p = tokenizer(r["prompt"])["input_ids"]                       # [<bos>, prompt chars]
+        p = tokenizer(r["prompt"])["input_ids"]  # [<bos>, prompt chars]
         a = tokenizer(r["answer"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         seqs.append(p + a)
         n_prompt.append(len(p))
@@ -85,7 +85,7 @@ def answer_loss(model, ids, mask):
     import torch.nn.functional as F
 
     logits = model(input_ids=ids, attention_mask=(ids != model.config.pad_token_id).long()).logits  # [B, L, V]
-    nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none")    # [B*(L-1)]
+    nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none")  # [B*(L-1)]
     return (nll.view_as(mask) * mask).sum() / mask.sum()
 
 
@@ -98,10 +98,19 @@ def build_model(tokenizer, args):
     from flowrl.worlds.arith import MAX_LENGTH
 
     config = GPT2Config(
-        vocab_size=len(tokenizer), n_positions=MAX_LENGTH, n_embd=args.n_embd, n_layer=args.n_layer,
-        n_head=args.n_head, n_inner=4 * args.n_embd, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
+        vocab_size=len(tokenizer),
+        n_positions=MAX_LENGTH,
+        n_embd=args.n_embd,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_inner=4 * args.n_embd,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
     )
     model = GPT2LMHeadModel(config)
     model.generation_config.bos_token_id = tokenizer.bos_token_id
@@ -152,13 +161,13 @@ def main(argv=None) -> int:
     train_rows = split_rows("train")
     test_rows = split_rows("test")
     train_eval_rows = make_prompts("train", len(test_rows), seed=args.seed)
-    ids, mask = encode_rows(tokenizer, train_rows)                      # [N, L], [N, L-1]
+    ids, mask = encode_rows(tokenizer, train_rows)  # [N, L], [N, L-1]
     model = build_model(tokenizer, args)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
 
-    step, best, elapsed = 0, None, 0.0                                  # best: {"step", "test_acc", ...}
+    step, best, elapsed = 0, None, 0.0  # best: {"step", "test_acc", ...}
     found = resolve_resume("auto", workdir) if args.resume else None
     ckpt = found[0] if found else None
     if found is not None:
@@ -175,14 +184,20 @@ def main(argv=None) -> int:
         print(f"resumed from {ckpt} at step {step} (best so far: {best})")
     if args.resume and ckpt is None:
         print(f"--resume: no checkpoint in {workdir}, starting fresh")
-    print(f"GPT-2 {args.n_layer} layers x {args.n_embd} dims, {n_params:,} parameters; "
-          f"{len(train_rows)} train / {len(test_rows)} held-out prompts")
+    print(
+        f"GPT-2 {args.n_layer} layers x {args.n_embd} dims, {n_params:,} parameters; "
+        f"{len(train_rows)} train / {len(test_rows)} held-out prompts"
+    )
 
     def checkpoint():
-        write_checkpoint(workdir, step, trainable={k: v.detach().clone() for k, v in model.named_parameters()},
-                         optimizer=opt.state_dict(), keep=1,
-                         state={"step": step, "best": best, "elapsed": elapsed, "scheduler": sched.state_dict(),
-                                "args": vars(args)})
+        write_checkpoint(
+            workdir,
+            step,
+            trainable={k: v.detach().clone() for k, v in model.named_parameters()},
+            optimizer=opt.state_dict(),
+            keep=1,
+            state={"step": step, "best": best, "elapsed": elapsed, "scheduler": sched.state_dict(), "args": vars(args)},
+        )
 
     log = open(workdir / "log.jsonl", "a")
     t0 = time.time() - elapsed
@@ -205,13 +220,19 @@ def main(argv=None) -> int:
             test_acc = greedy_accuracy(model, tokenizer, test_rows)
             train_acc = greedy_accuracy(model, tokenizer, train_eval_rows)
             elapsed = time.time() - t0
-            rec = {"step": step, "loss": round(loss.item(), 4), "test_acc": test_acc, "train_acc": train_acc,
-                   "elapsed_s": round(elapsed, 1)}
+            rec = {
+                "step": step,
+                "loss": round(loss.item(), 4),
+                "test_acc": test_acc,
+                "train_acc": train_acc,
+                "elapsed_s": round(elapsed, 1),
+            }
             log.write(json.dumps(rec) + "\n")
             log.flush()
             bar.set_postfix(loss=f"{loss.item():.3f}", test=f"{test_acc:.3f}", train=f"{train_acc:.3f}")
             if args.low <= test_acc <= args.high and (
-                    best is None or abs(test_acc - args.target) < abs(best["test_acc"] - args.target)):
+                best is None or abs(test_acc - args.target) < abs(best["test_acc"] - args.target)
+            ):
                 save_dir_atomic(model, tokenizer, workdir / "best")
                 best = rec
                 tqdm.write(f"kept step {step}: held-out {test_acc:.3f}, train {train_acc:.3f}")
@@ -227,11 +248,24 @@ def main(argv=None) -> int:
         return 1
     publish(workdir / "best", out)
     write_splits(out)
-    (out / "pretrain_summary.json").write_text(json.dumps(
-        {"kept": best, "stopped_at_step": step, "wall_clock_s": round(elapsed, 1), "parameters": n_params,
-         "threads": args.threads, "args": vars(args)}, indent=1) + "\n")
-    print(f"kept step {best['step']}: held-out exact match {best['test_acc']:.3f} "
-          f"(train {best['train_acc']:.3f}); {elapsed:.0f} s; saved to {out}")
+    (out / "pretrain_summary.json").write_text(
+        json.dumps(
+            {
+                "kept": best,
+                "stopped_at_step": step,
+                "wall_clock_s": round(elapsed, 1),
+                "parameters": n_params,
+                "threads": args.threads,
+                "args": vars(args),
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    print(
+        f"kept step {best['step']}: held-out exact match {best['test_acc']:.3f} "
+        f"(train {best['train_acc']:.3f}); {elapsed:.0f} s; saved to {out}"
+    )
     return 0
 
 

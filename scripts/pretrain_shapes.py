@@ -62,15 +62,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=200)
-    p.add_argument("--ema", type=float, default=0.999,
-                   help="EMA decay of the saved weights, ramped as min(ema, (1 + step) / (10 + step))")
+    p.add_argument(
+        "--ema",
+        type=float,
+        default=0.999,
+        help="EMA decay of the saved weights, ramped as min(ema, (1 + step) / (10 + step))",
+    )
     p.add_argument("--drop-prompt", type=float, default=0.1, help="share of prompts replaced by ''")
-    p.add_argument("--distractor-prob", type=float, default=0.7,
-                   help="flow stage: share of images holding one object their prompt leaves out (incomplete captions)")
-    p.add_argument("--distractor-from", type=int, default=10000,
-                   help="the flow step from which --distractor-prob applies (0: from the start)")
-    p.add_argument("--distractor-sides", type=int, nargs="+", default=[8],
-                   help="sides (px) of the unmentioned object: smaller than --sides, a background object")
+    p.add_argument(
+        "--distractor-prob",
+        type=float,
+        default=0.7,
+        help="flow stage: share of images holding one object their prompt leaves out (incomplete captions)",
+    )
+    p.add_argument(
+        "--distractor-from",
+        type=int,
+        default=10000,
+        help="the flow step from which --distractor-prob applies (0: from the start)",
+    )
+    p.add_argument(
+        "--distractor-sides",
+        type=int,
+        nargs="+",
+        default=[8],
+        help="sides (px) of the unmentioned object: smaller than --sides, a background object",
+    )
     p.add_argument("--shift", type=float, default=1.0, help="the scheduler's timestep shift (sampling)")
     p.add_argument("--ckpt-every", type=int, default=200)
     p.add_argument("--snapshot-every", type=int, default=500)
@@ -107,16 +124,32 @@ def family_balanced_sampler(records: list[dict]):
     return sample
 
 
-def render_batch(records: list[dict], rng: np.random.Generator, sides=(12, 16), grid: int = 4,
-                 distractor_prob: float = 0.0, distractor_sides=None):
+def render_batch(
+    records: list[dict],
+    rng: np.random.Generator,
+    sides=(12, 16),
+    grid: int = 4,
+    distractor_prob: float = 0.0,
+    distractor_sides=None,
+):
     """-> float32 tensor [B, 3, 64, 64] in [-1, 1]; see `flowrl.worlds.shapes.render` for the distractor arguments."""
     import torch
 
     from flowrl.worlds.shapes import render
 
-    images = np.stack([render(r, rng, sides=tuple(sides), grid=grid, distractor_prob=distractor_prob,
-                              distractor_sides=tuple(distractor_sides) if distractor_sides else None)[0]
-                       for r in records])  # [B, H, W, 3]
+    images = np.stack(
+        [
+            render(
+                r,
+                rng,
+                sides=tuple(sides),
+                grid=grid,
+                distractor_prob=distractor_prob,
+                distractor_sides=tuple(distractor_sides) if distractor_sides else None,
+            )[0]
+            for r in records
+        ]
+    )  # [B, H, W, 3]
     return torch.from_numpy(images).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
 
 
@@ -142,7 +175,7 @@ def load_optimizer(opt, tensors: dict, meta: dict, prefix: str) -> None:
     """The inverse of `optimizer_tensors` (`flowrl.run.checkpoint.optimizer_from_files` on the prefixed tensors)."""
     from flowrl.run.checkpoint import optimizer_from_files
 
-    own = {k[len(prefix) + 1:]: v for k, v in tensors.items() if k.startswith(prefix + ".")}
+    own = {k[len(prefix) + 1 :]: v for k, v in tensors.items() if k.startswith(prefix + ".")}
     opt.load_state_dict(optimizer_from_files(own, meta))
 
 
@@ -210,8 +243,9 @@ class Trainer:
         self.vae_opt = torch.optim.AdamW(self.pipe.vae.parameters(), lr=args.vae_lr, weight_decay=0.0)
         params = [p for name in self.trained for p in getattr(self.pipe, name).parameters()]
         self.opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.99))
-        self.ema = {n: {k: v.detach().clone() for k, v in unique_state(getattr(self.pipe, n)).items()}
-                    for n in self.trained}
+        self.ema = {
+            n: {k: v.detach().clone() for k, v in unique_state(getattr(self.pipe, n)).items()} for n in self.trained
+        }
         self.log_path = self.workdir / "log.jsonl"
         self.t_start = time.time()
         self.elapsed_before = 0.0
@@ -318,10 +352,17 @@ class Trainer:
             recon = torch.cat([vae.decode(z[i : i + 64]).sample for i in range(0, n, 64)])
             images = ((recon.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 1).numpy()
             strict, _, _ = score_images(list(images), recs)
-        self.log(shift_factor=shift, scaling_factor=1.0 / std, recon_strict=float(strict.mean()),
-                 recon_mse=(recon - x).pow(2).mean().item())
-        print(f"vae: shift_factor {shift:.4f} scaling_factor {1 / std:.4f} "
-              f"detector strict on reconstructions {strict.mean():.3f}", flush=True)
+        self.log(
+            shift_factor=shift,
+            scaling_factor=1.0 / std,
+            recon_strict=float(strict.mean()),
+            recon_mse=(recon - x).pow(2).mean().item(),
+        )
+        print(
+            f"vae: shift_factor {shift:.4f} scaling_factor {1 / std:.4f} "
+            f"detector strict on reconstructions {strict.mean():.3f}",
+            flush=True,
+        )
         self.stage, self.step = "flow", 0
         self.save()
 
@@ -364,14 +405,29 @@ class Trainer:
             save_pipeline(self.pipe, dest)
             if evaluate:
                 t0 = time.time()
-                res = ode_accuracy(self.pipe, self.test_records, self.args.eval_images, self.args.eval_steps,
-                                   self.args.eval_guidance, seed=1234)
-                res_train = ode_accuracy(self.pipe, self.train_records, self.args.eval_images // 2,
-                                         self.args.eval_steps, self.args.eval_guidance, seed=4321)
+                res = ode_accuracy(
+                    self.pipe,
+                    self.test_records,
+                    self.args.eval_images,
+                    self.args.eval_steps,
+                    self.args.eval_guidance,
+                    seed=1234,
+                )
+                res_train = ode_accuracy(
+                    self.pipe,
+                    self.train_records,
+                    self.args.eval_images // 2,
+                    self.args.eval_steps,
+                    self.args.eval_guidance,
+                    seed=4321,
+                )
                 res.pop("images"), res.pop("strict_per_image")
                 self.log(eval_test=res, eval_train_strict=res_train["strict"], eval_s=round(time.time() - t0, 1))
-                print(f"step {self.step}: test strict {res['strict']:.3f} {res['by_family']} | "
-                      f"train strict {res_train['strict']:.3f}", flush=True)
+                print(
+                    f"step {self.step}: test strict {res['strict']:.3f} {res['by_family']} | "
+                    f"train strict {res_train['strict']:.3f}",
+                    flush=True,
+                )
         finally:
             self.swap_ema()
 
@@ -402,8 +458,9 @@ class Trainer:
             s = sigma.view(-1, 1, 1, 1)
             x_t = (1 - s) * x0 + s * eps
             embeds, pooled = self.encode(prompts)
-            v = tr(hidden_states=x_t, encoder_hidden_states=embeds, pooled_projections=pooled,
-                   timestep=sigma * 1000).sample
+            v = tr(
+                hidden_states=x_t, encoder_hidden_states=embeds, pooled_projections=pooled, timestep=sigma * 1000
+            ).sample
             loss = (v.float() - (eps - x0)).pow(2).mean()
             self.opt.zero_grad(set_to_none=True)
             loss.backward()

@@ -57,8 +57,15 @@ EVAL = ["eval.num_steps=10"]
 OBJECTIVE_SETTINGS: dict[str, list[str]] = {
     "grpo": [],
     "nft": ["train.objective=nft", "train.nft.beta=0.1", "train.nft.timesteps=4"],
-    "awm": ["train.objective=awm", "train.awm.timesteps=4", "sample.num_steps=6", "train.lr=3e-3",
-            "train.awm.kl_coef=3e-2", "train.schedule=cosine", "train.schedule_over=budget"],
+    "awm": [
+        "train.objective=awm",
+        "train.awm.timesteps=4",
+        "sample.num_steps=6",
+        "train.lr=3e-3",
+        "train.awm.kl_coef=3e-2",
+        "train.schedule=cosine",
+        "train.schedule_over=budget",
+    ],
     "dpo": ["train.objective=dpo", "train.dpo.beta=100", "train.dpo.timesteps=4"],
 }
 
@@ -69,8 +76,9 @@ def run_dir(out: Path, objective: str, seed: int) -> Path:
 
 def finished(directory: Path) -> bool:
     metrics = directory / "metrics.jsonl"
-    return metrics.exists() and any(json.loads(line).get("final") for line in metrics.read_text().splitlines()
-                                    if line.strip())
+    return metrics.exists() and any(
+        json.loads(line).get("final") for line in metrics.read_text().splitlines() if line.strip()
+    )
 
 
 def train(out: Path, objective: str, seed: int, minutes: float, eval_every: int, extra: list[str]) -> Path:
@@ -81,10 +89,25 @@ def train(out: Path, objective: str, seed: int, minutes: float, eval_every: int,
     if finished(directory):
         return directory
     directory.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "flowrl", "train", str(CONFIG), f"train.seed={seed}", f"train.max_minutes={minutes}",
-           "train.budget_clock=process", "train.epochs=100000", f"eval.every={eval_every}", "log.progress=false",
-           f"log.run_dir={directory}", "log.overwrite=true", "checkpoint.keep=0", *EVAL, *OBJECTIVE_SETTINGS[objective],
-           *extra]  # every checkpoint kept (a few MB each): the demo's eval of any epoch (docs/demo_eval.md)
+    cmd = [
+        sys.executable,
+        "-m",
+        "flowrl",
+        "train",
+        str(CONFIG),
+        f"train.seed={seed}",
+        f"train.max_minutes={minutes}",
+        "train.budget_clock=process",
+        "train.epochs=100000",
+        f"eval.every={eval_every}",
+        "log.progress=false",
+        f"log.run_dir={directory}",
+        "log.overwrite=true",
+        "checkpoint.keep=0",
+        *EVAL,
+        *OBJECTIVE_SETTINGS[objective],
+        *extra,
+    ]  # every checkpoint kept (a few MB each): the demo's eval of any epoch (docs/demo_eval.md)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     with open(directory / "train.log", "w") as log:
         subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
@@ -99,15 +122,20 @@ def race_run(out: Path, results: Path, objective: str, seed: int, args) -> dict:
     if path.exists():
         result = json.loads(path.read_text())
         if {k: result.get(k) for k in settings} != settings:
-            raise SystemExit(f"{path} was raced with other settings ({ {k: result.get(k) for k in settings} }, now "
-                             f"{settings}): delete it to race it again, or pass another --results")
+            raise SystemExit(
+                f"{path} was raced with other settings ({ {k: result.get(k) for k in settings} }, now "
+                f"{settings}): delete it to race it again, or pass another --results"
+            )
         return result
     directory = train(out, objective, seed, args.minutes, args.eval_every, args.extra)
     # the run's budget keys too: an override that needs them (train.schedule_over=budget) is valid in eval as well
-    after = evaluate(directory, directory / f"ckpt-{_last_ckpt(directory):06d}", "oot-final",
-                     [f"train.max_minutes={args.minutes}", "train.budget_clock=process", *args.extra])
-    result = {"objective": objective, "seed": seed, **settings, "curve": curve(directory),
-              "oot_after": after[HEADLINE]}
+    after = evaluate(
+        directory,
+        directory / f"ckpt-{_last_ckpt(directory):06d}",
+        "oot-final",
+        [f"train.max_minutes={args.minutes}", "train.budget_clock=process", *args.extra],
+    )
+    result = {"objective": objective, "seed": seed, **settings, "curve": curve(directory), "oot_after": after[HEADLINE]}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1))
     tmp.replace(path)
@@ -119,8 +147,21 @@ def evaluate(directory: Path, checkpoint: Path | None, out_name: str, extra: lis
     target = directory / out_name
     if (target / "eval.json").exists():
         return json.loads((target / "eval.json").read_text())
-    cmd = [sys.executable, "-m", "flowrl", "eval", str(CONFIG), *EVAL, *extra, f"data.eval_prompts={OUT_OF_TEMPLATE}",
-           "eval.num_prompts=48", "eval.images_per_group=0", "eval.images_per_prompt=2", "--out", str(target)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flowrl",
+        "eval",
+        str(CONFIG),
+        *EVAL,
+        *extra,
+        f"data.eval_prompts={OUT_OF_TEMPLATE}",
+        "eval.num_prompts=48",
+        "eval.images_per_group=0",
+        "eval.images_per_prompt=2",
+        "--out",
+        str(target),
+    ]
     if checkpoint is not None:
         cmd += ["--checkpoint", str(checkpoint)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -148,8 +189,11 @@ def minutes_to_gain(c: dict, gain: float) -> float | None:
 
 
 def summarise(results: dict) -> list[str]:
-    lines = ["| objective | seeds | gain on test, median (min - max) | minutes to +0.20, median | colour TV from "
-             "base, median (max) | out-of-template before -> after, median |", "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| objective | seeds | gain on test, median (min - max) | minutes to +0.20, median | colour TV from "
+        "base, median (max) | out-of-template before -> after, median |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for objective, runs in results.items():
         gains = [r["curve"]["accuracy"][-1] - r["curve"]["accuracy"][0] for r in runs]
         reach = [minutes_to_gain(r["curve"], TARGET_GAIN) for r in runs]
@@ -162,8 +206,10 @@ def summarise(results: dict) -> list[str]:
             f"| {objective} | {len(runs)} | {statistics.median(gains):+.3f} ({min(gains):+.3f} - {max(gains):+.3f}) | "
             + (f"{median_reach:.1f}" if median_reach < math.inf else f"> {runs[0]['minutes']:g}")
             + f" ({len(reached)}/{len(runs)} reached)"
-            + " | " + (f"{statistics.median(tvs):.3f} ({max(tvs):.3f})" if tvs else "-")
-            + f" | {statistics.median(before):.3f} -> {statistics.median(after):.3f} |")
+            + " | "
+            + (f"{statistics.median(tvs):.3f} ({max(tvs):.3f})" if tvs else "-")
+            + f" | {statistics.median(before):.3f} -> {statistics.median(after):.3f} |"
+        )
     return lines
 
 
@@ -181,7 +227,7 @@ def plot(results: dict, path: Path) -> None:
         grid = np.linspace(0, max(max(r["curve"]["minutes"]) for r in runs), 50)
         for ax, key in ((acc, "accuracy"), (tv, "tv")):
             ys = np.stack([np.interp(grid, r["curve"]["minutes"], [v or 0.0 for v in r["curve"][key]]) for r in runs])
-            line, = ax.plot(grid, np.median(ys, 0), label=f"{objective} (median of {len(runs)})")
+            (line,) = ax.plot(grid, np.median(ys, 0), label=f"{objective} (median of {len(runs)})")
             ax.fill_between(grid, ys.min(0), ys.max(0), alpha=0.2, color=line.get_color())
     for ax in (acc, tv):
         ax.set_xlabel("training minutes (CPU time of one run at 1 torch thread, evals excluded)")
@@ -203,10 +249,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=5, help="epochs between evals on the test split")
     parser.add_argument("--jobs", type=int, default=2, help="training runs at once")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "race", help="run directories, table, plot")
-    parser.add_argument("--results", type=Path, default=ROOT / "samples" / "shapes" / "race" / "runs",
-                        help="one small JSON per finished (objective, seed): commit them, the race resumes from them")
-    parser.add_argument("--report", action="store_true",
-                        help="train nothing: the table and plot of the runs that have result files")
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=ROOT / "samples" / "shapes" / "race" / "runs",
+        help="one small JSON per finished (objective, seed): commit them, the race resumes from them",
+    )
+    parser.add_argument(
+        "--report", action="store_true", help="train nothing: the table and plot of the runs that have result files"
+    )
     parser.add_argument("extra", nargs="*", metavar="key=value", help="overrides for every run")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

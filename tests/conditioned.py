@@ -15,9 +15,15 @@ def source_image(size: int = 32, seed: int = 0) -> Image.Image:
     """A size x size RGB image: a colour gradient with a square on it, the same for the same seed."""
     rng = np.random.default_rng(seed)
     ramp = np.linspace(0, 255, size, dtype=np.float32)
-    pixels = np.stack([np.add.outer(ramp, ramp) / 2, np.add.outer(ramp, -ramp) / 2 + 128,
-                       np.full((size, size), float(rng.integers(0, 256)))], axis=-1)
-    pixels[size // 4: size // 2, size // 4: size // 2] = rng.integers(0, 256, 3)
+    pixels = np.stack(
+        [
+            np.add.outer(ramp, ramp) / 2,
+            np.add.outer(ramp, -ramp) / 2 + 128,
+            np.full((size, size), float(rng.integers(0, 256))),
+        ],
+        axis=-1,
+    )
+    pixels[size // 4 : size // 2, size // 4 : size // 2] = rng.integers(0, 256, 3)
     return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
 
 

@@ -49,7 +49,9 @@ def _no_network(monkeypatch):
 
 
 def pytest_report_header(config):
-    return f"torch {torch.__version__}, threads {torch.get_num_threads()}, HF_HUB_OFFLINE={os.environ['HF_HUB_OFFLINE']}"
+    return (
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, HF_HUB_OFFLINE={os.environ['HF_HUB_OFFLINE']}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +68,18 @@ def tiny_lm(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny_gpt2")
     tok = arith_tokenizer()
     torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=32, n_embd=32, n_layer=2, n_head=2,
-                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                               pad_token_id=tok.pad_token_id)).save_pretrained(d)
+    GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=len(tok),
+            n_positions=32,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+    ).save_pretrained(d)
     tok.save_pretrained(d)
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10, 14) for b in range(20, 23)]
     (d / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

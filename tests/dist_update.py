@@ -21,8 +21,9 @@ saved = torch.load(batch_file, weights_only=False)  # written by the test itself
 rank, n = tr.acc.process_index, tr.batch_local
 rows = list(range(rank * n, rank * n + n))
 traj = saved["traj"].select(rows)
-batch = ImageBatch(traj=traj, prompts=[saved["prompts"][i] for i in rows],
-                   metadata=[saved["metadata"][i] for i in rows], images=[])
+batch = ImageBatch(
+    traj=traj, prompts=[saved["prompts"][i] for i in rows], metadata=[saved["metadata"][i] for i in rows], images=[]
+)
 keep = saved.get("keep", torch.ones(len(saved["adv"]), dtype=torch.bool))[rows]
 if os.environ.get("DIST_UPDATE_POISON") == str(rank):  # this process's first model call gives NaN log-probs
     unit_log_probs, calls = tr.policy.unit_log_probs, []
@@ -45,8 +46,16 @@ if os.environ.get("DIST_UPDATE_SAVE") == "1":
 weights = {k: full_tensor(v).detach().contiguous() for k, v in tr.named_params.items()}  # every process: FSDP, ZeRO-3
 if tr.main:
     save_file(weights, out_file)
-    print("optimizer steps", tr.state.optimizer_steps, "ratio_first_dev", metrics.get("policy/ratio_first_dev"),
-          "skipped", metrics["policy/skipped_nonfinite"], "engine", type(getattr(tr.dist, "engine", None)).__name__)
+    print(
+        "optimizer steps",
+        tr.state.optimizer_steps,
+        "ratio_first_dev",
+        metrics.get("policy/ratio_first_dev"),
+        "skipped",
+        metrics["policy/skipped_nonfinite"],
+        "engine",
+        type(getattr(tr.dist, "engine", None)).__name__,
+    )
 tr.acc.wait_for_everyone()
 if torch.distributed.is_initialized():
     torch.distributed.destroy_process_group()

@@ -47,16 +47,24 @@ batch_file, out, *overrides = sys.argv[1:]
 tr = Trainer(load_config(None, overrides))
 rank, n = tr.acc.process_index, tr.batch_local
 # sharded, every weight of the policy and of a reference copy is a DTensor shard: count those that are not
-whole = sum(not hasattr(p, "device_mesh") for model in (tr.policy.model, tr.policy.ref_copy) if model is not None
-            for p in model.parameters())
+whole = sum(
+    not hasattr(p, "device_mesh")
+    for model in (tr.policy.model, tr.policy.ref_copy)
+    if model is not None
+    for p in model.parameters()
+)
 
 prompts, max_new = GREEDY[rank]
 texts, _ = tr.policy.generate_greedy(prompts, max_new_tokens=max_new)
 rolled = tr.rollout(epoch=0)
-generated = {"greedy": {"prompts": prompts, "max_new_tokens": max_new, "texts": texts},
-             "rollout": {key: getattr(rolled, key).tolist() for key in
-                         ("input_ids", "attention_mask", "completion_mask", "old_log_probs")}
-             | {"prompt_len": rolled.prompt_len}}
+generated = {
+    "greedy": {"prompts": prompts, "max_new_tokens": max_new, "texts": texts},
+    "rollout": {
+        key: getattr(rolled, key).tolist()
+        for key in ("input_ids", "attention_mask", "completion_mask", "old_log_probs")
+    }
+    | {"prompt_len": rolled.prompt_len},
+}
 generated = everyones(generated)
 
 saved = torch.load(batch_file, weights_only=False)  # written by the test itself

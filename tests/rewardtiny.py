@@ -70,11 +70,13 @@ def block_non_loopback(monkeypatch) -> None:
 
 # ---- tiny CLIP (transformers) ---------------------------------------------------------------
 
+
 def byte_alphabet() -> list[str]:
     """The 256 printable stand-ins for bytes used by byte-level BPE (GPT-2 / CLIP): printable
     Latin-1 bytes map to themselves, the others to code points from 256 up, in byte order."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     mapping, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -85,8 +87,9 @@ def byte_alphabet() -> list[str]:
     return [mapping[b] for b in range(256)]
 
 
-def save_tiny_clip(directory: str | os.PathLike, *, projection_dim: int = 16, image_size: int = 32,
-                   seed: int = 0) -> "torch.nn.Module":
+def save_tiny_clip(
+    directory: str | os.PathLike, *, projection_dim: int = 16, image_size: int = 32, seed: int = 0
+) -> "torch.nn.Module":
     """Save a 1-layer random ``CLIPModel`` with a character-level CLIP tokenizer (no merges, 514 tokens)
     and a ``CLIPProcessor`` (OpenAI mean/std, resize + centre crop to ``image_size``) to ``directory``.
     Returns the model (eval mode)."""
@@ -102,18 +105,32 @@ def save_tiny_clip(directory: str | os.PathLike, *, projection_dim: int = 16, im
     (tok_dir / "vocab.json").write_text(json.dumps(vocab))
     (tok_dir / "merges.txt").write_text("#version: 0.2\n")
     tokenizer = CLIPTokenizer.from_pretrained(str(tok_dir))
-    image_processor = CLIPImageProcessor(size={"shortest_edge": image_size},
-                                         crop_size={"height": image_size, "width": image_size})
+    image_processor = CLIPImageProcessor(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+    )
     CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(str(directory))
 
     torch.manual_seed(seed)
     config = CLIPConfig(
-        text_config=dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=37, num_hidden_layers=1,
-                         num_attention_heads=2, max_position_embeddings=77,
-                         bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"],
-                         pad_token_id=vocab["<|endoftext|>"]),
-        vision_config=dict(image_size=image_size, patch_size=8, hidden_size=32, intermediate_size=37,
-                           num_hidden_layers=1, num_attention_heads=2),
+        text_config=dict(
+            vocab_size=len(vocab),
+            hidden_size=32,
+            intermediate_size=37,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=77,
+            bos_token_id=vocab["<|startoftext|>"],
+            eos_token_id=vocab["<|endoftext|>"],
+            pad_token_id=vocab["<|endoftext|>"],
+        ),
+        vision_config=dict(
+            image_size=image_size,
+            patch_size=8,
+            hidden_size=32,
+            intermediate_size=37,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+        ),
         projection_dim=projection_dim,
         logit_scale_init_value=3.0,
     )
@@ -124,6 +141,7 @@ def save_tiny_clip(directory: str | os.PathLike, *, projection_dim: int = 16, im
 
 # ---- tiny DINOv2 (transformers) ------------------------------------------------------------------
 
+
 def save_tiny_dinov2(directory: str | os.PathLike, *, image_size: int = 32, seed: int = 0) -> "torch.nn.Module":
     """Save a 1-layer random ``Dinov2Model`` (width 32, patch 8) and the ``BitImageProcessor`` DINOv2 checkpoints
     use (resize the short side, centre crop to ``image_size``, ImageNet mean/std) to ``directory``. Returns the model
@@ -132,12 +150,17 @@ def save_tiny_dinov2(directory: str | os.PathLike, *, image_size: int = 32, seed
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    BitImageProcessor(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size},
-                      image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225],
-                      do_convert_rgb=True).save_pretrained(str(directory))
+    BitImageProcessor(
+        size={"shortest_edge": image_size},
+        crop_size={"height": image_size, "width": image_size},
+        image_mean=[0.485, 0.456, 0.406],
+        image_std=[0.229, 0.224, 0.225],
+        do_convert_rgb=True,
+    ).save_pretrained(str(directory))
     torch.manual_seed(seed)
-    config = Dinov2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, mlp_ratio=2,
-                          image_size=image_size, patch_size=8)
+    config = Dinov2Config(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, mlp_ratio=2, image_size=image_size, patch_size=8
+    )
     model = Dinov2Model(config).eval()
     model.save_pretrained(str(directory))
     return model
@@ -169,6 +192,7 @@ def save_tiny_hps(directory: str | os.PathLike, *, seed: int = 0) -> tuple["torc
 
 
 # ---- images --------------------------------------------------------------------------------------
+
 
 def random_images(n: int, size: tuple[int, int] = (40, 40), seed: int = 0) -> list[Image.Image]:
     """``n`` RGB images of uniform noise (deterministic in ``seed``)."""

@@ -48,7 +48,7 @@ def test_tokenizer_specials(tok):
     assert (tok.pad_token, tok.bos_token, tok.eos_token) == (PAD, BOS, EOS)
     ids = {tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id}
     assert None not in ids and len(ids) == 4
-    assert len(tok) == 4 + 10 + 5                         # specials, digits, "+-*= "
+    assert len(tok) == 4 + 10 + 5  # specials, digits, "+-*= "
     assert tok.convert_ids_to_tokens(tok("7\n", add_special_tokens=False)["input_ids"]) == ["7", tok.unk_token]
     batch = tok(["3+5=", "99+99="], padding=True)
     assert tok.padding_side == "left"
@@ -63,7 +63,10 @@ def test_tokenizer_save_load(tok, tmp_path):
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     assert loaded.get_vocab() == tok.get_vocab()
     assert (loaded.pad_token_id, loaded.bos_token_id, loaded.eos_token_id) == (
-        tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+        tok.pad_token_id,
+        tok.bos_token_id,
+        tok.eos_token_id,
+    )
     assert loaded.padding_side == "left"
     text = "12+7=19"
     assert loaded(text)["input_ids"] == tok(text)["input_ids"]
@@ -109,20 +112,23 @@ def test_make_prompts_deterministic_and_seeded():
 # ----------------------------------------------------------------------------- scoring
 
 
-@pytest.mark.parametrize("completion, answer, expected", [
-    ("82", "82", 1.0),
-    ("82", 82, 1.0),
-    (" 82 ", "82", 1.0),
-    ("82<eos>", "82", 1.0),
-    ("82<eos>31", "82", 1.0),
-    ("<pad>82", "82", 1.0),
-    ("8", "82", 0.0),
-    ("821", "82", 0.0),
-    ("28", "82", 0.0),
-    ("", "0", 0.0),
-    ("0", 0, 1.0),
-    ("<eos>82", "82", 0.0),
-])
+@pytest.mark.parametrize(
+    "completion, answer, expected",
+    [
+        ("82", "82", 1.0),
+        ("82", 82, 1.0),
+        (" 82 ", "82", 1.0),
+        ("82<eos>", "82", 1.0),
+        ("82<eos>31", "82", 1.0),
+        ("<pad>82", "82", 1.0),
+        ("8", "82", 0.0),
+        ("821", "82", 0.0),
+        ("28", "82", 0.0),
+        ("", "0", 0.0),
+        ("0", 0, 1.0),
+        ("<eos>82", "82", 0.0),
+    ],
+)
 def test_exact_match_cases(completion, answer, expected):
     assert exact_match(completion, answer) == expected
 
@@ -173,10 +179,11 @@ def test_greedy_accuracy_counts_what_it_decodes():
     rows = make_prompts("train", 64, seed=7)
     enc = tok([r["prompt"] for r in rows], return_tensors="pt", padding=True)
     with torch.no_grad():
-        gen = model.generate(**enc, do_sample=False, max_new_tokens=4, pad_token_id=tok.pad_token_id,
-                             eos_token_id=tok.eos_token_id)
+        gen = model.generate(
+            **enc, do_sample=False, max_new_tokens=4, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id
+        )
     hits = 0
-    for row, ids in zip(rows, gen[:, enc["input_ids"].shape[1]:].tolist()):
+    for row, ids in zip(rows, gen[:, enc["input_ids"].shape[1] :].tolist()):
         text = "".join(tok.convert_ids_to_tokens(ids))
         hits += text.startswith(row["answer"] + EOS)
     assert greedy_accuracy(model, tok, rows, max_new_tokens=4, batch_size=16) == pytest.approx(hits / len(rows))

@@ -52,8 +52,23 @@ def test_realistic_setting_and_generate_ab_run(capsys):
     bench = load_bench()
     threads = torch.get_num_threads()
     try:
-        out = bench.main(["--setting", "realistic", "--no-trl", "--warmup", "0", "--repeats", "1", "--prompts", "1",
-                          "--group", "2", "--max-new-tokens", "3"])
+        out = bench.main(
+            [
+                "--setting",
+                "realistic",
+                "--no-trl",
+                "--warmup",
+                "0",
+                "--repeats",
+                "1",
+                "--prompts",
+                "1",
+                "--group",
+                "2",
+                "--max-new-tokens",
+                "3",
+            ]
+        )
         ab = bench.main(["--generate-ab", "--warmup", "0", "--repeats", "1", "--prompts", "2", "--group", "2"])
     finally:
         torch.set_num_threads(threads)

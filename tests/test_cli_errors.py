@@ -10,8 +10,16 @@ from flowrl.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CFG = str(ROOT / "configs" / "tiny_cpu.yaml")
-TINY = ["sample.height=32", "sample.width=32", "sample.num_steps=3", "sample.max_sequence_length=16",
-        "eval.num_steps=2", "eval.num_prompts=2", "log.progress=false", "model.device=cpu"]
+TINY = [
+    "sample.height=32",
+    "sample.width=32",
+    "sample.num_steps=3",
+    "sample.max_sequence_length=16",
+    "eval.num_steps=2",
+    "eval.num_prompts=2",
+    "log.progress=false",
+    "model.device=cpu",
+]
 
 
 def one_line_error(capsys, code, rc) -> str:
@@ -52,8 +60,9 @@ def test_eval_and_sample_with_a_missing_or_incomplete_checkpoint(tmp_path, capsy
 def test_a_model_directory_no_family_drives(tmp_path, capsys, no_model_load):
     model = tmp_path / "kandinsky"
     model.mkdir()
-    (model / "model_index.json").write_text(json.dumps({"_class_name": "KandinskyPipeline", "unet": ["diffusers",
-                                                                                                     "UNet2DModel"]}))
+    (model / "model_index.json").write_text(
+        json.dumps({"_class_name": "KandinskyPipeline", "unet": ["diffusers", "UNet2DModel"]})
+    )
     rc = main(["train", TINY_CFG, *TINY, f"model.path={model}", f"log.run_dir={tmp_path / 'run'}"])
     err = one_line_error(capsys, 1, rc)
     assert "KandinskyPipeline" in err and "StableDiffusion3Pipeline" in err
@@ -71,8 +80,9 @@ def test_reward_mistakes_and_an_unwritable_run_dir_fail_before_the_model_loads(t
     run = f"log.run_dir={tmp_path / 'run'}"
     err = one_line_error(capsys, 1, main(["train", TINY_CFG, *TINY, run, "rewards=[{name: pickscroe}]"]))
     assert "pickscroe" in err and "pickscore" in err
-    err = one_line_error(capsys, 1, main(["train", TINY_CFG, *TINY, run,
-                                          "rewards=[{name: jpeg_compressibility, kwargs: {qualty: 50}}]"]))
+    err = one_line_error(
+        capsys, 1, main(["train", TINY_CFG, *TINY, run, "rewards=[{name: jpeg_compressibility, kwargs: {qualty: 50}}]"])
+    )
     assert "qualty" in err
     blocker = tmp_path / "a_file"
     blocker.write_text("")
@@ -94,8 +104,26 @@ def test_sample_names_files_by_prompt_and_seed_and_each_image_is_its_seeds(tmp_p
     from PIL import Image
 
     both = tmp_path / "both"
-    assert main(["sample", TINY_CFG, *TINY, "--prompt", "a red circle", "--prompt", "a blue square", "--num", "2",
-                 "--seed", "5", "--out", str(both)]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                TINY_CFG,
+                *TINY,
+                "--prompt",
+                "a red circle",
+                "--prompt",
+                "a blue square",
+                "--num",
+                "2",
+                "--seed",
+                "5",
+                "--out",
+                str(both),
+            ]
+        )
+        == 0
+    )
     names = sorted(p.name for p in both.glob("*.png"))
     assert names == ["000_seed5.png", "000_seed6.png", "001_seed5.png", "001_seed6.png"]
     listed = [json.loads(line) for line in (both / "samples.jsonl").read_text().splitlines()]
@@ -113,10 +141,14 @@ def test_sample_checks_its_images_before_the_model_loads(tmp_path, capsys, no_mo
     kontext = [*TINY, "model.path=tiny-flux_kontext"]
     err = one_line_error(capsys, 1, main(["sample", TINY_CFG, *kontext, "--prompt", "make it blue"]))
     assert "--image: flux_kontext takes exactly 1 image per prompt, got 0" in err
-    err = one_line_error(capsys, 1, main(["sample", TINY_CFG, *kontext, "--prompt", "make it blue",
-                                          "--image", str(tmp_path / "nope.png")]))
+    err = one_line_error(
+        capsys,
+        1,
+        main(["sample", TINY_CFG, *kontext, "--prompt", "make it blue", "--image", str(tmp_path / "nope.png")]),
+    )
     assert "nope.png' is not an image" in err
     Image.new("RGB", (32, 32)).save(tmp_path / "a.png")
-    err = one_line_error(capsys, 1, main(["sample", TINY_CFG, *TINY, "--prompt", "a cat", "--image",
-                                          str(tmp_path / "a.png")]))
+    err = one_line_error(
+        capsys, 1, main(["sample", TINY_CFG, *TINY, "--prompt", "a cat", "--image", str(tmp_path / "a.png")])
+    )
     assert "sd3 is a text-to-image family and takes no conditioning image, got 1" in err

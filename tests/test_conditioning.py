@@ -41,11 +41,14 @@ def test_image_paths_are_read_relative_to_the_jsonl_and_kept_as_absolute_lists(t
     (tmp_path / "data" / "img").mkdir(parents=True)
     a = _image(tmp_path / "data" / "img" / "a.png")
     b = _image(tmp_path / "data" / "b.jpg")
-    path = _jsonl(tmp_path / "data" / "edits.jsonl", [
-        {"prompt": "make it blue", "image": "img/a.png", "family": "colour"},
-        {"prompt": "put them together", "image": ["img/a.png", "b.jpg"]},
-        {"prompt": "a plain prompt"},
-    ])
+    path = _jsonl(
+        tmp_path / "data" / "edits.jsonl",
+        [
+            {"prompt": "make it blue", "image": "img/a.png", "family": "colour"},
+            {"prompt": "put them together", "image": ["img/a.png", "b.jpg"]},
+            {"prompt": "a plain prompt"},
+        ],
+    )
     ps = load_prompts(path)
     assert ps.metadata[0] == {"image": [str(a.resolve())], "family": "colour"}
     assert ps.metadata[1]["image"] == [str(a.resolve()), str(b.resolve())]
@@ -68,9 +71,14 @@ def test_a_bad_conditioning_image_is_one_line_naming_the_file_and_line(tmp_path,
         data = (_image(tmp_path / "full.png", size=(64, 64))).read_bytes()
         (tmp_path / "cut.png").write_bytes(data[: len(data) // 2])
     (tmp_path / "folder.png").mkdir()
-    value, named = {"missing": ("nope.png", "nope.png"), "directory": ("folder.png", "folder.png"),
-                    "not_an_image": ("notes.png", "notes.png"), "truncated": ("cut.png", "cut.png"),
-                    "bad_type": (7, "'image' must be"), "empty_list": ([], "'image' must be")}[case]
+    value, named = {
+        "missing": ("nope.png", "nope.png"),
+        "directory": ("folder.png", "folder.png"),
+        "not_an_image": ("notes.png", "notes.png"),
+        "truncated": ("cut.png", "cut.png"),
+        "bad_type": (7, "'image' must be"),
+        "empty_list": ([], "'image' must be"),
+    }[case]
     path = _jsonl(tmp_path / "p.jsonl", [{"prompt": "fine", "image": "ok.png"}, {"prompt": "bad", "image": value}])
     with pytest.raises(PromptFileError) as info:
         load_prompts(path)
@@ -116,8 +124,9 @@ def test_preflight_rejects_images_for_a_text_to_image_family_naming_the_line(tmp
     monkeypatch.setattr(families, "load_image_backend", no_loading)
     _image(tmp_path / "src.png")
     path = _jsonl(tmp_path / "p.jsonl", [{"prompt": "a cat"}, {"prompt": "make it blue", "image": "src.png"}])
-    cfg = load_config(None, ["model.path=tiny-sd3", f"data.train_prompts={path}", "sample.height=32",
-                             "sample.width=32"])
+    cfg = load_config(
+        None, ["model.path=tiny-sd3", f"data.train_prompts={path}", "sample.height=32", "sample.width=32"]
+    )
     with pytest.raises(PreflightError) as info:
         preflight(cfg)
     assert str(info.value).startswith(f"data.train_prompts: {path}:2: sd3 is a text-to-image family")
@@ -151,7 +160,8 @@ class ProbeEdit(SD3Backend):
         from diffusers.image_processor import VaeImageProcessor
 
         pixels = VaeImageProcessor(vae_scale_factor=self.pipe.vae_scale_factor).preprocess(
-            [im[0] for im in images], height=settings.height, width=settings.width)
+            [im[0] for im in images], height=settings.height, width=settings.width
+        )
         vae = self.pipe.vae
         latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
         return {"image_latents": (latents - vae.config.shift_factor) * vae.config.scaling_factor}
@@ -185,8 +195,17 @@ def test_the_rollout_carries_each_prompts_image_to_the_family(probe):
 
 def test_recomputed_log_probs_equal_the_recorded_ones_with_conditions(probe):
     red, blue, gradient = _sources()
-    traj = probe.rollout(["make it green", "add a square", "make it green"], 2, images=[[red], [blue], [gradient]],
-                         num_steps=4, seed=3, height=SIZE, width=SIZE, decode=False, same_noise_per_group=True)
+    traj = probe.rollout(
+        ["make it green", "add a square", "make it green"],
+        2,
+        images=[[red], [blue], [gradient]],
+        num_steps=4,
+        seed=3,
+        height=SIZE,
+        width=SIZE,
+        decode=False,
+        same_noise_per_group=True,
+    )
     lp, _, _ = probe.step_log_prob(traj, traj.train_steps)
     assert (lp - traj.log_probs[:, traj.train_steps]).abs().max().item() <= 1e-5
     rows = [5, 0, 3]
@@ -204,12 +223,12 @@ def test_cat_and_flow_prediction_keep_each_samples_condition(probe):
     a = probe.rollout(["make it green"], 1, images=[[red]], **kwargs)
     b = probe.rollout(["make it green"], 1, images=[[blue]], **kwargs)
     both = Trajectory.cat([a, b])
-    assert torch.equal(both.conditions["image_latents"], torch.cat([a.conditions["image_latents"],
-                                                                    b.conditions["image_latents"]]))
+    assert torch.equal(
+        both.conditions["image_latents"], torch.cat([a.conditions["image_latents"], b.conditions["image_latents"]])
+    )
     x0 = both.final_latents[[0, 0]]
     noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(0))
-    pred = probe.flow_prediction(x0, noise, 0.5, both.prompt_ids, both.prompt_encodings, both.sampler,
-                                 both.conditions)
+    pred = probe.flow_prediction(x0, noise, 0.5, both.prompt_ids, both.prompt_encodings, both.sampler, both.conditions)
     assert (pred.velocity[0] - pred.velocity[1]).abs().max() > 1e-4  # same input, different source image
 
 
@@ -228,8 +247,18 @@ def test_the_policy_loads_the_rows_images_and_trains_on_them_at_ratio_one(tmp_pa
     from flowrl.config import load_config
     from flowrl.policies.image import ImagePolicy
 
-    cfg = load_config(None, ["model.path=tiny-sd3", "sample.height=32", "sample.width=32", "sample.num_steps=3",
-                             "sample.max_sequence_length=16", "sample.group_size=2", "model.device=cpu"])
+    cfg = load_config(
+        None,
+        [
+            "model.path=tiny-sd3",
+            "sample.height=32",
+            "sample.width=32",
+            "sample.num_steps=3",
+            "sample.max_sequence_length=16",
+            "sample.group_size=2",
+            "model.device=cpu",
+        ],
+    )
     policy = ImagePolicy(cfg, "cpu")
     policy.backend = ProbeEdit(policy.backend.pipe, max_sequence_length=16)  # the same pipeline (and LoRA)
     red = _image(tmp_path / "red.png", size=(40, 40), colour=(220, 20, 20))  # fitted to 32 x 32

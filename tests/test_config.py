@@ -7,8 +7,10 @@ from flowrl.config import Config, ConfigError, describe, field_docs, load_config
 
 def test_defaults_validate_and_overrides_apply(tmp_path):
     yml = tmp_path / "c.yaml"
-    yml.write_text("train:\n  lr: 1e-4\n  epochs: 3\nsample:\n  group_size: 8\n"
-                   "rewards:\n  - name: jpeg_compressibility\n    weight: 2\n")
+    yml.write_text(
+        "train:\n  lr: 1e-4\n  epochs: 3\nsample:\n  group_size: 8\n"
+        "rewards:\n  - name: jpeg_compressibility\n    weight: 2\n"
+    )
     cfg = load_config(yml, ["train.epochs=5", "train.grpo.window.kind=fixed", "train.grpo.window.size=2"])
     assert cfg.train.lr == 1e-4  # YAML reads "1e-4" as a string; the float field converts it
     assert cfg.train.epochs == 5 and cfg.sample.group_size == 8
@@ -30,19 +32,22 @@ def test_unknown_key_names_close_valid_keys(tmp_path):
         load_config(yml)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("sample.group_size=1", "group_size must be >= 2"),
-    ("train.minibatch_size=3", "must divide the epoch batch 16"),
-    ("train.grpo.sde_type=euler", "valid: auto, sde, cps, dance, ddim"),
-    ("train.lr=abc", "expected a number"),
-    ("lora.enabled=maybe", "expected true or false"),
-    ("train.adv_estimator=ppo", "valid: dr_grpo, grpo, reinforce_pp, rloo"),
-    ("train.grpo.policy_loss=ppo", "valid: gspo, ppo_clip"),
-    ("train.grpo.window.kind=fixed", "window"),
-    ("train.grpo.dual_clip=0.5", "dual_clip must be > 1"),
-    ("train.decay_frac=0", r"train.decay_frac must be in \(0, 1\]"),
-    ("rewards=[{name: shapes_geneval, weight: 0}]", "every weight is 0 .shapes_geneval., so there is nothing"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("sample.group_size=1", "group_size must be >= 2"),
+        ("train.minibatch_size=3", "must divide the epoch batch 16"),
+        ("train.grpo.sde_type=euler", "valid: auto, sde, cps, dance, ddim"),
+        ("train.lr=abc", "expected a number"),
+        ("lora.enabled=maybe", "expected true or false"),
+        ("train.adv_estimator=ppo", "valid: dr_grpo, grpo, reinforce_pp, rloo"),
+        ("train.grpo.policy_loss=ppo", "valid: gspo, ppo_clip"),
+        ("train.grpo.window.kind=fixed", "window"),
+        ("train.grpo.dual_clip=0.5", "dual_clip must be > 1"),
+        ("train.decay_frac=0", r"train.decay_frac must be in \(0, 1\]"),
+        ("rewards=[{name: shapes_geneval, weight: 0}]", "every weight is 0 .shapes_geneval., so there is nothing"),
+    ],
+)
 def test_bad_values_are_errors_before_work(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, ["sample.prompts_per_epoch=4", override])
@@ -74,4 +79,9 @@ def test_every_preset_loads_and_validates():
     # Flow-GRPO's recipe, as the preset promises
     assert (pick.sample.height, pick.sample.num_steps, pick.eval.num_steps, pick.sample.group_size) == (512, 10, 40, 24)
     assert (pick.train.grpo.clip_low, pick.train.grpo.beta, pick.lora.rank, pick.lora.alpha, pick.train.lr) == (
-        1e-4, 0.01, 32, 64.0, 3e-4)
+        1e-4,
+        0.01,
+        32,
+        64.0,
+        3e-4,
+    )

@@ -92,16 +92,19 @@ def test_relations_between_keys():
         load_config(None, ["train.per_prompt_stats=true", "train.stat_min_count=40"])
 
 
-@pytest.mark.parametrize("override, wanted", [
-    ("learnig_rate=1", "train.lr"),            # a misspelling of TRL's name
-    ("train.learning_rate=1", "train.lr"),     # TRL's name in the right section (was: train.decay_frac)
-    ("num_generations=4", "sample.group_size"),
-    ("num_train_epochs=3", "train.epochs"),
-    ("clip_range=0.2", "train.grpo.clip_low"),
-    ("sample.num_inference_steps=20", "sample.num_steps"),
-    ("group_size=8", "sample.group_size"),     # a valid key's last part, in no section
-    ("train.group_sise=8", "sample.group_size"),  # a misspelling, in the wrong section
-])
+@pytest.mark.parametrize(
+    "override, wanted",
+    [
+        ("learnig_rate=1", "train.lr"),  # a misspelling of TRL's name
+        ("train.learning_rate=1", "train.lr"),  # TRL's name in the right section (was: train.decay_frac)
+        ("num_generations=4", "sample.group_size"),
+        ("num_train_epochs=3", "train.epochs"),
+        ("clip_range=0.2", "train.grpo.clip_low"),
+        ("sample.num_inference_steps=20", "sample.num_steps"),
+        ("group_size=8", "sample.group_size"),  # a valid key's last part, in no section
+        ("train.group_sise=8", "sample.group_size"),  # a misspelling, in the wrong section
+    ],
+)
 def test_unknown_keys_get_a_suggestion_across_sections(override, wanted):
     with pytest.raises(ConfigError, match=rf"Did you mean [^?]*\b{wanted.replace('.', '[.]')}\b"):
         load_config(None, [override])

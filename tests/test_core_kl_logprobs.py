@@ -62,8 +62,10 @@ def test_gaussian_kl_by_hand_and_against_torch():
     # b0: ((1)^2 + (2)^2) / (2 * 4) / 2 = 5/16 ; b1: (9 + 1) / (2 * 0.25) / 2 = 10
     torch.testing.assert_close(gaussian_kl(mean, ref, std), t([5 / 16, 10.0]), **TOL)
     gen = torch.Generator().manual_seed(1)
-    m, r = torch.randn(3, 4, 5, generator=gen, dtype=torch.float64), torch.randn(3, 4, 5, generator=gen,
-                                                                                   dtype=torch.float64)
+    m, r = (
+        torch.randn(3, 4, 5, generator=gen, dtype=torch.float64),
+        torch.randn(3, 4, 5, generator=gen, dtype=torch.float64),
+    )
     s = 0.3
     want = torch.distributions.kl_divergence(torch.distributions.Normal(m, s), torch.distributions.Normal(r, s))
     torch.testing.assert_close(gaussian_kl(m, r, s), want.mean((1, 2)), **TOL)
@@ -103,8 +105,11 @@ def test_chunked_entropy_and_its_gradient_equal_autograd_of_the_definition(tempe
     masked = base[0, 0].clone()
     masked[[2, 7]] = -math.inf
     kept = masked[torch.isfinite(masked)]
-    torch.testing.assert_close(entropy_from_logits(masked, temperature),
-                               torch.distributions.Categorical(logits=kept / temperature).entropy(), **TOL)
+    torch.testing.assert_close(
+        entropy_from_logits(masked, temperature),
+        torch.distributions.Categorical(logits=kept / temperature).entropy(),
+        **TOL,
+    )
     half = base.to(torch.bfloat16).requires_grad_()
     out = entropy_from_logits(half, temperature)
     out.sum().backward()
@@ -208,8 +213,9 @@ def test_sample_categorical_draws_softmax_frequencies():
     from flowrl.core import sample_categorical
 
     g = torch.Generator().manual_seed(3)
-    logits = torch.tensor([[2.0, 0.5, -1.0, 0.0, float("-inf"), 1.0],
-                           [float("-inf"), 0.0, float("-inf"), -3.0, 4.0, 0.2]])
+    logits = torch.tensor(
+        [[2.0, 0.5, -1.0, 0.0, float("-inf"), 1.0], [float("-inf"), 0.0, float("-inf"), -3.0, 4.0, 0.2]]
+    )
     n = 40000
     draws = sample_categorical(logits.repeat_interleave(n, 0), generator=g).view(2, n)
     probs = torch.exp(logits.double() - torch.logsumexp(logits.double(), -1, keepdim=True))  # independent softmax

@@ -167,12 +167,10 @@ def test_aggregate_loss_modes_by_hand():
     assert aggregate_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx(2.75, abs=1e-12)
     # seq-mean-token-sum-norm (verl): (1 + 2 + 4) / 3, no division by B; with horizon 10: 7 / 10
     assert aggregate_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(7 / 3, abs=1e-12)
-    assert aggregate_loss(loss, mask, "seq-mean-token-sum-norm", horizon=10).item() == pytest.approx(
-        0.7, abs=1e-12)
+    assert aggregate_loss(loss, mask, "seq-mean-token-sum-norm", horizon=10).item() == pytest.approx(0.7, abs=1e-12)
     # seq-mean-token-sum-max-len (Dr.GRPO's 1/G): (3/3 + 4/3) / 2 ; with horizon 10: (3/10 + 4/10) / 2
     assert aggregate_loss(loss, mask, "seq-mean-token-sum-max-len").item() == pytest.approx(7 / 6, abs=1e-12)
-    assert aggregate_loss(loss, mask, "seq-mean-token-sum-max-len", horizon=10).item() == pytest.approx(
-        0.35, abs=1e-12)
+    assert aggregate_loss(loss, mask, "seq-mean-token-sum-max-len", horizon=10).item() == pytest.approx(0.35, abs=1e-12)
 
 
 def test_verl_token_sum_norm_scales_with_the_batch_and_dr_grpo_form_does_not():
@@ -188,8 +186,16 @@ def test_verl_token_sum_norm_scales_with_the_batch_and_dr_grpo_form_does_not():
     assert drg == pytest.approx(once, abs=1e-12)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                  "seq-mean-token-sum-norm", "seq-mean-token-sum-max-len"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum-norm",
+        "seq-mean-token-sum-max-len",
+    ],
+)
 def test_aggregate_fully_masked_never_nan(mode):
     loss = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
     out = aggregate_loss(loss, torch.zeros(2, 4), mode)
@@ -224,8 +230,16 @@ def test_unknown_names():
         get_policy_loss("ppo")
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                  "seq-mean-token-sum-norm", "seq-mean-token-sum-max-len"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum-norm",
+        "seq-mean-token-sum-max-len",
+    ],
+)
 def test_micro_batches_with_the_minibatch_normalizer_add_up_to_the_minibatch(mode):
     """Split a minibatch's rows in micro-batches: with the whole minibatch's normalizer, their aggregates (and so
     their gradients) sum to the minibatch's aggregate, whatever the masks."""
@@ -237,8 +251,10 @@ def test_micro_batches_with_the_minibatch_normalizer_add_up_to_the_minibatch(mod
     mask[3] = 0  # a fully masked row
     whole = aggregate_loss(loss, mask, mode)
     norm = loss_normalizer(mask, mode, length=6)
-    parts = [aggregate_loss(loss[rows], mask[rows], mode, normalizer=norm) for rows in (slice(0, 3), slice(3, 5),
-                                                                                          slice(5, 8))]
+    parts = [
+        aggregate_loss(loss[rows], mask[rows], mode, normalizer=norm)
+        for rows in (slice(0, 3), slice(3, 5), slice(5, 8))
+    ]
     assert abs(sum(p.item() for p in parts) - whole.item()) < 1e-12
     (g_whole,) = torch.autograd.grad(whole, loss)
     (g_parts,) = torch.autograd.grad(sum(parts), loss)

@@ -83,8 +83,13 @@ def test_optimality_probability_matches_the_papers_r_with_global_std():
 def nft_case():
     # one sample: x0 = [1, -1], eps = [.5, .5], t = .5 -> x_t = [.75, -.25], v = [-.5, 1.5]
     # v_theta = [0, 1], v_old = [1, 0]
-    return dict(velocity=t64([[0.0, 1.0]]), old_velocity=t64([[1.0, 0.0]]), x0=t64([[1.0, -1.0]]),
-                noise=t64([[0.5, 0.5]]), t=t64([0.5]))
+    return dict(
+        velocity=t64([[0.0, 1.0]]),
+        old_velocity=t64([[1.0, 0.0]]),
+        x0=t64([[1.0, -1.0]]),
+        noise=t64([[0.5, 0.5]]),
+        t=t64([0.5]),
+    )
 
 
 def test_nft_unweighted_by_hand():
@@ -115,8 +120,9 @@ def test_nft_adaptive_weight_by_hand():
 
 def test_nft_kl_term_by_hand():
     # v_theta - v_ref = [0, 1] - [2, 1] = [-2, 0] -> ||.||^2 = 2; kl_coef .1 adds .2 to the 3.5 above
-    loss, stats = nft_loss(**nft_case(), r=t64([0.75]), beta=0.5, adaptive_weight=False,
-                           ref_velocity=t64([[2.0, 1.0]]), kl_coef=0.1)
+    loss, stats = nft_loss(
+        **nft_case(), r=t64([0.75]), beta=0.5, adaptive_weight=False, ref_velocity=t64([[2.0, 1.0]]), kl_coef=0.1
+    )
     torch.testing.assert_close(loss, t64([3.7]), **TOL)
     assert stats["kl"].item() == pytest.approx(2.0, abs=1e-12)
 
@@ -130,8 +136,19 @@ def test_nft_matches_elementwise_loop(adaptive):
     t = torch.rand(B, generator=gen, dtype=torch.float64)
     r = t64([0.0, 0.3, 0.8, 1.0])
     beta, kl_coef, scale = 0.3, 0.05, 2.0
-    loss, _ = nft_loss(v, v_old, x0, eps, t, r, beta=beta, adaptive_weight=adaptive, ref_velocity=v_ref,
-                       kl_coef=kl_coef, policy_scale=scale)
+    loss, _ = nft_loss(
+        v,
+        v_old,
+        x0,
+        eps,
+        t,
+        r,
+        beta=beta,
+        adaptive_weight=adaptive,
+        ref_velocity=v_ref,
+        kl_coef=kl_coef,
+        policy_scale=scale,
+    )
     for b in range(B):
         tb = t[b].item()
         pos_err, neg_err, kl = [], [], []
@@ -179,8 +196,9 @@ def test_nft_gradient_moves_toward_target_for_r1_and_away_for_r0(adaptive):
     v_old = target + randn(3, 8, gen=gen)  # the old policy misses the target
     for r_value, closer in ((1.0, True), (0.0, False)):
         v = v_old.clone().requires_grad_()  # on-policy start: v_theta = v_old
-        loss, _ = nft_loss(v, v_old, x0, eps, t, torch.full((3,), r_value, dtype=torch.float64), beta=0.5,
-                           adaptive_weight=adaptive)
+        loss, _ = nft_loss(
+            v, v_old, x0, eps, t, torch.full((3,), r_value, dtype=torch.float64), beta=0.5, adaptive_weight=adaptive
+        )
         loss.sum().backward()
         step = -1e-3 * v.grad
         before = ((v_old - target) ** 2).sum(1)
@@ -204,8 +222,16 @@ def test_nft_minimiser_is_the_papers_optimum():
     v_old = u.mean(0, keepdim=True).expand(K, D)
     start = randn(1, D, gen=gen).requires_grad_()
     # eps = 0 and x0 = -u make the target eps - x0 = u; t does not enter the unweighted loss
-    loss, _ = nft_loss(start.expand(K, D), v_old, -u, torch.zeros(K, D, dtype=torch.float64),
-                       torch.full((K,), 0.5, dtype=torch.float64), r, beta=beta, adaptive_weight=False)
+    loss, _ = nft_loss(
+        start.expand(K, D),
+        v_old,
+        -u,
+        torch.zeros(K, D, dtype=torch.float64),
+        torch.full((K,), 0.5, dtype=torch.float64),
+        r,
+        beta=beta,
+        adaptive_weight=False,
+    )
     loss.mean().backward()
     v_star = start.detach() - start.grad * D / (2 * beta)
     want = u.mean(0) + 2 / beta * ((r[:, None] * u).mean(0) - r.mean() * u.mean(0))
@@ -257,11 +283,13 @@ def test_nft_rejects_bad_arguments():
 def test_soft_update_decay_schedules():
     # default (reference decay_type 1): min(1e-3 step, .5)
     assert [soft_update_decay(s) for s in (0, 1, 100, 499, 500, 10_000)] == pytest.approx(
-        [0.0, 0.001, 0.1, 0.499, 0.5, 0.5], abs=1e-15)
+        [0.0, 0.001, 0.1, 0.499, 0.5, 0.5], abs=1e-15
+    )
     # OCR (decay_type 2): 0 before step 75, then min(7.5e-3 (step - 75), .999)
     ocr = dict(rate=0.0075, cap=0.999, start=75)
     assert [soft_update_decay(s, **ocr) for s in (0, 74, 75, 175, 10_000)] == pytest.approx(
-        [0.0, 0.0, 0.0, 0.75, 0.999], abs=1e-15)
+        [0.0, 0.0, 0.0, 0.75, 0.999], abs=1e-15
+    )
 
 
 def test_soft_update_by_hand_and_dtypes():
@@ -305,11 +333,17 @@ def test_awm_matching_loss_by_hand():
     torch.testing.assert_close(awm_matching_loss(fm, t, "t"), t64([0.125, 2.0]), **TOL)
     torch.testing.assert_close(awm_matching_loss(fm, t, "t2"), t64([0.0625, 1.0]), **TOL)
     # huber: t (sqrt(l + d) - sqrt(d))
-    torch.testing.assert_close(awm_matching_loss(fm, t, "huber"),
-                               t64([0.5 * (math.sqrt(0.25 + d) - 1e-5), 0.5 * (math.sqrt(4 + d) - 1e-5)]), **TOL)
+    torch.testing.assert_close(
+        awm_matching_loss(fm, t, "huber"),
+        t64([0.5 * (math.sqrt(0.25 + d) - 1e-5), 0.5 * (math.sqrt(4 + d) - 1e-5)]),
+        **TOL,
+    )
     # ghuber p = .25: t / p ((l + d)^p - d^p) = 2 ((l + d)^.25 - 10^-2.5)
-    torch.testing.assert_close(awm_matching_loss(fm, t, "ghuber", 0.25),
-                               t64([2 * ((0.25 + d) ** 0.25 - 10**-2.5), 2 * ((4 + d) ** 0.25 - 10**-2.5)]), **TOL)
+    torch.testing.assert_close(
+        awm_matching_loss(fm, t, "ghuber", 0.25),
+        t64([2 * ((0.25 + d) ** 0.25 - 10**-2.5), 2 * ((4 + d) ** 0.25 - 10**-2.5)]),
+        **TOL,
+    )
     # huber is ghuber at p = 1/2, halved
     torch.testing.assert_close(awm_matching_loss(fm, t, "huber"), awm_matching_loss(fm, t, "ghuber", 0.5) / 2, **TOL)
     with pytest.raises(ValueError, match="unknown AWM weighting"):
@@ -387,9 +421,17 @@ def test_awm_off_policy_ratio_clipping_by_loop():
 def test_awm_kl_terms_by_hand():
     # one sample; the KL terms add kl_coef ||v - v_ref||^2 + ema_kl_coef ||v - v_ema||^2 to the policy term -A
     v = t64([[1.0, 1.0]])
-    loss, stats = awm_loss(v, t64([[0.0, 0.0]]), t64([[1.0, 1.0]]), t64([0.5]), t64([5.0]),
-                           ref_velocity=t64([[0.0, 3.0]]), kl_coef=0.1,
-                           ema_velocity=t64([[1.0, 0.0]]), ema_kl_coef=1.0)
+    loss, stats = awm_loss(
+        v,
+        t64([[0.0, 0.0]]),
+        t64([[1.0, 1.0]]),
+        t64([0.5]),
+        t64([5.0]),
+        ref_velocity=t64([[0.0, 3.0]]),
+        kl_coef=0.1,
+        ema_velocity=t64([[1.0, 0.0]]),
+        ema_kl_coef=1.0,
+    )
     # A' = 1; ||[1, -2]||^2 = 2.5; ||[0, 1]||^2 = .5: -1 + .25 + .5 = -.25
     torch.testing.assert_close(loss, t64([-0.25]), **TOL)
     assert stats["kl"].item() == pytest.approx(2.5, abs=1e-12)
@@ -458,9 +500,16 @@ def dpo_case():
     # noise 0 -> targets v_w = -x0_w = [-1, 0], v_l = -x0_l = [0, -1]
     # model:     v_theta(x_w) = [-1, .2]  -> ||[0, .2]||^2 = .02;   v_theta(x_l) = [.6, -1] -> ||[.6, 0]||^2 = .18
     # reference: v_ref(x_w)   = [0, 0]    -> ||[1, 0]||^2  = .5;    v_ref(x_l)   = [1, -1]  -> ||[1, 0]||^2  = .5
-    return dict(velocity_w=t64([[-1.0, 0.2]]), velocity_l=t64([[0.6, -1.0]]), ref_velocity_w=t64([[0.0, 0.0]]),
-                ref_velocity_l=t64([[1.0, -1.0]]), x0_w=t64([[1.0, 0.0]]), x0_l=t64([[0.0, 1.0]]),
-                noise=t64([[0.0, 0.0]]), t=t64([0.3]))
+    return dict(
+        velocity_w=t64([[-1.0, 0.2]]),
+        velocity_l=t64([[0.6, -1.0]]),
+        ref_velocity_w=t64([[0.0, 0.0]]),
+        ref_velocity_l=t64([[1.0, -1.0]]),
+        x0_w=t64([[1.0, 0.0]]),
+        x0_l=t64([[0.0, 1.0]]),
+        noise=t64([[0.0, 0.0]]),
+        t=t64([0.3]),
+    )
 
 
 def test_dpo_by_hand():
@@ -552,10 +601,27 @@ def test_bf16_inputs_give_float32_losses_and_stats():
 
     t = torch.rand(3, generator=gen).to(torch.bfloat16)
     v = bf(3, 2, 4).requires_grad_()
-    nft, nft_stats = nft_loss(v, bf(3, 2, 4), bf(3, 2, 4), bf(3, 2, 4), t, optimality_probability(bf(3)),
-                              ref_velocity=bf(3, 2, 4), kl_coef=1e-4)
-    awm, awm_stats = awm_loss(v, bf(3, 2, 4), bf(3, 2, 4), t, bf(3), ref_velocity=bf(3, 2, 4),
-                              ema_velocity=bf(3, 2, 4), kl_coef=1e-3, ema_kl_coef=1.0)
+    nft, nft_stats = nft_loss(
+        v,
+        bf(3, 2, 4),
+        bf(3, 2, 4),
+        bf(3, 2, 4),
+        t,
+        optimality_probability(bf(3)),
+        ref_velocity=bf(3, 2, 4),
+        kl_coef=1e-4,
+    )
+    awm, awm_stats = awm_loss(
+        v,
+        bf(3, 2, 4),
+        bf(3, 2, 4),
+        t,
+        bf(3),
+        ref_velocity=bf(3, 2, 4),
+        ema_velocity=bf(3, 2, 4),
+        kl_coef=1e-3,
+        ema_kl_coef=1.0,
+    )
     dpo, dpo_stats = dpo_loss(v, bf(3, 2, 4), bf(3, 2, 4), bf(3, 2, 4), bf(3, 2, 4), bf(3, 2, 4), bf(3, 2, 4), t)
     for loss, stats in ((nft, nft_stats), (awm, awm_stats), (dpo, dpo_stats)):
         assert loss.dtype == torch.float32 and loss.shape == (3,)

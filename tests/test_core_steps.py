@@ -33,8 +33,9 @@ def test_ratio_norm_by_hand_one_element():
     # logp - logp_old = (x-mu_old)^2/(2s^2) - (x-mu)^2/(2s^2) = (1 - 0.25) / 0.5 = 1.5
     # b = (0.5)^2 / (2 * 0.25) = 0.5 ; log rho = (1.5 + 0.5) * 0.5 = 1.0
     x, mu_old, mu, s = (torch.tensor([[v]], dtype=torch.float64) for v in (1.0, 0.0, 0.5, 0.5))
-    got = ratio_norm_log_ratio(gauss_logp(x, mu, 0.5), gauss_logp(x, mu_old, 0.5), mu, mu_old,
-                               torch.tensor([0.5], dtype=torch.float64))
+    got = ratio_norm_log_ratio(
+        gauss_logp(x, mu, 0.5), gauss_logp(x, mu_old, 0.5), mu, mu_old, torch.tensor([0.5], dtype=torch.float64)
+    )
     torch.testing.assert_close(got, torch.tensor([1.0], dtype=torch.float64), **TOL)
 
 

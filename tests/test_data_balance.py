@@ -19,7 +19,7 @@ def _all_draws(n, epochs, seed=0, column="family"):
 def test_every_value_equally_often_in_each_round_across_epochs():
     draws = _all_draws(n=4, epochs=6)  # 24 draws = 8 rounds of the 3 values; epochs cut rounds anywhere
     for r in range(8):
-        assert sorted(p[0] for p in draws[3 * r: 3 * r + 3]) == ["a", "b", "c"]
+        assert sorted(p[0] for p in draws[3 * r : 3 * r + 3]) == ["a", "b", "c"]
     counts = collections.Counter(p[0] for p in draws)
     assert counts == {"a": 8, "b": 8, "c": 8}
     # unbalanced, the same 24 draws follow the set's proportions (7:2:1 over 10 prompts)
@@ -32,7 +32,7 @@ def test_each_value_walks_all_its_prompts_before_repeating_one():
     a = [p for p in draws if p[0] == "a"]
     assert sorted(a[:7]) == sorted(a[7:14]) == [f"a{i}" for i in range(7)]
     b = [p for p in draws if p[0] == "b"]
-    assert all(sorted(b[k:k + 2]) == ["b0", "b1"] for k in range(0, 14, 2))
+    assert all(sorted(b[k : k + 2]) == ["b0", "b1"] for k in range(0, 14, 2))
 
 
 def test_draws_are_seeded_and_metadata_travels_with_the_prompt():
@@ -69,13 +69,27 @@ def test_the_trainer_rolls_out_balanced_prompts(tmp_path):
     from flowrl.train import Trainer
 
     rows = [{"prompt": f"a red circle {i}", "family": "big"} for i in range(6)] + [
-        {"prompt": "a blue square", "family": "small"}]
+        {"prompt": "a blue square", "family": "small"}
+    ]
     path = tmp_path / "p.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
-    cfg = load_config(None, ["model.path=tiny-sd3", f"log.run_dir={tmp_path / 'run'}", "model.device=cpu",
-                             "sample.height=32", "sample.width=32", "sample.num_steps=2", "sample.group_size=2",
-                             "sample.prompts_per_epoch=2", "sample.max_sequence_length=16", "log.progress=false",
-                             f"data.train_prompts={path}", "data.balance_by=family"])
+    cfg = load_config(
+        None,
+        [
+            "model.path=tiny-sd3",
+            f"log.run_dir={tmp_path / 'run'}",
+            "model.device=cpu",
+            "sample.height=32",
+            "sample.width=32",
+            "sample.num_steps=2",
+            "sample.group_size=2",
+            "sample.prompts_per_epoch=2",
+            "sample.max_sequence_length=16",
+            "log.progress=false",
+            f"data.train_prompts={path}",
+            "data.balance_by=family",
+        ],
+    )
     tr = Trainer(cfg)
     for epoch in range(3):  # one prompt of each family per epoch: the single "small" prompt every time
         batch = tr.rollout(epoch)

@@ -35,11 +35,18 @@ def test_positional_call_reads_txt_and_jsonl_as_before(tmp_path):
 
 
 def test_column_and_template_make_the_prompt_and_the_other_columns_are_metadata(tmp_path):
-    path = _jsonl(tmp_path / "q.jsonl", [{"question": "What is 2 + 3?", "answer": "#### 5", "level": 1},
-                                          {"question": "What is 4 + 4?", "answer": "#### 8", "level": 2}])
+    path = _jsonl(
+        tmp_path / "q.jsonl",
+        [
+            {"question": "What is 2 + 3?", "answer": "#### 5", "level": 1},
+            {"question": "What is 4 + 4?", "answer": "#### 8", "level": 2},
+        ],
+    )
     ps = load_prompts(path, column="question", template="Level {level}: {prompt} Answer with a number.")
-    assert ps.prompts == ["Level 1: What is 2 + 3? Answer with a number.",
-                          "Level 2: What is 4 + 4? Answer with a number."]
+    assert ps.prompts == [
+        "Level 1: What is 2 + 3? Answer with a number.",
+        "Level 2: What is 4 + 4? Answer with a number.",
+    ]
     assert ps.metadata == [{"answer": "#### 5", "level": 1}, {"answer": "#### 8", "level": 2}]
 
 
@@ -71,8 +78,11 @@ def test_a_file_without_prompts_is_an_error_naming_it(tmp_path, text, state, suf
 def test_a_file_that_is_not_utf8_names_the_line_and_byte_offset(tmp_path):
     path = tmp_path / "p.txt"
     path.write_bytes(b"a cat\nan \xe9clair\n")  # Latin-1 e-acute: byte 9 of the file, byte 4 of line 2
-    with pytest.raises(PromptFileError, match=rf"^{re.escape(str(path))}:2: not UTF-8 text: byte 0xe9 at byte "
-                                              r"offset 9 \(byte 4 of the line\); save the file as UTF-8$"):
+    with pytest.raises(
+        PromptFileError,
+        match=rf"^{re.escape(str(path))}:2: not UTF-8 text: byte 0xe9 at byte "
+        r"offset 9 \(byte 4 of the line\); save the file as UTF-8$",
+    ):
         load_prompts(path)
 
 
@@ -90,13 +100,17 @@ def test_a_malformed_jsonl_row_names_file_line_and_the_parser_message(tmp_path):
 @pytest.mark.parametrize("row, kind", [(["a cat"], "an array"), ("a cat", "a string"), (3, "a number")])
 def test_a_row_that_is_not_an_object_is_an_error(tmp_path, row, kind):
     path = _jsonl(tmp_path / "p.jsonl", [{"prompt": "ok"}, row])
-    with pytest.raises(PromptFileError, match=rf"p.jsonl:2: a row must be a JSON object with a 'prompt' key, "
-                                              rf"got {kind}"):
+    with pytest.raises(
+        PromptFileError,
+        match=rf"p.jsonl:2: a row must be a JSON object with a 'prompt' key, "
+        rf"got {kind}",
+    ):
         load_prompts(path)
 
 
-@pytest.mark.parametrize("value, shown", [(12, "12 (int)"), ("  ", "'  ' (str)"), (None, "None (NoneType)"),
-                                          (["a"], "['a'] (list)")])
+@pytest.mark.parametrize(
+    "value, shown", [(12, "12 (int)"), ("  ", "'  ' (str)"), (None, "None (NoneType)"), (["a"], "['a'] (list)")]
+)
 def test_a_prompt_that_is_not_a_non_empty_string_is_an_error(tmp_path, value, shown):
     path = _jsonl(tmp_path / "p.jsonl", [{"prompt": value}])
     expected = r"p.jsonl:1: the prompt \('prompt'\) must be a non-empty string, got " + re.escape(shown) + "$"
@@ -106,22 +120,33 @@ def test_a_prompt_that_is_not_a_non_empty_string_is_an_error(tmp_path, value, sh
 
 def test_a_missing_prompt_column_lists_the_row_keys_and_the_config_key(tmp_path):
     path = _jsonl(tmp_path / "p.jsonl", [{"text": "a cat", "id": 1}])
-    with pytest.raises(PromptFileError, match=r"p.jsonl:1: no prompt column 'prompt' \(data.prompt_column\); "
-                                              r"the row's keys are \['id', 'text'\]$"):
+    with pytest.raises(
+        PromptFileError,
+        match=r"p.jsonl:1: no prompt column 'prompt' \(data.prompt_column\); "
+        r"the row's keys are \['id', 'text'\]$",
+    ):
         load_prompts(path)
 
 
 def test_a_template_naming_a_column_the_row_lacks_is_an_error(tmp_path):
     path = _jsonl(tmp_path / "p.jsonl", [{"prompt": "a cat", "style": "oil"}, {"prompt": "a dog"}])
-    with pytest.raises(PromptFileError, match=r"p.jsonl:2: data.prompt_template '\{prompt\}, \{style\} painting' "
-                                              r"names column 'style', which this row lacks; "
-                                              r"its columns are \['prompt'\]"):
+    with pytest.raises(
+        PromptFileError,
+        match=r"p.jsonl:2: data.prompt_template '\{prompt\}, \{style\} painting' "
+        r"names column 'style', which this row lacks; "
+        r"its columns are \['prompt'\]",
+    ):
         load_prompts(path, template="{prompt}, {style} painting")
 
 
-@pytest.mark.parametrize("template, problem", [("{prompt", "is not a valid format string"),
-                                                ("{} please", "every {} field needs a column name"),
-                                                ("a fixed prompt", "names no column")])
+@pytest.mark.parametrize(
+    "template, problem",
+    [
+        ("{prompt", "is not a valid format string"),
+        ("{} please", "every {} field needs a column name"),
+        ("a fixed prompt", "names no column"),
+    ],
+)
 def test_a_bad_template_is_an_error_before_reading(tmp_path, template, problem):
     path = _write(tmp_path / "p.txt", "a cat\n")
     expected = re.escape(f"data.prompt_template {template!r}") + ".*" + re.escape(problem)
@@ -132,8 +157,11 @@ def test_a_bad_template_is_an_error_before_reading(tmp_path, template, problem):
 def test_a_missing_file_names_it_the_working_directory_and_the_files_beside_it(tmp_path):
     _write(tmp_path / "train.txt", "a cat\n")
     missing = tmp_path / "trian.txt"
-    with pytest.raises(PromptFileError, match=rf"prompt file '{re.escape(str(missing))}' does not exist .*"
-                                              rf"{re.escape(os.getcwd())}.*prompt files in .*: train.txt") as info:
+    with pytest.raises(
+        PromptFileError,
+        match=rf"prompt file '{re.escape(str(missing))}' does not exist .*"
+        rf"{re.escape(os.getcwd())}.*prompt files in .*: train.txt",
+    ) as info:
         load_prompts(missing)
     assert isinstance(info.value, FileNotFoundError)  # what load_prompts raised before
 
@@ -158,13 +186,20 @@ def datasets(tmp_path, monkeypatch):
 
 def _saved_gsm8k(datasets, path: Path) -> Path:
     """A two-split dataset shaped like GSM8K (question, answer ending in '#### N'), written with save_to_disk."""
-    train = {"question": ["Ana has 3 boxes of 4 pens. How many pens does she have?",
-                          "A bus holds 30 people and 12 get off. How many are left?"],
-             "answer": ["3 boxes x 4 pens = <<3*4=12>>12 pens\n#### 12", "30 - 12 = <<30-12=18>>18\n#### 18"]}
-    test = {"question": ["Tim reads 5 pages a day for 6 days. How many pages?"],
-            "answer": ["5 * 6 = <<5*6=30>>30\n#### 30"]}
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict(train),
-                          "test": datasets.Dataset.from_dict(test)}).save_to_disk(str(path))
+    train = {
+        "question": [
+            "Ana has 3 boxes of 4 pens. How many pens does she have?",
+            "A bus holds 30 people and 12 get off. How many are left?",
+        ],
+        "answer": ["3 boxes x 4 pens = <<3*4=12>>12 pens\n#### 12", "30 - 12 = <<30-12=18>>18\n#### 18"],
+    }
+    test = {
+        "question": ["Tim reads 5 pages a day for 6 days. How many pages?"],
+        "answer": ["5 * 6 = <<5*6=30>>30\n#### 30"],
+    }
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_dict(train), "test": datasets.Dataset.from_dict(test)}
+    ).save_to_disk(str(path))
     return path
 
 
@@ -189,8 +224,11 @@ def test_hf_bad_split_names_the_splits_and_bad_column_names_the_columns(datasets
     local = _saved_gsm8k(datasets, tmp_path / "gsm")
     with pytest.raises(PromptFileError, match=r"no split 'validation'; the dataset's splits are \['train', 'test'\]"):
         load_prompts(f"hf:{local}", column="question", split="validation")
-    with pytest.raises(PromptFileError, match=r"no prompt column 'prompt' \(data.prompt_column\); the dataset's "
-                                              r"columns are \['question', 'answer'\]"):
+    with pytest.raises(
+        PromptFileError,
+        match=r"no prompt column 'prompt' \(data.prompt_column\); the dataset's "
+        r"columns are \['question', 'answer'\]",
+    ):
         load_prompts(f"hf:{local}")
     with pytest.raises(PromptFileError, match=r"names column 'level', which the dataset lacks"):
         load_prompts(f"hf:{local}", column="question", template="{level}: {prompt}")
@@ -221,8 +259,9 @@ def test_hf_image_columns_become_cached_files_the_family_can_load(datasets, tmp_
     red, blue = Image.new("RGB", (8, 6), (255, 0, 0)), Image.new("RGB", (4, 4), (0, 0, 255))
     local = tmp_path / "edits"
     features = datasets.Features({"prompt": datasets.Value("string"), "image": datasets.Image()})
-    datasets.Dataset.from_dict({"prompt": ["make it blue", "make it red", "add a cat"], "image": [red, blue, None]},
-                               features=features).save_to_disk(str(local))
+    datasets.Dataset.from_dict(
+        {"prompt": ["make it blue", "make it red", "add a cat"], "image": [red, blue, None]}, features=features
+    ).save_to_disk(str(local))
     ps = load_prompts(f"hf:{local}")
     cache = Path(datasets.config.HF_DATASETS_CACHE) / "flowrl_images"
     assert [sorted(m) for m in ps.metadata] == [["image"], ["image"], []]
@@ -237,8 +276,10 @@ def test_hf_image_columns_become_cached_files_the_family_can_load(datasets, tmp_
     json.dumps(ps.metadata)
 
     many = tmp_path / "multi"
-    datasets.Dataset.from_dict({"prompt": ["merge them"], "image": [[red, blue]]}, features=datasets.Features(
-        {"prompt": datasets.Value("string"), "image": datasets.Sequence(datasets.Image())})).save_to_disk(str(many))
+    datasets.Dataset.from_dict(
+        {"prompt": ["merge them"], "image": [[red, blue]]},
+        features=datasets.Features({"prompt": datasets.Value("string"), "image": datasets.Sequence(datasets.Image())}),
+    ).save_to_disk(str(many))
     (meta,) = load_prompts(f"hf:{many}").metadata
     assert len(meta["image"]) == 2 and {Path(p).name for p in meta["image"]} == {f.name for f in files}
 
@@ -249,16 +290,22 @@ def test_hf_image_columns_become_cached_files_the_family_can_load(datasets, tmp_
     (meta,) = load_prompts(f"hf:{folder}").metadata
     assert meta["image"] == [str((folder / "src.png").resolve())]
     _jsonl(folder / "train.jsonl", [{"prompt": "make it blue", "image": "gone.png"}])
-    with pytest.raises(PromptFileError, match=r"row 0: image 'gone.png' does not exist .*relative to the dataset's "
-                                              r"folder"):
+    with pytest.raises(
+        PromptFileError,
+        match=r"row 0: image 'gone.png' does not exist .*relative to the dataset's "
+        r"folder",
+    ):
         load_prompts(f"hf:{folder}")
     assert "image" not in load_prompts(f"hf:{local}", image_column="").metadata[0]  # off: dropped as before
 
 
 def test_hf_without_the_datasets_package_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "datasets", None)  # `import datasets` now raises ImportError
-    with pytest.raises(PromptFileError, match=r"need the `datasets` package, which is not installed: "
-                                              r"pip install 'flowrl\[hf\]'"):
+    with pytest.raises(
+        PromptFileError,
+        match=r"need the `datasets` package, which is not installed: "
+        r"pip install 'flowrl\[hf\]'",
+    ):
         load_prompts("hf:openai/gsm8k")
 
 
@@ -285,8 +332,9 @@ def test_hf_offline_and_not_cached_fails_at_once_with_the_fix(datasets, tmp_path
     with pytest.raises(PromptFileError) as info:
         load_prompts("hf:openai/gsm8k", column="question", hf_config="main")
     message = str(info.value)
-    assert message.startswith("hf:openai/gsm8k: dataset 'openai/gsm8k' is neither a local directory nor in the "
-                              "Hugging Face cache")
+    assert message.startswith(
+        "hf:openai/gsm8k: dataset 'openai/gsm8k' is neither a local directory nor in the Hugging Face cache"
+    )
     assert f"offline ({variable}=1)" in message and f"run once with network access and {variable} unset" in message
     assert "hf:/path/to/dir" in message and "\n" not in message
 
@@ -367,17 +415,23 @@ def test_ocr_prompts_quote_the_text_the_ocr_reward_reads():
             assert quoted_target(prompt).strip(), prompt
 
 
-@pytest.mark.parametrize("preset, completion, format_reward", [
-    ("text_qwen_gsm8k", "<think>3 boxes of 4 pens is 12.</think>\n<answer>12</answer>", "think_format"),
-    ("text_dapo", "Three boxes of four pens: 3 * 4 = 12. So \\boxed{12}", None)])
-def test_gsm8k_presets_send_the_answer_column_to_the_accuracy_reward(datasets, tmp_path, preset, completion,
-                                                                      format_reward):
+@pytest.mark.parametrize(
+    "preset, completion, format_reward",
+    [
+        ("text_qwen_gsm8k", "<think>3 boxes of 4 pens is 12.</think>\n<answer>12</answer>", "think_format"),
+        ("text_dapo", "Three boxes of four pens: 3 * 4 = 12. So \\boxed{12}", None),
+    ],
+)
+def test_gsm8k_presets_send_the_answer_column_to_the_accuracy_reward(
+    datasets, tmp_path, preset, completion, format_reward
+):
     import rewards
     from flowrl.config import load_config
 
     local = _saved_gsm8k(datasets, tmp_path / "gsm")
-    cfg = load_config(ROOT / "configs" / f"{preset}.yaml",
-                      [f"data.train_prompts=hf:{local}", f"data.eval_prompts=hf:{local}"])
+    cfg = load_config(
+        ROOT / "configs" / f"{preset}.yaml", [f"data.train_prompts=hf:{local}", f"data.eval_prompts=hf:{local}"]
+    )
     assert cfg.data.train_prompts and cfg.data.hf_config == "main"  # the hub id's configuration, unused by a saved copy
     train = load_config_prompts(cfg.data, "train")
     assert train.prompts[0].startswith("Ana has 3 boxes of 4 pens. How many pens does she have?\n")
@@ -395,5 +449,11 @@ def test_gsm8k_presets_name_the_hub_dataset():
 
     for preset in ("text_qwen_gsm8k", "text_dapo"):
         data = load_config(ROOT / "configs" / f"{preset}.yaml").data
-        assert (data.train_prompts, data.eval_prompts, data.hf_config, data.prompt_column,
-                data.train_split, data.eval_split) == ("hf:openai/gsm8k",) * 2 + ("main", "question", "train", "test")
+        assert (
+            data.train_prompts,
+            data.eval_prompts,
+            data.hf_config,
+            data.prompt_column,
+            data.train_split,
+            data.eval_split,
+        ) == ("hf:openai/gsm8k",) * 2 + ("main", "question", "train", "test")

@@ -21,9 +21,10 @@ from flowrl.train import Trainer
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "accelerate"
 
 pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                       reason="deepspeed is not installed (make test installs it: pip install --no-build-isolation "
-                              "deepspeed)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("deepspeed") is None,
+        reason="deepspeed is not installed (make test installs it: pip install --no-build-isolation deepspeed)",
+    ),
     pytest.mark.skipif(sys.platform != "linux", reason="gloo multi-process test written for linux"),
 ]
 
@@ -34,13 +35,20 @@ def accelerate_config(directory: Path, stage: int) -> list[str]:
     than 100k elements whole on every process)."""
     if stage == 2:
         return ["--config_file", str(CONFIGS / "deepspeed_zero2.yaml"), "--num_processes", "2"]
-    (directory / "ds3.json").write_text(json.dumps({
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-        "train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": False}, "fp16": {"enabled": False}}))
+    (directory / "ds3.json").write_text(
+        json.dumps(
+            {
+                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                "train_micro_batch_size_per_gpu": "auto",
+                "bf16": {"enabled": False},
+                "fp16": {"enabled": False},
+            }
+        )
+    )
     (directory / "ds3.yaml").write_text(f"""compute_environment: LOCAL_MACHINE
 distributed_type: DEEPSPEED
 deepspeed_config:
-  deepspeed_config_file: {directory / 'ds3.json'}
+  deepspeed_config_file: {directory / "ds3.json"}
   zero3_init_flag: false
 num_machines: 1
 machine_rank: 0
@@ -53,9 +61,16 @@ use_cpu: false
 
 
 def launch(tmp_path, script_args, stage=2, **env_extra):
-    env = {**os.environ, **env_extra, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                          *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = {
+        **os.environ,
+        **env_extra,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).resolve().parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])]
+        ),
+    }
     cmd = [*accelerate_launch(), *accelerate_config(tmp_path, stage), *script_args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
 
@@ -68,19 +83,33 @@ def test_zero_two_processes_update_as_one_process_over_the_same_global_batch(tmp
     `dropped`: the second process has nothing to train (it runs placeholder passes)."""
     from safetensors.torch import load_file
 
-    extra = ["train.inner_epochs=3", "train.grpo.beta=0.05", "train.steps_per_forward=2", "eval.grid=false",
-             "train.max_grad_norm=1e-3", "train.warmup_steps=2"]
+    extra = [
+        "train.inner_epochs=3",
+        "train.grpo.beta=0.05",
+        "train.steps_per_forward=2",
+        "eval.grid=false",
+        "train.max_grad_norm=1e-3",
+        "train.warmup_steps=2",
+    ]
     one = Trainer(tiny_cfg(tmp_path / "one", *extra))
     batch = one.rollout(epoch=0)
     adv = torch.tensor([1.2, -0.4, 0.3, -1.1, 0.8, -0.9, 0.5, -0.4])
     keep = torch.tensor([True, True, False, True] + [not dropped] * 4)
-    torch.save({"traj": batch.traj, "prompts": batch.prompts, "metadata": batch.metadata, "adv": adv,
-                "keep": keep}, tmp_path / "batch.pt")
+    torch.save(
+        {"traj": batch.traj, "prompts": batch.prompts, "metadata": batch.metadata, "adv": adv, "keep": keep},
+        tmp_path / "batch.pt",
+    )
     metrics = one.update(batch, adv, keep, epoch=0)
     assert one.state.optimizer_steps == 3
     assert metrics["policy/grad_norm"] > 1e-3  # the clipping acts
-    script = [str(Path(__file__).parent / "dist_update.py"), str(tmp_path / "batch.pt"),
-              str(tmp_path / "two.safetensors"), *TINY, *extra, f"log.run_dir={tmp_path / 'two'}"]
+    script = [
+        str(Path(__file__).parent / "dist_update.py"),
+        str(tmp_path / "batch.pt"),
+        str(tmp_path / "two.safetensors"),
+        *TINY,
+        *extra,
+        f"log.run_dir={tmp_path / 'two'}",
+    ]
     proc = launch(tmp_path, script, stage)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "optimizer steps 3" in proc.stdout and "engine DeepSpeedEngine" in proc.stdout
@@ -101,21 +130,34 @@ def test_zero_checkpoint_is_a_plain_runs_and_resumes_exactly(tmp_path, stage):
 
     from flowrl.run.checkpoint import read_checkpoint
 
-    extra = ["train.inner_epochs=2", "train.grpo.beta=0.05", "train.steps_per_forward=2", "eval.grid=false",
-             "train.weight_decay=0.1", "checkpoint.keep=0"]
+    extra = [
+        "train.inner_epochs=2",
+        "train.grpo.beta=0.05",
+        "train.steps_per_forward=2",
+        "eval.grid=false",
+        "train.weight_decay=0.1",
+        "checkpoint.keep=0",
+    ]
     one = Trainer(tiny_cfg(tmp_path / "one", *extra))
     batch = one.rollout(epoch=0)
     adv = torch.tensor([1.2, -0.4, 0.3, -1.1, 0.8, -0.9, 0.5, -0.4])
-    torch.save({"traj": batch.traj, "prompts": batch.prompts, "metadata": batch.metadata, "adv": adv},
-               tmp_path / "batch.pt")
+    torch.save(
+        {"traj": batch.traj, "prompts": batch.prompts, "metadata": batch.metadata, "adv": adv}, tmp_path / "batch.pt"
+    )
     keep = torch.ones(8, dtype=torch.bool)
     one.update(batch, adv, keep, epoch=0)
     one.state.epochs_done = 1
     one_ck = read_checkpoint(one.save())
     one.update(batch, adv, keep, epoch=1)
 
-    script = [str(Path(__file__).parent / "dist_update.py"), str(tmp_path / "batch.pt"), str(tmp_path / "two.st"),
-              *TINY, *extra, f"log.run_dir={tmp_path / 'two'}"]
+    script = [
+        str(Path(__file__).parent / "dist_update.py"),
+        str(tmp_path / "batch.pt"),
+        str(tmp_path / "two.st"),
+        *TINY,
+        *extra,
+        f"log.run_dir={tmp_path / 'two'}",
+    ]
     proc = launch(tmp_path, script, stage, DIST_UPDATE_SAVE="1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     two_ck = read_checkpoint(tmp_path / "two" / "ckpt-000001")
@@ -148,8 +190,19 @@ def test_zero3_trains_checkpoints_exports_and_resumes(tmp_path):
 
     from flowrl.families.sd3 import tiny_sd3_pipeline
 
-    base = ["-m", "flowrl", "train", *TINY, "train.grpo.beta=0.05", "sample.prompts_per_epoch=2", "sample.group_size=2",
-            "eval.num_prompts=3", "checkpoint.every=1", "checkpoint.keep=0", f"log.run_dir={tmp_path / 'run'}"]
+    base = [
+        "-m",
+        "flowrl",
+        "train",
+        *TINY,
+        "train.grpo.beta=0.05",
+        "sample.prompts_per_epoch=2",
+        "sample.group_size=2",
+        "eval.num_prompts=3",
+        "checkpoint.every=1",
+        "checkpoint.keep=0",
+        f"log.run_dir={tmp_path / 'run'}",
+    ]
     proc = launch(tmp_path, [*base, "train.epochs=2"], stage=3)
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = launch(tmp_path, [*base, "train.epochs=3", "checkpoint.resume=auto"], stage=3)
@@ -180,8 +233,9 @@ def test_zero_a_non_finite_loss_on_one_process_skips_the_step_on_every_process(t
     one = Trainer(tiny_cfg(tmp_path / "one", *extra))
     batch = one.rollout(epoch=0)
     adv = torch.tensor([1.2, -0.4, 0.3, -1.1, 0.8, -0.9, 0.5, -0.4])
-    torch.save({"traj": batch.traj, "prompts": batch.prompts, "metadata": batch.metadata, "adv": adv},
-               tmp_path / "batch.pt")
+    torch.save(
+        {"traj": batch.traj, "prompts": batch.prompts, "metadata": batch.metadata, "adv": adv}, tmp_path / "batch.pt"
+    )
     unit_log_probs, calls = one.policy.unit_log_probs, []
 
     def poisoned(*args, **kwargs):
@@ -195,8 +249,14 @@ def test_zero_a_non_finite_loss_on_one_process_skips_the_step_on_every_process(t
     with pytest.warns(UserWarning, match="non-finite loss"):
         metrics = one.update(batch, adv, torch.ones(8, dtype=torch.bool), epoch=0)
     assert one.state.optimizer_steps == 2 and metrics["policy/skipped_nonfinite"] == 1
-    script = [str(Path(__file__).parent / "dist_update.py"), str(tmp_path / "batch.pt"), str(tmp_path / "two.st"),
-              *TINY, *extra, f"log.run_dir={tmp_path / 'two'}"]
+    script = [
+        str(Path(__file__).parent / "dist_update.py"),
+        str(tmp_path / "batch.pt"),
+        str(tmp_path / "two.st"),
+        *TINY,
+        *extra,
+        f"log.run_dir={tmp_path / 'two'}",
+    ]
     proc = launch(tmp_path, script, stage, DIST_UPDATE_POISON="1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "optimizer steps 2" in proc.stdout and "skipped 1" in proc.stdout

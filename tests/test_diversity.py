@@ -24,7 +24,7 @@ from flowrl.eval.summary import eval_summary
 
 def test_entropy_and_total_variation_by_hand():
     p = {"red": 0.5, "green": 0.25, "blue": 0.25}
-    assert entropy_bits(p) == pytest.approx(1.5)                      # 0.5*1 + 2 * 0.25*2
+    assert entropy_bits(p) == pytest.approx(1.5)  # 0.5*1 + 2 * 0.25*2
     assert entropy_bits({"red": 1.0}) == 0.0
     q = {"red": 0.25, "green": 0.25, "yellow": 0.5}
     # |0.5-0.25| + |0.25-0.25| + |0.25-0| + |0-0.5| = 1.0 -> TV 0.5
@@ -39,22 +39,29 @@ def test_same_entropy_different_distribution_is_caught_by_tv():
     after = {"red": 70.0, "green": 10.0, "blue": 20.0}
     m = distribution_metrics({"r/color": after}, {"r/color": before})
     assert m["eval/diversity/r/color_entropy_bits"] == pytest.approx(
-        distribution_metrics({"r/color": before})["eval/diversity/r/color_entropy_bits"])
-    assert m["eval/diversity/r/color_tv_from_base"] == pytest.approx(0.6)   # 0.5 * (0.6 + 0.6 + 0)
+        distribution_metrics({"r/color": before})["eval/diversity/r/color_entropy_bits"]
+    )
+    assert m["eval/diversity/r/color_tv_from_base"] == pytest.approx(0.6)  # 0.5 * (0.6 + 0.6 + 0)
     assert m["eval/diversity/r/color_count"] == 100.0
 
 
 def test_histograms_sum_counts_and_eval_summary_leaves_them_out_of_the_means():
-    scores = {"shapes_geneval": torch.tensor([1.0, 0.0, 1.0]),
-              "shapes_geneval/free_color=red": torch.tensor([1.0, 2.0, 0.0]),
-              "shapes_geneval/free_color=blue": torch.tensor([0.0, 0.0, 1.0])}
+    scores = {
+        "shapes_geneval": torch.tensor([1.0, 0.0, 1.0]),
+        "shapes_geneval/free_color=red": torch.tensor([1.0, 2.0, 0.0]),
+        "shapes_geneval/free_color=blue": torch.tensor([0.0, 0.0, 1.0]),
+    }
     assert is_count("shapes_geneval/free_color=red") and not is_count("shapes_geneval/strict")
     assert histograms(scores) == {"shapes_geneval/color": {"red": 3.0, "blue": 1.0}}
     base = {"shapes_geneval/color": {"red": 1.0, "blue": 3.0}}
     out = eval_summary(scores, [{}, {}, {}], base=base)
-    assert set(out) == {"eval/shapes_geneval_mean", "eval/diversity/shapes_geneval/color_entropy_bits",
-                        "eval/diversity/shapes_geneval/color_count", "eval/diversity/shapes_geneval/color_tv_from_base"}
-    assert out["eval/diversity/shapes_geneval/color_tv_from_base"] == pytest.approx(0.5)   # 0.75 vs 0.25
+    assert set(out) == {
+        "eval/shapes_geneval_mean",
+        "eval/diversity/shapes_geneval/color_entropy_bits",
+        "eval/diversity/shapes_geneval/color_count",
+        "eval/diversity/shapes_geneval/color_tv_from_base",
+    }
+    assert out["eval/diversity/shapes_geneval/color_tv_from_base"] == pytest.approx(0.5)  # 0.75 vs 0.25
     h = -(0.75 * math.log2(0.75) + 0.25 * math.log2(0.25))
     assert out["eval/diversity/shapes_geneval/color_entropy_bits"] == pytest.approx(h)
 
@@ -78,18 +85,30 @@ def test_eval_settings_tell_evals_whose_images_pair_from_those_that_do_not():
     prompts, meta = ["a square", "two circles"], [{"family": "single"}, {"family": "count"}]
     now = eval_settings(prompts, meta, EvalConfig(num_steps=20), SampleConfig(height=64, width=64))
     assert settings_differences(now, dict(now)) == []
-    assert settings_differences(eval_settings(prompts, meta, EvalConfig(num_steps=10), SampleConfig(height=64,
-                                                                                                    width=64)),
-                                now) == ["eval.num_steps: 10 (base) vs 20"]
-    other_meta = eval_settings(prompts, [{"family": "single"}, {"family": "counting"}], EvalConfig(num_steps=20),
-                               SampleConfig(height=64, width=64))
+    assert settings_differences(
+        eval_settings(prompts, meta, EvalConfig(num_steps=10), SampleConfig(height=64, width=64)), now
+    ) == ["eval.num_steps: 10 (base) vs 20"]
+    other_meta = eval_settings(
+        prompts,
+        [{"family": "single"}, {"family": "counting"}],
+        EvalConfig(num_steps=20),
+        SampleConfig(height=64, width=64),
+    )
     assert [d.split(":")[0] for d in settings_differences(other_meta, now)] == ["prompts"]
     reordered = eval_settings(prompts[::-1], meta[::-1], EvalConfig(num_steps=20), SampleConfig(height=64, width=64))
     assert [d.split(":")[0] for d in settings_differences(reordered, now)] == ["prompts"]
-    several = eval_settings(prompts, meta, EvalConfig(num_steps=20, seed=7, guidance_scale=1.0, images_per_prompt=2),
-                            SampleConfig(height=32, width=64))
+    several = eval_settings(
+        prompts,
+        meta,
+        EvalConfig(num_steps=20, seed=7, guidance_scale=1.0, images_per_prompt=2),
+        SampleConfig(height=32, width=64),
+    )
     assert [d.split(":")[0] for d in settings_differences(several, now)] == [
-        "eval.guidance_scale", "eval.seed", "images per listed prompt", "sample.height"]
+        "eval.guidance_scale",
+        "eval.seed",
+        "images per listed prompt",
+        "sample.height",
+    ]
 
 
 def test_shapes_reward_counts_the_colours_of_objects_the_prompt_left_uncoloured():
@@ -98,9 +117,11 @@ def test_shapes_reward_counts_the_colours_of_objects_the_prompt_left_uncoloured(
     import rewards
     from flowrl.worlds.shapes.render import render
 
-    rows = [{"objects": [{"shape": "square", "color": None, "count": 1}], "relation": None},
-            {"objects": [{"shape": "circle", "color": "blue", "count": 1}], "relation": None},
-            {"objects": [{"shape": "triangle", "color": None, "count": 2}], "relation": None}]
+    rows = [
+        {"objects": [{"shape": "square", "color": None, "count": 1}], "relation": None},
+        {"objects": [{"shape": "circle", "color": "blue", "count": 1}], "relation": None},
+        {"objects": [{"shape": "triangle", "color": None, "count": 2}], "relation": None},
+    ]
     rng = np.random.default_rng(3)
     images, scenes = [], []
     for r in rows:

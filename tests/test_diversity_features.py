@@ -164,11 +164,18 @@ def test_base_features_round_trip_atomically(tmp_path):
 
 
 def test_one_image_per_prompt_is_refused_at_config_time():
-    with pytest.raises(ConfigError, match=r"eval.images_per_prompt=1 gives each prompt one; set "
-                                          r"eval.images_per_prompt=2 or more"):
+    with pytest.raises(
+        ConfigError,
+        match=r"eval.images_per_prompt=1 gives each prompt one; set "
+        r"eval.images_per_prompt=2 or more",
+    ):
         load_config(None, ["eval.diversity_features=facebook/dinov2-small"])
-    assert load_config(None, ["eval.diversity_features=facebook/dinov2-small",
-                              "eval.images_per_prompt=2"]).eval.diversity_features == "facebook/dinov2-small"
+    assert (
+        load_config(
+            None, ["eval.diversity_features=facebook/dinov2-small", "eval.images_per_prompt=2"]
+        ).eval.diversity_features
+        == "facebook/dinov2-small"
+    )
     with pytest.raises(ConfigError, match="backend=text makes text"):
         load_config(None, ["backend=text", "eval.diversity_features=x", "eval.images_per_prompt=2"])
 
@@ -181,13 +188,20 @@ def write_prompts(path: Path, groups: dict[str, int]) -> Path:
 
 def test_images_per_group_must_give_every_prompt_two_images(tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", {"big": 3, "small": 1})
-    base = [f"data.train_prompts={prompts}", "eval.group_by=family", "eval.num_prompts=0",
-            f"eval.diversity_features={tmp_path / 'nowhere'}"]
+    base = [
+        f"data.train_prompts={prompts}",
+        "eval.group_by=family",
+        "eval.num_prompts=0",
+        f"eval.diversity_features={tmp_path / 'nowhere'}",
+    ]
     cfg = load_config(None, [*base, "eval.images_per_group=3"])  # big's 3 prompts get 1 image each
     _, eval_set = load_prompt_sets(cfg)
-    with pytest.raises(PreflightError, match=r"eval.images_per_group=3 gives fewer to the prompts of the 'family' "
-                                             r"groups of these prompt counts: \{'big': 3\}; set "
-                                             r"eval.images_per_group=6"):
+    with pytest.raises(
+        PreflightError,
+        match=r"eval.images_per_group=3 gives fewer to the prompts of the 'family' "
+        r"groups of these prompt counts: \{'big': 3\}; set "
+        r"eval.images_per_group=6",
+    ):
         check_eval_features(cfg, "sd3", eval_set)
     cfg = load_config(None, [*base, "eval.images_per_group=6"])  # 2 each: on to the backbone, which is missing
     with pytest.raises(PreflightError, match="nowhere"):
@@ -213,8 +227,10 @@ def test_a_backbone_that_cannot_load_offline_fails_before_the_model_loads(tmp_pa
     rc = main(["train", *args, "eval.diversity_features=flowrl-tests/no-such-backbone"])
     err = capsys.readouterr().err.strip()
     assert rc == 1 and len(err.splitlines()) == 1, err
-    assert ("eval.diversity_features=flowrl-tests/no-such-backbone: the hub model is not in the Hugging Face cache "
-            "and HF_HUB_OFFLINE=1 forbids downloading it") in err
+    assert (
+        "eval.diversity_features=flowrl-tests/no-such-backbone: the hub model is not in the Hugging Face cache "
+        "and HF_HUB_OFFLINE=1 forbids downloading it"
+    ) in err
     other = tmp_path / "bert"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "bert"}))
@@ -227,9 +243,21 @@ def test_a_backbone_that_cannot_load_offline_fails_before_the_model_loads(tmp_pa
 # ------------------------------------------------------------------------------------------ a tiny run
 
 
-TINY = ["sample.height=32", "sample.width=32", "sample.num_steps=3", "sample.max_sequence_length=16",
-        "sample.prompts_per_epoch=2", "sample.group_size=4", "eval.num_steps=2", "eval.num_prompts=2",
-        "log.progress=false", "model.device=cpu", "train.grpo.clip_low=0.2", "eval.grid=false", "eval.images_per_prompt=3"]
+TINY = [
+    "sample.height=32",
+    "sample.width=32",
+    "sample.num_steps=3",
+    "sample.max_sequence_length=16",
+    "sample.prompts_per_epoch=2",
+    "sample.group_size=4",
+    "eval.num_steps=2",
+    "eval.num_prompts=2",
+    "log.progress=false",
+    "model.device=cpu",
+    "train.grpo.clip_low=0.2",
+    "eval.grid=false",
+    "eval.images_per_prompt=3",
+]
 
 
 @pytest.fixture(scope="module")
@@ -248,8 +276,7 @@ def eval_rows(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.filterwarnings("ignore:resuming from .* with a changed config")
-def test_a_run_logs_feature_diversity_against_its_first_eval_and_a_resume_reads_that_base(tmp_path, monkeypatch,
-                                                                                           dino):
+def test_a_run_logs_feature_diversity_against_its_first_eval_and_a_resume_reads_that_base(tmp_path, monkeypatch, dino):
     import flowrl.eval.evaluator as trainer_module
     from flowrl.train import Trainer
 
@@ -294,8 +321,9 @@ def test_a_run_logs_feature_diversity_against_its_first_eval_and_a_resume_reads_
 
     other = Path(shutil.copytree(dino, tmp_path / "other_dino"))
     again = [a.replace(f"eval.diversity_features={dino}", f"eval.diversity_features={other}") for a in args]
-    with pytest.warns(UserWarning, match="holds the base model's features by .*comparisons with the base model are "
-                                         "left out"):
+    with pytest.warns(
+        UserWarning, match="holds the base model's features by .*comparisons with the base model are left out"
+    ):
         Trainer(load_config(None, [*again, "train.epochs=4", "checkpoint.resume=auto"])).fit()
     last = eval_rows(run)[-1]
     assert last["epoch"] == 4 and SPREAD in last and RATIO not in last and DISTANCE not in last
@@ -313,7 +341,7 @@ def test_a_run_logs_feature_diversity_against_its_first_eval_and_a_resume_reads_
 
     labels = {line.get_label() for ax in curves_figure(load_metrics(run)).axes for line in ax.get_lines()}
     drawn = " ".join(labels)
-    assert all(k[len("eval/"):] in drawn for k in (SPREAD, RATIO, DISTANCE)), labels
+    assert all(k[len("eval/") :] in drawn for k in (SPREAD, RATIO, DISTANCE)), labels
 
 
 def test_flowrl_eval_of_the_base_model_is_its_own_base(tmp_path, dino):
@@ -348,8 +376,10 @@ def test_flowrl_eval_of_a_checkpoint_compares_with_its_runs_base_or_with_base(tm
     assert main(["eval", *args, "--out", str(tmp_path / "base")]) == 0  # the base model: its own base, kept
     base = json.loads((tmp_path / "base" / "eval.json").read_text())
     assert (base[RATIO], base[DISTANCE]) == (1.0, 0.0) and BaseFeatures(tmp_path / "base").exists()
-    assert main(["eval", *args, "--checkpoint", ckpt, "--base", str(tmp_path / "base"),
-                 "--out", str(tmp_path / "ck2")]) == 0
+    assert (
+        main(["eval", *args, "--checkpoint", ckpt, "--base", str(tmp_path / "base"), "--out", str(tmp_path / "ck2")])
+        == 0
+    )
     again = json.loads((tmp_path / "ck2" / "eval.json").read_text())
     assert again["base"] == str(tmp_path / "base")
     assert again[DISTANCE] == pytest.approx(result[DISTANCE], rel=1e-6, abs=1e-12)
@@ -364,8 +394,11 @@ def test_flowrl_eval_of_a_checkpoint_compares_with_its_runs_base_or_with_base(tm
     # difference (before the model loads), the checkpoint's own run directory is passed over with a note
     assert main(["eval", *args, "eval.seed=5", "--checkpoint", ckpt, "--base", str(tmp_path / "base")]) == 1
     assert "other settings than this eval's (eval.seed: 1234 (base) vs 5)" in capsys.readouterr().err
-    with pytest.warns(UserWarning, match=r"holds the base model's eval with other settings than this eval's "
-                                         r"\(eval.seed: 1234 \(base\) vs 5\)"):
+    with pytest.warns(
+        UserWarning,
+        match=r"holds the base model's eval with other settings than this eval's "
+        r"\(eval.seed: 1234 \(base\) vs 5\)",
+    ):
         assert main(["eval", *args, "eval.seed=5", "--checkpoint", ckpt, "--out", str(tmp_path / "ck3")]) == 0
     unpaired = json.loads((tmp_path / "ck3" / "eval.json").read_text())
     assert "base" not in unpaired and SPREAD in unpaired and RATIO not in unpaired and DISTANCE not in unpaired

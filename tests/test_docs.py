@@ -31,7 +31,7 @@ def section(text: str, heading: str) -> str:
     level = heading.split(" ")[0]
     start = text.index(heading + "\n")
     end = text.find(f"\n{level} ", start + len(heading))
-    return text[start:end if end >= 0 else len(text)]
+    return text[start : end if end >= 0 else len(text)]
 
 
 def relative_links(text: str) -> list[str]:
@@ -67,9 +67,18 @@ def test_the_readmes_own_model_reward_and_prompts_train_as_printed(tmp_path, mon
     for prompts in {config["data"]["train_prompts"], config["data"]["eval_prompts"]}:
         (tmp_path / prompts).write_text("a red circle\na blue square\na green triangle\na yellow circle\n")
 
-    tiny = ["train.epochs=1", "sample.height=32", "sample.width=32", "sample.num_steps=3",
-            "sample.max_sequence_length=16", "eval.num_steps=2", "eval.num_prompts=2", "eval.grid=false",
-            "log.progress=false", "model.device=cpu"]
+    tiny = [
+        "train.epochs=1",
+        "sample.height=32",
+        "sample.width=32",
+        "sample.num_steps=3",
+        "sample.max_sequence_length=16",
+        "eval.num_steps=2",
+        "eval.num_prompts=2",
+        "eval.grid=false",
+        "log.progress=false",
+        "model.device=cpu",
+    ]
     assert main(["train", config_name, *tiny]) == 0
     run = tmp_path / config["log"]["run_dir"]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -127,11 +136,25 @@ MENTION = re.compile(r"(?<![\w/.-])((?:docs|samples)/[\w./-]*?\.md)\b")
 def test_every_mention_of_a_docs_or_samples_page_names_a_file_that_exists():
     """Pointers in the README, the pages, the samples, the configs, the scripts, the tests and the package to a
     page under docs/ or samples/ (after a page moved from samples/ to docs/, for example)."""
-    sources = [README, *DOCS.glob("*.md"), *ROOT.glob("samples/**/*.md"), *ROOT.glob("configs/**/*.yaml"),
-               *ROOT.glob("scripts/*.py"), *ROOT.glob("benchmarks/*.py"), *ROOT.glob("tests/*.py"),
-               *ROOT.glob("flowrl/**/*.py"), *ROOT.glob("rewards/*.py"), ROOT / "Makefile"]
-    stale = [f"{src.relative_to(ROOT)}: {name}" for src in sources if src.is_file()
-             for name in MENTION.findall(src.read_text()) if not (ROOT / name).exists()]
+    sources = [
+        README,
+        *DOCS.glob("*.md"),
+        *ROOT.glob("samples/**/*.md"),
+        *ROOT.glob("configs/**/*.yaml"),
+        *ROOT.glob("scripts/*.py"),
+        *ROOT.glob("benchmarks/*.py"),
+        *ROOT.glob("tests/*.py"),
+        *ROOT.glob("flowrl/**/*.py"),
+        *ROOT.glob("rewards/*.py"),
+        ROOT / "Makefile",
+    ]
+    stale = [
+        f"{src.relative_to(ROOT)}: {name}"
+        for src in sources
+        if src.is_file()
+        for name in MENTION.findall(src.read_text())
+        if not (ROOT / name).exists()
+    ]
     assert not stale, stale
 
 
@@ -151,8 +174,10 @@ def test_every_page_links_inside_the_site():
 
 #: GRPO's keys before each objective got its own section; the pages use train.grpo.* (the old spellings are
 #: still read, and a paragraph saying so may name them).
-OLD_SPELLINGS = re.compile(r"(?<![\w.])(?:train\.(?:policy_loss|clip_low|clip_high|dual_clip|beta|kl_std|step_weighting)"
-                           r"|sample\.(?:sde_type|noise_level|window|same_noise_per_group))\b")
+OLD_SPELLINGS = re.compile(
+    r"(?<![\w.])(?:train\.(?:policy_loss|clip_low|clip_high|dual_clip|beta|kl_std|step_weighting)"
+    r"|sample\.(?:sde_type|noise_level|window|same_noise_per_group))\b"
+)
 
 
 def test_the_pages_use_the_objective_sections_key_spellings():
@@ -228,13 +253,15 @@ def test_the_config_reference_walks_whatever_tree_it_is_given():
         assert cls is Item
         return [(prefix + "name", "str", "a", "The item's name.")]
 
-    rows = [("backend", "{image,text}", "image", "What is trained."),
-            ("train.objective", "{grpo,nft}", "grpo", "The objective."),
-            ("train.grpo.clip_low", "float", 0.2, "Lower clip, ratio >= 1 - clip_low."),
-            ("train.grpo.window.kind", "{all,fixed}", "all", "Which steps are trained."),
-            ("train.grpo.dual_clip", "float|null", None, "Dual clip `c|none`; c > 1."),
-            ("items", "list[Item]", [Item()], "Items."),
-            ("train.zeta.gamma", "bool", True, "A section no one has heard of.")]
+    rows = [
+        ("backend", "{image,text}", "image", "What is trained."),
+        ("train.objective", "{grpo,nft}", "grpo", "The objective."),
+        ("train.grpo.clip_low", "float", 0.2, "Lower clip, ratio >= 1 - clip_low."),
+        ("train.grpo.window.kind", "{all,fixed}", "all", "Which steps are trained."),
+        ("train.grpo.dual_clip", "float|null", None, "Dual clip `c|none`; c > 1."),
+        ("items", "list[Item]", [Item()], "Items."),
+        ("train.zeta.gamma", "bool", True, "A section no one has heard of."),
+    ]
     page = hooks.config_reference(hooks.expand(rows, describe))
     assert list(_sections(page)) == ["backend", "train", "train.grpo", "train.grpo.window", "items", "train.zeta"]
     assert _sections(page)["items"] == ["items", "items[].name"]

@@ -30,18 +30,36 @@ def qwen_edit():
 
 def test_qwen_edit_with_two_source_images_is_the_pipelines_own_sampling(qwen_edit):
     images = SOURCES
-    traj = qwen_edit.rollout(["put them together"], 2, num_steps=3, sde_type="ode", guidance_scale=4.0, seed=0,
-                             height=SIZE, width=SIZE, decode=False, images=[images])
+    traj = qwen_edit.rollout(
+        ["put them together"],
+        2,
+        num_steps=3,
+        sde_type="ode",
+        guidance_scale=4.0,
+        seed=0,
+        height=SIZE,
+        width=SIZE,
+        decode=False,
+        images=[images],
+    )
     captured = []
 
     def keep(pipe, i, t, tensors):
         captured.append(tensors["latents"].clone())
         return {}
 
-    qwen_edit.pipe(**qwen_edit.pipeline_batches(["put them together"], 2)[0], num_inference_steps=3, height=SIZE,
-                   width=SIZE, latents=traj.latents[:, 0].clone(), callback_on_step_end=keep,
-                   callback_on_step_end_tensor_inputs=["latents"], output_type="latent",
-                   **qwen_edit.pipeline_call_kwargs(4.0), **qwen_edit.pipeline_condition_kwargs(images, SIZE, SIZE))
+    qwen_edit.pipe(
+        **qwen_edit.pipeline_batches(["put them together"], 2)[0],
+        num_inference_steps=3,
+        height=SIZE,
+        width=SIZE,
+        latents=traj.latents[:, 0].clone(),
+        callback_on_step_end=keep,
+        callback_on_step_end_tensor_inputs=["latents"],
+        output_type="latent",
+        **qwen_edit.pipeline_call_kwargs(4.0),
+        **qwen_edit.pipeline_condition_kwargs(images, SIZE, SIZE),
+    )
     expected = torch.stack(captured, dim=1)
     assert (traj.latents[:, 1:] - expected).abs().max().item() <= 1e-5
     shapes = traj.conditions["source_shapes"][0].tolist()
@@ -53,11 +71,22 @@ def test_qwen_edit_rows_of_different_source_layouts_sample_as_they_do_alone(qwen
     kwargs = dict(num_steps=2, sde_type="ode", guidance_scale=4.0, height=SIZE, width=SIZE, decode=False)
     noise = torch.randn(2, *qwen_edit._latent_shape(_settings(qwen_edit)), generator=torch.Generator().manual_seed(0))
     both = qwen_edit.rollout(["make it blue", "add a square"], 1, images=[one, two], latents=noise, **kwargs)
-    alone = [qwen_edit.rollout([p], 1, images=[ims], latents=noise[k: k + 1], **kwargs).final_latents
-             for k, (p, ims) in enumerate([("make it blue", one), ("add a square", two)])]
+    alone = [
+        qwen_edit.rollout([p], 1, images=[ims], latents=noise[k : k + 1], **kwargs).final_latents
+        for k, (p, ims) in enumerate([("make it blue", one), ("add a square", two)])
+    ]
     assert (both.final_latents - torch.cat(alone)).abs().max().item() <= 1e-5
-    traj = qwen_edit.rollout(["make it blue", "add a square"], 2, images=[one, two], num_steps=2, seed=1,
-                             height=SIZE, width=SIZE, decode=False, guidance_scale=4.0)
+    traj = qwen_edit.rollout(
+        ["make it blue", "add a square"],
+        2,
+        images=[one, two],
+        num_steps=2,
+        seed=1,
+        height=SIZE,
+        width=SIZE,
+        decode=False,
+        guidance_scale=4.0,
+    )
     lp, _, _ = qwen_edit.step_log_prob(traj, traj.train_steps)
     assert (lp - traj.log_probs[:, traj.train_steps]).abs().max().item() <= 1e-5
 
@@ -65,14 +94,29 @@ def test_qwen_edit_rows_of_different_source_layouts_sample_as_they_do_alone(qwen
 def _settings(backend, num_frames: int = 1):
     from flowrl.sampling import SamplerSettings
 
-    return SamplerSettings(family=backend.family, sde_type="ode", noise_level=0.0, guidance_scale=4.0,
-                           logprob_reduce="mean", height=SIZE, width=SIZE, num_frames=num_frames)
+    return SamplerSettings(
+        family=backend.family,
+        sde_type="ode",
+        noise_level=0.0,
+        guidance_scale=4.0,
+        logprob_reduce="mean",
+        height=SIZE,
+        width=SIZE,
+        num_frames=num_frames,
+    )
 
 
 def test_qwen_edit_refuses_an_instruction_longer_than_its_budget(qwen_edit):
     with pytest.raises(ValueError, match="raise sample.max_sequence_length"):
-        qwen_edit.rollout(["a very long instruction " * 4], 1, images=[SOURCES[:1]], num_steps=1,
-                          height=SIZE, width=SIZE, decode=False)
+        qwen_edit.rollout(
+            ["a very long instruction " * 4],
+            1,
+            images=[SOURCES[:1]],
+            num_steps=1,
+            height=SIZE,
+            width=SIZE,
+            decode=False,
+        )
 
 
 def test_wan_i2v_first_frame_condition_is_the_mask_then_the_images_latents():
@@ -96,8 +140,9 @@ def test_wan_i2v_first_frame_condition_is_the_mask_then_the_images_latents():
 
 def test_kontext_samples_the_generated_tokens_and_conditions_on_the_sources():
     backend = load_image_backend("tiny-flux_kontext", max_sequence_length=16)
-    traj = backend.rollout(["make it blue"], 1, num_steps=1, seed=0, height=SIZE, width=48, decode=False,
-                           images=[[source_image()]])
+    traj = backend.rollout(
+        ["make it blue"], 1, num_steps=1, seed=0, height=SIZE, width=48, decode=False, images=[[source_image()]]
+    )
     patch = backend.pipe.vae_scale_factor * 2  # 2x2 packed patches of the VAE's latents
     tokens = (SIZE // patch) * (48 // patch)
     assert traj.latents.shape[2] == tokens and traj.conditions["image_latents"].shape[1] == tokens

@@ -63,8 +63,11 @@ def test_eval_plan_errors_name_the_counts_and_the_smallest_valid_value():
     from flowrl.eval.summary import eval_plan
 
     ps = PromptSet(["a1", "a2", "b1", "b2", "b3"], [{"family": f} for f in "aabbb"])
-    with pytest.raises(ValueError, match=r"images_per_group=4 must be a multiple.*\{'a': 2, 'b': 3\}.*"
-                                         r"\{'b': 3\} do not divide it.*smallest that works is 6"):
+    with pytest.raises(
+        ValueError,
+        match=r"images_per_group=4 must be a multiple.*\{'a': 2, 'b': 3\}.*"
+        r"\{'b': 3\} do not divide it.*smallest that works is 6",
+    ):
         eval_plan(ps, _cfg(images_per_group=4))
     with pytest.raises(ValueError, match=r"eval.group_by='family': prompt 0 has no column"):
         eval_plan(PromptSet(["x"]), _cfg(images_per_group=2))
@@ -85,9 +88,11 @@ def test_eval_shares_merge_in_process_order_and_an_empty_share_adds_nothing():
 
     from flowrl.eval import merge_eval_shares
 
-    shares = [(["a", "b"], {"r": torch.tensor([1.0, 2.0]), "r/strict": torch.tensor([0.0, 1.0])}),
-              ([], {"r": torch.zeros(0)}),
-              (["c"], {"r": torch.tensor([3.0]), "r/strict": torch.tensor([1.0])})]
+    shares = [
+        (["a", "b"], {"r": torch.tensor([1.0, 2.0]), "r/strict": torch.tensor([0.0, 1.0])}),
+        ([], {"r": torch.zeros(0)}),
+        (["c"], {"r": torch.tensor([3.0]), "r/strict": torch.tensor([1.0])}),
+    ]
     outputs, scores = merge_eval_shares(shares)
     assert outputs == ["a", "b", "c"]
     assert scores["r"].tolist() == [1.0, 2.0, 3.0] and scores["r/strict"].tolist() == [0.0, 1.0, 1.0]

@@ -22,9 +22,21 @@ torch.set_num_threads(1)
 FAMILIES = family_names()
 PROMPTS = ["a red cat", "a blue dog"]
 SIZE = 32
-TRAIN = ["sample.height=32", "sample.width=32", "sample.num_steps=3", "sample.max_sequence_length=16",
-         "sample.prompts_per_epoch=2", "sample.group_size=2", "eval.num_steps=2", "eval.num_prompts=1",
-         "log.progress=false", "model.device=cpu", "train.lr=1e-2", "train.grpo.clip_low=0.2", "eval.before=false"]
+TRAIN = [
+    "sample.height=32",
+    "sample.width=32",
+    "sample.num_steps=3",
+    "sample.max_sequence_length=16",
+    "sample.prompts_per_epoch=2",
+    "sample.group_size=2",
+    "eval.num_steps=2",
+    "eval.num_prompts=1",
+    "log.progress=false",
+    "model.device=cpu",
+    "train.lr=1e-2",
+    "train.grpo.clip_low=0.2",
+    "eval.before=false",
+]
 
 
 def test_every_family_is_registered_and_declares_itself():
@@ -55,10 +67,19 @@ def backends():
 @pytest.mark.parametrize("name", FAMILIES)
 def test_recomputed_log_probs_equal_the_recorded_ones(name, backends):
     backend = backends(name)
-    traj = backend.rollout(PROMPTS, 2, num_steps=4, seed=3, height=SIZE, width=SIZE, decode=False,
-                           num_frames=backend.tiny_num_frames, images=condition_images(name, len(PROMPTS)))
+    traj = backend.rollout(
+        PROMPTS,
+        2,
+        num_steps=4,
+        seed=3,
+        height=SIZE,
+        width=SIZE,
+        decode=False,
+        num_frames=backend.tiny_num_frames,
+        images=condition_images(name, len(PROMPTS)),
+    )
     assert traj.sde_mask.all() and torch.isfinite(traj.log_probs).all()
-    lp, _, _ = backend.step_log_prob(traj, traj.train_steps)                          # [B, K]
+    lp, _, _ = backend.step_log_prob(traj, traj.train_steps)  # [B, K]
     assert (lp - traj.log_probs[:, traj.train_steps].to(lp)).abs().max().item() <= 1e-5
 
 
@@ -76,11 +97,19 @@ def _pipe_latents(backend, latents, num_steps, guidance_scale):
             return {}
 
         frames = {"num_frames": backend.tiny_num_frames} if backend.video else {}
-        backend.pipe(**call, num_inference_steps=num_steps, height=SIZE, width=SIZE, **frames,
-                     latents=backend.pipeline_latents(latents[start: start + n].clone(), SIZE, SIZE),
-                     callback_on_step_end=keep, callback_on_step_end_tensor_inputs=["latents"],
-                     output_type="latent", **backend.pipeline_call_kwargs(guidance_scale),
-                     **backend.pipeline_condition_kwargs(images_per_prompt(backend.family), SIZE, SIZE))
+        backend.pipe(
+            **call,
+            num_inference_steps=num_steps,
+            height=SIZE,
+            width=SIZE,
+            **frames,
+            latents=backend.pipeline_latents(latents[start : start + n].clone(), SIZE, SIZE),
+            callback_on_step_end=keep,
+            callback_on_step_end_tensor_inputs=["latents"],
+            output_type="latent",
+            **backend.pipeline_call_kwargs(guidance_scale),
+            **backend.pipeline_condition_kwargs(images_per_prompt(backend.family), SIZE, SIZE),
+        )
         per_call.append(torch.stack(captured, dim=1))
         start += n
     return torch.cat(per_call)
@@ -89,9 +118,19 @@ def _pipe_latents(backend, latents, num_steps, guidance_scale):
 @pytest.mark.parametrize("name,guidance", [(n, g) for n in FAMILIES for g in family(n).parity_guidance])
 def test_the_ode_rollout_is_the_pipelines_own_sampling(name, guidance, backends):
     backend = backends(name)
-    traj = backend.rollout(PROMPTS, 2, num_steps=4, sde_type="ode", guidance_scale=guidance, seed=5,
-                           height=SIZE, width=SIZE, decode=False, num_frames=backend.tiny_num_frames,
-                           images=condition_images(name, len(PROMPTS)))
+    traj = backend.rollout(
+        PROMPTS,
+        2,
+        num_steps=4,
+        sde_type="ode",
+        guidance_scale=guidance,
+        seed=5,
+        height=SIZE,
+        width=SIZE,
+        decode=False,
+        num_frames=backend.tiny_num_frames,
+        images=condition_images(name, len(PROMPTS)),
+    )
     expected = _pipe_latents(backend, traj.latents[:, 0], 4, guidance)
     assert expected.shape == traj.latents[:, 1:].shape
     assert (traj.latents[:, 1:].float() - expected.float()).abs().max().item() <= 1e-5
@@ -112,8 +151,16 @@ def test_the_exported_lora_loads_in_the_pipeline_and_reproduces_the_trained_mode
     pipe.load_lora_weights(tmp_path / "lora")
     loaded = load_image_backend(pipe, max_sequence_length=16)
     base = load_image_backend(tiny_pipeline(f"tiny-{name}"), max_sequence_length=16)
-    kwargs = dict(num_steps=3, sde_type="ode", seed=1, height=SIZE, width=SIZE, decode=False,
-                  num_frames=family(name).tiny_num_frames, images=condition_images(name, len(PROMPTS)))
+    kwargs = dict(
+        num_steps=3,
+        sde_type="ode",
+        seed=1,
+        height=SIZE,
+        width=SIZE,
+        decode=False,
+        num_frames=family(name).tiny_num_frames,
+        images=condition_images(name, len(PROMPTS)),
+    )
     ours = policy.backend.rollout(PROMPTS, 1, **kwargs).final_latents
     theirs = loaded.rollout(PROMPTS, 1, **kwargs).final_latents
     untrained = base.rollout(PROMPTS, 1, **kwargs).final_latents
@@ -131,8 +178,9 @@ def test_a_saved_pipeline_trains_one_epoch_and_flowrl_sample_loads_its_checkpoin
     tiny_pipeline(f"tiny-{name}").save_pretrained(model)  # diffusers' own format, not flowrl's builder
     run = tmp_path / "run"
     data = prompt_data(name, tmp_path / "data", PROMPTS)
-    tr = Trainer(load_config(None, [*_train(name), f"model.path={model}", "train.epochs=1", f"log.run_dir={run}",
-                                    *data]))
+    tr = Trainer(
+        load_config(None, [*_train(name), f"model.path={model}", "train.epochs=1", f"log.run_dir={run}", *data])
+    )
     assert tr.policy.family == name
     before = {n: p.detach().clone() for n, p in tr.named_params.items()}
     tr.fit()
@@ -140,8 +188,25 @@ def test_a_saved_pipeline_trains_one_epoch_and_flowrl_sample_loads_its_checkpoin
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert next(r for r in rows if "policy/loss" in r)["policy/ratio_first_dev"] <= 1e-5
     out = tmp_path / "samples"
-    assert main(["sample", *_train(name), f"model.path={model}", "--checkpoint", str(run / "ckpt-000001"),
-                 "--prompt", "a red cat", "--steps", "2", "--out", str(out), *sample_args(name, tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                *_train(name),
+                f"model.path={model}",
+                "--checkpoint",
+                str(run / "ckpt-000001"),
+                "--prompt",
+                "a red cat",
+                "--steps",
+                "2",
+                "--out",
+                str(out),
+                *sample_args(name, tmp_path),
+            ]
+        )
+        == 0
+    )
     if family(name).video:  # an animation of the tiny model's frames
         from PIL import Image
 
@@ -164,9 +229,18 @@ def test_a_conditioned_familys_samples_follow_their_source_image(name, backends)
     backend = backends(name)
     fewest = family(name).condition_images[0]
     first, second = [source_image(seed=k) for k in range(fewest)], [source_image(seed=10 + k) for k in range(fewest)]
-    final = backend.rollout(["make it blue"] * 3, 1, num_steps=2, sde_type="ode", height=SIZE, width=SIZE,
-                            decode=False, num_frames=backend.tiny_num_frames, images=[first, second, first],
-                            latents=_one_noise(backend, 3)).final_latents
+    final = backend.rollout(
+        ["make it blue"] * 3,
+        1,
+        num_steps=2,
+        sde_type="ode",
+        height=SIZE,
+        width=SIZE,
+        decode=False,
+        num_frames=backend.tiny_num_frames,
+        images=[first, second, first],
+        latents=_one_noise(backend, 3),
+    ).final_latents
     assert (final[0] - final[1]).abs().max() > 1e-4 and (final[0] - final[2]).abs().max() <= 1e-6
 
 
@@ -174,8 +248,16 @@ def _one_noise(backend, n: int) -> torch.Tensor:
     """One initial noise of a SIZE x SIZE sample, repeated n times: [n, ...]."""
     from flowrl.sampling import SamplerSettings
 
-    settings = SamplerSettings(family=backend.family, sde_type="ode", noise_level=0.0, guidance_scale=1.0,
-                               logprob_reduce="mean", height=SIZE, width=SIZE, num_frames=backend.tiny_num_frames)
+    settings = SamplerSettings(
+        family=backend.family,
+        sde_type="ode",
+        noise_level=0.0,
+        guidance_scale=1.0,
+        logprob_reduce="mean",
+        height=SIZE,
+        width=SIZE,
+        num_frames=backend.tiny_num_frames,
+    )
     noise = backend._initial_noise(1, settings, torch.Generator().manual_seed(0))
     return noise.repeat(n, *[1] * (noise.ndim - 1))
 
@@ -192,12 +274,22 @@ def test_a_wrong_image_count_in_the_prompt_file_stops_the_run_naming_file_and_li
     low, high = family(name).condition_images
     for k in range(high + 1):
         source_image(seed=k).save(tmp_path / f"s{k}.png")
-    rows = [{"prompt": "fine", "image": [f"s{k}.png" for k in range(low)]},
-            {"prompt": "too many", "image": [f"s{k}.png" for k in range(high + 1)]}]
+    rows = [
+        {"prompt": "fine", "image": [f"s{k}.png" for k in range(low)]},
+        {"prompt": "too many", "image": [f"s{k}.png" for k in range(high + 1)]},
+    ]
     path = tmp_path / "edits.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = load_config(None, [f"model.path=tiny-{name}", f"data.train_prompts={path}", "sample.height=32",
-                             "sample.width=32", f"sample.num_frames={family(name).tiny_num_frames}"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path=tiny-{name}",
+            f"data.train_prompts={path}",
+            "sample.height=32",
+            "sample.width=32",
+            f"sample.num_frames={family(name).tiny_num_frames}",
+        ],
+    )
     with pytest.raises(PreflightError) as info:
         preflight(cfg)
     message = str(info.value)

@@ -1,4 +1,5 @@
 """test_families.py's guarantees for the tiny Flux2KleinPipeline (base: CFG; distilled: none)."""
+
 import json
 
 import pytest
@@ -33,8 +34,9 @@ def test_ratio_one(variant):
 def test_ode_parity(variant, guidance):
     backend = load_image_backend(tiny_flux2_pipeline(**VARIANTS[variant]), max_sequence_length=16)
     assert backend.uses_cfg_encodings == (variant == "base")
-    traj = backend.rollout(PROMPTS, 2, num_steps=4, sde_type="ode", guidance_scale=guidance, seed=5,
-                           height=SIZE, width=SIZE, decode=False)
+    traj = backend.rollout(
+        PROMPTS, 2, num_steps=4, sde_type="ode", guidance_scale=guidance, seed=5, height=SIZE, width=SIZE, decode=False
+    )
     expected = _pipe_latents(backend, traj.latents[:, 0], 4, guidance)
     assert expected.shape == traj.latents[:, 1:].shape
     assert (traj.latents[:, 1:].float() - expected.float()).abs().max().item() <= 1e-5
@@ -79,6 +81,22 @@ def test_saved_trains_and_samples(variant, saved, tmp_path):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert next(r for r in rows if "policy/loss" in r)["policy/ratio_first_dev"] <= 1e-5
     out = tmp_path / "samples"
-    assert main(["sample", *TRAIN, f"model.path={model}", "--checkpoint", str(run / "ckpt-000001"),
-                 "--prompt", "a red cat", "--steps", "2", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                *TRAIN,
+                f"model.path={model}",
+                "--checkpoint",
+                str(run / "ckpt-000001"),
+                "--prompt",
+                "a red cat",
+                "--steps",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert (out / "000_seed0.png").exists()

@@ -23,8 +23,9 @@ WHITE = (255, 255, 255)
 def noise_images(n, size=(5, 4), seed=0):
     """n images of random pixels: any misplaced or overdrawn pixel shows."""
     rng = random.Random(seed)
-    return [Image.frombytes("RGB", size, bytes(rng.randrange(256) for _ in range(size[0] * size[1] * 3)))
-            for _ in range(n)]
+    return [
+        Image.frombytes("RGB", size, bytes(rng.randrange(256) for _ in range(size[0] * size[1] * 3))) for _ in range(n)
+    ]
 
 
 def solid_images(n, size=64):
@@ -112,15 +113,21 @@ def test_row_caption_counts_the_prompts_of_a_row_that_holds_several():
 
 def test_format_score_keeps_three_significant_digits():
     assert [format_score(v) for v in (0.7312, 22.4137, 0.001234, 1.0, float("nan"))] == [
-        "0.731", "22.4", "0.00123", "1", "nan"]
+        "0.731",
+        "22.4",
+        "0.00123",
+        "1",
+        "nan",
+    ]
 
 
 def test_eval_grid_puts_one_prompt_a_row_with_its_scores():
     ims = noise_images(6, size=(64, 64))
     scores = [0.5, 0.25, 1.0, 0.0, 0.125, 0.75]
     got = eval_grid(ims, ["a red circle", "two squares"], scores)  # 3 images per prompt: one row each
-    want = image_grid(ims, cols=3, row_labels=["a red circle", "two squares"],
-                      cell_labels=["0.5", "0.25", "1", "0", "0.125", "0.75"])
+    want = image_grid(
+        ims, cols=3, row_labels=["a red circle", "two squares"], cell_labels=["0.5", "0.25", "1", "0", "0.125", "0.75"]
+    )
     assert got.tobytes() == want.tobytes()
     with pytest.raises(ValueError, match="5 images do not split evenly over 2 prompts"):
         eval_grid(ims[:5], ["a", "b"])
@@ -155,8 +162,12 @@ def test_before_after_of_labelled_grids_keeps_captions_in_their_halves(tmp_path)
     ims, _ = solid_images(4)
     for name in ("before", "after"):
         eval_grid(ims, ["a red circle", "two squares"], [0.5, 1, 0, 0.25]).save(tmp_path / f"{name}.png")
-    out = before_after(tmp_path / "before.png", tmp_path / "after.png", tmp_path / "ba.png",
-                       labels=("before: " + "a very long metric name " * 10, "after: 0.503"))
+    out = before_after(
+        tmp_path / "before.png",
+        tmp_path / "after.png",
+        tmp_path / "ba.png",
+        labels=("before: " + "a very long metric name " * 10, "after: 0.503"),
+    )
     with Image.open(tmp_path / "before.png") as a, Image.open(out) as im:
         im = im.convert("RGB")
         split = 6 + a.width  # the gap between the two grids

@@ -13,6 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("flowrl", "rewards")
 
+
 def module_name(path: Path, root: Path = ROOT) -> str:
     parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -46,6 +47,7 @@ def import_statements(path: Path, root: Path = ROOT) -> list[tuple[str, tuple[st
                     found.append((target, tuple(a.name for a in node.names)))
             else:
                 visit(list(ast.iter_child_nodes(node)))
+
     visit(ast.parse(path.read_text()).body)
     return found
 
@@ -106,7 +108,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if state.get(nxt) is None:
                 cycle = dfs(nxt)
                 if cycle:
@@ -133,8 +135,9 @@ def test_no_import_cycle_in_flowrl_and_rewards():
 
 def test_the_packages_import_only_each_others_public_names():
     found = sorted(private_imports())
-    assert not found, "imports of the other package's private modules or names (make them public): " + \
-        ", ".join(f"{module} imports {name}" for module, name in found)
+    assert not found, "imports of the other package's private modules or names (make them public): " + ", ".join(
+        f"{module} imports {name}" for module, name in found
+    )
 
 
 def test_the_cycle_finder_finds_a_cycle():
@@ -149,19 +152,24 @@ def test_the_private_import_finder_finds_them(tmp_path):
         (tmp_path / package / "__init__.py").write_text("")
     (tmp_path / "flowrl" / "a.py").write_text(
         "import rewards._common\nfrom rewards import _wire, get\nfrom flowrl import _own\nfrom flowrl import __version__\n"
-        "def f():\n    from rewards.registry import _checked\n")
+        "def f():\n    from rewards.registry import _checked\n"
+    )
     (tmp_path / "rewards" / "b.py").write_text("from . import _common\nfrom flowrl.video import _frames, aggregate\n")
     # flowrl's subpackages among themselves: a private module or name of another is flagged, its own are not
     for sub in ("plan", "families"):
         (tmp_path / "flowrl" / sub).mkdir()
         (tmp_path / "flowrl" / sub / "__init__.py").write_text("")
     (tmp_path / "flowrl" / "plan" / "m.py").write_text(
-        "from flowrl.families._loading import _read, public\nfrom ._own import x\nfrom flowrl.families import ok\n")
-    assert private_imports(tmp_path) == {("flowrl.a", "rewards._common"), ("flowrl.a", "rewards._wire"),
-                                         ("flowrl.a", "rewards.registry._checked"),
-                                         ("rewards.b", "flowrl.video._frames"),
-                                         ("flowrl.plan.m", "flowrl.families._loading._read"),
-                                         ("flowrl.plan.m", "flowrl.families._loading.public")}
+        "from flowrl.families._loading import _read, public\nfrom ._own import x\nfrom flowrl.families import ok\n"
+    )
+    assert private_imports(tmp_path) == {
+        ("flowrl.a", "rewards._common"),
+        ("flowrl.a", "rewards._wire"),
+        ("flowrl.a", "rewards.registry._checked"),
+        ("rewards.b", "flowrl.video._frames"),
+        ("flowrl.plan.m", "flowrl.families._loading._read"),
+        ("flowrl.plan.m", "flowrl.families._loading.public"),
+    }
 
 
 def test_the_core_and_the_families_package_import_no_backend_library():
@@ -170,8 +178,10 @@ def test_the_core_and_the_families_package_import_no_backend_library():
     import subprocess
     import sys
 
-    code = ("import sys, flowrl.core, flowrl.families; flowrl.families.family_names(); "
-            "print(sorted(m for m in ('diffusers', 'transformers', 'peft') if m in sys.modules))")
+    code = (
+        "import sys, flowrl.core, flowrl.families; flowrl.families.family_names(); "
+        "print(sorted(m for m in ('diffusers', 'transformers', 'peft') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"

@@ -1,16 +1,25 @@
 """Memory levers change memory, not the update: a minibatch split into micro-batches, and gradient checkpointing,
 give the same gradient as the plain update (image and text), and the first minibatch stays on-policy."""
 
-
 import pytest
 import torch
 
 from flowrl.config import load_config
 from flowrl.train import Trainer
 
-TINY = ["sample.height=32", "sample.width=32", "sample.num_steps=3", "sample.max_sequence_length=16",
-        "sample.prompts_per_epoch=2", "sample.group_size=4", "eval.num_steps=2", "eval.num_prompts=1",
-        "log.progress=false", "model.device=cpu", "train.grpo.clip_low=0.2"]
+TINY = [
+    "sample.height=32",
+    "sample.width=32",
+    "sample.num_steps=3",
+    "sample.max_sequence_length=16",
+    "sample.prompts_per_epoch=2",
+    "sample.group_size=4",
+    "eval.num_steps=2",
+    "eval.num_prompts=1",
+    "log.progress=false",
+    "model.device=cpu",
+    "train.grpo.clip_low=0.2",
+]
 
 
 def minibatch_grads(tr, batch, adv) -> list[torch.Tensor]:
@@ -56,8 +65,12 @@ def perturbed(tr):
 @pytest.mark.parametrize("extra", [[], ["train.grpo.beta=0.1", "train.steps_per_forward=2"]])
 def test_image_micro_batches_give_the_minibatch_gradient(tmp_path, extra):
     torch.manual_seed(0)
-    trainers = {m: Trainer(load_config(None, [*TINY, f"log.run_dir={tmp_path / str(m)}",
-                                              f"train.micro_batch_size={m}", *extra])) for m in (0, 1, 2, 4)}
+    trainers = {
+        m: Trainer(
+            load_config(None, [*TINY, f"log.run_dir={tmp_path / str(m)}", f"train.micro_batch_size={m}", *extra])
+        )
+        for m in (0, 1, 2, 4)
+    }
     for tr in trainers.values():
         torch.manual_seed(1)
         perturbed(tr)
@@ -70,8 +83,11 @@ def test_image_micro_batches_give_the_minibatch_gradient(tmp_path, extra):
 
 def test_image_gradient_checkpointing_gives_the_same_gradient_and_stays_on_policy(tmp_path):
     plain = Trainer(load_config(None, [*TINY, f"log.run_dir={tmp_path / 'a'}", "train.grpo.beta=0.1"]))
-    ckpt = Trainer(load_config(None, [*TINY, f"log.run_dir={tmp_path / 'b'}", "train.grpo.beta=0.1",
-                                      "train.gradient_checkpointing=true"]))
+    ckpt = Trainer(
+        load_config(
+            None, [*TINY, f"log.run_dir={tmp_path / 'b'}", "train.grpo.beta=0.1", "train.gradient_checkpointing=true"]
+        )
+    )
     assert ckpt.policy.backend.denoiser.gradient_checkpointing
     assert not plain.policy.backend.denoiser.gradient_checkpointing
     for tr in (plain, ckpt):
@@ -81,26 +97,46 @@ def test_image_gradient_checkpointing_gives_the_same_gradient_and_stays_on_polic
     adv = torch.linspace(-1.5, 1.5, len(batch.prompts))
     assert_same_grads(minibatch_grads(ckpt, batch, adv), minibatch_grads(plain, batch, adv))
     # the checkpointed blocks really ran again in the backward pass
-    runs = {name: block_calls(tr.policy.backend.denoiser.transformer_blocks[0], lambda tr=tr: minibatch_grads(
-        tr, batch, adv)) for name, tr in (("plain", plain), ("ckpt", ckpt))}
+    runs = {
+        name: block_calls(
+            tr.policy.backend.denoiser.transformer_blocks[0], lambda tr=tr: minibatch_grads(tr, batch, adv)
+        )
+        for name, tr in (("plain", plain), ("ckpt", ckpt))
+    }
     assert runs["ckpt"] > runs["plain"] > 0
     out = ckpt.update(ckpt.rollout(epoch=0), adv, torch.ones(len(adv), dtype=torch.bool), epoch=0)
     assert out["policy/ratio_first_dev"] <= 1e-5
 
 
-
 def text_trainer(model_dir, run_dir, *extra):
-    return Trainer(load_config(None, [
-        "backend=text", f"model.path={model_dir}", "model.device=cpu",
-        f"data.train_prompts={model_dir / 'prompts.jsonl'}",
-        "rewards=[{name: accuracy}]", "sample.prompts_per_epoch=2", "sample.group_size=4", "text.max_new_tokens=5",
-        "log.progress=false", f"log.run_dir={run_dir}", "train.grpo.beta=0.05", "text.entropy_coef=0.01", *extra]))
+    return Trainer(
+        load_config(
+            None,
+            [
+                "backend=text",
+                f"model.path={model_dir}",
+                "model.device=cpu",
+                f"data.train_prompts={model_dir / 'prompts.jsonl'}",
+                "rewards=[{name: accuracy}]",
+                "sample.prompts_per_epoch=2",
+                "sample.group_size=4",
+                "text.max_new_tokens=5",
+                "log.progress=false",
+                f"log.run_dir={run_dir}",
+                "train.grpo.beta=0.05",
+                "text.entropy_coef=0.01",
+                *extra,
+            ],
+        )
+    )
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_text_micro_batches_give_the_minibatch_gradient(tiny_lm, tmp_path, agg):
-    trainers = {m: text_trainer(tiny_lm, tmp_path / str(m), f"train.micro_batch_size={m}", f"text.loss_agg={agg}")
-                for m in (0, 3)}
+    trainers = {
+        m: text_trainer(tiny_lm, tmp_path / str(m), f"train.micro_batch_size={m}", f"text.loss_agg={agg}")
+        for m in (0, 3)
+    }
     for tr in trainers.values():
         torch.manual_seed(1)
         perturbed(tr)
@@ -115,8 +151,10 @@ def test_text_micro_batches_give_the_minibatch_gradient(tiny_lm, tmp_path, agg):
 
 
 def test_text_gradient_checkpointing_gives_the_same_gradient_and_stays_on_policy(tiny_lm, tmp_path):
-    plain, ckpt = (text_trainer(tiny_lm, tmp_path / n, f"train.gradient_checkpointing={c}")
-                   for n, c in (("a", "false"), ("b", "true")))
+    plain, ckpt = (
+        text_trainer(tiny_lm, tmp_path / n, f"train.gradient_checkpointing={c}")
+        for n, c in (("a", "false"), ("b", "true"))
+    )
     for tr in (plain, ckpt):
         torch.manual_seed(1)
         perturbed(tr)
@@ -135,8 +173,19 @@ def test_text_gradient_checkpointing_gives_the_same_gradient_and_stays_on_policy
 def test_bf16_base_weights_with_fp32_lora_stay_on_policy(tmp_path):
     """Mixed precision: the frozen weights in bfloat16, the trained LoRA and the optimizer's states in float32, the
     step math in float32; the first minibatch is on-policy within the bf16 rollout's tolerance."""
-    tr = Trainer(load_config(None, [*TINY, f"log.run_dir={tmp_path}", "model.dtype=bfloat16", "train.epochs=1",
-                                    "eval.grid=false", "train.lr=1e-3"]))
+    tr = Trainer(
+        load_config(
+            None,
+            [
+                *TINY,
+                f"log.run_dir={tmp_path}",
+                "model.dtype=bfloat16",
+                "train.epochs=1",
+                "eval.grid=false",
+                "train.lr=1e-3",
+            ],
+        )
+    )
     den = tr.policy.backend.denoiser
     frozen = [p for n, p in den.named_parameters() if "lora_" not in n]
     assert frozen and all(p.dtype == torch.bfloat16 for p in frozen)
@@ -160,4 +209,3 @@ def test_parallel_strategy_follows_the_sharding_key_and_an_fsdp_accelerate_confi
     assert parallel_strategy(fsdp, 8, DistributedType.MULTI_GPU) == "fsdp"
     assert parallel_strategy(plain, 8, DistributedType.FSDP) == "fsdp"  # a user's own accelerate FSDP config
     assert parallel_strategy(plain, 8, DistributedType.DEEPSPEED) == "deepspeed"
-

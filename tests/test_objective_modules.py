@@ -16,9 +16,21 @@ from flowrl.objectives import MemoryTerms, Objective, get_objective, objective_n
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
-TINY = ["model.path=tiny-sd3", "model.device=cpu", "sample.height=32", "sample.width=32", "sample.num_steps=3",
-        "sample.max_sequence_length=16", "sample.prompts_per_epoch=2", "sample.group_size=2", "eval.num_steps=2",
-        "eval.num_prompts=1", "eval.grid=false", "log.progress=false", "checkpoint.every=0"]
+TINY = [
+    "model.path=tiny-sd3",
+    "model.device=cpu",
+    "sample.height=32",
+    "sample.width=32",
+    "sample.num_steps=3",
+    "sample.max_sequence_length=16",
+    "sample.prompts_per_epoch=2",
+    "sample.group_size=2",
+    "eval.num_steps=2",
+    "eval.num_prompts=1",
+    "eval.grid=false",
+    "log.progress=false",
+    "checkpoint.every=0",
+]
 
 
 def test_every_objective_declares_what_the_loop_the_config_and_the_planner_ask():
@@ -31,8 +43,9 @@ def test_every_objective_declares_what_the_loop_the_config_and_the_planner_ask()
         assert cls.backends and set(cls.backends) <= {"image", "text"}, name
         if cls.Settings is not None:  # its section is train.<name>, every field documented
             fields = [f.name for f in dataclasses.fields(cls.Settings)]
-            assert all(any(k == f"train.{name}.{f}" or k.startswith(f"train.{name}.{f}.") for k in keys)
-                       for f in fields), name
+            assert all(
+                any(k == f"train.{name}.{f}" or k.startswith(f"train.{name}.{f}.") for k in keys) for f in fields
+            ), name
         cfg = load_config(None, [f"train.objective={name}"])
         terms = cls.memory_terms(cfg, 2)
         assert isinstance(terms, MemoryTerms) and terms.rows >= 1 and terms.rows_note, name
@@ -59,8 +72,9 @@ def test_every_preset_switches_objective_with_one_key(preset):
 
 def test_old_spellings_are_read_with_a_one_line_hint(tmp_path):
     with pytest.warns(ConfigWarning) as seen:
-        cfg = load_config(None, ["train.beta=0.1", "sample.window.kind=fixed", "sample.window.size=2",
-                                 "sample.noise_level=0.5"])
+        cfg = load_config(
+            None, ["train.beta=0.1", "sample.window.kind=fixed", "sample.window.size=2", "sample.noise_level=0.5"]
+        )
     assert (cfg.train.grpo.beta, cfg.train.grpo.window.kind, cfg.train.grpo.window.size) == (0.1, "fixed", 2)
     assert cfg.train.grpo.noise_level == 0.5
     hints = [str(w.message) for w in seen]
@@ -69,8 +83,10 @@ def test_old_spellings_are_read_with_a_one_line_hint(tmp_path):
     assert all("\n" not in h for h in hints)
     # a YAML file: the whole section moves; old and new spelling of one key is an error naming both
     old = tmp_path / "old.yaml"
-    old.write_text("sample:\n  window: {kind: fixed, start: 1, size: 2}\n  same_noise_per_group: true\n"
-                   "train:\n  clip_low: 0.2\n  objective: grpo\n")
+    old.write_text(
+        "sample:\n  window: {kind: fixed, start: 1, size: 2}\n  same_noise_per_group: true\n"
+        "train:\n  clip_low: 0.2\n  objective: grpo\n"
+    )
     with pytest.warns(ConfigWarning, match=r"old.yaml: sample.window is now train.grpo.window"):
         cfg = load_config(old)
     assert (cfg.train.grpo.window.start, cfg.train.grpo.same_noise_per_group, cfg.train.grpo.clip_low) == (1, True, 0.2)
@@ -93,13 +109,19 @@ def test_the_cli_prints_an_old_spelling_as_one_line(tmp_path):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "flowrl.cli", "plan", "configs/tiny_cpu.yaml", "train.beta=0.2"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "default"})
+    out = subprocess.run(
+        [sys.executable, "-m", "flowrl.cli", "plan", "configs/tiny_cpu.yaml", "train.beta=0.2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "default"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     hints = [line for line in out.stderr.splitlines() if "train.beta" in line]
-    assert hints == ["flowrl: override train.beta is now train.grpo.beta: read as train.grpo.beta (rename it to "
-                     "silence this)"], out.stderr[-2000:]
+    assert hints == [
+        "flowrl: override train.beta is now train.grpo.beta: read as train.grpo.beta (rename it to silence this)"
+    ], out.stderr[-2000:]
     assert "beta 0.2" in out.stdout  # the plan read it as train.grpo.beta
 
 
@@ -109,14 +131,25 @@ def test_another_objectives_section_changes_nothing_in_a_run(tmp_path):
     from flowrl.train import Trainer
 
     rows = {}
-    for tag, extra in (("plain", []), ("grpo_keys", ["train.grpo.window.kind=fixed", "train.grpo.window.size=1",
-                                                     "train.grpo.same_noise_per_group=true", "train.grpo.beta=0.5",
-                                                     "train.grpo.sde_type=cps"])):
+    for tag, extra in (
+        ("plain", []),
+        (
+            "grpo_keys",
+            [
+                "train.grpo.window.kind=fixed",
+                "train.grpo.window.size=1",
+                "train.grpo.same_noise_per_group=true",
+                "train.grpo.beta=0.5",
+                "train.grpo.sde_type=cps",
+            ],
+        ),
+    ):
         run = tmp_path / tag
-        Trainer(load_config(None, [*TINY, "train.objective=awm", "train.epochs=2", f"log.run_dir={run}",
-                                   *extra])).fit()
-        rows[tag] = [{k: v for k, v in json.loads(line).items() if k.partition("/")[0] not in ("time", "perf")}
-                     for line in (run / "metrics.jsonl").read_text().splitlines()]
+        Trainer(load_config(None, [*TINY, "train.objective=awm", "train.epochs=2", f"log.run_dir={run}", *extra])).fit()
+        rows[tag] = [
+            {k: v for k, v in json.loads(line).items() if k.partition("/")[0] not in ("time", "perf")}
+            for line in (run / "metrics.jsonl").read_text().splitlines()
+        ]
     assert len(rows["plain"]) >= 3 and rows["plain"] == rows["grpo_keys"]
     assert any(r.get("policy/grad_norm", 0) > 0 for r in rows["plain"])  # it trained
 
@@ -127,15 +160,21 @@ def test_a_checkpoint_of_the_old_layout_resumes(tmp_path):
     from flowrl.train import Trainer
 
     run = tmp_path / "run"
-    args = [*TINY, "train.grpo.beta=0.01", "train.grpo.window.kind=fixed", "train.grpo.window.size=2",
-            f"log.run_dir={run}"]
+    args = [
+        *TINY,
+        "train.grpo.beta=0.01",
+        "train.grpo.window.kind=fixed",
+        "train.grpo.window.size=2",
+        f"log.run_dir={run}",
+    ]
     Trainer(load_config(None, [*args, "train.epochs=1"])).fit()
     (ckpt,) = sorted(run.glob("ckpt-*"))
     state = json.loads((ckpt / "state.json").read_text())
     saved = state["config"]
     grpo = saved["train"].pop("grpo")
-    saved["train"].update({k: grpo[k] for k in ("beta", "clip_low", "clip_high", "policy_loss", "kl_std",
-                                                "step_weighting", "dual_clip")})
+    saved["train"].update(
+        {k: grpo[k] for k in ("beta", "clip_low", "clip_high", "policy_loss", "kl_std", "step_weighting", "dual_clip")}
+    )
     saved["sample"].update({k: grpo[k] for k in ("window", "sde_type", "noise_level", "same_noise_per_group")})
     saved["train"].pop("nft"), saved["train"].pop("awm"), saved["train"].pop("dpo")
     (ckpt / "state.json").write_text(json.dumps(state))
@@ -229,10 +268,15 @@ metrics = Trainer(cfg).fit()
 print("weight_max", metrics["policy/rwr_weight_max"], "grad_norm", metrics["policy/grad_norm"])
 print(plan(cfg).render())
 """
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     stats = out.stdout.split("weight_max ", 1)[1].split()
     assert float(stats[0]) >= 1.0 and float(stats[2]) > 0  # weighted by the advantages, and it trained
     assert "objective rwr: 1 model rows: 1 time(s)" in out.stdout and "rwr temperature 0.5" in out.stdout
-

@@ -29,9 +29,21 @@ torch.set_num_threads(1)
 
 FAMILIES = [*family_names(), "flux2-klein"]
 OBJECTIVES = ("nft", "awm", "dpo")
-TINY = ["sample.height=32", "sample.width=32", "sample.num_steps=4", "sample.max_sequence_length=16",
-        "sample.prompts_per_epoch=2", "sample.group_size=4", "eval.num_steps=2", "eval.num_prompts=1",
-        "eval.before=false", "eval.grid=false", "log.progress=false", "model.device=cpu", "train.lr=3e-3"]
+TINY = [
+    "sample.height=32",
+    "sample.width=32",
+    "sample.num_steps=4",
+    "sample.max_sequence_length=16",
+    "sample.prompts_per_epoch=2",
+    "sample.group_size=4",
+    "eval.num_steps=2",
+    "eval.num_prompts=1",
+    "eval.before=false",
+    "eval.grid=false",
+    "log.progress=false",
+    "model.device=cpu",
+    "train.lr=3e-3",
+]
 
 
 @pytest.fixture(scope="module")
@@ -88,9 +100,19 @@ def test_flow_prediction_is_the_velocity_the_sampler_steps_with(name, model_path
     policy = ImagePolicy(tiny_cfg(tmp_path, f"model.path={model_path(name)}", frames(name)), "cpu")
     backend = policy.backend
     g = backend.training_guidance_scale(backend.default_guidance_scale)
-    traj = backend.rollout(["a red cat", "a blue dog"], 2, num_steps=4, sde_type="ode", guidance_scale=g, seed=0,
-                           height=32, width=32, decode=False, num_frames=policy.cfg.sample.num_frames,
-                           images=condition_images(name, 2))
+    traj = backend.rollout(
+        ["a red cat", "a blue dog"],
+        2,
+        num_steps=4,
+        sde_type="ode",
+        guidance_scale=g,
+        seed=0,
+        height=32,
+        width=32,
+        decode=False,
+        num_frames=policy.cfg.sample.num_frames,
+        images=condition_images(name, 2),
+    )
     times = backend.flow_times(traj)
     i = 1
     x_i, x_next = traj.latents[:, i].float(), traj.latents[:, i + 1].float()
@@ -106,15 +128,20 @@ def test_flow_prediction_is_the_velocity_the_sampler_steps_with(name, model_path
         y_i, y_next, t_next = x_i / (a + s), x_next / (a2 + s2), s2 / (a2 + s2)
         assert math.isclose(float(times[i]), float(s / (a + s)), rel_tol=1e-6)
     v_sampler = (y_next - y_i) / (t_next - times[i])
-    pred = backend.flow_prediction(x0, eps, times[i], traj.prompt_ids, traj.prompt_encodings, traj.sampler,
-                                   traj.conditions)
+    pred = backend.flow_prediction(
+        x0, eps, times[i], traj.prompt_ids, traj.prompt_encodings, traj.sampler, traj.conditions
+    )
     scale = max(1.0, v_sampler.abs().max().item())
     assert (pred.velocity.detach() - v_sampler).abs().max().item() <= 2e-5 * scale
     assert torch.equal(pred.t, times[i].expand(len(x0)))  # a schedule time is used as it is (DDPM: its timestep)
     assert (pred.x_t - y_i).abs().max().item() <= 2e-6 * max(1.0, y_i.abs().max().item())
     torch.testing.assert_close(pred.target, eps - x0)
-    torch.testing.assert_close(pred.x_t - pred.t.view(-1, *[1] * (x0.ndim - 1)) * pred.target, x0,
-                               rtol=0, atol=2e-6 * max(1.0, x0.abs().max().item()))
+    torch.testing.assert_close(
+        pred.x_t - pred.t.view(-1, *[1] * (x0.ndim - 1)) * pred.target,
+        x0,
+        rtol=0,
+        atol=2e-6 * max(1.0, x0.abs().max().item()),
+    )
     # the gradient of anything of the velocity reaches the trained LoRA (lora_B starts at 0: its gradient is not)
     pred.velocity.square().mean().backward()
     grads = {n: p.grad for n, p in policy.named_trainable_parameters()}
@@ -128,12 +155,12 @@ def test_ddpm_velocity_by_hand():
     prediction gives v = eps - x0, and eps - eps_hat = (1 - t)(v - v_hat) with t = sigma / (alpha + sigma)."""
     alpha, sigma = torch.tensor([0.6]), torch.tensor([0.8])
     x0, eps = torch.tensor([[2.0, -1.0]]), torch.tensor([[0.5, 1.5]])
-    x = 0.6 * x0 + 0.8 * eps                                                    # [[1.6, 0.6]]
+    x = 0.6 * x0 + 0.8 * eps  # [[1.6, 0.6]]
     eps_hat = torch.tensor([[1.0, 2.0]])
     # x0_hat = ((1.6 - 0.8) / 0.6, (0.6 - 1.6) / 0.6) = (4/3, -5/3); v_hat = eps_hat - x0_hat = (-1/3, 11/3)
     torch.testing.assert_close(ddpm_velocity(eps_hat, x, alpha, sigma), torch.tensor([[-1 / 3, 11 / 3]]))
     torch.testing.assert_close(ddpm_velocity(eps, x, alpha, sigma), eps - x0)
-    v_model = 0.6 * eps - 0.8 * x0                                              # the v-prediction target
+    v_model = 0.6 * eps - 0.8 * x0  # the v-prediction target
     torch.testing.assert_close(ddpm_velocity(v_model, x, alpha, sigma, "v_prediction"), eps - x0)
     t = ddpm_flow_time(torch.tensor(0.36))
     assert math.isclose(float(t), 0.8 / 1.4, rel_tol=1e-6)
@@ -189,9 +216,18 @@ def test_nft_samples_with_the_old_policy(tmp_path):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_one_epoch_trains_and_checkpoints(name, objective, model_path, tmp_path):
     run = tmp_path / "run"
-    tr = Trainer(tiny_cfg(run, f"model.path={model_path(name)}", f"train.objective={objective}", "train.epochs=1",
-                          "train.minibatch_size=4", "train.micro_batch_size=2", frames(name),
-                          *prompt_data(name, tmp_path / "data", ["a red cat", "a blue dog"])))
+    tr = Trainer(
+        tiny_cfg(
+            run,
+            f"model.path={model_path(name)}",
+            f"train.objective={objective}",
+            "train.epochs=1",
+            "train.minibatch_size=4",
+            "train.micro_batch_size=2",
+            frames(name),
+            *prompt_data(name, tmp_path / "data", ["a red cat", "a blue dog"]),
+        )
+    )
     before = trained(tr)
     tr.fit()
     after = trained(tr)
@@ -218,8 +254,14 @@ def test_one_epoch_trains_and_checkpoints(name, objective, model_path, tmp_path)
 
 @pytest.mark.parametrize("objective", OBJECTIVES)
 def test_resume_equals_an_uninterrupted_run(objective, tmp_path):
-    extra = [f"train.objective={objective}", "train.epochs=2", "checkpoint.every=1", "checkpoint.keep=0",
-             "train.nft.decay_rate=0.3", "train.minibatch_size=4"]
+    extra = [
+        f"train.objective={objective}",
+        "train.epochs=2",
+        "checkpoint.every=1",
+        "checkpoint.keep=0",
+        "train.nft.decay_rate=0.3",
+        "train.minibatch_size=4",
+    ]
     straight = Trainer(tiny_cfg(tmp_path / "a", *extra))
     straight.fit()
     resumed = Trainer(tiny_cfg(tmp_path / "b", *extra, f"checkpoint.resume={tmp_path / 'a' / 'ckpt-000001'}"))
@@ -288,8 +330,16 @@ def test_nft_old_policy_is_soft_updated_by_the_decay_formula(tmp_path):
 
 
 def test_nft_full_fine_tuning_keeps_a_frozen_copy_as_the_old_policy(tmp_path):
-    tr = Trainer(tiny_cfg(tmp_path, "train.objective=nft", "lora.enabled=false", "train.lr=1e-4", "train.epochs=1",
-                          "train.nft.decay_rate=0.2"))
+    tr = Trainer(
+        tiny_cfg(
+            tmp_path,
+            "train.objective=nft",
+            "lora.enabled=false",
+            "train.lr=1e-4",
+            "train.epochs=1",
+            "train.nft.decay_rate=0.2",
+        )
+    )
     module, weights = tr.policy.shadows["old"]
     assert module is not None and module is not tr.policy.module and tr.policy.ref_copy is not None
     assert set(weights) == set(tr.named_params) and not any(w.requires_grad for w in weights.values())
@@ -322,7 +372,7 @@ def test_nft_first_loss_is_the_hand_value_with_v_old_equal_to_v_theta(tmp_path):
         with policy.shadow("old"):
             v_old = policy.flow_prediction(batch, rows, t, noise).velocity
     assert torch.equal(v_old, pred.velocity)
-    err = pred.t.view(-1, 1, 1, 1) * (pred.target - pred.velocity)                # x0+ - x0 = -t (v+ - v)
+    err = pred.t.view(-1, 1, 1, 1) * (pred.target - pred.velocity)  # x0+ - x0 = -t (v+ - v)
     per_row = err.square().flatten(1).mean(1) / err.abs().flatten(1).mean(1)
     hand = 5 / 0.5 * per_row.mean()
     torch.testing.assert_close(loss.detach(), hand, rtol=1e-5, atol=0)
@@ -332,8 +382,15 @@ def test_nft_first_loss_is_the_hand_value_with_v_old_equal_to_v_theta(tmp_path):
 
 
 def test_awm_ema_policy_is_soft_updated_after_every_optimizer_step(tmp_path):
-    tr = Trainer(tiny_cfg(tmp_path, "train.objective=awm", "train.awm.ema_kl_coef=1", "train.awm.ema_decay_rate=0.1",
-                          "train.minibatch_size=4"))
+    tr = Trainer(
+        tiny_cfg(
+            tmp_path,
+            "train.objective=awm",
+            "train.awm.ema_kl_coef=1",
+            "train.awm.ema_decay_rate=0.1",
+            "train.minibatch_size=4",
+        )
+    )
     batch, _, adv, keep = _epoch_inputs(tr)
     ema = shadow(tr, "ema")
     thetas = []
@@ -401,9 +458,14 @@ def test_the_objectives_refuse_what_they_cannot_take(tmp_path):
     assert "train.objective" in problems("train.objective=ppo") and "Did you mean" in problems("train.objective=nfp")
     assert tiny_cfg(tmp_path, "train.objective=dpo", "train.dpo.timesteps=4").train.dpo.timesteps == 4
     # GRPO's section is GRPO's: its relations are checked under GRPO and ignored under another objective
-    grpo_only = ["train.grpo.window.kind=fixed", "train.grpo.window.size=0", "train.grpo.beta=0.1",
-                 "train.grpo.same_noise_per_group=true", "train.grpo.step_weighting=ratio_norm",
-                 "train.grpo.sde_type=cps"]
+    grpo_only = [
+        "train.grpo.window.kind=fixed",
+        "train.grpo.window.size=0",
+        "train.grpo.beta=0.1",
+        "train.grpo.same_noise_per_group=true",
+        "train.grpo.step_weighting=ratio_norm",
+        "train.grpo.sde_type=cps",
+    ]
     assert "train.grpo.window" in problems(*grpo_only) and "ratio_norm" in problems(*grpo_only)
     for name in OBJECTIVES:
         cfg = tiny_cfg(tmp_path, f"train.objective={name}", *grpo_only)
@@ -424,8 +486,15 @@ def test_the_objectives_refuse_what_they_cannot_take(tmp_path):
 def test_help_documents_the_objectives():
     docs = {key: doc for key, _, _, doc in describe()}
     assert "DiffusionNFT" in docs["train.objective"] and "grpo" in docs["train.objective"]
-    for key in ("train.nft.beta", "train.nft.decay_rate", "train.nft.timesteps", "train.awm.weighting",
-                "train.awm.kl_coef", "train.dpo.beta", "train.dpo.weighting"):
+    for key in (
+        "train.nft.beta",
+        "train.nft.decay_rate",
+        "train.nft.timesteps",
+        "train.awm.weighting",
+        "train.awm.kl_coef",
+        "train.dpo.beta",
+        "train.dpo.weighting",
+    ):
         assert "reference" in docs[key] or "paper" in docs[key] or "Flow-DPO" in docs[key], key
     from flowrl.objectives import OBJECTIVES as REGISTRY
 

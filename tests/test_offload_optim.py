@@ -20,9 +20,21 @@ from flowrl.train.optim import MasterWeightsOptimizer, build_optimizer
 torch.set_num_threads(1)
 print("torch threads:", torch.get_num_threads())
 
-TINY = ["sample.height=32", "sample.width=32", "sample.num_steps=4", "sample.max_sequence_length=16",
-        "sample.prompts_per_epoch=2", "sample.group_size=4", "eval.num_steps=3", "eval.num_prompts=2",
-        "log.progress=false", "model.device=cpu", "train.lr=3e-3", "train.grpo.clip_low=0.2", "eval.grid=false"]
+TINY = [
+    "sample.height=32",
+    "sample.width=32",
+    "sample.num_steps=4",
+    "sample.max_sequence_length=16",
+    "sample.prompts_per_epoch=2",
+    "sample.group_size=4",
+    "eval.num_steps=3",
+    "eval.num_prompts=2",
+    "log.progress=false",
+    "model.device=cpu",
+    "train.lr=3e-3",
+    "train.grpo.clip_low=0.2",
+    "eval.grid=false",
+]
 
 PLUGIN = '''
 import torch
@@ -110,8 +122,9 @@ def test_adamw_8bit_trains_checkpoints_and_resumes(tmp_path):
     tr.fit()
     moved = max((p.detach() - before[n]).abs().max().item() for n, p in tr.named_params.items())
     assert moved > 0
-    eight_bit = [v for st in tr.opt.state.values() for v in st.values()
-                 if torch.is_tensor(v) and v.dtype == torch.uint8]
+    eight_bit = [
+        v for st in tr.opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dtype == torch.uint8
+    ]
     assert eight_bit, "no parameter got 8-bit states"
     again = Trainer(tiny_cfg(tmp_path, *base, "train.epochs=2", "checkpoint.resume=auto"))
     from flowrl.run.checkpoint import resolve_resume
@@ -164,8 +177,15 @@ def test_offload_moves_encoders_vae_and_rewards_only_while_they_run(tmp_path, mo
         return real_to(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.Module, "to", spy_to)
-    tr = Trainer(tiny_cfg(tmp_path / "run", "train.offload=true", "train.epochs=1", f"rewards.0.name={plugin}:scorer",
-                          "train.ema_decay=0.5"))
+    tr = Trainer(
+        tiny_cfg(
+            tmp_path / "run",
+            "train.offload=true",
+            "train.epochs=1",
+            f"rewards.0.name={plugin}:scorer",
+            "train.ema_decay=0.5",
+        )
+    )
     backend = tr.policy.backend
     pipe = backend.pipe
     encoders = [m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module) and "text_encoder" in n]
@@ -186,6 +206,7 @@ def test_offload_moves_encoders_vae_and_rewards_only_while_they_run(tmp_path, mo
             out = real(*a, **k)
             events.append(("done", name))
             return out
+
         monkeypatch.setattr(obj, name, wrapped)
 
     marked(backend, "_encode_text"), marked(backend, "decode")
@@ -206,7 +227,7 @@ def test_offload_moves_encoders_vae_and_rewards_only_while_they_run(tmp_path, mo
             before = [i for i in moved if i < start]
             after = [i for i in moved if i > end]
             assert len(before) >= len(modules) and len(after) >= len(modules), name
-            assert all(events[i][2] == "cpu" for i in after[:len(modules)])
+            assert all(events[i][2] == "cpu" for i in after[: len(modules)])
     assert spans("_encode_text") and spans("decode")
     net_moves = moves_of([net])
     assert len(net_moves) == 2 and net_moves[0] > spans("decode")[-1][1]  # to its device to score, then parked

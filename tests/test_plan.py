@@ -85,9 +85,11 @@ def test_shipped_text_model_and_reward_backbones_have_the_published_sizes():
 
     from flowrl.plan import build_on_meta
 
-    for repo, cls, published in [("yuvalkirstain/PickScore_v1", "CLIPModel", 0.986),
-                                 ("openai/clip-vit-large-patch14", "CLIPModel", 0.428),
-                                 ("facebook/dinov2-small", "Dinov2Model", 0.0221)]:
+    for repo, cls, published in [
+        ("yuvalkirstain/PickScore_v1", "CLIPModel", 0.986),
+        ("openai/clip-vit-large-patch14", "CLIPModel", 0.428),
+        ("facebook/dinov2-small", "Dinov2Model", 0.0221),
+    ]:
         read, _ = config_reader(repo)
         module = build_on_meta(getattr(transformers, cls), read("config.json"))
         assert sum(p.numel() for p in module.parameters()) / 1e9 == pytest.approx(published, rel=0.01)
@@ -97,8 +99,13 @@ def test_shipped_text_model_and_reward_backbones_have_the_published_sizes():
 #: `flowrl plan` reads them from the hub cache, and offline it fails naming them (tested below)
 #: The editors ship (FLUX.1-dev's and Qwen-Image's architectures under their editing pipelines); the Wan models do
 #: not: the planner counts their frames and image tokens when it reads them from the hub (cache).
-NOT_SHIPPED = {"Qwen/Qwen-Image-2512", "black-forest-labs/FLUX.2-klein-9B", "black-forest-labs/FLUX.2-klein-base-9B",
-               "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"}
+NOT_SHIPPED = {
+    "Qwen/Qwen-Image-2512",
+    "black-forest-labs/FLUX.2-klein-9B",
+    "black-forest-labs/FLUX.2-klein-base-9B",
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+    "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
+}
 
 
 def test_every_shipped_file_names_its_hub_id_and_the_presets_models_are_shipped():
@@ -120,8 +127,17 @@ def test_tiny_plan_counts_what_the_trainer_builds(family):
     """The denoiser's size and the LoRA parameters the planner counts are those of the policy the trainer makes."""
     from flowrl.policies.image import ImagePolicy
 
-    cfg = load_config(None, [f"model.path=tiny-{family}", "model.device=cpu", "sample.height=32",
-                             "sample.width=32", "sample.max_sequence_length=16", "train.grpo.beta=0.01"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path=tiny-{family}",
+            "model.device=cpu",
+            "sample.height=32",
+            "sample.width=32",
+            "sample.max_sequence_length=16",
+            "train.grpo.beta=0.01",
+        ],
+    )
     result = plan(cfg)
     policy = ImagePolicy(cfg, "cpu")
     den = policy.backend.denoiser
@@ -154,8 +170,12 @@ def test_local_directory_is_read_from_its_config_files(tmp_path):
     _, built, _ = pipeline_components("tiny-sd3", "float32")
     assert "local directory" in source
     assert {p.name: p.params for p in from_dir} == {p.name: p.params for p in built}
-    result = plan(load_config(None, [f"model.path={tmp_path / 'm'}", "sample.height=32", "sample.width=32",
-                                     "sample.max_sequence_length=16"]))
+    result = plan(
+        load_config(
+            None,
+            [f"model.path={tmp_path / 'm'}", "sample.height=32", "sample.width=32", "sample.max_sequence_length=16"],
+        )
+    )
     assert result.fits["DDP"].fits
 
 
@@ -171,17 +191,20 @@ def test_text_plan_counts_what_the_text_policy_trains():
     assert "GPT2LMHeadModel" in result.render()
 
 
-@pytest.mark.parametrize("repo,image_tokens,text_tokens", [
-    ("stabilityai/stable-diffusion-3.5-medium", 1024, 77 + 128),  # 64x64 latents in 2x2 patches; CLIP + T5
-    ("black-forest-labs/FLUX.1-dev", 1024, 128),  # packed 2x2
-    ("stable-diffusion-v1-5/stable-diffusion-v1-5", 64 * 64, 77),  # a UNet's level 0: the latent pixels
-    ("Qwen/Qwen-Image", 1024, 128),
-    ("black-forest-labs/FLUX.1-Kontext-dev", 2 * 1024, 128),  # the source, at the sample's size, appended
-    ("Qwen/Qwen-Image-Edit-2509", 1024 + 3 * 4096, 128 + 3 * (189 + 8)),  # 3 sources of ~1024^2 px, 384^2 in text
-    ("black-forest-labs/FLUX.2-dev", 1024, 128),
-    ("Tongyi-MAI/Z-Image-Turbo", 1024, 128),
-    ("Efficient-Large-Model/Sana_1600M_512px_diffusers", 16 * 16, 128),  # a 32x VAE, patch 1
-])
+@pytest.mark.parametrize(
+    "repo,image_tokens,text_tokens",
+    [
+        ("stabilityai/stable-diffusion-3.5-medium", 1024, 77 + 128),  # 64x64 latents in 2x2 patches; CLIP + T5
+        ("black-forest-labs/FLUX.1-dev", 1024, 128),  # packed 2x2
+        ("stable-diffusion-v1-5/stable-diffusion-v1-5", 64 * 64, 77),  # a UNet's level 0: the latent pixels
+        ("Qwen/Qwen-Image", 1024, 128),
+        ("black-forest-labs/FLUX.1-Kontext-dev", 2 * 1024, 128),  # the source, at the sample's size, appended
+        ("Qwen/Qwen-Image-Edit-2509", 1024 + 3 * 4096, 128 + 3 * (189 + 8)),  # 3 sources of ~1024^2 px, 384^2 in text
+        ("black-forest-labs/FLUX.2-dev", 1024, 128),
+        ("Tongyi-MAI/Z-Image-Turbo", 1024, 128),
+        ("Efficient-Large-Model/Sana_1600M_512px_diffusers", 16 * 16, 128),  # a 32x VAE, patch 1
+    ],
+)
 def test_token_counts_of_the_shipped_denoisers_at_512_px(repo, image_tokens, text_tokens):
     from flowrl.plan import activation_terms, denoiser_layers, image_shape
 
@@ -194,8 +217,13 @@ def test_token_counts_of_the_shipped_denoisers_at_512_px(repo, image_tokens, tex
     shape = image_shape(components, attr, 512, 512, 128, family=fam)
     assert (shape.image_tokens, shape.text_tokens) == (image_tokens, text_tokens)
     assert components[attr].class_name == fam.denoiser_class
-    layers = denoiser_layers(components[attr].module, fam.plan_layout, image_tokens=shape.image_tokens,
-                             text_tokens=shape.text_tokens, levels=shape.levels)
+    layers = denoiser_layers(
+        components[attr].module,
+        fam.plan_layout,
+        image_tokens=shape.image_tokens,
+        text_tokens=shape.text_tokens,
+        levels=shape.levels,
+    )
     terms = activation_terms(layers, "bfloat16")
     assert 0 < terms.units_checkpointed < terms.units and terms.kept > 0
     assert {layer.stream for layer in layers} >= {"one", "txt"}  # time embeddings and text layers were found
@@ -210,8 +238,14 @@ def small_sd3(tmp_path_factory):
     """A small SD3 (4 blocks of 256, dual attention in the first two) saved to a directory."""
     bench = _bench()
     directory = tmp_path_factory.mktemp("sd3") / "model"
-    bench.save_model("sd3", str(directory), num_layers=4, num_attention_heads=4, caption_projection_dim=256,
-                     dual_attention_layers=(0, 1))
+    bench.save_model(
+        "sd3",
+        str(directory),
+        num_layers=4,
+        num_attention_heads=4,
+        caption_projection_dim=256,
+        dual_attention_layers=(0, 1),
+    )
     return bench, str(directory)
 
 
@@ -222,8 +256,9 @@ def test_activation_estimate_within_25_percent_of_the_measured_peak(small_sd3, t
     bench, directory = small_sd3
     torch.set_num_threads(1)
     for micro in (1, 2):
-        r = bench.measure(directory, micro=micro, checkpointing=checkpointing, size=128,
-                          work=str(tmp_path / str(micro)))
+        r = bench.measure(
+            directory, micro=micro, checkpointing=checkpointing, size=128, work=str(tmp_path / str(micro))
+        )
         assert r["planned_static"] == pytest.approx(r["static"], rel=0.02)
         assert r["planned_dynamic"] / r["dynamic"] == pytest.approx(1.0, abs=0.25), r
         assert r["planned_rollout"] / r["rollout"] == pytest.approx(1.0, abs=0.25), r  # the denoiser, no gradients
@@ -267,8 +302,9 @@ def test_tracker_counts_live_storages_once():
 
 
 def test_bigger_micro_batch_needs_more_memory_and_checkpointing_less():
-    totals = [plan(_preset("sd35m_pickscore", f"train.micro_batch_size={m}")).fits["DDP"].configured_gib
-              for m in (1, 2, 4, 8)]
+    totals = [
+        plan(_preset("sd35m_pickscore", f"train.micro_batch_size={m}")).fits["DDP"].configured_gib for m in (1, 2, 4, 8)
+    ]
     assert totals == sorted(totals) and len(set(totals)) == 4
     off = plan(_preset("sd35m_pickscore"))
     on = plan(_preset("sd35m_pickscore", "train.gradient_checkpointing=true"))
@@ -343,8 +379,10 @@ def test_rollout_batch_size_bounds_the_rollout():
     assert chunked.rollout_fits["offload"][0] < chunked.rollout_fits["DDP"][0]  # the VAE decodes on the CPU
     text = plan(_preset("text_qwen_gsm8k"))  # 256 completions' logits in one forward: 151,936 x 1024 tokens each
     assert text.rollout.phases["old log-probs (logits)"][0] > 1024 * 151936 * 2  # more than the bf16 logits
-    assert plan(_preset("text_qwen_gsm8k", "sample.prompts_per_epoch=8")).rollout_fits["DDP"][0] < \
-        text.rollout_fits["DDP"][0]
+    assert (
+        plan(_preset("text_qwen_gsm8k", "sample.prompts_per_epoch=8")).rollout_fits["DDP"][0]
+        < text.rollout_fits["DDP"][0]
+    )
 
 
 def test_every_preset_plans_at_1_and_8_gpus():
@@ -387,8 +425,9 @@ def test_gpus_that_do_not_split_the_batch_fail():
         plan(_preset("sd35m_pickscore"), gpus=7)
 
 
-@pytest.mark.parametrize("text,gib", [("80GiB", 80), ("80", 80), ("24 GB", 24e9 / 2**30), ("40960MiB", 40),
-                                      ("80g", 80)])
+@pytest.mark.parametrize(
+    "text,gib", [("80GiB", 80), ("80", 80), ("24 GB", 24e9 / 2**30), ("40960MiB", 40), ("80g", 80)]
+)
 def test_parse_memory(text, gib):
     assert parse_memory(text) == pytest.approx(gib)
 
@@ -422,8 +461,7 @@ def test_objectives_rows_references_shadows_and_update_rows():
     assert nft.update.rows_per_sample == 1  # one time per forward (steps_per_forward 1), no CFG
     no_kl = plan(_preset("sd35m_pickscore", "train.objective=awm", "train.awm.kl_coef=0"))
     assert not any(r.label.startswith("reference") or "shadow" in r.label for r in no_kl.rows)
-    ema = plan(_preset("sd35m_pickscore", "train.objective=awm", "train.awm.ema_kl_coef=1",
-                       "lora.enabled=false"))
+    ema = plan(_preset("sd35m_pickscore", "train.objective=awm", "train.awm.ema_kl_coef=1", "lora.enabled=false"))
     copy = next(r for r in ema.rows if r.label == "awm: shadow policy 'ema', a frozen copy")
     assert copy.gib["DDP"] == pytest.approx(ema.rows[0].gib["DDP"])
     dpo = plan(_preset("sd35m_pickscore", "train.objective=dpo", "train.steps_per_forward=2"))
@@ -431,8 +469,10 @@ def test_objectives_rows_references_shadows_and_update_rows():
     assert any(r.label.startswith("reference") for r in dpo.rows) and "objective dpo" in dpo.render()
     # a DPO micro-batch counts pairs (the trainer computes only the winners): at most the groups of a GPU's batch
     for gpus, pairs in ((1, 1152 // 24), (8, 1152 // 24 // 8)):
-        p = plan(_preset("sd35m_pickscore", "train.objective=dpo", "train.minibatch_size=0",
-                         "train.micro_batch_size=100"), gpus=gpus)
+        p = plan(
+            _preset("sd35m_pickscore", "train.objective=dpo", "train.minibatch_size=0", "train.micro_batch_size=100"),
+            gpus=gpus,
+        )
         assert (p.unit, p.minibatch, p.micro_batch) == ("pairs", pairs, pairs)
         assert f"at most the minibatch ({pairs} pairs per GPU)" in p.render()
     small = plan(_preset("sd35m_pickscore", "train.objective=dpo", "train.minibatch_size=16"))
@@ -477,8 +517,17 @@ def test_planned_tokens_are_those_the_denoiser_gets(name):
 
     handle = backend.denoiser.register_forward_pre_hook(record, with_kwargs=True)
     images = [[source_image(seed=k) for k in range(fam.condition_images[1])]] if fam.condition_images[1] else None
-    backend.rollout(["a red cat"], 1, num_steps=1, sde_type="ode", height=32, width=32, decode=False,
-                    num_frames=fam.tiny_num_frames, images=images)
+    backend.rollout(
+        ["a red cat"],
+        1,
+        num_steps=1,
+        sde_type="ode",
+        height=32,
+        width=32,
+        decode=False,
+        num_frames=fam.tiny_num_frames,
+        images=images,
+    )
     handle.remove()
     _, parts, _ = pipeline_components(f"tiny-{name}", "float32")
     shape = image_shape({p.name: p for p in parts}, fam.denoiser_attr, 32, 32, 16, fam.tiny_num_frames, fam)
@@ -505,10 +554,23 @@ def test_an_editors_plan_counts_the_most_images_a_prompt_of_the_data_has(tmp_pat
     assert "2 conditioning images (the most a prompt has)" in two
     assert "3 conditioning images (the most the family takes)" in three
     tokens = lambda text: int(text.split(" = ")[1].split(" image")[0])  # noqa: E731
-    assert tokens(three) - tokens(two) == tokens(two) - tokens(line(load_config(None, [
-        *base, f"data.train_prompts={_one_image_prompts(tmp_path)}"]))) > 0
-    video = line(load_config(None, ["model.path=tiny-wan", "sample.height=32", "sample.width=32",
-                                    "sample.max_sequence_length=16", "sample.num_frames=9"]))
+    assert (
+        tokens(three) - tokens(two)
+        == tokens(two) - tokens(line(load_config(None, [*base, f"data.train_prompts={_one_image_prompts(tmp_path)}"])))
+        > 0
+    )
+    video = line(
+        load_config(
+            None,
+            [
+                "model.path=tiny-wan",
+                "sample.height=32",
+                "sample.width=32",
+                "sample.max_sequence_length=16",
+                "sample.num_frames=9",
+            ],
+        )
+    )
     assert "9 frames of 32x32 px = 12 image + 16 text tokens" in video  # 3 latent frames x 2 x 2 patches
 
 
@@ -568,14 +630,20 @@ def test_every_reward_is_planned_as_it_declares_itself(tmp_path, monkeypatch):
     assert blip.params_b * 1e9 == pytest.approx(446_665_953, abs=1) and blip.note == "float32"
     assert blip.gib["DDP"] == pytest.approx(4 * 446_665_953 / GIB)
 
-    found, text = rows("{name: weighted, kwargs: {components: {pickscore: 1.0, hps: {reward: hpsv2, weight: 0.5}, "
-                       "jpeg_compressibility: 1.0, text: {reward: ocr, engine: paddle}}}}")
-    assert sorted(found) == ["reward hpsv2 (CLIPModel laion/CLIP-ViT-H-14-laion2B-s32B-b79K)",
-                             "reward pickscore (CLIPModel yuvalkirstain/PickScore_v1)"]
+    found, text = rows(
+        "{name: weighted, kwargs: {components: {pickscore: 1.0, hps: {reward: hpsv2, weight: 0.5}, "
+        "jpeg_compressibility: 1.0, text: {reward: ocr, engine: paddle}}}}"
+    )
+    assert sorted(found) == [
+        "reward hpsv2 (CLIPModel laion/CLIP-ViT-H-14-laion2B-s32B-b79K)",
+        "reward pickscore (CLIPModel yuvalkirstain/PickScore_v1)",
+    ]
     assert "reward ocr: the paddle engine runs in PaddlePaddle's memory; its memory is not estimated" in text
 
     found, text = rows("{name: edit_consistency}")
-    assert list(found) == ["reward edit_consistency (Dinov2Model facebook/dinov2-small)"] and "not estimated" not in text
+    assert (
+        list(found) == ["reward edit_consistency (Dinov2Model facebook/dinov2-small)"] and "not estimated" not in text
+    )
     dino = save_tiny_dinov2(tmp_path / "dino")
     found, _ = rows(f"{{name: temporal_consistency, kwargs: {{model: {tmp_path / 'dino'}}}}}")
     (local,) = found.values()
@@ -587,5 +655,11 @@ def test_every_reward_is_planned_as_it_declares_itself(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mine.py").write_text("def score(images, prompts):\n    return [0.0] * len(images)\n")
     found, text = rows("{name: 'mine.py:score'}")
-    assert found == {} and ("reward mine.py:score: it declares nothing (a plug-in's function declares .memory, see "
-                            "rewards.memory); its memory is not estimated") in text
+    assert (
+        found == {}
+        and (
+            "reward mine.py:score: it declares nothing (a plug-in's function declares .memory, see "
+            "rewards.memory); its memory is not estimated"
+        )
+        in text
+    )

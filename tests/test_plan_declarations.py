@@ -37,8 +37,10 @@ def undeclared_families(classes) -> list[str]:
             if owner is None:
                 problems.append(f"{cls.family}: no {attr}")
             elif owner is not cls and (owner not in registered or owner.denoiser_class != cls.denoiser_class):
-                problems.append(f"{cls.family}: {attr} inherited from {owner.__name__}, whose denoiser class "
-                                f"{owner.denoiser_class} is not its {cls.denoiser_class}")
+                problems.append(
+                    f"{cls.family}: {attr} inherited from {owner.__name__}, whose denoiser class "
+                    f"{owner.denoiser_class} is not its {cls.denoiser_class}"
+                )
             elif not isinstance(getattr(cls, attr), kind):
                 problems.append(f"{cls.family}: {attr} is not a {kind.__name__}")
         cal = getattr(cls, "plan_calibration", None)
@@ -68,12 +70,14 @@ def test_the_declaration_check_finds_what_is_missing():
         plan_calibration = Calibration(1.0, 1.0, 1.0, "a guess", calibrated=False)
 
     assert undeclared_families([Bare, Borrower, Unsaid]) == [
-        "bare: no plan_layout", "bare: no plan_calibration",
+        "bare: no plan_layout",
+        "bare: no plan_calibration",
         "borrower: plan_layout inherited from FluxBackend, whose denoiser class FluxTransformer2DModel is not its "
         "OtherTransformer",
         "borrower: plan_calibration inherited from FluxBackend, whose denoiser class FluxTransformer2DModel is not "
         "its OtherTransformer",
-        "unsaid: its calibration was not measured and its `measured` does not say so"]
+        "unsaid: its calibration was not measured and its `measured` does not say so",
+    ]
 
 
 @pytest.mark.parametrize("name", family_names())
@@ -105,7 +109,8 @@ def test_the_planner_asks_the_family(monkeypatch):
     monkeypatch.setattr(SD3Backend, "plan_calibration", doubled)
     twice = plan(cfg)
     assert twice.update.activations.plain - twice.update.terms.lora == pytest.approx(
-        2 * (base.update.activations.plain - base.update.terms.lora))
+        2 * (base.update.activations.plain - base.update.terms.lora)
+    )
     assert "activations of SD3Transformer2DModel: doubled for the test" in twice.notes
     monkeypatch.undo()
 
@@ -162,18 +167,25 @@ def test_the_strategy_check_finds_what_is_missing():
         name, shards, plan_column = "twin", (), "DDP"
 
     assert undeclared_strategies([Bare, Odd, Twin, STRATEGIES.get("ddp")]) == [
-        "bare: no shards", "bare: no plan_column", "bare: no applies", "odd: no applies",
+        "bare: no shards",
+        "bare: no plan_column",
+        "bare: no applies",
+        "odd: no applies",
         "odd: shards ('activations',) is not a tuple of weights, gradients, optimizer",
-        "odd: plan_column 'a very long title' is not a title of 1 to 10 characters", "twin: no applies",
-        "column 'DDP' declared twice"]
+        "odd: plan_column 'a very long title' is not a title of 1 to 10 characters",
+        "twin: no applies",
+        "column 'DDP' declared twice",
+    ]
 
 
 def test_the_planner_asks_the_strategies(monkeypatch):
     """A column's title and what it shards are the strategy's; a strategy without them is a PlanError naming it."""
     from flowrl.dist.fsdp import FSDP
 
-    cfg = load_config(None, ["model.path=tiny-sd3", *TINY, "sample.prompts_per_epoch=4", "sample.group_size=4",
-                             "train.minibatch_size=8"])
+    cfg = load_config(
+        None,
+        ["model.path=tiny-sd3", *TINY, "sample.prompts_per_epoch=4", "sample.group_size=4", "train.minibatch_size=8"],
+    )
     monkeypatch.setattr(FSDP, "plan_column", "FSDP2")
     monkeypatch.setattr(FSDP, "shards", ("gradients", "optimizer"))  # no longer the weights
     p = plan(cfg, gpus=2)
@@ -205,8 +217,10 @@ def test_zero2_shards_gradients_and_states_and_refuses_what_deepspeed_refuses():
     assert update - rollout == pytest.approx(bucket["ZeRO-2"])
     assert p.refused == {} and any(n.startswith("ZeRO-2: DeepSpeed ZeRO stage 2") for n in p.notes)
 
-    for override, why in (("train.optimizer=adamw_8bit", "its ZeRO optimizer wraps torch's AdamW"),
-                          ("model.dtype=bfloat16", "full fine-tuning of bf16/fp16 weights under DeepSpeed")):
+    for override, why in (
+        ("train.optimizer=adamw_8bit", "its ZeRO optimizer wraps torch's AdamW"),
+        ("model.dtype=bfloat16", "full fine-tuning of bf16/fp16 weights under DeepSpeed"),
+    ):
         refused = plan(load_config(None, base + [override]))
         assert why in refused.refused["ZeRO-2"] and not refused.fits_as_configured("ZeRO-2")
         assert f"ZeRO-2 refuses this config: {refused.refused['ZeRO-2']}" in refused.notes

@@ -42,8 +42,12 @@ def test_a_hub_preset_fails_at_once_offline_naming_the_model(preset, tmp_path, m
     model = model_path(preset)
     local_data = []  # the text presets' dataset would fail first (at once too): give them local prompts
     if "backend: text" in preset.read_text():
-        local_data = ["data.train_prompts=samples/arith/train.jsonl", "data.eval_prompts=samples/arith/test.jsonl",
-                      "data.prompt_column=prompt", "data.prompt_template='{prompt}'"]
+        local_data = [
+            "data.train_prompts=samples/arith/train.jsonl",
+            "data.eval_prompts=samples/arith/test.jsonl",
+            "data.prompt_column=prompt",
+            "data.prompt_template='{prompt}'",
+        ]
     rc = main(["train", str(preset), f"log.run_dir={tmp_path / 'run'}", *local_data])
     err = capsys.readouterr().err.strip()
     assert rc == 1 and len(err.splitlines()) == 1 and "Traceback" not in err, err
@@ -54,8 +58,14 @@ def test_the_accelerate_configs_are_valid_accelerate_configs():
     from accelerate.commands.config.config_args import load_config_from_file
 
     files = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))
-    assert {f.stem for f in files} >= {"ddp_8gpu", "multinode_2x8gpu", "cpu_2proc", "fsdp_8gpu", "deepspeed_zero2",
-                                       "deepspeed_zero3"}
+    assert {f.stem for f in files} >= {
+        "ddp_8gpu",
+        "multinode_2x8gpu",
+        "cpu_2proc",
+        "fsdp_8gpu",
+        "deepspeed_zero2",
+        "deepspeed_zero3",
+    }
     for f in files:
         cfg = load_config_from_file(str(f))
         expected = "DEEPSPEED" if f.stem.startswith("deepspeed") else "MULTI_GPU"
@@ -74,14 +84,25 @@ def test_the_objective_presets_keep_their_papers_recipes():
         cfg = load_config(ROOT / "configs" / f"{name}.yaml")
         s, t = cfg.sample, cfg.train
         assert (cfg.model.path, s.height, s.width, s.max_sequence_length) == (
-            "stabilityai/stable-diffusion-3.5-medium", 512, 512, 128), name
+            "stabilityai/stable-diffusion-3.5-medium",
+            512,
+            512,
+            128,
+        ), name
         assert (cfg.lora.enabled, cfg.lora.rank, cfg.lora.alpha, cfg.lora.target_modules) == (True, 32, 64.0, None)
         assert [r.name for r in cfg.rewards] == ["pickscore"]
         assert (cfg.data.train_prompts, cfg.data.eval_prompts) == (
-            "samples/prompts/pickscore_train.txt", "samples/prompts/pickscore_test.txt")
+            "samples/prompts/pickscore_train.txt",
+            "samples/prompts/pickscore_test.txt",
+        )
         assert cfg.log.run_dir == f"runs/{name}" and cfg.eval.num_steps == 40
         assert (t.minibatch_size, t.inner_epochs, t.adam_betas, t.adam_eps, t.max_grad_norm) == (
-            0, 1, [0.9, 0.999], 1e-8, 1.0), name  # one optimizer step an epoch, on the whole batch
+            0,
+            1,
+            [0.9, 0.999],
+            1e-8,
+            1.0,
+        ), name  # one optimizer step an epoch, on the whole batch
         return cfg, s, t
 
     # DiffusionNFT (config/nft.py:sd3_pickscore): CFG-free, 10 steps, 24 x 48, 9 of 10 steps trained
@@ -89,9 +110,20 @@ def test_the_objective_presets_keep_their_papers_recipes():
     n = t.nft
     assert t.objective == "nft"
     assert (s.num_steps, s.guidance_scale, cfg.eval.guidance_scale, s.group_size, s.prompts_per_epoch) == (
-        10, 1.0, 1.0, 24, 48)
+        10,
+        1.0,
+        1.0,
+        24,
+        48,
+    )
     assert (t.lr, t.weight_decay, t.adv_scale, t.adv_clip_max, t.ema_decay, t.micro_batch_size) == (
-        3e-4, 1e-4, "batch", 5.0, 0.9, 9)
+        3e-4,
+        1e-4,
+        "batch",
+        5.0,
+        0.9,
+        9,
+    )
     assert (n.beta, n.kl_coef, n.adv_clip, n.policy_scale, n.adaptive_weight) == (1.0, 1e-4, 5.0, 5.0, True)
     assert (n.decay_rate, n.decay_cap, n.decay_start) == (1e-3, 0.5, 0)
     assert get_objective("nft").times_per_sample(n, s.num_steps) == 9
@@ -102,11 +134,21 @@ def test_the_objective_presets_keep_their_papers_recipes():
     a = t.awm
     assert t.objective == "awm"
     assert (s.num_steps, s.guidance_scale, cfg.eval.guidance_scale, s.group_size, s.prompts_per_epoch) == (
-        14, 1.0, 1.0, 24, 24)
+        14,
+        1.0,
+        1.0,
+        24,
+        24,
+    )
     assert (t.lr, t.weight_decay, t.adv_scale, t.adv_clip_max, t.ema_decay) == (3e-4, 1e-4, "batch", 5.0, 0.99)
     assert (t.micro_batch_size, t.steps_per_forward) == (2, 6)
     assert (a.weighting, a.ghuber_power, a.advantage_clip, a.timesteps, a.timestep_fraction) == (
-        "ghuber", 0.25, 5.0, 6, 0.9)
+        "ghuber",
+        0.25,
+        5.0,
+        6,
+        0.9,
+    )
     assert (a.kl_coef, a.ema_kl_coef, a.ema_decay_rate, a.ema_decay_cap) == (1e-4, 1.0, 1e-3, 0.3)
     assert (cfg.eval.every, cfg.checkpoint.every) == (50, 50)
 
@@ -118,4 +160,9 @@ def test_the_objective_presets_keep_their_papers_recipes():
     assert (d.beta, d.weighting, get_objective("dpo").times_per_sample(d, s.num_steps)) == (5000.0, "noise", 10)
     assert (t.lr, t.weight_decay, t.warmup_steps, t.ema_decay) == (3e-4, 1e-2, 0, 0.0)
     assert (s.num_steps, s.guidance_scale, cfg.eval.guidance_scale, s.group_size, s.prompts_per_epoch) == (
-        10, 4.5, 4.5, 24, 48)
+        10,
+        4.5,
+        4.5,
+        24,
+        48,
+    )

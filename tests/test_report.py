@@ -35,9 +35,17 @@ def test_plot_curves_without_metrics_is_a_clear_error(tmp_path):
 
 
 def test_plot_leaves_out_per_group_breakdowns():
-    rows = [{"epoch": 0, "eval/g_mean": 0.4, "eval/g/strict_mean": 0.2, "eval/g/strict_family_mean": 0.3,
-             "eval/g/strict_by_family/colors": 0.9, "eval/g_by_family/position": 0.1},
-            {"epoch": 1, "reward/total_mean": 0.5}]
+    rows = [
+        {
+            "epoch": 0,
+            "eval/g_mean": 0.4,
+            "eval/g/strict_mean": 0.2,
+            "eval/g/strict_family_mean": 0.3,
+            "eval/g/strict_by_family/colors": 0.9,
+            "eval/g_by_family/position": 0.1,
+        },
+        {"epoch": 1, "reward/total_mean": 0.5},
+    ]
     assert headline_eval_keys(rows) == ["eval/g/strict_family_mean", "eval/g/strict_mean", "eval/g_mean"]
 
 
@@ -45,13 +53,27 @@ def test_the_diversity_metrics_are_drawn_and_their_counts_are_not():
     """The colour TV and the feature-space diversity (spread, its ratio to the base's, distance from the base's)
     each get a line; the colour counts stay in metrics.jsonl."""
     feats = "eval/diversity/features/"
-    rows = [{"epoch": e, "reward/total_mean": 0.1 * e, "eval/g_mean": 0.3 + 0.1 * e,
-             "eval/diversity/g/color_tv_from_base": 0.1 * e, "eval/diversity/g/color_count": 40.0,
-             feats + "spread": 0.4 - 0.05 * e, feats + "spread_from_base": 1.0 - 0.1 * e,
-             feats + "distance_from_base": 0.002 * e} for e in range(3)]
+    rows = [
+        {
+            "epoch": e,
+            "reward/total_mean": 0.1 * e,
+            "eval/g_mean": 0.3 + 0.1 * e,
+            "eval/diversity/g/color_tv_from_base": 0.1 * e,
+            "eval/diversity/g/color_count": 40.0,
+            feats + "spread": 0.4 - 0.05 * e,
+            feats + "spread_from_base": 1.0 - 0.1 * e,
+            feats + "distance_from_base": 0.002 * e,
+        }
+        for e in range(3)
+    ]
     drawn = {label for axes in lines_of(curves_figure(rows))[1:] for label, _, _ in axes}
-    assert drawn == {"g_mean", "diversity/g/color_tv_from_base", "diversity/features/spread",
-                     "diversity/features/spread_from_base", "diversity/features/distance_from_base"}
+    assert drawn == {
+        "g_mean",
+        "diversity/g/color_tv_from_base",
+        "diversity/features/spread",
+        "diversity/features/spread_from_base",
+        "diversity/features/distance_from_base",
+    }
 
 
 def test_an_eval_key_without_numbers_draws_no_empty_legend(tmp_path):
@@ -67,10 +89,22 @@ def test_an_eval_key_without_numbers_draws_no_empty_legend(tmp_path):
 
 
 def test_result_keys_put_the_grouped_strict_mean_first_and_skip_what_was_not_logged():
-    rows = [{"epoch": 0, "eval/g_mean": 0.4, "eval/g/strict_mean": 0.2, "eval/g/strict_family_mean": 0.3,
-             "eval/g_family_mean": 0.35}, {"epoch": 1, "reward/total_mean": 0.5}]
+    rows = [
+        {
+            "epoch": 0,
+            "eval/g_mean": 0.4,
+            "eval/g/strict_mean": 0.2,
+            "eval/g/strict_family_mean": 0.3,
+            "eval/g_family_mean": 0.35,
+        },
+        {"epoch": 1, "reward/total_mean": 0.5},
+    ]
     assert result_keys(rows, "g", "family") == [
-        "eval/g/strict_family_mean", "eval/g_family_mean", "eval/g/strict_mean", "eval/g_mean"]
+        "eval/g/strict_family_mean",
+        "eval/g_family_mean",
+        "eval/g/strict_mean",
+        "eval/g_mean",
+    ]
     assert result_keys(rows, "g") == ["eval/g/strict_mean", "eval/g_mean"]
     assert result_keys([{"epoch": 0, "eval/h_mean": 0.1}], "h", "family") == ["eval/h_mean"]
     assert result_keys(rows, "other") == []
@@ -93,6 +127,7 @@ def test_before_after_is_captioned_with_the_headline_and_needs_both_grids(tmp_pa
 
 # ----------------------------------------------------------------------- one line per series, one point per epoch
 
+
 def write_metrics(run_dir, rows):
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -102,9 +137,16 @@ def write_metrics(run_dir, rows):
 def geneval_eval(epoch, strict, fraction):
     """An eval row as the trainer logs it with eval.group_by=family on a balanced eval set: the family means equal
     the plain means, and the shapes reward's own value is its strict component."""
-    row = {"epoch": epoch, "time": 1.0, "eval/g_mean": strict, "eval/g_family_mean": strict,
-           "eval/g/strict_mean": strict, "eval/g/strict_family_mean": strict,
-           "eval/g/fraction_mean": fraction, "eval/g/fraction_family_mean": fraction}
+    row = {
+        "epoch": epoch,
+        "time": 1.0,
+        "eval/g_mean": strict,
+        "eval/g_family_mean": strict,
+        "eval/g/strict_mean": strict,
+        "eval/g/strict_family_mean": strict,
+        "eval/g/fraction_mean": fraction,
+        "eval/g/fraction_family_mean": fraction,
+    }
     for family in ("colors", "counting"):
         row[f"eval/g_by_family/{family}"] = strict
         row[f"eval/g/strict_by_family/{family}"] = strict
@@ -126,8 +168,10 @@ def resumed_run_rows():
 
 def lines_of(fig):
     """[(label, xs, ys) of every line] of each axes, in order."""
-    return [[(line.get_label(), list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()]
-            for ax in fig.axes]
+    return [
+        [(line.get_label(), list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()]
+        for ax in fig.axes
+    ]
 
 
 def test_a_resumed_run_draws_one_point_per_epoch_the_last_logged_winning():
@@ -150,8 +194,17 @@ def test_equal_eval_series_are_one_line_with_every_name_in_its_label():
 
 
 def test_eval_series_of_different_scales_get_their_own_axes():
-    rows = [{"epoch": e, "reward/total_mean": 0.1 * e, "eval/acc_mean": 0.2 + 0.1 * e, "eval/acc/format_mean": 0.9,
-             "eval/pickscore_mean": 21.5 + 0.1 * e, "eval/loss_mean": 1e-3 * (3 - e)} for e in range(3)]
+    rows = [
+        {
+            "epoch": e,
+            "reward/total_mean": 0.1 * e,
+            "eval/acc_mean": 0.2 + 0.1 * e,
+            "eval/acc/format_mean": 0.9,
+            "eval/pickscore_mean": 21.5 + 0.1 * e,
+            "eval/loss_mean": 1e-3 * (3 - e),
+        }
+        for e in range(3)
+    ]
     fig = curves_figure(rows)
     groups = sorted(sorted(label for label, _, _ in axes) for axes in lines_of(fig)[1:])
     assert groups == [["acc/format_mean", "acc_mean"], ["loss_mean"], ["pickscore_mean"]]
@@ -165,10 +218,12 @@ def test_scale_groups_are_decided_from_the_values():
     small, unit, zero, big = curve("s", 0.002, 0.001), curve("u", 0.3, 0.9), curve("z", 0.0, 0.0), curve("b", 22, 23)
     assert scale_groups([unit, big, small, zero]) == [[unit], [big], [small, zero]]  # zeros join the smallest scale
     assert scale_groups([curve("a", 0.1), curve("b", 0.9)], ratio=10) != scale_groups(
-        [curve("a", 0.05), curve("b", 0.9)], ratio=10)  # 9x apart share axes, 18x apart do not
+        [curve("a", 0.05), curve("b", 0.9)], ratio=10
+    )  # 9x apart share axes, 18x apart do not
 
 
 # ------------------------------------------------------------------------------ clear errors on what is not a run
+
 
 def test_a_missing_run_directory_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"nowhere is not a run directory: it does not exist") as err:
@@ -193,8 +248,16 @@ def test_an_empty_metrics_file_is_a_value_error(tmp_path):
         plot_curves(tmp_path)
 
 
-@pytest.mark.parametrize("bad", ['{"epoch": 2, "reward/total_mean": 0.', '[1, 2]', '{"reward/total_mean": 1}',
-                                 '{"epoch": true}', b'\xff\xfe{"epoch": 2}'])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        '{"epoch": 2, "reward/total_mean": 0.',
+        "[1, 2]",
+        '{"reward/total_mean": 1}',
+        '{"epoch": true}',
+        b'\xff\xfe{"epoch": 2}',
+    ],
+)
 def test_a_corrupt_line_is_named_by_file_and_line(tmp_path, bad):
     good = json.dumps({"epoch": 1, "reward/total_mean": 0.5}).encode()
     (tmp_path / "metrics.jsonl").write_bytes(good + b"\n" + (bad if isinstance(bad, bytes) else bad.encode()) + b"\n")

@@ -40,8 +40,9 @@ def reference_clip_embeddings(model, processor, images, prompts):
     tokens = processor.tokenizer(prompts, padding=True, return_tensors="pt")
     with torch.no_grad():
         img = model.visual_projection(model.vision_model(pixel_values=pixels).pooler_output)
-        txt = model.text_projection(model.text_model(input_ids=tokens["input_ids"],
-                                                     attention_mask=tokens["attention_mask"]).pooler_output)
+        txt = model.text_projection(
+            model.text_model(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]).pooler_output
+        )
     return img, txt
 
 
@@ -205,7 +206,9 @@ def test_imagereward_batches_the_packages_model(monkeypatch, tiny_clip):
     fake.blip.text_encoder = _CrossEncoder(len(tokenizer), 8)
     fake.mlp = torch.nn.Linear(8, 1)
     fake.mean, fake.std = 0.16717362830052426, 1.0333394966054072
-    fake.preprocess = lambda im: torch.from_numpy(__import__("numpy").asarray(im.resize((16, 16)), "float32") / 255).permute(2, 0, 1)
+    fake.preprocess = lambda im: torch.from_numpy(
+        __import__("numpy").asarray(im.resize((16, 16)), "float32") / 255
+    ).permute(2, 0, 1)
     module = types.ModuleType("ImageReward")
     module.load = lambda name, device, download_root: fake
     monkeypatch.setitem(sys.modules, "ImageReward", module)
@@ -218,9 +221,12 @@ def test_imagereward_batches_the_packages_model(monkeypatch, tiny_clip):
         text = tokenizer(prompt, padding="max_length", truncation=True, max_length=35, return_tensors="pt")
         with torch.no_grad():
             embeds = fake.blip.visual_encoder(fake.preprocess(image)[None])
-            out = fake.blip.text_encoder(text.input_ids, attention_mask=text.attention_mask,
-                                         encoder_hidden_states=embeds,
-                                         encoder_attention_mask=torch.ones(embeds.shape[:-1], dtype=torch.long),
-                                         return_dict=True)
+            out = fake.blip.text_encoder(
+                text.input_ids,
+                attention_mask=text.attention_mask,
+                encoder_hidden_states=embeds,
+                encoder_attention_mask=torch.ones(embeds.shape[:-1], dtype=torch.long),
+                return_dict=True,
+            )
             expected.append(((fake.mlp(out.last_hidden_state[:, 0]) - fake.mean) / fake.std).item())
     torch.testing.assert_close(scores, torch.tensor(expected), atol=1e-5, rtol=1e-5)

@@ -90,8 +90,11 @@ def test_the_entry_point_reward_builds_and_scores_images(site):
     # 2 x luminance 51/255 = 0.4, 2 x 255/255 = 2
     assert reward(images(51, 255), ["a", "b"]).tolist() == pytest.approx([0.4, 2.0])
     assert rewards.get("their_name").gain == 1.0
-    with pytest.raises(rewards.RewardConfigError, match=r"'their_name' got unknown option\(s\) 'gian'\. Did you "
-                                                        r"mean 'gain'"):
+    with pytest.raises(
+        rewards.RewardConfigError,
+        match=r"'their_name' got unknown option\(s\) 'gian'\. Did you "
+        r"mean 'gain'",
+    ):
         rewards.check("their_name", {"gian": 2.0}, "image")
     with pytest.raises(rewards.RewardConfigError, match="'their_name' is an image reward; this backend needs text"):
         rewards.check("their_name", {}, "text")
@@ -108,11 +111,17 @@ def test_a_flowrl_config_names_it_and_preflight_accepts_it(site):
 
 
 def test_a_broken_entry_point_is_one_line_naming_the_distribution_and_spares_the_others(site):
-    expected = (r"^reward 'their_broken': entry point their_broken = their_pkg.broken \(group flowrl.rewards\) of "
-                r"distribution their-dist 1.0 failed to import: ModuleNotFoundError: No module named "
-                r"'numpyy_is_not_installed'$")
-    for ask in (lambda: rewards.get("their_broken"), lambda: rewards.check("their_broken", {}, "image"),
-                lambda: rewards.build("their_broken", {}, "image"), lambda: rewards.memory_spec("their_broken")):
+    expected = (
+        r"^reward 'their_broken': entry point their_broken = their_pkg.broken \(group flowrl.rewards\) of "
+        r"distribution their-dist 1.0 failed to import: ModuleNotFoundError: No module named "
+        r"'numpyy_is_not_installed'$"
+    )
+    for ask in (
+        lambda: rewards.get("their_broken"),
+        lambda: rewards.check("their_broken", {}, "image"),
+        lambda: rewards.build("their_broken", {}, "image"),
+        lambda: rewards.memory_spec("their_broken"),
+    ):
         with pytest.raises(rewards.RewardConfigError, match=expected):
             ask()
     from flowrl.config import load_config
@@ -132,26 +141,32 @@ def test_a_broken_entry_point_is_one_line_naming_the_distribution_and_spares_the
 
 
 def test_an_entry_point_must_name_a_module_that_registers_its_name(site):
-    with pytest.raises(rewards.RewardConfigError, match=r"^reward 'their_attribute': entry point their_attribute = "
-                                                        r"their_pkg.scores:Brightness .* of distribution their-dist 1.0 "
-                                                        r"names an attribute; its value must be a module"):
+    with pytest.raises(
+        rewards.RewardConfigError,
+        match=r"^reward 'their_attribute': entry point their_attribute = "
+        r"their_pkg.scores:Brightness .* of distribution their-dist 1.0 "
+        r"names an attribute; its value must be a module",
+    ):
         rewards.get("their_attribute")
-    with pytest.raises(rewards.RewardConfigError, match=r"^reward 'their_silent': entry point their_silent = "
-                                                        r"their_pkg.silent .*: module their_pkg.silent registered "
-                                                        r"nothing, not 'their_silent'; it must call "
-                                                        r"rewards.register\('their_silent', kind=...\)$"):
+    with pytest.raises(
+        rewards.RewardConfigError,
+        match=r"^reward 'their_silent': entry point their_silent = "
+        r"their_pkg.silent .*: module their_pkg.silent registered "
+        r"nothing, not 'their_silent'; it must call "
+        r"rewards.register\('their_silent', kind=...\)$",
+    ):
         rewards.check("their_silent", {}, "image")
 
 
 def test_its_memory_declaration_reaches_the_planner(site):
     assert rewards.memory_spec("their_name") == [
-        rewards.HubModel("openai/clip-vit-large-patch14", "CLIPModel", "float32", reward="their_name")]
+        rewards.HubModel("openai/clip-vit-large-patch14", "CLIPModel", "float32", reward="their_name")
+    ]
     from flowrl.config import load_config
     from flowrl.plan import reward_components
 
     parts, notes = reward_components(load_config(None, ["rewards.0.name=their_name"]).rewards)
-    assert [(p.name, p.class_name) for p in parts] == [("reward their_name",
-                                                        "CLIPModel openai/clip-vit-large-patch14")]
+    assert [(p.name, p.class_name) for p in parts] == [("reward their_name", "CLIPModel openai/clip-vit-large-patch14")]
     assert notes == [] and parts[0].params / 1e9 == pytest.approx(0.428, rel=0.01)
 
 

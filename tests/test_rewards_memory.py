@@ -19,8 +19,11 @@ REQUIRED = {"weighted": {"components": {"jpeg_compressibility": 1.0}}, "remote":
 def package_rewards() -> list[str]:
     """The rewards of `rewards.available()` that a module of the `rewards` package registers (not the tests' own,
     nor another package's)."""
-    return [name for name in rewards.available()
-            if name in registry.REWARDS and registry.REWARDS.get(name).__module__.startswith("rewards.")]
+    return [
+        name
+        for name in rewards.available()
+        if name in registry.REWARDS and registry.REWARDS.get(name).__module__.startswith("rewards.")
+    ]
 
 
 def undeclared_rewards() -> list[str]:
@@ -47,21 +50,29 @@ def test_an_undeclared_reward_is_found_and_noted(monkeypatch):
     bare.__module__ = "rewards.bare_for_test"  # as if it were a file of the package
     rewards.register("bare_for_test", kind="image")(bare)
     assert undeclared_rewards() == ["bare_for_test"]
-    assert rewards.memory_spec("bare_for_test") == [rewards.NotEstimated(
-        "it declares nothing (register(..., memory=...), see rewards.memory)", reward="bare_for_test")]
+    assert rewards.memory_spec("bare_for_test") == [
+        rewards.NotEstimated(
+            "it declares nothing (register(..., memory=...), see rewards.memory)", reward="bare_for_test"
+        )
+    ]
 
 
 def test_a_backbone_is_read_from_the_options_over_the_defaults():
     assert rewards.memory_spec("pickscore") == [
-        rewards.HubModel("yuvalkirstain/PickScore_v1", "CLIPModel", "float32", reward="pickscore")]
+        rewards.HubModel("yuvalkirstain/PickScore_v1", "CLIPModel", "float32", reward="pickscore")
+    ]
     assert rewards.memory_spec("clip_score", {"model": "/models/clip", "dtype": "bf16"}) == [
-        rewards.HubModel("/models/clip", "CLIPModel", "bfloat16", reward="clip_score")]
+        rewards.HubModel("/models/clip", "CLIPModel", "bfloat16", reward="clip_score")
+    ]
     import torch
 
     (aesthetic,) = rewards.memory_spec("aesthetic", {"dtype": torch.float16})
     assert (aesthetic.source, aesthetic.dtype) == ("openai/clip-vit-large-patch14", "float16")
-    with pytest.raises(rewards.RewardConfigError, match=r"^reward 'pickscore': its memory declaration failed on "
-                                                        r"options \{'dtype': 'fp8'\}: ValueError: unknown dtype 'fp8'"):
+    with pytest.raises(
+        rewards.RewardConfigError,
+        match=r"^reward 'pickscore': its memory declaration failed on "
+        r"options \{'dtype': 'fp8'\}: ValueError: unknown dtype 'fp8'",
+    ):
         rewards.memory_spec("pickscore", {"dtype": "fp8"})
 
 
@@ -71,33 +82,54 @@ def test_the_similarity_rewards_pick_their_class_by_the_checkpoints_model_type()
         assert held.source == "facebook/dinov2-small"
         assert held.class_for({"model_type": "dinov2"}) == "Dinov2Model"
         assert held.class_for({"model_type": "clip_vision_model"}) == "CLIPVisionModelWithProjection"
-        with pytest.raises(ValueError, match=r"^facebook/dinov2-small is a 'bert' model, not one of dinov2, clip, "
-                                             r"clip_vision_model$"):
+        with pytest.raises(
+            ValueError,
+            match=r"^facebook/dinov2-small is a 'bert' model, not one of dinov2, clip, "
+            r"clip_vision_model$",
+        ):
             held.class_for({"model_type": "bert"})
 
 
 def test_what_the_other_rewards_hold():
-    for name in ("accuracy", "think_format", "soft_overlong", "jpeg_compressibility", "jpeg_incompressibility",
-                 "shapes_geneval", "shapes_soft", "shapes_edit", "shapes_motion", "ocr"):
+    for name in (
+        "accuracy",
+        "think_format",
+        "soft_overlong",
+        "jpeg_compressibility",
+        "jpeg_incompressibility",
+        "shapes_geneval",
+        "shapes_soft",
+        "shapes_edit",
+        "shapes_motion",
+        "ocr",
+    ):
         assert rewards.memory_spec(name) == [], name
     assert rewards.memory_spec("remote", {"url": "http://scorer:8000", "kind": "text"}) == []  # the server's
     assert rewards.memory_spec("ocr", {"engine": "paddle"}) == [
-        rewards.NotEstimated("the paddle engine runs in PaddlePaddle's memory", reward="ocr")]
+        rewards.NotEstimated("the paddle engine runs in PaddlePaddle's memory", reward="ocr")
+    ]
     assert rewards.memory_spec("hpsv2", {"dtype": "bf16"}) == [
-        rewards.HubModel("laion/CLIP-ViT-H-14-laion2B-s32B-b79K", "CLIPModel", "bfloat16", reward="hpsv2")]
+        rewards.HubModel("laion/CLIP-ViT-H-14-laion2B-s32B-b79K", "CLIPModel", "bfloat16", reward="hpsv2")
+    ]
     (other,) = rewards.memory_spec("hpsv2", {"architecture": "ViT-B-32"})
     assert isinstance(other, rewards.NotEstimated) and "'ViT-B-32'" in other.reason
     assert rewards.memory_spec("imagereward", {"dtype": "fp16"}) == [
-        rewards.Parameters(446_665_953, "ImageReward BLIP ViT-L + BERT-base", "float16", reward="imagereward")]
+        rewards.Parameters(446_665_953, "ImageReward BLIP ViT-L + BERT-base", "float16", reward="imagereward")
+    ]
 
 
 def test_a_weighted_sum_holds_its_components_models():
-    components = {"pickscore": 1.0, "style": {"reward": "aesthetic", "weight": 0.5, "dtype": "fp16"},
-                  "jpeg_compressibility": 2.0, "text": {"reward": "ocr", "engine": "paddle"}}
+    components = {
+        "pickscore": 1.0,
+        "style": {"reward": "aesthetic", "weight": 0.5, "dtype": "fp16"},
+        "jpeg_compressibility": 2.0,
+        "text": {"reward": "ocr", "engine": "paddle"},
+    }
     assert rewards.memory_spec("weighted", {"components": components}) == [
         rewards.HubModel("yuvalkirstain/PickScore_v1", "CLIPModel", "float32", reward="pickscore"),
         rewards.HubModel("openai/clip-vit-large-patch14", "CLIPModel", "float16", reward="aesthetic"),
-        rewards.NotEstimated("the paddle engine runs in PaddlePaddle's memory", reward="ocr")]
+        rewards.NotEstimated("the paddle engine runs in PaddlePaddle's memory", reward="ocr"),
+    ]
     with pytest.raises(rewards.RewardConfigError, match=r"unknown reward 'pickscor'\. Did you mean 'pickscore'"):
         rewards.memory_spec("weighted", {"components": {"pickscor": 1.0}})
 
@@ -113,11 +145,21 @@ def test_imagereward_parameters_match_transformers_vit_and_bert():
     def count(module):
         return sum(p.numel() for p in module.parameters())
 
-    vit = build_on_meta(transformers.ViTModel, dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
-                                                    intermediate_size=4096, patch_size=16, image_size=224))
+    vit = build_on_meta(
+        transformers.ViTModel,
+        dict(
+            hidden_size=1024,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            intermediate_size=4096,
+            patch_size=16,
+            image_size=224,
+        ),
+    )
     vision = count(vit) - count(vit.pooler)
-    bert = build_on_meta(transformers.BertModel, dict(vocab_size=30524, type_vocab_size=0, is_decoder=True,
-                                                      add_cross_attention=True))
+    bert = build_on_meta(
+        transformers.BertModel, dict(vocab_size=30524, type_vocab_size=0, is_decoder=True, add_cross_attention=True)
+    )
     text = count(bert) - count(bert.pooler) + 12 * 2 * (1024 - 768) * 768
     projections = (1024 * 256 + 256) + (768 * 256 + 256)
     head = sum(i * o + o for i, o in [(768, 1024), (1024, 128), (128, 64), (64, 16), (16, 1)])
@@ -125,7 +167,7 @@ def test_imagereward_parameters_match_transformers_vit_and_bert():
     assert IMAGEREWARD_PARAMETERS == vision + text + projections + head
 
 
-PLUGIN = '''\
+PLUGIN = """\
 import rewards
 
 def brightness(images, prompts):
@@ -138,25 +180,35 @@ def bare(images, prompts):
 def wrong(images, prompts):
     return [0.0] * len(images)
 wrong.memory = "cuda"
-'''
+"""
 
 
 def test_plugins_declare_it_in_an_attribute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "scores.py").write_text(textwrap.dedent(PLUGIN))
     assert rewards.memory_spec("scores.py:brightness", {"backbone": "/my/clip"}) == [
-        rewards.HubModel("/my/clip", "CLIPModel", "float32", reward="scores.py:brightness")]
-    assert rewards.memory_spec("scores.py:bare") == [rewards.NotEstimated(
-        "it declares nothing (a plug-in's function declares .memory, see rewards.memory)", reward="scores.py:bare")]
-    with pytest.raises(rewards.RewardConfigError, match=r"^reward 'scores.py:wrong': its memory declaration failed "
-                                                        r"on options \{\}: TypeError: a memory declaration gives "
-                                                        r"NOTHING, a HubModel"):
+        rewards.HubModel("/my/clip", "CLIPModel", "float32", reward="scores.py:brightness")
+    ]
+    assert rewards.memory_spec("scores.py:bare") == [
+        rewards.NotEstimated(
+            "it declares nothing (a plug-in's function declares .memory, see rewards.memory)", reward="scores.py:bare"
+        )
+    ]
+    with pytest.raises(
+        rewards.RewardConfigError,
+        match=r"^reward 'scores.py:wrong': its memory declaration failed "
+        r"on options \{\}: TypeError: a memory declaration gives "
+        r"NOTHING, a HubModel",
+    ):
         rewards.memory_spec("scores.py:wrong")
 
 
 def test_register_refuses_what_is_not_a_declaration():
-    with pytest.raises(ValueError, match=r"reward 'x': memory must be NOTHING, a HubModel, Parameters or "
-                                         r"NotEstimated, a list of them, or a function"):
+    with pytest.raises(
+        ValueError,
+        match=r"reward 'x': memory must be NOTHING, a HubModel, Parameters or "
+        r"NotEstimated, a list of them, or a function",
+    ):
         rewards.register("x", kind="image", memory="cuda")
     with pytest.raises(rewards.RewardConfigError, match=r"unknown reward 'pickscor'\. Did you mean 'pickscore'"):
         rewards.memory_spec("pickscor")

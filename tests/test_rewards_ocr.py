@@ -16,19 +16,27 @@ from rewards.ocr import levenshtein, ocr_distance, ocr_score, quoted_target
 
 def recursive_edit_distance(a: str, b: str) -> int:
     """The textbook recursion, memoised: an independent derivation to check the two-row DP against."""
+
     @functools.lru_cache(maxsize=None)
     def d(i: int, j: int) -> int:
         if i == 0 or j == 0:
             return i + j
         return min(d(i - 1, j) + 1, d(i, j - 1) + 1, d(i - 1, j - 1) + (a[i - 1] != b[j - 1]))
+
     return d(len(a), len(b))
 
 
-@pytest.mark.parametrize("a, b, d", [
-    ("kitten", "sitting", 3),  # k->s, e->i, +g
-    ("flaw", "lawn", 2),  # -f, +n
-    ("", "abc", 3), ("abc", "", 3), ("same", "same", 0), ("ab", "ba", 2),
-])
+@pytest.mark.parametrize(
+    "a, b, d",
+    [
+        ("kitten", "sitting", 3),  # k->s, e->i, +g
+        ("flaw", "lawn", 2),  # -f, +n
+        ("", "abc", 3),
+        ("abc", "", 3),
+        ("same", "same", 0),
+        ("ab", "ba", 2),
+    ],
+)
 def test_levenshtein_by_hand(a, b, d):
     assert levenshtein(a, b) == d
 
@@ -48,14 +56,17 @@ def test_quoted_target():
         quoted_target("a cat")
 
 
-@pytest.mark.parametrize("recognised, target, score", [
-    ("0PEN", "OPEN", 0.75),  # d = 1 (O->0), n = 4: 1 - 1/4
-    ("the open\nsign", "Open", 1.0),  # case and whitespace ignored, substring -> d = 0
-    ("Hel lo Wor ld", "Hello World", 1.0),  # spaces removed on both sides
-    ("flow", "flowrl", 1 - 2 / 6),  # two insertions
-    ("", "abc", 0.0),  # d = 3 = n
-    ("zzzzzzzzzz", "abc", 0.0),  # d = 10 > n = 3: clipped to n
-])
+@pytest.mark.parametrize(
+    "recognised, target, score",
+    [
+        ("0PEN", "OPEN", 0.75),  # d = 1 (O->0), n = 4: 1 - 1/4
+        ("the open\nsign", "Open", 1.0),  # case and whitespace ignored, substring -> d = 0
+        ("Hel lo Wor ld", "Hello World", 1.0),  # spaces removed on both sides
+        ("flow", "flowrl", 1 - 2 / 6),  # two insertions
+        ("", "abc", 0.0),  # d = 3 = n
+        ("zzzzzzzzzz", "abc", 0.0),  # d = 10 > n = 3: clipped to n
+    ],
+)
 def test_ocr_score_rule(recognised, target, score):
     assert ocr_score(recognised, target) == pytest.approx(score, abs=1e-12)
 
@@ -65,8 +76,10 @@ def test_ocr_distance_is_zero_for_substrings_only():
     assert ocr_distance("OPN", "open") == 1
 
 
-@pytest.mark.skipif(shutil.which("tesseract") is None or importlib.util.find_spec("pytesseract") is None,
-                    reason="needs tesseract-ocr and pytesseract (the ocr extra)")
+@pytest.mark.skipif(
+    shutil.which("tesseract") is None or importlib.util.find_spec("pytesseract") is None,
+    reason="needs tesseract-ocr and pytesseract (the ocr extra)",
+)
 def test_tesseract_reads_rendered_text(monkeypatch):
     block_non_loopback(monkeypatch)
     reward = rewards.get("ocr")

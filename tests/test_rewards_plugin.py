@@ -111,28 +111,43 @@ def test_text_plugin_takes_the_backend_kind_and_trl_arguments(workdir):
     reward = rewards.build("scores.py:words", {"scale": 0.5}, "text")
     assert reward.kind == "text"
     logs: dict[str, list[float]] = {}
-    out = call_text_reward(reward, ["q", "q"], ["one two", "a b c d"], [[1, 2], [3]], {"answer": ["2", "4"]},
-                           state=RewardState(), logs=logs)
+    out = call_text_reward(
+        reward,
+        ["q", "q"],
+        ["one two", "a b c d"],
+        [[1, 2], [3]],
+        {"answer": ["2", "4"]},
+        state=RewardState(),
+        logs=logs,
+    )
     assert out == [1.0, 2.0]  # 0.5 x words; trainer_state, log_metric, columns not passed: it does not take them
     assert reward(["q"], ["x y"]) == [1.0]  # positionally too
 
 
 def test_declared_kind_wins_and_a_mismatch_is_an_error(workdir):
-    write(workdir / "declared.py", """
+    write(
+        workdir / "declared.py",
+        """
         def shout(prompts, completions, **kwargs):
             return [float(c.isupper()) for c in completions]
         shout.kind = "text"
-    """)
+    """,
+    )
     assert rewards.build("declared.py:shout", {}, "text").kind == "text"
-    with pytest.raises(RewardConfigError, match=r"'declared.py:shout' is a text reward \(its \.kind\); this backend "
-                                                r"needs image rewards"):
+    with pytest.raises(
+        RewardConfigError,
+        match=r"'declared.py:shout' is a text reward \(its \.kind\); this backend "
+        r"needs image rewards",
+    ):
         rewards.check("declared.py:shout", {}, "image")
 
 
 def test_a_failing_plugin_is_named_and_chained(workdir):
     write(workdir / "scores.py", SCORES)
     reward = rewards.build("scores.py:broken", {}, "image")
-    with pytest.raises(RewardError, match=r"^reward 'scores.py:broken' failed: ZeroDivisionError: division by zero$") as info:
+    with pytest.raises(
+        RewardError, match=r"^reward 'scores.py:broken' failed: ZeroDivisionError: division by zero$"
+    ) as info:
         reward(gray(0), ["a"])
     assert isinstance(info.value.__cause__, ZeroDivisionError)
     with pytest.raises(RewardError, match=r"^reward 'scores.py:too_few' returned 1 scores for 3 images"):
@@ -140,13 +155,16 @@ def test_a_failing_plugin_is_named_and_chained(workdir):
 
 
 def test_a_failing_async_reward_is_named(workdir):
-    write(workdir / "slow.py", """
+    write(
+        workdir / "slow.py",
+        """
         import asyncio
 
         async def judge(prompts, completions, **kwargs):
             await asyncio.sleep(0)
             raise ConnectionError("judge unreachable")
-    """)
+    """,
+    )
     reward = rewards.build("slow.py:judge", {}, "text")
     with pytest.raises(RewardError, match=r"^reward 'slow.py:judge' failed: ConnectionError: judge unreachable"):
         call_text_reward(reward, ["q"], ["a"], None, {}, state=RewardState(), logs={})
@@ -163,25 +181,63 @@ def test_last_components_and_attributes_of_the_wrapped_reward_stay_reachable(wor
     assert set(jpeg.last_components) == {"jpeg_kb"} and jpeg.quality == 50
 
 
-@pytest.mark.parametrize("name, kwargs, kind, message", [
-    ("missing.py:f", {}, "image", r"^reward 'missing.py:f': file 'missing.py' not found \(looked for .*missing.py\)$"),
-    ("nosuchpkg_x.scores:f", {}, "image", r"module 'nosuchpkg_x.scores' not found \(no module named 'nosuchpkg_x'"),
-    ("scores.py:brightnes", {}, "image", r"'scores.py' has no attribute 'brightnes'\. Did you mean 'brightness'\? "
-                                         r"Its public callables: as_list, as_tensor, as_tuple, brightness, broken, "
-                                         r"scorer, too_few, words\.$"),
-    ("scores.py:not_a_function", {}, "image", r"'scores.py:not_a_function' is not callable \(type int\); name a function"),
-    ("scores.py:Scorer", {}, "image", r"'scores.py:Scorer' is a class; name the reward function, or an instance"),
-    ("scores.py:brightness", {"gian": 2}, "image", r"unknown option\(s\) 'gian'\. Did you mean 'gain'\? Valid "
-                                                   r"options: gain \(signature brightness\(images, prompts, gain=1.0\)\)"),
-    ("scores.py:brightness", {"prompts": ["x"]}, "image", r"option\(s\) 'prompts' would replace what every image "
-                                                          r"reward is called with"),
-    ("scores.py:words", {}, "image", r"an image reward is called as f\(images, prompts, \*\*metadata\), but its "
-                                     r"signature is words\(prompts, completions, scale=1.0\) \(its parameters prompts, "
-                                     r"completions are a text reward's\)"),
-    ("scores.py:brightness", {}, "text", r"a text reward is called as f\(prompts=\.\.\., completions=\.\.\., "
-                                         r"\*\*columns\) \(TRL's signature\).*its parameters images, prompts"),
-    ("scores.py:", {}, "image", r"needs both parts around the ':'"),
-])
+@pytest.mark.parametrize(
+    "name, kwargs, kind, message",
+    [
+        (
+            "missing.py:f",
+            {},
+            "image",
+            r"^reward 'missing.py:f': file 'missing.py' not found \(looked for .*missing.py\)$",
+        ),
+        ("nosuchpkg_x.scores:f", {}, "image", r"module 'nosuchpkg_x.scores' not found \(no module named 'nosuchpkg_x'"),
+        (
+            "scores.py:brightnes",
+            {},
+            "image",
+            r"'scores.py' has no attribute 'brightnes'\. Did you mean 'brightness'\? "
+            r"Its public callables: as_list, as_tensor, as_tuple, brightness, broken, "
+            r"scorer, too_few, words\.$",
+        ),
+        (
+            "scores.py:not_a_function",
+            {},
+            "image",
+            r"'scores.py:not_a_function' is not callable \(type int\); name a function",
+        ),
+        ("scores.py:Scorer", {}, "image", r"'scores.py:Scorer' is a class; name the reward function, or an instance"),
+        (
+            "scores.py:brightness",
+            {"gian": 2},
+            "image",
+            r"unknown option\(s\) 'gian'\. Did you mean 'gain'\? Valid "
+            r"options: gain \(signature brightness\(images, prompts, gain=1.0\)\)",
+        ),
+        (
+            "scores.py:brightness",
+            {"prompts": ["x"]},
+            "image",
+            r"option\(s\) 'prompts' would replace what every image "
+            r"reward is called with",
+        ),
+        (
+            "scores.py:words",
+            {},
+            "image",
+            r"an image reward is called as f\(images, prompts, \*\*metadata\), but its "
+            r"signature is words\(prompts, completions, scale=1.0\) \(its parameters prompts, "
+            r"completions are a text reward's\)",
+        ),
+        (
+            "scores.py:brightness",
+            {},
+            "text",
+            r"a text reward is called as f\(prompts=\.\.\., completions=\.\.\., "
+            r"\*\*columns\) \(TRL's signature\).*its parameters images, prompts",
+        ),
+        ("scores.py:", {}, "image", r"needs both parts around the ':'"),
+    ],
+)
 def test_check_names_what_is_wrong(workdir, name, kwargs, kind, message):
     write(workdir / "scores.py", SCORES)
     with pytest.raises(RewardConfigError, match=message):
@@ -197,22 +253,30 @@ def test_check_reports_syntax_errors_with_their_line_and_import_failures(workdir
     with pytest.raises(RewardConfigError, match=r"syntax error in .*userpkg_b/typo.py line 2: "):
         rewards.check("userpkg_b.typo:x", {}, "image")
     write(workdir / "needs.py", "import not_installed_package_q\n")
-    with pytest.raises(RewardConfigError, match=r"file 'needs.py' imports 'not_installed_package_q', which is not installed"):
+    with pytest.raises(
+        RewardConfigError, match=r"file 'needs.py' imports 'not_installed_package_q', which is not installed"
+    ):
         rewards.check("needs.py:f", {}, "image")
     write(workdir / "raises.py", "import math\nSCALE = 1 / 0\n")
-    with pytest.raises(RewardConfigError, match=r"running file 'raises.py' raised ZeroDivisionError: division by zero "
-                                                r"\(.*raises.py line 2\)$"):
+    with pytest.raises(
+        RewardConfigError,
+        match=r"running file 'raises.py' raised ZeroDivisionError: division by zero "
+        r"\(.*raises.py line 2\)$",
+    ):
         rewards.check("raises.py:f", {}, "image")
 
 
 def test_check_is_cheap_and_a_failed_file_can_be_fixed(workdir):
-    write(workdir / "counted.py", """
+    write(
+        workdir / "counted.py",
+        """
         CALLS = []
 
         def f(images, prompts):
             CALLS.append(1)
             return [0.0] * len(images)
-    """)
+    """,
+    )
     rewards.check("counted.py:f", {}, "image")
     reward = rewards.build("counted.py:f", {}, "image")
     module = sys.modules[reward.reward.__module__]
@@ -227,25 +291,31 @@ def test_check_is_cheap_and_a_failed_file_can_be_fixed(workdir):
 
 
 def test_positional_text_rewards_and_numpy_scores(workdir):
-    write(workdir / "positional.py", """
+    write(
+        workdir / "positional.py",
+        """
         import numpy as np
 
         def lengths(prompts, texts, **columns):
             return np.array([len(t) for t in texts], dtype=np.float32)
-    """)
+    """,
+    )
     reward = rewards.build("positional.py:lengths", {}, "text")
     out = call_text_reward(reward, ["q", "q"], ["ab", "abcd"], None, {}, state=RewardState(), logs={})
     assert out == [2.0, 4.0] and all(type(v) is float for v in out)
 
 
 def test_async_plugin_runs_inside_a_running_event_loop(workdir):
-    write(workdir / "judge.py", """
+    write(
+        workdir / "judge.py",
+        """
         import asyncio
 
         async def judge(prompts, completions, trainer_state, **kwargs):
             await asyncio.sleep(0)
             return [float(trainer_state.global_step) for _ in completions]
-    """)
+    """,
+    )
     reward = rewards.build("judge.py:judge", {}, "text")
 
     async def caller():  # e.g. a notebook: this thread's loop is running
@@ -258,6 +328,8 @@ def test_registered_rewards_build_wrapped_and_unknown_names_list_plugins_too():
     reward = rewards.build("think_format", {}, "text")
     assert reward.__name__ == "think_format" and reward.kind == "text"
     assert reward(["q"], ["<think>a</think><answer>1</answer>"]) == [1.0]
-    with pytest.raises(RewardConfigError, match=r"or a plug-in 'package.module:function' or 'path/to/file.py:function'"):
+    with pytest.raises(
+        RewardConfigError, match=r"or a plug-in 'package.module:function' or 'path/to/file.py:function'"
+    ):
         rewards.check("brightness", {}, "image")
     np.testing.assert_array_equal(rewards.build("jpeg_compressibility", {}, "image")(gray(0), ["a"]).shape, (1,))

@@ -15,8 +15,21 @@ from rewardtiny import random_images
 import rewards
 import rewards.registry as registry
 
-EXPECTED = {"accuracy", "aesthetic", "clip_score", "hpsv2", "imagereward", "jpeg_compressibility",
-            "jpeg_incompressibility", "ocr", "pickscore", "remote", "soft_overlong", "think_format", "weighted"}
+EXPECTED = {
+    "accuracy",
+    "aesthetic",
+    "clip_score",
+    "hpsv2",
+    "imagereward",
+    "jpeg_compressibility",
+    "jpeg_incompressibility",
+    "ocr",
+    "pickscore",
+    "remote",
+    "soft_overlong",
+    "think_format",
+    "weighted",
+}
 
 
 def test_available_lists_every_reward_and_filters_by_kind():
@@ -30,7 +43,9 @@ def test_available_lists_every_reward_and_filters_by_kind():
 def test_unknown_name_and_option_list_the_valid_ones():
     with pytest.raises(ValueError, match=r"unknown reward 'pickscor'\. Did you mean 'pickscore'.*Valid: accuracy"):
         rewards.get("pickscor")
-    with pytest.raises(TypeError, match=r"unknown option\(s\) 'qualty'\. Did you mean 'quality'\? Valid options: quality"):
+    with pytest.raises(
+        TypeError, match=r"unknown option\(s\) 'qualty'\. Did you mean 'quality'\? Valid options: quality"
+    ):
         rewards.get("jpeg_incompressibility", qualty=90)
 
 
@@ -40,7 +55,8 @@ def test_register_a_new_reward_as_documented(monkeypatch):
     @rewards.register("brightness_for_test", kind=rewards.IMAGE, memory=rewards.NOTHING)
     def brightness(gain: float = 1.0):
         return lambda images, prompts, **metadata: torch.tensor(
-            [gain * np.asarray(x.convert("L"), dtype=np.float64).mean() / 255 for x in images])
+            [gain * np.asarray(x.convert("L"), dtype=np.float64).mean() / 255 for x in images]
+        )
 
     reward = rewards.get("brightness_for_test", gain=2.0)
     assert reward.kind == "image" and reward.__name__ == "<lambda>"
@@ -63,12 +79,20 @@ def test_kind_of():
 
 
 def test_import_and_listing_load_no_model_library():
-    code = ("import sys, rewards; rewards.available(); "
-            "print(sorted(m for m in ('transformers', 'open_clip', 'pytesseract', 'ImageReward', 'paddleocr') "
-            "if m in sys.modules))")
+    code = (
+        "import sys, rewards; rewards.available(); "
+        "print(sorted(m for m in ('transformers', 'open_clip', 'pytesseract', 'ImageReward', 'paddleocr') "
+        "if m in sys.modules))"
+    )
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
@@ -97,10 +121,13 @@ def test_image_reward_input_checks():
 
 def test_weighted_image_sum_keeps_components():
     images = random_images(2, (32, 32), seed=11) + [Image.new("RGB", (32, 32), "gray")]
-    reward = rewards.get("weighted", components={
-        "jpeg_incompressibility": 2.0,
-        "small": {"reward": "jpeg_compressibility", "weight": 0.5, "quality": 50},
-    })
+    reward = rewards.get(
+        "weighted",
+        components={
+            "jpeg_incompressibility": 2.0,
+            "small": {"reward": "jpeg_compressibility", "weight": 0.5, "quality": 50},
+        },
+    )
     total = reward(images, ["p"] * 3)
     big = rewards.get("jpeg_incompressibility")(images, ["p"] * 3)
     small = rewards.get("jpeg_compressibility", quality=50)(images, ["p"] * 3)
@@ -144,17 +171,26 @@ def test_check_validates_registered_names_options_and_kind_without_building(monk
 
     rewards.check("heavy_for_test", {"model": "some/weights", "scale": 2.0}, "image")
     assert built == []  # nothing was built
-    with pytest.raises(rewards.RewardConfigError, match=r"^reward 'heavy_for_test' got unknown option\(s\) 'scael'\. "
-                                                        r"Did you mean 'scale'\? Valid options: model, scale\.$"):
+    with pytest.raises(
+        rewards.RewardConfigError,
+        match=r"^reward 'heavy_for_test' got unknown option\(s\) 'scael'\. "
+        r"Did you mean 'scale'\? Valid options: model, scale\.$",
+    ):
         rewards.check("heavy_for_test", {"model": "m", "scael": 2.0}, "image")
     with pytest.raises(rewards.RewardConfigError, match=r"'heavy_for_test' needs option\(s\) 'model' in its kwargs"):
         rewards.check("heavy_for_test", {}, "image")
-    with pytest.raises(rewards.RewardConfigError, match=r"^reward 'heavy_for_test' is an image reward; this backend needs "
-                                                        r"text rewards: accuracy, soft_overlong, think_format, or a plug-in"):
+    with pytest.raises(
+        rewards.RewardConfigError,
+        match=r"^reward 'heavy_for_test' is an image reward; this backend needs "
+        r"text rewards: accuracy, soft_overlong, think_format, or a plug-in",
+    ):
         rewards.check("heavy_for_test", {"model": "m"}, "text")
-    with pytest.raises(rewards.RewardConfigError, match=r"^unknown reward 'heavy_for_tset'\. Did you mean "
-                                                        r"'heavy_for_test'\? Valid image rewards: aesthetic, .*"
-                                                        r"heavy_for_test.*; or a plug-in 'package.module:function'"):
+    with pytest.raises(
+        rewards.RewardConfigError,
+        match=r"^unknown reward 'heavy_for_tset'\. Did you mean "
+        r"'heavy_for_test'\? Valid image rewards: aesthetic, .*"
+        r"heavy_for_test.*; or a plug-in 'package.module:function'",
+    ):
         rewards.check("heavy_for_tset", {}, "image")
     reward = rewards.build("heavy_for_test", {"model": "m", "scale": 2.0}, "image")
     assert built == ["m"] and reward.kind == "image" and reward.__name__ == "heavy_for_test"
@@ -167,22 +203,37 @@ def test_check_follows_remote_and_weighted_options_to_their_kind():
     rewards.check("remote", {"url": "http://127.0.0.1:9", "kind": "text"}, "text")
     with pytest.raises(rewards.RewardConfigError, match=r"'remote' is a text reward; this backend needs image rewards"):
         rewards.check("remote", {"url": "http://127.0.0.1:9", "kind": "text"}, "image")
-    with pytest.raises(rewards.RewardConfigError, match=r"^reward 'remote': remote reward url must look like "
-                                                        r"http://HOST:PORT, got 'localhost'$"):
+    with pytest.raises(
+        rewards.RewardConfigError,
+        match=r"^reward 'remote': remote reward url must look like "
+        r"http://HOST:PORT, got 'localhost'$",
+    ):
         rewards.check("remote", {"url": "localhost"}, "image")
     rewards.check("weighted", {"components": {"accuracy": 1.0, "format": {"reward": "think_format"}}}, "text")
-    with pytest.raises(rewards.RewardConfigError, match=r"^weighted component 'small': reward 'jpeg_compressibility' "
-                                                        r"is an image reward; this backend needs text rewards"):
-        rewards.check("weighted", {"components": {"accuracy": 1.0, "small": {"reward": "jpeg_compressibility"}}}, "text")
-    with pytest.raises(rewards.RewardConfigError, match=r"weighted component 'jpeg_compressibility': .*unknown "
-                                                        r"option\(s\) 'qualty'"):
+    with pytest.raises(
+        rewards.RewardConfigError,
+        match=r"^weighted component 'small': reward 'jpeg_compressibility' "
+        r"is an image reward; this backend needs text rewards",
+    ):
+        rewards.check(
+            "weighted", {"components": {"accuracy": 1.0, "small": {"reward": "jpeg_compressibility"}}}, "text"
+        )
+    with pytest.raises(
+        rewards.RewardConfigError,
+        match=r"weighted component 'jpeg_compressibility': .*unknown "
+        r"option\(s\) 'qualty'",
+    ):
         rewards.check("weighted", {"components": {"jpeg_compressibility": {"qualty": 3}}}, "image")
 
 
 def test_a_failing_registered_reward_is_named_and_a_bad_value_is_a_config_error():
     reward = rewards.build("accuracy", {}, "text")
-    with pytest.raises(rewards.RewardError, match=r"^reward 'accuracy' failed: KeyError: .*'solution' or 'answer'") as info:
+    with pytest.raises(
+        rewards.RewardError, match=r"^reward 'accuracy' failed: KeyError: .*'solution' or 'answer'"
+    ) as info:
         reward(["q"], ["1"], label=["1"])
     assert isinstance(info.value.__cause__, KeyError)
-    with pytest.raises(rewards.RewardConfigError, match=r"^reward 'soft_overlong': soft_overlong needs 0 < cache_length"):
+    with pytest.raises(
+        rewards.RewardConfigError, match=r"^reward 'soft_overlong': soft_overlong needs 0 < cache_length"
+    ):
         rewards.build("soft_overlong", {"max_length": 4, "cache_length": 8}, "text")

@@ -131,8 +131,11 @@ def test_server_down_is_a_clear_error_after_retries_with_backoff(monkeypatch):
     sleeps = []
     monkeypatch.setattr(remote_module.time, "sleep", sleeps.append)
     remote = rewards.get("remote", url=f"http://127.0.0.1:{port}", retries=3, backoff=0.25)
-    with pytest.raises(RewardServerError, match=rf"http://127.0.0.1:{port} is not answering \(4 attempts.*"
-                                                r"ConnectionRefusedError.*flowrl serve-reward"):
+    with pytest.raises(
+        RewardServerError,
+        match=rf"http://127.0.0.1:{port} is not answering \(4 attempts.*"
+        r"ConnectionRefusedError.*flowrl serve-reward",
+    ):
         remote(random_images(1), ["a"])
     assert sleeps == [0.25, 0.5, 1.0]
 
@@ -191,8 +194,9 @@ def test_serve_main_serves_a_registered_reward_with_cli_options():
     with serving(["jpeg_incompressibility", "--port", "0", "--arg", "quality=80", "--quiet"]) as server:
         remote = rewards.get("remote", url=f"http://127.0.0.1:{server.server_address[1]}")
         images = random_images(2, (32, 32), seed=9)
-        torch.testing.assert_close(remote(images, ["a", "b"]),
-                                   rewards.get("jpeg_incompressibility", quality=80)(images, ["a", "b"]))
+        torch.testing.assert_close(
+            remote(images, ["a", "b"]), rewards.get("jpeg_incompressibility", quality=80)(images, ["a", "b"])
+        )
         assert remote.health()["reward"] == "jpeg_incompressibility"
         assert server.server_address[0] == "127.0.0.1"  # loopback by default
 
@@ -207,8 +211,13 @@ def test_serve_main_rejects_unknown_reward_and_bad_args(capsys):
 
 
 def test_parse_reward_args():
-    assert parse_reward_args(["scale=0.5", "device=cuda:1", "flag=true", "x=null"], '{"model": "m", "scale": 2}') == \
-        {"model": "m", "scale": 0.5, "device": "cuda:1", "flag": True, "x": None}
+    assert parse_reward_args(["scale=0.5", "device=cuda:1", "flag=true", "x=null"], '{"model": "m", "scale": 2}') == {
+        "model": "m",
+        "scale": 0.5,
+        "device": "cuda:1",
+        "flag": True,
+        "x": None,
+    }
 
 
 def test_network_guard_blocks_other_hosts_but_not_loopback():
@@ -274,18 +283,33 @@ def garbage_server():
         yield start
 
 
-@pytest.mark.parametrize("reply, kind, problem", [
-    (b"<html>Bad Gateway</html>", "image", r"not JSON \(Expecting value: line 1 column 1 \(char 0\)\); it begins b'<html>"),
-    (b"[0.5, 0.5]", "image", r"a JSON list, not an object"),
-    (b'{"score": [0.5, 0.5]}', "image", r"no 'scores' \(keys: 'score'\)"),
-    (b'{"scores": "0.5 0.5"}', "text", r"scores is a string, not a list of numbers"),
-    (b'{"scores": [0.5]}', "image", r"scores has 1 values for 2 images"),
-    (b'{"scores": [0.5, 0.5, 0.5]}', "text", r"scores has 3 values for 2 completions"),
-    (b'{"scores": [0.5, "high"]}', "image", r"scores\[1\] is 'high' \(string\), not a number"),
-    (b'{"scores": [true, 1]}', "text", r"scores\[0\] is True \(boolean\), not a number"),
-    (b'{"scores": [0.5, 0.5], "components": {"clip": [1.0]}}', "image", r"components\['clip'\] has 1 values for 2 images"),
-    (b'{"scores": [0.5, 0.5], "components": [1.0, 2.0]}', "image", r"'components' is a list, not an object of lists"),
-])
+@pytest.mark.parametrize(
+    "reply, kind, problem",
+    [
+        (
+            b"<html>Bad Gateway</html>",
+            "image",
+            r"not JSON \(Expecting value: line 1 column 1 \(char 0\)\); it begins b'<html>",
+        ),
+        (b"[0.5, 0.5]", "image", r"a JSON list, not an object"),
+        (b'{"score": [0.5, 0.5]}', "image", r"no 'scores' \(keys: 'score'\)"),
+        (b'{"scores": "0.5 0.5"}', "text", r"scores is a string, not a list of numbers"),
+        (b'{"scores": [0.5]}', "image", r"scores has 1 values for 2 images"),
+        (b'{"scores": [0.5, 0.5, 0.5]}', "text", r"scores has 3 values for 2 completions"),
+        (b'{"scores": [0.5, "high"]}', "image", r"scores\[1\] is 'high' \(string\), not a number"),
+        (b'{"scores": [true, 1]}', "text", r"scores\[0\] is True \(boolean\), not a number"),
+        (
+            b'{"scores": [0.5, 0.5], "components": {"clip": [1.0]}}',
+            "image",
+            r"components\['clip'\] has 1 values for 2 images",
+        ),
+        (
+            b'{"scores": [0.5, 0.5], "components": [1.0, 2.0]}',
+            "image",
+            r"'components' is a list, not an object of lists",
+        ),
+    ],
+)
 def test_malformed_replies_name_the_server_and_the_problem(garbage_server, monkeypatch, reply, kind, problem):
     sleeps = []
     monkeypatch.setattr(remote_module.time, "sleep", sleeps.append)
@@ -344,8 +368,11 @@ def test_a_reply_that_is_not_http_is_an_error_not_a_traceback(monkeypatch):
     monkeypatch.setattr(remote_module.time, "sleep", lambda s: None)
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
     try:
-        with pytest.raises(RewardServerError, match=rf"^reward server {url} sent a malformed reply: not HTTP "
-                                                    r"\(BadStatusLine: "):
+        with pytest.raises(
+            RewardServerError,
+            match=rf"^reward server {url} sent a malformed reply: not HTTP "
+            r"\(BadStatusLine: ",
+        ):
             rewards.get("remote", url=url, retries=1)(random_images(1), ["a"])
     finally:
         listener.close()
@@ -353,6 +380,7 @@ def test_a_reply_that_is_not_http_is_an_error_not_a_traceback(monkeypatch):
 
 def test_a_burst_of_50_concurrent_clients_is_answered(serve):
     """socketserver's default listen backlog of 5 reset 10-34 of these 50 connections."""
+
     def length(prompts, completions, **columns):
         return [float(len(c)) for c in completions]
 
@@ -385,7 +413,8 @@ def test_a_burst_of_50_concurrent_clients_is_answered(serve):
 def test_serve_main_serves_a_plugin_by_keyword_like_trl(tmp_path, monkeypatch):
     (tmp_path / "judge.py").write_text(
         "def words(completions, **kwargs):\n"  # TRL's documented form: no prompts parameter
-        "    return [float(len(c.split())) + float(kwargs['bonus'][i]) for i, c in enumerate(completions)]\n")
+        "    return [float(len(c.split())) + float(kwargs['bonus'][i]) for i, c in enumerate(completions)]\n"
+    )
     monkeypatch.chdir(tmp_path)
     with serving(["judge.py:words", "--kind", "text", "--port", "0", "--quiet"]) as server:
         remote = rewards.get("remote", url=f"http://127.0.0.1:{server.server_address[1]}", kind="text")
@@ -405,7 +434,14 @@ def test_remote_text_reward_through_the_trl_call_sends_only_data(serve):
     text.kind = "text"
     remote = rewards.build("remote", {"url": serve(text), "kind": "text"}, "text")
     logs: dict = {}
-    out = call_text_reward(remote, ["q", "r"], ["ab", "c"], [[1, 2], [3]], {"answer": ["1", "2"]},
-                           state=RewardState(global_step=2), logs=logs)
+    out = call_text_reward(
+        remote,
+        ["q", "r"],
+        ["ab", "c"],
+        [[1, 2], [3]],
+        {"answer": ["1", "2"]},
+        state=RewardState(global_step=2),
+        logs=logs,
+    )
     assert out == [2.0, 1.0]
     assert seen == {"answer": ["1", "2"], "completion_ids": [[1, 2], [3]]}  # no trainer_state, log_metric, log_extra

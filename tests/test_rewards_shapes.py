@@ -18,17 +18,20 @@ def test_shapes_reward_scores_rendered_ground_truth_and_a_blank():
     images = [Image.fromarray(render(r, rng)[0]) for r in rows]
     blank = Image.new("RGB", images[0].size, (255, 255, 255))
     fn = rewards.get("shapes_geneval")
-    cols = {"objects": [r["objects"] for r in rows] + [rows[0]["objects"]],
-            "relation": [r.get("relation") for r in rows] + [rows[0].get("relation")]}
+    cols = {
+        "objects": [r["objects"] for r in rows] + [rows[0]["objects"]],
+        "relation": [r.get("relation") for r in rows] + [rows[0].get("relation")],
+    }
     score = fn(images + [blank], [r["prompt"] for r in rows] + [rows[0]["prompt"]], **cols)
     assert score.dtype == torch.float32 and score.shape == (7,)
-    torch.testing.assert_close(score[:6], torch.ones(6))          # ground truth: every clause holds
+    torch.testing.assert_close(score[:6], torch.ones(6))  # ground truth: every clause holds
     assert fn.last_components["strict"][:6].tolist() == [1.0] * 6
     # a blank image: "exactly N <shape>" fails, "nothing but N objects" fails -> fraction < 1, strict 0
     assert score[6] < 1 and fn.last_components["strict"][6] == 0
     strict_fn = rewards.get("shapes_geneval", score="strict")
-    torch.testing.assert_close(strict_fn(images[:2], ["", ""], objects=cols["objects"][:2],
-                                         relation=cols["relation"][:2]), torch.ones(2))
+    torch.testing.assert_close(
+        strict_fn(images[:2], ["", ""], objects=cols["objects"][:2], relation=cols["relation"][:2]), torch.ones(2)
+    )
 
 
 def test_shapes_reward_needs_metadata():
@@ -37,6 +40,7 @@ def test_shapes_reward_needs_metadata():
 
 
 # ---------------------------------------------------------------- shapes_soft: the graded training signal
+
 
 def _det(shape_ious, color="red", w=10, h=10, x0=0):
     from flowrl.worlds.shapes.detect import Detection

@@ -63,8 +63,9 @@ def test_edit_consistency_is_the_cosine_of_the_saved_backbones_features(backbone
     sources, edited = random_images(3, (40, 32), seed=1), random_images(3, (48, 40), seed=2)
     scores = reward(edited, ["a", "b", "c"], image=_save(sources, tmp_path))
     processor = reward.encoder.processor
-    expected = F.cosine_similarity(reference_features(kind, model, processor, edited),
-                                   reference_features(kind, model, processor, sources), dim=-1)
+    expected = F.cosine_similarity(
+        reference_features(kind, model, processor, edited), reference_features(kind, model, processor, sources), dim=-1
+    )
     assert scores.shape == (3,) and scores.dtype == torch.float32
     torch.testing.assert_close(scores, 2.0 * expected, atol=1e-5, rtol=1e-5)
 
@@ -85,7 +86,7 @@ def test_inside_the_edit_region_nothing_counts_outside_it_everything_does(backbo
     reward = rewards.get("edit_consistency", model=backbones["dinov2"][0], device="cpu")
     source = random_images(1, (32, 32), seed=5)[0]
     inside, outside = source.copy(), source.copy()
-    inside.paste((255, 0, 0), (0, 0, 16, 16))    # the top-left quarter: the region below
+    inside.paste((255, 0, 0), (0, 0, 16, 16))  # the top-left quarter: the region below
     outside.paste((255, 0, 0), (16, 16, 32, 32))  # the bottom-right quarter
     box = [0.0, 0.0, 0.5, 0.5]
     paths = _save([source] * 3, tmp_path)
@@ -119,8 +120,16 @@ def test_edit_consistency_errors_name_what_is_missing(backbones, tmp_path):
         reward([image], ["p"], image=[path], edit_region=[[0.5, 0.0, 0.2, 1.0]])
     from transformers import ViTConfig, ViTModel
 
-    ViTModel(ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
-                       image_size=16, patch_size=8)).save_pretrained(str(tmp_path / "vit"))
+    ViTModel(
+        ViTConfig(
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=16,
+            image_size=16,
+            patch_size=8,
+        )
+    ).save_pretrained(str(tmp_path / "vit"))
     with pytest.raises(ValueError, match="'vit' checkpoint; the similarity rewards take one of dinov2, clip"):
         rewards.get("edit_consistency", model=str(tmp_path / "vit"), device="cpu")
 
@@ -159,8 +168,9 @@ def test_a_static_clip_scores_higher_than_shuffled_noise(backbones):
     from flowrl.worlds.shapes import render
 
     reward = build("temporal_consistency", {"model": backbones["dinov2"][0], "device": "cpu"}, "image")
-    scene, _ = render({"objects": [{"shape": "circle", "color": "red", "count": 1}], "relation": None},
-                      np.random.default_rng(0))
+    scene, _ = render(
+        {"objects": [{"shape": "circle", "color": "red", "count": 1}], "relation": None}, np.random.default_rng(0)
+    )
     static = np.repeat(scene[None], 6, axis=0)
     noise = _frames(6, seed=9, size=64)
     scores = reward([static, noise], ["a red circle", "a red circle"])
@@ -196,8 +206,11 @@ def test_a_correct_shapes_edit_keeps_everything_outside_the_records_edit_region(
     from flowrl.worlds.shapes.edit import apply_edit, edit_records
 
     shipped = load_prompts(Path(__file__).resolve().parents[1] / "samples" / "shapes" / "edit" / "test.jsonl")
-    pairs = [(meta, scene) for meta, (_, scene) in zip(shipped.metadata, edit_records("test", 4))
-             if meta["edit"]["op"] != "add"][:4]
+    pairs = [
+        (meta, scene)
+        for meta, (_, scene) in zip(shipped.metadata, edit_records("test", 4))
+        if meta["edit"]["op"] != "add"
+    ][:4]
     rows = [meta for meta, _ in pairs]
     edited = [Image.fromarray(draw(apply_edit(scene, meta["edit"], np.random.default_rng(0)))) for meta, scene in pairs]
     reward = rewards.get("edit_consistency", model=backbones["dinov2"][0], device="cpu")

@@ -132,12 +132,12 @@ def test_a_shared_noise_group_is_denoised_once_until_its_first_stochastic_step(f
     predict = backend._predict
     backend._predict = lambda x, *a, **k: (rows.append(x.shape[0]), predict(x, *a, **k))[1]
     a = tiny_rollout(backend, group_size=3, num_steps=5, sde_window=(2, 2), same_noise_per_group=True, seed=9)
-    assert rows == [2, 2, 2, 6, 6]        # 2 prompts x 3: steps 0, 1 (ODE) and 2 (the first SDE step) per group
+    assert rows == [2, 2, 2, 6, 6]  # 2 prompts x 3: steps 0, 1 (ODE) and 2 (the first SDE step) per group
     rows.clear()
     b = tiny_rollout(backend, group_size=3, num_steps=5, sde_window=(2, 2), latents=a.latents[:, 0], seed=10)
-    assert rows == [6] * 5                 # given latents may differ within a group: every row computed
-    assert max_abs_diff(a.latents[:, :3], b.latents[:, :3]) <= 1e-6   # the shared ODE steps: the same path
-    assert not torch.equal(a.latents[0, 3], a.latents[1, 3])          # step 2's noise is still per sample
+    assert rows == [6] * 5  # given latents may differ within a group: every row computed
+    assert max_abs_diff(a.latents[:, :3], b.latents[:, :3]) <= 1e-6  # the shared ODE steps: the same path
+    assert not torch.equal(a.latents[0, 3], a.latents[1, 3])  # step 2's noise is still per sample
     # the full batch re-scores the steps computed per group: ratio 1
     assert max_abs_diff(backend.step_log_prob(a, [2, 3]).log_prob, a.log_probs[:, [2, 3]]) <= 1e-5
 

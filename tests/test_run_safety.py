@@ -19,9 +19,20 @@ from flowrl.run.checkpoint import list_checkpoints, write_checkpoint
 from flowrl.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["sample.height=32", "sample.width=32", "sample.num_steps=3", "sample.max_sequence_length=16",
-        "sample.prompts_per_epoch=2", "sample.group_size=4", "eval.num_steps=2", "eval.num_prompts=2",
-        "log.progress=false", "model.device=cpu", "train.lr=3e-3", "train.grpo.clip_low=0.2"]
+TINY = [
+    "sample.height=32",
+    "sample.width=32",
+    "sample.num_steps=3",
+    "sample.max_sequence_length=16",
+    "sample.prompts_per_epoch=2",
+    "sample.group_size=4",
+    "eval.num_steps=2",
+    "eval.num_prompts=2",
+    "log.progress=false",
+    "model.device=cpu",
+    "train.lr=3e-3",
+    "train.grpo.clip_low=0.2",
+]
 
 
 def tiny_cfg(run_dir, *extra):
@@ -63,8 +74,11 @@ def test_a_new_run_refuses_a_directory_holding_another_run_before_the_model_load
         raise AssertionError("the model was loaded before the run directory was checked")
 
     monkeypatch.setattr(flowrl.policies, "build_policy", no_load)
-    with pytest.raises(RunDirError, match=r"already holds a run \(1 checkpoint \(newest ckpt-000001\), metrics to "
-                                          r"epoch 1\).*checkpoint\.resume=auto.*log\.overwrite=true"):
+    with pytest.raises(
+        RunDirError,
+        match=r"already holds a run \(1 checkpoint \(newest ckpt-000001\), metrics to "
+        r"epoch 1\).*checkpoint\.resume=auto.*log\.overwrite=true",
+    ):
         Trainer(tiny_cfg(run, "train.epochs=1"))
 
 
@@ -73,8 +87,11 @@ def test_a_shorter_run_overwriting_a_longer_one_keeps_its_checkpoints_and_only_i
     Trainer(tiny_cfg(run, "train.epochs=4", "checkpoint.every=1", "checkpoint.keep=2", "eval.grid=false")).fit()
     assert [p.name for p in list_checkpoints(run)] == ["ckpt-000003", "ckpt-000004"]
     (run / "notes.txt").write_text("the user's own file")
-    Trainer(tiny_cfg(run, "train.epochs=2", "checkpoint.every=1", "checkpoint.keep=2", "eval.grid=false",
-                     "log.overwrite=true")).fit()
+    Trainer(
+        tiny_cfg(
+            run, "train.epochs=2", "checkpoint.every=1", "checkpoint.keep=2", "eval.grid=false", "log.overwrite=true"
+        )
+    ).fit()
     # today's bug: the new ckpt-000001/2 were deleted as the oldest of four, and the metrics mixed both runs
     assert [p.name for p in list_checkpoints(run)] == ["ckpt-000001", "ckpt-000002"]
     epochs = [r["epoch"] for r in metric_rows(run) if "policy/loss" in r]
@@ -88,16 +105,14 @@ def test_retention_never_deletes_the_checkpoint_just_written_nor_later_ones(tmp_
         write_checkpoint(tmp_path, epoch, trainable=w)
     for epoch in (1, 2, 3):
         write_checkpoint(tmp_path, epoch, trainable=w, keep=2)
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-000002", "ckpt-000003", "ckpt-000080",
-                                                           "ckpt-000090"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-000002", "ckpt-000003", "ckpt-000080", "ckpt-000090"]
 
 
 def test_resume_refuses_a_changed_adapter_and_warns_of_other_changes(tmp_path):
     run = tmp_path / "run"
     Trainer(tiny_cfg(run, "train.epochs=1", "eval.grid=false")).fit()
     with pytest.raises(CheckpointError, match=r"lora\.rank: 8 -> 4.*sample\.group_size: 4 -> 2"):
-        Trainer(tiny_cfg(run, "train.epochs=2", "checkpoint.resume=auto", "lora.rank=4",
-                         "sample.group_size=2")).fit()
+        Trainer(tiny_cfg(run, "train.epochs=2", "checkpoint.resume=auto", "lora.rank=4", "sample.group_size=2")).fit()
     tr = Trainer(tiny_cfg(run, "train.epochs=2", "checkpoint.resume=auto", "train.lr=1e-3", "eval.grid=false"))
     with pytest.warns(UserWarning, match=r"changed config: .*train\.epochs: 1 -> 2.*train\.lr: 0\.003 -> 0\.001"):
         tr.fit()
@@ -143,8 +158,16 @@ def test_a_resume_redoes_epochs_without_duplicating_rows_and_clears_temporary_di
     (run / ".tmp-ckpt-000004-12345" / "trainable.safetensors").write_bytes(b"half")
     with (run / "metrics.jsonl").open("a") as f:
         f.write('{"epoch": 4, "reward/total_m')  # a row cut by the kill
-    Trainer(tiny_cfg(run, "train.epochs=4", "checkpoint.every=2", "checkpoint.keep=0", "eval.grid=false",
-                     "checkpoint.resume=auto")).fit()
+    Trainer(
+        tiny_cfg(
+            run,
+            "train.epochs=4",
+            "checkpoint.every=2",
+            "checkpoint.keep=0",
+            "eval.grid=false",
+            "checkpoint.resume=auto",
+        )
+    ).fit()
     assert not (run / ".tmp-ckpt-000004-12345").exists()
     trained = [r["epoch"] for r in metric_rows(run) if "policy/loss" in r]
     assert trained == [1, 2, 3, 4]
@@ -188,8 +211,9 @@ def test_non_finite_rewards_are_left_out_of_the_advantages(tmp_path):
 def test_an_infinite_reward_does_not_poison_the_weights_or_the_checkpoint(tmp_path, scripted_reward):
     run = tmp_path / "run"
     scripted_reward.extend([[0.1, 0.5, float("inf"), 0.2, 0.9, 0.3, float("nan"), 0.4]])
-    tr = Trainer(tiny_cfg(run, "train.epochs=1", "eval.grid=false", "eval.before=false",
-                          "rewards=[{name: test_scripted}]"))
+    tr = Trainer(
+        tiny_cfg(run, "train.epochs=1", "eval.grid=false", "eval.before=false", "rewards=[{name: test_scripted}]")
+    )
     with pytest.warns(UserWarning, match="non-finite reward"):
         tr.fit()
     assert all(torch.isfinite(p).all() for p in tr.params)
@@ -203,8 +227,15 @@ def test_an_infinite_reward_does_not_poison_the_weights_or_the_checkpoint(tmp_pa
 
 
 def test_non_finite_losses_skip_steps_then_stop_the_run(tmp_path, monkeypatch):
-    tr = Trainer(tiny_cfg(tmp_path / "run", "train.epochs=3", "train.minibatch_size=4", "eval.before=false",
-                          "train.max_nonfinite_steps=3"))
+    tr = Trainer(
+        tiny_cfg(
+            tmp_path / "run",
+            "train.epochs=3",
+            "train.minibatch_size=4",
+            "eval.before=false",
+            "train.max_nonfinite_steps=3",
+        )
+    )
     before = {n: p.detach().clone() for n, p in tr.named_params.items()}
     evaluate = tr.policy.unit_log_probs
 
@@ -215,8 +246,11 @@ def test_non_finite_losses_skip_steps_then_stop_the_run(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tr.policy, "unit_log_probs", poisoned)
     with pytest.warns(UserWarning, match=r"non-finite loss or gradient.*no optimizer step \(1 in a row of at most 3"):
-        with pytest.raises(NonFiniteError, match=r"NaN/inf in 3 minibatches in a row.*weights and the last "
-                                                 r"checkpoint are finite"):
+        with pytest.raises(
+            NonFiniteError,
+            match=r"NaN/inf in 3 minibatches in a row.*weights and the last "
+            r"checkpoint are finite",
+        ):
             tr.fit()
     for n, p in tr.named_params.items():  # no step was taken on a NaN gradient
         assert torch.equal(p.detach(), before[n])
@@ -224,8 +258,17 @@ def test_non_finite_losses_skip_steps_then_stop_the_run(tmp_path, monkeypatch):
 
 
 def test_a_good_minibatch_resets_the_count_of_bad_ones(tmp_path, monkeypatch):
-    tr = Trainer(tiny_cfg(tmp_path / "run", "train.epochs=2", "train.minibatch_size=4", "eval.before=false",
-                          "eval.grid=false", "train.max_nonfinite_steps=2", "train.steps_per_forward=8"))
+    tr = Trainer(
+        tiny_cfg(
+            tmp_path / "run",
+            "train.epochs=2",
+            "train.minibatch_size=4",
+            "eval.before=false",
+            "eval.grid=false",
+            "train.max_nonfinite_steps=2",
+            "train.steps_per_forward=8",
+        )
+    )
     evaluate, calls = tr.policy.unit_log_probs, []
 
     def every_other(*args, **kwargs):  # minibatches (one model call each) alternate bad, good, bad, good
@@ -245,8 +288,12 @@ def test_a_checkpoint_with_non_finite_weights_is_never_written(tmp_path):
     with pytest.raises(NonFiniteError, match=r"trainable/w"):
         write_checkpoint(tmp_path, 1, trainable={"w": torch.tensor([1.0, float("nan")])})
     with pytest.raises(NonFiniteError, match=r"optimizer/state\.0\.exp_avg"):
-        write_checkpoint(tmp_path, 1, trainable={"w": torch.ones(2)},
-                         optimizer={"state": {0: {"exp_avg": torch.tensor([float("inf")])}}, "param_groups": []})
+        write_checkpoint(
+            tmp_path,
+            1,
+            trainable={"w": torch.ones(2)},
+            optimizer={"state": {0: {"exp_avg": torch.tensor([float("inf")])}}, "param_groups": []},
+        )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -275,9 +322,18 @@ def test_a_signal_writes_a_checkpoint_and_says_how_to_resume(tmp_path, signum):
     the resumed run finishes with one row per epoch."""
     (tmp_path / "scores.py").write_text(SIGNAL_REWARD)
     run = tmp_path / "run"
-    args = [sys.executable, "-m", "flowrl", "train", *TINY, f"log.run_dir={run}", "train.epochs=3",
-            "checkpoint.every=0", "eval.grid=false",
-            f"rewards=[{{name: 'scores.py:brightness', kwargs: {{signal_on_call: 3, signum: {int(signum)}}}}}]"]
+    args = [
+        sys.executable,
+        "-m",
+        "flowrl",
+        "train",
+        *TINY,
+        f"log.run_dir={run}",
+        "train.epochs=3",
+        "checkpoint.every=0",
+        "eval.grid=false",
+        f"rewards=[{{name: 'scores.py:brightness', kwargs: {{signal_on_call: 3, signum: {int(signum)}}}}}]",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 128 + signum, proc.stderr[-2000:]
@@ -285,9 +341,14 @@ def test_a_signal_writes_a_checkpoint_and_says_how_to_resume(tmp_path, signum):
     assert last.startswith("flowrl train: stopped by") and "checkpoint.resume=auto" in last, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert [p.name for p in list_checkpoints(run)] == ["ckpt-000001"]
-    resumed = subprocess.run([*args[:-1], "checkpoint.resume=auto",
-                              "rewards=[{name: 'scores.py:brightness', kwargs: {signal_on_call: 0}}]"],
-                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(
+        [*args[:-1], "checkpoint.resume=auto", "rewards=[{name: 'scores.py:brightness', kwargs: {signal_on_call: 0}}]"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert [r["epoch"] for r in metric_rows(run) if "policy/loss" in r] == [1, 2, 3]
 
@@ -321,10 +382,14 @@ def test_the_progress_bar_shows_a_ratio_only_for_grpo():
 
     grpo, dpo, nft = (get_objective(name) for name in ("grpo", "dpo", "nft"))
     assert progress_postfix({"reward/total_mean": 0.5, "policy/ratio_first": 1.0}, grpo) == {
-        "reward": "0.500", "on_policy_ratio": "1.00000"}
+        "reward": "0.500",
+        "on_policy_ratio": "1.00000",
+    }
     assert progress_postfix({"reward/total_mean": 0.5}, grpo)["on_policy_ratio"] == "-"  # nothing trained
     assert progress_postfix({"reward/total_mean": 0.25, "objective/dpo_pairs": 3.0}, dpo) == {
-        "reward": "0.250", "pairs": "3"}
+        "reward": "0.250",
+        "pairs": "3",
+    }
     assert progress_postfix({"reward/total_mean": 0.25}, nft) == {"reward": "0.250"}
 
 
@@ -364,8 +429,13 @@ def test_a_resumed_run_trains_what_is_left_of_its_time_budget(tmp_path, capsys):
     trains nothing (and says how to train on); raising train.max_minutes trains on, and the time metrics go on
     from the checkpoint's instead of restarting at 0."""
 
-    args = ["train.epochs=100000", "train.budget_clock=process", "eval.every=0", "eval.before=false",
-            "checkpoint.resume=auto"]
+    args = [
+        "train.epochs=100000",
+        "train.budget_clock=process",
+        "eval.every=0",
+        "eval.before=false",
+        "checkpoint.resume=auto",
+    ]
     first = Trainer(tiny_cfg(tmp_path, *args, "train.max_minutes=0.00001"))
     first.fit()
     assert first.state.epochs_done == 1
@@ -385,8 +455,10 @@ def test_a_resumed_run_trains_what_is_left_of_its_time_budget(tmp_path, capsys):
     assert more.state.epochs_done == 3
     rows = [r for r in metric_rows(tmp_path) if "policy/loss" in r]
     assert [r["epoch"] for r in rows] == [1, 2, 3]
-    for key, before in (("time/train_process_minutes", saved["train_cpu_seconds"] / 60),
-                        ("time/train_wall_minutes", saved["train_wall_seconds"] / 60)):
+    for key, before in (
+        ("time/train_process_minutes", saved["train_cpu_seconds"] / 60),
+        ("time/train_wall_minutes", saved["train_wall_seconds"] / 60),
+    ):
         assert rows[0][key] == pytest.approx(before)
         assert before < rows[1][key] < rows[2][key], key  # cumulative over the resume, not from 0
     assert more.state.train_cpu_seconds == pytest.approx(rows[2]["time/train_process_minutes"] * 60)
@@ -400,8 +472,18 @@ def test_a_cosine_over_the_time_budget_follows_the_training_minutes_spent(tmp_pa
     from flowrl.train import Trainer
 
     budget = 0.02
-    tr = Trainer(tiny_cfg(tmp_path, "train.epochs=100000", f"train.max_minutes={budget}", "train.budget_clock=process",
-                          "train.schedule=cosine", "train.schedule_over=budget", "train.lr=1e-3", "eval.every=0"))
+    tr = Trainer(
+        tiny_cfg(
+            tmp_path,
+            "train.epochs=100000",
+            f"train.max_minutes={budget}",
+            "train.budget_clock=process",
+            "train.schedule=cosine",
+            "train.schedule_over=budget",
+            "train.lr=1e-3",
+            "eval.every=0",
+        )
+    )
     tr.fit()
     rows = [r for r in metric_rows(tmp_path) if "policy/loss" in r]
     assert len(rows) >= 2 and rows[0]["lr"] == pytest.approx(1e-3, rel=1e-6)

@@ -18,9 +18,18 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_shapes_preset_one_epoch(preset, tmp_path, monkeypatch):
     """The demo's preset (online Diffusion-DPO) and the GRPO one, the race's base config."""
     monkeypatch.chdir(ROOT)  # the preset's paths are relative to the repository
-    cfg = load_config(ROOT / "configs" / f"{preset}.yaml", [
-        f"log.run_dir={tmp_path}", "train.epochs=1", "sample.prompts_per_epoch=2", "eval.num_prompts=3",
-        "eval.images_per_group=2", "eval.num_steps=4", "log.progress=false"])
+    cfg = load_config(
+        ROOT / "configs" / f"{preset}.yaml",
+        [
+            f"log.run_dir={tmp_path}",
+            "train.epochs=1",
+            "sample.prompts_per_epoch=2",
+            "eval.num_prompts=3",
+            "eval.images_per_group=2",
+            "eval.num_steps=4",
+            "log.progress=false",
+        ],
+    )
     tr = Trainer(cfg)
     before = {n: p.detach().clone() for n, p in tr.named_params.items()}
     evaluated = []
@@ -77,8 +86,16 @@ def test_the_demo_is_the_measured_dpo_setting():
     assert race.CONFIG == ROOT / "configs" / "shapes_grpo.yaml"
 
     demo = load_config(ROOT / "configs" / "shapes.yaml")
-    measured = load_config(race.CONFIG, [*race.OBJECTIVE_SETTINGS["dpo"], "train.dpo.timesteps=0", "train.lr=5e-4",
-                                         "train.epochs=140", "log.run_dir=runs/shapes_dpo"])
+    measured = load_config(
+        race.CONFIG,
+        [
+            *race.OBJECTIVE_SETTINGS["dpo"],
+            "train.dpo.timesteps=0",
+            "train.lr=5e-4",
+            "train.epochs=140",
+            "log.run_dir=runs/shapes_dpo",
+        ],
+    )
     assert demo.train.objective == measured.train.objective == "dpo"
     assert measured.train.grpo.window.kind == "fixed"  # GRPO's window in the race's base, ignored by DPO
     demo, measured = (_flatten(without_other_objectives(to_dict(c), "dpo")) for c in (demo, measured))
@@ -93,8 +110,7 @@ def test_demo_command_reports_and_writes_figures(tmp_path, monkeypatch, capsys):
 
     monkeypatch.chdir(ROOT)
     overrides = ["sample.prompts_per_epoch=2", "eval.num_prompts=2", "eval.images_per_prompt=2", "eval.num_steps=4"]
-    main(["demo", "configs/shapes.yaml", f"log.run_dir={tmp_path}", "train.epochs=1", "log.progress=false",
-          *overrides])
+    main(["demo", "configs/shapes.yaml", f"log.run_dir={tmp_path}", "train.epochs=1", "log.progress=false", *overrides])
     out = capsys.readouterr().out
     assert "eval/shapes_geneval/strict_family_mean: before" in out  # the headline, GenEval's overall
     assert "eval/shapes_geneval/strict_mean: before" in out
@@ -114,12 +130,15 @@ def test_demo_command_reports_and_writes_figures(tmp_path, monkeypatch, capsys):
     ckpt = sorted(tmp_path.glob("ckpt-*"))[-1]
     for checkpoint, logged, grid in ((None, first, "eval-epoch000000.png"), (ckpt, last, "eval-final.png")):
         out = tmp_path / ("eval-" + (checkpoint.name if checkpoint else "base"))
-        main(["eval", "configs/shapes.yaml", *overrides, "--out", str(out)]
-             + (["--checkpoint", str(checkpoint)] if checkpoint else []))
+        main(
+            ["eval", "configs/shapes.yaml", *overrides, "--out", str(out)]
+            + (["--checkpoint", str(checkpoint)] if checkpoint else [])
+        )
         result = json.loads((out / "eval.json").read_text())
         assert result[key] == pytest.approx(logged[key], abs=1e-9)
         assert result["eval/shapes_geneval/fraction_mean"] == pytest.approx(
-            logged["eval/shapes_geneval/fraction_mean"], abs=1e-6)
+            logged["eval/shapes_geneval/fraction_mean"], abs=1e-6
+        )
         assert _pixels(out / "eval.png") == _pixels(tmp_path / grid)
         # the colour drift too: the checkpoint's eval compares with its run's base histogram, as training did
         tv = "eval/diversity/shapes_geneval/color_tv_from_base"
@@ -127,8 +146,17 @@ def test_demo_command_reports_and_writes_figures(tmp_path, monkeypatch, capsys):
         assert result.get("base") == (str(tmp_path) if checkpoint else None)
     # resumed with other eval settings, the run's evals no longer pair with its base's images: no TV, and a warning
     with pytest.warns(UserWarning, match=r"other settings \(eval.num_steps: 4 \(base\) vs 3\)"):
-        main(["train", "configs/shapes.yaml", f"log.run_dir={tmp_path}", "train.epochs=2", "log.progress=false",
-              *overrides, "eval.num_steps=3"])
+        main(
+            [
+                "train",
+                "configs/shapes.yaml",
+                f"log.run_dir={tmp_path}",
+                "train.epochs=2",
+                "log.progress=false",
+                *overrides,
+                "eval.num_steps=3",
+            ]
+        )
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     resumed = [r for r in rows if key in r][-1]
     assert resumed["epoch"] == 2 and "eval/diversity/shapes_geneval/color_entropy_bits" in resumed
@@ -147,8 +175,7 @@ def test_describe_rewards_names_weights_and_report_only_rewards():
     from flowrl.worlds.demo import describe_rewards
 
     assert describe_rewards([RewardSpec("shapes_geneval")]) == "1 x shapes_geneval"
-    assert describe_rewards([RewardSpec("shapes_geneval", 0.0), RewardSpec("shapes_soft"),
-                             RewardSpec("pickscore", 0.5)]) == (
-        "1 x shapes_soft + 0.5 x pickscore (reported only, weight 0: shapes_geneval)")
+    assert describe_rewards(
+        [RewardSpec("shapes_geneval", 0.0), RewardSpec("shapes_soft"), RewardSpec("pickscore", 0.5)]
+    ) == ("1 x shapes_soft + 0.5 x pickscore (reported only, weight 0: shapes_geneval)")
     assert describe_rewards([RewardSpec("a", 0.0)]).startswith("no reward")
-

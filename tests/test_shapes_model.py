@@ -69,9 +69,14 @@ def test_shipped_model_loads_as_sd3_and_draws_64px_images():
     assert tuple(pipe.vae.config.block_out_channels) == VAE_CHANNELS
     assert pipe.vae.config.latent_channels == LATENT_CHANNELS
     pipe.set_progress_bar_config(disable=True)
-    out = pipe(["a photo of a red circle", "a photo of two squares"], num_inference_steps=2, guidance_scale=4.0,
-               max_sequence_length=MAX_SEQUENCE_LENGTH, generator=torch.Generator().manual_seed(0),
-               output_type="np")
+    out = pipe(
+        ["a photo of a red circle", "a photo of two squares"],
+        num_inference_steps=2,
+        guidance_scale=4.0,
+        max_sequence_length=MAX_SEQUENCE_LENGTH,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+    )
     assert out.images.shape == (2, 64, 64, 3)
     assert np.isfinite(out.images).all()
 
@@ -122,13 +127,35 @@ def _load_script():
 
 def test_pretraining_resumes_exactly(tmp_path):
     script = _load_script()
-    common = ["--vae-steps", "2", "--vae-batch", "2", "--batch", "2", "--stats-images", "8", "--ckpt-every", "1",
-              "--snapshot-every", "1000", "--eval-every", "0", "--warmup", "2",
-              "--distractor-prob", "0.5", "--distractor-from", "2"]  # the incomplete captions start after the resume
+    common = [
+        "--vae-steps",
+        "2",
+        "--vae-batch",
+        "2",
+        "--batch",
+        "2",
+        "--stats-images",
+        "8",
+        "--ckpt-every",
+        "1",
+        "--snapshot-every",
+        "1000",
+        "--eval-every",
+        "0",
+        "--warmup",
+        "2",
+        "--distractor-prob",
+        "0.5",
+        "--distractor-from",
+        "2",
+    ]  # the incomplete captions start after the resume
 
     def run(workdir, steps, resume=False):
-        args = script.parse_args(common + ["--workdir", str(workdir), "--out", str(workdir / "out"),
-                                           "--steps", str(steps)] + (["--resume"] if resume else []))
+        args = script.parse_args(
+            common
+            + ["--workdir", str(workdir), "--out", str(workdir / "out"), "--steps", str(steps)]
+            + (["--resume"] if resume else [])
+        )
         trainer = script.Trainer(args)
         if resume:
             trainer.load()

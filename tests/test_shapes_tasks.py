@@ -96,8 +96,9 @@ def test_correct_edits_of_the_shipped_records_score_1():
     made = edit_records("test", per_instruction=4, seed=0)  # the shipped rows' scenes, as the script drew them
     assert [r["prompt"] for r, _ in made] == prompts.prompts
     rng = np.random.default_rng(0)
-    edited = [Image.fromarray(draw(apply_edit(scene, meta["edit"], rng)))
-              for (_, scene), meta in zip(made, prompts.metadata)]
+    edited = [
+        Image.fromarray(draw(apply_edit(scene, meta["edit"], rng))) for (_, scene), meta in zip(made, prompts.metadata)
+    ]
     columns = {k: [m[k] for m in prompts.metadata] for k in prompts.metadata[0]}
     reward = _reward()
     scores = reward(edited, prompts.prompts, **columns)
@@ -108,26 +109,47 @@ def test_correct_edits_of_the_shipped_records_score_1():
 SCENE = [ShapeObject("circle", "red", 8, 8, 16), ShapeObject("square", "green", 40, 40, 12)]
 
 
-@pytest.mark.parametrize("edit,after,expected", [
-    # recolor the circle blue: right / wrong colour / right but the square moved one grid step / nothing done
-    ({"op": "recolor", "shape": "circle", "color": "blue"},
-     [ShapeObject("circle", "blue", 8, 8, 16), SCENE[1]], 1.0),
-    ({"op": "recolor", "shape": "circle", "color": "blue"},
-     [ShapeObject("circle", "yellow", 8, 8, 16), SCENE[1]], 2 / 3),
-    ({"op": "recolor", "shape": "circle", "color": "blue"},
-     [ShapeObject("circle", "blue", 8, 8, 16), ShapeObject("square", "green", 44, 40, 12)], 2 / 3),
-    ({"op": "recolor", "shape": "circle", "color": "blue"}, SCENE, 2 / 3),
-    # remove the circle: right / the square removed instead
-    ({"op": "remove", "shape": "circle", "color": None}, [SCENE[1]], 1.0),
-    ({"op": "remove", "shape": "circle", "color": None}, [SCENE[0]], 1 / 3),
-    # add a yellow triangle: right / two of them / a red one
-    ({"op": "add", "shape": "triangle", "color": "yellow"}, [*SCENE, ShapeObject("triangle", "yellow", 8, 40, 16)],
-     1.0),
-    ({"op": "add", "shape": "triangle", "color": "yellow"},
-     [*SCENE, ShapeObject("triangle", "yellow", 8, 40, 16), ShapeObject("triangle", "yellow", 40, 8, 12)], 0.5),
-    ({"op": "add", "shape": "triangle", "color": "yellow"}, [*SCENE, ShapeObject("triangle", "red", 8, 40, 16)],
-     0.75),
-])
+@pytest.mark.parametrize(
+    "edit,after,expected",
+    [
+        # recolor the circle blue: right / wrong colour / right but the square moved one grid step / nothing done
+        (
+            {"op": "recolor", "shape": "circle", "color": "blue"},
+            [ShapeObject("circle", "blue", 8, 8, 16), SCENE[1]],
+            1.0,
+        ),
+        (
+            {"op": "recolor", "shape": "circle", "color": "blue"},
+            [ShapeObject("circle", "yellow", 8, 8, 16), SCENE[1]],
+            2 / 3,
+        ),
+        (
+            {"op": "recolor", "shape": "circle", "color": "blue"},
+            [ShapeObject("circle", "blue", 8, 8, 16), ShapeObject("square", "green", 44, 40, 12)],
+            2 / 3,
+        ),
+        ({"op": "recolor", "shape": "circle", "color": "blue"}, SCENE, 2 / 3),
+        # remove the circle: right / the square removed instead
+        ({"op": "remove", "shape": "circle", "color": None}, [SCENE[1]], 1.0),
+        ({"op": "remove", "shape": "circle", "color": None}, [SCENE[0]], 1 / 3),
+        # add a yellow triangle: right / two of them / a red one
+        (
+            {"op": "add", "shape": "triangle", "color": "yellow"},
+            [*SCENE, ShapeObject("triangle", "yellow", 8, 40, 16)],
+            1.0,
+        ),
+        (
+            {"op": "add", "shape": "triangle", "color": "yellow"},
+            [*SCENE, ShapeObject("triangle", "yellow", 8, 40, 16), ShapeObject("triangle", "yellow", 40, 8, 12)],
+            0.5,
+        ),
+        (
+            {"op": "add", "shape": "triangle", "color": "yellow"},
+            [*SCENE, ShapeObject("triangle", "red", 8, 40, 16)],
+            0.75,
+        ),
+    ],
+)
 def test_shapes_edit_scores_hand_made_edits(tmp_path, edit, after, expected):
     paths = _source_and_paths(tmp_path, [SCENE])
     reward = _reward()
@@ -140,10 +162,10 @@ def test_shapes_edit_compares_places_in_fractions_of_the_image(tmp_path):
     """A correct edit at twice the source's resolution still scores 1; moved by a fifth of the image it does not."""
     edit = {"op": "recolor", "shape": "circle", "color": "blue"}
     paths = _source_and_paths(tmp_path, [SCENE, SCENE])
-    right = Image.fromarray(draw([ShapeObject("circle", "blue", 8, 8, 16), SCENE[1]])).resize((128, 128),
-                                                                                               Image.NEAREST)
-    moved = Image.fromarray(draw([ShapeObject("circle", "blue", 20, 8, 16), SCENE[1]])).resize((128, 128),
-                                                                                                Image.NEAREST)
+    right = Image.fromarray(draw([ShapeObject("circle", "blue", 8, 8, 16), SCENE[1]])).resize((128, 128), Image.NEAREST)
+    moved = Image.fromarray(draw([ShapeObject("circle", "blue", 20, 8, 16), SCENE[1]])).resize(
+        (128, 128), Image.NEAREST
+    )
     scores = _reward(score="strict")([right, moved], ["p", "p"], edit=[edit, edit], image=paths)
     assert scores.tolist() == [1.0, 0.0]
 
@@ -184,20 +206,30 @@ def test_rendered_clips_of_every_prompt_score_1():
     rng = np.random.default_rng(0)
     videos = [render_motion(r, rng, num_frames=5 + 4 * (i % 2)) for i, r in enumerate(records)]
     reward = _motion()
-    scores = reward(videos, [r["prompt"] for r in records], objects=[r["objects"] for r in records],
-                    motion=[r["motion"] for r in records])
+    scores = reward(
+        videos,
+        [r["prompt"] for r in records],
+        objects=[r["objects"] for r in records],
+        motion=[r["motion"] for r in records],
+    )
     assert scores.tolist() == [1.0] * len(records)
     assert reward.last_components["strict"].tolist() == [1.0] * len(records)
 
 
 def test_shapes_motion_scores_wrong_clips_less():
-    record = {"prompt": "a red circle moving left to right", "objects": [{"shape": "circle", "color": "red",
-                                                                         "count": 1}], "motion": "left to right"}
+    record = {
+        "prompt": "a red circle moving left to right",
+        "objects": [{"shape": "circle", "color": "red", "count": 1}],
+        "motion": "left to right",
+    }
     right = render_motion(record, np.random.default_rng(1), num_frames=5)
     backwards = right[::-1]
     still = np.repeat(right[2:3], 5, axis=0)
-    blue = render_motion({**record, "objects": [{"shape": "circle", "color": "blue", "count": 1}]},
-                         np.random.default_rng(1), num_frames=5)
+    blue = render_motion(
+        {**record, "objects": [{"shape": "circle", "color": "blue", "count": 1}]},
+        np.random.default_rng(1),
+        num_frames=5,
+    )
     gap = right.copy()
     gap[2] = draw([])  # the object vanishes in the middle frame
     clips = [right, backwards, still, blue, gap]
@@ -220,8 +252,9 @@ def test_the_geneval_reward_scores_the_frames_of_motion_prompts():
     assert reward(videos, [r["prompt"] for r in records], **columns).tolist() == [1.0] * len(records)
     colored = next(i for i, r in enumerate(records) if r["objects"][0]["color"])
     other = next(c for c in COLORS if c != records[colored]["objects"][0]["color"])
-    wrong = render_motion({**records[colored], "objects": [{**records[colored]["objects"][0], "color": other}]},
-                          np.random.default_rng(0))
+    wrong = render_motion(
+        {**records[colored], "objects": [{**records[colored]["objects"][0], "color": other}]}, np.random.default_rng(0)
+    )
     one = {k: [v[colored]] for k, v in columns.items()}
     assert reward([wrong], [records[colored]["prompt"]], **one).item() < 1
 
@@ -242,8 +275,19 @@ def test_the_wan_tiny_preset_trains_and_writes_a_playable_animation(tmp_path, mo
 
     monkeypatch.chdir(ROOT)  # the preset's prompt files are relative to the repository
     run = tmp_path / "run"
-    assert main(["train", "configs/wan_tiny.yaml", "train.epochs=1", "eval.before=false", "log.progress=false",
-                 f"log.run_dir={run}"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "configs/wan_tiny.yaml",
+                "train.epochs=1",
+                "eval.before=false",
+                "log.progress=false",
+                f"log.run_dir={run}",
+            ]
+        )
+        == 0
+    )
     animations = sorted(run.glob("eval-*/*.webp"))
     assert animations
     with Image.open(animations[0]) as im:
@@ -267,8 +311,11 @@ def test_the_kontext_tiny_preset_edits_the_shipped_source_images(tmp_path, monke
 
     monkeypatch.chdir(ROOT)  # the preset's prompt files are relative to the repository
     run = tmp_path / "run"
-    tr = Trainer(load_config(ROOT / "configs" / "kontext_tiny.yaml", ["train.epochs=1", "log.progress=false",
-                                                                     f"log.run_dir={run}"]))
+    tr = Trainer(
+        load_config(
+            ROOT / "configs" / "kontext_tiny.yaml", ["train.epochs=1", "log.progress=false", f"log.run_dir={run}"]
+        )
+    )
     for p in tr.named_params.values():  # lora_B starts at zero: perturb it so the adapter's gradient is not zero
         p.data.add_(0.01 * torch.randn_like(p))
     before = {n: p.detach().clone() for n, p in tr.named_params.items()}

@@ -77,7 +77,7 @@ def test_rendered_scenes_match_their_metadata():
             if o["color"]:
                 assert all(s.color == o["color"] for s in of_shape)
         for a, b in itertools.combinations(scene, 2):  # never touching
-            assert (a.x + a.side < b.x or b.x + b.side < a.x or a.y + a.side < b.y or b.y + b.side < a.y)
+            assert a.x + a.side < b.x or b.x + b.side < a.x or a.y + a.side < b.y or b.y + b.side < a.y
 
 
 def test_distractor_adds_one_unmentioned_object_and_nothing_at_zero():
@@ -98,8 +98,12 @@ def test_distractor_adds_one_unmentioned_object_and_nothing_at_zero():
         extra = scene[-1]
         extra_shapes.add(extra.shape), extra_colors.add(extra.color)
         for other in scene[:-1]:
-            assert (extra.x + extra.side < other.x or other.x + other.side < extra.x
-                    or extra.y + extra.side < other.y or other.y + other.side < extra.y)
+            assert (
+                extra.x + extra.side < other.x
+                or other.x + other.side < extra.x
+                or extra.y + extra.side < other.y
+                or other.y + other.side < extra.y
+            )
         images.append(image), recs.append(rec)
     strict, _, details = score_images(images, recs)
     assert strict.sum() == 0
@@ -140,8 +144,14 @@ def test_a_small_distractor_has_its_own_sides_and_is_still_an_extra_object():
 def test_prompt_families_and_metadata_are_valid():
     records = all_prompts()
     counts = {f: sum(r["family"] == f for r in records) for f in FAMILIES}
-    assert counts == {"single_object": 3, "two_object": 6, "counting": 9, "colors": 12, "position": 24,
-                      "color_attr": 72}
+    assert counts == {
+        "single_object": 3,
+        "two_object": 6,
+        "counting": 9,
+        "colors": 12,
+        "position": 24,
+        "color_attr": 72,
+    }
     assert len({r["prompt"] for r in records}) == len(records)
     for r in records:
         assert r["prompt"] == prompt_text(r["objects"], r["relation"])
@@ -152,8 +162,10 @@ def test_prompt_families_and_metadata_are_valid():
             assert o["shape"] in SHAPES and o["color"] in (None, *COLORS) and 1 <= o["count"] <= 4
         named = [o["color"] for o in r["objects"] if o["color"]]
         assert bool(named) == (r["family"] in ("colors", "color_attr"))
-    assert prompt_text([{"shape": "circle", "color": "red", "count": 1},
-                        {"shape": "square", "color": "blue", "count": 1}]) == "a photo of a red circle and a blue square"
+    assert (
+        prompt_text([{"shape": "circle", "color": "red", "count": 1}, {"shape": "square", "color": "blue", "count": 1}])
+        == "a photo of a red circle and a blue square"
+    )
     assert prompt_text([{"shape": "triangle", "color": None, "count": 3}]) == "a photo of three triangles"
 
 
@@ -229,12 +241,18 @@ def _meta(objects, relation=None):
 
 
 def test_detector_finds_shapes_colours_and_boxes():
-    scene = [ShapeObject("triangle", "green", 5, 40, 13), ShapeObject("circle", "yellow", 40, 6, 12),
-             ShapeObject("square", "blue", 40, 40, 11)]
+    scene = [
+        ShapeObject("triangle", "green", 5, 40, 13),
+        ShapeObject("circle", "yellow", 40, 6, 12),
+        ShapeObject("square", "blue", 40, 40, 11),
+    ]
     (found,) = detect_objects([draw(scene)])
     got = sorted((d.shape, d.color, d.x0, d.y0, d.x1, d.y1) for d in found)
-    assert got == [("circle", "yellow", 40, 6, 52, 18), ("square", "blue", 40, 40, 51, 51),
-                   ("triangle", "green", 5, 40, 18, 53)]
+    assert got == [
+        ("circle", "yellow", 40, 6, 52, 18),
+        ("square", "blue", 40, 40, 51, 51),
+        ("triangle", "green", 5, 40, 18, 53),
+    ]
 
 
 def test_detector_rejects_wrong_images():
@@ -311,8 +329,9 @@ def test_diagnose_names_each_kind_of_failure():
     # binding: the square wears the circle's colour; an unasked colour; both shapes swapped
     assert why([circle, ShapeObject("square", "red", 40, 40, 14)], attr) == ["colour swapped"]
     assert why([circle, ShapeObject("square", "green", 40, 40, 14)], attr) == ["colour unasked"]
-    assert why([ShapeObject("circle", "blue", 5, 5, 14), ShapeObject("square", "red", 40, 40, 14)],
-               attr) == ["colour swapped"]
+    assert why([ShapeObject("circle", "blue", 5, 5, 14), ShapeObject("square", "red", 40, 40, 14)], attr) == [
+        "colour swapped"
+    ]
     # a single coloured object: any other colour is unasked
     assert why([ShapeObject("circle", "blue", 5, 5, 14)], _meta([("circle", "red", 1)])) == ["colour unasked"]
     # a missing shape (a triangle drawn instead), and an extra object
@@ -325,8 +344,9 @@ def test_diagnose_names_each_kind_of_failure():
     assert why(tris, three) == ["count wrong", "extra objects"]
     # relations: the wrong side; with the square missing, the relation is put down to the missing shape
     left = _meta([("circle", None, 1), ("square", None, 1)], "left of")
-    assert why([ShapeObject("circle", "red", 40, 25, 14), ShapeObject("square", "blue", 5, 27, 14)],
-               left) == ["relation wrong"]
+    assert why([ShapeObject("circle", "red", 40, 25, 14), ShapeObject("square", "blue", 5, 27, 14)], left) == [
+        "relation wrong"
+    ]
     assert why([ShapeObject("circle", "red", 5, 25, 14)], left) == ["shape missing"]
 
 
@@ -379,7 +399,11 @@ def test_out_of_template_split_is_new_wording_scored_by_the_same_reward():
     assert shipped == records
     assert len(records) == 48 and len({r["prompt"] for r in records}) == 48
     assert {r["family"]: sum(x["family"] == r["family"] for x in records) for r in records} == {
-        "paraphrased_position": 12, "paraphrased_counting": 12, "color_counting": 12, "color_position": 12}
+        "paraphrased_position": 12,
+        "paraphrased_counting": 12,
+        "color_counting": 12,
+        "color_position": 12,
+    }
     assert not {r["prompt"] for r in records} & {r["prompt"] for r in all_prompts()}
     for r in records:
         if r["family"] == "color_counting":

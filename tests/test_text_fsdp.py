@@ -21,17 +21,37 @@ from flowrl.train import Trainer
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="gloo multi-process tests written for linux")
 
 TESTS = Path(__file__).resolve().parent
-TWO_PROCESSES = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                 "--mixed_precision", "no", "--dynamo_backend", "no"]
+TWO_PROCESSES = [
+    "--multi_gpu",
+    "--num_processes",
+    "2",
+    "--num_machines",
+    "1",
+    "--mixed_precision",
+    "no",
+    "--dynamo_backend",
+    "no",
+]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(TESTS.parent)}
 
 
-
 def text_args(model_dir, run_dir, *extra) -> list[str]:
-    return ["backend=text", f"model.path={model_dir}", "model.device=cpu",
-            f"data.train_prompts={model_dir / 'prompts.jsonl'}", "rewards=[{name: accuracy}]",
-            "sample.prompts_per_epoch=2", "sample.group_size=4", "text.max_new_tokens=5", "train.lr=3e-3",
-            "train.grpo.beta=0.05", "log.progress=false", "eval.num_prompts=3", f"log.run_dir={run_dir}", *extra]
+    return [
+        "backend=text",
+        f"model.path={model_dir}",
+        "model.device=cpu",
+        f"data.train_prompts={model_dir / 'prompts.jsonl'}",
+        "rewards=[{name: accuracy}]",
+        "sample.prompts_per_epoch=2",
+        "sample.group_size=4",
+        "text.max_new_tokens=5",
+        "train.lr=3e-3",
+        "train.grpo.beta=0.05",
+        "log.progress=false",
+        "eval.num_prompts=3",
+        f"log.run_dir={run_dir}",
+        *extra,
+    ]
 
 
 def run(cmd: list[str]) -> subprocess.CompletedProcess:
@@ -85,9 +105,16 @@ def test_sharded_update_generation_and_export_equal_one_process(tiny_lm, tmp_pat
     torch.save({"batch": fields, "adv": adv, "keep": keep}, tmp_path / "batch.pt")
 
     out = tmp_path / "two"
-    proc = run([*accelerate_launch(), *TWO_PROCESSES, str(TESTS / "dist_update_text.py"), str(tmp_path / "batch.pt"),
-                str(out),
-                *text_args(tiny_lm, tmp_path / "two-run", *extra, "train.sharding=fsdp")])
+    proc = run(
+        [
+            *accelerate_launch(),
+            *TWO_PROCESSES,
+            str(TESTS / "dist_update_text.py"),
+            str(tmp_path / "batch.pt"),
+            str(out),
+            *text_args(tiny_lm, tmp_path / "two-run", *extra, "train.sharding=fsdp"),
+        ]
+    )
     assert "sharded True optimizer steps 3" in proc.stdout
     assert "whole parameters 0" in proc.stdout  # the model's and the reference copy's, all sharded
 
@@ -123,9 +150,22 @@ def test_flowrl_train_sharded_trains_checkpoints_and_resumes(tiny_lm, tmp_path):
     from safetensors.torch import load_file
 
     config = TESTS.parent / "configs" / "accelerate" / "cpu_2proc.yaml"
-    base = [*accelerate_launch(), "--config_file", str(config), "-m", "flowrl", "train",
-            *text_args(tiny_lm, tmp_path, "train.sharding=fsdp", "checkpoint.every=1", "checkpoint.keep=0",
-                       "log.completions_every=1")]
+    base = [
+        *accelerate_launch(),
+        "--config_file",
+        str(config),
+        "-m",
+        "flowrl",
+        "train",
+        *text_args(
+            tiny_lm,
+            tmp_path,
+            "train.sharding=fsdp",
+            "checkpoint.every=1",
+            "checkpoint.keep=0",
+            "log.completions_every=1",
+        ),
+    ]
     run([*base, "train.epochs=2"])
     proc = run([*base, "train.epochs=3", "checkpoint.resume=auto"])
     assert "resumed from" in proc.stdout

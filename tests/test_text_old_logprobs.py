@@ -13,26 +13,44 @@ from flowrl.train import Trainer
 
 
 def text_cfg(model_dir, run_dir, *extra):
-    return load_config(None, [
-        "backend=text", f"model.path={model_dir}", "model.device=cpu",
-        f"data.train_prompts={model_dir / 'prompts.jsonl'}",
-        "rewards=[{name: accuracy}]", "sample.prompts_per_epoch=3", "sample.group_size=4", "text.max_new_tokens=6",
-        "train.lr=1e-2", "log.progress=false", f"log.run_dir={run_dir}", "log.completions_every=0", *extra])
+    return load_config(
+        None,
+        [
+            "backend=text",
+            f"model.path={model_dir}",
+            "model.device=cpu",
+            f"data.train_prompts={model_dir / 'prompts.jsonl'}",
+            "rewards=[{name: accuracy}]",
+            "sample.prompts_per_epoch=3",
+            "sample.group_size=4",
+            "text.max_new_tokens=6",
+            "train.lr=1e-2",
+            "log.progress=false",
+            f"log.run_dir={run_dir}",
+            "log.completions_every=0",
+            *extra,
+        ],
+    )
 
 
 def independent_log_probs(model, batch, temperature):
     """log softmax(logits / temperature)[y] of the completion tokens from one uncached float64 forward [B, T]."""
     with torch.no_grad():
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                       position_ids=position_ids_from_mask(batch.attention_mask), use_cache=False).logits
-    lp = torch.log_softmax(logits[:, batch.prompt_len - 1:-1].double() / temperature, -1)
-    return lp.gather(-1, batch.completion_ids[..., None]).squeeze(-1), logits[:, batch.prompt_len - 1:-1]
+        logits = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=position_ids_from_mask(batch.attention_mask),
+            use_cache=False,
+        ).logits
+    lp = torch.log_softmax(logits[:, batch.prompt_len - 1 : -1].double() / temperature, -1)
+    return lp.gather(-1, batch.completion_ids[..., None]).squeeze(-1), logits[:, batch.prompt_len - 1 : -1]
 
 
 @pytest.mark.parametrize("temperature,top_p,top_k", [(0.7, 1.0, 0), (1.0, 1.0, 0), (0.7, 0.8, 0), (1.0, 0.6, 5)])
 def test_sampling_log_probs_equal_an_uncached_forward(tiny_lm, tmp_path, temperature, top_p, top_k):
-    tr = Trainer(text_cfg(tiny_lm, tmp_path, f"text.temperature={temperature}", f"text.top_p={top_p}",
-                          f"text.top_k={top_k}"))
+    tr = Trainer(
+        text_cfg(tiny_lm, tmp_path, f"text.temperature={temperature}", f"text.top_p={top_p}", f"text.top_k={top_k}")
+    )
     assert tr.cfg.text.old_log_probs == "sampling"  # the default
     batch = tr.rollout(epoch=0)
     mask = batch.completion_mask
@@ -40,8 +58,9 @@ def test_sampling_log_probs_equal_an_uncached_forward(tiny_lm, tmp_path, tempera
     want, logits = independent_log_probs(tr.policy.model, batch, temperature)
     torch.testing.assert_close(batch.old_log_probs.double(), want * mask, rtol=0, atol=1e-4)
     # and equal to the policy's own forward path
-    fwd, _ = tr.policy._forward_log_probs(tr.policy.model, batch.input_ids, batch.attention_mask, batch.prompt_len,
-                                          temperature)
+    fwd, _ = tr.policy._forward_log_probs(
+        tr.policy.model, batch.input_ids, batch.attention_mask, batch.prompt_len, temperature
+    )
     torch.testing.assert_close(batch.old_log_probs, fwd * mask, rtol=0, atol=1e-4)
     if top_p < 1:
         # truncation happened (the distribution sampled from renormalises over the nucleus), yet the recorded
@@ -68,8 +87,9 @@ def test_recorder_holds_one_step_and_counts_tokens():
     for t, z in enumerate(steps):
         assert rec(torch.cat([prompt, tokens[:, :t]], 1), z) is z  # the logits pass on unchanged
     got = rec.finish(torch.cat([prompt, tokens], 1), 3)
-    want = torch.stack([torch.log_softmax(z.double() / 0.5, -1).gather(1, tokens[:, t:t + 1])[:, 0]
-                        for t, z in enumerate(steps)], 1)
+    want = torch.stack(
+        [torch.log_softmax(z.double() / 0.5, -1).gather(1, tokens[:, t : t + 1])[:, 0] for t, z in enumerate(steps)], 1
+    )
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
     with pytest.raises(RuntimeError, match="recorded 0 sampling steps for 2 generated tokens"):
         SampledLogProbs(1.0).finish(torch.zeros(2, 5, dtype=torch.long), 2)
@@ -127,8 +147,9 @@ def test_first_minibatch_check_catches_a_temperature_mismatch(tiny_lm, tmp_path)
 
 
 def test_unknown_old_log_probs_source_lists_the_valid_ones():
-    with pytest.raises(ConfigError,
-                       match=r"text\.old_log_probs: 'cached' is not a valid choice; valid: sampling, forward"):
+    with pytest.raises(
+        ConfigError, match=r"text\.old_log_probs: 'cached' is not a valid choice; valid: sampling, forward"
+    ):
         load_config(None, ["backend=text", "text.old_log_probs=cached", "rewards=[{name: accuracy}]"])
 
 
@@ -161,11 +182,13 @@ def nucleus_probs(logits, temperature, top_p):
 
 def test_rollout_draws_the_tempered_nucleus_whatever_the_model_generation_config(hostile_lm, tmp_path):
     n, temperature, top_p = 3000, 0.7, 0.8
-    tr = Trainer(text_cfg(hostile_lm, tmp_path, f"text.temperature={temperature}", f"text.top_p={top_p}",
-                          "text.max_new_tokens=1"))
+    tr = Trainer(
+        text_cfg(
+            hostile_lm, tmp_path, f"text.temperature={temperature}", f"text.top_p={top_p}", "text.max_new_tokens=1"
+        )
+    )
     prompt = "12+21="
-    batch = tr.policy.rollout([prompt] * n, [{"answer": "33"}] * n, epoch=0,
-                              generator=torch.Generator().manual_seed(5))
+    batch = tr.policy.rollout([prompt] * n, [{"answer": "33"}] * n, epoch=0, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         ids, attn = tr.policy.encode_prompts([prompt])
         logits = tr.policy.model(input_ids=ids, attention_mask=attn).logits[0, -1]
@@ -195,8 +218,9 @@ def test_forward_puts_only_the_completion_positions_through_the_lm_head(tiny_lm,
     head = tr.policy.base_model.get_output_embeddings()
     hook = head.register_forward_hook(lambda mod, args, out: seen.append(tuple(args[0].shape)))
     try:
-        lp, _ = tr.policy._forward_log_probs(tr.policy.model, batch.input_ids, batch.attention_mask,
-                                             batch.prompt_len, 0.7)
+        lp, _ = tr.policy._forward_log_probs(
+            tr.policy.model, batch.input_ids, batch.attention_mask, batch.prompt_len, 0.7
+        )
     finally:
         hook.remove()
     n_rows, n_new = batch.completion_ids.shape
@@ -211,7 +235,13 @@ def test_repeated_prompts_encode_as_one_call_per_row_would(tiny_lm, tmp_path):
     prompts = ["12+21=", "3+4=", "12+21=", "110+2=", "3+4=", "12+21="]
     ids, attn = tr.policy.encode_prompts(prompts)
     tok = tr.policy.tokenizer
-    want = tok(prompts, return_tensors="pt", padding=True, truncation=True,
-               max_length=tr.cfg.text.max_prompt_length, add_special_tokens=True)
+    want = tok(
+        prompts,
+        return_tensors="pt",
+        padding=True,
+        truncation=True,
+        max_length=tr.cfg.text.max_prompt_length,
+        add_special_tokens=True,
+    )
     assert tok.padding_side == "left" and attn.min() == 0  # rows of different lengths, left-padded
     assert torch.equal(ids, want["input_ids"]) and torch.equal(attn, want["attention_mask"])

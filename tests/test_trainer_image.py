@@ -15,9 +15,20 @@ from launching import accelerate_launch
 from flowrl.config import load_config
 from flowrl.train import Trainer
 
-TINY = ["sample.height=32", "sample.width=32", "sample.num_steps=4", "sample.max_sequence_length=16",
-        "sample.prompts_per_epoch=2", "sample.group_size=4", "eval.num_steps=3", "eval.num_prompts=2",
-        "log.progress=false", "model.device=cpu", "train.lr=3e-3", "train.grpo.clip_low=0.2"]
+TINY = [
+    "sample.height=32",
+    "sample.width=32",
+    "sample.num_steps=4",
+    "sample.max_sequence_length=16",
+    "sample.prompts_per_epoch=2",
+    "sample.group_size=4",
+    "eval.num_steps=3",
+    "eval.num_prompts=2",
+    "log.progress=false",
+    "model.device=cpu",
+    "train.lr=3e-3",
+    "train.grpo.clip_low=0.2",
+]
 
 
 def tiny_cfg(run_dir, *extra):
@@ -29,8 +40,14 @@ def trained_weights(trainer):
 
 
 def test_two_epochs_train_lora_log_finite_and_export(tmp_path):
-    cfg = tiny_cfg(tmp_path / "run", "train.epochs=2", "train.grpo.beta=0.05", "train.steps_per_forward=2",
-                   "train.inner_epochs=2", "train.minibatch_size=4")
+    cfg = tiny_cfg(
+        tmp_path / "run",
+        "train.epochs=2",
+        "train.grpo.beta=0.05",
+        "train.steps_per_forward=2",
+        "train.inner_epochs=2",
+        "train.minibatch_size=4",
+    )
     tr = Trainer(cfg)
     before = trained_weights(tr)
     assert before and all("lora" in n for n in before)
@@ -49,9 +66,21 @@ def test_two_epochs_train_lora_log_finite_and_export(tmp_path):
     for r in epochs:
         # the first minibatch of every epoch is on-policy: ratio exactly 1
         assert r["policy/ratio_first_dev"] <= 1e-6 and abs(r["policy/ratio_first"] - 1) <= 1e-6
-        for key in ("reward/jpeg_compressibility_mean", "adv/std", "policy/clipfrac", "policy/approx_kl",
-                    "policy/kl", "policy/grad_norm", "lr", "perf/samples_per_s", "time/rollout", "time/reward",
-                    "time/train", "policy/ratio_max", "policy/ratio_min"):
+        for key in (
+            "reward/jpeg_compressibility_mean",
+            "adv/std",
+            "policy/clipfrac",
+            "policy/approx_kl",
+            "policy/kl",
+            "policy/grad_norm",
+            "lr",
+            "perf/samples_per_s",
+            "time/rollout",
+            "time/reward",
+            "time/train",
+            "policy/ratio_max",
+            "policy/ratio_min",
+        ):
             assert key in r, key
     assert epochs[1]["policy/kl"] > 0  # after updates the policy has left the reference
     # with 2 inner epochs the second pass is off-policy: the ratio leaves 1
@@ -80,9 +109,19 @@ def test_two_epochs_train_lora_log_finite_and_export(tmp_path):
 
 
 def test_resume_equals_straight_run(tmp_path):
-    extra = ["train.epochs=4", "checkpoint.every=2", "checkpoint.keep=0", "train.schedule=cosine", "train.decay_frac=0.5",
-             "train.warmup_steps=2", "train.ema_decay=0.5", "train.per_prompt_stats=true", "train.stat_min_count=2",
-             "train.grpo.beta=0.01", "eval.grid=false"]
+    extra = [
+        "train.epochs=4",
+        "checkpoint.every=2",
+        "checkpoint.keep=0",
+        "train.schedule=cosine",
+        "train.decay_frac=0.5",
+        "train.warmup_steps=2",
+        "train.ema_decay=0.5",
+        "train.per_prompt_stats=true",
+        "train.stat_min_count=2",
+        "train.grpo.beta=0.01",
+        "eval.grid=false",
+    ]
     straight = Trainer(tiny_cfg(tmp_path / "a", *extra))
     straight.fit()
     w_straight = trained_weights(straight)
@@ -143,7 +182,9 @@ def test_reference_is_the_base_model_with_the_adapter_off(tmp_path):
     x = torch.randn(2, den.config.in_channels, 16, 16, generator=gen)
     enc = torch.randn(2, 5, den.config.joint_attention_dim, generator=gen)
     pooled = torch.randn(2, den.config.pooled_projection_dim, generator=gen)
-    kw = dict(hidden_states=x, encoder_hidden_states=enc, pooled_projections=pooled, timestep=torch.tensor([300.0, 700.0]))
+    kw = dict(
+        hidden_states=x, encoder_hidden_states=enc, pooled_projections=pooled, timestep=torch.tensor([300.0, 700.0])
+    )
     with torch.no_grad():
         on = den(**kw)[0]
         with tr.policy.reference():
@@ -200,7 +241,9 @@ def test_noise_weights_follow_the_transition_std(tmp_path):
 
 
 def test_fixed_window_trains_only_the_window(tmp_path):
-    tr = Trainer(tiny_cfg(tmp_path, "train.grpo.window.kind=fixed", "train.grpo.window.start=1", "train.grpo.window.size=2"))
+    tr = Trainer(
+        tiny_cfg(tmp_path, "train.grpo.window.kind=fixed", "train.grpo.window.start=1", "train.grpo.window.size=2")
+    )
     batch = tr.rollout(epoch=0)
     assert batch.traj.train_steps == [1, 2]
     assert tr.policy.train_units(batch, 4) == [[1, 2]]
@@ -228,9 +271,21 @@ def test_two_processes_stay_in_sync(tmp_path):
     are averaged, and both ranks end with the same weights."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     config = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "cpu_2proc.yaml"  # the shipped one
-    cmd = [*accelerate_launch(), "--config_file", str(config), "-m", "flowrl", "train", *TINY,
-           "train.epochs=1", "sample.prompts_per_epoch=3", "sample.group_size=2", "eval.num_prompts=3",
-           "eval.images_per_prompt=2", f"log.run_dir={tmp_path}"]
+    cmd = [
+        *accelerate_launch(),
+        "--config_file",
+        str(config),
+        "-m",
+        "flowrl",
+        "train",
+        *TINY,
+        "train.epochs=1",
+        "sample.prompts_per_epoch=3",
+        "sample.group_size=2",
+        "eval.num_prompts=3",
+        "eval.images_per_prompt=2",
+        f"log.run_dir={tmp_path}",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -245,8 +300,21 @@ def test_two_processes_stay_in_sync(tmp_path):
 
     final = next(r for r in rows if r.get("final"))["eval/jpeg_compressibility_mean"]
     out = tmp_path / "one"
-    assert main(["eval", *TINY, "eval.num_prompts=3", "eval.images_per_prompt=2", "--checkpoint",
-                 str(tmp_path / "ckpt-000001"), "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                *TINY,
+                "eval.num_prompts=3",
+                "eval.images_per_prompt=2",
+                "--checkpoint",
+                str(tmp_path / "ckpt-000001"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     one = json.loads((out / "eval.json").read_text())
     assert one["num_samples"] == 6 and abs(one["eval/jpeg_compressibility_mean"] - final) <= 1e-4
     import numpy as np
@@ -273,11 +341,26 @@ def test_two_processes_share_the_budget_schedule_and_the_feature_diversity(tmp_p
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     config = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "cpu_2proc.yaml"
     # 10^5 epochs: the cosine's position is the budget's share spent, not the epoch count's
-    cmd = [*accelerate_launch(), "--config_file", str(config), str(Path(__file__).parent / "skewed_clock_train.py"),
-           *TINY, "train.epochs=100000", "sample.prompts_per_epoch=2", "sample.group_size=2", "eval.num_prompts=2",
-           "eval.images_per_prompt=2", "eval.every=0", "eval.grid=false", f"eval.diversity_features={dino}",
-           "train.schedule=cosine", "train.schedule_over=budget", "train.max_minutes=0.05",
-           "train.budget_clock=process", f"log.run_dir={run}"]
+    cmd = [
+        *accelerate_launch(),
+        "--config_file",
+        str(config),
+        str(Path(__file__).parent / "skewed_clock_train.py"),
+        *TINY,
+        "train.epochs=100000",
+        "sample.prompts_per_epoch=2",
+        "sample.group_size=2",
+        "eval.num_prompts=2",
+        "eval.images_per_prompt=2",
+        "eval.every=0",
+        "eval.grid=false",
+        f"eval.diversity_features={dino}",
+        "train.schedule=cosine",
+        "train.schedule_over=budget",
+        "train.max_minutes=0.05",
+        "train.budget_clock=process",
+        f"log.run_dir={run}",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "train.max_minutes=0.05 (process clock) reached" in proc.stdout
@@ -299,13 +382,28 @@ def test_fsdp_trains_checkpoints_exports_and_resumes_over_two_processes(tmp_path
     loading into a fresh pipeline, and a resume that continues to epoch 3."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     config = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "cpu_2proc.yaml"
-    base = [*accelerate_launch(), "--config_file", str(config), "-m", "flowrl", "train", *TINY,
-            "train.sharding=fsdp", "train.grpo.beta=0.05", "sample.prompts_per_epoch=2", "sample.group_size=2",
-            "eval.num_prompts=3", "checkpoint.every=1", "checkpoint.keep=0", f"log.run_dir={tmp_path}"]
+    base = [
+        *accelerate_launch(),
+        "--config_file",
+        str(config),
+        "-m",
+        "flowrl",
+        "train",
+        *TINY,
+        "train.sharding=fsdp",
+        "train.grpo.beta=0.05",
+        "sample.prompts_per_epoch=2",
+        "sample.group_size=2",
+        "eval.num_prompts=3",
+        "checkpoint.every=1",
+        "checkpoint.keep=0",
+        f"log.run_dir={tmp_path}",
+    ]
     proc = subprocess.run([*base, "train.epochs=2"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = subprocess.run([*base, "train.epochs=3", "checkpoint.resume=auto"], env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [*base, "train.epochs=3", "checkpoint.resume=auto"], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -331,11 +429,27 @@ def test_fsdp_full_fine_tuning_exports_the_gathered_model(tmp_path):
     gathered from the shards, loads with diffusers' from_pretrained and holds the trained weights, which moved."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     config = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "cpu_2proc.yaml"
-    cmd = [*accelerate_launch(), "--config_file", str(config), "-m", "flowrl", "train", *TINY,
-           "train.sharding=fsdp", "lora.enabled=false", "model.dtype=bfloat16", "train.lr=1e-4", "train.grpo.beta=0.05",
-           "train.epochs=1",
-           "sample.prompts_per_epoch=2", "sample.group_size=2", "eval.num_prompts=2", "eval.grid=false",
-           "checkpoint.every=1", f"log.run_dir={tmp_path}"]
+    cmd = [
+        *accelerate_launch(),
+        "--config_file",
+        str(config),
+        "-m",
+        "flowrl",
+        "train",
+        *TINY,
+        "train.sharding=fsdp",
+        "lora.enabled=false",
+        "model.dtype=bfloat16",
+        "train.lr=1e-4",
+        "train.grpo.beta=0.05",
+        "train.epochs=1",
+        "sample.prompts_per_epoch=2",
+        "sample.group_size=2",
+        "eval.num_prompts=2",
+        "eval.grid=false",
+        "checkpoint.every=1",
+        f"log.run_dir={tmp_path}",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     from diffusers import SD3Transformer2DModel
@@ -343,8 +457,9 @@ def test_fsdp_full_fine_tuning_exports_the_gathered_model(tmp_path):
 
     from flowrl.families.sd3 import tiny_sd3_pipeline
 
-    row = next(json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
-               if "policy/kl" in line)
+    row = next(
+        json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "policy/kl" in line
+    )
     assert row["policy/kl"] == 0.0 and row["policy/ratio_first_dev"] == 0.0
     trained = load_file(tmp_path / "ckpt-000001" / "trainable.safetensors")
     assert {v.dtype for v in trained.values()} == {torch.float32}  # the master weights
@@ -357,8 +472,10 @@ def test_fsdp_full_fine_tuning_exports_the_gathered_model(tmp_path):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo multi-process test written for linux")
-@pytest.mark.parametrize("dropped,sharding,lora", [(False, "none", True), (True, "none", True), (True, "fsdp", True),
-                                                   (False, "none", False), (False, "fsdp", False)])
+@pytest.mark.parametrize(
+    "dropped,sharding,lora",
+    [(False, "none", True), (True, "none", True), (True, "fsdp", True), (False, "none", False), (False, "fsdp", False)],
+)
 def test_two_processes_update_as_one_process_over_the_same_global_batch(tmp_path, dropped, sharding, lora):
     """The update of a 2-process run (each process its half of the global batch, gradients averaged over the
     processes) takes the weights where a 1-process update over the whole batch takes them: 3 optimizer steps, the
@@ -368,21 +485,43 @@ def test_two_processes_update_as_one_process_over_the_same_global_batch(tmp_path
     whose reference is a frozen copy of the denoiser (sharded too under FSDP)."""
     from safetensors.torch import load_file
 
-    extra = ["train.inner_epochs=3", "train.grpo.beta=0.05", "train.steps_per_forward=2", "eval.grid=false",
-             f"lora.enabled={str(lora).lower()}"] + ([] if lora else ["train.lr=1e-4"])
+    extra = [
+        "train.inner_epochs=3",
+        "train.grpo.beta=0.05",
+        "train.steps_per_forward=2",
+        "eval.grid=false",
+        f"lora.enabled={str(lora).lower()}",
+    ] + ([] if lora else ["train.lr=1e-4"])
     one = Trainer(tiny_cfg(tmp_path / "one", *extra))
     batch = one.rollout(epoch=0)
     adv = torch.tensor([1.2, -0.4, 0.3, -1.1, 0.8, -0.9, 0.5, -0.4])
     keep = torch.tensor([True, True, False, True] + [not dropped] * 4)
-    torch.save({"traj": batch.traj, "prompts": batch.prompts, "metadata": batch.metadata, "adv": adv,
-                "keep": keep}, tmp_path / "batch.pt")
+    torch.save(
+        {"traj": batch.traj, "prompts": batch.prompts, "metadata": batch.metadata, "adv": adv, "keep": keep},
+        tmp_path / "batch.pt",
+    )
     one.update(batch, adv, keep, epoch=0)
     assert one.state.optimizer_steps == 3
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [*accelerate_launch(), "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", str(Path(__file__).parent / "dist_update.py"),
-           str(tmp_path / "batch.pt"), str(tmp_path / "two.safetensors"), *TINY, *extra,
-           f"log.run_dir={tmp_path / 'two'}", f"train.sharding={sharding}"]
+    cmd = [
+        *accelerate_launch(),
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(Path(__file__).parent / "dist_update.py"),
+        str(tmp_path / "batch.pt"),
+        str(tmp_path / "two.safetensors"),
+        *TINY,
+        *extra,
+        f"log.run_dir={tmp_path / 'two'}",
+        f"train.sharding={sharding}",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "optimizer steps 3" in proc.stdout
@@ -395,9 +534,9 @@ def test_two_processes_update_as_one_process_over_the_same_global_batch(tmp_path
 def test_same_noise_per_group_shares_the_initial_noise(tmp_path):
     tr = Trainer(tiny_cfg(tmp_path, "train.grpo.same_noise_per_group=true"))
     batch = tr.rollout(epoch=0)
-    x0 = batch.traj.latents[:, 0]                     # [B, ...] initial noise, prompt-major groups of 4
+    x0 = batch.traj.latents[:, 0]  # [B, ...] initial noise, prompt-major groups of 4
     for g in range(2):
-        group = x0[4 * g: 4 * g + 4]
+        group = x0[4 * g : 4 * g + 4]
         assert torch.equal(group, group[:1].expand_as(group))
     assert not torch.equal(x0[0], x0[4])
     assert not torch.equal(batch.traj.latents[0, -1], batch.traj.latents[1, -1])  # the SDE noise differs
@@ -426,9 +565,9 @@ def test_dropped_samples_are_not_computed_and_the_update_is_unchanged(tmp_path):
     extra = ("train.drop_zero_adv_groups=true", "train.minibatch_size=2", "train.inner_epochs=2", "eval.grid=false")
     fast, masked = Trainer(tiny_cfg(tmp_path / "a", *extra)), Trainer(tiny_cfg(tmp_path / "b", *extra))
     for n, p in fast.named_params.items():
-        assert torch.equal(p, masked.named_params[n])                  # the same start
+        assert torch.equal(p, masked.named_params[n])  # the same start
     batch = fast.rollout(epoch=0)
-    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, 0.0, 0.0, 0.0])   # group 1 has no signal
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, 0.0, 0.0, 0.0])  # group 1 has no signal
     keep = adv != 0
 
     def spy(tr, seen):
@@ -437,6 +576,7 @@ def test_dropped_samples_are_not_computed_and_the_update_is_unchanged(tmp_path):
         def wrapped(b, idx, unit, **kw):
             seen.append(idx.clone())
             return evaluate(b, idx, unit, **kw)
+
         tr.policy.unit_log_probs = wrapped
 
     fast_idx, masked_idx = [], []
@@ -446,25 +586,26 @@ def test_dropped_samples_are_not_computed_and_the_update_is_unchanged(tmp_path):
     real_keep = {"keep": keep}
     # the reference: every sample forwarded, the dropped ones masked out of the loss by the real keep
     masked.objective.loss = lambda out, a, k, normalizer=None: grpo_loss(
-        out, a, real_keep["keep"][masked_idx[-1]], cfg.train.grpo, masked.policy.aggregation,
-        masked.policy.entropy_coef)
+        out, a, real_keep["keep"][masked_idx[-1]], cfg.train.grpo, masked.policy.aggregation, masked.policy.entropy_coef
+    )
     # ... whose minibatches of dropped samples only take no optimizer step (AdamW moves on a zero gradient)
     opt_step = masked.opt.step
 
     @functools.wraps(opt_step)
     def step_if_any_kept():
         return opt_step() if real_keep["keep"][masked_idx[-1]].any() else None
+
     masked.opt.step = step_if_any_kept
     out_fast = fast.update(batch, adv, keep, epoch=0)
     masked.update(batch, adv, torch.ones_like(keep), epoch=0)
     forwarded = torch.cat(fast_idx)
-    assert len(forwarded) and bool(keep[forwarded].all())            # no dropped sample was computed
-    assert len(torch.cat(masked_idx)) == 2 * len(forwarded)           # half the samples were dropped
-    assert any(not keep[i].any() for i in masked_idx)                  # some minibatch was all dropped
+    assert len(forwarded) and bool(keep[forwarded].all())  # no dropped sample was computed
+    assert len(torch.cat(masked_idx)) == 2 * len(forwarded)  # half the samples were dropped
+    assert any(not keep[i].any() for i in masked_idx)  # some minibatch was all dropped
     assert max((p - start[n]).abs().max().item() for n, p in fast.named_params.items()) > 0
     for n, p in fast.named_params.items():  # float sums over 2 rows vs 4 differ in the last bits (1.3e-6 seen)
         torch.testing.assert_close(p, masked.named_params[n], rtol=0, atol=5e-6)
-    assert out_fast["policy/ratio_first_dev"] <= 1e-4                # from the first minibatch that trained
+    assert out_fast["policy/ratio_first_dev"] <= 1e-4  # from the first minibatch that trained
     # nothing kept: no forward pass, no ratio (not a spurious off-policy warning), and no optimizer step: AdamW
     # would move the weights on a zero gradient (momentum, weight decay)
     fast_idx.clear()
@@ -486,22 +627,32 @@ def test_an_empty_leading_minibatch_does_not_step_before_the_on_policy_check(tmp
 
     from flowrl.seeding import derive_seed
 
-    tr = Trainer(tiny_cfg(tmp_path, "train.drop_zero_adv_groups=true", "train.minibatch_size=2", "eval.grid=false",
-                          "train.lr=1e-2", "train.epochs=2", "train.schedule=cosine", "train.decay_frac=0.5"))
+    tr = Trainer(
+        tiny_cfg(
+            tmp_path,
+            "train.drop_zero_adv_groups=true",
+            "train.minibatch_size=2",
+            "eval.grid=false",
+            "train.lr=1e-2",
+            "train.epochs=2",
+            "train.schedule=cosine",
+            "train.decay_frac=0.5",
+        )
+    )
     lrs = []
     opt_step = tr.opt.step
     tr.opt.step = lambda: (lrs.append(tr.opt.param_groups[0]["lr"]), opt_step())[1]
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0, 0.5, -0.5])
     tr.update(tr.rollout(epoch=0), adv, torch.ones(8, dtype=torch.bool), epoch=0)  # Adam now has momentum
-    batch = tr.rollout(epoch=1)                                                    # on-policy again
+    batch = tr.rollout(epoch=1)  # on-policy again
     perm = torch.randperm(8, generator=torch.Generator().manual_seed(derive_seed(tr.cfg.train.seed, 1, 0, 0, 7)))
     keep = torch.ones(8, dtype=torch.bool)
-    keep[perm[:2]] = False                                                        # the first minibatch is empty
+    keep[perm[:2]] = False  # the first minibatch is empty
     before, steps = trained_weights(tr), tr.state.optimizer_steps
     with warnings.catch_warnings():
-        warnings.simplefilter("error")                                            # no off-policy warning
+        warnings.simplefilter("error")  # no off-policy warning
         out = tr.update(batch, adv * keep, keep, epoch=1)
-    assert tr.state.optimizer_steps == steps + 3     # 4 minibatches, the empty one skipped: the perm matched
+    assert tr.state.optimizer_steps == steps + 3  # 4 minibatches, the empty one skipped: the perm matched
     assert out["policy/ratio_first_dev"] <= 1e-6
     assert max((p - before[n]).abs().max().item() for n, p in tr.named_params.items()) > 0
     # 8 slots, the cosine over the last half (slots 4-7): epoch 0 at the full lr; epoch 1 skips slot 4 and
@@ -529,8 +680,26 @@ def test_cli_train_eval_sample(tmp_path, capsys):
     result = json.loads((tmp_path / "ev" / "eval.json").read_text())
     assert result["checkpoint"] == str(ckpt) and math.isfinite(result["eval/jpeg_compressibility_mean"])
     assert (tmp_path / "ev" / "eval.png").exists()
-    assert main(["sample", str(cfg_file), *TINY, "--checkpoint", str(ckpt), "--prompt", "a red circle",
-                 "--prompt", "a blue square", "--num", "2", "--out", str(tmp_path / "imgs")]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                str(cfg_file),
+                *TINY,
+                "--checkpoint",
+                str(ckpt),
+                "--prompt",
+                "a red circle",
+                "--prompt",
+                "a blue square",
+                "--num",
+                "2",
+                "--out",
+                str(tmp_path / "imgs"),
+            ]
+        )
+        == 0
+    )
     assert len(list((tmp_path / "imgs").glob("*.png"))) == 4
 
 
@@ -559,7 +728,7 @@ def test_eval_weights_choose_the_ema_or_the_trained_weights(tmp_path):
     ck_dir = str(tmp_path / "ckpt-000001")
     ck = read_checkpoint(ck_dir)
     name = next(n for n in ck["trainable"] if "lora_B" in n)
-    assert not torch.equal(ck["ema"][name], ck["trainable"][name])   # the EMA lags the trained weights
+    assert not torch.equal(ck["ema"][name], ck["trainable"][name])  # the EMA lags the trained weights
     for which, key in [("auto", "ema"), ("ema", "ema"), ("trained", "trainable")]:
         policy = _policy_from_checkpoint(cfg, ck_dir, which)
         got = dict(policy.named_trainable_parameters())[name]
@@ -573,16 +742,19 @@ def test_eval_weights_choose_the_ema_or_the_trained_weights(tmp_path):
 
 
 def test_full_finetuning_with_a_frozen_reference(tmp_path):
-    tr = Trainer(tiny_cfg(tmp_path, "lora.enabled=false", "train.grpo.beta=0.1", "train.epochs=1", "eval.grid=false",
-                          "train.lr=1e-4"))
+    tr = Trainer(
+        tiny_cfg(
+            tmp_path, "lora.enabled=false", "train.grpo.beta=0.1", "train.epochs=1", "eval.grid=false", "train.lr=1e-4"
+        )
+    )
     den = tr.policy.backend.denoiser
-    assert len(tr.params) == len(list(den.parameters()))           # every denoiser weight is trained
+    assert len(tr.params) == len(list(den.parameters()))  # every denoiser weight is trained
     ref = tr.policy.ref_copy
     ref_before = {n: p.detach().clone() for n, p in ref.named_parameters()}
     before = trained_weights(tr)
     tr.fit()
     assert max((p.detach() - before[n]).abs().max().item() for n, p in tr.named_params.items()) > 0
-    for n, p in ref.named_parameters():                              # the reference stays the base model
+    for n, p in ref.named_parameters():  # the reference stays the base model
         assert torch.equal(p, ref_before[n]) and not p.requires_grad
     assert (tmp_path / "ckpt-000001" / "model" / "transformer").is_dir()
 
@@ -590,7 +762,7 @@ def test_full_finetuning_with_a_frozen_reference(tmp_path):
 def test_ratio_norm_runs_on_policy(tmp_path):
     tr = Trainer(tiny_cfg(tmp_path, "train.grpo.step_weighting=ratio_norm", "train.epochs=1", "eval.grid=false"))
     batch = tr.rollout(epoch=0)
-    assert batch.traj.means is not None                              # RatioNorm needs the recorded means
+    assert batch.traj.means is not None  # RatioNorm needs the recorded means
     out = tr.policy.unit_log_probs(batch, torch.arange(3), batch.traj.train_steps[:2], with_reference=False)
     # on-policy: mu_theta = mu_old, so b_t = 0 and log rho = (log p - log p_old) * std = 0
     assert out.log_ratio.abs().max().item() <= 1e-6
@@ -656,17 +828,27 @@ def test_grpo_raises_the_reward_it_is_given(tmp_path, redness_reward):
     """The whole loop learns: 20 epochs of GRPO on a reward the tiny model can move raise it, in the training
     rollouts and in the deterministic eval (same seeds before and after)."""
     run = tmp_path / "run"
-    cfg = tiny_cfg(run, "train.epochs=20", "train.lr=1e-2", "train.minibatch_size=8", "sample.group_size=8",
-                   "eval.num_steps=4", "eval.images_per_prompt=4", "checkpoint.every=0",
-                   f"rewards=[{{name: {redness_reward}}}]")
+    cfg = tiny_cfg(
+        run,
+        "train.epochs=20",
+        "train.lr=1e-2",
+        "train.minibatch_size=8",
+        "sample.group_size=8",
+        "eval.num_steps=4",
+        "eval.images_per_prompt=4",
+        "checkpoint.every=0",
+        f"rewards=[{{name: {redness_reward}}}]",
+    )
     Trainer(cfg).fit()
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r["reward/total_mean"] for r in rows if "reward/total_mean" in r]
     evals = [r[f"eval/{redness_reward}_mean"] for r in rows if f"eval/{redness_reward}_mean" in r]
     assert len(train) == 20 and len(evals) == 2
     first, last = sum(train[:5]) / 5, sum(train[-5:]) / 5
-    print(f"threads {torch.get_num_threads()}: train reward first 5 epochs {first:.4f} -> last 5 {last:.4f}; "
-          f"eval {evals[0]:.4f} -> {evals[1]:.4f}")
+    print(
+        f"threads {torch.get_num_threads()}: train reward first 5 epochs {first:.4f} -> last 5 {last:.4f}; "
+        f"eval {evals[0]:.4f} -> {evals[1]:.4f}"
+    )
     # measured: 0.0046 -> 0.0134 (train), 0.0061 -> 0.0256 (eval); the random model's images are grey-ish
     assert last > first + 0.004
     assert evals[1] > evals[0] + 0.008
@@ -679,13 +861,16 @@ def test_deterministic_steps_run_with_the_lora_merged(tmp_path):
     unmerged rollout; and afterwards every base weight is again the very tensor it was."""
     import contextlib
 
-    tr = Trainer(tiny_cfg(tmp_path, "sample.num_steps=5", "train.grpo.window={kind: fixed, start: 1, size: 2}",
-                          "eval.grid=false"))
+    tr = Trainer(
+        tiny_cfg(
+            tmp_path, "sample.num_steps=5", "train.grpo.window={kind: fixed, start: 1, size: 2}", "eval.grid=false"
+        )
+    )
     den = tr.policy.backend.denoiser
     with torch.no_grad():
         for n, p in den.named_parameters():
             if "lora_B" in n:
-                p.normal_(0, 0.05)                     # lora_B starts at 0: make the adapter do something
+                p.normal_(0, 0.05)  # lora_B starts at 0: make the adapter do something
     layers = tr.policy._lora_layers()
     base_before = [(m.base_layer.weight, m.base_layer.weight.detach().clone()) for m in layers]
     calls = []
@@ -696,10 +881,11 @@ def test_deterministic_steps_run_with_the_lora_merged(tmp_path):
         with merged():
             calls.append(1)
             yield
+
     prompts, meta = ["a red circle"] * 4, [{}] * 4
     tr.policy.merged_adapter = counting
     a = tr.policy.rollout(prompts, meta, epoch=0, generator=torch.Generator().manual_seed(3)).traj
-    assert len(calls) == 3                              # steps 0, 3, 4 are ODE steps; 1, 2 are the SDE window
+    assert len(calls) == 3  # steps 0, 3, 4 are ODE steps; 1, 2 are the SDE window
     tr.policy.merged_adapter = contextlib.nullcontext
     b = tr.policy.rollout(prompts, meta, epoch=0, generator=torch.Generator().manual_seed(3)).traj
     tr.policy.merged_adapter = merged
@@ -710,15 +896,17 @@ def test_deterministic_steps_run_with_the_lora_merged(tmp_path):
     out = tr.policy.backend.step_log_prob(a, [1, 2])
     assert (out.log_prob - a.log_probs[:, [1, 2]]).abs().max() <= 1e-5
     for w, before in base_before:
-        assert torch.equal(w, before)                   # restored exactly
+        assert torch.equal(w, before)  # restored exactly
     assert all(not m.merged and not m.disable_adapters for m in layers)
     # the merge really folds in the adapter: a merged forward differs from the adapter switched off
     x, t = a.latents[:, 0], torch.full((4,), 500.0)
-    text = dict(encoder_hidden_states=torch.zeros(4, 16, den.config.joint_attention_dim),
-                pooled_projections=torch.zeros(4, den.config.pooled_projection_dim))
+    text = dict(
+        encoder_hidden_states=torch.zeros(4, 16, den.config.joint_attention_dim),
+        pooled_projections=torch.zeros(4, den.config.pooled_projection_dim),
+    )
     with torch.no_grad():
         with merged():
-            assert all(m.disable_adapters for m in layers)               # the adapter is folded in, not added
+            assert all(m.disable_adapters for m in layers)  # the adapter is folded in, not added
             assert all(not torch.equal(m.base_layer.weight, before) for m, (_, before) in zip(layers, base_before))
             y_merged = den(hidden_states=x, timestep=t, **text).sample
         y_adapter = den(hidden_states=x, timestep=t, **text).sample
@@ -737,6 +925,7 @@ def test_dropped_norm_minibatch_gives_the_gradient_of_not_dropping(tmp_path):
     """dropped_norm=minibatch divides by all of the minibatch's samples: the gradient of the full computation
     where the dropped group is kept with zero advantages (beta = 0); `kept` divides by the kept ones only, a
     gradient larger by (all / kept)."""
+
     def grads_of(*extra, keep):
         tr = Trainer(tiny_cfg(tmp_path / "_".join(extra), "eval.grid=false", *extra))
         captured = {}
@@ -745,9 +934,10 @@ def test_dropped_norm_minibatch_gives_the_gradient_of_not_dropping(tmp_path):
         def capture():
             captured.update({n: p.grad.detach().clone() for n, p in tr.named_params.items()})
             return step()
+
         tr.opt.step = capture
         batch = tr.rollout(epoch=0)
-        adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, 0.0, 0.0, 0.0])   # group 1 (4 samples) has no signal
+        adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, 0.0, 0.0, 0.0])  # group 1 (4 samples) has no signal
         tr.update(batch, adv, keep, epoch=0)
         return captured
 
@@ -758,7 +948,7 @@ def test_dropped_norm_minibatch_gives_the_gradient_of_not_dropping(tmp_path):
     assert max(g.abs().max().item() for g in full.values()) > 0
     for n, g in full.items():
         torch.testing.assert_close(by_batch[n], g, rtol=1e-4, atol=1e-9)
-        torch.testing.assert_close(by_kept[n], 2 * g, rtol=1e-4, atol=1e-9)      # 8 samples / 4 kept
+        torch.testing.assert_close(by_kept[n], 2 * g, rtol=1e-4, atol=1e-9)  # 8 samples / 4 kept
 
 
 def test_model_drop_t5_trains_without_the_t5_encoder(tmp_path):

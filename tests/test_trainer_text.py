@@ -15,17 +15,37 @@ from flowrl.train.scoring import combine_advantages
 
 
 def text_cfg(model_dir, run_dir, *extra):
-    return load_config(None, [
-        "backend=text", f"model.path={model_dir}", "model.device=cpu", f"data.train_prompts={model_dir / 'prompts.jsonl'}",
-        "rewards=[{name: accuracy}]", "sample.prompts_per_epoch=3", "sample.group_size=4", "text.max_new_tokens=4",
-        "train.lr=1e-2", "log.progress=false", "eval.num_prompts=6", f"log.run_dir={run_dir}", "log.completions_every=1",
-        *extra])
+    return load_config(
+        None,
+        [
+            "backend=text",
+            f"model.path={model_dir}",
+            "model.device=cpu",
+            f"data.train_prompts={model_dir / 'prompts.jsonl'}",
+            "rewards=[{name: accuracy}]",
+            "sample.prompts_per_epoch=3",
+            "sample.group_size=4",
+            "text.max_new_tokens=4",
+            "train.lr=1e-2",
+            "log.progress=false",
+            "eval.num_prompts=6",
+            f"log.run_dir={run_dir}",
+            "log.completions_every=1",
+            *extra,
+        ],
+    )
 
 
 def test_text_grpo_trains_a_tiny_gpt2(tiny_lm, tmp_path):
-    cfg = text_cfg(tiny_lm, tmp_path, "train.epochs=2", "train.grpo.beta=0.05", "train.inner_epochs=2",
-                   "text.entropy_coef=0.01", "rewards=[{name: accuracy}, {name: soft_overlong, weight: 0.5, "
-                   "kwargs: {max_length: 4, cache_length: 2}}]")
+    cfg = text_cfg(
+        tiny_lm,
+        tmp_path,
+        "train.epochs=2",
+        "train.grpo.beta=0.05",
+        "train.inner_epochs=2",
+        "text.entropy_coef=0.01",
+        "rewards=[{name: accuracy}, {name: soft_overlong, weight: 0.5, kwargs: {max_length: 4, cache_length: 2}}]",
+    )
     tr = Trainer(cfg)
     before = {n: p.detach().clone() for n, p in tr.named_params.items()}
     assert before and all("lora" in n for n in before)
@@ -58,9 +78,12 @@ def test_completion_mask_and_recorded_log_probs(tiny_lm, tmp_path):
             assert hits[0] == n - 1  # the mask runs through the first EOS, inclusive
     # old log-probs equal an independent full log-softmax under the temperature, on the masked tokens
     with torch.no_grad():
-        logits = tr.policy.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                                 position_ids=(batch.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits
-        lp = torch.log_softmax(logits[:, batch.prompt_len - 1:-1].double() / 0.7, -1)
+        logits = tr.policy.model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=(batch.attention_mask.cumsum(-1) - 1).clamp(min=0),
+        ).logits
+        lp = torch.log_softmax(logits[:, batch.prompt_len - 1 : -1].double() / 0.7, -1)
         want = lp.gather(-1, batch.completion_ids[..., None]).squeeze(-1) * batch.completion_mask
     torch.testing.assert_close(batch.old_log_probs.double(), want, rtol=0, atol=1e-5)
 
@@ -74,10 +97,16 @@ def test_kl_in_reward_lowers_the_total_reward(tiny_lm, tmp_path):
     batch = tr.rollout(epoch=0)
     # k1 summed over the completion, times beta, from an independent reference forward (adapter off)
     with torch.no_grad(), tr.policy.model.disable_adapter():
-        ref = tr.policy.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                              position_ids=(batch.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits
-    ref_lp = torch.log_softmax(ref[:, batch.prompt_len - 1:-1].double(), -1).gather(
-        -1, batch.completion_ids[..., None]).squeeze(-1)
+        ref = tr.policy.model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=(batch.attention_mask.cumsum(-1) - 1).clamp(min=0),
+        ).logits
+    ref_lp = (
+        torch.log_softmax(ref[:, batch.prompt_len - 1 : -1].double(), -1)
+        .gather(-1, batch.completion_ids[..., None])
+        .squeeze(-1)
+    )
     want = 0.5 * ((batch.old_log_probs.double() - ref_lp) * batch.completion_mask).sum(1)
     torch.testing.assert_close(batch.kl_penalty.double(), want, rtol=0, atol=1e-4)
     assert batch.kl_penalty.abs().max() > 0
@@ -86,12 +115,28 @@ def test_kl_in_reward_lowers_the_total_reward(tiny_lm, tmp_path):
 # ----------------------------------------------------------------------------------- presets vs papers
 
 G, T = 4, 5
-LOGP = torch.tensor([[-1.0, -0.5, -2.0, -0.1, -0.3], [-0.2, -1.5, -0.7, -0.9, -1.1],
-                     [-0.4, -0.4, -0.8, -1.2, -0.6], [-1.3, -0.2, -0.5, -0.5, -0.9]], dtype=torch.float64)
-OLD = LOGP - torch.tensor([[0.1, -0.3, 0.0, 0.25, 0.05], [0.0, 0.2, -0.1, 0.3, 0.0],
-                           [-0.05, 0.15, 0.1, 0.0, -0.2], [0.4, 0.0, -0.3, 0.1, 0.2]], dtype=torch.float64)
-REF = LOGP + torch.tensor([[0.2, 0.1, -0.1, 0.0, 0.3], [-0.2, 0.0, 0.1, 0.1, 0.0],
-                           [0.0, -0.3, 0.2, 0.1, 0.1], [0.1, 0.1, 0.0, -0.2, 0.0]], dtype=torch.float64)
+LOGP = torch.tensor(
+    [
+        [-1.0, -0.5, -2.0, -0.1, -0.3],
+        [-0.2, -1.5, -0.7, -0.9, -1.1],
+        [-0.4, -0.4, -0.8, -1.2, -0.6],
+        [-1.3, -0.2, -0.5, -0.5, -0.9],
+    ],
+    dtype=torch.float64,
+)
+OLD = LOGP - torch.tensor(
+    [
+        [0.1, -0.3, 0.0, 0.25, 0.05],
+        [0.0, 0.2, -0.1, 0.3, 0.0],
+        [-0.05, 0.15, 0.1, 0.0, -0.2],
+        [0.4, 0.0, -0.3, 0.1, 0.2],
+    ],
+    dtype=torch.float64,
+)
+REF = LOGP + torch.tensor(
+    [[0.2, 0.1, -0.1, 0.0, 0.3], [-0.2, 0.0, 0.1, 0.1, 0.0], [0.0, -0.3, 0.2, 0.1, 0.1], [0.1, 0.1, 0.0, -0.2, 0.0]],
+    dtype=torch.float64,
+)
 MASK = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0]], dtype=torch.float64)
 REWARDS = torch.tensor([1.0, 0.0, 1.0, 0.5], dtype=torch.float64)
 
@@ -164,9 +209,15 @@ def test_dapo_preset_is_token_level_clip_higher():
     A = grpo_advantages()
 
     def loss(logp):
-        terms = [torch.minimum(torch.exp(logp[i, t] - OLD[i, t]) * A[i],
-                               torch.clamp(torch.exp(logp[i, t] - OLD[i, t]), 0.8, 1.28) * A[i])
-                 for i in range(G) for t in range(T) if MASK[i, t]]
+        terms = [
+            torch.minimum(
+                torch.exp(logp[i, t] - OLD[i, t]) * A[i],
+                torch.clamp(torch.exp(logp[i, t] - OLD[i, t]), 0.8, 1.28) * A[i],
+            )
+            for i in range(G)
+            for t in range(T)
+            if MASK[i, t]
+        ]
         return -sum(terms) / len(terms)
 
     assert_preset_matches("dapo", loss)
@@ -178,9 +229,18 @@ def test_dr_grpo_preset_has_no_std_and_a_constant_normaliser():
     A = [x - mean(REWARDS.tolist()) for x in REWARDS.tolist()]
 
     def loss(logp):
-        per_seq = [sum(torch.minimum(torch.exp(logp[i, t] - OLD[i, t]) * A[i],
-                                     torch.clamp(torch.exp(logp[i, t] - OLD[i, t]), 0.8, 1.2) * A[i])
-                       for t in range(T) if MASK[i, t]) / T for i in range(G)]
+        per_seq = [
+            sum(
+                torch.minimum(
+                    torch.exp(logp[i, t] - OLD[i, t]) * A[i],
+                    torch.clamp(torch.exp(logp[i, t] - OLD[i, t]), 0.8, 1.2) * A[i],
+                )
+                for t in range(T)
+                if MASK[i, t]
+            )
+            / T
+            for i in range(G)
+        ]
         return -sum(per_seq) / G
 
     assert_preset_matches("dr_grpo", loss)
@@ -231,8 +291,10 @@ def test_truncated_completions_masked_and_chat_template(tiny_lm, tmp_path):
 def test_gdpo_combination_fills_none_with_the_group_mean():
     from flowrl.core import gdpo_advantages
 
-    cfg = load_config(None, ["backend=text", "train.reward_combine=gdpo",
-                             "rewards=[{name: accuracy}, {name: think_format, weight: 0.5}]"])
+    cfg = load_config(
+        None,
+        ["backend=text", "train.reward_combine=gdpo", "rewards=[{name: accuracy}, {name: think_format, weight: 0.5}]"],
+    )
     nan = float("nan")
     scores = torch.tensor([[1.0, nan], [0.0, 1.0], [1.0, 0.0], [0.0, 0.0]], dtype=torch.float64)
     adv = combine_advantages(cfg, scores, torch.zeros(4, dtype=torch.long), ["p"] * 4, None)
@@ -267,14 +329,23 @@ def test_trl_reward_functions_work_unchanged_in_the_loop(tiny_lm, tmp_path, monk
 
     (tmp_path / "trl_rewards.py").write_text(TRL_REWARD)
     monkeypatch.chdir(tmp_path)
-    cfg = text_cfg(tiny_lm, tmp_path / "run", "train.epochs=2", "eval.grid=false",
-                   "rewards=[{name: 'trl_rewards.py:length_bonus'}, {name: 'trl_rewards.py:async_zero', weight: 0.5}]")
+    cfg = text_cfg(
+        tiny_lm,
+        tmp_path / "run",
+        "train.epochs=2",
+        "eval.grid=false",
+        "rewards=[{name: 'trl_rewards.py:length_bonus'}, {name: 'trl_rewards.py:async_zero', weight: 0.5}]",
+    )
     tr = Trainer(cfg)
     tr.fit()
-    module = next(m for name, m in sys.modules.items() if name.endswith("trl_rewards") or
-                  getattr(m, "__file__", "") == str(tmp_path / "trl_rewards.py"))
-    assert (0, 0.0) in module.seen_steps and any(step >= 1 and ep == 1.0 for step, ep in module.seen_steps), \
+    module = next(
+        m
+        for name, m in sys.modules.items()
+        if name.endswith("trl_rewards") or getattr(m, "__file__", "") == str(tmp_path / "trl_rewards.py")
+    )
+    assert (0, 0.0) in module.seen_steps and any(step >= 1 and ep == 1.0 for step, ep in module.seen_steps), (
         module.seen_steps
+    )
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     epochs = [r for r in rows if "policy/loss" in r]
     assert all(r["reward_log/mean_len"] > 0 for r in epochs)

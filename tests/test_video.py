@@ -43,8 +43,10 @@ def _level(image) -> int:
 # ------------------------------------------------------------------------------------------ frames
 
 
-@pytest.mark.parametrize("num_frames,k,expected", [(9, 3, [0, 4, 8]), (17, 4, [0, 5, 11, 16]), (5, 8, [0, 1, 2, 3, 4]),
-                                                   (9, 1, [0]), (2, 2, [0, 1]), (1, 4, [0])])
+@pytest.mark.parametrize(
+    "num_frames,k,expected",
+    [(9, 3, [0, 4, 8]), (17, 4, [0, 5, 11, 16]), (5, 8, [0, 1, 2, 3, 4]), (9, 1, [0]), (2, 2, [0, 1]), (1, 4, [0])],
+)
 def test_frame_indices_are_even_from_first_to_last(num_frames, k, expected):
     assert frame_indices(num_frames, k) == expected
 

@@ -29,13 +29,16 @@ def range_problems(cfg: Config) -> list[str]:
     problems = []
     for key, valid in RANGES.items():
         if key.startswith("rewards."):
-            values = [(f"rewards[{i}].{key.split('.', 1)[1]}", getattr(r, key.split(".", 1)[1]))
-                      for i, r in enumerate(cfg.rewards)]
+            values = [
+                (f"rewards[{i}].{key.split('.', 1)[1]}", getattr(r, key.split(".", 1)[1]))
+                for i, r in enumerate(cfg.rewards)
+            ]
         else:
             value = _get_dotted(cfg, key)
             values = [(f"{key}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, list) else [(key, value)]
-        problems.extend(f"{name} must be {valid.text()}, got {v!r}" for name, v in values
-                        if v is not None and v not in valid)
+        problems.extend(
+            f"{name} must be {valid.text()}, got {v!r}" for name, v in values if v is not None and v not in valid
+        )
     return problems
 
 
@@ -64,12 +67,16 @@ def _eval_features_problems(cfg: Config) -> list[str]:
     if not e.diversity_features:
         return []
     if cfg.backend != "image":
-        return [f"eval.diversity_features={e.diversity_features} embeds generated images, and backend={cfg.backend} "
-                "makes text; set eval.diversity_features='' (off)"]
+        return [
+            f"eval.diversity_features={e.diversity_features} embeds generated images, and backend={cfg.backend} "
+            "makes text; set eval.diversity_features='' (off)"
+        ]
     if not e.images_per_group and e.images_per_prompt < 2:
-        return [f"eval.diversity_features measures how far apart each prompt's images are, and "
-                f"eval.images_per_prompt={e.images_per_prompt} gives each prompt one; set eval.images_per_prompt=2 "
-                "or more (or eval.images_per_group with eval.group_by), or eval.diversity_features='' (off)"]
+        return [
+            f"eval.diversity_features measures how far apart each prompt's images are, and "
+            f"eval.images_per_prompt={e.images_per_prompt} gives each prompt one; set eval.images_per_prompt=2 "
+            "or more (or eval.images_per_group with eval.group_by), or eval.diversity_features='' (off)"
+        ]
     return []
 
 
@@ -79,34 +86,49 @@ def validate(cfg: Config) -> None:
     problems = range_problems(cfg)
     batch = s.group_size * s.prompts_per_epoch
     if t.minibatch_size and batch % t.minibatch_size:
-        problems.append(f"train.minibatch_size={t.minibatch_size} must divide the epoch batch "
-                        f"{batch} (= sample.prompts_per_epoch x sample.group_size)")
+        problems.append(
+            f"train.minibatch_size={t.minibatch_size} must divide the epoch batch "
+            f"{batch} (= sample.prompts_per_epoch x sample.group_size)"
+        )
     if s.rollout_batch_size and batch % s.rollout_batch_size:
         problems.append(f"sample.rollout_batch_size={s.rollout_batch_size} must divide the epoch batch {batch}")
     if t.per_prompt_stats and t.stat_min_count > t.stat_buffer_size:
-        problems.append(f"train.stat_min_count={t.stat_min_count} exceeds train.stat_buffer_size="
-                        f"{t.stat_buffer_size}: the per-prompt statistics would never be used")
+        problems.append(
+            f"train.stat_min_count={t.stat_min_count} exceeds train.stat_buffer_size="
+            f"{t.stat_buffer_size}: the per-prompt statistics would never be used"
+        )
     problems.extend(_eval_features_problems(cfg))
     if cfg.eval.images_per_group and not cfg.eval.group_by:
-        problems.append(f"eval.images_per_group={cfg.eval.images_per_group} shares images out over the groups of "
-                        "eval.group_by, which is not set; set eval.group_by (e.g. family) or images_per_group=0")
+        problems.append(
+            f"eval.images_per_group={cfg.eval.images_per_group} shares images out over the groups of "
+            "eval.group_by, which is not set; set eval.group_by (e.g. family) or images_per_group=0"
+        )
     if not cfg.rewards:
         problems.append("rewards: at least one reward is needed")
     elif not any(r.weight for r in cfg.rewards):
-        problems.append(f"rewards: every weight is 0 ({', '.join(r.name for r in cfg.rewards)}), so there is nothing "
-                        "to train on; give at least one reward a non-zero weight (weight 0 = report only)")
+        problems.append(
+            f"rewards: every weight is 0 ({', '.join(r.name for r in cfg.rewards)}), so there is nothing "
+            "to train on; give at least one reward a non-zero weight (weight 0 = report only)"
+        )
     if cfg.backend == "image":
         problems.extend(_family_problems(cfg))
     if t.optimizer == "adamw_8bit" and t.sharding == "fsdp":
-        problems.append("train.optimizer=adamw_8bit cannot step FSDP's sharded weights (bitsandbytes' 8-bit states "
-                        "are per whole tensor); use train.optimizer=adamw with train.sharding=fsdp, or sharding=none")
+        problems.append(
+            "train.optimizer=adamw_8bit cannot step FSDP's sharded weights (bitsandbytes' 8-bit states "
+            "are per whole tensor); use train.optimizer=adamw with train.sharding=fsdp, or sharding=none"
+        )
     if t.schedule_over == "budget" and not t.max_minutes:
-        problems.append("train.schedule_over=budget decays the lr over the time budget, and train.max_minutes is 0 "
-                        "(none); set train.max_minutes, or train.schedule_over=epochs")
+        problems.append(
+            "train.schedule_over=budget decays the lr over the time budget, and train.max_minutes is 0 "
+            "(none); set train.max_minutes, or train.schedule_over=epochs"
+        )
     problems.extend(get_objective(t.objective).check(cfg))  # its own section's relations (others' are ignored)
     from flowrl.core import ADVANTAGE_ESTIMATORS
+
     if t.adv_estimator not in ADVANTAGE_ESTIMATORS:
-        problems.append(f"train.adv_estimator {t.adv_estimator!r} is not registered; valid: "
-                        f"{', '.join(ADVANTAGE_ESTIMATORS.names())}")
+        problems.append(
+            f"train.adv_estimator {t.adv_estimator!r} is not registered; valid: "
+            f"{', '.join(ADVANTAGE_ESTIMATORS.names())}"
+        )
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))

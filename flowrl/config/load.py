@@ -26,29 +26,63 @@ from .tree import Config, _dataclass_of, _hints, describe
 #: Names users bring from TRL, diffusers' training scripts, Flow-GRPO and DDPO -> the flowrl key.
 ALIASES: dict[str, str] = {
     # TRL (GRPOConfig / TrainingArguments)
-    "learning_rate": "train.lr", "num_generations": "sample.group_size", "num_train_epochs": "train.epochs",
-    "num_iterations": "train.inner_epochs", "epsilon": "train.grpo.clip_low", "epsilon_high": "train.grpo.clip_high",
-    "delta": "train.grpo.dual_clip", "max_completion_length": "text.max_new_tokens",
-    "per_device_train_batch_size": "train.minibatch_size", "scale_rewards": "train.adv_scale",
-    "loss_type": "text.loss_agg", "reward_weights": "rewards", "reward_funcs": "rewards",
-    "lr_scheduler_type": "train.schedule", "adam_beta1": "train.adam_betas", "adam_beta2": "train.adam_betas",
-    "adam_epsilon": "train.adam_eps", "output_dir": "log.run_dir", "logging_steps": "log.every",
-    "save_steps": "checkpoint.every", "save_total_limit": "checkpoint.keep",
-    "resume_from_checkpoint": "checkpoint.resume", "model_name_or_path": "model.path",
-    "num_inner_epochs": "train.inner_epochs", "kl_coef": "train.grpo.beta", "init_kl_coef": "train.grpo.beta",
+    "learning_rate": "train.lr",
+    "num_generations": "sample.group_size",
+    "num_train_epochs": "train.epochs",
+    "num_iterations": "train.inner_epochs",
+    "epsilon": "train.grpo.clip_low",
+    "epsilon_high": "train.grpo.clip_high",
+    "delta": "train.grpo.dual_clip",
+    "max_completion_length": "text.max_new_tokens",
+    "per_device_train_batch_size": "train.minibatch_size",
+    "scale_rewards": "train.adv_scale",
+    "loss_type": "text.loss_agg",
+    "reward_weights": "rewards",
+    "reward_funcs": "rewards",
+    "lr_scheduler_type": "train.schedule",
+    "adam_beta1": "train.adam_betas",
+    "adam_beta2": "train.adam_betas",
+    "adam_epsilon": "train.adam_eps",
+    "output_dir": "log.run_dir",
+    "logging_steps": "log.every",
+    "save_steps": "checkpoint.every",
+    "save_total_limit": "checkpoint.keep",
+    "resume_from_checkpoint": "checkpoint.resume",
+    "model_name_or_path": "model.path",
+    "num_inner_epochs": "train.inner_epochs",
+    "kl_coef": "train.grpo.beta",
+    "init_kl_coef": "train.grpo.beta",
     # diffusers training scripts
-    "pretrained_model_name_or_path": "model.path", "mixed_precision": "model.dtype", "torch_dtype": "model.dtype",
-    "num_inference_steps": "sample.num_steps", "resolution": "sample.height", "lora_rank": "lora.rank",
-    "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout", "use_lora": "lora.enabled",
-    "train_batch_size": "train.minibatch_size", "gradient_checkpointing": "train.gradient_checkpointing",
+    "pretrained_model_name_or_path": "model.path",
+    "mixed_precision": "model.dtype",
+    "torch_dtype": "model.dtype",
+    "num_inference_steps": "sample.num_steps",
+    "resolution": "sample.height",
+    "lora_rank": "lora.rank",
+    "lora_alpha": "lora.alpha",
+    "lora_dropout": "lora.dropout",
+    "use_lora": "lora.enabled",
+    "train_batch_size": "train.minibatch_size",
+    "gradient_checkpointing": "train.gradient_checkpointing",
     # Flow-GRPO / DDPO
-    "clip_range": "train.grpo.clip_low", "num_image_per_prompt": "sample.group_size", "num_epochs": "train.epochs",
-    "eval_num_steps": "eval.num_steps", "global_std": "train.adv_scale", "ema": "train.ema_decay",
-    "per_prompt_stat_tracking": "train.per_prompt_stats", "sde_window_size": "train.grpo.window.size",
-    "sde_window_range": "train.grpo.window.start", "timestep_fraction": "train.grpo.window.size",
-    "use_8bit_adam": "train.optimizer", "offload_optimizer": "train.offload", "cpu_offload": "train.offload",
-    "save_freq": "checkpoint.every", "eval_freq": "eval.every", "logdir": "log.run_dir",
-    "num_batches_per_epoch": "sample.prompts_per_epoch", "kl_reward": "text.kl_in_reward",
+    "clip_range": "train.grpo.clip_low",
+    "num_image_per_prompt": "sample.group_size",
+    "num_epochs": "train.epochs",
+    "eval_num_steps": "eval.num_steps",
+    "global_std": "train.adv_scale",
+    "ema": "train.ema_decay",
+    "per_prompt_stat_tracking": "train.per_prompt_stats",
+    "sde_window_size": "train.grpo.window.size",
+    "sde_window_range": "train.grpo.window.start",
+    "timestep_fraction": "train.grpo.window.size",
+    "use_8bit_adam": "train.optimizer",
+    "offload_optimizer": "train.offload",
+    "cpu_offload": "train.offload",
+    "save_freq": "checkpoint.every",
+    "eval_freq": "eval.every",
+    "logdir": "log.run_dir",
+    "num_batches_per_epoch": "sample.prompts_per_epoch",
+    "kl_reward": "text.kl_in_reward",
 }
 
 
@@ -56,8 +90,10 @@ ALIASES: dict[str, str] = {
 #: way is read as the new key, with a one-line hint (ConfigWarning) naming it; a checkpoint's saved config is read
 #: alike (`migrate(..., hint=False)`).
 MOVED_KEYS: dict[str, str] = {
-    **{f"train.{k}": f"train.grpo.{k}" for k in ("policy_loss", "clip_low", "clip_high", "dual_clip", "beta",
-                                                  "kl_std", "step_weighting")},
+    **{
+        f"train.{k}": f"train.grpo.{k}"
+        for k in ("policy_loss", "clip_low", "clip_high", "dual_clip", "beta", "kl_std", "step_weighting")
+    },
     **{f"sample.{k}": f"train.grpo.{k}" for k in ("sde_type", "noise_level", "window", "same_noise_per_group")},
 }
 
@@ -66,13 +102,12 @@ def moved_key(key: str) -> str | None:
     """The current spelling of dotted `key` when it (or a section above it) moved, else None."""
     for old, new in MOVED_KEYS.items():
         if key == old or key.startswith(old + "."):
-            return new + key[len(old):]
+            return new + key[len(old) :]
     return None
 
 
 def _moved_hint(old: str, new: str, where: str) -> None:
-    warnings.warn(f"{where}{old} is now {new}: read as {new} (rename it to silence this)", ConfigWarning,
-                  stacklevel=4)
+    warnings.warn(f"{where}{old} is now {new}: read as {new} (rename it to silence this)", ConfigWarning, stacklevel=4)
 
 
 def migrate(tree: Any, *, hint: bool = True, where: str = "") -> Any:
@@ -118,9 +153,11 @@ def without_other_objectives(tree: dict, objective: str) -> dict:
 
 
 def _all_keys(cls: type = Config, prefix: str = "") -> list[str]:
-    return [row[0] for row in describe(cls, prefix)] + (["rewards.name", "rewards.weight", "rewards.kwargs",
-                                                          "rewards.video_frames", "rewards.video_aggregate"]
-                                                         if cls is Config and not prefix else [])
+    return [row[0] for row in describe(cls, prefix)] + (
+        ["rewards.name", "rewards.weight", "rewards.kwargs", "rewards.video_frames", "rewards.video_aggregate"]
+        if cls is Config and not prefix
+        else []
+    )
 
 
 def _suggest(key: str) -> list[str]:
@@ -240,8 +277,10 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
         prefix = ".".join(parts[:i])
         if cls is None:  # inside a list of sections: an index
             if not part.isdigit():
-                raise ConfigError(f"{key!r}: {prefix} is a list; name an item by its index, e.g. {prefix}.0.weight=2 "
-                                  f"(or set the whole list: {prefix}='[{{name: ..., weight: 1}}]')")
+                raise ConfigError(
+                    f"{key!r}: {prefix} is a list; name an item by its index, e.g. {prefix}.0.weight=2 "
+                    f"(or set the whole list: {prefix}='[{{name: ..., weight: 1}}]')"
+                )
             node = node.setdefault(int(part), {})
             cls = item_cls
             if last:
@@ -259,8 +298,10 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
             node = node.setdefault(part, {})
             continue
         if _dataclass_of(tp) is None:
-            raise ConfigError(f"{key!r}: {'.'.join(parts[:i + 1])} is a value, not a section; set it as "
-                              f"{'.'.join(parts[:i + 1])}=VALUE")
+            raise ConfigError(
+                f"{key!r}: {'.'.join(parts[: i + 1])} is a value, not a section; set it as "
+                f"{'.'.join(parts[: i + 1])}=VALUE"
+            )
         cls = tp
         node = node.setdefault(part, {})
 
@@ -271,10 +312,13 @@ def _merge(base: Any, over: dict, path: str = "") -> Any:
         out_list = list(base)
         for i, v in over.items():
             if i >= len(out_list):
-                raise ConfigError(f"{path}.{i}: the list {path} has {len(out_list)} item(s), indices 0 to "
-                                  f"{len(out_list) - 1}; set the whole list to add one")
-            out_list[i] = _merge(out_list[i], v, f"{path}.{i}") if isinstance(v, dict) and isinstance(
-                out_list[i], dict) else v
+                raise ConfigError(
+                    f"{path}.{i}: the list {path} has {len(out_list)} item(s), indices 0 to "
+                    f"{len(out_list) - 1}; set the whole list to add one"
+                )
+            out_list[i] = (
+                _merge(out_list[i], v, f"{path}.{i}") if isinstance(v, dict) and isinstance(out_list[i], dict) else v
+            )
         return out_list
     out = dict(base)
     for k, v in over.items():
@@ -328,30 +372,52 @@ def read_yaml(path: Path) -> Any:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
         context = getattr(e, "context", None)
-        raise ConfigError(f"{where}: YAML syntax error: {_yaml_problem(e)}"
-                          + (f" ({context})" if context else "")) from None
+        raise ConfigError(
+            f"{where}: YAML syntax error: {_yaml_problem(e)}" + (f" ({context})" if context else "")
+        ) from None
 
 
 #: text.loss_preset -> the settings of the published variant (a base layer under the user's own keys).
 LOSS_PRESETS: dict[str, dict] = {
     # DeepSeekMath GRPO (arXiv 2402.03300): token ratio, symmetric clip 0.2, group std, per-sequence token mean,
     # k3 KL in the loss with beta 0.04.
-    "grpo": {"train": {"adv_estimator": "grpo", "adv_scale": "group",
-                       "grpo": {"policy_loss": "ppo_clip", "clip_low": 0.2, "clip_high": 0.2, "beta": 0.04}},
-             "text": {"loss_agg": "seq-mean-token-mean", "kl_estimator": "k3", "kl_in_reward": False}},
+    "grpo": {
+        "train": {
+            "adv_estimator": "grpo",
+            "adv_scale": "group",
+            "grpo": {"policy_loss": "ppo_clip", "clip_low": 0.2, "clip_high": 0.2, "beta": 0.04},
+        },
+        "text": {"loss_agg": "seq-mean-token-mean", "kl_estimator": "k3", "kl_in_reward": False},
+    },
     # DAPO (arXiv 2503.14476): clip-higher 0.2 / 0.28, token-level mean, no KL, dynamic sampling (groups with no
     # signal dropped), overlong completions masked.
-    "dapo": {"train": {"adv_estimator": "grpo", "adv_scale": "group", "drop_zero_adv_groups": True,
-                       "grpo": {"policy_loss": "ppo_clip", "clip_low": 0.2, "clip_high": 0.28, "beta": 0.0}},
-             "text": {"loss_agg": "token-mean", "mask_truncated": True}},
+    "dapo": {
+        "train": {
+            "adv_estimator": "grpo",
+            "adv_scale": "group",
+            "drop_zero_adv_groups": True,
+            "grpo": {"policy_loss": "ppo_clip", "clip_low": 0.2, "clip_high": 0.28, "beta": 0.0},
+        },
+        "text": {"loss_agg": "token-mean", "mask_truncated": True},
+    },
     # Dr.GRPO (arXiv 2503.20783): no std division, a constant normaliser (the max completion length), no KL.
-    "dr_grpo": {"train": {"adv_estimator": "grpo", "adv_scale": "none",
-                          "grpo": {"policy_loss": "ppo_clip", "clip_low": 0.2, "clip_high": 0.2, "beta": 0.0}},
-                "text": {"loss_agg": "seq-mean-token-sum-max-len"}},
+    "dr_grpo": {
+        "train": {
+            "adv_estimator": "grpo",
+            "adv_scale": "none",
+            "grpo": {"policy_loss": "ppo_clip", "clip_low": 0.2, "clip_high": 0.2, "beta": 0.0},
+        },
+        "text": {"loss_agg": "seq-mean-token-sum-max-len"},
+    },
     # GSPO (arXiv 2507.18071): sequence-level ratio, clip 3e-4 / 4e-4, per-sequence token mean, no KL.
-    "gspo": {"train": {"adv_estimator": "grpo", "adv_scale": "group",
-                       "grpo": {"policy_loss": "gspo", "clip_low": 3e-4, "clip_high": 4e-4, "beta": 0.0}},
-             "text": {"loss_agg": "seq-mean-token-mean"}},
+    "gspo": {
+        "train": {
+            "adv_estimator": "grpo",
+            "adv_scale": "group",
+            "grpo": {"policy_loss": "gspo", "clip_low": 3e-4, "clip_high": 4e-4, "beta": 0.0},
+        },
+        "text": {"loss_agg": "seq-mean-token-mean"},
+    },
 }
 
 

@@ -53,14 +53,19 @@ class LoraConfig:
     """Start from a saved adapter (a checkpoint's `lora/` dir) instead of a fresh one."""
 
 
-
-
 @dataclass
 class SampleConfig:
     RANGES: ClassVar[dict[str, Range]] = {
-        "num_steps": AT_LEAST_1, "guidance_scale": AT_LEAST_0, "height": AT_LEAST_1, "width": AT_LEAST_1,
-        "group_size": Range(2), "prompts_per_epoch": AT_LEAST_1, "rollout_batch_size": AT_LEAST_0,
-        "max_sequence_length": AT_LEAST_1, "num_frames": AT_LEAST_0}
+        "num_steps": AT_LEAST_1,
+        "guidance_scale": AT_LEAST_0,
+        "height": AT_LEAST_1,
+        "width": AT_LEAST_1,
+        "group_size": Range(2),
+        "prompts_per_epoch": AT_LEAST_1,
+        "rollout_batch_size": AT_LEAST_0,
+        "max_sequence_length": AT_LEAST_1,
+        "num_frames": AT_LEAST_0,
+    }
 
     num_steps: int = 10
     """Denoising steps per rollout (Flow-GRPO trains on 10 and evaluates with 40)."""
@@ -85,9 +90,14 @@ class SampleConfig:
 
 @dataclass
 class TextConfig:
-    RANGES: ClassVar[dict[str, Range]] = {"max_new_tokens": AT_LEAST_1, "max_prompt_length": AT_LEAST_1,
-                                          "temperature": POSITIVE, "top_p": FRACTION, "top_k": AT_LEAST_0,
-                                          "entropy_coef": AT_LEAST_0}
+    RANGES: ClassVar[dict[str, Range]] = {
+        "max_new_tokens": AT_LEAST_1,
+        "max_prompt_length": AT_LEAST_1,
+        "temperature": POSITIVE,
+        "top_p": FRACTION,
+        "top_k": AT_LEAST_0,
+        "entropy_coef": AT_LEAST_0,
+    }
 
     max_new_tokens: int = 16
     """Most tokens per completion (T)."""
@@ -108,8 +118,13 @@ class TextConfig:
     """Wrap prompts in the tokenizer's chat template when it has one."""
     mask_truncated: bool = False
     """Leave completions that hit max_new_tokens without an EOS out of the loss (DAPO's overlong filtering)."""
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
-                      "seq-mean-token-sum-max-len"] = "token-mean"
+    loss_agg: Literal[
+        "token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum-norm",
+        "seq-mean-token-sum-max-len",
+    ] = "token-mean"
     """How token losses become one number (see flowrl.core.aggregate_loss): `seq-mean-token-sum-norm` is verl's
     (the sum over every completion token / max_new_tokens), `seq-mean-token-sum-max-len` Dr.GRPO's 1/G form (the
     mean over completions of their token sums / max_new_tokens)."""
@@ -124,17 +139,29 @@ class TextConfig:
     paper did (keys you set yourself win). See flowrl.config.LOSS_PRESETS."""
 
 
-
-
 @dataclass
 class TrainConfig:
     RANGES: ClassVar[dict[str, Range]] = {
-        "epochs": AT_LEAST_0, "inner_epochs": AT_LEAST_1, "minibatch_size": AT_LEAST_0, "steps_per_forward": AT_LEAST_1,
-        "micro_batch_size": AT_LEAST_0, "lr": POSITIVE, "weight_decay": AT_LEAST_0, "adam_betas": Range(0, 1, hi_open=True),
-        "adam_eps": POSITIVE, "warmup_steps": AT_LEAST_0, "decay_frac": FRACTION, "max_grad_norm": AT_LEAST_0,
-        "adv_clip_max": POSITIVE, "stat_buffer_size": AT_LEAST_1, "stat_min_count": AT_LEAST_1,
-        "ema_decay": Range(0, 1, hi_open=True), "max_nonfinite_steps": AT_LEAST_1, "max_minutes": AT_LEAST_0,
-        "seed": AT_LEAST_0}
+        "epochs": AT_LEAST_0,
+        "inner_epochs": AT_LEAST_1,
+        "minibatch_size": AT_LEAST_0,
+        "steps_per_forward": AT_LEAST_1,
+        "micro_batch_size": AT_LEAST_0,
+        "lr": POSITIVE,
+        "weight_decay": AT_LEAST_0,
+        "adam_betas": Range(0, 1, hi_open=True),
+        "adam_eps": POSITIVE,
+        "warmup_steps": AT_LEAST_0,
+        "decay_frac": FRACTION,
+        "max_grad_norm": AT_LEAST_0,
+        "adv_clip_max": POSITIVE,
+        "stat_buffer_size": AT_LEAST_1,
+        "stat_min_count": AT_LEAST_1,
+        "ema_decay": Range(0, 1, hi_open=True),
+        "max_nonfinite_steps": AT_LEAST_1,
+        "max_minutes": AT_LEAST_0,
+        "seed": AT_LEAST_0,
+    }
 
     objective: str = "grpo"
     """What the update optimises: a registered objective (flowrl.objectives), whose settings are the section
@@ -252,13 +279,15 @@ def _with_objective_sections(base: type) -> type:
         listing.append(f"`{name}` = {objective.title} (train.{name})" if objective.Settings else f"`{name}`")
         if objective.Settings is not None:
             fields.append((name, objective.Settings, field(default_factory=objective.Settings)))
-            docs[name] = (f"{objective.title}: the settings of train.objective={name}, ignored under another "
-                          "objective.")
-    docs["objective"] = (f"What the update optimises (flowrl.objectives): {'; '.join(listing)}. Each objective's "
-                         f"settings are its own section train.<objective>: switching the objective is this one key, "
-                         f"the sections of the other objectives are ignored.")
-    cls = dataclasses.make_dataclass(base.__name__, fields, bases=(base,),
-                                     namespace={"__doc__": base.__doc__, "FIELD_DOCS": docs})
+            docs[name] = f"{objective.title}: the settings of train.objective={name}, ignored under another objective."
+    docs["objective"] = (
+        f"What the update optimises (flowrl.objectives): {'; '.join(listing)}. Each objective's "
+        f"settings are its own section train.<objective>: switching the objective is this one key, "
+        f"the sections of the other objectives are ignored."
+    )
+    cls = dataclasses.make_dataclass(
+        base.__name__, fields, bases=(base,), namespace={"__doc__": base.__doc__, "FIELD_DOCS": docs}
+    )
     cls.__module__ = base.__module__
     return cls
 
@@ -314,8 +343,15 @@ class DataConfig:
 @dataclass
 class EvalConfig:
     RANGES: ClassVar[dict[str, Range]] = {
-        "every": AT_LEAST_0, "num_steps": AT_LEAST_1, "guidance_scale": AT_LEAST_0, "num_prompts": AT_LEAST_0,
-        "images_per_prompt": AT_LEAST_1, "images_per_group": AT_LEAST_0, "seed": AT_LEAST_0, "fps": POSITIVE}
+        "every": AT_LEAST_0,
+        "num_steps": AT_LEAST_1,
+        "guidance_scale": AT_LEAST_0,
+        "num_prompts": AT_LEAST_0,
+        "images_per_prompt": AT_LEAST_1,
+        "images_per_group": AT_LEAST_0,
+        "seed": AT_LEAST_0,
+        "fps": POSITIVE,
+    }
 
     every: int = 0
     """Evaluate every N epochs (0 = only at the end)."""
@@ -434,8 +470,13 @@ def field_docs(cls: type) -> dict[str, str]:
         if tree is not None and tree.body and isinstance(tree.body[0], ast.ClassDef):
             body = tree.body[0].body
             for node, nxt in zip(body, body[1:]):
-                if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(
-                        nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                if (
+                    isinstance(node, ast.AnnAssign)
+                    and isinstance(node.target, ast.Name)
+                    and isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)
+                ):
                     docs[node.target.id] = " ".join(nxt.value.value.split())
         docs.update(vars(klass).get("FIELD_DOCS", {}))
     return docs

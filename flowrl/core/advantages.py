@@ -52,7 +52,8 @@ def group_index(group_ids: Tensor | Sequence[Hashable], n: int, device=None) -> 
 def _group_stats(rewards: Tensor, index: Tensor, num_groups: int, unbiased: bool):
     """Per-sample (count, mean, std, range) of the sample's group, each [N]."""
     counts = torch.zeros(num_groups, dtype=rewards.dtype, device=rewards.device).index_add_(
-        0, index, torch.ones_like(rewards))
+        0, index, torch.ones_like(rewards)
+    )
     sums = torch.zeros_like(counts).index_add_(0, index, rewards)
     mean = sums / counts
     dev = rewards - mean[index]
@@ -167,12 +168,16 @@ def gdpo_advantages(
     if rewards.ndim != 2:
         raise ValueError(f"rewards must be [N, K] (one column per reward), got {tuple(rewards.shape)}")
     k = rewards.shape[1]
-    w = torch.ones(k, dtype=rewards.dtype, device=rewards.device) if weights is None else \
-        torch.as_tensor(weights, dtype=rewards.dtype, device=rewards.device)
+    w = (
+        torch.ones(k, dtype=rewards.dtype, device=rewards.device)
+        if weights is None
+        else torch.as_tensor(weights, dtype=rewards.dtype, device=rewards.device)
+    )
     if w.shape != (k,):
         raise ValueError(f"weights must have {k} entries (one per reward column), got {tuple(w.shape)}")
     per_reward = torch.stack(
-        [group_advantages(rewards[:, j], group_ids, eps=eps, unbiased=unbiased) for j in range(k)], dim=1)
+        [group_advantages(rewards[:, j], group_ids, eps=eps, unbiased=unbiased) for j in range(k)], dim=1
+    )
     summed = per_reward @ w
     if summed.numel() < 2:
         return torch.zeros_like(summed)
@@ -201,7 +206,8 @@ def gae_advantages(
     if not (rewards.shape == values.shape == mask.shape) or rewards.ndim != 2:
         raise ValueError(
             f"rewards, values and mask must all be [B, T]; got {tuple(rewards.shape)}, "
-            f"{tuple(values.shape)}, {tuple(mask.shape)}")
+            f"{tuple(values.shape)}, {tuple(mask.shape)}"
+        )
     m = mask.to(rewards.dtype)
     next_value = torch.zeros_like(rewards[:, 0])
     next_adv = torch.zeros_like(rewards[:, 0])
@@ -260,8 +266,11 @@ class PerPromptStatTracker:
         self.history.clear()
 
     def state_dict(self) -> dict:
-        return {"buffer_size": self.buffer_size, "min_count": self.min_count,
-                "history": {p: list(h) for p, h in self.history.items()}}
+        return {
+            "buffer_size": self.buffer_size,
+            "min_count": self.min_count,
+            "history": {p: list(h) for p, h in self.history.items()},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.buffer_size, self.min_count = state["buffer_size"], state["min_count"]

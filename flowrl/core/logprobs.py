@@ -87,8 +87,10 @@ def sample_categorical(logits: Tensor, generator: torch.Generator | None = None)
     total = cdf[:, -1:]
     if not bool(((total > 0) & torch.isfinite(total)).all()):
         bad = (~((total > 0) & torch.isfinite(total))).flatten().nonzero().flatten().tolist()
-        raise ValueError(f"rows {bad[:8]} of the logits have no finite probability mass (NaN, or every logit -inf): "
-                         "nothing can be sampled; every row needs at least one finite logit")
+        raise ValueError(
+            f"rows {bad[:8]} of the logits have no finite probability mass (NaN, or every logit -inf): "
+            "nothing can be sampled; every row needs at least one finite logit"
+        )
     u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device, generator=generator) * total
     return torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1).squeeze(1)
 

@@ -110,8 +110,9 @@ def ppo_clip_loss(
     log_prob, old_log_prob = _upcast(log_prob), _upcast(old_log_prob)
     if log_prob.shape != old_log_prob.shape:
         raise ValueError(f"log_prob {tuple(log_prob.shape)} and old_log_prob {tuple(old_log_prob.shape)} differ")
-    return clipped_surrogate(log_prob - old_log_prob, advantages, clip_low=clip_low, clip_high=clip_high,
-                             dual_clip=dual_clip, mask=mask)
+    return clipped_surrogate(
+        log_prob - old_log_prob, advantages, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, mask=mask
+    )
 
 
 def sequence_log_ratio(log_prob: Tensor, old_log_prob: Tensor, mask: Tensor) -> Tensor:
@@ -147,16 +148,33 @@ def gspo_loss(
     log_prob, old_log_prob = _upcast(log_prob), _upcast(old_log_prob)
     if mask is None:
         mask = torch.ones_like(log_prob)
-    return clipped_surrogate(sequence_log_ratio(log_prob, old_log_prob, mask), advantages,
-                             clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, mask=mask)
+    return clipped_surrogate(
+        sequence_log_ratio(log_prob, old_log_prob, mask),
+        advantages,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        mask=mask,
+    )
 
 
-AGGREGATION_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
-                     "seq-mean-token-sum-max-len")
+AGGREGATION_MODES = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+    "seq-mean-token-sum-max-len",
+)
 
 
-def aggregate_loss(loss: Tensor, mask: Tensor, mode: str = "token-mean", horizon: int | None = None, *,
-                   normalizer: Tensor | float | None = None) -> Tensor:
+def aggregate_loss(
+    loss: Tensor,
+    mask: Tensor,
+    mode: str = "token-mean",
+    horizon: int | None = None,
+    *,
+    normalizer: Tensor | float | None = None,
+) -> Tensor:
     """Reduce a per-element loss [B, T] to a scalar over the positions where `mask` is 1.
 
     - ``token-mean``:              sum_bt m l / sum_bt m  (every token weighs the same; DAPO)
@@ -173,8 +191,9 @@ def aggregate_loss(loss: Tensor, mask: Tensor, mode: str = "token-mean", horizon
     minibatch makes the aggregates of its micro-batches add up to the minibatch's aggregate exactly.
     """
     if normalizer is None:
-        normalizer = loss_normalizer(mask if loss.ndim > 1 else mask.unsqueeze(-1), mode, horizon,
-                                     length=loss.shape[-1] if loss.ndim > 1 else 1)
+        normalizer = loss_normalizer(
+            mask if loss.ndim > 1 else mask.unsqueeze(-1), mode, horizon, length=loss.shape[-1] if loss.ndim > 1 else 1
+        )
     return loss_numerator(loss, mask, mode, horizon) / normalizer
 
 
@@ -183,7 +202,7 @@ def loss_numerator(loss: Tensor, mask: Tensor, mode: str = "token-mean", horizon
     if loss.ndim == 1:
         loss, mask = loss.unsqueeze(-1), mask.unsqueeze(-1)
     m = mask.to(loss.dtype)
-    row_sum = (loss * m).sum(-1)                                                                  # [B]
+    row_sum = (loss * m).sum(-1)  # [B]
     if mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
         return row_sum.sum()
     if mode == "seq-mean-token-mean":
@@ -193,8 +212,9 @@ def loss_numerator(loss: Tensor, mask: Tensor, mode: str = "token-mean", horizon
     raise ValueError(f"unknown loss aggregation mode {mode!r}; valid: {', '.join(AGGREGATION_MODES)}")
 
 
-def loss_normalizer(mask: Tensor, mode: str = "token-mean", horizon: int | None = None, *,
-                    length: int | None = None, clamp: bool = True) -> Tensor:
+def loss_normalizer(
+    mask: Tensor, mode: str = "token-mean", horizon: int | None = None, *, length: int | None = None, clamp: bool = True
+) -> Tensor:
     """What `aggregate_loss` divides the numerator by, from the mask [B, T] alone (so that it can be computed for a
     whole minibatch before its micro-batches run): the number of masked elements (token-mean), of non-empty rows
     (the seq-mean modes), or the constant T (seq-mean-token-sum-norm: `horizon`, else `length`, else T).

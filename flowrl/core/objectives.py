@@ -329,8 +329,14 @@ def awm_loss(
         raise ValueError(f"clip_range must be >= 0, got {clip_range}")
     if advantage_clip is not None and not advantage_clip > 0:
         raise ValueError(f"advantage_clip must be > 0 or None, got {advantage_clip}")
-    _same_shape(velocity=velocity, x0=x0, noise=noise, old_velocity=old_velocity, ref_velocity=ref_velocity,
-                ema_velocity=ema_velocity)
+    _same_shape(
+        velocity=velocity,
+        x0=x0,
+        noise=noise,
+        old_velocity=old_velocity,
+        ref_velocity=ref_velocity,
+        ema_velocity=ema_velocity,
+    )
     dtype = _dtype(velocity, x0, noise)
     v = velocity.to(dtype)
     _, target = forward_noising(x0.to(dtype), noise.to(dtype), t)
@@ -432,8 +438,15 @@ def dpo_loss(
     """
     if not beta > 0:
         raise ValueError(f"beta must be > 0, got {beta}")
-    _same_shape(velocity_w=velocity_w, velocity_l=velocity_l, ref_velocity_w=ref_velocity_w,
-                ref_velocity_l=ref_velocity_l, x0_w=x0_w, x0_l=x0_l, noise=noise)
+    _same_shape(
+        velocity_w=velocity_w,
+        velocity_l=velocity_l,
+        ref_velocity_w=ref_velocity_w,
+        ref_velocity_l=ref_velocity_l,
+        x0_w=x0_w,
+        x0_l=x0_l,
+        noise=noise,
+    )
     dtype = _dtype(velocity_w, velocity_l, x0_w, x0_l, noise)
     _, target_w = forward_noising(x0_w.to(dtype), noise.to(dtype), t)
     _, target_l = forward_noising(x0_l.to(dtype), noise.to(dtype), t)

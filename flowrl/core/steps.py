@@ -32,9 +32,7 @@ def inverse_dt_step_weights(dts: Tensor) -> Tensor:
     return inv / inv.mean()
 
 
-def ratio_norm_log_ratio(
-    log_prob: Tensor, old_log_prob: Tensor, mean: Tensor, old_mean: Tensor, std: Tensor
-) -> Tensor:
+def ratio_norm_log_ratio(log_prob: Tensor, old_log_prob: Tensor, mean: Tensor, old_mean: Tensor, std: Tensor) -> Tensor:
     """GRPO-Guard's RatioNorm (arXiv 2510.22319): a per-step log-ratio recentred and rescaled,
 
         b_t = mean_dims (mu_theta - mu_old)^2 / (2 std_t^2)

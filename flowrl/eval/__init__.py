@@ -4,5 +4,14 @@ scores are summed up (`summary`), and the diversity metrics against the base mod
 from .evaluator import EvalBaseError, Evaluator, base_for_eval, build_feature_encoder, merge_eval_shares
 from .summary import eval_plan, eval_summary, group_prompt_counts, grouped_means
 
-__all__ = ["EvalBaseError", "Evaluator", "base_for_eval", "build_feature_encoder", "eval_plan", "eval_summary", "group_prompt_counts", "grouped_means",
-           "merge_eval_shares"]
+__all__ = [
+    "EvalBaseError",
+    "Evaluator",
+    "base_for_eval",
+    "build_feature_encoder",
+    "eval_plan",
+    "eval_summary",
+    "group_prompt_counts",
+    "grouped_means",
+    "merge_eval_shares",
+]

@@ -62,8 +62,9 @@ def total_variation(p: dict[str, float], q: dict[str, float]) -> float:
     return 0.5 * sum(abs(p.get(v, 0.0) - q.get(v, 0.0)) for v in set(p) | set(q))
 
 
-def distribution_metrics(hists: dict[str, dict[str, float]], base: dict[str, dict[str, float]] | None = None,
-                         prefix: str = "eval/diversity/") -> dict[str, float]:
+def distribution_metrics(
+    hists: dict[str, dict[str, float]], base: dict[str, dict[str, float]] | None = None, prefix: str = "eval/diversity/"
+) -> dict[str, float]:
     """For every "<reward>/<attribute>" histogram: its entropy in bits, the number of free things counted, and
     with `base` (the same keys, counts or probabilities) the total variation distance from the base's
     distribution. An attribute with nothing counted reports nothing."""
@@ -87,11 +88,16 @@ def eval_settings(prompts: list[str], metadata: list[dict], eval_cfg, sample_cfg
     settings draw the same initial noise for the same prompts, so the base model's images pair with the trained
     model's."""
     listed = json.dumps([prompts, metadata], sort_keys=True, default=str, ensure_ascii=False)
-    return {"prompts": f"{len(prompts)} listed, sha256 {hashlib.sha256(listed.encode()).hexdigest()[:16]}",
-            "eval.num_steps": eval_cfg.num_steps, "eval.guidance_scale": eval_cfg.guidance_scale,
-            "eval.seed": eval_cfg.seed, "images per listed prompt": eval_cfg.images_per_prompt,
-            "sample.height": getattr(sample_cfg, "height", None), "sample.width": getattr(sample_cfg, "width", None),
-            "sample.num_frames": getattr(sample_cfg, "num_frames", None)}
+    return {
+        "prompts": f"{len(prompts)} listed, sha256 {hashlib.sha256(listed.encode()).hexdigest()[:16]}",
+        "eval.num_steps": eval_cfg.num_steps,
+        "eval.guidance_scale": eval_cfg.guidance_scale,
+        "eval.seed": eval_cfg.seed,
+        "images per listed prompt": eval_cfg.images_per_prompt,
+        "sample.height": getattr(sample_cfg, "height", None),
+        "sample.width": getattr(sample_cfg, "width", None),
+        "sample.num_frames": getattr(sample_cfg, "num_frames", None),
+    }
 
 
 def settings_differences(stored: dict | None, now: dict) -> list[str]:
@@ -100,8 +106,11 @@ def settings_differences(stored: dict | None, now: dict) -> list[str]:
     taken as comparable."""
     if stored is None:
         return []
-    return [f"{k}: {stored.get(k)!r} (base) vs {now.get(k)!r}" for k in sorted(set(stored) | set(now))
-            if stored.get(k) != now.get(k)]
+    return [
+        f"{k}: {stored.get(k)!r} (base) vs {now.get(k)!r}"
+        for k in sorted(set(stored) | set(now))
+        if stored.get(k) != now.get(k)
+    ]
 
 
 class BaseDistribution:
@@ -161,8 +170,8 @@ def feature_spread(f: torch.Tensor) -> float:
         raise ValueError(f"feature_spread needs [n, D] features of n >= 2 images, got shape {tuple(f.shape)}")
     f = f.to(torch.float64)
     n = f.shape[0]
-    gram = f @ f.T                                                                                   # [n, n]
-    off_diagonal = gram.sum() - gram.diagonal().sum()                                  # 2 x the pairs' <f_i, f_j>
+    gram = f @ f.T  # [n, n]
+    off_diagonal = gram.sum() - gram.diagonal().sum()  # 2 x the pairs' <f_i, f_j>
     return float(1.0 - off_diagonal / (n * (n - 1)))
 
 
@@ -185,11 +194,13 @@ def energy_distance(f: torch.Tensor, g: torch.Tensor) -> float:
     taken from the differences (not from 1 - <x, y>, whose rounding the square root would blow up near 0), in
     float64."""
     if f.ndim != 2 or g.ndim != 2 or not len(f) or not len(g) or f.shape[1] != g.shape[1]:
-        raise ValueError(f"energy_distance needs [n, D] and [m, D] features with n, m >= 1 and the same D, got "
-                         f"shapes {tuple(f.shape)} and {tuple(g.shape)}")
+        raise ValueError(
+            f"energy_distance needs [n, D] and [m, D] features with n, m >= 1 and the same D, got "
+            f"shapes {tuple(f.shape)} and {tuple(g.shape)}"
+        )
     f, g = f.to(torch.float64), g.to(torch.float64)
 
-    def mean_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:                   # E |a_i - b_j|, [n, m]
+    def mean_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # E |a_i - b_j|, [n, m]
         return torch.cdist(a, b, compute_mode="donot_use_mm_for_euclid_dist").mean()
 
     return max(0.0, float(2.0 * mean_distance(f, g) - mean_distance(f, f) - mean_distance(g, g)))
@@ -213,8 +224,11 @@ def group_features(features: torch.Tensor, keys: list[str]) -> dict[str, torch.T
     return {k: features[idx] for k, idx in rows.items()}
 
 
-def feature_metrics(groups: dict[str, torch.Tensor], base: dict[str, torch.Tensor] | None = None,
-                    prefix: str = "eval/diversity/features/") -> dict[str, float]:
+def feature_metrics(
+    groups: dict[str, torch.Tensor],
+    base: dict[str, torch.Tensor] | None = None,
+    prefix: str = "eval/diversity/features/",
+) -> dict[str, float]:
     """The feature-space diversity of an eval's images, {prompt key: [n, D] L2-normalised features}:
       spread              the mean over prompts (of >= 2 images) of `feature_spread`;
     with `base` (the base model's {key: [m, D]}), over the prompts it holds (others are left out):

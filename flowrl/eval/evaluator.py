@@ -62,23 +62,30 @@ def base_for_eval(base: str | None, checkpoint: str | None, settings: dict) -> P
     if base:
         where = Path(base)
         if not holds(where):
-            raise EvalBaseError(f"--base {where} holds no base-model eval ({BaseDistribution(where).path.name} or "
-                                f"{BaseFeatures.NAME}): pass a training run's directory (its eval before training "
-                                f"writes them) or the --out of `flowrl eval` of the base model (no --checkpoint)")
+            raise EvalBaseError(
+                f"--base {where} holds no base-model eval ({BaseDistribution(where).path.name} or "
+                f"{BaseFeatures.NAME}): pass a training run's directory (its eval before training "
+                f"writes them) or the --out of `flowrl eval` of the base model (no --checkpoint)"
+            )
         unlike = differences(where)
         if unlike:
-            raise EvalBaseError(f"--base {where} holds a base-model eval sampled with other settings than this "
-                                f"eval's ({'; '.join(unlike)}), whose images do not pair with these: give this eval "
-                                f"the base's settings, or make a base with this eval's (`flowrl eval` of the same "
-                                f"config and overrides without --checkpoint, --out DIR)")
+            raise EvalBaseError(
+                f"--base {where} holds a base-model eval sampled with other settings than this "
+                f"eval's ({'; '.join(unlike)}), whose images do not pair with these: give this eval "
+                f"the base's settings, or make a base with this eval's (`flowrl eval` of the same "
+                f"config and overrides without --checkpoint, --out DIR)"
+            )
         return where
     if checkpoint and holds(Path(checkpoint).parent):
         run = Path(checkpoint).parent
         unlike = differences(run)
         if unlike:
-            warnings.warn(f"the run directory {run} holds the base model's eval with other settings than this eval's "
-                          f"({'; '.join(unlike)}): no comparison with the base model (pass --base DIR of a base eval "
-                          f"with these settings to compare)", stacklevel=2)
+            warnings.warn(
+                f"the run directory {run} holds the base model's eval with other settings than this eval's "
+                f"({'; '.join(unlike)}): no comparison with the base model (pass --base DIR of a base eval "
+                f"with these settings to compare)",
+                stacklevel=2,
+            )
             return None
         return run
     return None
@@ -110,8 +117,9 @@ class Evaluator:
 
     # ---- sampling and scoring
 
-    def sample(self, policy, reward_fns: list, *, parked=(), rank: int = 0, world: int = 1
-               ) -> tuple[list, dict[str, torch.Tensor]]:
+    def sample(
+        self, policy, reward_fns: list, *, parked=(), rank: int = 0, world: int = 1
+    ) -> tuple[list, dict[str, torch.Tensor]]:
         """(outputs [N], {reward or reward/component: scores [N]}) of the plan's prompts, prompt-major. With `world`
         processes each samples a contiguous share and every process gets the whole (a collective); `parked`: the
         rewards' offloaded models, put on their device while the eval runs."""
@@ -120,8 +128,9 @@ class Evaluator:
         with contextlib.ExitStack() as on_device:
             for p in parked:
                 on_device.enter_context(visiting(p))
-            outputs, per_reward, components = policy.evaluate_prompts(self.prompts, self.meta, reward_fns,
-                                                                      self.eval_cfg, part=part)
+            outputs, per_reward, components = policy.evaluate_prompts(
+                self.prompts, self.meta, reward_fns, self.eval_cfg, part=part
+            )
         scores = {spec.name: vals for spec, vals in zip(self.cfg.rewards, per_reward)}
         scores.update(components)
         if world > 1:
@@ -132,8 +141,15 @@ class Evaluator:
 
     # ---- against the base model
 
-    def results(self, outputs: list, scores: dict[str, torch.Tensor], *, base_dir: Path | None,
-                this_is_base: bool, save_base_to: Path | None = None) -> dict[str, float]:
+    def results(
+        self,
+        outputs: list,
+        scores: dict[str, torch.Tensor],
+        *,
+        base_dir: Path | None,
+        this_is_base: bool,
+        save_base_to: Path | None = None,
+    ) -> dict[str, float]:
         """The eval's metrics: each score's mean (and per group), the free attributes' distributions and, with
         eval.diversity_features, the feature diversity; compared with the base model's eval in `base_dir` when it
         holds one sampled with these settings. When it holds none and `this_is_base` (the model evaluated is the base
@@ -154,8 +170,9 @@ class Evaluator:
             out.update(self.feature_diversity(outputs, stored_dir, this_is_base, save_base_to))
         return out
 
-    def feature_diversity(self, images: list, base_dir: Path | None, this_is_base: bool,
-                          save_base_to: Path | None) -> dict[str, float]:
+    def feature_diversity(
+        self, images: list, base_dir: Path | None, this_is_base: bool, save_base_to: Path | None
+    ) -> dict[str, float]:
         """`flowrl.eval.diversity.feature_metrics` of the eval images [N], grouped by their prompts, against the base
         model's features in `base_dir` (by the same backbone, sampled with these settings)."""
         backbone = self.cfg.eval.diversity_features
@@ -164,8 +181,9 @@ class Evaluator:
             if self.offload:
                 self.parked_encoder = Parked([self.encoder.model])
         with visiting(self.parked_encoder):
-            groups = group_features(self.encoder(images),
-                                    prompt_keys(self.prompts, self.meta, self.eval_cfg.images_per_prompt))
+            groups = group_features(
+                self.encoder(images), prompt_keys(self.prompts, self.meta, self.eval_cfg.images_per_prompt)
+            )
         store = BaseFeatures(base_dir) if base_dir is not None else None
         found = store.load() if store is not None else None
         base = None
@@ -177,9 +195,11 @@ class Evaluator:
                 BaseFeatures(save_base_to).save(groups, backbone, self.settings)
         elif found is not None and store.path not in self.warned:
             self.warned.add(store.path)
-            warnings.warn(f"{store.path} holds the base model's features by {found[1]!r}, not by "
-                          f"eval.diversity_features={backbone}: the comparisons with the base model are left out",
-                          stacklevel=2)
+            warnings.warn(
+                f"{store.path} holds the base model's features by {found[1]!r}, not by "
+                f"eval.diversity_features={backbone}: the comparisons with the base model are left out",
+                stacklevel=2,
+            )
         return feature_metrics(groups, base)
 
     def _unlike(self, store) -> bool:
@@ -189,9 +209,12 @@ class Evaluator:
         differences = settings_differences(store.settings(), self.settings)
         if differences and store.path not in self.warned:
             self.warned.add(store.path)
-            warnings.warn(f"{store.path} holds the base model's eval with other settings ({'; '.join(differences)}): "
-                          f"its comparisons with the base model (*_from_base) are left out; resume with the eval "
-                          f"settings the run started with to compare", stacklevel=3)
+            warnings.warn(
+                f"{store.path} holds the base model's eval with other settings ({'; '.join(differences)}): "
+                f"its comparisons with the base model (*_from_base) are left out; resume with the eval "
+                f"settings the run started with to compare",
+                stacklevel=3,
+            )
         return bool(differences)
 
     # ---- what is written

@@ -20,15 +20,16 @@ def grouped_means(name: str, values, metadata: list[dict], column: str) -> dict[
     """
     vals = [float(v) for v in values]
     if not metadata or len(vals) % len(metadata):
-        raise ValueError(f"eval.group_by={column!r}: {len(vals)} scores do not split evenly over "
-                         f"{len(metadata)} prompts")
+        raise ValueError(
+            f"eval.group_by={column!r}: {len(vals)} scores do not split evenly over {len(metadata)} prompts"
+        )
     from flowrl.data import require_column
 
     require_column(metadata, column, f"eval.group_by={column!r}")
     n = len(vals) // len(metadata)
     groups: dict[str, list[float]] = {}
     for i, m in enumerate(metadata):
-        groups.setdefault(str(m[column]), []).extend(v for v in vals[i * n:(i + 1) * n] if not math.isnan(v))
+        groups.setdefault(str(m[column]), []).extend(v for v in vals[i * n : (i + 1) * n] if not math.isnan(v))
     means = {g: sum(v) / len(v) for g, v in sorted(groups.items()) if v}
     out = {f"eval/{name}_by_{column}/{g}": m for g, m in means.items()}
     if means:
@@ -64,17 +65,22 @@ def eval_plan(prompt_set, eval_cfg) -> tuple[list[str], list[dict], EvalConfig]:
     bad = {g: c for g, c in counts.items() if per_group % c}
     if bad:
         lcm = math.lcm(*counts.values())
-        raise ValueError(f"eval.images_per_group={per_group} must be a multiple of every {column!r} group's "
-                         f"prompt count {dict(sorted(counts.items()))}; {dict(sorted(bad.items()))} do not divide "
-                         f"it; the smallest that works is {lcm} (or a multiple of it)")
+        raise ValueError(
+            f"eval.images_per_group={per_group} must be a multiple of every {column!r} group's "
+            f"prompt count {dict(sorted(counts.items()))}; {dict(sorted(bad.items()))} do not divide "
+            f"it; the smallest that works is {lcm} (or a multiple of it)"
+        )
     reps = [per_group // counts[str(m[column])] for m in meta]
-    return ([p for p, r in zip(prompts, reps) for _ in range(r)],
-            [dict(m) for m, r in zip(meta, reps) for _ in range(r)],
-            dataclasses.replace(eval_cfg, images_per_prompt=1))
+    return (
+        [p for p, r in zip(prompts, reps) for _ in range(r)],
+        [dict(m) for m, r in zip(meta, reps) for _ in range(r)],
+        dataclasses.replace(eval_cfg, images_per_prompt=1),
+    )
 
 
-def eval_summary(scores: dict, metadata: list[dict], group_by: str = "",
-                 base: dict[str, dict[str, float]] | None = None) -> dict[str, float]:
+def eval_summary(
+    scores: dict, metadata: list[dict], group_by: str = "", base: dict[str, dict[str, float]] | None = None
+) -> dict[str, float]:
     """{name: per-sample scores [P * n]} -> {"eval/<name>_mean": mean} plus, with `group_by`, the
     `grouped_means` of every score (shared by the trainer's evaluations and `flowrl eval`). Free-attribute counts
     (`flowrl.eval.diversity`: "<reward>/free_<attribute>=<value>") are not averaged: they become the distribution's

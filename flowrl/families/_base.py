@@ -206,9 +206,11 @@ class ImageBackend:
         from ._tiny import VAE_BLOCK_OUT_CHANNELS
 
         return {
-            "model_index.json": {"_class_name": cls.pipeline_classes[0], cls.denoiser_attr: ["diffusers",
-                                                                                              cls.denoiser_class],
-                                 "vae": ["diffusers", "AutoencoderKL"]},
+            "model_index.json": {
+                "_class_name": cls.pipeline_classes[0],
+                cls.denoiser_attr: ["diffusers", cls.denoiser_class],
+                "vae": ["diffusers", "AutoencoderKL"],
+            },
             f"{cls.denoiser_attr}/config.json": {"_class_name": cls.denoiser_class, **cls.tiny_denoiser},
             "vae/config.json": {"_class_name": "AutoencoderKL", "block_out_channels": list(VAE_BLOCK_OUT_CHANNELS)},
         }
@@ -249,8 +251,10 @@ class ImageBackend:
         list, the count the family takes) as a rollout of height x width pixels encodes them: e.g. the source
         image of an edit. {} for a family that takes none."""
         if self.condition_images[1]:
-            raise NotImplementedError(f"{self.family} takes conditioning images but does not say how pipe(...) takes "
-                                      f"them (pipeline_condition_kwargs)")
+            raise NotImplementedError(
+                f"{self.family} takes conditioning images but does not say how pipe(...) takes "
+                f"them (pipeline_condition_kwargs)"
+            )
         return {}
 
     def pipeline_latents(self, latents: Tensor, height: int, width: int) -> Tensor:
@@ -315,8 +319,9 @@ class ImageBackend:
         prompts are encoded (encodings are cached, so once per new prompt), the VAE while a rollout decodes."""
         from flowrl.offload import Parked
 
-        modules = {n: m for n, m in self.pipe.components.items()
-                   if isinstance(m, torch.nn.Module) and n != self.denoiser_attr}
+        modules = {
+            n: m for n, m in self.pipe.components.items() if isinstance(m, torch.nn.Module) and n != self.denoiser_attr
+        }
         self._parked_vae = Parked([m for n, m in modules.items() if n == "vae"], device)
         self._parked_text = Parked([m for n, m in modules.items() if n != "vae"], device)
 
@@ -499,8 +504,9 @@ class ImageBackend:
                 model_output, x, steps, schedule, settings, stochastic=stochastic, generator=step_generator
             )
 
-        chain = record_chain(denoise, step, latents, sde_mask.to(self.device), record_means=record_means,
-                             keep_steps=keep_steps)
+        chain = record_chain(
+            denoise, step, latents, sde_mask.to(self.device), record_means=record_means, keep_steps=keep_steps
+        )
         traj = Trajectory(
             latents=chain.latents,
             log_probs=chain.log_probs,
@@ -544,8 +550,10 @@ class ImageBackend:
         if traj.sampler.family != self.family:
             raise ValueError(f"this trajectory was recorded by a {traj.sampler.family} backend, not {self.family}")
         if not traj.records_steps:
-            raise ValueError("this trajectory kept only its final sample (a rollout with keep_steps=False): it has no "
-                             "recorded step to score; roll out with keep_steps=True")
+            raise ValueError(
+                "this trajectory kept only its final sample (a rollout with keep_steps=False): it has no "
+                "recorded step to score; roll out with keep_steps=True"
+            )
         single = isinstance(step_indices, (int, np.integer)) or (
             isinstance(step_indices, Tensor) and step_indices.ndim == 0
         )
@@ -570,8 +578,11 @@ class ImageBackend:
         x_prev = traj.latents[rows_k, steps_k + 1].to(self.device)
         schedule = Schedule.of(traj, self.device)
         encodings = traj.prompt_encodings
-        cond = self._condition(encodings, traj.prompt_ids[rows_k.to(traj.prompt_ids.device)],
-                               {name: t[rows_k.to(t.device)] for name, t in traj.conditions.items()})
+        cond = self._condition(
+            encodings,
+            traj.prompt_ids[rows_k.to(traj.prompt_ids.device)],
+            {name: t[rows_k.to(t.device)] for name, t in traj.conditions.items()},
+        )
         steps_dev = steps_k.to(self.device)
         model_output = self._predict(x, schedule.timesteps[steps_dev], cond, encodings, traj.sampler)
         out = self._step(model_output, x, steps_dev, schedule, traj.sampler, stochastic=True, prev_latents=x_prev)
@@ -643,8 +654,9 @@ class ImageBackend:
 
     # ---- shared helpers --------------------------------------------------------------------------
 
-    def _condition(self, encodings: PromptEncodings, prompt_ids: Tensor,
-                   conditions: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
+    def _condition(
+        self, encodings: PromptEncodings, prompt_ids: Tensor, conditions: Mapping[str, Tensor] | None = None
+    ) -> dict[str, Tensor]:
         """What `_predict` conditions on for N samples: the prompt encodings' rows `prompt_ids` [N] and the
         samples' encoded conditioning inputs (name -> [N, ...], names distinct from the encodings')."""
         cond = encodings.gather(prompt_ids)
@@ -654,8 +666,14 @@ class ImageBackend:
         cond.update(conditions or {})
         return {name: t.to(self.device) for name, t in cond.items()}
 
-    def encode_conditions(self, images: Sequence[Sequence] | None, num_prompts: int, settings: SamplerSettings,
-                          group_size: int = 1, prompts: Sequence[str] | None = None) -> dict[str, Tensor]:
+    def encode_conditions(
+        self,
+        images: Sequence[Sequence] | None,
+        num_prompts: int,
+        settings: SamplerSettings,
+        group_size: int = 1,
+        prompts: Sequence[str] | None = None,
+    ) -> dict[str, Tensor]:
         """The conditioning images of P prompts (P lists of PIL images, or None) encoded for `_predict`, one row
         per sample: name -> [P x group_size, ...] (prompt-major). A ValueError when a prompt's count is not what
         the family takes (`condition_images`); {} for a family that takes none. prompts: the P prompts' texts,
@@ -664,8 +682,9 @@ class ImageBackend:
 
         images = [[] for _ in range(num_prompts)] if images is None else [list(x) for x in images]
         if len(images) != num_prompts:
-            raise ValueError(f"images: one list of conditioning images per prompt, got {len(images)} lists for "
-                             f"{num_prompts} prompts")
+            raise ValueError(
+                f"images: one list of conditioning images per prompt, got {len(images)} lists for {num_prompts} prompts"
+            )
         for p, given in enumerate(images):
             problem = count_problem(len(given), self.condition_images, self.family)
             if problem:
@@ -679,13 +698,16 @@ class ImageBackend:
             per_prompt = self._encode_conditions(images, settings, list(prompts) if prompts is not None else None)
         return {name: t.repeat_interleave(group_size, dim=0) for name, t in per_prompt.items()}
 
-    def _encode_conditions(self, images: list[list], settings: SamplerSettings,
-                           prompts: list[str] | None = None) -> dict[str, Tensor]:
+    def _encode_conditions(
+        self, images: list[list], settings: SamplerSettings, prompts: list[str] | None = None
+    ) -> dict[str, Tensor]:
         """A family that takes conditioning images: P prompts' images (each list the count it takes) -> name ->
         [P, ...] tensors on the model's device, which `_predict` finds in its `cond` (e.g. the VAE latents of a
         source image). prompts: the P prompts' texts (None when the caller has none)."""
-        raise NotImplementedError(f"{self.family} declares condition_images={self.condition_images} but does not "
-                                  f"encode them (_encode_conditions)")
+        raise NotImplementedError(
+            f"{self.family} declares condition_images={self.condition_images} but does not "
+            f"encode them (_encode_conditions)"
+        )
 
     @property
     def size_multiple(self) -> int:

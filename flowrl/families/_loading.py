@@ -213,8 +213,9 @@ def _check_drop_t5(backend_cls: type[ImageBackend], source: str) -> None:
         )
 
 
-def preflight_image_model(path: str, family: str = "auto", *, height: int, width: int, drop_t5: bool = False,
-                          num_frames: int = 0) -> str:
+def preflight_image_model(
+    path: str, family: str = "auto", *, height: int, width: int, drop_t5: bool = False, num_frames: int = 0
+) -> str:
     """Check that the model at `path` can be run as asked, from its configuration files alone (never its
     weights), and return its family.
 

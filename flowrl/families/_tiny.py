@@ -18,8 +18,10 @@ _CHARS = string.ascii_lowercase + string.digits + ",.!?'-:;"
 VAE_BLOCK_OUT_CHANNELS = (8, 16)  # two blocks: one 2x downsampling
 # a FlowMatchEulerDiscreteScheduler shifting with the image's token count (FLUX.1-dev's settings): the tiny flow
 # models that sample with a `mu` use it, so that the parity test checks how they compute it
-DYNAMIC_SHIFT_SCHEDULER = dict(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-                               base_image_seq_len=256, max_image_seq_len=4096)
+DYNAMIC_SHIFT_SCHEDULER = dict(
+    shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
+)
+
 
 def clip_tokenizer():
     """A CLIP BPE tokenizer over single characters: '<|startoftext|>' = 0, '<|endoftext|>' = 1 (eos,
@@ -130,5 +132,3 @@ def finish(pipe):
             component.eval()
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-

@@ -26,6 +26,7 @@ TINY_TRANSFORMER = dict(
     axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
 )
 
+
 @register_family
 class FluxBackend(FlowMatchingBackend):
     """FluxPipeline (FLUX.1-dev: guidance embedding; FLUX.1-schnell: none). No CFG. Latents are packed
@@ -36,19 +37,36 @@ class FluxBackend(FlowMatchingBackend):
     denoiser_attr = "transformer"
     denoiser_class = "FluxTransformer2DModel"
     default_guidance_scale = 3.5
-    lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-                    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
+    lora_targets = (
+        "attn.to_q",
+        "attn.to_k",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_q_proj",
+        "attn.add_k_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+    )
     tiny_denoiser = TINY_TRANSFORMER
     parity_guidance = (3.5,)  # the guidance embedding; FLUX.1 has no CFG
-    plan_layout = Layout(blocks=r"(single_)?transformer_blocks\.\d+", one=rf"time_text_embed|{MMDIT_ADALN}",
-                         txt=r"context_embedder|attn\.add_|to_add_out|ff_context", joint=r"single_transformer_blocks")
+    plan_layout = Layout(
+        blocks=r"(single_)?transformer_blocks\.\d+",
+        one=rf"time_text_embed|{MMDIT_ADALN}",
+        txt=r"context_embedder|attn\.add_|to_add_out|ff_context",
+        joint=r"single_transformer_blocks",
+    )
     # Measured by `python benchmarks/memory.py --fit` (as SD3's, see sd3.py): a FLUX.1 of 3 double + 6 single blocks
     # of 512, 256 + 16 tokens: 54.7 / 213.9 / 850.8 and 12.6 / 46.2 / 180.5 MiB; of 6 + 12 blocks of 256: 52.7 /
     # 205.9 and 8.2 / 28.7. Within 2.5% without checkpointing, 0.8% with it. The rollout's denoiser (2 and 4 images):
     # 9.4 / 18.7 MiB, gamma 0.873. Checked on a FLUX.1 of 4 + 8 blocks of 768 at 384 px, not used to fit them:
     # estimate / measured 1.00-1.01.
-    plan_calibration = Calibration(0.860, 1.00, 1.25, "calibrated on measured FLUX.1s of 3 + 6 x 512 and 6 + 12 x 256 "
-                                                      "blocks (benchmarks/memory.py)", gamma=0.873)
+    plan_calibration = Calibration(
+        0.860,
+        1.00,
+        1.25,
+        "calibrated on measured FLUX.1s of 3 + 6 x 512 and 6 + 12 x 256 blocks (benchmarks/memory.py)",
+        gamma=0.873,
+    )
     default_max_sequence_length = 512
     _t5_tokenizer_attr = "tokenizer_2"
 
@@ -158,9 +176,15 @@ def tiny_flux1_parts(seed: int = 0) -> dict:
         text_encoder_2 = build(tiny.t5_encoder, tok_2, d_model=32)
         transformer = build(FluxTransformer2DModel, **TINY_TRANSFORMER)
         vae = build(tiny.vae)
-    return dict(scheduler=FlowMatchEulerDiscreteScheduler(**tiny.DYNAMIC_SHIFT_SCHEDULER), vae=vae,
-                text_encoder=text_encoder, tokenizer=tok, text_encoder_2=text_encoder_2, tokenizer_2=tok_2,
-                transformer=transformer)
+    return dict(
+        scheduler=FlowMatchEulerDiscreteScheduler(**tiny.DYNAMIC_SHIFT_SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tok,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tok_2,
+        transformer=transformer,
+    )
 
 
 def tiny_flux_pipeline(seed: int = 0):

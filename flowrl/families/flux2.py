@@ -87,8 +87,19 @@ TINY_MISTRAL_TEMPLATE = (
     "{% else %}{{ text + eos_token }}{% endif %}"
     "{% endfor %}"
 )
-_MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
-                     "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+_MISTRAL_SPECIALS = [
+    "<unk>",
+    "<s>",
+    "</s>",
+    "<pad>",
+    "[INST]",
+    "[/INST]",
+    "[SYSTEM_PROMPT]",
+    "[/SYSTEM_PROMPT]",
+    "[IMG]",
+    "[IMG_BREAK]",
+    "[IMG_END]",
+]
 
 # Qwen3's chat template, reduced to what Flux2KleinPipeline renders: one user turn, the generation prompt, and the
 # empty think block that `enable_thinking=False` adds.
@@ -128,12 +139,21 @@ def tiny_mistral_processor():
 
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=_byte_level_bpe(_MISTRAL_SPECIALS, (SYSTEM_MESSAGE,)),
-        bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
-        model_max_length=TINY_MAX_LENGTH, chat_template=TINY_MISTRAL_TEMPLATE,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        model_max_length=TINY_MAX_LENGTH,
+        chat_template=TINY_MISTRAL_TEMPLATE,
     )
     image_processor = PixtralImageProcessor(size={"longest_edge": 32}, patch_size={"height": 8, "width": 8})
-    return PixtralProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8, spatial_merge_size=2,
-                            chat_template=TINY_MISTRAL_TEMPLATE)
+    return PixtralProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=8,
+        spatial_merge_size=2,
+        chat_template=TINY_MISTRAL_TEMPLATE,
+    )
 
 
 def tiny_qwen_tokenizer():
@@ -143,8 +163,12 @@ def tiny_qwen_tokenizer():
 
     return Qwen2TokenizerFast(
         tokenizer_object=_byte_level_bpe(_QWEN_SPECIALS),
-        pad_token="<|endoftext|>", eos_token="<|im_end|>", unk_token=None, bos_token=None,
-        model_max_length=TINY_MAX_LENGTH, chat_template=TINY_QWEN_TEMPLATE,
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        unk_token=None,
+        bos_token=None,
+        model_max_length=TINY_MAX_LENGTH,
+        chat_template=TINY_QWEN_TEMPLATE,
     )
 
 
@@ -243,13 +267,24 @@ class Flux2Backend(FlowMatchingBackend):
     # them (models/flux/flux2.py, flux2_klein.py): double-stream to_q/k/v, to_out.0 and the text stream's add_*
     # and to_add_out; single-stream to_qkv_mlp_proj (the fused q, k, v and MLP-in projection). Flow-Factory adds
     # the double-stream feed-forwards (ff.linear_in/out, ff_context.linear_in/out): the presets list them.
-    lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-                    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
-                    "attn.to_qkv_mlp_proj")
+    lora_targets = (
+        "attn.to_q",
+        "attn.to_k",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_q_proj",
+        "attn.add_k_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+        "attn.to_qkv_mlp_proj",
+    )
     tiny_denoiser = TINY_TRANSFORMER
-    plan_layout = Layout(blocks=r"(single_)?transformer_blocks\.\d+",
-                         one=r"time_guidance_embed|modulation|norm_out\.linear",
-                         txt=r"context_embedder|attn\.add_|to_add_out|ff_context", joint=r"single_transformer_blocks")
+    plan_layout = Layout(
+        blocks=r"(single_)?transformer_blocks\.\d+",
+        one=r"time_guidance_embed|modulation|norm_out\.linear",
+        txt=r"context_embedder|attn\.add_|to_add_out|ff_context",
+        joint=r"single_transformer_blocks",
+    )
     # not measured yet: FLUX.1's factors (double- then single-stream blocks, as FLUX.1's)
     plan_calibration = FluxBackend.plan_calibration.borrowed(FluxBackend.denoiser_class, denoiser_class)
     # dev: two values of the guidance embedding; klein base: without CFG (1) and with it (4)
@@ -301,8 +336,9 @@ class Flux2Backend(FlowMatchingBackend):
         # prepare_latents: randn_tensor([n, 4C, h/2, w/2]) in the latents' dtype, then packed to tokens
         h, w = self._grid(settings.height, settings.width)
         device = generator.device if generator is not None else self.device
-        noise = torch.randn((n, self.denoiser_config.in_channels, h, w), generator=generator, device=device,
-                            dtype=self.dtype)
+        noise = torch.randn(
+            (n, self.denoiser_config.in_channels, h, w), generator=generator, device=device, dtype=self.dtype
+        )
         return self.pipe._pack_latents(noise.to(self.device))
 
     def pipeline_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
@@ -387,12 +423,16 @@ class Flux2Backend(FlowMatchingBackend):
     @classmethod
     def tiny_config_files(cls) -> dict[str, dict]:
         return {
-            "model_index.json": {"_class_name": cls.pipeline_classes[0],
-                                 cls.denoiser_attr: ["diffusers", cls.denoiser_class],
-                                 "vae": ["diffusers", "AutoencoderKLFlux2"]},
+            "model_index.json": {
+                "_class_name": cls.pipeline_classes[0],
+                cls.denoiser_attr: ["diffusers", cls.denoiser_class],
+                "vae": ["diffusers", "AutoencoderKLFlux2"],
+            },
             f"{cls.denoiser_attr}/config.json": {"_class_name": cls.denoiser_class, **cls.tiny_denoiser},
-            "vae/config.json": {"_class_name": "AutoencoderKLFlux2",
-                                "block_out_channels": list(TINY_VAE["block_out_channels"])},
+            "vae/config.json": {
+                "_class_name": "AutoencoderKLFlux2",
+                "block_out_channels": list(TINY_VAE["block_out_channels"]),
+            },
         }
 
     @classmethod
@@ -415,8 +455,13 @@ class Flux2Backend(FlowMatchingBackend):
             text_encoder = build(_tiny_qwen3 if klein else _tiny_mistral3, tokenizer)
             transformer = build(Flux2Transformer2DModel, **{**TINY_TRANSFORMER, "guidance_embeds": not klein})
             vae = build(_tiny_vae)
-        components = dict(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), vae=vae, text_encoder=text_encoder,
-                          tokenizer=tokenizer, transformer=transformer)
+        components = dict(
+            scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER),
+            vae=vae,
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            transformer=transformer,
+        )
         if klein:
             pipe = Flux2KleinPipeline(**components, is_distilled=distilled)
         else:

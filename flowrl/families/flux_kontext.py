@@ -70,8 +70,11 @@ class FluxKontextBackend(FluxBackend):
     def pipeline_condition_kwargs(self, images, height, width):
         """The source image as a rollout encodes it (resized to height x width), and the output size kept as
         asked: no snapping to Kontext's preferred resolutions, `max_area` the sample's."""
-        return {"image": self.pipe.image_processor.resize(images[0], height, width), "max_area": height * width,
-                "_auto_resize": False}
+        return {
+            "image": self.pipe.image_processor.resize(images[0], height, width),
+            "max_area": height * width,
+            "_auto_resize": False,
+        }
 
     @classmethod
     def tiny_pipeline(cls, seed: int = 0):

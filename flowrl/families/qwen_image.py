@@ -79,8 +79,9 @@ _TEMPLATE_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n"
 _SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
-def tiny_qwen_tokenizer(template: str = _TEMPLATE_PREFIX + _TEMPLATE_SUFFIX,
-                        special_tokens: tuple[str, ...] = _SPECIAL_TOKENS):
+def tiny_qwen_tokenizer(
+    template: str = _TEMPLATE_PREFIX + _TEMPLATE_SUFFIX, special_tokens: tuple[str, ...] = _SPECIAL_TOKENS
+):
     """A byte-level Qwen2Tokenizer (Qwen2.5-VL's class) over the 256 byte symbols, with merges that make each
     word of a pipeline's prompt `template` one token (QwenImagePipeline's by default, so that its 34 dropped
     template tokens are the template's, as with Qwen's own vocabulary); other words are split into pieces.
@@ -95,11 +96,7 @@ def tiny_qwen_tokenizer(template: str = _TEMPLATE_PREFIX + _TEMPLATE_SUFFIX,
         vocab[symbol] = len(vocab)
     splitter = Qwen2Tokenizer(vocab=dict(vocab), merges=[])._tokenizer.pre_tokenizer
     special = "|".join(re.escape(t) for t in special_tokens)
-    pieces = [
-        piece
-        for text in re.split(special, template)
-        for piece, _ in splitter.pre_tokenize_str(text)
-    ]
+    pieces = [piece for text in re.split(special, template) for piece, _ in splitter.pre_tokenize_str(text)]
     merges = []
     for piece in sorted(dict.fromkeys(pieces), key=len, reverse=True):  # longer words first: their merges win
         for i in range(1, len(piece)):
@@ -134,8 +131,13 @@ def _tiny_text_encoder(tokenizer, **token_ids):
             "bos_token_id": None,
             "eos_token_id": tokenizer.pad_token_id,
         },
-        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
-                       "out_hidden_size": TINY_TEXT_HIDDEN},
+        vision_config={
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 16,
+            "num_heads": 2,
+            "out_hidden_size": TINY_TEXT_HIDDEN,
+        },
         vocab_size=vocab_size,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
@@ -160,11 +162,22 @@ class QwenImageBackend(FlowMatchingBackend):
     default_guidance_scale = 4.0
     # the attention projections of both streams: diffusers' train_dreambooth_lora_qwen_image.py default, and the
     # attention part of Flow-GRPO's and Flow-Factory's lists (which add the MLPs: the preset lists them)
-    lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-                    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
+    lora_targets = (
+        "attn.to_q",
+        "attn.to_k",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_q_proj",
+        "attn.add_k_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+    )
     tiny_denoiser = TINY_TRANSFORMER
-    plan_layout = Layout(blocks=r"transformer_blocks\.\d+", one=r"time_text_embed|_mod\.|norm_out\.linear",
-                         txt=r"txt_|attn\.add_|to_add_out")
+    plan_layout = Layout(
+        blocks=r"transformer_blocks\.\d+",
+        one=r"time_text_embed|_mod\.|norm_out\.linear",
+        txt=r"txt_|attn\.add_|to_add_out",
+    )
     # not measured yet: FLUX.1's factors (double-stream blocks with RoPE, as FLUX.1's)
     plan_calibration = FluxBackend.plan_calibration.borrowed(FluxBackend.denoiser_class, denoiser_class)
     parity_guidance = (1.0, 4.0)  # without true CFG and with it (the recipes' 4)
@@ -176,8 +189,10 @@ class QwenImageBackend(FlowMatchingBackend):
 
     def __init__(self, pipe, **kwargs):
         if pipe.transformer.config.get("guidance_embeds", False):
-            raise ValueError("guidance-distilled Qwen-Image transformers (guidance_embeds=True) are not supported: "
-                             "this backend's guidance_scale is the pipeline's true_cfg_scale")
+            raise ValueError(
+                "guidance-distilled Qwen-Image transformers (guidance_embeds=True) are not supported: "
+                "this backend's guidance_scale is the pipeline's true_cfg_scale"
+            )
         encode_prompt_per_prompt(pipe)
         super().__init__(pipe, **kwargs)
         self._num_prompts = 1  # the prompts of the last rollout (see pipeline_call_kwargs)
@@ -229,8 +244,10 @@ class QwenImageBackend(FlowMatchingBackend):
         for prompts of up to 1024 tokens."""
         multiple = vae_scale_factor * PACK
         grid = 2 * (_ROPE_POSITIONS - _MAX_PROMPT_TOKENS)
-        bound = (f"RoPE table of {_ROPE_POSITIONS} positions: {grid} packed patches a side for "
-                 f"{_MAX_PROMPT_TOKENS} prompt tokens, x 2 x VAE factor {vae_scale_factor}")
+        bound = (
+            f"RoPE table of {_ROPE_POSITIONS} positions: {grid} packed patches a side for "
+            f"{_MAX_PROMPT_TOKENS} prompt tokens, x 2 x VAE factor {vae_scale_factor}"
+        )
         return SizeRule(cls.family, multiple, grid * multiple, bound)
 
     def _latent_hw(self, height: int, width: int) -> tuple[int, int]:
@@ -323,8 +340,11 @@ class QwenImageBackend(FlowMatchingBackend):
         """`pipe(prompts, ...)`'s true CFG: `true_cfg_scale` and, when it is > 1, the negative prompt once per
         prompt (QwenImagePipeline does not repeat a single negative prompt over a list of prompts).
         num_prompts: how many prompts `pipe` gets; default: as many as this backend's last rollout had."""
-        kwargs = {"true_cfg_scale": guidance_scale, "guidance_scale": None,
-                  "max_sequence_length": self.max_sequence_length}
+        kwargs = {
+            "true_cfg_scale": guidance_scale,
+            "guidance_scale": None,
+            "max_sequence_length": self.max_sequence_length,
+        }
         if guidance_scale > 1:
             kwargs["negative_prompt"] = [self.negative_prompt] * (num_prompts or self._num_prompts)
         return kwargs
@@ -334,9 +354,11 @@ class QwenImageBackend(FlowMatchingBackend):
     @classmethod
     def tiny_config_files(cls) -> dict[str, dict]:
         return {
-            "model_index.json": {"_class_name": cls.pipeline_classes[0],
-                                 "transformer": ["diffusers", cls.denoiser_class],
-                                 "vae": ["diffusers", "AutoencoderKLQwenImage"]},
+            "model_index.json": {
+                "_class_name": cls.pipeline_classes[0],
+                "transformer": ["diffusers", cls.denoiser_class],
+                "vae": ["diffusers", "AutoencoderKLQwenImage"],
+            },
             "transformer/config.json": {"_class_name": cls.denoiser_class, **TINY_TRANSFORMER},
             "vae/config.json": {"_class_name": "AutoencoderKLQwenImage", **TINY_VAE},
         }

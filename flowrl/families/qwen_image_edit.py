@@ -33,9 +33,15 @@ _SOURCES: OrderedDict = OrderedDict()
 _VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 #: the tiny VAE: AutoencoderKLQwenImage compressing 16x (four downsamplings, two of them spatial-only), so that the
 #: pipeline's ~1 megapixel sources are 32 x 32 packed tokens (the real 8x VAE makes 64 x 64) and cheap to attend to
-TINY_EDIT_VAE = dict(base_dim=2, z_dim=4, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=1,
-                     temperal_downsample=[False, False, True, True], latents_mean=[0.1, -0.2, 0.3, 0.0],
-                     latents_std=[1.5, 0.8, 1.2, 2.0])
+TINY_EDIT_VAE = dict(
+    base_dim=2,
+    z_dim=4,
+    dim_mult=[1, 1, 1, 1, 1],
+    num_res_blocks=1,
+    temperal_downsample=[False, False, True, True],
+    latents_mean=[0.1, -0.2, 0.3, 0.0],
+    latents_std=[1.5, 0.8, 1.2, 2.0],
+)
 #: the tiny processor's largest image: 56 x 56 pixels, 4 x 4 patches of 14, merged 2 x 2 into 4 image tokens
 TINY_MAX_PIXELS = 56 * 56
 
@@ -121,8 +127,10 @@ class QwenImageEditPlusBackend(QwenImageBackend):
         source = torch.cat(sources, dim=1)  # [1, S_real, 4C]
         budget = self.condition_images[1] * self._source_budget()
         if source.shape[1] > budget:
-            raise ValueError(f"{self.family}: the source images make {source.shape[1]} latent tokens, more than the "
-                             f"budget of {budget}; use images of a less extreme aspect ratio")
+            raise ValueError(
+                f"{self.family}: the source images make {source.shape[1]} latent tokens, more than the "
+                f"budget of {budget}; use images of a less extreme aspect ratio"
+            )
         padded = source.new_zeros((1, budget, source.shape[2]))
         padded[:, : source.shape[1]] = source
         out.update(source_latents=padded, source_shapes=shapes[None].to(self.device))
@@ -130,16 +138,19 @@ class QwenImageEditPlusBackend(QwenImageBackend):
 
     def _instruction(self, text: str, vl_images: list, name: str) -> dict[str, torch.Tensor]:
         """The VL encoding of `text` with the images: {name_embeds [1, T, D], name_mask [1, T]}, zero-padded to T."""
-        embeds, mask = self.pipe.encode_prompt(prompt=[text], image=vl_images, device=self.device,
-                                               num_images_per_prompt=1)
+        embeds, mask = self.pipe.encode_prompt(
+            prompt=[text], image=vl_images, device=self.device, num_images_per_prompt=1
+        )
         _, length, dim = embeds.shape
         if mask is None:
             mask = torch.ones((1, length), dtype=torch.long, device=embeds.device)
         size = self._text_length()
         if length > size:
-            raise ValueError(f"{self.family}: the instruction {text!r} with its images is {length} tokens, more than "
-                             f"{size} (sample.max_sequence_length={self.max_sequence_length} for the prompt and "
-                             f"{self._vision_budget()} per image): raise sample.max_sequence_length")
+            raise ValueError(
+                f"{self.family}: the instruction {text!r} with its images is {length} tokens, more than "
+                f"{size} (sample.max_sequence_length={self.max_sequence_length} for the prompt and "
+                f"{self._vision_budget()} per image): raise sample.max_sequence_length"
+            )
         padded = embeds.new_zeros((1, size, dim))
         padded[:, :length] = embeds
         padded_mask = mask.new_zeros((1, size))
@@ -152,8 +163,16 @@ class QwenImageEditPlusBackend(QwenImageBackend):
         time it is drawn otherwise."""
         import hashlib
 
-        key = (self._vae_fingerprint(), hashlib.sha1(image.tobytes()).hexdigest(), image.size, image.mode, height,
-               width, str(self.device), self.dtype)
+        key = (
+            self._vae_fingerprint(),
+            hashlib.sha1(image.tobytes()).hexdigest(),
+            image.size,
+            image.mode,
+            height,
+            width,
+            str(self.device),
+            self.dtype,
+        )
         if key not in _SOURCES:
             pixels = self.pipe.image_processor.preprocess(image, height, width).unsqueeze(2)
             _SOURCES[key] = self._source_latents(pixels)
@@ -215,10 +234,13 @@ class QwenImageEditPlusBackend(QwenImageBackend):
         pred = self._forward(hidden, timestep, *text, img_shapes)[:, :length]
         if settings.guidance_scale > 1:
             if "edit_negative_embeds" not in cond:
-                raise ValueError(f"{self.family}: true CFG needs the negative instruction, encoded when the rollout's "
-                                 f"guidance_scale is > 1")
-            negative = self._text({"prompt_embeds": cond["edit_negative_embeds"],
-                                   "prompt_embeds_mask": cond["edit_negative_mask"]})
+                raise ValueError(
+                    f"{self.family}: true CFG needs the negative instruction, encoded when the rollout's "
+                    f"guidance_scale is > 1"
+                )
+            negative = self._text(
+                {"prompt_embeds": cond["edit_negative_embeds"], "prompt_embeds_mask": cond["edit_negative_mask"]}
+            )
             neg = self._forward(hidden, timestep, *negative, img_shapes)[:, :length]
             combined = neg + settings.guidance_scale * (pred - neg)
             pred = combined * (torch.norm(pred, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
@@ -261,28 +283,52 @@ class QwenImageEditPlusBackend(QwenImageBackend):
 
         prefix, suffix = _edit_template()
         words = "".join(f"Picture {k}: " for k in range(1, 4))
-        tokenizer = tiny_qwen_tokenizer(prefix + words + suffix, ("<|endoftext|>", "<|im_start|>", "<|im_end|>",
-                                                                   *_VISION_TOKENS))
-        ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in
-               [("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
-                ("vision_start_token_id", "<|vision_start|>")]}
+        tokenizer = tiny_qwen_tokenizer(
+            prefix + words + suffix, ("<|endoftext|>", "<|im_start|>", "<|im_end|>", *_VISION_TOKENS)
+        )
+        ids = {
+            name: tokenizer.convert_tokens_to_ids(token)
+            for name, token in [
+                ("image_token_id", "<|image_pad|>"),
+                ("video_token_id", "<|video_pad|>"),
+                ("vision_start_token_id", "<|vision_start|>"),
+            ]
+        }
         with tiny.Seeded(seed) as build:
             text_encoder = build(_tiny_text_encoder, tokenizer, **ids)
             transformer = build(QwenImageTransformer2DModel, **TINY_TRANSFORMER)
             vae = build(AutoencoderKLQwenImage, **TINY_EDIT_VAE)
         pixels = dict(min_pixels=28 * 28, max_pixels=TINY_MAX_PIXELS)
-        processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tokenizer,
-                                     video_processor=Qwen2VLVideoProcessor(**pixels))  # videos: never given
-        scheduler = FlowMatchEulerDiscreteScheduler(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192,
-                                                    max_shift=0.9, num_train_timesteps=1000, shift=1.0,
-                                                    shift_terminal=0.02, time_shift_type="exponential",
-                                                    use_dynamic_shifting=True)
-        pipe = QwenImageEditPlusPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-                                         processor=processor, transformer=transformer)
+        processor = Qwen2VLProcessor(
+            image_processor=Qwen2VLImageProcessor(**pixels),
+            tokenizer=tokenizer,
+            video_processor=Qwen2VLVideoProcessor(**pixels),
+        )  # videos: never given
+        scheduler = FlowMatchEulerDiscreteScheduler(
+            base_image_seq_len=256,
+            base_shift=0.5,
+            max_image_seq_len=8192,
+            max_shift=0.9,
+            num_train_timesteps=1000,
+            shift=1.0,
+            shift_terminal=0.02,
+            time_shift_type="exponential",
+            use_dynamic_shifting=True,
+        )
+        pipe = QwenImageEditPlusPipeline(
+            scheduler=scheduler,
+            vae=vae,
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            processor=processor,
+            transformer=transformer,
+        )
         dropped = len(tokenizer(prefix).input_ids)
         if dropped != pipe.prompt_template_encode_start_idx or not pipe.prompt_template_encode.startswith(prefix):
-            raise RuntimeError(f"QwenImageEditPlusPipeline's template changed: it drops "
-                               f"{pipe.prompt_template_encode_start_idx} tokens, the tiny tokenizer makes {dropped}")
+            raise RuntimeError(
+                f"QwenImageEditPlusPipeline's template changed: it drops "
+                f"{pipe.prompt_template_encode_start_idx} tokens, the tiny tokenizer makes {dropped}"
+            )
         pipe.default_sample_size = tiny.TINY_IMAGE_SIZE // pipe.vae_scale_factor
         return tiny.finish(pipe)
 

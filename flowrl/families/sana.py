@@ -79,8 +79,9 @@ class SanaBackend(FlowMatchingBackend):
     # train_dreambooth_lora_sana.py targets them, and their output projections, as Flow-GRPO does for SD3's
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     tiny_denoiser = TINY_TRANSFORMER
-    plan_layout = Layout(blocks=r"transformer_blocks\.\d+", one=r"time_embed",
-                         txt=r"caption_projection|attn2\.to_[kv]$")
+    plan_layout = Layout(
+        blocks=r"transformer_blocks\.\d+", one=r"time_embed", txt=r"caption_projection|attn2\.to_[kv]$"
+    )
     # never measured, and its linear-attention blocks resemble no measured class's: a guess
     plan_calibration = NOT_CALIBRATED
     parity_guidance = (1.0, 4.5)
@@ -203,11 +204,16 @@ class SanaBackend(FlowMatchingBackend):
     @classmethod
     def tiny_config_files(cls):
         return {
-            "model_index.json": {"_class_name": "SanaPipeline", "transformer": ["diffusers", cls.denoiser_class],
-                                 "vae": ["diffusers", "AutoencoderDC"]},
+            "model_index.json": {
+                "_class_name": "SanaPipeline",
+                "transformer": ["diffusers", cls.denoiser_class],
+                "vae": ["diffusers", "AutoencoderDC"],
+            },
             "transformer/config.json": {"_class_name": cls.denoiser_class, **TINY_TRANSFORMER},
-            "vae/config.json": {"_class_name": "AutoencoderDC",
-                                "encoder_block_out_channels": list(TINY_VAE["encoder_block_out_channels"])},
+            "vae/config.json": {
+                "_class_name": "AutoencoderDC",
+                "encoder_block_out_channels": list(TINY_VAE["encoder_block_out_channels"]),
+            },
         }
 
     @staticmethod

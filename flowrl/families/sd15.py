@@ -26,7 +26,6 @@ TINY_UNET = dict(
 )
 
 
-
 @register_family
 class SD15Backend(ImageBackend):
     """StableDiffusionPipeline with a DDIM scheduler (swapped in from the pipeline's config, as DDPO
@@ -41,16 +40,27 @@ class SD15Backend(ImageBackend):
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     tiny_denoiser = TINY_UNET
     # diffusers checkpoints the resnets and the attentions' transformer blocks
-    plan_layout = Layout(blocks=(r"(down_blocks\.\d+\.|up_blocks\.\d+\.|mid_block\.)"
-                                 r"(resnets\.\d+|attentions\.\d+\.transformer_blocks\.\d+)"),
-                         one=r"time_embedding|time_emb_proj|add_embedding", txt=r"attn2\.to_[kv]$", unet=True)
+    plan_layout = Layout(
+        blocks=(
+            r"(down_blocks\.\d+\.|up_blocks\.\d+\.|mid_block\.)"
+            r"(resnets\.\d+|attentions\.\d+\.transformer_blocks\.\d+)"
+        ),
+        one=r"time_embedding|time_emb_proj|add_embedding",
+        txt=r"attn2\.to_[kv]$",
+        unet=True,
+    )
     # Measured by `python benchmarks/memory.py --fit` (as SD3's, see sd3.py): SD1.5's UNet at a fifth of its width
     # (64 / 128 / 256 / 256 channels, 2 layers per block), 1024 latent pixels + 16 tokens: 109.1 / 432.9 / 1728.5 and
     # 26.1 / 101.2 / 401.6 MiB; with 1 layer per block: 68.6 / 272.2 and 20.9 / 81.4 (micro 1 / 4). Within 1.1%
     # without checkpointing, 0.1% with it. The rollout's denoiser (2 and 4 images with CFG): 13.1 / 26.2 MiB, gamma
     # 0.364. Checked on a UNet of 96 / 192 / 384 / 384 channels at 384 px, not used to fit them: 1.00-1.01.
-    plan_calibration = Calibration(0.941, 0.59, 1.00, "calibrated on measured SD1.5-style UNets of 1 and 2 layers per "
-                                                      "block (benchmarks/memory.py)", gamma=0.364)
+    plan_calibration = Calibration(
+        0.941,
+        0.59,
+        1.00,
+        "calibrated on measured SD1.5-style UNets of 1 and 2 layers per block (benchmarks/memory.py)",
+        gamma=0.364,
+    )
     default_sde_type = "ddim"
     default_guidance_scale = 5.0
     uses_cfg_encodings = True
@@ -135,9 +145,9 @@ class SD15Backend(ImageBackend):
     def _flow_input(self, x0, noise, t):
         """The training timestep tau whose flow time is nearest t: x = alpha x0 + sigma eps (alpha = sqrt(a_tau),
         sigma = sqrt(1 - a_tau)); the UNet's epsilon (or v) becomes a velocity by `ddpm_velocity`."""
-        alphas = self.pipe.scheduler.alphas_cumprod.to(self.device, torch.float32)                # [T]
-        times = ddpm_flow_time(alphas)                                                          # [T] increasing
-        tau = (times[None, :] - t[:, None]).abs().argmin(1)                                     # [N]
+        alphas = self.pipe.scheduler.alphas_cumprod.to(self.device, torch.float32)  # [T]
+        times = ddpm_flow_time(alphas)  # [T] increasing
+        tau = (times[None, :] - t[:, None]).abs().argmin(1)  # [N]
         alpha, sigma = alphas[tau].sqrt(), (1 - alphas[tau]).sqrt()
         shape = (-1, *([1] * (x0.ndim - 1)))
         x = alpha.view(shape) * x0 + sigma.view(shape) * noise
@@ -161,8 +171,12 @@ class SD15Backend(ImageBackend):
         """The UNet's LoRA in the diffusers key format the SD pipelines' `load_lora_weights` reads."""
         from diffusers.utils import convert_state_dict_to_diffusers
 
-        pipeline_class.save_lora_weights(directory, unet_lora_layers=convert_state_dict_to_diffusers(state),
-                                         unet_lora_adapter_metadata=metadata, safe_serialization=True)
+        pipeline_class.save_lora_weights(
+            directory,
+            unet_lora_layers=convert_state_dict_to_diffusers(state),
+            unet_lora_adapter_metadata=metadata,
+            safe_serialization=True,
+        )
 
     @classmethod
     def tiny_pipeline(cls, seed: int = 0):

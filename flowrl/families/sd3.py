@@ -26,6 +26,7 @@ TINY_TRANSFORMER = dict(
     pos_embed_max_size=16,  # latent side / patch size <= 16: images up to 64 px a side
 )
 
+
 @register_family
 class SD3Backend(FlowMatchingBackend):
     """StableDiffusion3Pipeline. CFG when guidance_scale > 1; Flow-GRPO's SD3.5 recipe uses 4.5."""
@@ -36,15 +37,26 @@ class SD3Backend(FlowMatchingBackend):
     denoiser_class = "SD3Transformer2DModel"
     default_guidance_scale = 4.5
     # the attention projections of both streams (Flow-GRPO's choice for SD3)
-    lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-                    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
+    lora_targets = (
+        "attn.to_q",
+        "attn.to_k",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_q_proj",
+        "attn.add_k_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+    )
     tiny_denoiser = TINY_TRANSFORMER
     default_max_sequence_length = 256
     uses_cfg_encodings = True
     _t5_tokenizer_attr = "tokenizer_3"
     t5_components = ("text_encoder_3", "tokenizer_3")  # without them, T5's part of the prompt embedding is zeros
-    plan_layout = Layout(blocks=r"transformer_blocks\.\d+", one=rf"time_text_embed|{MMDIT_ADALN}",
-                         txt=r"context_embedder|attn\.add_|to_add_out|ff_context")
+    plan_layout = Layout(
+        blocks=r"transformer_blocks\.\d+",
+        one=rf"time_text_embed|{MMDIT_ADALN}",
+        txt=r"context_embedder|attn\.add_|to_add_out|ff_context",
+    )
     # Measured by `python benchmarks/memory.py --fit` (CPU, bfloat16, LoRA r8 on lora_targets, beta 0.01 with CFG at
     # 256 px; activations in MiB on top of the static memory for micro-batch 1 / 4 / 16, without and with gradient
     # checkpointing): an SD3 of 8 blocks of 512 (dual attention in 4, qk RMS norm), 256 + 32 tokens: 133.4 / 527.6 /
@@ -53,8 +65,13 @@ class SD3Backend(FlowMatchingBackend):
     # images with CFG): 15.7 / 31.4 MiB, gamma 0.513. Checked on models not used to fit them (estimate / measured,
     # micro-batch 1 and 2, checkpointing off and on): an SD3 of 12 blocks of 768 at 384 px (576 + 32 tokens)
     # 0.99-1.00, one of 4 blocks of 256 at 128 px 0.98-1.02 (tests/test_plan.py's).
-    plan_calibration = Calibration(0.970, 0.61, 1.17, "calibrated on measured SD3s of 8 x 512 and 24 x 256 blocks "
-                                                      "(benchmarks/memory.py)", gamma=0.513)
+    plan_calibration = Calibration(
+        0.970,
+        0.61,
+        1.17,
+        "calibrated on measured SD3s of 8 x 512 and 24 x 256 blocks (benchmarks/memory.py)",
+        gamma=0.513,
+    )
 
     def _encode_text(self, prompts):
         prompt_embeds, _, pooled, _ = self.pipe.encode_prompt(

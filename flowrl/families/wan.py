@@ -54,8 +54,11 @@ class WanBackend(FlowMatchingBackend):
     # cross-attention to the text (attn2: its keys and values from the text; image-to-video's added keys and values
     # from the CLIP image tokens, which the planner counts among the text tokens), a feed-forward; the time embedding
     # and its projection give one vector per sample.
-    plan_layout = Layout(blocks=r"blocks\.\d+", one=r"condition_embedder\.time_",
-                         txt=r"condition_embedder\.(text|image)_embedder|attn2\.(to_[kv]|add_[kv]_proj)$")
+    plan_layout = Layout(
+        blocks=r"blocks\.\d+",
+        one=r"condition_embedder\.time_",
+        txt=r"condition_embedder\.(text|image)_embedder|attn2\.(to_[kv]|add_[kv]_proj)$",
+    )
     # never measured, and no measured class has its cross-attention blocks: a guess
     plan_calibration = NOT_CALIBRATED
     parity_guidance = (1.0, 5.0)
@@ -70,19 +73,24 @@ class WanBackend(FlowMatchingBackend):
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         if getattr(pipe, "transformer_2", None) is not None or pipe.config.get("boundary_ratio") is not None:
-            raise ImageModelError("WanBackend trains one denoiser: this pipeline has Wan2.2's two experts "
-                                  "(transformer_2 / boundary_ratio); load it with transformer_2=None and "
-                                  "boundary_ratio=None")
+            raise ImageModelError(
+                "WanBackend trains one denoiser: this pipeline has Wan2.2's two experts "
+                "(transformer_2 / boundary_ratio); load it with transformer_2=None and "
+                "boundary_ratio=None"
+            )
         if pipe.config.get("expand_timesteps", False):
             raise ImageModelError("WanBackend does not drive Wan2.2 TI2V's per-token timesteps (expand_timesteps)")
         scheduler = pipe.scheduler
         if not isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
             config = scheduler.config
             if config.get("prediction_type") != "flow_prediction":
-                raise ImageModelError(f"WanBackend samples flow-matching models; this {type(scheduler).__name__} has "
-                                      f"prediction_type {config.get('prediction_type')!r}, not 'flow_prediction'")
+                raise ImageModelError(
+                    f"WanBackend samples flow-matching models; this {type(scheduler).__name__} has "
+                    f"prediction_type {config.get('prediction_type')!r}, not 'flow_prediction'"
+                )
             pipe.scheduler = FlowMatchEulerDiscreteScheduler(
-                num_train_timesteps=config.get("num_train_timesteps", 1000), shift=config.get("flow_shift") or 1.0)
+                num_train_timesteps=config.get("num_train_timesteps", 1000), shift=config.get("flow_shift") or 1.0
+            )
         elif pipe.scheduler.config.get("use_dynamic_shifting", False):
             raise ImageModelError("WanPipeline passes no `mu`: a scheduler with use_dynamic_shifting cannot sample it")
         super().__init__(pipe, **kwargs)
@@ -93,8 +101,10 @@ class WanBackend(FlowMatchingBackend):
         frames = super().check_num_frames(num_frames)
         if (frames - 1) % 4:
             near = sorted({max(1, (frames - 1) // 4 * 4 + 1), (frames - 1) // 4 * 4 + 5})
-            raise ImageModelError(f"wan makes 4k + 1 frames (its VAE compresses time 4x), got sample.num_frames="
-                                  f"{frames}; nearest valid: {', '.join(map(str, near))}")
+            raise ImageModelError(
+                f"wan makes 4k + 1 frames (its VAE compresses time 4x), got sample.num_frames="
+                f"{frames}; nearest valid: {', '.join(map(str, near))}"
+            )
         return frames
 
     @classmethod
@@ -141,8 +151,12 @@ class WanBackend(FlowMatchingBackend):
 
     def _latent_shape(self, settings):
         f = self.pipe.vae_scale_factor_spatial
-        return (self.denoiser_config.in_channels, self._latent_frames(settings.num_frames), settings.height // f,
-                settings.width // f)
+        return (
+            self.denoiser_config.in_channels,
+            self._latent_frames(settings.num_frames),
+            settings.height // f,
+            settings.width // f,
+        )
 
     def _schedule(self, num_steps, settings):
         return self._set_scheduler(num_steps, num_inference_steps=num_steps)  # WanPipeline: no sigmas, no mu
@@ -151,8 +165,9 @@ class WanBackend(FlowMatchingBackend):
         """As WanPipeline's loop: the conditional call, then with CFG the unconditional one (two calls, not one
         batch), mixed as uncond + g (cond - uncond)."""
         x = x.to(self.dtype)
-        out = self.denoiser(hidden_states=x, timestep=t, encoder_hidden_states=cond["prompt_embeds"].to(self.dtype),
-                            return_dict=False)[0]
+        out = self.denoiser(
+            hidden_states=x, timestep=t, encoder_hidden_states=cond["prompt_embeds"].to(self.dtype), return_dict=False
+        )[0]
         if settings.guidance_scale > 1:
             negative = self._negative_like(encodings, x.shape[0])["prompt_embeds"].to(self.dtype)
             uncond = self.denoiser(hidden_states=x, timestep=t, encoder_hidden_states=negative, return_dict=False)[0]
@@ -190,8 +205,13 @@ class WanBackend(FlowMatchingBackend):
             text_encoder = build(tiny_umt5, tok)
             transformer = build(WanTransformer3DModel, **TINY_TRANSFORMER)
             vae = build(AutoencoderKLWan, **TINY_VAE)
-        pipe = WanPipeline(tokenizer=tok, text_encoder=text_encoder, transformer=transformer, vae=vae,
-                           scheduler=FlowMatchEulerDiscreteScheduler(shift=TINY_FLOW_SHIFT))
+        pipe = WanPipeline(
+            tokenizer=tok,
+            text_encoder=text_encoder,
+            transformer=transformer,
+            vae=vae,
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=TINY_FLOW_SHIFT),
+        )
         return tiny.finish(pipe)
 
 
@@ -199,9 +219,18 @@ def tiny_umt5(tokenizer):
     """The tiny Wan pipelines' text encoder: a 1-layer UMT5 encoder of width 32 over `tokenizer`."""
     from transformers import UMT5Config, UMT5EncoderModel
 
-    config = UMT5Config(vocab_size=tiny.vocab_size(tokenizer), d_model=32, d_kv=8, d_ff=37, num_layers=1, num_heads=4,
-                        relative_attention_num_buckets=8, pad_token_id=tokenizer.pad_token_id,
-                        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id)
+    config = UMT5Config(
+        vocab_size=tiny.vocab_size(tokenizer),
+        d_model=32,
+        d_kv=8,
+        d_ff=37,
+        num_layers=1,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )
     return UMT5EncoderModel(config)
 
 

@@ -19,8 +19,15 @@ from .wan import TINY_FLOW_SHIFT, TINY_TRANSFORMER, TINY_VAE, WanBackend, tiny_u
 # the tiny test model's transformer (`tiny-wan_i2v`): Wan T2V's, with the concatenated channels and CLIP features
 TINY_I2V_TRANSFORMER = dict(TINY_TRANSFORMER, in_channels=36, image_dim=4)
 # the tiny CLIP vision encoder: 32 px in 4 px patches (64 tokens), width 4 (= image_dim)
-TINY_IMAGE_ENCODER = dict(hidden_size=4, projection_dim=4, num_hidden_layers=2, num_attention_heads=2, image_size=32,
-                          intermediate_size=16, patch_size=4)
+TINY_IMAGE_ENCODER = dict(
+    hidden_size=4,
+    projection_dim=4,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    image_size=32,
+    intermediate_size=16,
+    patch_size=4,
+)
 
 
 @register_family
@@ -81,12 +88,22 @@ class WanImageToVideoBackend(WanBackend):
         x_in = torch.cat([x.float(), cond["first_frame"].float()], dim=1).to(self.dtype)
         image = cond.get("image_embeds")
         image = None if image is None else image.to(self.dtype)
-        out = self.denoiser(hidden_states=x_in, timestep=t, encoder_hidden_states=cond["prompt_embeds"].to(self.dtype),
-                            encoder_hidden_states_image=image, return_dict=False)[0]
+        out = self.denoiser(
+            hidden_states=x_in,
+            timestep=t,
+            encoder_hidden_states=cond["prompt_embeds"].to(self.dtype),
+            encoder_hidden_states_image=image,
+            return_dict=False,
+        )[0]
         if settings.guidance_scale > 1:
             negative = self._negative_like(encodings, x.shape[0])["prompt_embeds"].to(self.dtype)
-            uncond = self.denoiser(hidden_states=x_in, timestep=t, encoder_hidden_states=negative,
-                                   encoder_hidden_states_image=image, return_dict=False)[0]
+            uncond = self.denoiser(
+                hidden_states=x_in,
+                timestep=t,
+                encoder_hidden_states=negative,
+                encoder_hidden_states_image=image,
+                return_dict=False,
+            )[0]
             out = uncond + settings.guidance_scale * (out - uncond)
         return out
 
@@ -119,9 +136,14 @@ class WanImageToVideoBackend(WanBackend):
             image_encoder = build(CLIPVisionModelWithProjection, CLIPVisionConfig(**TINY_IMAGE_ENCODER))
         size = TINY_IMAGE_ENCODER["image_size"]
         pipe = WanImageToVideoPipeline(
-            tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer,
-            scheduler=FlowMatchEulerDiscreteScheduler(shift=TINY_FLOW_SHIFT), image_encoder=image_encoder,
-            image_processor=CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size}))
+            tokenizer=tok,
+            text_encoder=text_encoder,
+            vae=vae,
+            transformer=transformer,
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=TINY_FLOW_SHIFT),
+            image_encoder=image_encoder,
+            image_processor=CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size}),
+        )
         return tiny.finish(pipe)
 
 

@@ -76,8 +76,9 @@ def tiny_qwen_tokenizer():
     vocab = {token: i for i, token in enumerate(specials)}
     for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
         vocab[symbol] = len(vocab)
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], model_max_length=TINY_TOKENIZER_MAX_LENGTH,
-                               chat_template=TINY_CHAT_TEMPLATE)
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab, merges=[], model_max_length=TINY_TOKENIZER_MAX_LENGTH, chat_template=TINY_CHAT_TEMPLATE
+    )
     tokenizer.add_tokens([AddedToken(token, special=True) for token in specials[1:]])
     return tokenizer
 
@@ -129,8 +130,12 @@ class ZImageBackend(FlowMatchingBackend):
     # feed_forward.w1/w2/w3: the preset lists them)
     lora_targets = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0")
     tiny_denoiser = TINY_TRANSFORMER
-    plan_layout = Layout(blocks=r"(layers|noise_refiner|context_refiner)\.\d+", one=r"t_embedder|adaLN_modulation",
-                         txt=r"cap_embedder|context_refiner", joint=r"^layers\.")
+    plan_layout = Layout(
+        blocks=r"(layers|noise_refiner|context_refiner)\.\d+",
+        one=r"t_embedder|adaLN_modulation",
+        txt=r"cap_embedder|context_refiner",
+        joint=r"^layers\.",
+    )
     # not measured yet: FLUX.1's factors (single-stream blocks over image and text tokens, as FLUX.1's last ones)
     plan_calibration = FluxBackend.plan_calibration.borrowed(FluxBackend.denoiser_class, denoiser_class)
     parity_guidance = (0.0, 4.0)  # without CFG (Turbo) and with it (Z-Image)
@@ -252,8 +257,12 @@ class ZImageBackend(FlowMatchingBackend):
 
     def pipeline_call_kwargs(self, guidance_scale: float) -> dict:
         # no CFG renormalisation and no truncation (the pipeline's defaults, made explicit)
-        return {"guidance_scale": guidance_scale, "max_sequence_length": self.max_sequence_length,
-                "cfg_normalization": False, "cfg_truncation": 1.0}
+        return {
+            "guidance_scale": guidance_scale,
+            "max_sequence_length": self.max_sequence_length,
+            "cfg_normalization": False,
+            "cfg_truncation": 1.0,
+        }
 
     # ---- the tiny model --------------------------------------------------------------------------
 

@@ -60,5 +60,13 @@ def build_objective(cfg, policy, num_processes: int = 1) -> Objective:
     return get_objective(cfg.train.objective)(cfg, policy, num_processes)
 
 
-__all__ = ["OBJECTIVES", "MemoryTerms", "Objective", "build_objective", "get_objective", "load_all",
-           "objective_names", "register"]
+__all__ = [
+    "OBJECTIVES",
+    "MemoryTerms",
+    "Objective",
+    "build_objective",
+    "get_objective",
+    "load_all",
+    "objective_names",
+    "register",
+]

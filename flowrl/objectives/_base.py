@@ -61,8 +61,10 @@ class Objective:
     def check(cls, cfg) -> list[str]:
         """What in `cfg` this objective cannot take, one line each naming the fix (nothing is loaded)."""
         if cfg.backend not in cls.backends:
-            return [f"train.objective={cls.name} trains {' and '.join(cls.backends)} models only "
-                    f"(backend={'/'.join(cls.backends)}), not backend={cfg.backend}; use train.objective=grpo"]
+            return [
+                f"train.objective={cls.name} trains {' and '.join(cls.backends)} models only "
+                f"(backend={'/'.join(cls.backends)}), not backend={cfg.backend}; use train.objective=grpo"
+            ]
         return []
 
     @classmethod
@@ -90,8 +92,9 @@ class Objective:
         """[b, K] 1 where an entry of `unit` counts for samples `idx` (for the minibatch's loss normalizer)."""
         raise NotImplementedError
 
-    def unit_loss(self, batch, idx: Tensor, unit: list[int], adv: Tensor, keep: Tensor,
-                  normalizer: Tensor | None) -> tuple[Tensor, dict]:
+    def unit_loss(
+        self, batch, idx: Tensor, unit: list[int], adv: Tensor, keep: Tensor, normalizer: Tensor | None
+    ) -> tuple[Tensor, dict]:
         """The aggregated loss of `unit` for samples `idx` [b] (with grad) and its stats. `normalizer`: the
         aggregation's normalizer of the whole minibatch when `idx` is one of its micro-batches (or one process's
         share), so that the parts' losses add up to the minibatch's."""
@@ -115,6 +118,7 @@ class Objective:
         """Tensors a checkpoint keeps for the objective (whole tensors: a collective when sharded)."""
         return {}
 
-    def load_state_dict(self, state: dict[str, Tensor], place: Callable[[Tensor, Tensor], Tensor] | None = None
-                        ) -> None:
+    def load_state_dict(
+        self, state: dict[str, Tensor], place: Callable[[Tensor, Tensor], Tensor] | None = None
+    ) -> None:
         """Restore `state_dict()`'s tensors; `place(value, param)` lays a whole tensor out as `param` is."""

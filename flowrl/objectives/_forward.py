@@ -44,8 +44,7 @@ class TrainingTimes:
 def random_order(n: int, num_steps: int, count: int, generator: torch.Generator) -> Tensor:
     """[n, count] long: for each of n samples, `count` distinct schedule indices in a random order."""
     if not 1 <= count <= num_steps:
-        raise ValueError(f"{count} training times per sample from a schedule of {num_steps} steps: "
-                         f"need 1..{num_steps}")
+        raise ValueError(f"{count} training times per sample from a schedule of {num_steps} steps: need 1..{num_steps}")
     return torch.stack([torch.randperm(num_steps, generator=generator)[:count] for _ in range(n)])
 
 
@@ -88,9 +87,11 @@ class ForwardProcessObjective(Objective):
         problems = super().check(cfg)
         times, steps = getattr(cfg.train, cls.name).timesteps, cfg.sample.num_steps
         if cls.distinct_times and times > steps:
-            problems.append(f"train.{cls.name}.timesteps={times} exceeds sample.num_steps={steps}: the training "
-                            f"times are distinct steps of the rollout's schedule; use at most {steps} (0 = the "
-                            f"default)")
+            problems.append(
+                f"train.{cls.name}.timesteps={times} exceeds sample.num_steps={steps}: the training "
+                f"times are distinct steps of the rollout's schedule; use at most {steps} (0 = the "
+                f"default)"
+            )
         return problems
 
     @classmethod
@@ -100,9 +101,14 @@ class ForwardProcessObjective(Objective):
         reference, note = cls.reference_note(settings)
         rows = times * cls.images_per_sample
         return MemoryTerms(
-            reference=reference, reference_note=note, rows=rows, shadows=cls.shadow_names(settings),
+            reference=reference,
+            reference_note=note,
+            rows=rows,
+            shadows=cls.shadow_names(settings),
             rows_note=f"objective {cls.name}: {rows} model rows: {times} time(s)"
-                      + (" x 2 (winner and loser)" if cls.images_per_sample == 2 else "") + ", without CFG")
+            + (" x 2 (winner and loser)" if cls.images_per_sample == 2 else "")
+            + ", without CFG",
+        )
 
     # ---- the rollout and the epoch's draw
 
@@ -134,8 +140,9 @@ class ForwardProcessObjective(Objective):
         """The fresh noise eps of `sample`'s time slot `slot` this epoch: float32 [*shape] on the CPU, from its own
         seed, so any micro-batching draws the same."""
         p = self.plan
-        gen = torch.Generator().manual_seed(derive_seed(self.cfg.train.seed, p.epoch, p.process_index, sample, slot,
-                                                        _NOISE_TAG))
+        gen = torch.Generator().manual_seed(
+            derive_seed(self.cfg.train.seed, p.epoch, p.process_index, sample, slot, _NOISE_TAG)
+        )
         return torch.randn(shape, generator=gen, dtype=torch.float32)
 
     def inputs(self, batch, idx: Tensor, unit: list[int]) -> tuple[Tensor, Tensor, Tensor]:
@@ -160,7 +167,7 @@ class ForwardProcessObjective(Objective):
     def unit_loss(self, batch, idx, unit, adv, keep, normalizer):
         loss, core_stats = self.row_losses(batch, idx, unit, adv)
         b, k = len(idx), len(unit)
-        loss = loss.view(k, b).transpose(0, 1)                                                    # [b, K]
+        loss = loss.view(k, b).transpose(0, 1)  # [b, K]
         mask = keep[idx.cpu()].to(loss.device, torch.float32)[:, None].expand(b, k)
         if normalizer is not None:
             normalizer = normalizer.to(loss.device)
@@ -188,17 +195,22 @@ class ForwardProcessObjective(Objective):
         core.soft_update_([weights[n] for n, _ in trained], [p for _, p in trained], decay)
 
     def state_dict(self):
-        return {f"{name}/{n}": full_tensor(w.detach()).cpu().contiguous()
-                for name in self.policy.shadows for n, w in self.policy.shadow_parameters(name).items()}
+        return {
+            f"{name}/{n}": full_tensor(w.detach()).cpu().contiguous()
+            for name in self.policy.shadows
+            for n, w in self.policy.shadow_parameters(name).items()
+        }
 
     def load_state_dict(self, state, place=None):
         for name in self.policy.shadows:
             weights = self.policy.shadow_parameters(name)
             missing = [n for n in weights if f"{name}/{n}" not in state]
             if missing:
-                warnings.warn(f"the checkpoint holds no {name!r} policy of train.objective={self.name} (written by "
-                              f"another objective?): {name!r} starts again as a copy of the trained weights",
-                              stacklevel=2)
+                warnings.warn(
+                    f"the checkpoint holds no {name!r} policy of train.objective={self.name} (written by "
+                    f"another objective?): {name!r} starts again as a copy of the trained weights",
+                    stacklevel=2,
+                )
                 self.soft_update(name, 0.0)
                 continue
             with torch.no_grad():

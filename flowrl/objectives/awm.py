@@ -23,9 +23,15 @@ from ._forward import ForwardProcessObjective
 @dataclass
 class AWMSettings:
     RANGES: ClassVar[dict[str, Range]] = {
-        "ghuber_power": POSITIVE, "advantage_clip": POSITIVE, "kl_coef": AT_LEAST_0, "ema_kl_coef": AT_LEAST_0,
-        "ema_decay_rate": AT_LEAST_0, "ema_decay_cap": Range(0, 1), "timesteps": AT_LEAST_1,
-        "timestep_fraction": FRACTION}
+        "ghuber_power": POSITIVE,
+        "advantage_clip": POSITIVE,
+        "kl_coef": AT_LEAST_0,
+        "ema_kl_coef": AT_LEAST_0,
+        "ema_decay_rate": AT_LEAST_0,
+        "ema_decay_cap": Range(0, 1),
+        "timesteps": AT_LEAST_1,
+        "timestep_fraction": FRACTION,
+    }
 
     weighting: Literal["uniform", "t", "t2", "huber", "ghuber"] = "ghuber"
     """The weighting m(l, t) of a sample's flow-matching error l (core.awm_matching_loss; the reference: ghuber)."""
@@ -86,7 +92,7 @@ class AWM(ForwardProcessObjective):
         lo = 1 if num_steps > 1 else 0
         hi = max(lo + 1, int(num_steps * self.settings.timestep_fraction))
         u = torch.rand(n, count, generator=generator)
-        strata = (torch.arange(count)[None, :] + u) / count                                     # [n, T] in [0, 1)
+        strata = (torch.arange(count)[None, :] + u) / count  # [n, T] in [0, 1)
         return (lo + (strata * (hi - lo)).long()).clamp(max=hi - 1)
 
     def row_losses(self, batch, idx, unit, adv):
@@ -95,12 +101,22 @@ class AWM(ForwardProcessObjective):
         pred = self.policy.flow_prediction(batch, rows, t, noise)
         ref = self.reference_velocity(batch, rows, t, noise) if s.kl_coef > 0 else None
         ema = self.shadow_velocity("ema", batch, rows, t, noise) if s.ema_kl_coef > 0 else None
-        return core.awm_loss(pred.velocity, self.clean(batch, rows), noise, pred.t, adv[rows].to(noise.device),
-                             weighting=s.weighting, ghuber_power=s.ghuber_power, advantage_clip=s.advantage_clip,
-                             ref_velocity=ref, kl_coef=s.kl_coef, ema_velocity=ema, ema_kl_coef=s.ema_kl_coef)
+        return core.awm_loss(
+            pred.velocity,
+            self.clean(batch, rows),
+            noise,
+            pred.t,
+            adv[rows].to(noise.device),
+            weighting=s.weighting,
+            ghuber_power=s.ghuber_power,
+            advantage_clip=s.advantage_clip,
+            ref_velocity=ref,
+            kl_coef=s.kl_coef,
+            ema_velocity=ema,
+            ema_kl_coef=s.ema_kl_coef,
+        )
 
     def after_optimizer_step(self, optimizer_steps):
         s = self.settings
         if s.ema_kl_coef > 0:
-            self.soft_update("ema", core.soft_update_decay(optimizer_steps, rate=s.ema_decay_rate,
-                                                           cap=s.ema_decay_cap))
+            self.soft_update("ema", core.soft_update_decay(optimizer_steps, rate=s.ema_decay_rate, cap=s.ema_decay_cap))

@@ -56,10 +56,12 @@ class DPO(ForwardProcessObjective):
         s = cfg.sample
         local = s.prompts_per_epoch * s.group_size // max(num_processes, 1)
         if num_processes > 1 and local % s.group_size:
-            raise ValueError(f"train.objective=dpo pairs the best and worst image of a group on one process, but the "
-                             f"per-process batch {local} (prompts_per_epoch x group_size / {num_processes} processes) "
-                             f"splits groups of sample.group_size={s.group_size}; make prompts_per_epoch a multiple "
-                             f"of the process count")
+            raise ValueError(
+                f"train.objective=dpo pairs the best and worst image of a group on one process, but the "
+                f"per-process batch {local} (prompts_per_epoch x group_size / {num_processes} processes) "
+                f"splits groups of sample.group_size={s.group_size}; make prompts_per_epoch a multiple "
+                f"of the process count"
+            )
         self.partner: Tensor | None = None
         self.pairs = 0
 
@@ -101,8 +103,18 @@ class DPO(ForwardProcessObjective):
         r_w, r_l = ref.chunk(2)
         t_used = pred.t.chunk(2)[0]
         weight = (1 - t_used) ** 2 if self.settings.weighting == "noise" else None
-        loss, stats = core.dpo_loss(v_w, v_l, r_w, r_l, self.clean(batch, rows_w), self.clean(batch, rows_l),
-                                    noise, t_used, beta=self.settings.beta, weight=weight)
+        loss, stats = core.dpo_loss(
+            v_w,
+            v_l,
+            r_w,
+            r_l,
+            self.clean(batch, rows_w),
+            self.clean(batch, rows_l),
+            noise,
+            t_used,
+            beta=self.settings.beta,
+            weight=weight,
+        )
         stats.pop("num_pairs")
         return loss, stats
 

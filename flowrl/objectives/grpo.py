@@ -27,8 +27,12 @@ from ._base import MemoryTerms, Objective
 
 @dataclass
 class WindowConfig:
-    RANGES: ClassVar[dict[str, Range]] = {"start": AT_LEAST_0, "size": AT_LEAST_0, "every": AT_LEAST_1,
-                                          "stride": AT_LEAST_1}
+    RANGES: ClassVar[dict[str, Range]] = {
+        "start": AT_LEAST_0,
+        "size": AT_LEAST_0,
+        "every": AT_LEAST_1,
+        "stride": AT_LEAST_1,
+    }
 
     kind: Literal["all", "fixed", "sliding"] = "all"
     """Which denoising steps are stochastic (SDE) and trained: `all`; a `fixed` window [start, start+size)
@@ -45,8 +49,13 @@ class WindowConfig:
 
 @dataclass
 class GRPOSettings:
-    RANGES: ClassVar[dict[str, Range]] = {"clip_low": FRACTION, "clip_high": POSITIVE, "dual_clip": Range(1, lo_open=True),
-                                          "beta": AT_LEAST_0, "noise_level": Range(0, 10, lo_open=True)}
+    RANGES: ClassVar[dict[str, Range]] = {
+        "clip_low": FRACTION,
+        "clip_high": POSITIVE,
+        "dual_clip": Range(1, lo_open=True),
+        "beta": AT_LEAST_0,
+        "noise_level": Range(0, 10, lo_open=True),
+    }
 
     policy_loss: str = "ppo_clip"
     """Policy loss from the core's registry (`ppo_clip`, `gspo`)."""
@@ -76,8 +85,15 @@ class GRPOSettings:
     """Images: one initial noise for every image of a group (the group then differs only by the SDE noise)."""
 
 
-def grpo_loss(out, adv: Tensor, keep: Tensor, settings: GRPOSettings, aggregation: str, entropy_coef: float = 0.0,
-              normalizer: Tensor | None = None) -> tuple[Tensor, dict]:
+def grpo_loss(
+    out,
+    adv: Tensor,
+    keep: Tensor,
+    settings: GRPOSettings,
+    aggregation: str,
+    entropy_coef: float = 0.0,
+    normalizer: Tensor | None = None,
+) -> tuple[Tensor, dict]:
     """GRPO's loss of one unit of steps for a minibatch of b samples: the policy loss from the core's registry (or
     the clipped surrogate on GRPO-Guard's normalised log-ratio) x per-step weight, aggregated by `aggregation`,
     plus beta x KL, minus entropy_coef x entropy.
@@ -86,14 +102,14 @@ def grpo_loss(out, adv: Tensor, keep: Tensor, settings: GRPOSettings, aggregatio
     `normalizer`: the aggregation's normalizer of the whole minibatch when these b samples are one of its
     micro-batches (core.loss_normalizer), so that the micro-batches' losses add up to the minibatch's.
     """
-    mask = out.mask * keep[:, None].to(out.mask.dtype)                                        # [b, K]
+    mask = out.mask * keep[:, None].to(out.mask.dtype)  # [b, K]
     clip = dict(clip_low=settings.clip_low, clip_high=settings.clip_high, dual_clip=settings.dual_clip, mask=mask)
     if out.log_ratio is not None:
         loss, stats = core.clipped_surrogate(out.log_ratio, adv, **clip)
     else:
         loss, stats = core.get_policy_loss(settings.policy_loss)(out.log_prob, out.old_log_prob, adv, **clip)
     if out.weight is not None:
-        loss = loss * out.weight                                                             # [b, K]
+        loss = loss * out.weight  # [b, K]
     total = core.aggregate_loss(loss, mask, aggregation, normalizer=normalizer)
     stats["policy_loss"] = total.detach()
     if out.entropy is not None:
@@ -129,37 +145,48 @@ class GRPO(Objective):
             policy.ensure_reference()
         local = cfg.sample.prompts_per_epoch * cfg.sample.group_size // max(num_processes, 1)
         if s.same_noise_per_group and local % cfg.sample.group_size:
-            raise ValueError(f"train.grpo.same_noise_per_group needs whole groups on each process: the per-process "
-                             f"batch {local} is not a multiple of group_size {cfg.sample.group_size}")
+            raise ValueError(
+                f"train.grpo.same_noise_per_group needs whole groups on each process: the per-process "
+                f"batch {local} is not a multiple of group_size {cfg.sample.group_size}"
+            )
 
     @classmethod
     def check(cls, cfg) -> list[str]:
         s, num_steps = cfg.train.grpo, cfg.sample.num_steps
         problems = super().check(cfg)
         if s.policy_loss not in core.POLICY_LOSSES:
-            problems.append(f"train.grpo.policy_loss {s.policy_loss!r} is not registered; valid: "
-                            f"{', '.join(core.POLICY_LOSSES.names())}")
+            problems.append(
+                f"train.grpo.policy_loss {s.policy_loss!r} is not registered; valid: "
+                f"{', '.join(core.POLICY_LOSSES.names())}"
+            )
         if cfg.backend != "image":
             return problems
         w = s.window
         if w.kind != "all" and (w.size < 1 or w.start < 0 or w.start + w.size > num_steps):
-            problems.append(f"train.grpo.window: [start, start+size) = [{w.start}, {w.start + w.size}) must lie in "
-                            f"[0, sample.num_steps={num_steps}) with size >= 1")
+            problems.append(
+                f"train.grpo.window: [start, start+size) = [{w.start}, {w.start + w.size}) must lie in "
+                f"[0, sample.num_steps={num_steps}) with size >= 1"
+            )
         if s.noise_level is not None and s.noise_level > 1 and s.sde_type in ("cps", "ddim"):
-            problems.append(f"train.grpo.noise_level must be in (0, 1] for sde_type={s.sde_type} (CPS's angle "
-                            f"fraction, DDIM's eta), got {s.noise_level}")
+            problems.append(
+                f"train.grpo.noise_level must be in (0, 1] for sde_type={s.sde_type} (CPS's angle "
+                f"fraction, DDIM's eta), got {s.noise_level}"
+            )
         if s.step_weighting == "ratio_norm" and s.sde_type not in ("auto", "sde", "dance"):
-            problems.append("train.grpo.step_weighting=ratio_norm needs a Gaussian SDE step (train.grpo.sde_type sde "
-                            "or dance)")
+            problems.append(
+                "train.grpo.step_weighting=ratio_norm needs a Gaussian SDE step (train.grpo.sde_type sde or dance)"
+            )
         if s.sde_type != "auto" and cfg.model.family != "auto":
             from flowrl.families import FAMILIES, family_names
 
             if cfg.model.family in family_names():
                 kernels = [k for k in FAMILIES.get(cfg.model.family).sde_types if k != "ode"]
                 if s.sde_type not in kernels:
-                    problems.append(f"train.grpo.sde_type={s.sde_type} does not fit model.family={cfg.model.family}: "
-                                    f"it takes {', '.join(kernels)} (ddim is for epsilon-prediction UNets, "
-                                    f"sde/cps/dance for flow models)")
+                    problems.append(
+                        f"train.grpo.sde_type={s.sde_type} does not fit model.family={cfg.model.family}: "
+                        f"it takes {', '.join(kernels)} (ddim is for epsilon-prediction UNets, "
+                        f"sde/cps/dance for flow models)"
+                    )
         return problems
 
     @classmethod
@@ -167,10 +194,14 @@ class GRPO(Objective):
         s, num_steps = cfg.train.grpo, cfg.sample.num_steps
         steps = min(cfg.train.steps_per_forward, num_steps if s.window.kind == "all" else s.window.size)
         return MemoryTerms(
-            reference=s.beta > 0, reference_note=f"beta {s.beta:g}", rows=steps * cfg_rows,
+            reference=s.beta > 0,
+            reference_note=f"beta {s.beta:g}",
+            rows=steps * cfg_rows,
             rows_note=f"{steps * cfg_rows} model rows: {steps} step(s)" + (" x 2 (CFG)" if cfg_rows == 2 else ""),
-            latents_kept=num_steps + 1, means_kept=num_steps if s.step_weighting == "ratio_norm" else 0,
-            whole_groups=s.same_noise_per_group)
+            latents_kept=num_steps + 1,
+            means_kept=num_steps if s.step_weighting == "ratio_norm" else 0,
+            whole_groups=s.same_noise_per_group,
+        )
 
     def train_units(self, batch, steps_per_forward):
         return self.policy.train_units(batch, steps_per_forward)
@@ -186,8 +217,7 @@ class GRPO(Objective):
 
     def loss(self, out, adv: Tensor, keep: Tensor, normalizer: Tensor | None = None) -> tuple[Tensor, dict]:
         """`grpo_loss` of recomputed log-probs `out` with this run's settings and the policy's aggregation."""
-        return grpo_loss(out, adv, keep, self.settings, self.policy.aggregation, self.policy.entropy_coef,
-                         normalizer)
+        return grpo_loss(out, adv, keep, self.settings, self.policy.aggregation, self.policy.entropy_coef, normalizer)
 
     @classmethod
     def progress(cls, metrics):

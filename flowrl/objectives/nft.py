@@ -21,8 +21,15 @@ from ._forward import ForwardProcessObjective
 @dataclass
 class NFTSettings:
     RANGES: ClassVar[dict[str, Range]] = {
-        "beta": POSITIVE, "adv_clip": POSITIVE, "policy_scale": POSITIVE, "kl_coef": AT_LEAST_0,
-        "decay_rate": AT_LEAST_0, "decay_cap": Range(0, 1), "decay_start": AT_LEAST_0, "timesteps": AT_LEAST_0}
+        "beta": POSITIVE,
+        "adv_clip": POSITIVE,
+        "policy_scale": POSITIVE,
+        "kl_coef": AT_LEAST_0,
+        "decay_rate": AT_LEAST_0,
+        "decay_cap": Range(0, 1),
+        "decay_start": AT_LEAST_0,
+        "timesteps": AT_LEAST_0,
+    }
 
     beta: float = 1.0
     """DiffusionNFT's beta: the implicit policies v+- = v_old +- beta (v_theta - v_old) (the reference: 1; 0.1 for OCR
@@ -85,9 +92,19 @@ class NFT(ForwardProcessObjective):
         pred = self.policy.flow_prediction(batch, rows, t, noise)
         ref = self.reference_velocity(batch, rows, t, noise) if s.kl_coef > 0 else None
         r = core.optimality_probability(adv[rows].to(noise.device), clip=s.adv_clip)
-        return core.nft_loss(pred.velocity, old, self.clean(batch, rows), noise, pred.t, r, beta=s.beta,
-                             adaptive_weight=s.adaptive_weight, ref_velocity=ref, kl_coef=s.kl_coef,
-                             policy_scale=s.policy_scale)
+        return core.nft_loss(
+            pred.velocity,
+            old,
+            self.clean(batch, rows),
+            noise,
+            pred.t,
+            r,
+            beta=s.beta,
+            adaptive_weight=s.adaptive_weight,
+            ref_velocity=ref,
+            kl_coef=s.kl_coef,
+            policy_scale=s.policy_scale,
+        )
 
     def after_update(self, optimizer_steps):
         s = self.settings

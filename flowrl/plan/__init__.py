@@ -108,8 +108,18 @@ def plan(cfg, *, gpus: int = 1, gpu_memory_gib: float = 80.0) -> Plan:
 def parse_memory(text: str) -> float:
     """GiB from "80GiB", "80 GiB", "80G", "80" (GiB), "85.9GB" (10^9 bytes), "81920MiB"."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    units = {"": 1.0, "g": 1.0, "gib": 1.0, "gb": 1e9 / GIB, "m": 1 / 1024, "mib": 1 / 1024, "mb": 1e6 / GIB,
-             "t": 1024.0, "tib": 1024.0, "tb": 1e12 / GIB}
+    units = {
+        "": 1.0,
+        "g": 1.0,
+        "gib": 1.0,
+        "gb": 1e9 / GIB,
+        "m": 1 / 1024,
+        "mib": 1 / 1024,
+        "mb": 1e6 / GIB,
+        "t": 1024.0,
+        "tib": 1024.0,
+        "tb": 1e12 / GIB,
+    }
     if not m or m.group(2).lower() not in units or float(m.group(1)) <= 0:
         raise PlanError(f"--gpu-memory {text!r}: give a size such as 80GiB, 80GB, 24 or 40960MiB")
     return float(m.group(1)) * units[m.group(2).lower()]
@@ -127,12 +137,54 @@ def main(config: str | None, overrides: list[str] | None = None, *, gpus: int = 
 
 
 __all__ = [
-    "DTYPE_BYTES", "GENERIC_LAYOUT", "GIB", "LM_BLOCKS", "LM_CALIBRATION", "LOGITS_PHASE", "NOT_CALIBRATED",
-    "RESERVE_FRACTION", "RESERVE_GIB", "SHIPPED_DIR", "VAE_DECODE_FACTOR", "ActivationTerms", "Activations",
-    "Calibration", "Column", "Component", "Fit", "ImageShape", "Layer", "Layout", "Plan", "PlanError",
-    "RolloutEstimate", "Row", "StrategyTerms", "UpdateEstimate", "activation_bytes", "activation_terms",
-    "build_on_meta", "causal_lm", "columns", "config_reader", "denoiser_declarations", "denoiser_layers", "family_of",
-    "feature_components", "image_shape", "inject_lora", "latent_frames", "lm_layers", "lora_cast_bytes",
-    "lora_parameters", "main", "parse_memory", "pipeline_components", "plan", "reward_components", "shipped_models",
-    "usable_gib", "vae_decode_bytes"
+    "DTYPE_BYTES",
+    "GENERIC_LAYOUT",
+    "GIB",
+    "LM_BLOCKS",
+    "LM_CALIBRATION",
+    "LOGITS_PHASE",
+    "NOT_CALIBRATED",
+    "RESERVE_FRACTION",
+    "RESERVE_GIB",
+    "SHIPPED_DIR",
+    "VAE_DECODE_FACTOR",
+    "ActivationTerms",
+    "Activations",
+    "Calibration",
+    "Column",
+    "Component",
+    "Fit",
+    "ImageShape",
+    "Layer",
+    "Layout",
+    "Plan",
+    "PlanError",
+    "RolloutEstimate",
+    "Row",
+    "StrategyTerms",
+    "UpdateEstimate",
+    "activation_bytes",
+    "activation_terms",
+    "build_on_meta",
+    "causal_lm",
+    "columns",
+    "config_reader",
+    "denoiser_declarations",
+    "denoiser_layers",
+    "family_of",
+    "feature_components",
+    "image_shape",
+    "inject_lora",
+    "latent_frames",
+    "lm_layers",
+    "lora_cast_bytes",
+    "lora_parameters",
+    "main",
+    "parse_memory",
+    "pipeline_components",
+    "plan",
+    "reward_components",
+    "shipped_models",
+    "usable_gib",
+    "vae_decode_bytes",
 ]

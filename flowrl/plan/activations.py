@@ -36,8 +36,15 @@ class Layer:
         return self.tokens_in * self.fan_in + self.tokens_out * self.fan_out
 
 
-def denoiser_layers(module: torch.nn.Module, layout: Layout, *, image_tokens: int, text_tokens: int,
-                    levels: int = 1, lora_targets: Mapping[str, int] | None = None) -> list[Layer]:
+def denoiser_layers(
+    module: torch.nn.Module,
+    layout: Layout,
+    *,
+    image_tokens: int,
+    text_tokens: int,
+    levels: int = 1,
+    lora_targets: Mapping[str, int] | None = None,
+) -> list[Layer]:
     """The Linear/Conv layers of a denoiser with the tokens each sees in one model row, read with `layout` (its
     family's `plan_layout`).
 
@@ -128,8 +135,9 @@ def activation_terms(layers: list[Layer], dtype: str) -> ActivationTerms:
                 first.setdefault(layer.stream, layer.tokens_in * layer.fan_in)
         kept += sum(first.values())
     largest = max(blocks.values(), key=units, default=[])
-    return ActivationTerms(units(layers), units(largest) + units(outside), kept, lora(layers),
-                           lora(largest) + lora(outside))
+    return ActivationTerms(
+        units(layers), units(largest) + units(outside), kept, lora(layers), lora(largest) + lora(outside)
+    )
 
 
 @dataclass(frozen=True)
@@ -164,9 +172,13 @@ def activation_bytes(terms: ActivationTerms, cal: Calibration, dtype: str, head_
     family's `plan_calibration`, or the text planner's LM_CALIBRATION."""
     b = DTYPE_BYTES[dtype]
     head = cal.head * b * head_units
-    return Activations(plain=cal.alpha * b * terms.units + terms.lora + head, kept=cal.kappa * b * terms.kept,
-                       recompute=cal.rho * b * terms.units_checkpointed + terms.lora_checkpointed, head=head,
-                       calibrated=cal.calibrated)
+    return Activations(
+        plain=cal.alpha * b * terms.units + terms.lora + head,
+        kept=cal.kappa * b * terms.kept,
+        recompute=cal.rho * b * terms.units_checkpointed + terms.lora_checkpointed,
+        head=head,
+        calibrated=cal.calibrated,
+    )
 
 
 def block_params(module: torch.nn.Module, blocks: str) -> int:

@@ -12,14 +12,21 @@ from .models import DTYPE_BYTES, GIB, PlanError
 from .report import Fit, Plan, RolloutEstimate, Row, UpdateEstimate, usable_gib
 
 
-def verdicts(cols: list[Column], static: dict[str, float], transient: dict[str, float],
-             activations: Callable[[int, bool], float], micro: int, checkpointing: bool,
-             gpu_memory_gib: float) -> dict[str, Fit]:
+def verdicts(
+    cols: list[Column],
+    static: dict[str, float],
+    transient: dict[str, float],
+    activations: Callable[[int, bool], float],
+    micro: int,
+    checkpointing: bool,
+    gpu_memory_gib: float,
+) -> dict[str, Fit]:
     """Each column's Fit, from bytes: the peak of a micro-batch of m samples is
     static + max(activations(m, checkpointing), transient)."""
     budget = usable_gib(gpu_memory_gib) * GIB
     fits = {}
     for s in (c.title for c in cols):
+
         def peak(m: int, ck: bool) -> float:
             return static[s] + max(activations(m, ck), transient[s])
 
@@ -56,15 +63,18 @@ def batch_shape(cfg, gpus: int) -> tuple[int, int, int]:
     s, t = cfg.sample, cfg.train
     total = s.prompts_per_epoch * s.group_size
     if total % gpus:
-        raise PlanError(f"the epoch batch {total} (sample.prompts_per_epoch x sample.group_size) does not split evenly "
-                        f"over {gpus} GPUs: pick a GPU count that divides it")
+        raise PlanError(
+            f"the epoch batch {total} (sample.prompts_per_epoch x sample.group_size) does not split evenly "
+            f"over {gpus} GPUs: pick a GPU count that divides it"
+        )
     local = total // gpus
     minibatch = t.minibatch_size or local
     if local % minibatch:
-        raise PlanError(f"train.minibatch_size={minibatch} does not divide the {local} samples per GPU of {gpus} GPUs: "
-                        f"pick a GPU count or minibatch size that does")
+        raise PlanError(
+            f"train.minibatch_size={minibatch} does not divide the {local} samples per GPU of {gpus} GPUs: "
+            f"pick a GPU count or minibatch size that does"
+        )
     return local, minibatch, min(t.micro_batch_size or minibatch, minibatch)
-
 
 
 @dataclass(frozen=True)
@@ -106,16 +116,22 @@ def training_rows(tr: Training, cols: list[Column], gpus: int) -> list[Row]:
     b = DTYPE_BYTES[tr.dtype]
     rows = []
     if tr.lora_label:
-        rows.append(Row(f"{tr.lora_label} ({tr.dtype})", tr.n_trained / 1e9,
-                        spread(cols, tr.n_trained * b, gpus, "weights")))
+        rows.append(
+            Row(f"{tr.lora_label} ({tr.dtype})", tr.n_trained / 1e9, spread(cols, tr.n_trained * b, gpus, "weights"))
+        )
     rows.append(Row(f"gradients ({tr.dtype})", None, spread(cols, tr.n_trained * b, gpus, "gradients")))
     states = "AdamW8bit states (2 x uint8)" if tr.optimizer == "adamw_8bit" else "AdamW states (2 x float32)"
     rows.append(Row(states, None, spread(cols, tr.state_bytes, gpus, "optimizer", offloaded=True)))
     if tr.master_bytes:
         rows.append(Row("float32 master weights", None, spread(cols, tr.master_bytes, gpus, "optimizer", True)))
     if tr.ema:
-        rows.append(Row("EMA of the trained parameters (float32)", None,
-                        spread(cols, 4 * tr.n_trained, gpus, "weights", offloaded=True)))
+        rows.append(
+            Row(
+                "EMA of the trained parameters (float32)",
+                None,
+                spread(cols, 4 * tr.n_trained, gpus, "weights", offloaded=True),
+            )
+        )
     if tr.reference is not None:
         label = "reference: a frozen copy" if tr.reference else "reference: the adapter off (no weights)"
         rows.append(Row(label, None, spread(cols, tr.reference, gpus, "weights")))
@@ -127,14 +143,36 @@ def training_rows(tr: Training, cols: list[Column], gpus: int) -> list[Row]:
         if c.terms.gathered_blocks:
             n = c.terms.gathered_blocks
             own.insert(0, (f"{c.title}: {COUNTS.get(n, f'{n} blocks')} gathered at once", n * tr.block, False))
-        rows += [Row(label, None, {k.title: nbytes if c.title in (k.title, k.base) else 0.0 for k in cols},
-                     update_only=backward) for label, nbytes, backward in own]
+        rows += [
+            Row(
+                label,
+                None,
+                {k.title: nbytes if c.title in (k.title, k.base) else 0.0 for k in cols},
+                update_only=backward,
+            )
+            for label, nbytes, backward in own
+        ]
     return rows
 
 
-def finish(facts, rows: list[Row], update: UpdateEstimate, rollout: RolloutEstimate, tr: Training, cols: list[Column],
-           micro: int, minibatch: int, local: int, cfg, gpus: int, gpu_memory_gib: float, host_bytes: float,
-           notes: list[str], rows_note: str, unit: str = "samples") -> Plan:
+def finish(
+    facts,
+    rows: list[Row],
+    update: UpdateEstimate,
+    rollout: RolloutEstimate,
+    tr: Training,
+    cols: list[Column],
+    micro: int,
+    minibatch: int,
+    local: int,
+    cfg,
+    gpus: int,
+    gpu_memory_gib: float,
+    host_bytes: float,
+    notes: list[str],
+    rows_note: str,
+    unit: str = "samples",
+) -> Plan:
     """The Plan from its rows (bytes per GPU) and the update's and rollout's estimates: the verdicts, then
     everything in GiB; the columns' notes and what they refuse after the others."""
     t = cfg.train
@@ -144,8 +182,10 @@ def finish(facts, rows: list[Row], update: UpdateEstimate, rollout: RolloutEstim
     transient = transients(cols, tr, update.grads, gpus)
     update = dataclasses.replace(update, transient=transient[replicated(cols).title])
     fits = verdicts(cols, static, transient, update.activation_peak, micro, t.gradient_checkpointing, gpu_memory_gib)
-    per_sample = {False: update.rows_per_sample * update.activations.plain,
-                  True: update.rows_per_sample * update.activations.checkpointed}
+    per_sample = {
+        False: update.rows_per_sample * update.activations.plain,
+        True: update.rows_per_sample * update.activations.checkpointed,
+    }
     for r in rows:
         r.gib = {k: (None if v is None else v / GIB) for k, v in r.gib.items()}
     activation_rows = [
@@ -153,8 +193,9 @@ def finish(facts, rows: list[Row], update: UpdateEstimate, rollout: RolloutEstim
         Row("activations / sample, checkpointing", None, dict.fromkeys(titles, per_sample[True] / GIB)),
     ]
     if update.vocab:
-        activation_rows.append(Row("log-prob row chunks (float32, at most)", None,
-                                   {k: update.chunk_bytes(10**9) / GIB for k in titles}))
+        activation_rows.append(
+            Row("log-prob row chunks (float32, at most)", None, {k: update.chunk_bytes(10**9) / GIB for k in titles})
+        )
     budget = usable_gib(gpu_memory_gib) * GIB
     rollout_fits = {}
     for c in cols:  # the largest number of items per call that fits, up to the whole per-GPU batch
@@ -164,5 +205,21 @@ def finish(facts, rows: list[Row], update: UpdateEstimate, rollout: RolloutEstim
         rollout_fits[k] = (at_config / GIB, at_config <= budget, max(fitting, default=0))
     notes = notes + [c.note for c in cols if c.note]
     notes += [f"{c.title} refuses this config: {c.problem}" for c in cols if c.problem]
-    return Plan(facts, rows, activation_rows, fits, micro, minibatch, t.gradient_checkpointing, gpus,
-                gpu_memory_gib, host_bytes / GIB, update, rollout, rollout_fits, notes, unit, cols)
+    return Plan(
+        facts,
+        rows,
+        activation_rows,
+        fits,
+        micro,
+        minibatch,
+        t.gradient_checkpointing,
+        gpus,
+        gpu_memory_gib,
+        host_bytes / GIB,
+        update,
+        rollout,
+        rollout_fits,
+        notes,
+        unit,
+        cols,
+    )

@@ -34,8 +34,9 @@ class Column:
         return nbytes / gpus if kind in self.shards else nbytes
 
 
-def spread(cols: list[Column], nbytes: float, gpus: int, kind: str | None = None,
-           offloaded: bool = False) -> dict[str, float | None]:
+def spread(
+    cols: list[Column], nbytes: float, gpus: int, kind: str | None = None, offloaded: bool = False
+) -> dict[str, float | None]:
     """A row's bytes per GPU under each column (`Column.holds`)."""
     return {c.title: c.holds(nbytes, gpus, kind, offloaded) for c in cols}
 
@@ -53,15 +54,32 @@ def columns(cfg, trained: int, gpus: int) -> list[Column]:
         missing = [attr for attr in ("shards", "plan_column") if not hasattr(cls, attr)]
         if missing or not set(cls.shards) <= set(SHARDABLE):
             said = "no " + " and no ".join(missing) if missing else f"shards={cls.shards!r}"
-            raise PlanError(f"distributed strategy {name!r} declares {said} for flowrl plan: every strategy declares "
-                            f"shards (a tuple of {', '.join(SHARDABLE)}) and plan_column (flowrl/dist/_base.py)")
+            raise PlanError(
+                f"distributed strategy {name!r} declares {said} for flowrl plan: every strategy declares "
+                f"shards (a tuple of {', '.join(SHARDABLE)}) and plan_column (flowrl/dist/_base.py)"
+            )
         if cls.plan_column:
-            found.append(Column(cls.plan_column, frozenset(cls.shards), cls.plan_terms(trained, gpus),
-                                note=cls.plan_note, problem=cls.config_problem(cfg)))
+            found.append(
+                Column(
+                    cls.plan_column,
+                    frozenset(cls.shards),
+                    cls.plan_terms(trained, gpus),
+                    note=cls.plan_note,
+                    problem=cls.config_problem(cfg),
+                )
+            )
     found.sort(key=lambda c: (len(c.shards), c.title))
     ddp = STRATEGIES.get("ddp")
-    return found + [Column("offload", frozenset(ddp.shards), ddp.plan_terms(trained, gpus), offload=True,
-                           base=ddp.plan_column, problem=ddp.config_problem(cfg))]
+    return found + [
+        Column(
+            "offload",
+            frozenset(ddp.shards),
+            ddp.plan_terms(trained, gpus),
+            offload=True,
+            base=ddp.plan_column,
+            problem=ddp.config_problem(cfg),
+        )
+    ]
 
 
 def replicated(cols: list[Column]) -> Column:

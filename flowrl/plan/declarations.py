@@ -37,9 +37,12 @@ MMDIT_ADALN = r"norm1(_context)?\.linear|norm\.linear|norm_out\.linear"
 
 #: the layout of a denoiser class no family declares (a model of the user's own under a family's pipeline), from the
 #: module names diffusers' transformers share
-GENERIC_LAYOUT = Layout(blocks=r"(single_)?transformer_blocks\.\d+|layers\.\d+",
-                        one=r"time|modulation|adaLN|norm_out\.linear|norm1(_context)?\.linear|norm\.linear",
-                        txt=r"context|add_|txt|caption|cap_", joint=r"single_transformer_blocks")
+GENERIC_LAYOUT = Layout(
+    blocks=r"(single_)?transformer_blocks\.\d+|layers\.\d+",
+    one=r"time|modulation|adaLN|norm_out\.linear|norm1(_context)?\.linear|norm\.linear",
+    txt=r"context|add_|txt|caption|cap_",
+    joint=r"single_transformer_blocks",
+)
 
 
 @dataclass(frozen=True)
@@ -61,14 +64,24 @@ class Calibration:
     def borrowed(self, source: str, borrower: str) -> Calibration:
         """These factors, measured on class `source`, lent to class `borrower` (not measured yet) whose blocks
         resemble the source's; `measured` says so and how to calibrate it."""
-        return dataclasses.replace(self, calibrated=False,
-                                   measured=f"not measured: {source}'s factors (similar blocks); run "
-                                            f"benchmarks/memory.py on a {borrower} to calibrate it")
+        return dataclasses.replace(
+            self,
+            calibrated=False,
+            measured=f"not measured: {source}'s factors (similar blocks); run "
+            f"benchmarks/memory.py on a {borrower} to calibrate it",
+        )
 
 
 #: the factors of a class never measured and like no measured one: a guess from the calibrated classes
-NOT_CALIBRATED = Calibration(alpha=1.0, kappa=1.5, rho=1.5, head=4.0, chunk=3.0, calibrated=False,
-                             measured="not calibrated: the factors are a guess from the calibrated classes")
+NOT_CALIBRATED = Calibration(
+    alpha=1.0,
+    kappa=1.5,
+    rho=1.5,
+    head=4.0,
+    chunk=3.0,
+    calibrated=False,
+    measured="not calibrated: the factors are a guess from the calibrated classes",
+)
 
 
 #: what a distributed strategy may split over the processes (`Strategy.shards`)

@@ -30,14 +30,21 @@ def denoiser_declarations(fam, class_name: str) -> tuple[Layout, Calibration, st
     A family that declares none is a PlanError naming what is missing."""
     missing = [name for name in ("plan_layout", "plan_calibration") if not hasattr(fam, name)]
     if missing:
-        raise PlanError(f"family {fam.family!r} declares no {' and no '.join(missing)} for flowrl plan: add them to "
-                        f"its backend class (docs/new_model.md)")
+        raise PlanError(
+            f"family {fam.family!r} declares no {' and no '.join(missing)} for flowrl plan: add them to "
+            f"its backend class (docs/new_model.md)"
+        )
     if class_name == fam.denoiser_class:
         return fam.plan_layout, fam.plan_calibration, None
-    return GENERIC_LAYOUT, NOT_CALIBRATED, (
-        f"the denoiser is a {class_name}, not the {fam.denoiser_class} the {fam.family} family declares a layout "
-        f"for: its layers are read by the names diffusers' transformers share (flowrl.plan.declarations."
-        f"GENERIC_LAYOUT), its activations with uncalibrated factors")
+    return (
+        GENERIC_LAYOUT,
+        NOT_CALIBRATED,
+        (
+            f"the denoiser is a {class_name}, not the {fam.denoiser_class} the {fam.family} family declares a layout "
+            f"for: its layers are read by the names diffusers' transformers share (flowrl.plan.declarations."
+            f"GENERIC_LAYOUT), its activations with uncalibrated factors"
+        ),
+    )
 
 
 def plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
@@ -72,10 +79,15 @@ def plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
     if obj.unit == "pairs":  # a micro-batch counts pairs, the winners: at most the groups of a GPU's batch
         minibatch = min(minibatch, local // s.group_size)
         micro = min(micro, minibatch)
-    tr = Training(n_trained, f"LoRA r{cfg.lora.rank} on {len(adapted)} layers" if cfg.lora.enabled else None,
-                  "float32" if cfg.lora.enabled else dtype, t.ema_decay > 0,
-                  (0.0 if cfg.lora.enabled else den.weight_bytes) if obj.reference else None,
-                  block_params(den.module, layout.blocks) * b, t.optimizer)
+    tr = Training(
+        n_trained,
+        f"LoRA r{cfg.lora.rank} on {len(adapted)} layers" if cfg.lora.enabled else None,
+        "float32" if cfg.lora.enabled else dtype,
+        t.ema_decay > 0,
+        (0.0 if cfg.lora.enabled else den.weight_bytes) if obj.reference else None,
+        block_params(den.module, layout.blocks) * b,
+        t.optimizer,
+    )
     cols = columns(cfg, n_trained, gpus)
 
     # what the rollout leaves on the GPU for the update: the trajectory and the prompt encodings
@@ -83,11 +95,21 @@ def plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
         frames = fam.check_num_frames(s.num_frames)
     except ValueError as e:
         raise PlanError(str(e)) from None
-    files = [prompt_file(f, cfg.data.image_column)
-             for f in {cfg.data.train_prompts, cfg.data.eval_prompts or cfg.data.train_prompts}]
+    files = [
+        prompt_file(f, cfg.data.image_column)
+        for f in {cfg.data.train_prompts, cfg.data.eval_prompts or cfg.data.train_prompts}
+    ]
     counted, most = [n for n, _ in files], [k for _, k in files] if fam.condition_images[1] else []
-    shape = image_shape(components, fam.denoiser_attr, s.height, s.width, s.max_sequence_length, frames, fam,
-                        max(most) if most and None not in most else None)
+    shape = image_shape(
+        components,
+        fam.denoiser_attr,
+        s.height,
+        s.width,
+        s.max_sequence_length,
+        frames,
+        fam,
+        max(most) if most and None not in most else None,
+    )
     kept = obj.latents_kept  # GRPO keeps every step's latents, the forward-process objectives the final ones
     trajectory = local * (kept * shape.latent_elements + shape.condition_elements) * b
     trajectory += local * obj.means_kept * shape.latent_elements * 4  # the transition means (float32), if kept
@@ -95,11 +117,25 @@ def plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
     prompt_cache = n_prompts * shape.text_tokens * shape.text_width * b
 
     # one micro-batch sample: K trained steps stacked along the batch, doubled by CFG
-    layers = denoiser_layers(den_module, layout, image_tokens=shape.image_tokens,
-                             text_tokens=shape.text_tokens, levels=shape.levels, lora_targets=adapted)
+    layers = denoiser_layers(
+        den_module,
+        layout,
+        image_tokens=shape.image_tokens,
+        text_tokens=shape.text_tokens,
+        levels=shape.levels,
+        lora_targets=adapted,
+    )
     terms = activation_terms(layers, dtype)
-    update = UpdateEstimate(den.class_name, cal, dtype, obj.rows, terms, activation_bytes(terms, cal, dtype),
-                            n_trained * DTYPE_BYTES[tr.dtype], 0.0)
+    update = UpdateEstimate(
+        den.class_name,
+        cal,
+        dtype,
+        obj.rows,
+        terms,
+        activation_bytes(terms, cal, dtype),
+        n_trained * DTYPE_BYTES[tr.dtype],
+        0.0,
+    )
 
     # the rollout, without gradients: `chunk` images through the denoiser (their CFG rows), then the VAE decoder
     chunk = s.rollout_batch_size or local
@@ -114,42 +150,98 @@ def plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
             phases["VAE decode"] = (decode, True)
     rollout = RolloutEstimate(min(chunk, local), phases)
 
-    rows = [Row(f"{fam.denoiser_attr} ({den.class_name})", den.params / 1e9,
-                spread(cols, den.weight_bytes, gpus, "weights"))]
+    rows = [
+        Row(
+            f"{fam.denoiser_attr} ({den.class_name})", den.params / 1e9, spread(cols, den.weight_bytes, gpus, "weights")
+        )
+    ]
     off_gpu = [c for c in parts if c.name != fam.denoiser_attr] + rewards  # no strategy shards them; offload moves them
-    rows += [Row(f"{c.name} ({c.class_name})", c.params / 1e9, spread(cols, c.weight_bytes, gpus, offloaded=True),
-                 "" if c.dtype == dtype else c.dtype) for c in off_gpu]
+    rows += [
+        Row(
+            f"{c.name} ({c.class_name})",
+            c.params / 1e9,
+            spread(cols, c.weight_bytes, gpus, offloaded=True),
+            "" if c.dtype == dtype else c.dtype,
+        )
+        for c in off_gpu
+    ]
     rows += training_rows(tr, cols, gpus)
     for name in obj.shadows:  # NFT's old policy, AWM's EMA policy: a second adapter, or a frozen copy
         if cfg.lora.enabled:
-            rows.append(Row(f"{t.objective}: shadow adapter '{name}' (float32)", None,
-                            spread(cols, 4 * n_trained, gpus, "weights")))
+            rows.append(
+                Row(
+                    f"{t.objective}: shadow adapter '{name}' (float32)",
+                    None,
+                    spread(cols, 4 * n_trained, gpus, "weights"),
+                )
+            )
         else:
-            rows.append(Row(f"{t.objective}: shadow policy '{name}', a frozen copy", None,
-                            spread(cols, den.weight_bytes, gpus, "weights")))
-    rows.append(Row(f"trajectory latents ({local} samples x {kept}"
-                    + (", with their conditions" if shape.condition_elements else "") + ")", None,
-                    spread(cols, trajectory, gpus)))
+            rows.append(
+                Row(
+                    f"{t.objective}: shadow policy '{name}', a frozen copy",
+                    None,
+                    spread(cols, den.weight_bytes, gpus, "weights"),
+                )
+            )
+    rows.append(
+        Row(
+            f"trajectory latents ({local} samples x {kept}"
+            + (", with their conditions" if shape.condition_elements else "")
+            + ")",
+            None,
+            spread(cols, trajectory, gpus),
+        )
+    )
     rows.append(Row(f"prompt-encoding cache ({n_prompts} prompts)", None, spread(cols, prompt_cache, gpus)))
 
     rows_note = obj.rows_note
-    lora = (f"LoRA r{cfg.lora.rank} alpha {cfg.lora.alpha:g} on {', '.join(targets)}" if cfg.lora.enabled
-            else f"full fine-tuning of the {fam.denoiser_attr} (weights, gradients, AdamW in {dtype})")
+    lora = (
+        f"LoRA r{cfg.lora.rank} alpha {cfg.lora.alpha:g} on {', '.join(targets)}"
+        if cfg.lora.enabled
+        else f"full fine-tuning of the {fam.denoiser_attr} (weights, gradients, AdamW in {dtype})"
+    )
     size = f"{s.height}x{s.width} px" if not fam.video else f"{frames} frames of {s.height}x{s.width} px"
     if shape.sources:
-        size += (f" and {shape.sources} conditioning image{'s' if shape.sources > 1 else ''}"
-                 + ("" if fam.condition_images[0] == fam.condition_images[1] else
-                    " (the most the family takes)" if not most or None in most else " (the most a prompt has)"))
+        size += f" and {shape.sources} conditioning image{'s' if shape.sources > 1 else ''}" + (
+            ""
+            if fam.condition_images[0] == fam.condition_images[1]
+            else " (the most the family takes)"
+            if not most or None in most
+            else " (the most a prompt has)"
+        )
     facts = [
         ("model", f"{m.path} ({fam.family}, {pipeline_class}; configuration: {source})"),
-        ("update", f"{lora}; {dtype}; {size} = {shape.image_tokens} image + {shape.text_tokens} "
-                   f"text tokens; {rows_note}; {obj.reference_note}"),
-        ("batch", f"{local} samples per GPU per epoch, minibatch {minibatch}"
-                  + (" pairs (a group's best and worst)" if obj.unit == "pairs" else "") + f", micro-batch {micro}, "
-                  f"gradient checkpointing {'on' if t.gradient_checkpointing else 'off'}"),
+        (
+            "update",
+            f"{lora}; {dtype}; {size} = {shape.image_tokens} image + {shape.text_tokens} "
+            f"text tokens; {rows_note}; {obj.reference_note}",
+        ),
+        (
+            "batch",
+            f"{local} samples per GPU per epoch, minibatch {minibatch}"
+            + (" pairs (a group's best and worst)" if obj.unit == "pairs" else "")
+            + f", micro-batch {micro}, "
+            f"gradient checkpointing {'on' if t.gradient_checkpointing else 'off'}",
+        ),
         ("GPUs", f"{gpus} x {gpu_memory_gib:g} GiB"),
     ]
     notes.append(f"activations of {den.class_name}: {cal.measured}")
     host = sum(c.weight_bytes for c in off_gpu) + tr.host_bytes()
-    return finish(facts, rows, update, rollout, tr, cols, micro, minibatch, local, cfg, gpus, gpu_memory_gib, host,
-                  notes, rows_note, obj.unit)
+    return finish(
+        facts,
+        rows,
+        update,
+        rollout,
+        tr,
+        cols,
+        micro,
+        minibatch,
+        local,
+        cfg,
+        gpus,
+        gpu_memory_gib,
+        host,
+        notes,
+        rows_note,
+        obj.unit,
+    )

@@ -55,11 +55,14 @@ def config_reader(path: str) -> tuple[Callable[[str], dict], str]:
     hub's files through huggingface_hub (its cache, or downloaded unless HF_HUB_OFFLINE is set). A hub id
     with neither fails with a PlanError naming it."""
     if os.path.isdir(path):
+
         def read_local(name: str) -> dict:
             file = os.path.join(path, *name.split("/"))
             if not os.path.isfile(file):
-                raise PlanError(f"{path} has no {name}: not a diffusers pipeline (pipe.save_pretrained(DIR)) or "
-                                f"transformers model (model.save_pretrained(DIR)) directory")
+                raise PlanError(
+                    f"{path} has no {name}: not a diffusers pipeline (pipe.save_pretrained(DIR)) or "
+                    f"transformers model (model.save_pretrained(DIR)) directory"
+                )
             with open(file, encoding="utf-8") as f:
                 return json.load(f)
 
@@ -68,6 +71,7 @@ def config_reader(path: str) -> tuple[Callable[[str], dict], str]:
         raise PlanError(f"model.path={path} is a file; a model is a directory or a hub id (ORG/NAME)")
     files = _shipped(path)
     if files is not None:
+
         def read_shipped(name: str) -> dict:
             if name not in files:
                 raise PlanError(f"{path}: the shipped configuration (flowrl/plan_configs) has no {name}")
@@ -87,8 +91,8 @@ def _read_hub(repo_id: str, name: str) -> dict:
         raise PlanError(
             f"no configuration for model {repo_id!r}: flowrl ships none for it and the hub gave none{offline}: {e}. "
             f"Shipped: {', '.join(shipped_models())}; or point model.path to a local directory holding its "
-            f"config files") from None
-
+            f"config files"
+        ) from None
 
 
 # ------------------------------------------------------------------------------------ models on the meta device
@@ -132,8 +136,10 @@ def _model_class(library: str, class_name: str):
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError):
-        raise PlanError(f"model_index.json names {library}.{class_name}, which this diffusers/transformers install "
-                        f"does not have: upgrade them, or plan a model they know") from None
+        raise PlanError(
+            f"model_index.json names {library}.{class_name}, which this diffusers/transformers install "
+            f"does not have: upgrade them, or plan a model they know"
+        ) from None
     return cls if isinstance(cls, type) and issubclass(cls, torch.nn.Module) else None
 
 
@@ -156,9 +162,11 @@ def _sizes(module: torch.nn.Module, dtype: str) -> tuple[int, int]:
     persistent = {id(t) for t in module.state_dict(keep_vars=True).values()}
     tensors = {id(t): t for t in [*module.parameters(), *module.buffers()]}
     params = sum(t.numel() for t in module.parameters()) + sum(
-        t.numel() for t in module.buffers() if id(t) in persistent)
-    nbytes = sum(t.numel() * (DTYPE_BYTES[dtype] if t.is_floating_point() else t.element_size())
-                 for t in tensors.values())
+        t.numel() for t in module.buffers() if id(t) in persistent
+    )
+    nbytes = sum(
+        t.numel() * (DTYPE_BYTES[dtype] if t.is_floating_point() else t.element_size()) for t in tensors.values()
+    )
     return params, nbytes
 
 
@@ -238,16 +246,17 @@ def _causal_lm(path: str, dtype: str) -> tuple[Component, str]:
     return Component("model", type(module).__name__, params, nbytes, dtype, module), source
 
 
-
-def inject_lora(module: torch.nn.Module, rank: int, alpha: float, targets, *, causal_lm: bool = False
-                ) -> tuple[torch.nn.Module, dict[str, int]]:
+def inject_lora(
+    module: torch.nn.Module, rank: int, alpha: float, targets, *, causal_lm: bool = False
+) -> tuple[torch.nn.Module, dict[str, int]]:
     """(the module with LoRA adapters, as flowrl's policies add them; the adapted layers' names -> rank).
     targets: module names (peft's matching) or None for peft's default of a causal LM's model type."""
     import peft
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
-                             task_type="CAUSAL_LM" if causal_lm else None)
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=targets, task_type="CAUSAL_LM" if causal_lm else None
+    )
     with _quiet():
         try:
             if causal_lm:
@@ -255,8 +264,10 @@ def inject_lora(module: torch.nn.Module, rank: int, alpha: float, targets, *, ca
             else:
                 module = peft.inject_adapter_in_model(config, module)
         except ValueError as e:
-            raise PlanError(f"lora.target_modules {list(targets) if targets else 'default'}: peft adapts nothing "
-                            f"in {type(module).__name__} ({e})") from None
+            raise PlanError(
+                f"lora.target_modules {list(targets) if targets else 'default'}: peft adapts nothing "
+                f"in {type(module).__name__} ({e})"
+            ) from None
     adapted = {}
     for name, mod in module.named_modules():
         if isinstance(mod, BaseTunerLayer) and mod.r:
@@ -266,7 +277,6 @@ def inject_lora(module: torch.nn.Module, rank: int, alpha: float, targets, *, ca
 
 def lora_parameters(module: torch.nn.Module) -> int:
     return sum(p.numel() for n, p in module.named_parameters() if "lora_" in n)
-
 
 
 @functools.lru_cache(maxsize=16)
@@ -325,8 +335,9 @@ def feature_components(backbone: str) -> tuple[list[Component], list[str]]:
         return [], []
     from rewards.features import encoder_memory
 
-    return _held_component("eval.diversity_features, main process", "eval.diversity_features",
-                           encoder_memory(backbone, "float32"))
+    return _held_component(
+        "eval.diversity_features, main process", "eval.diversity_features", encoder_memory(backbone, "float32")
+    )
 
 
 def family_of(path: str, requested: str):
@@ -342,10 +353,12 @@ def family_of(path: str, requested: str):
         matches = [family(n) for n in family_names() if cls in family(n).pipeline_classes]
         if not matches:
             drives = ", ".join(f"{c} ({n})" for n in family_names() for c in family(n).pipeline_classes)
-            raise PlanError(f"{path} is a {cls}, which no flowrl family drives in this install; supported "
-                            f"pipelines: {drives}")
+            raise PlanError(
+                f"{path} is a {cls}, which no flowrl family drives in this install; supported pipelines: {drives}"
+            )
         fam = matches[0]
     if requested != "auto" and requested != fam.family:
-        raise PlanError(f"model.family={requested} but {path} is a {fam.family!r} model: set model.family="
-                        f"{fam.family} or auto")
+        raise PlanError(
+            f"model.family={requested} but {path} is a {fam.family!r} model: set model.family={fam.family} or auto"
+        )
     return fam

@@ -101,9 +101,14 @@ class RolloutEstimate:
     def peak(self, items: int, offload: bool = False) -> float:
         """The peak of a call of `items` (bytes): its largest phase, but those the offload lever (`offload`) moves off
         the GPU."""
-        return max((items * per + (self.chunk(items) if name == LOGITS_PHASE else 0.0)
-                    for name, (per, offloaded) in self.phases.items() if not (offloaded and offload)),
-                   default=0.0)
+        return max(
+            (
+                items * per + (self.chunk(items) if name == LOGITS_PHASE else 0.0)
+                for name, (per, offloaded) in self.phases.items()
+                if not (offloaded and offload)
+            ),
+            default=0.0,
+        )
 
 
 LOGITS_PHASE = "old log-probs (logits)"
@@ -160,21 +165,32 @@ class Plan:
         out += [head, "-" * len(head)]
 
         def line(row: Row) -> str:
-            params = ("" if row.params_b is None else f"{row.params_b:.2f} B"
-                      if row.params_b >= 0.01 or not row.params_b else f"{row.params_b * 1e3:.2f} M")
+            params = (
+                ""
+                if row.params_b is None
+                else f"{row.params_b:.2f} B"
+                if row.params_b >= 0.01 or not row.params_b
+                else f"{row.params_b * 1e3:.2f} M"
+            )
             cells = "".join(f"{'-' if row.gib[s] is None else _gib(row.gib[s]):>10}" for s in titles)
             return f"{row.label:<{width}}{params:>9}{cells}" + (f"   {row.note}" if row.note else "")
 
         out += [line(r) for r in self.rows]
         out.append("-" * len(head))
-        out.append(f"{'all but the activations':<{width}}{'':>9}"
-                   + "".join(f"{_gib(self.fits[s].static_gib):>10}" for s in titles))
+        out.append(
+            f"{'all but the activations':<{width}}{'':>9}"
+            + "".join(f"{_gib(self.fits[s].static_gib):>10}" for s in titles)
+        )
         out += [line(r) for r in self.activation_rows]
         ckpt = "checkpointing" if self.checkpointing else "no checkpointing"
-        out.append(f"{f'at micro-batch {self.micro_batch}, {ckpt} (the config)':<{width}}{'':>9}"
-                   + "".join(f"{_gib(self.fits[s].configured_gib):>10}" for s in titles))
-        out.append(f"{'  fits in ' + _gib(self.usable_gib) + ' GiB usable?':<{width}}{'':>9}"
-                   + "".join(f"{_verdict(self.fits[s].fits, s in refused):>10}" for s in titles))
+        out.append(
+            f"{f'at micro-batch {self.micro_batch}, {ckpt} (the config)':<{width}}{'':>9}"
+            + "".join(f"{_gib(self.fits[s].configured_gib):>10}" for s in titles)
+        )
+        out.append(
+            f"{'  fits in ' + _gib(self.usable_gib) + ' GiB usable?':<{width}}{'':>9}"
+            + "".join(f"{_verdict(self.fits[s].fits, s in refused):>10}" for s in titles)
+        )
         for ck in (False, True):
             label = "largest micro-batch, " + ("checkpointing" if ck else "no checkpointing")
             cells = [self.fits[s].largest[ck] for s in titles]
@@ -183,19 +199,32 @@ class Plan:
         out.append("-" * len(head))
         what = "images" if "denoiser" in self.rollout.phases else "completions"
         for name, (per, offloaded) in self.rollout.phases.items():
-            out.append(line(Row(f"rollout, per {what[:-1]}: {name}", None,
-                                {c.title: (None if offloaded and c.offload else per / GIB) for c in self.columns})))
-        out.append(f"{f'rollout of {self.rollout.items} {what} per call':<{width}}{'':>9}"
-                   + "".join(f"{_gib(self.rollout_fits[s][0]):>10}" for s in titles))
-        out.append(f"{'  fits?':<{width}}{'':>9}"
-                   + "".join(f"{_verdict(self.rollout_fits[s][1], s in refused):>10}" for s in titles))
+            out.append(
+                line(
+                    Row(
+                        f"rollout, per {what[:-1]}: {name}",
+                        None,
+                        {c.title: (None if offloaded and c.offload else per / GIB) for c in self.columns},
+                    )
+                )
+            )
+        out.append(
+            f"{f'rollout of {self.rollout.items} {what} per call':<{width}}{'':>9}"
+            + "".join(f"{_gib(self.rollout_fits[s][0]):>10}" for s in titles)
+        )
+        out.append(
+            f"{'  fits?':<{width}}{'':>9}"
+            + "".join(f"{_verdict(self.rollout_fits[s][1], s in refused):>10}" for s in titles)
+        )
         label = "largest sample.rollout_batch_size" if what == "images" else "largest completions per GPU"
         out.append(f"{label:<{width}}{'':>9}" + "".join(f"{self.rollout_fits[s][2]:>10}" for s in titles))
         out.append("")
-        out.append(f"usable = {self.gpu_memory_gib:g} GiB x {1 - RESERVE_FRACTION:g} - {RESERVE_GIB:g} GiB (CUDA "
-                   f"context, workspaces, fragmentation). A micro-batch is at most the minibatch "
-                   f"({self.minibatch} {self.unit} per GPU). offload keeps {_gib(self.host_gib)} GiB in CPU memory per "
-                   f"GPU process.")
+        out.append(
+            f"usable = {self.gpu_memory_gib:g} GiB x {1 - RESERVE_FRACTION:g} - {RESERVE_GIB:g} GiB (CUDA "
+            f"context, workspaces, fragmentation). A micro-batch is at most the minibatch "
+            f"({self.minibatch} {self.unit} per GPU). offload keeps {_gib(self.host_gib)} GiB in CPU memory per "
+            f"GPU process."
+        )
         out += [f"note: {n}" for n in self.notes]
         return "\n".join(out)
 

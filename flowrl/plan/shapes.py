@@ -49,9 +49,16 @@ class ImageShape:
     sources: int = 0
 
 
-def image_shape(components: Mapping[str, Component], denoiser_attr: str, height: int, width: int,
-                max_sequence_length: int, num_frames: int = 1, family=None, max_sources: int | None = None
-                ) -> ImageShape:
+def image_shape(
+    components: Mapping[str, Component],
+    denoiser_attr: str,
+    height: int,
+    width: int,
+    max_sequence_length: int,
+    num_frames: int = 1,
+    family=None,
+    max_sources: int | None = None,
+) -> ImageShape:
     """The token counts of a denoiser row at height x width (x num_frames: a video's latent frames times its
     patches), from the denoiser's and the VAE's configs; the text tokens per denoiser class (SD3: CLIP's 77 then
     the T5 tokens; a UNet: the CLIP encoder's length; Wan image-to-video: its CLIP image tokens too; the others:
@@ -64,8 +71,11 @@ def image_shape(components: Mapping[str, Component], denoiser_attr: str, height:
     factor, latent_channels = _vae_factor_and_channels(vae) if vae else (8, config.get("in_channels", 4))
     in_channels = config.get("in_channels", latent_channels)
     patch = config.get("patch_size") or (config.get("all_patch_size") or [1])[0]
-    pt, ph, pw = (tuple(patch) if isinstance(patch, (list, tuple)) and len(patch) == 3 else
-                  (1, *(tuple(patch) if isinstance(patch, (list, tuple)) else (patch, patch))))
+    pt, ph, pw = (
+        tuple(patch)
+        if isinstance(patch, (list, tuple)) and len(patch) == 3
+        else (1, *(tuple(patch) if isinstance(patch, (list, tuple)) else (patch, patch)))
+    )
     packed = in_channels == 4 * latent_channels  # latents packed 2x2 by the pipeline (FLUX, Qwen-Image, FLUX.2)
     if packed:
         ph = pw = 2
@@ -76,9 +86,14 @@ def image_shape(components: Mapping[str, Component], denoiser_attr: str, height:
         return -(-frames // pt) * ((height // factor) // ph) * ((width // factor) // pw)
 
     h, w = height // factor, width // factor
-    clip = next((c.module.config.max_position_embeddings for n, c in components.items()
-                 if n.startswith("text_encoder") and c.module is not None
-                 and type(c.module).__name__.startswith("CLIPText")), 77)
+    clip = next(
+        (
+            c.module.config.max_position_embeddings
+            for n, c in components.items()
+            if n.startswith("text_encoder") and c.module is not None and type(c.module).__name__.startswith("CLIPText")
+        ),
+        77,
+    )
     if cls == "SD3Transformer2DModel":
         text_tokens = clip + max_sequence_length
     elif cls == "UNet2DConditionModel":
@@ -89,8 +104,14 @@ def image_shape(components: Mapping[str, Component], denoiser_attr: str, height:
     if cls == "WanTransformer3DModel" and config.get("image_dim") and encoder is not None and encoder.module:
         vision = encoder.module.config  # its penultimate hidden states: the patches and the class token
         text_tokens += (vision.image_size // vision.patch_size) ** 2 + 1
-    text_width = (config.get("joint_attention_dim") or config.get("cross_attention_dim")
-                  or config.get("caption_channels") or config.get("cap_feat_dim") or config.get("text_dim") or 0)
+    text_width = (
+        config.get("joint_attention_dim")
+        or config.get("cross_attention_dim")
+        or config.get("caption_channels")
+        or config.get("cap_feat_dim")
+        or config.get("text_dim")
+        or 0
+    )
     levels = len(config.get("block_out_channels", [0])) if cls == "UNet2DConditionModel" else 1
     image_tokens, elements = tokens_at(height, width, frames), latent_channels * frames * h * w
     if family is None:
@@ -133,7 +154,6 @@ def prompt_file(spec: str, column: str) -> tuple[int | None, int | None]:
     return prompts, most
 
 
-
 #: the VAE decoder without gradients: bytes per image per element of its full-resolution feature map (height x
 #: width x the channels of the decoder's last block), in units of the dtype. Measured (benchmarks/memory.py,
 #: measure_vae_decode) on SD3.5's VAE in bfloat16: 24.0 / 48.0 MiB for 1 / 2 images of 128 px, 162.0 MiB for
@@ -145,8 +165,10 @@ VAE_DECODE_FACTOR = 6.0
 def vae_decode_bytes(vae: Mapping, height: int, width: int, b: int) -> float | None:
     """The VAE decoder's peak for one image (bytes): VAE_DECODE_FACTOR x b x height x width x the channels of
     its full-resolution block. None for a VAE class whose decoder this does not know."""
-    channels = {"AutoencoderKL": lambda c: (c.get("decoder_block_out_channels") or c["block_out_channels"])[0],
-                "AutoencoderKLFlux2": lambda c: (c.get("decoder_block_out_channels") or c["block_out_channels"])[0],
-                "AutoencoderKLQwenImage": lambda c: c.get("base_dim", 96),
-                "AutoencoderDC": lambda c: c["decoder_block_out_channels"][0]}.get(vae.get("_class_name"))
+    channels = {
+        "AutoencoderKL": lambda c: (c.get("decoder_block_out_channels") or c["block_out_channels"])[0],
+        "AutoencoderKLFlux2": lambda c: (c.get("decoder_block_out_channels") or c["block_out_channels"])[0],
+        "AutoencoderKLQwenImage": lambda c: c.get("base_dim", 96),
+        "AutoencoderDC": lambda c: c["decoder_block_out_channels"][0],
+    }.get(vae.get("_class_name"))
     return None if channels is None else VAE_DECODE_FACTOR * b * height * width * channels(vae)

@@ -31,9 +31,16 @@ LM_BLOCKS = r"(?:.*\.)?(?:layers|h|blocks)\.\d+"
 #: 205.8 / 284.0 / 440.5 MiB: 39.1 MiB per completion = 1.95 x its bf16 logits (they and the copy the log-prob makes
 #: of their slice) and 128 MiB once = 2 float32 row chunks of 2^24 elements; within 2% up to 16 completions. With a
 #: 1,024 vocabulary the hidden states, left out, matter: 32% under.
-LM_CALIBRATION = Calibration(0.849, 0.52, 1.42, "calibrated on measured Qwen2s of 4 x 256 (vocabulary 151,936), "
-                                                "8 x 512 and 24 x 256 layers (benchmarks/memory.py)",
-                             head=3.437, chunk=2.714, gamma=1.95, gamma_chunk=2.0)
+LM_CALIBRATION = Calibration(
+    0.849,
+    0.52,
+    1.42,
+    "calibrated on measured Qwen2s of 4 x 256 (vocabulary 151,936), 8 x 512 and 24 x 256 layers (benchmarks/memory.py)",
+    head=3.437,
+    chunk=2.714,
+    gamma=1.95,
+    gamma_chunk=2.0,
+)
 
 
 def lm_layers(module: torch.nn.Module, tokens: int, lora_targets: Mapping[str, int]) -> tuple[list[Layer], int]:
@@ -55,8 +62,18 @@ def lm_layers(module: torch.nn.Module, tokens: int, lora_targets: Mapping[str, i
         else:
             continue
         block = re.match(rf"({LM_BLOCKS})(\.|$)", name)
-        layers.append(Layer(name, "tok", tokens, tokens, fan_in, fan_out, block.group(1) if block else None,
-                            lora_targets.get(name, 0)))
+        layers.append(
+            Layer(
+                name,
+                "tok",
+                tokens,
+                tokens,
+                fan_in,
+                fan_out,
+                block.group(1) if block else None,
+                lora_targets.get(name, 0),
+            )
+        )
     return layers, vocab
 
 
@@ -67,37 +84,58 @@ def plan_text(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
     dtype, b = m.dtype, DTYPE_BYTES[m.dtype]
     model, source = causal_lm(m.path, dtype)
     if cfg.lora.enabled:  # the adapters go into a copy: the built module is shared
-        module, adapted = inject_lora(copy.deepcopy(model.module), cfg.lora.rank, cfg.lora.alpha,
-                                      cfg.lora.target_modules, causal_lm=True)
+        module, adapted = inject_lora(
+            copy.deepcopy(model.module), cfg.lora.rank, cfg.lora.alpha, cfg.lora.target_modules, causal_lm=True
+        )
         n_trained = lora_parameters(module)
     else:
         module, adapted, n_trained = model.module, {}, model.params
     from flowrl.objectives import get_objective
 
     obj = get_objective(t.objective).memory_terms(cfg, 1)
-    tr = Training(n_trained, f"LoRA r{cfg.lora.rank} on {len(adapted)} layers" if cfg.lora.enabled else None,
-                  "float32" if cfg.lora.enabled else dtype, t.ema_decay > 0,
-                  (0.0 if cfg.lora.enabled else model.weight_bytes) if obj.reference else None,
-                  block_params(model.module, LM_BLOCKS) * b, t.optimizer)
+    tr = Training(
+        n_trained,
+        f"LoRA r{cfg.lora.rank} on {len(adapted)} layers" if cfg.lora.enabled else None,
+        "float32" if cfg.lora.enabled else dtype,
+        t.ema_decay > 0,
+        (0.0 if cfg.lora.enabled else model.weight_bytes) if obj.reference else None,
+        block_params(model.module, LM_BLOCKS) * b,
+        t.optimizer,
+    )
     cols = columns(cfg, n_trained, gpus)
     tokens = x.max_prompt_length + x.max_new_tokens  # prompts are left-padded to the batch's longest
     layers, vocab = lm_layers(module, tokens, adapted)
     terms = activation_terms(layers, dtype)
-    update = UpdateEstimate("causal LM", LM_CALIBRATION, dtype, 1, terms,
-                            activation_bytes(terms, LM_CALIBRATION, dtype, head_units=tokens * vocab),
-                            n_trained * DTYPE_BYTES[tr.dtype], 0.0, tokens * vocab, vocab, x.max_new_tokens)
-    rows = [Row(f"model ({model.class_name})", model.params / 1e9,
-                spread(cols, model.weight_bytes, gpus, "weights"))]
+    update = UpdateEstimate(
+        "causal LM",
+        LM_CALIBRATION,
+        dtype,
+        1,
+        terms,
+        activation_bytes(terms, LM_CALIBRATION, dtype, head_units=tokens * vocab),
+        n_trained * DTYPE_BYTES[tr.dtype],
+        0.0,
+        tokens * vocab,
+        vocab,
+        x.max_new_tokens,
+    )
+    rows = [Row(f"model ({model.class_name})", model.params / 1e9, spread(cols, model.weight_bytes, gpus, "weights"))]
     rows += training_rows(tr, cols, gpus)
     rows_note = f"{tokens} tokens (max_prompt_length + max_new_tokens), vocabulary {vocab}"
     targets = ", ".join(cfg.lora.target_modules) if cfg.lora.target_modules else "peft's default for the model"
-    lora = (f"LoRA r{cfg.lora.rank} alpha {cfg.lora.alpha:g} on {targets}" if cfg.lora.enabled
-            else f"full fine-tuning (weights, gradients, AdamW in {dtype})")
+    lora = (
+        f"LoRA r{cfg.lora.rank} alpha {cfg.lora.alpha:g} on {targets}"
+        if cfg.lora.enabled
+        else f"full fine-tuning (weights, gradients, AdamW in {dtype})"
+    )
     facts = [
         ("model", f"{m.path} ({model.class_name}; configuration: {source})"),
         ("update", f"{lora}; {dtype}; {rows_note}; {obj.reference_note}"),
-        ("batch", f"{local} completions per GPU per epoch, minibatch {minibatch}, micro-batch {micro}, "
-                  f"gradient checkpointing {'on' if t.gradient_checkpointing else 'off'}"),
+        (
+            "batch",
+            f"{local} completions per GPU per epoch, minibatch {minibatch}, micro-batch {micro}, "
+            f"gradient checkpointing {'on' if t.gradient_checkpointing else 'off'}",
+        ),
         ("GPUs", f"{gpus} x {gpu_memory_gib:g} GiB"),
     ]
     notes = [f"activations of the causal LM: {LM_CALIBRATION.measured}"]
@@ -108,8 +146,26 @@ def plan_text(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     logits = LM_CALIBRATION.gamma * b * tokens * vocab
     gamma_chunk = LM_CALIBRATION.gamma_chunk
-    rollout = RolloutEstimate(local, {"generate (KV cache)": (kv * head_dim * tokens * b, False),
-                                      LOGITS_PHASE: (logits, False)}, lambda n: gamma_chunk * 4 * update.chunk_units(n))
+    rollout = RolloutEstimate(
+        local,
+        {"generate (KV cache)": (kv * head_dim * tokens * b, False), LOGITS_PHASE: (logits, False)},
+        lambda n: gamma_chunk * 4 * update.chunk_units(n),
+    )
     host = tr.host_bytes()
-    return finish(facts, rows, update, rollout, tr, cols, micro, minibatch, local, cfg, gpus, gpu_memory_gib, host,
-                  notes, rows_note)
+    return finish(
+        facts,
+        rows,
+        update,
+        rollout,
+        tr,
+        cols,
+        micro,
+        minibatch,
+        local,
+        cfg,
+        gpus,
+        gpu_memory_gib,
+        host,
+        notes,
+        rows_note,
+    )

@@ -34,23 +34,23 @@ def full_tensor(t: Tensor) -> Tensor:
 class UnitOutput:
     """One unit of steps of a minibatch of b samples, K steps (denoising steps or tokens)."""
 
-    log_prob: Tensor                 # [b, K] with grad
-    old_log_prob: Tensor             # [b, K] recorded at rollout
-    mask: Tensor                     # [b, K] 1 = the step counts
-    weight: Tensor | None = None     # [K] or [b, K] per-step loss weight
-    kl: Tensor | None = None         # [b, K] KL to the reference (with grad)
+    log_prob: Tensor  # [b, K] with grad
+    old_log_prob: Tensor  # [b, K] recorded at rollout
+    mask: Tensor  # [b, K] 1 = the step counts
+    weight: Tensor | None = None  # [K] or [b, K] per-step loss weight
+    kl: Tensor | None = None  # [b, K] KL to the reference (with grad)
     log_ratio: Tensor | None = None  # [b, K] a replacement log-ratio (GRPO-Guard's RatioNorm)
-    entropy: Tensor | None = None    # [b, K] policy entropy per step (text: for the entropy bonus)
+    entropy: Tensor | None = None  # [b, K] policy entropy per step (text: for the entropy bonus)
 
 
 @dataclass
 class ImageBatch:
     """One epoch's rollout of this process: B images (a prompt repeats over its group)."""
 
-    traj: Any                        # flowrl.sampling.Trajectory (None for eval samples)
-    prompts: list[str]               # [B]
-    metadata: list[dict]             # [B] the prompt rows' other columns
-    images: list                     # [B] PIL images
+    traj: Any  # flowrl.sampling.Trajectory (None for eval samples)
+    prompts: list[str]  # [B]
+    metadata: list[dict]  # [B] the prompt rows' other columns
+    images: list  # [B] PIL images
     group_ids: Tensor | None = None  # [B] set by the trainer
     epoch_prompts: list[str] = field(default_factory=list)
 
@@ -81,11 +81,11 @@ class Policy(Protocol):
     """What the loop needs from a policy (image or text). Shapes: B samples of this process, b of a minibatch,
     K steps of a unit (denoising steps or tokens)."""
 
-    reward_kind: str      # "image" | "text": the kind of reward it calls (rewards.registry)
-    aggregation: str      # how the loss over [b, K] becomes a number (core.aggregate_loss mode)
-    entropy_coef: float   # the entropy bonus's weight (text)
-    can_export: bool      # whether `export` writes something loadable
-    reward_state: Any     # TRL's `trainer_state` for rewards that ask for it (the trainer keeps it current)
+    reward_kind: str  # "image" | "text": the kind of reward it calls (rewards.registry)
+    aggregation: str  # how the loss over [b, K] becomes a number (core.aggregate_loss mode)
+    entropy_coef: float  # the entropy bonus's weight (text)
+    can_export: bool  # whether `export` writes something loadable
+    reward_state: Any  # TRL's `trainer_state` for rewards that ask for it (the trainer keeps it current)
 
     def named_trainable_parameters(self) -> list[tuple[str, torch.nn.Parameter]]: ...
 
@@ -94,12 +94,13 @@ class Policy(Protocol):
         passes average the gradients over the processes."""
 
     trained_module: torch.nn.Module  # what those forward passes run through (for accelerate's no_sync)
-    sharded: bool         # FSDP2: its weights are DTensor shards (`shard()`), gathered to be saved
+    sharded: bool  # FSDP2: its weights are DTensor shards (`shard()`), gathered to be saved
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]: ...
 
-    def rollout(self, prompts: list[str], metadata: list[dict], *, epoch: int,
-                generator: torch.Generator) -> ImageBatch | TextBatch:
+    def rollout(
+        self, prompts: list[str], metadata: list[dict], *, epoch: int, generator: torch.Generator
+    ) -> ImageBatch | TextBatch:
         """One sample per entry of `prompts` (a group's prompt repeats), recorded for training."""
 
     def call_reward(self, fn: Callable, batch, columns: dict) -> Tensor:
@@ -132,8 +133,9 @@ class Policy(Protocol):
         """Make the reference policy available (full fine-tuning: a frozen copy of the starting weights; a LoRA's is
         the adapter off). Called by the objectives that need one, before the model is wrapped or sharded."""
 
-    def evaluate_prompts(self, prompts: list[str], metadata: list[dict], reward_fns: list, eval_cfg,
-                         part: slice | None = None) -> tuple[list, list[Tensor], dict[str, Tensor]]:
+    def evaluate_prompts(
+        self, prompts: list[str], metadata: list[dict], reward_fns: list, eval_cfg, part: slice | None = None
+    ) -> tuple[list, list[Tensor], dict[str, Tensor]]:
         """Held-out eval of `prompts[part]` (deterministic): (outputs, per-reward scores, components)."""
 
     def save_eval_outputs(self, outputs: list, prompts: list[str], path: Path, scores=None) -> Path:
@@ -165,13 +167,16 @@ def shard_blocks(model: torch.nn.Module, *, offload: bool = False) -> None:
         # float32), gathered in the model's dtype for the forward, gradients reduced in float32
         for p in trained:
             p.data = p.data.float()
-        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=low.pop(), reduce_dtype=torch.float32,
-                                                     cast_forward_inputs=False)  # as the plain model gets them
+        options["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=low.pop(), reduce_dtype=torch.float32, cast_forward_inputs=False
+        )  # as the plain model gets them
     blocks = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in reversed(list(model.modules())) if m is not model and type(m).__name__ in blocks]
     if not layers:
-        raise ValueError(f"train.sharding=fsdp: {type(model).__name__} names no block class in _no_split_modules "
-                         f"({sorted(blocks)}) to shard by; use train.sharding=none (DDP)")
+        raise ValueError(
+            f"train.sharding=fsdp: {type(model).__name__} names no block class in _no_split_modules "
+            f"({sorted(blocks)}) to shard by; use train.sharding=none (DDP)"
+        )
     for layer in layers:
         fully_shard(layer, **options)
     fully_shard(model, **options)

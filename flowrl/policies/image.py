@@ -27,8 +27,9 @@ def save_model_state(model, directory: Path, state: dict[str, Tensor], max_shard
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_config(directory)
-    split = split_torch_state_dict_into_shards(state, filename_pattern="diffusion_pytorch_model{suffix}.safetensors",
-                                               max_shard_size=max_shard_size)
+    split = split_torch_state_dict_into_shards(
+        state, filename_pattern="diffusion_pytorch_model{suffix}.safetensors", max_shard_size=max_shard_size
+    )
     for filename, names in split.filename_to_tensors.items():
         save_file({n: state[n].contiguous() for n in names}, directory / filename, metadata={"format": "pt"})
     if split.is_sharded:
@@ -49,9 +50,14 @@ class ImagePolicy:
         self.cfg = cfg
         m, s = cfg.model, cfg.sample
         offload = cfg.train.offload  # the pipeline loads into CPU memory; only the denoiser goes to the device
-        self.backend = load_image_backend(m.path, m.family, dtype=DTYPES[m.dtype],
-                                          device="cpu" if offload else device,
-                                          max_sequence_length=s.max_sequence_length, drop_t5=m.drop_t5)
+        self.backend = load_image_backend(
+            m.path,
+            m.family,
+            dtype=DTYPES[m.dtype],
+            device="cpu" if offload else device,
+            max_sequence_length=s.max_sequence_length,
+            drop_t5=m.drop_t5,
+        )
         if offload:
             self.backend.denoiser.to(device)
             self.backend.offload(device)
@@ -68,9 +74,13 @@ class ImagePolicy:
             from peft import LoraConfig
 
             torch.manual_seed(derive_seed(cfg.train.seed, 0x10BA))
-            lcfg = LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                              init_lora_weights="gaussian",
-                              target_modules=cfg.lora.target_modules or list(self.backend.lora_targets))
+            lcfg = LoraConfig(
+                r=cfg.lora.rank,
+                lora_alpha=cfg.lora.alpha,
+                lora_dropout=cfg.lora.dropout,
+                init_lora_weights="gaussian",
+                target_modules=cfg.lora.target_modules or list(self.backend.lora_targets),
+            )
             den.add_adapter(lcfg)
             if cfg.lora.init_path:
                 self.load_adapter(cfg.lora.init_path)
@@ -82,8 +92,10 @@ class ImagePolicy:
             den.requires_grad_(True)  # a frozen reference copy, if the objective needs one: `ensure_reference`
         if cfg.train.gradient_checkpointing:
             if not getattr(den, "_supports_gradient_checkpointing", False):
-                raise ValueError(f"train.gradient_checkpointing: {type(den).__name__} does not support it in this "
-                                 "diffusers version; set train.gradient_checkpointing=false")
+                raise ValueError(
+                    f"train.gradient_checkpointing: {type(den).__name__} does not support it in this "
+                    "diffusers version; set train.gradient_checkpointing=false"
+                )
             den.enable_gradient_checkpointing()  # diffusers recomputes the blocks when grad is enabled
 
     # ---------------------------------------------------------------------------- the stochastic sampler
@@ -96,11 +108,16 @@ class ImagePolicy:
         g = self.cfg.train.grpo
         kernel = self.backend.default_sde_type if g.sde_type == "auto" else g.sde_type
         if kernel not in self.backend.sde_types or kernel == "ode":
-            raise ValueError(f"train.grpo.sde_type={kernel!r} cannot train a {self.family} model; valid: "
-                             f"{[t for t in self.backend.sde_types if t != 'ode']}")
+            raise ValueError(
+                f"train.grpo.sde_type={kernel!r} cannot train a {self.family} model; valid: "
+                f"{[t for t in self.backend.sde_types if t != 'ode']}"
+            )
         w = g.window
-        window = SDEWindow() if w.kind == "all" else SDEWindow(w.kind, start=w.start, size=w.size, stride=w.stride,
-                                                               every=w.every)
+        window = (
+            SDEWindow()
+            if w.kind == "all"
+            else SDEWindow(w.kind, start=w.start, size=w.size, stride=w.stride, every=w.every)
+        )
         return kernel, window
 
     # ---------------------------------------------------------------------------- rewards' view
@@ -205,10 +222,19 @@ class ImagePolicy:
 
         layers = self._lora_layers() if self.cfg.lora.enabled and self.ref_copy is None and not self.sharded else []
         # plain LoRA layers, active (not inside `reference()`), and a pass without gradient; else as it is
-        if (not layers or self.cfg.lora.dropout > 0 or torch.is_grad_enabled()
-                or not all(isinstance(m, LoraLinear) and not m.merged and not m.disable_adapters
-                           and not any(m.use_dora.values()) and any(a in m.lora_A for a in m.active_adapters)
-                           for m in layers)):
+        if (
+            not layers
+            or self.cfg.lora.dropout > 0
+            or torch.is_grad_enabled()
+            or not all(
+                isinstance(m, LoraLinear)
+                and not m.merged
+                and not m.disable_adapters
+                and not any(m.use_dora.values())
+                and any(a in m.lora_A for a in m.active_adapters)
+                for m in layers
+            )
+        ):
             yield
             return
         saved = []
@@ -235,8 +261,9 @@ class ImagePolicy:
 
     # ---------------------------------------------------------------------------- rollout
 
-    def rollout(self, prompts: list[str], metadata: list[dict], *, epoch: int, generator,
-                final_only: bool = False) -> ImageBatch:
+    def rollout(
+        self, prompts: list[str], metadata: list[dict], *, epoch: int, generator, final_only: bool = False
+    ) -> ImageBatch:
         """Roll out one image per entry of `prompts` (a group's prompt repeats). With same_noise_per_group the
         entries come in whole groups, and each group starts from one shared initial noise.
         final_only: what the forward-process objectives train on: deterministic ODE sampling (no log-prob
@@ -253,13 +280,26 @@ class ImagePolicy:
         chunk = max(G, chunk - chunk % G)
         parts = []
         for start in range(0, len(prompts), chunk):
-            parts.append(self.backend.rollout(
-                prompts[start: start + chunk: G], group_size=G, num_steps=s.num_steps,
-                images=self.condition_images(metadata[start: start + chunk: G]),
-                guidance_scale=s.guidance_scale, noise_level=g.noise_level, sde_type=kernel,
-                sde_window=window, epoch=epoch, same_noise_per_group=G > 1, generator=generator,
-                height=s.height, width=s.width, num_frames=s.num_frames,
-                record_means=g.step_weighting == "ratio_norm", deterministic_context=self.merged_adapter))
+            parts.append(
+                self.backend.rollout(
+                    prompts[start : start + chunk : G],
+                    group_size=G,
+                    num_steps=s.num_steps,
+                    images=self.condition_images(metadata[start : start + chunk : G]),
+                    guidance_scale=s.guidance_scale,
+                    noise_level=g.noise_level,
+                    sde_type=kernel,
+                    sde_window=window,
+                    epoch=epoch,
+                    same_noise_per_group=G > 1,
+                    generator=generator,
+                    height=s.height,
+                    width=s.width,
+                    num_frames=s.num_frames,
+                    record_means=g.step_weighting == "ratio_norm",
+                    deterministic_context=self.merged_adapter,
+                )
+            )
         traj = parts[0] if len(parts) == 1 else Trajectory.cat(parts)
         return ImageBatch(traj=traj, prompts=list(prompts), metadata=list(metadata), images=traj.images)
 
@@ -269,13 +309,24 @@ class ImagePolicy:
 
         s = self.cfg.sample
         chunk = s.rollout_batch_size or len(prompts)
-        parts = [self.backend.rollout(prompts[start: start + chunk], group_size=1, num_steps=s.num_steps,
-                                      images=self.condition_images(metadata[start: start + chunk]),
-                                      guidance_scale=s.guidance_scale, sde_type="ode", epoch=epoch,
-                                      generator=generator, height=s.height, width=s.width,
-                                      num_frames=s.num_frames, keep_steps=False,
-                                      deterministic_context=self.merged_adapter)
-                 for start in range(0, len(prompts), chunk)]
+        parts = [
+            self.backend.rollout(
+                prompts[start : start + chunk],
+                group_size=1,
+                num_steps=s.num_steps,
+                images=self.condition_images(metadata[start : start + chunk]),
+                guidance_scale=s.guidance_scale,
+                sde_type="ode",
+                epoch=epoch,
+                generator=generator,
+                height=s.height,
+                width=s.width,
+                num_frames=s.num_frames,
+                keep_steps=False,
+                deterministic_context=self.merged_adapter,
+            )
+            for start in range(0, len(prompts), chunk)
+        ]
         traj = parts[0] if len(parts) == 1 else Trajectory.cat(parts)
         return ImageBatch(traj=traj, prompts=list(prompts), metadata=list(metadata), images=traj.images)
 
@@ -383,8 +434,9 @@ class ImagePolicy:
         out = fn(batch.images, batch.prompts, **columns)
         out = torch.as_tensor(out, dtype=torch.float32).reshape(-1).cpu()
         if out.numel() != len(batch.prompts):
-            raise ValueError(f"reward {getattr(fn, '__name__', fn)!r} returned {out.numel()} scores for "
-                             f"{len(batch.prompts)} images")
+            raise ValueError(
+                f"reward {getattr(fn, '__name__', fn)!r} returned {out.numel()} scores for {len(batch.prompts)} images"
+            )
         return out
 
     # ---------------------------------------------------------------------------- training
@@ -393,7 +445,7 @@ class ImagePolicy:
         steps = batch.traj.train_steps
         if not steps:
             raise ValueError("the rollout has no stochastic step to train (check train.grpo.window)")
-        return [steps[i: i + steps_per_forward] for i in range(0, len(steps), steps_per_forward)]
+        return [steps[i : i + steps_per_forward] for i in range(0, len(steps), steps_per_forward)]
 
     def _step_weights(self, traj, unit: list[int]) -> Tensor | None:
         kind = self.cfg.train.grpo.step_weighting
@@ -406,7 +458,7 @@ class ImagePolicy:
             sig = traj.sigmas.float().cpu()
             w = core.inverse_dt_step_weights(sig[[i + 1 for i in steps]] - sig[steps])
         pos = {s: i for i, s in enumerate(steps)}
-        return w[[pos[u] for u in unit]].to(traj.latents.device)[None, :]                    # [1, K]
+        return w[[pos[u] for u in unit]].to(traj.latents.device)[None, :]  # [1, K]
 
     def _kl_std(self, traj, unit: list[int], std: Tensor) -> Tensor:
         """The std the Gaussian KL divides by: the transition's (`step`), or Flow-GRPO's convention that
@@ -420,14 +472,12 @@ class ImagePolicy:
     def step_mask(self, batch: ImageBatch, idx: Tensor, unit: list[int]) -> Tensor:
         return torch.ones(len(idx), len(unit))  # every trained denoising step counts
 
-    def unit_log_probs(self, batch: ImageBatch, idx: Tensor, unit: list[int], *, with_reference: bool
-                       ) -> UnitOutput:
+    def unit_log_probs(self, batch: ImageBatch, idx: Tensor, unit: list[int], *, with_reference: bool) -> UnitOutput:
         traj = batch.traj
-        lp, mean, std = self.backend.step_log_prob(traj, unit, sample_indices=idx)           # [b,K] [b,K,...]
+        lp, mean, std = self.backend.step_log_prob(traj, unit, sample_indices=idx)  # [b,K] [b,K,...]
         dev = traj.log_probs.device
-        old = traj.log_probs[idx.to(dev)][:, unit].to(lp.device)                             # [b, K]
-        out = UnitOutput(log_prob=lp, old_log_prob=old, mask=torch.ones_like(lp),
-                         weight=self._step_weights(traj, unit))
+        old = traj.log_probs[idx.to(dev)][:, unit].to(lp.device)  # [b, K]
+        out = UnitOutput(log_prob=lp, old_log_prob=old, mask=torch.ones_like(lp), weight=self._step_weights(traj, unit))
         if self.cfg.train.grpo.step_weighting == "ratio_norm":
             old_mean = traj.means[idx.to(traj.means.device)][:, unit].to(mean.device)
             out.log_ratio = core.ratio_norm_log_ratio(lp, old, mean, old_mean, std)
@@ -436,8 +486,9 @@ class ImagePolicy:
                 _, ref_mean, _ = self.backend.step_log_prob(traj, unit, sample_indices=idx)
             kstd = self._kl_std(traj, unit, std)
             b, k = lp.shape
-            out.kl = core.gaussian_kl(mean.flatten(0, 1), ref_mean.flatten(0, 1),
-                                      kstd.flatten(0, 1).reshape(b * k)).view(b, k)
+            out.kl = core.gaussian_kl(
+                mean.flatten(0, 1), ref_mean.flatten(0, 1), kstd.flatten(0, 1).reshape(b * k)
+            ).view(b, k)
         return out
 
     def reward_penalty(self, batch: ImageBatch) -> Tensor | None:
@@ -463,12 +514,21 @@ class ImagePolicy:
         latents, seed = None, eval_cfg.seed
         if (part.start, part.stop) != (0, len(prompts)):  # a share: the whole list's noise, then this share's rows
             noise = self._noise(len(prompts) * n, eval_cfg.seed, eval_cfg.guidance_scale)
-            latents, seed = noise[part.start * n: part.stop * n], None
-        traj = self.backend.rollout(mine, group_size=n, num_steps=eval_cfg.num_steps,
-                                    images=self.condition_images(mine_meta),
-                                    guidance_scale=eval_cfg.guidance_scale, sde_type="ode", seed=seed, latents=latents,
-                                    height=s.height, width=s.width, num_frames=s.num_frames,
-                                    deterministic_context=self.merged_adapter)
+            latents, seed = noise[part.start * n : part.stop * n], None
+        traj = self.backend.rollout(
+            mine,
+            group_size=n,
+            num_steps=eval_cfg.num_steps,
+            images=self.condition_images(mine_meta),
+            guidance_scale=eval_cfg.guidance_scale,
+            sde_type="ode",
+            seed=seed,
+            latents=latents,
+            height=s.height,
+            width=s.width,
+            num_frames=s.num_frames,
+            deterministic_context=self.merged_adapter,
+        )
         rep_prompts = [p for p in mine for _ in range(n)]
         rep_meta = [m for m in mine_meta for _ in range(n)]
         batch = ImageBatch(traj=None, prompts=rep_prompts, metadata=rep_meta, images=traj.images)
@@ -486,14 +546,28 @@ class ImagePolicy:
 
         s = self.cfg.sample
         h, w = self.backend.check_image_size(s.height, s.width)
-        settings = SamplerSettings(family=self.family, sde_type="ode", noise_level=0.0, guidance_scale=guidance_scale,
-                                   logprob_reduce="mean", height=h, width=w,
-                                   num_frames=self.backend.check_num_frames(s.num_frames))
+        settings = SamplerSettings(
+            family=self.family,
+            sde_type="ode",
+            noise_level=0.0,
+            guidance_scale=guidance_scale,
+            logprob_reduce="mean",
+            height=h,
+            width=w,
+            num_frames=self.backend.check_num_frames(s.num_frames),
+        )
         return self.backend._initial_noise(n, settings, torch.Generator(device="cpu").manual_seed(seed))
 
     @torch.no_grad()
-    def sample(self, prompts: list[str], seeds: list[int], *, num_steps: int, guidance_scale: float,
-               image_paths: list[str] | None = None) -> list:
+    def sample(
+        self,
+        prompts: list[str],
+        seeds: list[int],
+        *,
+        num_steps: int,
+        guidance_scale: float,
+        image_paths: list[str] | None = None,
+    ) -> list:
         """ODE images, prompt-major: for each prompt one image per seed, image (prompt, seed) starting from the noise
         that seed draws, so it is the same whatever is sampled beside it. image_paths: the conditioning images of
         every prompt (a family that takes them: the source image of an edit, the first frame of a video)."""
@@ -504,9 +578,19 @@ class ImagePolicy:
         images = None
         if image_paths or self.backend.condition_images[1]:
             images = [load_images(list(image_paths or []), self.backend.size_multiple) for _ in prompts]
-        traj = self.backend.rollout(prompts, group_size=len(seeds), num_steps=num_steps, guidance_scale=guidance_scale,
-                                    sde_type="ode", latents=noise, height=s.height, width=s.width, images=images,
-                                    num_frames=s.num_frames, deterministic_context=self.merged_adapter)
+        traj = self.backend.rollout(
+            prompts,
+            group_size=len(seeds),
+            num_steps=num_steps,
+            guidance_scale=guidance_scale,
+            sde_type="ode",
+            latents=noise,
+            height=s.height,
+            width=s.width,
+            images=images,
+            num_frames=s.num_frames,
+            deterministic_context=self.merged_adapter,
+        )
         return traj.images
 
     def save_eval_outputs(self, images, prompts, path: Path, scores=None) -> Path:
@@ -542,8 +626,11 @@ class ImagePolicy:
         suffix = animation_suffix(wanted)
         if suffix != wanted and not getattr(self, "_warned_mp4", False):
             self._warned_mp4 = True
-            warnings.warn("eval.video_format=mp4 needs imageio[ffmpeg] (pip install 'imageio[ffmpeg]'); writing "
-                          "animated WebP instead", stacklevel=2)
+            warnings.warn(
+                "eval.video_format=mp4 needs imageio[ffmpeg] (pip install 'imageio[ffmpeg]'); writing "
+                "animated WebP instead",
+                stacklevel=2,
+            )
         return save_animation(sample, stem.with_name(stem.name + suffix), fps=self.cfg.eval.fps)
 
     def export(self, directory: Path, state: dict[str, Tensor] | None = None) -> None:
@@ -572,5 +659,5 @@ class ImagePolicy:
             raise FileNotFoundError(f"lora.init_path={directory!r} holds no .safetensors LoRA file")
         state = load_file(files[0])
         prefix = self.backend.denoiser_attr + "."
-        state = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
+        state = {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in state.items()}
         set_peft_model_state_dict(self.module, state)

@@ -90,8 +90,10 @@ class SampledLogProbs:
         if self.held is not None:
             self._take(sequences[:, -1])
         if len(self.steps) != n_new:
-            raise RuntimeError(f"recorded {len(self.steps)} sampling steps for {n_new} generated tokens: the "
-                               "logits processor was not called once per token; use text.old_log_probs=forward")
+            raise RuntimeError(
+                f"recorded {len(self.steps)} sampling steps for {n_new} generated tokens: the "
+                "logits processor was not called once per token; use text.old_log_probs=forward"
+            )
         if not self.steps:
             return sequences.new_zeros((sequences.shape[0], 0), dtype=torch.float32)
         return torch.stack(self.steps, 1)
@@ -132,12 +134,30 @@ def sampling_processors(temperature: float, top_k: int, top_p: float) -> list:
 #: neutral value so that a model's generation_config.json (Qwen2.5-Instruct's sets repetition_penalty, top_k,
 #: top_p, temperature) cannot change the distribution sampled from behind the log-probs' back.
 NEUTRAL_GENERATION = {
-    "temperature": None, "top_k": None, "top_p": None, "min_p": None, "typical_p": None, "top_h": None,
-    "epsilon_cutoff": None, "eta_cutoff": None, "repetition_penalty": None, "encoder_repetition_penalty": None,
-    "no_repeat_ngram_size": None, "encoder_no_repeat_ngram_size": None, "bad_words_ids": None,
-    "min_length": None, "min_new_tokens": None, "sequence_bias": None, "forced_bos_token_id": None,
-    "forced_eos_token_id": None, "exponential_decay_length_penalty": None, "suppress_tokens": None,
-    "begin_suppress_tokens": None, "guidance_scale": None, "renormalize_logits": False, "watermarking_config": None,
+    "temperature": None,
+    "top_k": None,
+    "top_p": None,
+    "min_p": None,
+    "typical_p": None,
+    "top_h": None,
+    "epsilon_cutoff": None,
+    "eta_cutoff": None,
+    "repetition_penalty": None,
+    "encoder_repetition_penalty": None,
+    "no_repeat_ngram_size": None,
+    "encoder_no_repeat_ngram_size": None,
+    "bad_words_ids": None,
+    "min_length": None,
+    "min_new_tokens": None,
+    "sequence_bias": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "exponential_decay_length_penalty": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "guidance_scale": None,
+    "renormalize_logits": False,
+    "watermarking_config": None,
 }
 
 
@@ -260,8 +280,7 @@ class TextPolicy:
         process (the others get {}: only one writes them). A collective: every process calls it."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.base_model,
-                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_model_state_dict(self.base_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     @contextlib.contextmanager
     def _checkpointing(self):
@@ -425,15 +444,24 @@ class TextPolicy:
         returned None (it does not apply)."""
         from rewards import call_text_reward
 
-        out = call_text_reward(fn, batch.prompts, batch.completions, batch.completion_id_lists, columns,
-                               state=self.reward_state, logs=self._reward_logs, extra=self._reward_extra)
+        out = call_text_reward(
+            fn,
+            batch.prompts,
+            batch.completions,
+            batch.completion_id_lists,
+            columns,
+            state=self.reward_state,
+            logs=self._reward_logs,
+            extra=self._reward_extra,
+        )
         return torch.tensor([float("nan") if v is None else v for v in out], dtype=torch.float32)
 
     def pop_reward_logs(self) -> dict[str, float]:
         """The mean of each metric the rewards logged with ``log_metric`` since the last call, as
         ``reward_log/<name>``; the logs are cleared."""
-        means = {f"reward_log/{name}": sum(values) / len(values)
-                 for name, values in self._reward_logs.items() if values}
+        means = {
+            f"reward_log/{name}": sum(values) / len(values) for name, values in self._reward_logs.items() if values
+        }
         self._reward_logs.clear()
         return means
 
@@ -457,8 +485,7 @@ class TextPolicy:
             mask = mask * (~batch.truncated[idx]).float()[:, None]
         return mask
 
-    def unit_log_probs(self, batch: TextBatch, idx: Tensor, unit: list[int], *, with_reference: bool
-                       ) -> UnitOutput:
+    def unit_log_probs(self, batch: TextBatch, idx: Tensor, unit: list[int], *, with_reference: bool) -> UnitOutput:
         t = self.text
         idx = idx.to(self.device)
         ids, attn = batch.input_ids[idx], batch.attention_mask[idx]
@@ -498,9 +525,7 @@ class TextPolicy:
         )
         comp = out[:, input_ids.shape[1] :]
         mask, _ = completion_mask_from_ids(comp, tok.eos_token_id)
-        return (
-            *self.decode_completions(comp, mask),
-        )
+        return (*self.decode_completions(comp, mask),)
 
     @torch.no_grad()
     def evaluate_prompts(self, prompts, metadata, reward_fns, eval_cfg, part: slice | None = None):
@@ -519,8 +544,7 @@ class TextPolicy:
         columns = {k: [m.get(k) for m in metadata] for k in {k for m in metadata for k in m}}
         per_reward = []
         for fn in reward_fns:
-            vals = call_text_reward(fn, prompts, completions, ids, columns, state=self.reward_state, logs={},
-                                    extra={})
+            vals = call_text_reward(fn, prompts, completions, ids, columns, state=self.reward_state, logs={}, extra={})
             per_reward.append(torch.tensor([float("nan") if v is None else float(v) for v in vals]))
         return completions, [v.nan_to_num(0.0) for v in per_reward], {}
 
@@ -551,8 +575,10 @@ class TextPolicy:
         them (main process)."""
         directory = Path(directory)
         if state is None and self.sharded:
-            raise ValueError("export of a sharded policy needs its weights gathered by every process first: pass "
-                             "state=policy.export_state()")
+            raise ValueError(
+                "export of a sharded policy needs its weights gathered by every process first: pass "
+                "state=policy.export_state()"
+            )
         if state is None:
             self.model.save_pretrained(directory, safe_serialization=True)
         elif self.cfg.lora.enabled:

@@ -70,8 +70,14 @@ def optimizer_to_files(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
 
 def optimizer_from_files(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
     def join(prefix: str, entries: dict) -> dict:
-        return {k: tensors[f"{prefix}.{k}"] if e.get("tensor") else join(f"{prefix}.{k}", e["dict"]) if "dict" in e
-                else e["value"] for k, e in entries.items()}
+        return {
+            k: tensors[f"{prefix}.{k}"]
+            if e.get("tensor")
+            else join(f"{prefix}.{k}", e["dict"])
+            if "dict" in e
+            else e["value"]
+            for k, e in entries.items()
+        }
 
     state = {int(pid): join(f"state.{pid}", entries) for pid, entries in meta["state"].items()}
     return {"state": state, "param_groups": meta["param_groups"]}
@@ -83,8 +89,7 @@ def rng_state() -> tuple[dict[str, torch.Tensor], dict]:
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"torch_cuda_{i}"] = s
     np_state = np.random.get_state()
-    meta = {"python": _jsonable(random.getstate()),
-            "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+    meta = {"python": _jsonable(random.getstate()), "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
     return tensors, meta
 
 
@@ -144,8 +149,10 @@ def write_checkpoint(
     opt_tensors, opt_meta = optimizer_to_files(optimizer) if optimizer is not None else ({}, None)
     bad = nonfinite_tensors({"trainable": trainable, "ema": ema, "optimizer": opt_tensors, "objective": objective})
     if bad:
-        raise NonFiniteError(f"not writing checkpoint epoch {epoch}: {len(bad)} tensor(s) hold NaN or inf "
-                             f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
+        raise NonFiniteError(
+            f"not writing checkpoint epoch {epoch}: {len(bad)} tensor(s) hold NaN or inf "
+            f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})"
+        )
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     final = run_dir / f"ckpt-{epoch:06d}"
@@ -183,7 +190,7 @@ def write_checkpoint(
         os.replace(tmp, final)
     if keep > 0:
         older = [c for c in list_checkpoints(run_dir) if checkpoint_epoch(c) < epoch]
-        for stale in older[:len(older) - (keep - 1)]:
+        for stale in older[: len(older) - (keep - 1)]:
             shutil.rmtree(stale, ignore_errors=True)
     return final
 
@@ -227,13 +234,16 @@ def resolve_resume(resume: str | None, run_dir: str | Path) -> tuple[Path, dict[
             try:
                 return path, read_checkpoint(path)
             except CheckpointError as e:
-                warnings.warn(f"checkpoint.resume=auto: skipping {path}: {e}; falling back to an older checkpoint",
-                              stacklevel=2)
+                warnings.warn(
+                    f"checkpoint.resume=auto: skipping {path}: {e}; falling back to an older checkpoint", stacklevel=2
+                )
         return None
     path = Path(resume)
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint.resume={resume!r} is not a directory; use 'auto' or a path like "
-                              f"{Path(run_dir) / 'ckpt-000010'}")
+        raise CheckpointError(
+            f"checkpoint.resume={resume!r} is not a directory; use 'auto' or a path like "
+            f"{Path(run_dir) / 'ckpt-000010'}"
+        )
     return path, read_checkpoint(path)
 
 
@@ -260,13 +270,19 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     or file, or one that does not parse, is a CheckpointError naming it."""
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist; checkpoints are the "
-                              f"ckpt-XXXXXX directories of a run directory")
+        raise CheckpointError(
+            f"checkpoint directory {str(path)!r} does not exist; checkpoints are the "
+            f"ckpt-XXXXXX directories of a run directory"
+        )
     if not (path / "state.json").is_file() and not (path / "trainable.safetensors").is_file():
-        raise CheckpointError(f"{str(path)!r} is not a checkpoint directory (no state.json or trainable.safetensors); "
-                              "checkpoints are the ckpt-XXXXXX directories of a run directory")
-    out: dict[str, Any] = {"trainable": _load_tensors(path / "trainable.safetensors"),
-                           "state": _load_json(path / "state.json")}
+        raise CheckpointError(
+            f"{str(path)!r} is not a checkpoint directory (no state.json or trainable.safetensors); "
+            "checkpoints are the ckpt-XXXXXX directories of a run directory"
+        )
+    out: dict[str, Any] = {
+        "trainable": _load_tensors(path / "trainable.safetensors"),
+        "state": _load_json(path / "state.json"),
+    }
     if (path / "ema.safetensors").exists():
         out["ema"] = _load_tensors(path / "ema.safetensors")
     if (path / "objective.safetensors").exists():

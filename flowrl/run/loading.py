@@ -42,9 +42,11 @@ def check_resume(ck: dict, path: Path, cfg: Config, *, warn: bool = True) -> Non
     now, defaults = (without_other_objectives(to_dict(c), objective) for c in (cfg, Config()))
     refused, allowed = rundir.compare_configs(saved, now, defaults)
     if refused:
-        raise CheckpointError(f"cannot resume from {path}: the config changed what the checkpoint was trained as "
-                              f"({'; '.join(refused)}); undo those changes, or start a new run in another "
-                              "log.run_dir (or log.overwrite=true)")
+        raise CheckpointError(
+            f"cannot resume from {path}: the config changed what the checkpoint was trained as "
+            f"({'; '.join(refused)}); undo those changes, or start a new run in another "
+            "log.run_dir (or log.overwrite=true)"
+        )
     if allowed and warn:
         warnings.warn(f"resuming from {path} with a changed config: {'; '.join(allowed)}", stacklevel=3)
 
@@ -58,8 +60,10 @@ def check_model(ck: dict, path: str | Path, cfg: Config) -> None:
     now = to_dict(cfg)
     refused, _ = rundir.compare_configs({k: saved.get(k) for k in MODEL_KEYS}, {k: now[k] for k in MODEL_KEYS})
     if refused:
-        raise CheckpointError(f"checkpoint {path} was trained with another model or adapter than this config's "
-                              f"({'; '.join(refused)}); pass the config of its run")
+        raise CheckpointError(
+            f"checkpoint {path} was trained with another model or adapter than this config's "
+            f"({'; '.join(refused)}); pass the config of its run"
+        )
 
 
 def checkpoint_weights(ck: dict, path: str | Path, which: str = "auto") -> dict[str, torch.Tensor]:
@@ -67,8 +71,9 @@ def checkpoint_weights(ck: dict, path: str | Path, which: str = "auto") -> dict[
     if which not in WEIGHTS:
         raise CheckpointError(f"--weights {which!r} is not one of {', '.join(WEIGHTS)}")
     if which == "ema" and "ema" not in ck:
-        raise CheckpointError(f"checkpoint {path} has no EMA weights (its run had train.ema_decay=0); "
-                              "use --weights trained (or auto)")
+        raise CheckpointError(
+            f"checkpoint {path} has no EMA weights (its run had train.ema_decay=0); use --weights trained (or auto)"
+        )
     return ck["trainable"] if which == "trained" else ck.get("ema", ck["trainable"])
 
 
@@ -76,8 +81,10 @@ def check_weights(named: dict[str, torch.Tensor], weights: dict[str, torch.Tenso
     """The checkpoint's weights hold every trained weight of the policy (else it is another model or adapter)."""
     missing = set(named) - set(weights)
     if missing:
-        raise CheckpointError(f"checkpoint {path} does not match this config's model/LoRA: it lacks trained weights "
-                              f"{sorted(missing)[:3]} (a different model or LoRA config?)")
+        raise CheckpointError(
+            f"checkpoint {path} does not match this config's model/LoRA: it lacks trained weights "
+            f"{sorted(missing)[:3]} (a different model or LoRA config?)"
+        )
 
 
 def policy_from_checkpoint(cfg: Config, checkpoint: str | None, which: str = "auto", device: str = "cpu"):

@@ -24,8 +24,9 @@ class MetricsLog:
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:
             return
-        clean = {k: (float(v) if isinstance(v, (int, float, np.floating, torch.Tensor)) else v)
-                 for k, v in metrics.items()}
+        clean = {
+            k: (float(v) if isinstance(v, (int, float, np.floating, torch.Tensor)) else v) for k, v in metrics.items()
+        }
         with open(self.path, "a") as f:
             f.write(json.dumps({"epoch": step, "time": time.time(), **clean}) + "\n")
         if self.accelerator is not None and self.accelerator.trackers:

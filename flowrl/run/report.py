@@ -18,18 +18,23 @@ def load_metrics(run_dir: str | Path) -> list[dict]:
     if not run_dir.exists():
         raise FileNotFoundError(f"{run_dir} is not a run directory: it does not exist (pass the log.run_dir of a run)")
     if not run_dir.is_dir():
-        raise FileNotFoundError(f"{run_dir} is not a run directory but a file: pass the directory that holds "
-                                "metrics.jsonl" + (f" ({run_dir.parent})" if run_dir.name == "metrics.jsonl" else ""))
+        raise FileNotFoundError(
+            f"{run_dir} is not a run directory but a file: pass the directory that holds "
+            "metrics.jsonl" + (f" ({run_dir.parent})" if run_dir.name == "metrics.jsonl" else "")
+        )
     if not path.is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run directory: no metrics.jsonl (a run writes it after its "
-                                "first logged epoch)")
+        raise FileNotFoundError(
+            f"{run_dir} is not a run directory: no metrics.jsonl (a run writes it after its first logged epoch)"
+        )
     rows = []
     for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
         if raw.strip():
             rows.append(parse_row(raw, path, number))
     if not rows:
-        raise ValueError(f"{path} is empty: no epoch logged yet (a run writes a line per logged epoch; wait for "
-                         "the first, or lower log.every)")
+        raise ValueError(
+            f"{path} is empty: no epoch logged yet (a run writes a line per logged epoch; wait for "
+            "the first, or lower log.every)"
+        )
     return rows
 
 
@@ -40,15 +45,20 @@ def parse_row(raw: bytes, path: Path, number: int) -> dict:
     try:
         row = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
-        raise ValueError(f"{where}: not UTF-8 text; metrics.jsonl holds one JSON object a line (delete or fix "
-                         "this line)") from None
+        raise ValueError(
+            f"{where}: not UTF-8 text; metrics.jsonl holds one JSON object a line (delete or fix this line)"
+        ) from None
     except json.JSONDecodeError as err:
-        raise ValueError(f"{where}: not valid JSON ({err.msg} at column {err.colno}); metrics.jsonl holds one JSON "
-                         "object a line (delete or fix this line)") from None
+        raise ValueError(
+            f"{where}: not valid JSON ({err.msg} at column {err.colno}); metrics.jsonl holds one JSON "
+            "object a line (delete or fix this line)"
+        ) from None
     epoch = row.get("epoch") if isinstance(row, dict) else None
     if not isinstance(epoch, (int, float)) or isinstance(epoch, bool):
-        raise ValueError(f"{where}: a metrics row is a JSON object with a numeric \"epoch\", got "
-                         f"{raw.decode('utf-8')[:60]!r} (delete or fix this line)")
+        raise ValueError(
+            f'{where}: a metrics row is a JSON object with a numeric "epoch", got '
+            f"{raw.decode('utf-8')[:60]!r} (delete or fix this line)"
+        )
     return row
 
 
@@ -97,7 +107,8 @@ def same_points(a: Curve, b: Curve) -> bool:
     """Whether two curves have the same epochs and values (NaN equal to NaN; relative tolerance 1e-9)."""
     return a.epochs == b.epochs and all(
         (math.isnan(u) and math.isnan(v)) or math.isclose(u, v, rel_tol=1e-9, abs_tol=1e-12)
-        for u, v in zip(a.values, b.values))
+        for u, v in zip(a.values, b.values)
+    )
 
 
 def scale_groups(curves: list[Curve], ratio: float = SCALE_RATIO) -> list[list[Curve]]:
@@ -125,8 +136,16 @@ def headline_eval_keys(rows: list[dict]) -> list[str]:
     entropy and TV from the base, the feature spread, its ratio to the base's and the distance from the base's
     images) except per-group breakdowns (`..._by_<column>/<value>`, e.g. GenEval's per-family scores) and the
     diversity metric's sample counts (`..._count`), which stay in metrics.jsonl."""
-    return sorted({k for r in rows for k in r if k.startswith("eval/") and "_by_" not in k
-                   and not (k.startswith("eval/diversity/") and k.endswith("_count"))})
+    return sorted(
+        {
+            k
+            for r in rows
+            for k in r
+            if k.startswith("eval/")
+            and "_by_" not in k
+            and not (k.startswith("eval/diversity/") and k.endswith("_count"))
+        }
+    )
 
 
 def result_keys(rows: list[dict], reward: str, group_by: str = "") -> list[str]:
@@ -153,7 +172,7 @@ def write_before_after(run_dir: str | Path, rows: list[dict], key: str | None) -
     if len(evals) < 2:
         labels = ("before", "after")
     else:
-        labels = (f"before: {key[len('eval/'):]} {evals[0][key]:.3f}", f"after: {evals[-1][key]:.3f}")
+        labels = (f"before: {key[len('eval/') :]} {evals[0][key]:.3f}", f"after: {evals[-1][key]:.3f}")
     return before_after(first, final, run_dir / "before_after.png", labels=labels)
 
 
@@ -163,7 +182,7 @@ def eval_curves(rows: list[dict]) -> list[list[Curve]]:
     for key in headline_eval_keys(rows):
         epochs, values = epoch_series(rows, key)
         if epochs:
-            curves.append(Curve([key[len("eval/"):]], epochs, values))
+            curves.append(Curve([key[len("eval/") :]], epochs, values))
     return scale_groups(merge_equal_curves(curves))
 
 
@@ -191,7 +210,7 @@ def draw_reward(ax, rows: list[dict]) -> None:
     if x:
         ax.plot(x, y, color="#9ab", lw=0.8, label="batch mean")
         k = max(1, round(len(y) / 8))  # an eighth of the run: a batch mean of a few prompts is noisy
-        smooth = [sum(y[max(0, i - k + 1): i + 1]) / len(y[max(0, i - k + 1): i + 1]) for i in range(len(y))]
+        smooth = [sum(y[max(0, i - k + 1) : i + 1]) / len(y[max(0, i - k + 1) : i + 1]) for i in range(len(y))]
         ax.plot(x, smooth, color="#c33", lw=1.6, label=f"moving average ({k})")
         ax.legend(frameon=False, fontsize=8)
     ax.set(xlabel="epoch", ylabel="training reward", title="reward")

@@ -64,8 +64,10 @@ def check_writable(run_dir: str | Path) -> None:
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
-        raise RunDirError(f"log.run_dir={str(run_dir)!r} is not writable ({e.strerror or e}); choose a directory "
-                          "you can write to with log.run_dir=PATH") from None
+        raise RunDirError(
+            f"log.run_dir={str(run_dir)!r} is not writable ({e.strerror or e}); choose a directory "
+            "you can write to with log.run_dir=PATH"
+        ) from None
 
 
 def claim(run_dir: str | Path, *, resume: str | None, overwrite: bool) -> None:
@@ -82,16 +84,20 @@ def claim(run_dir: str | Path, *, resume: str | None, overwrite: bool) -> None:
         raise nothing_to_resume(run_dir)
     if resume:
         return
-    raise RunDirError(f"log.run_dir={str(run_dir)!r} already holds a run ({describe_run(run_dir)}). Continue it with "
-                      "checkpoint.resume=auto, start over there with log.overwrite=true (deletes that run's files), "
-                      "or pick a new log.run_dir")
+    raise RunDirError(
+        f"log.run_dir={str(run_dir)!r} already holds a run ({describe_run(run_dir)}). Continue it with "
+        "checkpoint.resume=auto, start over there with log.overwrite=true (deletes that run's files), "
+        "or pick a new log.run_dir"
+    )
 
 
 def nothing_to_resume(run_dir: str | Path) -> RunDirError:
     """The error for checkpoint.resume=auto in a run directory that holds a run but no intact checkpoint."""
-    return RunDirError(f"log.run_dir={str(run_dir)!r} holds a run ({describe_run(run_dir)}) but no intact checkpoint "
-                       "to resume from (checkpoint.resume=auto); start over there with log.overwrite=true (deletes "
-                       "that run's files), or pick a new log.run_dir")
+    return RunDirError(
+        f"log.run_dir={str(run_dir)!r} holds a run ({describe_run(run_dir)}) but no intact checkpoint "
+        "to resume from (checkpoint.resume=auto); start over there with log.overwrite=true (deletes "
+        "that run's files), or pick a new log.run_dir"
+    )
 
 
 def _rows(path: Path) -> list[dict]:
@@ -114,8 +120,10 @@ def truncate_logs(run_dir: str | Path, epochs_done: int) -> int:
     Rewritten atomically; returns the number of rows dropped."""
     run_dir = Path(run_dir)
     dropped = 0
-    for name, keep in (("metrics.jsonl", lambda r: r.get("epoch", 0) <= epochs_done and epochs_done > 0),
-                       ("completions.jsonl", lambda r: r.get("epoch", 0) < epochs_done)):
+    for name, keep in (
+        ("metrics.jsonl", lambda r: r.get("epoch", 0) <= epochs_done and epochs_done > 0),
+        ("completions.jsonl", lambda r: r.get("epoch", 0) < epochs_done),
+    ):
         path = run_dir / name
         if not path.is_file():
             continue
@@ -133,9 +141,20 @@ def truncate_logs(run_dir: str | Path, epochs_done: int) -> int:
 
 #: Config keys a resumed run may not change: they decide the trained weights' shapes (model, adapter) or the batch
 #: a checkpoint's optimizer and counters were made for. Other changes are allowed with a warning.
-SHAPE_KEYS = ("backend", "model.path", "model.family", "model.drop_t5", "lora.enabled", "lora.rank", "lora.alpha",
-              "lora.target_modules", "sample.group_size", "sample.prompts_per_epoch", "train.minibatch_size",
-              "train.objective")  # an objective's state (NFT's old policy, AWM's EMA policy) is another's nothing
+SHAPE_KEYS = (
+    "backend",
+    "model.path",
+    "model.family",
+    "model.drop_t5",
+    "lora.enabled",
+    "lora.rank",
+    "lora.alpha",
+    "lora.target_modules",
+    "sample.group_size",
+    "sample.prompts_per_epoch",
+    "train.minibatch_size",
+    "train.objective",
+)  # an objective's state (NFT's old policy, AWM's EMA policy) is another's nothing
 #: Keys whose change says nothing about the run (where it logs, how it resumes).
 IGNORED_KEYS = ("checkpoint.resume", "log.overwrite", "log.progress", "log.run_dir")
 

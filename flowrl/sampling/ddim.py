@@ -100,8 +100,9 @@ def ddpm_flow_time(alpha_prod: Tensor) -> Tensor:
     return sigma / (alpha + sigma)
 
 
-def ddpm_velocity(model_output: Tensor, x: Tensor, alpha: Tensor, sigma: Tensor,
-                  prediction_type: str = "epsilon") -> Tensor:
+def ddpm_velocity(
+    model_output: Tensor, x: Tensor, alpha: Tensor, sigma: Tensor, prediction_type: str = "epsilon"
+) -> Tensor:
     """A DDPM model's output at x = alpha x0 + sigma eps as a rectified-flow velocity v_hat = eps_hat - x0_hat
     (the flow path's target is v = eps - x0, so v_hat = v when the model predicts eps exactly).
 
@@ -122,6 +123,5 @@ def ddpm_velocity(model_output: Tensor, x: Tensor, alpha: Tensor, sigma: Tensor,
         eps_hat = sigma * x + alpha * out
         x0_hat = alpha * x - sigma * out
     else:
-        raise ValueError(f"prediction_type {prediction_type!r} has no velocity form here; valid: epsilon, "
-                         "v_prediction")
+        raise ValueError(f"prediction_type {prediction_type!r} has no velocity form here; valid: epsilon, v_prediction")
     return eps_hat - x0_hat

@@ -14,15 +14,18 @@ class EMA:
     """Exponential moving average of parameters: shadow <- decay * shadow + (1 - decay) * param, in float32,
     on the parameters' device or on `device` (train.offload: the CPU)."""
 
-    def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], decay: float,
-                 device: str | torch.device | None = None):
+    def __init__(
+        self,
+        named_params: Iterable[tuple[str, torch.nn.Parameter]],
+        decay: float,
+        device: str | torch.device | None = None,
+    ):
         if not 0 < decay < 1:
             raise ValueError(f"EMA decay must be in (0, 1), got {decay}")
         self.decay = decay
         self.device = device
         self.params = dict(named_params)
-        self.shadow = {n: p.detach().to(device or p.device, torch.float32, copy=True)
-                       for n, p in self.params.items()}
+        self.shadow = {n: p.detach().to(device or p.device, torch.float32, copy=True) for n, p in self.params.items()}
 
     @torch.no_grad()
     def update(self) -> None:
@@ -72,8 +75,10 @@ def import_bitsandbytes():
     except Exception as e:  # ImportError, or a library that fails to load on this platform
         from flowrl.errors import FlowrlError
 
-        raise FlowrlError(f"train.optimizer=adamw_8bit needs bitsandbytes, which does not import here ({e}); "
-                          "install it with `pip install 'flowrl[bnb]'`, or use train.optimizer=adamw") from None
+        raise FlowrlError(
+            f"train.optimizer=adamw_8bit needs bitsandbytes, which does not import here ({e}); "
+            "install it with `pip install 'flowrl[bnb]'`, or use train.optimizer=adamw"
+        ) from None
     return bitsandbytes
 
 

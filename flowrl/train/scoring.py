@@ -23,8 +23,12 @@ def build_reward_fns(cfg, kind: str) -> list:
     rewards of installed packages)."""
     import rewards
 
-    return [rewards.build(spec.name, dict(spec.kwargs), kind, video_frames=spec.video_frames,
-                          video_aggregate=spec.video_aggregate) for spec in cfg.rewards]
+    return [
+        rewards.build(
+            spec.name, dict(spec.kwargs), kind, video_frames=spec.video_frames, video_aggregate=spec.video_aggregate
+        )
+        for spec in cfg.rewards
+    ]
 
 
 def invalid_scores(scores: torch.Tensor, weights: torch.Tensor, nan_is_missing: bool) -> torch.Tensor:
@@ -38,8 +42,14 @@ def invalid_scores(scores: torch.Tensor, weights: torch.Tensor, nan_is_missing: 
     return inf | none_apply | (torch.zeros_like(inf) if nan_is_missing else nan.any(1))
 
 
-def combine_advantages(cfg, scores: torch.Tensor, group_ids: torch.Tensor, prompts: list[str],
-                       tracker: core.PerPromptStatTracker | None, penalty: torch.Tensor | None = None) -> torch.Tensor:
+def combine_advantages(
+    cfg,
+    scores: torch.Tensor,
+    group_ids: torch.Tensor,
+    prompts: list[str],
+    tracker: core.PerPromptStatTracker | None,
+    penalty: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Advantages [N] from per-reward scores [N, K] (NaN = does not apply) of the whole (gathered) batch, by the
     configured rule; `penalty` [N] (e.g. the KL-in-reward term) is subtracted from the total reward."""
     t = cfg.train
@@ -72,8 +82,12 @@ def combine_advantages(cfg, scores: torch.Tensor, group_ids: torch.Tensor, promp
 
 def adv_metrics(adv: torch.Tensor, keep: torch.Tensor) -> dict:
     """The advantages' summary of this process's samples [B], and the share `keep` [B] trains."""
-    return {"adv/mean": adv.mean().item(), "adv/std": adv.std().item() if len(adv) > 1 else 0.0,
-            "adv/abs_max": adv.abs().max().item(), "adv/kept_frac": keep.float().mean().item()}
+    return {
+        "adv/mean": adv.mean().item(),
+        "adv/std": adv.std().item() if len(adv) > 1 else 0.0,
+        "adv/abs_max": adv.abs().max().item(),
+        "adv/kept_frac": keep.float().mean().item(),
+    }
 
 
 class Scorer:
@@ -90,8 +104,9 @@ class Scorer:
         self.tracker = core.PerPromptStatTracker(t.stat_buffer_size, t.stat_min_count) if t.per_prompt_stats else None
         self.weights = torch.tensor([r.weight for r in cfg.rewards])
 
-    def score(self, batch, epoch: int = 0, *, optimizer_steps: int = 0, max_steps: int = 0
-              ) -> tuple[torch.Tensor, dict]:
+    def score(
+        self, batch, epoch: int = 0, *, optimizer_steps: int = 0, max_steps: int = 0
+    ) -> tuple[torch.Tensor, dict]:
         """Per-reward scores [B_local, K] and extra components, from this process's outputs."""
         state = self.policy.reward_state  # what TRL-style rewards see as `trainer_state`
         state.global_step, state.epoch = optimizer_steps, float(epoch)
@@ -115,30 +130,36 @@ class Scorer:
         valid = ~invalid
         n_bad = int(invalid.sum())
         if n_bad:
-            bad_rewards = [r.name for k, r in enumerate(self.cfg.rewards)
-                           if not torch.isfinite(all_scores[invalid, k]).all()]
-            warnings.warn(f"epoch {epoch}: {n_bad} of {len(all_scores)} samples have a non-finite reward "
-                          f"({', '.join(bad_rewards)}: NaN or inf); they are left out of the advantages and the loss",
-                          stacklevel=2)
+            bad_rewards = [
+                r.name for k, r in enumerate(self.cfg.rewards) if not torch.isfinite(all_scores[invalid, k]).all()
+            ]
+            warnings.warn(
+                f"epoch {epoch}: {n_bad} of {len(all_scores)} samples have a non-finite reward "
+                f"({', '.join(bad_rewards)}: NaN or inf); they are left out of the advantages and the loss",
+                stacklevel=2,
+            )
         prompts = [batch.epoch_prompts[g] for g in all_gids[valid].tolist()]
         penalty = self.policy.reward_penalty(batch)
         penalty = self.dist.gather(penalty).double()[valid] if penalty is not None else None
         adv_all = torch.zeros(len(all_scores), dtype=torch.float32)
         if valid.any():
             scored = all_scores.double()[valid].masked_fill(torch.isinf(all_scores[valid]), float("nan"))
-            adv_all[valid] = combine_advantages(self.cfg, scored, all_gids[valid], prompts, self.tracker,
-                                                penalty).float()
+            adv_all[valid] = combine_advantages(
+                self.cfg, scored, all_gids[valid], prompts, self.tracker, penalty
+            ).float()
         keep_all = valid.clone()
         if self.cfg.train.drop_zero_adv_groups:
             nonzero = torch.zeros(int(all_gids.max()) + 1, dtype=torch.bool).index_put_(
-                (all_gids,), adv_all != 0, accumulate=True)
+                (all_gids,), adv_all != 0, accumulate=True
+            )
             keep_all &= nonzero[all_gids]
         local = len(batch.prompts)
         sl = slice(self.dist.rank * local, self.dist.rank * local + local)
         return adv_all[sl], keep_all[sl], n_bad
 
-    def log_outputs(self, batch, scores: torch.Tensor, adv: torch.Tensor, epoch: int, extra: dict | None = None
-                    ) -> None:
+    def log_outputs(
+        self, batch, scores: torch.Tensor, adv: torch.Tensor, epoch: int, extra: dict | None = None
+    ) -> None:
         """Append this process's (prompt, completion, rewards, advantage) rows to completions.jsonl (main
         process; text backends)."""
         outputs = self.policy.describe_outputs(batch)
@@ -147,9 +168,16 @@ class Scorer:
         names = [r.name for r in self.cfg.rewards]
         with open(self.run_dir / "completions.jsonl", "a") as f:
             for i, (p, c) in enumerate(zip(batch.prompts, outputs)):
-                row = {"epoch": epoch, "prompt": p, "completion": c, "advantage": round(float(adv[i]), 5),
-                       "rewards": {n: (None if not torch.isfinite(scores[i, k]) else float(scores[i, k]))
-                                   for k, n in enumerate(names)}}
+                row = {
+                    "epoch": epoch,
+                    "prompt": p,
+                    "completion": c,
+                    "advantage": round(float(adv[i]), 5),
+                    "rewards": {
+                        n: (None if not torch.isfinite(scores[i, k]) else float(scores[i, k]))
+                        for k, n in enumerate(names)
+                    },
+                }
                 row.update({col: values[i] for col, values in (extra or {}).items() if i < len(values)})
                 f.write(json.dumps(row, default=str) + "\n")
 

@@ -24,9 +24,11 @@ class StopSignals:
             raise KeyboardInterrupt
         self.signum = signum
         if self.announce:
-            print(f"\nflowrl: {signal.Signals(signum).name} received: stopping after the current minibatch and "
-                  "writing a checkpoint (Ctrl-C again stops at once, losing the work since the last checkpoint)",
-                  flush=True)
+            print(
+                f"\nflowrl: {signal.Signals(signum).name} received: stopping after the current minibatch and "
+                "writing a checkpoint (Ctrl-C again stops at once, losing the work since the last checkpoint)",
+                flush=True,
+            )
 
     @contextlib.contextmanager
     def installed(self):

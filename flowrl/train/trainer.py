@@ -85,19 +85,30 @@ class Trainer:
         self.world = self.acc.num_processes
         self.batch_total = cfg.sample.prompts_per_epoch * cfg.sample.group_size
         if self.batch_total % self.world:
-            raise ValueError(f"the epoch batch {self.batch_total} (prompts_per_epoch x group_size) must split evenly "
-                             f"over {self.world} processes")
+            raise ValueError(
+                f"the epoch batch {self.batch_total} (prompts_per_epoch x group_size) must split evenly "
+                f"over {self.world} processes"
+            )
         self.batch_local = self.batch_total // self.world
         self.dist = distributed.build_strategy(cfg, self.acc)
         self.opt = self.dist.prepare(self.policy, lambda params, sharded: build_optimizer(params, t, sharded=sharded))
         self.params = self.dist.params
         self.named_params = dict(self.policy.named_trainable_parameters())
-        self.ema = EMA(self.named_params.items(), t.ema_decay, device="cpu" if t.offload else None
-                       ) if t.ema_decay > 0 else None
+        self.ema = (
+            EMA(self.named_params.items(), t.ema_decay, device="cpu" if t.offload else None)
+            if t.ema_decay > 0
+            else None
+        )
         slots = t.inner_epochs * (self.batch_local // (t.minibatch_size or self.batch_local))
         self.max_steps = t.epochs * slots  # the lr schedule's length, in minibatch slots
-        self.updater = Updater(cfg, self.objective, self.dist, self.ema, self.batch_local,
-                               lr_lambda(t.warmup_steps, self.max_steps, t.schedule, t.decay_frac))
+        self.updater = Updater(
+            cfg,
+            self.objective,
+            self.dist,
+            self.ema,
+            self.batch_local,
+            lr_lambda(t.warmup_steps, self.max_steps, t.schedule, t.decay_frac),
+        )
         self.scorer = Scorer(cfg, self.policy, self.dist, self.run_dir, self.main)
         self.evaluator = Evaluator(cfg, self.eval_set, self.device, offload=t.offload)
         self.state = State()
@@ -142,12 +153,19 @@ class Trainer:
         first = self.state.epochs_done
         if t.max_minutes and first and self.out_of_time():
             if self.main:
-                print(f"train.max_minutes={t.max_minutes:g} was spent ({self.budget_spent() / 60:.2f} min on the "
-                      f"{t.budget_clock} clock) after {first} epochs: nothing left to train (raise "
-                      f"train.max_minutes to train on)")
+                print(
+                    f"train.max_minutes={t.max_minutes:g} was spent ({self.budget_spent() / 60:.2f} min on the "
+                    f"{t.budget_clock} clock) after {first} epochs: nothing left to train (raise "
+                    f"train.max_minutes to train on)"
+                )
             first = t.epochs
-        bar = tqdm(range(first, t.epochs), desc="epochs", disable=not (self.main and cfg.log.progress),
-                   initial=self.state.epochs_done, total=t.epochs)
+        bar = tqdm(
+            range(first, t.epochs),
+            desc="epochs",
+            disable=not (self.main and cfg.log.progress),
+            initial=self.state.epochs_done,
+            total=t.epochs,
+        )
         for epoch in bar:
             metrics = self.train_epoch(epoch)
             # train.max_minutes: the epoch that reaches the budget is the last (every process stops together)
@@ -164,8 +182,10 @@ class Trainer:
             self.stop_if_asked(done, mid_epoch=False)
             if out_of_time:
                 if self.main:
-                    print(f"train.max_minutes={t.max_minutes:g} ({t.budget_clock} clock) reached after {done} "
-                          f"epochs: the final eval and checkpoint follow")
+                    print(
+                        f"train.max_minutes={t.max_minutes:g} ({t.budget_clock} clock) reached after {done} "
+                        f"epochs: the final eval and checkpoint follow"
+                    )
                 break
         if last:  # some epoch ran in this call (a resume of a finished run does nothing)
             final = self.evaluate(tag="final")
@@ -224,8 +244,7 @@ class Trainer:
         """This process's slice of the epoch's samples: P prompts x G, laid out prompt-major and cut into
         `world` contiguous slices (so a group may span two processes)."""
         cfg = self.cfg
-        prompts, meta = self.train_set.draw(cfg.sample.prompts_per_epoch, epoch, cfg.train.seed,
-                                             cfg.data.balance_by)
+        prompts, meta = self.train_set.draw(cfg.sample.prompts_per_epoch, epoch, cfg.train.seed, cfg.data.balance_by)
         G = cfg.sample.group_size
         start = self.acc.process_index * self.batch_local
         gids = [i // G for i in range(start, start + self.batch_local)]
@@ -256,13 +275,15 @@ class Trainer:
         world = 1 if self.dist.sharded else self.world
         rank = 0 if world == 1 else self.acc.process_index
         with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
-            outputs, scores = self.evaluator.sample(self.policy, self.scorer.fns, parked=self.scorer.parked,
-                                                    rank=rank, world=world)
+            outputs, scores = self.evaluator.sample(
+                self.policy, self.scorer.fns, parked=self.scorer.parked, rank=rank, world=world
+            )
         results = {}
         if self.main:
             base = self.state.optimizer_steps == 0
-            results = self.evaluator.results(outputs, scores, base_dir=self.run_dir, this_is_base=base,
-                                             save_base_to=self.run_dir)
+            results = self.evaluator.results(
+                outputs, scores, base_dir=self.run_dir, this_is_base=base, save_base_to=self.run_dir
+            )
             if self.cfg.eval.grid:
                 path = self.evaluator.write_outputs(self.policy, outputs, scores, self.run_dir / f"eval-{tag}")
                 self.log_eval_images(path, tag)
@@ -317,10 +338,16 @@ class Trainer:
             return
         signum = signum or signal.SIGTERM
         path = self.save()
-        what = (f"during epoch {epoch + 1} (its finished minibatches are in the weights; the epoch restarts on resume)"
-                if mid_epoch else f"after {self.state.epochs_done} epochs")
-        raise Interrupted(f"stopped by {signal.Signals(signum).name} {what}; checkpoint {path or self.run_dir}. "
-                          f"Resume with checkpoint.resume=auto (same config and log.run_dir={self.run_dir})", signum)
+        what = (
+            f"during epoch {epoch + 1} (its finished minibatches are in the weights; the epoch restarts on resume)"
+            if mid_epoch
+            else f"after {self.state.epochs_done} epochs"
+        )
+        raise Interrupted(
+            f"stopped by {signal.Signals(signum).name} {what}; checkpoint {path or self.run_dir}. "
+            f"Resume with checkpoint.resume=auto (same config and log.run_dir={self.run_dir})",
+            signum,
+        )
 
     def save(self) -> Path | None:
         """Write a checkpoint (main process). Partitioned weights and states are gathered first, by every process."""
@@ -338,13 +365,27 @@ class Trainer:
                 exported = self.policy.export_state()
         path = None
         if self.main:
-            st = {"counters": vars(self.state), "tracker": self.tracker.state_dict() if self.tracker else None,
-                  "config": to_dict(self.cfg)}
-            extra = ({"lora" if self.cfg.lora.enabled else "model": functools.partial(self.export, exported=exported)}
-                     if self.policy.can_export else {})
-            path = write_checkpoint(self.run_dir, self.state.epochs_done, trainable=trainable, optimizer=optimizer,
-                                    ema=ema, state=st, extra_dirs=extra, keep=self.cfg.checkpoint.keep,
-                                    objective=objective or None)
+            st = {
+                "counters": vars(self.state),
+                "tracker": self.tracker.state_dict() if self.tracker else None,
+                "config": to_dict(self.cfg),
+            }
+            extra = (
+                {"lora" if self.cfg.lora.enabled else "model": functools.partial(self.export, exported=exported)}
+                if self.policy.can_export
+                else {}
+            )
+            path = write_checkpoint(
+                self.run_dir,
+                self.state.epochs_done,
+                trainable=trainable,
+                optimizer=optimizer,
+                ema=ema,
+                state=st,
+                extra_dirs=extra,
+                keep=self.cfg.checkpoint.keep,
+                objective=objective or None,
+            )
         self.acc.wait_for_everyone()
         return path
 

@@ -32,8 +32,15 @@ def merge_micro_stats(parts: list[dict]) -> dict[str, float]:
     merged = {}
     for k in parts[0]:
         values = [float(p[k]) for p in parts]
-        merged[k] = (sum(values) if k in ADDITIVE_STATS else max(values) if k.endswith("_max")
-                     else min(values) if k.endswith("_min") else sum(values) / len(values))
+        merged[k] = (
+            sum(values)
+            if k in ADDITIVE_STATS
+            else max(values)
+            if k.endswith("_max")
+            else min(values)
+            if k.endswith("_min")
+            else sum(values) / len(values)
+        )
     return merged
 
 
@@ -77,7 +84,7 @@ class Updater:
             perm = torch.randperm(self.batch_local, generator=gen)
             for mb_start in range(0, self.batch_local, self.minibatch):
                 slot = (epoch * t.inner_epochs + inner) * per_pass + mb_start // self.minibatch
-                idx = perm[mb_start: mb_start + self.minibatch]
+                idx = perm[mb_start : mb_start + self.minibatch]
                 # samples outside the loss (groups dropped for zero advantage) are masked out of every term,
                 # so they are not computed at all: the same loss and gradient, fewer forward passes
                 n_slot = len(idx)
@@ -90,8 +97,9 @@ class Updater:
                     # gradient, by its momentum and weight decay)
                     stop_check(epoch, mid_epoch=stepped)
                     continue
-                mb_stats, finite = self.minibatch_backward(batch, units, idx, adv, keep, norm,
-                                                           placeholder=perm[mb_start: mb_start + 1])
+                mb_stats, finite = self.minibatch_backward(
+                    batch, units, idx, adv, keep, norm, placeholder=perm[mb_start : mb_start + 1]
+                )
                 trained += len(idx) * n_units
                 grad_norm = self.dist.clip_gradients(t.max_grad_norm)
                 if not math.isfinite(grad_norm) or self.dist.any_process(not finite):
@@ -129,9 +137,12 @@ class Updater:
         low, high = first_ratio
         dev = max(abs(low - 1), abs(high - 1))
         if dev > ON_POLICY_TOL:
-            warnings.warn(f"epoch {epoch}: the first minibatch is not on-policy: max |ratio - 1| = {dev:.2e} > "
-                          f"{ON_POLICY_TOL:g}; recomputed log-probs differ from the rollout's (non-deterministic "
-                          "kernels, dropout, or a sampler/trainer mismatch)", stacklevel=3)
+            warnings.warn(
+                f"epoch {epoch}: the first minibatch is not on-policy: max |ratio - 1| = {dev:.2e} > "
+                f"{ON_POLICY_TOL:g}; recomputed log-probs differ from the rollout's (non-deterministic "
+                "kernels, dropout, or a sampler/trainer mismatch)",
+                stacklevel=3,
+            )
         return {"policy/ratio_first": 1.0 + (dev if high - 1 >= 1 - low else -dev), "policy/ratio_first_dev": dev}
 
     def skip_nonfinite(self, epoch: int, grad_norm: float) -> None:
@@ -145,17 +156,22 @@ class Updater:
                 f"epoch {epoch}: the loss or gradient was NaN/inf in {self.nonfinite_streak} minibatches in a row "
                 f"(train.max_nonfinite_steps={limit}); no step was taken on them, so the weights and the last "
                 f"checkpoint are finite. Check the rewards (reward/* in metrics.jsonl), lower train.lr or set "
-                f"train.max_grad_norm, then resume with checkpoint.resume=auto")
-        warnings.warn(f"epoch {epoch}: non-finite loss or gradient (grad norm {grad_norm}); this minibatch takes no "
-                      f"optimizer step ({self.nonfinite_streak} in a row of at most {limit})", stacklevel=3)
+                f"train.max_grad_norm, then resume with checkpoint.resume=auto"
+            )
+        warnings.warn(
+            f"epoch {epoch}: non-finite loss or gradient (grad norm {grad_norm}); this minibatch takes no "
+            f"optimizer step ({self.nonfinite_streak} in a row of at most {limit})",
+            stacklevel=3,
+        )
 
     def set_lr(self, slot: int) -> None:
         """The scheduled lr of minibatch slot `slot` (0-based over the whole run)."""
         for g in self.opt.param_groups:
             g["lr"] = self.cfg.train.lr * self.lr_factor(slot, self.budget_fraction)
 
-    def minibatch_normalizer(self, batch, idx: torch.Tensor, unit: list[int], keep: torch.Tensor
-                             ) -> torch.Tensor | None:
+    def minibatch_normalizer(
+        self, batch, idx: torch.Tensor, unit: list[int], keep: torch.Tensor
+    ) -> torch.Tensor | None:
         """What this process's loss of `unit` divides by so that the minibatch's loss is the same whatever the number
         of processes and micro-batches: the aggregation's normalizer of the whole minibatch (over every process:
         the counts summed, e.g. kept samples or tokens), divided by the number of processes (DDP averages the
@@ -163,7 +179,7 @@ class Updater:
         micro, world = self.cfg.train.micro_batch_size, self.dist.world
         if world == 1 and (not micro or micro >= len(idx)):
             return None
-        mask = self.objective.step_mask(batch, idx, unit) * keep[idx][:, None].to(torch.float32)     # [b, K]
+        mask = self.objective.step_mask(batch, idx, unit) * keep[idx][:, None].to(torch.float32)  # [b, K]
         mode, length = self.objective.policy.aggregation, mask.shape[-1]
         if world == 1:
             return core.loss_normalizer(mask, mode, length=length)
@@ -179,8 +195,16 @@ class Updater:
             return []
         return list(idx.split(micro)) if micro and micro < len(idx) else [idx]
 
-    def minibatch_backward(self, batch, units: list[list[int]], idx: torch.Tensor, adv: torch.Tensor,
-                           keep: torch.Tensor, norm: float, placeholder: torch.Tensor) -> tuple[dict, bool]:
+    def minibatch_backward(
+        self,
+        batch,
+        units: list[list[int]],
+        idx: torch.Tensor,
+        adv: torch.Tensor,
+        keep: torch.Tensor,
+        norm: float,
+        placeholder: torch.Tensor,
+    ) -> tuple[dict, bool]:
         """Accumulate the minibatch's gradient: the loss of every unit of steps for the samples `idx`, one
         micro-batch at a time, each weighted by its unit's share of the trained steps (x `norm`). With several
         processes the gradients are averaged only in the last pass (`dist.gradient_sync`); a process whose share is

@@ -127,8 +127,10 @@ def write_jsonl(rows: list[dict], path: str | os.PathLike) -> Path:
 def write_splits(directory: str | os.PathLike) -> tuple[Path, Path]:
     """Write `train.jsonl` and `test.jsonl` (all rows, canonical order, keys prompt/answer) into `directory`."""
     directory = Path(directory)
-    return (write_jsonl(split_rows("train"), directory / "train.jsonl"),
-            write_jsonl(split_rows("test"), directory / "test.jsonl"))
+    return (
+        write_jsonl(split_rows("train"), directory / "train.jsonl"),
+        write_jsonl(split_rows("test"), directory / "test.jsonl"),
+    )
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -147,8 +149,9 @@ def exact_match(completion: str, answer) -> float:
     return float(text == str(answer).strip())
 
 
-def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int = 4,
-                       batch_size: int = 256) -> list[str | None]:
+def greedy_completions(
+    model, tokenizer, prompts: list[str], max_new_tokens: int = 4, batch_size: int = 256
+) -> list[str | None]:
     """Greedy completions of `prompts`, as text up to (not including) the first eos; None where no eos came.
 
     Prompts are left-padded in batches of `batch_size`; `max_new_tokens` counts the eos (4 fits "198"+eos).
@@ -163,14 +166,19 @@ def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int
     model.eval()
     try:
         for start in range(0, len(prompts), batch_size):
-            enc = tokenizer(prompts[start:start + batch_size], return_tensors="pt", padding=True)
+            enc = tokenizer(prompts[start : start + batch_size], return_tensors="pt", padding=True)
             with torch.no_grad():
-                gen = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
-                                     eos_token_id=eos_id, pad_token_id=tokenizer.pad_token_id)
-            new = gen[:, enc["input_ids"].shape[1]:].tolist()  # [B, <= max_new_tokens]
+                gen = model.generate(
+                    **enc,
+                    do_sample=False,
+                    max_new_tokens=max_new_tokens,
+                    eos_token_id=eos_id,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+            new = gen[:, enc["input_ids"].shape[1] :].tolist()  # [B, <= max_new_tokens]
             for ids in new:
                 if eos_id in ids:
-                    out.append(tokenizer.decode(ids[:ids.index(eos_id)], skip_special_tokens=False))
+                    out.append(tokenizer.decode(ids[: ids.index(eos_id)], skip_special_tokens=False))
                 else:
                     out.append(None)
     finally:

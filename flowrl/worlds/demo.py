@@ -31,9 +31,11 @@ def run_demo(config: str | Path = DEMO_CONFIG, overrides: list[str] | None = Non
 
     path = Path(config)
     if not toy and path == DEMO_CONFIG and not (SHAPES_MODEL / "model_index.json").exists():
-        print(f"flowrl demo: the shapes world's pre-trained model ({SHAPES_MODEL}) is not built yet "
-              "(scripts/pretrain_shapes.py), so this runs the smallest real thing instead: GRPO from flowrl.core "
-              "teaching a tabular token policy to spell 'flowrl' (reward = matching letters).")
+        print(
+            f"flowrl demo: the shapes world's pre-trained model ({SHAPES_MODEL}) is not built yet "
+            "(scripts/pretrain_shapes.py), so this runs the smallest real thing instead: GRPO from flowrl.core "
+            "teaching a tabular token policy to spell 'flowrl' (reward = matching letters)."
+        )
         toy = True
     if toy:
         from .toy import run_toy_grpo
@@ -46,9 +48,11 @@ def run_demo(config: str | Path = DEMO_CONFIG, overrides: list[str] | None = Non
     cfg = load_config(path, overrides)
     objective = get_objective(cfg.train.objective).title
     adapter = "LoRA" if cfg.lora.enabled else "full fine-tuning"
-    print(f"flowrl demo: {objective} + {adapter} on {cfg.model.path}, trained on {describe_rewards(cfg.rewards)}, "
-          f"{cfg.train.epochs} epochs of {cfg.sample.prompts_per_epoch} prompts x {cfg.sample.group_size} images, "
-          f"on the CPU")
+    print(
+        f"flowrl demo: {objective} + {adapter} on {cfg.model.path}, trained on {describe_rewards(cfg.rewards)}, "
+        f"{cfg.train.epochs} epochs of {cfg.sample.prompts_per_epoch} prompts x {cfg.sample.group_size} images, "
+        f"on the CPU"
+    )
     t0 = time.perf_counter()
     train(cfg)  # what `flowrl train` runs: it evaluates before and after and draws the figures
     minutes = (time.perf_counter() - t0) / 60

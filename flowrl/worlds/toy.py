@@ -43,11 +43,11 @@ def run_toy_grpo(
     for step in range(steps):
         with torch.no_grad():
             probs = torch.softmax(logits, -1).expand(n, T, V).reshape(-1, V)
-            tokens = torch.multinomial(probs, 1, generator=gen).view(n, T)          # [N, T]
-            old_logp = token_log_probs(logits.expand(n, T, V), tokens)             # [N, T]
+            tokens = torch.multinomial(probs, 1, generator=gen).view(n, T)  # [N, T]
+            old_logp = token_log_probs(logits.expand(n, T, V), tokens)  # [N, T]
             ref_logp = token_log_probs(ref_logits.expand(n, T, V), tokens)
-            reward = (tokens == goal).float().mean(1)                              # [N]
-            adv = group_advantages(reward, group_ids)                              # [N]
+            reward = (tokens == goal).float().mean(1)  # [N]
+            adv = group_advantages(reward, group_ids)  # [N]
         for _ in range(inner_epochs):
             logp = token_log_probs(logits.expand(n, T, V), tokens)
             loss, stats = ppo_clip_loss(logp, old_logp, adv, clip_low=0.2, mask=mask)
@@ -58,6 +58,5 @@ def run_toy_grpo(
         history.append(reward.mean().item())
         if print_fn and (step % log_every == 0 or step == steps - 1):
             best = "".join(vocab[i] for i in logits.argmax(-1).tolist())
-            print_fn(f"step {step:3d}  reward {history[-1]:.3f}  clipfrac {stats['clipfrac']:.2f}  "
-                     f"greedy {best!r}")
+            print_fn(f"step {step:3d}  reward {history[-1]:.3f}  clipfrac {stats['clipfrac']:.2f}  greedy {best!r}")
     return history

@@ -178,8 +178,9 @@ def detect_objects(images) -> list[list[Detection]]:
             crop = lab[y0:y1, x0:x1] == root
             color = _COLOR_NAMES[cls.flat[root]]
             ious = shape_ious(crop)
-            objects.append(Detection(classify_shape(crop, ious), color, int(x0), int(y0), int(x1), int(y1), len(ys),
-                                     ious))
+            objects.append(
+                Detection(classify_shape(crop, ious), color, int(x0), int(y0), int(x1), int(y1), len(ys), ious)
+            )
         found.append(objects)
     return found
 

@@ -89,8 +89,9 @@ def sample_source(edit: dict, rng: np.random.Generator, size: int = IMAGE_SIZE) 
             return scene
 
 
-def apply_edit(scene: list[ShapeObject], edit: dict, rng: np.random.Generator,
-               size: int = IMAGE_SIZE) -> list[ShapeObject]:
+def apply_edit(
+    scene: list[ShapeObject], edit: dict, rng: np.random.Generator, size: int = IMAGE_SIZE
+) -> list[ShapeObject]:
     """The scene after a correct edit: the object recoloured or removed in place, or a new object added where it
     keeps the layout's gap to the others (a random colour when the instruction names none)."""
     op, shape = edit["op"], edit["shape"]
@@ -130,8 +131,7 @@ def edit_records(split: str, per_instruction: int, seed: int = 0) -> list[tuple[
         scene = sample_source(edit, rng)  # drawn for every instruction, so a split does not shift the other's
         if split_of_edit(edit) != split:
             continue
-        record = {"prompt": instruction(edit), "edit": edit, "edit_region": edit_region(scene, edit),
-                  "split": split}
+        record = {"prompt": instruction(edit), "edit": edit, "edit_region": edit_region(scene, edit), "split": split}
         out.append((record, scene))
     return out
 
@@ -149,8 +149,14 @@ def _same_place(a: tuple, b: tuple, tolerance: float) -> bool:
     return all(abs(u - v) <= tolerance for u, v in zip(a, b))
 
 
-def check_edit(source: list[Detection], edited: list[Detection], edit: dict, source_size: tuple[int, int],
-               edited_size: tuple[int, int], tolerance: float = TOLERANCE) -> list[tuple[str, bool]]:
+def check_edit(
+    source: list[Detection],
+    edited: list[Detection],
+    edit: dict,
+    source_size: tuple[int, int],
+    edited_size: tuple[int, int],
+    tolerance: float = TOLERANCE,
+) -> list[tuple[str, bool]]:
     """The clauses of an edit (see the module docstring) -> [(description, holds), ...]. Sizes are (width, height)."""
     op, shape, color = edit["op"], edit["shape"], edit.get("color")
     if op not in OPS:
@@ -162,8 +168,12 @@ def check_edit(source: list[Detection], edited: list[Detection], edit: dict, sou
     def take(want_shape: str, want_color: str | None, place: tuple) -> bool:
         """Use up an unused edited object of that shape (and colour) at `place`; whether there was one."""
         for i, (d, p) in enumerate(out):
-            if i not in used and d.shape == want_shape and (want_color is None or d.color == want_color) \
-                    and _same_place(p, place, tolerance):
+            if (
+                i not in used
+                and d.shape == want_shape
+                and (want_color is None or d.color == want_color)
+                and _same_place(p, place, tolerance)
+            ):
                 used.add(i)
                 return True
         return False
@@ -187,16 +197,19 @@ def check_edit(source: list[Detection], edited: list[Detection], edit: dict, sou
     return clauses
 
 
-def score_edits(images, sources, edits: list[dict], tolerance: float = TOLERANCE
-                ) -> tuple[np.ndarray, np.ndarray, list[dict]]:
+def score_edits(
+    images, sources, edits: list[dict], tolerance: float = TOLERANCE
+) -> tuple[np.ndarray, np.ndarray, list[dict]]:
     """Score edited images against their source images and instructions.
 
     images, sources: B edited and B source images (PIL or uint8 [H, W, 3]; each set of one size);
     edits: B instructions. Returns (strict float32[B], fraction float32[B], details: B dicts with "clauses").
     """
     if not len(images) == len(sources) == len(edits):
-        raise ValueError(f"got {len(images)} edited images, {len(sources)} sources and {len(edits)} instructions; "
-                         f"need one of each per sample")
+        raise ValueError(
+            f"got {len(images)} edited images, {len(sources)} sources and {len(edits)} instructions; "
+            f"need one of each per sample"
+        )
     edited_batch, source_batch = to_uint8_batch(images), to_uint8_batch(sources)
     edited_size = (edited_batch.shape[2], edited_batch.shape[1])
     source_size = (source_batch.shape[2], source_batch.shape[1])
@@ -207,6 +220,7 @@ def score_edits(images, sources, edits: list[dict], tolerance: float = TOLERANCE
         clauses = check_edit(before, found, edit, source_size, edited_size, tolerance)
         oks = [ok for _, ok in clauses]
         strict[i], fraction[i] = float(all(oks)), sum(oks) / len(oks)
-        details.append({"clauses": [{"clause": c, "ok": ok} for c, ok in clauses],
-                        "objects": [asdict(d) for d in found]})
+        details.append(
+            {"clauses": [{"clause": c, "ok": ok} for c, ok in clauses], "objects": [asdict(d) for d in found]}
+        )
     return strict, fraction, details

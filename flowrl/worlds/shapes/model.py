@@ -108,8 +108,13 @@ def build_tokenizer(words: list[str] | None = None, max_length: int = TOKENIZER_
     for a, b in merges:
         vocab.setdefault(a + b, len(vocab))
     return CLIPTokenizer(
-        vocab=vocab, merges=merges, model_max_length=max_length, bos_token=BOS, eos_token=EOS,
-        pad_token=EOS, unk_token=EOS,
+        vocab=vocab,
+        merges=merges,
+        model_max_length=max_length,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=EOS,
+        unk_token=EOS,
     )
 
 

@@ -49,16 +49,19 @@ def motion_prompts(split: str | None = None) -> list[dict]:
     for shape in SHAPES:
         for color in (None, *COLORS):
             for direction in DIRECTIONS:
-                record = {"prompt": motion_prompt(shape, color, direction),
-                          "objects": [{"shape": shape, "color": color, "count": 1}], "relation": None,
-                          "motion": direction, "split": motion_split(shape, color, direction)}
+                record = {
+                    "prompt": motion_prompt(shape, color, direction),
+                    "objects": [{"shape": shape, "color": color, "count": 1}],
+                    "relation": None,
+                    "motion": direction,
+                    "split": motion_split(shape, color, direction),
+                }
                 if split in (None, record["split"]):
                     records.append(record)
     return records
 
 
-def render_motion(record: dict, rng: np.random.Generator, num_frames: int = 5,
-                  size: int = IMAGE_SIZE) -> np.ndarray:
+def render_motion(record: dict, rng: np.random.Generator, num_frames: int = 5, size: int = IMAGE_SIZE) -> np.ndarray:
     """A clip of the record: its object crossing from one side (the layout's gap from the border) to the other in
     equal steps at one height -> uint8[num_frames, size, size, 3]."""
     if num_frames < 2:
@@ -85,20 +88,29 @@ def check_motion(video, record: dict, tolerance: float = TOLERANCE, min_travel: 
     sign = 1.0 if direction == "left to right" else -1.0
     xs = []
     for objects in detect_objects(list(video)):
-        alone = len(objects) == 1 and objects[0].shape == wanted["shape"] and \
-            (not wanted.get("color") or objects[0].color == wanted["color"])
+        alone = (
+            len(objects) == 1
+            and objects[0].shape == wanted["shape"]
+            and (not wanted.get("color") or objects[0].color == wanted["color"])
+        )
         xs.append(objects[0].center[0] / width if alone else None)
     pairs = list(zip(xs[:-1], xs[1:]))
     presence = sum(x is not None for x in xs) / len(xs)
     monotonic = sum(a is not None and b is not None and sign * (b - a) >= -tolerance for a, b in pairs) / len(pairs)
     found = [x for x in xs if x is not None]
     travel = min(1.0, max(0.0, sign * (found[-1] - found[0]) / min_travel)) if len(found) >= 2 else 0.0
-    return {"presence": presence, "monotonic": monotonic, "travel": travel,
-            "score": (presence + monotonic + travel) / 3, "xs": xs}
+    return {
+        "presence": presence,
+        "monotonic": monotonic,
+        "travel": travel,
+        "score": (presence + monotonic + travel) / 3,
+        "xs": xs,
+    }
 
 
-def score_motions(videos, records: list[dict], tolerance: float = TOLERANCE,
-                  min_travel: float = MIN_TRAVEL) -> dict[str, np.ndarray]:
+def score_motions(
+    videos, records: list[dict], tolerance: float = TOLERANCE, min_travel: float = MIN_TRAVEL
+) -> dict[str, np.ndarray]:
     """`check_motion` of B clips -> {"score", "presence", "monotonic", "travel", "strict"}: float32[B] each
     (strict: 1 iff the score is 1)."""
     if len(videos) != len(records):

@@ -138,11 +138,19 @@ def all_prompts() -> list[dict]:
 
 #: Out-of-template prompts (`out_of_template_prompts`): other wordings of the relations and counts, and colours
 #: combined with counts and with positions, which no training prompt does.
-RELATION_PARAPHRASES: dict[str, str] = {"left of": "to the left of", "right of": "to the right of",
-                                        "above": "on top of", "below": "under"}
+RELATION_PARAPHRASES: dict[str, str] = {
+    "left of": "to the left of",
+    "right of": "to the right of",
+    "above": "on top of",
+    "below": "under",
+}
 DIGITS: dict[int, str] = {2: "2", 3: "3", 4: "4"}
-OUT_OF_TEMPLATE_FAMILIES: tuple[str, ...] = ("paraphrased_position", "paraphrased_counting", "color_counting",
-                                             "color_position")
+OUT_OF_TEMPLATE_FAMILIES: tuple[str, ...] = (
+    "paraphrased_position",
+    "paraphrased_counting",
+    "color_counting",
+    "color_position",
+)
 
 
 def out_of_template_prompts() -> list[dict]:
@@ -157,21 +165,21 @@ def out_of_template_prompts() -> list[dict]:
     Their words partly fall outside the tiny model's vocabulary (digits, "pair", "top", ...): what a model does
     with a wording it was never trained on is the point. No prompt text here is a training prompt's."""
     shapes, colors = list(SHAPES), list(COLORS)
-    pairs = list(itertools.permutations(SHAPES, 2))                                  # 6 ordered pairs
+    pairs = list(itertools.permutations(SHAPES, 2))  # 6 ordered pairs
     out = []
-    for i, rel in enumerate(RELATIONS):                                              # 4 relations x 3 pairs
-        for a, b in pairs[i % 2::2]:
+    for i, rel in enumerate(RELATIONS):  # 4 relations x 3 pairs
+        for a, b in pairs[i % 2 :: 2]:
             objects = [_obj(a), _obj(b)]
             text = f"a photo of {_noun(objects[0])} {RELATION_PARAPHRASES[rel]} {_noun(objects[1])}"
             out.append(_record(text, "paraphrased_position", objects, rel))
-    for s in shapes:                                                                 # 3 shapes x (3 digits + pair)
+    for s in shapes:  # 3 shapes x (3 digits + pair)
         for n, digit in DIGITS.items():
             out.append(_record(f"a photo of {digit} {PLURALS[s]}", "paraphrased_counting", [_obj(s, None, n)]))
         out.append(_record(f"a photo of a pair of {PLURALS[s]}", "paraphrased_counting", [_obj(s, None, 2)]))
-    for k, (s, n) in enumerate(itertools.product(shapes, (2, 3))):                  # 6 x 2 colours
+    for k, (s, n) in enumerate(itertools.product(shapes, (2, 3))):  # 6 x 2 colours
         for c in (colors[k % 4], colors[(k + 2) % 4]):
             out.append(_record(f"a photo of {COUNT_WORDS[n]} {c} {PLURALS[s]}", "color_counting", [_obj(s, c, n)]))
-    for k, (a, b) in enumerate(pairs):                                               # 6 pairs x 2 relations
+    for k, (a, b) in enumerate(pairs):  # 6 pairs x 2 relations
         for rel in (RELATIONS[k % 4], RELATIONS[(k + 1) % 4]):
             objects = [_obj(a, colors[k % 4]), _obj(b, colors[(k + 1) % 4])]
             out.append(_record(prompt_text(objects, rel), "color_position", objects, rel))
@@ -179,8 +187,14 @@ def out_of_template_prompts() -> list[dict]:
 
 
 def _record(text: str, family: str, objects: list[dict], relation: str | None = None) -> dict:
-    return {"prompt": text, "family": family, "objects": objects, "relation": relation,
-            "combination": combination_key(objects, relation), "split": "out_of_template"}
+    return {
+        "prompt": text,
+        "family": family,
+        "objects": objects,
+        "relation": relation,
+        "combination": combination_key(objects, relation),
+        "split": "out_of_template",
+    }
 
 
 def prompts_of_split(split: str) -> list[dict]:

@@ -85,10 +85,7 @@ def draw(objects: list[ShapeObject], size: int = IMAGE_SIZE) -> np.ndarray:
 def _apart(a: ShapeObject, b: ShapeObject, gap: int) -> bool:
     """True when the bounding boxes are at least `gap` pixels apart along x or along y."""
     return (
-        a.x + a.side + gap <= b.x
-        or b.x + b.side + gap <= a.x
-        or a.y + a.side + gap <= b.y
-        or b.y + b.side + gap <= a.y
+        a.x + a.side + gap <= b.x or b.x + b.side + gap <= a.x or a.y + a.side + gap <= b.y or b.y + b.side + gap <= a.y
     )
 
 
