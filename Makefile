@@ -1,6 +1,6 @@
 # Two commands set flowrl up on a fresh machine:
 #   make demo   create .venv, install flowrl, run the embedded default
-#   make test   create .venv, install flowrl with the dev and docs extras, run the tests, build the docs
+#   make test   create .venv, install flowrl with the dev and docs extras, lint, run the tests, build the docs
 #
 # TORCH is installed before the project so that pip never resolves a bare `torch` to a
 # multi-GB CUDA build. The default pins the wheels that lie on the reference CPU machine
@@ -16,7 +16,7 @@ PIP    := $(PY) -m pip
 # The editable install is redone when pyproject.toml changes or the checkout moves.
 STAMP  := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)-$(CURDIR)
 
-.PHONY: demo test docs venv install install-dev clean
+.PHONY: demo test lint docs venv install install-dev clean
 
 venv:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,7 +47,12 @@ demo: install
 DOCS_BUILD = site=$$(mktemp -d) && trap 'rm -rf "$$site"' EXIT && \
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir "$$site"
 
-test: install-dev
+# ruff's lint rules and format (configured in pyproject.toml) before the tests, so that a style slip fails in seconds
+lint: install-dev
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: lint
 	$(PY) -m pytest
 	$(DOCS_BUILD)
 

@@ -1,4 +1,4 @@
-"""The reward registry: names -> factories, the two kinds of reward, and rewards from other packages and the user's code.
+"""The reward registry: names -> factories, the two kinds of reward, rewards of other packages and of the user's code.
 
 How to add a reward (e.g. ``rewards/shapes_geneval.py``)::
 

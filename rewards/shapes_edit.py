@@ -1,6 +1,6 @@
 """The shapes world's exact editing reward: was the instruction carried out, and was the rest of the scene kept?
-(`flowrl.worlds.shapes.edit.check_edit`). The source image is the prompt record's conditioning image (its `image` column,
-absolute paths from the data loader), the instruction its `edit` column, as in samples/shapes/edit/*.jsonl."""
+(`flowrl.worlds.shapes.edit.check_edit`). The source image is the prompt record's conditioning image (its `image`
+column, absolute paths from the data loader), the instruction its `edit` column, as in samples/shapes/edit/*.jsonl."""
 
 from __future__ import annotations
 

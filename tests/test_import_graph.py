@@ -151,7 +151,8 @@ def test_the_private_import_finder_finds_them(tmp_path):
         (tmp_path / package).mkdir()
         (tmp_path / package / "__init__.py").write_text("")
     (tmp_path / "flowrl" / "a.py").write_text(
-        "import rewards._common\nfrom rewards import _wire, get\nfrom flowrl import _own\nfrom flowrl import __version__\n"
+        "import rewards._common\nfrom rewards import _wire, get\nfrom flowrl import _own\n"
+        "from flowrl import __version__\n"
         "def f():\n    from rewards.registry import _checked\n"
     )
     (tmp_path / "rewards" / "b.py").write_text("from . import _common\nfrom flowrl.video import _frames, aggregate\n")

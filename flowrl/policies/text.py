@@ -258,10 +258,10 @@ class TextPolicy:
         return self.base_model if self.sharded else self.train_model
 
     def shard(self) -> None:
-        """FSDP2 over the processes (`flowrl.policies.base.shard_blocks`): the transformers model, inside the peft wrapper
-        with a LoRA (peft's forward and generate() both end in its forward, where the root's hooks gather what no
-        layer holds), and the frozen reference copy of full fine-tuning, sharded the same way. The LoRA's weights, the
-        gradients and the optimizer's states are sharded with the layers they belong to."""
+        """FSDP2 over the processes (`flowrl.policies.base.shard_blocks`): the transformers model, inside the peft
+        wrapper with a LoRA (peft's forward and generate() both end in its forward, where the root's hooks gather what
+        no layer holds), and the frozen reference copy of full fine-tuning, sharded the same way. The LoRA's weights,
+        the gradients and the optimizer's states are sharded with the layers they belong to."""
         for model in (self.base_model, self.ref_copy):
             if model is not None:
                 shard_blocks(model, offload=self.cfg.train.offload)

@@ -2,9 +2,9 @@
 
 It is the embedded default of flowrl: a tiny `StableDiffusion3Pipeline` pre-trained on this world ships in
 `samples/shapes/model` (made by `scripts/pretrain_shapes.py`), and `score_images` is the compositional
-reward GRPO raises. Two more tasks live in this world: editing (`flowrl.worlds.shapes.edit`: a source scene and an
-instruction, checked exactly) and video (`flowrl.worlds.shapes.motion`: a shape moving across the frames). Pure numpy; the
-model-building helpers in `flowrl.worlds.shapes.model` need torch/diffusers.
+reward GRPO raises. Two more tasks live in this world: editing (`flowrl.worlds.shapes.edit`: a source scene and
+an instruction, checked exactly) and video (`flowrl.worlds.shapes.motion`: a shape moving across the frames). Pure
+numpy; the model-building helpers in `flowrl.worlds.shapes.model` need torch/diffusers.
 """
 
 from .detect import FAILURE_KINDS, Detection, check_clauses, detect_objects, diagnose, score_images
