@@ -23,7 +23,8 @@ options and which returns the reward callable:
 - ``kind="text"``: the TRL signature ``reward(prompts, completions, **columns) -> list[float | None]``;
   completions are strings or chat messages (lists of ``{"role", "content"}`` dicts).
 
-A factory whose kind depends on its options (``remote``) has ``check_options(kwargs, kind) -> kind``.
+A factory whose kind depends on its options (``remote``), or whose options name other rewards (``weighted``), has
+``check_options(kwargs, kind) -> kind``, which ``check`` calls before any model loads.
 
 What it holds on the accelerator: ``register(name, kind=..., memory=...)`` declares it for the memory planner
 (``flowrl plan``): ``NOTHING``, or the model(s) it loads given its options, e.g.
@@ -389,12 +390,14 @@ def _checked(name: str, kwargs: dict[str, Any], kind: str) -> Callable[..., Any]
         raise RewardConfigError(f"a reward name is a registered name or {PLUGIN_FORMS}, got {name!r}")
     if is_plugin(name):
         return _check_plugin(name, kwargs, kind)
-    _check_registered(name, kwargs, kind)
+    check_registered(name, kwargs, kind)
     return None
 
 
-def _check_registered(name: str, kwargs: dict[str, Any], kind: str) -> None:
-    """Name, options and kind of a registered reward, from its factory's signature."""
+def check_registered(name: str, kwargs: dict[str, Any], kind: str) -> None:
+    """Name, options and kind of a registered reward, from its factory's signature (and its `check_options(kwargs,
+    kind) -> kind` when the factory has one: a reward whose kind depends on its options, or whose options name other
+    rewards); a RewardConfigError with a one-line reason."""
     factory = _factory(name)
     if factory is None:
         close = difflib.get_close_matches(name, available(), n=3, cutoff=0.5)
@@ -418,7 +421,7 @@ def _check_registered(name: str, kwargs: dict[str, Any], kind: str) -> None:
             f"reward {name!r} needs option(s) {', '.join(map(repr, missing))} in its kwargs; "
             f"its options: {', '.join(options)}."
         )
-    kind_check = getattr(factory, "check_options", None) or _KIND_CHECKS.get(name)
+    kind_check = getattr(factory, "check_options", None)
     actual = kind_check(kwargs, kind) if kind_check else factory.reward_kind
     if actual != kind:
         raise RewardConfigError(
@@ -430,36 +433,6 @@ def _check_registered(name: str, kwargs: dict[str, Any], kind: str) -> None:
 def _a(kind: str) -> str:
     """ "an image" / "a text"."""
     return f"an {kind}" if kind[0] in "aeiou" else f"a {kind}"
-
-
-def _check_weighted(kwargs: dict[str, Any], kind: str) -> str:
-    """``weighted``'s components: each a registered reward of ``kind`` with valid options.
-    (Here rather than in ``rewards/weighted.py`` until that factory grows a ``check_options``.)"""
-    components = kwargs.get("components")
-    if not isinstance(components, Mapping) or not components:
-        raise RewardConfigError(
-            f"reward 'weighted' needs components={{name: weight, or name: {{weight: w, "
-            f"reward: registered_name, **options}}}}, got {components!r}"
-        )
-    for key, spec in components.items():
-        if isinstance(spec, bool) or not isinstance(spec, (int, float, Mapping)):
-            raise RewardConfigError(f"weighted component {key!r}: expected a weight or a dict of options, got {spec!r}")
-        options = dict(spec) if isinstance(spec, Mapping) else {}
-        options.pop("weight", None)
-        component = str(options.pop("reward", key))
-        if is_plugin(component):
-            raise RewardConfigError(
-                f"weighted component {key!r}: plug-in {component!r} cannot be a component; "
-                f"give it its own entry in the config's rewards list, with its weight"
-            )
-        try:
-            _check_registered(component, options, kind)
-        except RewardConfigError as e:
-            raise RewardConfigError(f"weighted component {key!r}: {e}") from None
-    return kind
-
-
-_KIND_CHECKS: dict[str, Callable[[dict[str, Any], str], str]] = {"weighted": _check_weighted}
 
 
 # ---------------------------------------------------------------------------- plug-ins

@@ -14,7 +14,7 @@ import math
 from typing import Any, Callable, Mapping
 
 from rewards.memory import Held
-from rewards.registry import IMAGE, get, kind_of, memory_spec, register
+from rewards.registry import IMAGE, RewardConfigError, check_registered, get, is_plugin, kind_of, memory_spec, register
 
 
 class WeightedSum:
@@ -115,3 +115,33 @@ def weighted(components: Mapping[str, float | Mapping[str, Any]]) -> WeightedSum
 
 
 __all__ = ["WeightedSum", "combine", "components_memory", "weighted"]
+
+
+def check_options(kwargs: dict[str, Any], kind: str) -> str:
+    """The config check of ``weighted`` (rewards.check, before any model loads): its components, each a registered
+    reward of ``kind`` with valid options; returns ``kind``, its components' kind."""
+    components = kwargs.get("components")
+    if not isinstance(components, Mapping) or not components:
+        raise RewardConfigError(
+            f"reward 'weighted' needs components={{name: weight, or name: {{weight: w, "
+            f"reward: registered_name, **options}}}}, got {components!r}"
+        )
+    for key, spec in components.items():
+        if isinstance(spec, bool) or not isinstance(spec, (int, float, Mapping)):
+            raise RewardConfigError(f"weighted component {key!r}: expected a weight or a dict of options, got {spec!r}")
+        options = dict(spec) if isinstance(spec, Mapping) else {}
+        options.pop("weight", None)
+        component = str(options.pop("reward", key))
+        if is_plugin(component):
+            raise RewardConfigError(
+                f"weighted component {key!r}: plug-in {component!r} cannot be a component; "
+                f"give it its own entry in the config's rewards list, with its weight"
+            )
+        try:
+            check_registered(component, options, kind)
+        except RewardConfigError as e:
+            raise RewardConfigError(f"weighted component {key!r}: {e}") from None
+    return kind
+
+
+weighted.check_options = check_options
