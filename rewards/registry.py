@@ -69,7 +69,6 @@ import importlib.metadata
 import importlib.util
 import inspect
 import os
-import pkgutil
 import re
 import sys
 import traceback
@@ -141,18 +140,9 @@ def register(
     return deco
 
 
-_loaded = False
-
-
 def load_all() -> None:
     """Import every module of the ``rewards`` package once, so that each registers its rewards."""
-    global _loaded
-    if _loaded:
-        return
-    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):  # (not `rewards.__path__`: no import cycle)
-        if not info.name.startswith("_"):
-            importlib.import_module(f"rewards.{info.name}")
-    _loaded = True
+    REWARDS.discover("rewards", [str(Path(__file__).parent)])  # (not `rewards.__path__`: no import cycle)
 
 
 def available(kind: str | None = None) -> list[str]:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import difflib
-from typing import Callable, Generic, Iterator, TypeVar
+import importlib
+import pkgutil
+from typing import Callable, Generic, Iterable, Iterator, TypeVar
 
 T = TypeVar("T")
 
@@ -21,6 +23,17 @@ class Registry(Generic[T]):
     def __init__(self, kind: str):
         self.kind = kind
         self._items: dict[str, T] = {}
+        self._discovered = False
+
+    def discover(self, package: str, path: Iterable[str]) -> None:
+        """Import, once, every module of `package` (found in its folders `path`) whose name does not start with "_",
+        so that each registers its members here: adding a member is adding a module."""
+        if self._discovered:
+            return
+        for info in pkgutil.iter_modules(list(path)):
+            if not info.name.startswith("_"):
+                importlib.import_module(f"{package}.{info.name}")
+        self._discovered = True
 
     def register(self, name: str) -> Callable[[T], T]:
         def deco(obj: T) -> T:

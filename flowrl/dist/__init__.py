@@ -22,7 +22,6 @@ from ._base import Strategy, like
 
 STRATEGIES: Registry[type[Strategy]] = Registry("distributed strategy")
 
-_loaded = False
 
 
 def register(cls: type[Strategy]) -> type[Strategy]:
@@ -32,13 +31,7 @@ def register(cls: type[Strategy]) -> type[Strategy]:
 
 def load_all() -> None:
     """Import every strategy module of this package once, so that each registers itself."""
-    global _loaded
-    if _loaded:
-        return
-    for info in pkgutil.iter_modules(__path__):
-        if not info.name.startswith("_"):
-            importlib.import_module(f"{__name__}.{info.name}")
-    _loaded = True
+    STRATEGIES.discover(__name__, __path__)
 
 
 def strategy_names() -> list[str]:

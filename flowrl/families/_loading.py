@@ -3,10 +3,8 @@ configuration files before any weight is read (`preflight_image_model`), and `lo
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
-import pkgutil
 import posixpath
 from collections.abc import Callable, Mapping, Sequence
 
@@ -14,19 +12,11 @@ import torch
 
 from ._base import FAMILIES, ImageBackend, ImageModelError
 
-_loaded = False
-
 
 def load_all() -> None:
     """Import every module of `flowrl.families` whose name does not start with "_": each registers its family.
     Nothing else lists the families."""
-    global _loaded
-    if _loaded:
-        return
-    for info in pkgutil.iter_modules([os.path.dirname(__file__)]):
-        if not info.name.startswith("_"):
-            importlib.import_module(f"{__package__}.{info.name}")
-    _loaded = True
+    FAMILIES.discover(__package__, [os.path.dirname(__file__)])
 
 
 def family_names() -> list[str]:

@@ -12,16 +12,11 @@ the first lookup, and the config tree, its checks, the progress bar, checkpoints
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
 from flowrl.core.registry import Registry
 
 from ._base import MemoryTerms, Objective
 
 OBJECTIVES: Registry[type[Objective]] = Registry("training objective")
-
-_loaded = False
 
 
 def register(cls: type[Objective]) -> type[Objective]:
@@ -33,13 +28,7 @@ def register(cls: type[Objective]) -> type[Objective]:
 
 def load_all() -> None:
     """Import every objective module of this package once, so that each registers itself."""
-    global _loaded
-    if _loaded:
-        return
-    for info in pkgutil.iter_modules(__path__):
-        if not info.name.startswith("_"):
-            importlib.import_module(f"{__name__}.{info.name}")
-    _loaded = True
+    OBJECTIVES.discover(__name__, __path__)
 
 
 def objective_names() -> list[str]:
