@@ -35,7 +35,7 @@ from flowrl.run.loading import check_resume, check_weights
 from flowrl.run.metrics import MetricsLog, Timer, read_metrics
 from flowrl.seeding import derive_seed, seed_everything
 
-from .optim import EMA, build_optimizer, lr_lambda
+from .optim import EMA, build_optimizer
 from .scoring import Scorer, adv_metrics
 from .signals import StopSignals
 from .update import Updater
@@ -99,16 +99,8 @@ class Trainer:
             if t.ema_decay > 0
             else None
         )
-        slots = t.inner_epochs * (self.batch_local // (t.minibatch_size or self.batch_local))
-        self.max_steps = t.epochs * slots  # the lr schedule's length, in minibatch slots
-        self.updater = Updater(
-            cfg,
-            self.objective,
-            self.dist,
-            self.ema,
-            self.batch_local,
-            lr_lambda(t.warmup_steps, self.max_steps, t.schedule, t.decay_frac),
-        )
+        self.updater = Updater(cfg, self.objective, self.dist, self.ema, self.batch_local)
+        self.max_steps = self.updater.max_steps  # the lr schedule's length, in minibatch slots
         self.scorer = Scorer(cfg, self.policy, self.dist, self.run_dir, self.main)
         self.evaluator = Evaluator(cfg, self.eval_set, self.device, offload=t.offload)
         self.state = State()

@@ -18,6 +18,8 @@ from flowrl import core
 from flowrl.errors import NonFiniteError
 from flowrl.seeding import derive_seed
 
+from .optim import lr_lambda
+
 #: |ratio - 1| above this on the first (on-policy) minibatch of an epoch means the recomputed log-probs do not match
 #: the recorded ones: a warning, and `policy/ratio_first` shows it.
 ON_POLICY_TOL = 1e-4
@@ -54,13 +56,16 @@ class Updater:
     step), the EMA, and the lr schedule by minibatch slot (set before each optimizer step, so that resuming needs no
     scheduler state and a minibatch that takes no step does not delay it)."""
 
-    def __init__(self, cfg, objective, dist, ema, batch_local: int, lr_factor):
+    def __init__(self, cfg, objective, dist, ema, batch_local: int):
+        t = cfg.train
         self.cfg, self.objective, self.dist, self.ema = cfg, objective, dist, ema
         self.batch_local = batch_local
-        self.minibatch = cfg.train.minibatch_size or batch_local
+        self.minibatch = t.minibatch_size or batch_local
         if batch_local % self.minibatch:
             raise ValueError(f"train.minibatch_size={self.minibatch} must divide the per-process batch {batch_local}")
-        self.lr_factor = lr_factor
+        self.per_pass = batch_local // self.minibatch  # minibatches (slots) of one pass over the batch
+        self.max_steps = t.epochs * t.inner_epochs * self.per_pass  # the run's slots: the lr schedule's length
+        self.lr_factor = lr_lambda(t.warmup_steps, self.max_steps, t.schedule, t.decay_frac)
         self.budget_fraction = 0.0  # train.schedule_over=budget: the share of train.max_minutes spent, per epoch
         self.nonfinite_streak = 0
 
@@ -78,12 +83,11 @@ class Updater:
         n_units = sum(len(u) for u in units)
         sums: dict[str, list] = {}
         first_ratio, trained, stepped, skipped = None, 0, False, 0
-        per_pass = self.batch_local // self.minibatch
         for inner in range(t.inner_epochs):
             gen = torch.Generator().manual_seed(derive_seed(t.seed, epoch, inner, self.dist.rank, 7))
             perm = torch.randperm(self.batch_local, generator=gen)
             for mb_start in range(0, self.batch_local, self.minibatch):
-                slot = (epoch * t.inner_epochs + inner) * per_pass + mb_start // self.minibatch
+                slot = (epoch * t.inner_epochs + inner) * self.per_pass + mb_start // self.minibatch
                 idx = perm[mb_start : mb_start + self.minibatch]
                 # samples outside the loss (groups dropped for zero advantage) are masked out of every term,
                 # so they are not computed at all: the same loss and gradient, fewer forward passes
