@@ -55,6 +55,14 @@ class Objective:
         self.cfg, self.policy, self.num_processes = cfg, policy, num_processes
         self.settings = getattr(cfg.train, self.name) if self.Settings is not None else None
 
+    def groups_split(self) -> int | None:
+        """This process's batch (prompts_per_epoch x group_size / processes) when it does not hold whole groups of
+        sample.group_size (a group then spans two processes), else None: what an objective that needs a whole group
+        on one process refuses."""
+        s = self.cfg.sample
+        local = s.prompts_per_epoch * s.group_size // max(self.num_processes, 1)
+        return local if local % s.group_size else None
+
     # ---- before the model loads
 
     @classmethod

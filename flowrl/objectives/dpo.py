@@ -53,13 +53,12 @@ class DPO(ForwardProcessObjective):
     def __init__(self, cfg, policy, num_processes=1):
         super().__init__(cfg, policy, num_processes)
         policy.ensure_reference()
-        s = cfg.sample
-        local = s.prompts_per_epoch * s.group_size // max(num_processes, 1)
-        if num_processes > 1 and local % s.group_size:
+        local = self.groups_split()
+        if local is not None:
             raise ValueError(
                 f"train.objective=dpo pairs the best and worst image of a group on one process, but the "
                 f"per-process batch {local} (prompts_per_epoch x group_size / {num_processes} processes) "
-                f"splits groups of sample.group_size={s.group_size}; make prompts_per_epoch a multiple "
+                f"splits groups of sample.group_size={cfg.sample.group_size}; make prompts_per_epoch a multiple "
                 f"of the process count"
             )
         self.partner: Tensor | None = None

@@ -143,8 +143,8 @@ class GRPO(Objective):
             policy.stochastic_sampler()  # a kernel or window the model cannot train fails before the first rollout
         if s.beta > 0:
             policy.ensure_reference()
-        local = cfg.sample.prompts_per_epoch * cfg.sample.group_size // max(num_processes, 1)
-        if s.same_noise_per_group and local % cfg.sample.group_size:
+        local = self.groups_split()
+        if s.same_noise_per_group and local is not None:
             raise ValueError(
                 f"train.grpo.same_noise_per_group needs whole groups on each process: the per-process "
                 f"batch {local} is not a multiple of group_size {cfg.sample.group_size}"
