@@ -496,13 +496,12 @@ def section_ranges(cls: type = Config, prefix: str = "") -> dict[str, Range]:
     """The valid range of every numeric field of the tree under `cls`, by dotted key: each section's RANGES (the
     list of reward specs under `rewards.`)."""
     out = {prefix + k: r for k, r in getattr(cls, "RANGES", {}).items()}
-    for f in dataclasses.fields(cls):
-        tp = _hints(cls)[f.name]
+    for name, tp in _hints(cls).items():
         if typing.get_origin(tp) is list and _dataclass_of(typing.get_args(tp)[0]) is not None:
             tp = typing.get_args(tp)[0]
         sub = _dataclass_of(tp)
         if sub is not None:
-            out.update(section_ranges(sub, f"{prefix}{f.name}."))
+            out.update(section_ranges(sub, f"{prefix}{name}."))
     return out
 
 
