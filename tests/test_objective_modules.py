@@ -280,3 +280,23 @@ print(plan(cfg).render())
     stats = out.stdout.split("weight_max ", 1)[1].split()
     assert float(stats[0]) >= 1.0 and float(stats[2]) > 0  # weighted by the advantages, and it trained
     assert "objective rwr: 1 model rows: 1 time(s)" in out.stdout and "rwr temperature 0.5" in out.stdout
+
+
+def test_grpo_loss_moves_the_scorers_cpu_tensors_to_the_units_device():
+    """The scorer's advantages and kept samples live on the CPU; the unit's log-probs on the model's device (the GPU
+    check found the loss mixing them). The meta device stands in for a GPU here: any op mixing it with a CPU tensor
+    fails as a CUDA one does."""
+    import torch
+
+    from flowrl.objectives.grpo import GRPOSettings, grpo_loss
+    from flowrl.policies.base import UnitOutput
+
+    b, k = 3, 2
+    out = UnitOutput(
+        log_prob=torch.zeros(b, k, device="meta"),
+        old_log_prob=torch.zeros(b, k, device="meta"),
+        mask=torch.ones(b, k, device="meta"),
+        kl=torch.zeros(b, k, device="meta"),
+    )
+    loss, stats = grpo_loss(out, torch.ones(b), torch.ones(b, dtype=torch.bool), GRPOSettings(beta=0.1), "token-mean")
+    assert loss.device.type == "meta" and stats["kl"].device.type == "meta"

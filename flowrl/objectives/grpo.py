@@ -102,7 +102,9 @@ def grpo_loss(
     `normalizer`: the aggregation's normalizer of the whole minibatch when these b samples are one of its
     micro-batches (core.loss_normalizer), so that the micro-batches' losses add up to the minibatch's.
     """
-    mask = out.mask * keep[:, None].to(out.mask.dtype)  # [b, K]
+    device = out.mask.device  # adv and keep come from the scorer, on the CPU
+    mask = out.mask * keep[:, None].to(device=device, dtype=out.mask.dtype)  # [b, K]
+    adv = adv.to(device)
     clip = dict(clip_low=settings.clip_low, clip_high=settings.clip_high, dual_clip=settings.dual_clip, mask=mask)
     if out.log_ratio is not None:
         loss, stats = core.clipped_surrogate(out.log_ratio, adv, **clip)

@@ -183,7 +183,8 @@ class Updater:
         micro, world = self.cfg.train.micro_batch_size, self.dist.world
         if world == 1 and (not micro or micro >= len(idx)):
             return None
-        mask = self.objective.step_mask(batch, idx, unit) * keep[idx][:, None].to(torch.float32)  # [b, K]
+        mask = self.objective.step_mask(batch, idx, unit)
+        mask = mask * keep[idx][:, None].to(device=mask.device, dtype=torch.float32)  # [b, K]
         mode, length = self.objective.policy.aggregation, mask.shape[-1]
         if world == 1:
             return core.loss_normalizer(mask, mode, length=length)

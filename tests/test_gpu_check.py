@@ -1,0 +1,68 @@
+"""benchmarks/gpu_check.py --tiny: the GPU check pack runs end to end on the CPU with tiny models, so that it cannot
+rot between GPU runs: every case trains two epochs through flowrl's Trainer, is measured and planned, and the report
+files are written."""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+
+
+def load_pack():
+    spec = importlib.util.spec_from_file_location("gpu_check_pack", SCRIPT)
+    pack = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = pack  # its dataclasses look their module up there
+    spec.loader.exec_module(pack)
+    return pack
+
+
+def test_gpu_check_tiny_runs_every_case(tmp_path):
+    pack = load_pack()
+    threads = torch.get_num_threads()
+    try:
+        rows = pack.main(["--tiny", "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    assert [r["case"] for r in rows] == [c.name for c in pack.CASES]
+    assert not [r for r in rows if "error" in r], rows
+    for row, case in zip(rows, pack.CASES):
+        for key in ("rollout_gib", "update_gib", "planned_rollout_gib", "planned_update_gib", "rollout_per_s"):
+            assert math.isfinite(row[key]) and row[key] > 0, (case.name, key, row[key])
+        # the planner and the measurement describe the same run: within a factor of 4 even for tiny models
+        assert 0.25 < row["update_ratio"] < 4 and 0.25 < row["rollout_ratio"] < 4, row
+        assert row["images"] == case.prompts * case.group
+        if case.objective == "grpo":  # float32 on the CPU: the first minibatch is on policy
+            assert abs(row["ratio_first"] - 1) < 1e-5, row
+    saved = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert saved["rows"] == json.loads(json.dumps(rows)) and saved["environment"]["device"].startswith("CPU")
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert all(f"| {c.name} |" in table for c in pack.CASES)
+
+
+def test_gpu_check_builds_real_widths_from_the_shipped_configs():
+    """The real-size cases read the architecture configs shipped for the planner: the denoisers the GPU run builds
+    are SD3.5-Medium's and FLUX.1-dev's."""
+    pack = load_pack()
+    shipped = Path(__file__).resolve().parents[1] / "flowrl" / "plan_configs"
+    sd3 = json.loads((shipped / pack.MODELS["sd35m"].plan_config).read_text())["transformer/config.json"]
+    flux = json.loads((shipped / pack.MODELS["flux1-dev"].plan_config).read_text())["transformer/config.json"]
+    assert (sd3["num_layers"], sd3["num_attention_heads"] * sd3["attention_head_dim"]) == (24, 1536)
+    assert (flux["num_layers"], flux["num_single_layers"], flux["num_attention_heads"]) == (19, 38, 24)
+    assert {c.model for c in pack.CASES} == set(pack.MODELS)
+    assert any(c.checkpointing for c in pack.CASES if c.model == "flux1-dev")
+    assert {c.objective for c in pack.CASES if c.model == "sd35m"} >= {"grpo", "nft"}
+
+
+def test_gpu_check_isolates_each_model_in_a_process_of_its_own(tmp_path):
+    """As on a GPU (where a CUDA fault ends the process): the model's cases run in a child process, whose rows come
+    back to the report."""
+    pack = load_pack()
+    rows = pack.main(["--tiny", "--isolate", "--cases", "sd35m-grpo", "--out", str(tmp_path)])
+    assert [r["case"] for r in rows] == ["sd35m-grpo"] and "error" not in rows[0], rows
+    assert abs(rows[0]["ratio_first"] - 1) < 1e-5
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["rows"] == rows
