@@ -78,7 +78,12 @@ class PromptSet:
         error names the columns the prompts do have when some prompt lacks this one."""
         cache = self.__dict__.setdefault("_strata", {})
         if column not in cache:
-            require_column(self.metadata, column, f"cannot balance prompts by {column!r}")
+            require_column(
+                self.metadata,
+                column,
+                f"cannot balance prompts by {column!r}",
+                "; set data.balance_by= (or data.balance_by=null) to draw every prompt equally often",
+            )
             groups: dict = {}
             for i, meta in enumerate(self.metadata):
                 groups.setdefault(json.dumps(meta[column], sort_keys=True), []).append(i)
@@ -115,15 +120,16 @@ class PromptSet:
         return self.prompts[:n], [dict(m) for m in self.metadata[:n]]
 
 
-def require_column(metadata: list[dict], column: str, what: str) -> None:
-    """Raise ValueError, starting with `what`, when a prompt's metadata lacks `column`; the message names the
-    first such prompt and the columns the prompts do have."""
+def require_column(metadata: list[dict], column: str, what: str, how_off: str = "") -> None:
+    """Raise ValueError, starting with `what` and ending with `how_off` (how to turn the option off), when a
+    prompt's metadata lacks `column`; the message names the first such prompt and the columns the prompts do
+    have."""
     missing = next((i for i, m in enumerate(metadata) if column not in (m or {})), None)
     if missing is not None:
         keys = sorted({k for m in metadata for k in (m or {})})
         raise ValueError(
             f"{what}: prompt {missing} has no column {column!r}; the prompts' metadata columns are "
-            f"{keys or 'none (plain-text prompts, e.g. a .txt prompt file)'}"
+            f"{keys or 'none (plain-text prompts, e.g. a .txt prompt file)'}{how_off}"
         )
 
 

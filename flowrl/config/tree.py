@@ -321,7 +321,8 @@ class DataConfig:
     """Held-out prompts for evaluation (same formats); empty = the training prompts."""
     balance_by: str = ""
     """A metadata column of the training prompts (e.g. `family`) whose values are drawn equally often, however
-    many prompts each has (GenEval-style sets are lopsided); empty = every prompt equally often."""
+    many prompts each has (GenEval-style sets are lopsided); empty (`data.balance_by=` or `=null`) = every prompt
+    equally often."""
     prompt_column: str = "prompt"
     """The column that holds the prompt in a .jsonl file or a `hf:` dataset (GSM8K: `question`); the other
     columns become metadata that reaches the rewards."""
