@@ -133,6 +133,23 @@ def require_column(metadata: list[dict], column: str, what: str, how_off: str = 
         )
 
 
+def warn_repeated_prompts(prompts: PromptSet, per_epoch: int) -> None:
+    """A ConfigWarning when an epoch draws more prompts (sample.prompts_per_epoch) than the training set holds
+    distinct ones: every epoch then draws some prompt more than once, each time as a separate group."""
+    distinct = len(set(prompts.prompts))
+    if per_epoch > distinct:
+        from .errors import ConfigWarning
+
+        warnings.warn(
+            f"sample.prompts_per_epoch={per_epoch} but data.train_prompts has {distinct} distinct prompts: every "
+            f"epoch draws some prompts more than once, each time as a separate group of sample.group_size samples "
+            f"with its own advantages; set sample.prompts_per_epoch={distinct} or less for distinct prompts in "
+            f"each epoch",
+            ConfigWarning,
+            stacklevel=2,
+        )
+
+
 # ------------------------------------------------------------------------------------------ loading
 
 FORMATS = (
