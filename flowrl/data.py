@@ -6,11 +6,16 @@ was wrong and what would be right, in one line: `PromptFileError`.
 A .jsonl row may carry conditioning images in its `image` column (`data.image_column`): a path or a list of paths,
 relative to the .jsonl file (a source image to edit, several for multi-image editing). Each is checked when the
 file is read (it exists and Pillow can read it) and kept in the row's metadata as an absolute path, always a list;
-`flowrl.conditioning` loads them for the rollout."""
+`flowrl.conditioning` loads them for the rollout.
+
+Once the model is loaded, `check_prompt_lengths` warns (once per prompt set) about prompts longer than its text
+encoders take, naming the first one's file:line, and silences the libraries' own truncation logs (which print the
+cut text at every encode)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -18,7 +23,7 @@ import string
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 if TYPE_CHECKING:
     from .config import DataConfig
@@ -78,7 +83,12 @@ class PromptSet:
         error names the columns the prompts do have when some prompt lacks this one."""
         cache = self.__dict__.setdefault("_strata", {})
         if column not in cache:
-            require_column(self.metadata, column, f"cannot balance prompts by {column!r}")
+            require_column(
+                self.metadata,
+                column,
+                f"cannot balance prompts by {column!r}",
+                "; set data.balance_by= (or data.balance_by=null) to draw every prompt equally often",
+            )
             groups: dict = {}
             for i, meta in enumerate(self.metadata):
                 groups.setdefault(json.dumps(meta[column], sort_keys=True), []).append(i)
@@ -115,15 +125,33 @@ class PromptSet:
         return self.prompts[:n], [dict(m) for m in self.metadata[:n]]
 
 
-def require_column(metadata: list[dict], column: str, what: str) -> None:
-    """Raise ValueError, starting with `what`, when a prompt's metadata lacks `column`; the message names the
-    first such prompt and the columns the prompts do have."""
+def require_column(metadata: list[dict], column: str, what: str, how_off: str = "") -> None:
+    """Raise ValueError, starting with `what` and ending with `how_off` (how to turn the option off), when a
+    prompt's metadata lacks `column`; the message names the first such prompt and the columns the prompts do
+    have."""
     missing = next((i for i, m in enumerate(metadata) if column not in (m or {})), None)
     if missing is not None:
         keys = sorted({k for m in metadata for k in (m or {})})
         raise ValueError(
             f"{what}: prompt {missing} has no column {column!r}; the prompts' metadata columns are "
-            f"{keys or 'none (plain-text prompts, e.g. a .txt prompt file)'}"
+            f"{keys or 'none (plain-text prompts, e.g. a .txt prompt file)'}{how_off}"
+        )
+
+
+def warn_repeated_prompts(prompts: PromptSet, per_epoch: int) -> None:
+    """A ConfigWarning when an epoch draws more prompts (sample.prompts_per_epoch) than the training set holds
+    distinct ones: every epoch then draws some prompt more than once, each time as a separate group."""
+    distinct = len(set(prompts.prompts))
+    if per_epoch > distinct:
+        from .errors import ConfigWarning
+
+        warnings.warn(
+            f"sample.prompts_per_epoch={per_epoch} but data.train_prompts has {distinct} distinct prompts: every "
+            f"epoch draws some prompts more than once, each time as a separate group of sample.group_size samples "
+            f"with its own advantages; set sample.prompts_per_epoch={distinct} or less for distinct prompts in "
+            f"each epoch",
+            ConfigWarning,
+            stacklevel=2,
         )
 
 
@@ -625,3 +653,129 @@ def _is_json(value) -> bool:
 def _one_line(error: BaseException) -> str:
     """An exception as one line: its type and its message with line breaks folded."""
     return f"{type(error).__name__}: {' '.join(str(error).split())}"
+
+
+# ------------------------------------------------------------------------------------------ prompt lengths
+
+#: the log lines of diffusers' pipelines and transformers' tokenizers about a prompt cut to the text encoder's
+#: length: the first holds the cut text (hundreds of KB for a long prompt), both repeat at every encode
+TRUNCATION_LOGS = ("The following part of your input was truncated", "Token indices sequence length is longer than")
+
+
+class _TruncationLogFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(TRUNCATION_LOGS)
+
+
+_TRUNCATION_FILTER = _TruncationLogFilter()
+
+
+@dataclass
+class TokenLimit:
+    """A text encoder's prompt length in tokens: what the truncation warning calls its tokens ("CLIP", "T5"; "" for
+    a text model's own), the length, a note on it (the setting that sets it), and a function giving the token
+    count of each prompt as the policy tokenizes it."""
+
+    name: str
+    limit: int
+    note: str
+    count: Callable[[list[str]], list[int]]
+
+    def tokens(self, n: int) -> str:
+        """`n` of these tokens, in words: "77 CLIP tokens"."""
+        return f"{n} {self.name} tokens" if self.name else f"{n} tokens"
+
+
+def check_prompt_lengths(policy, sets: dict[str, PromptSet], *, warn: bool = True) -> None:
+    """Silence the libraries' own truncation logs (`TRUNCATION_LOGS`) for `policy`'s model and, with `warn`, give
+    one warning per prompt set (`sets`: config key -> PromptSet; a set given under two keys is checked once) whose
+    prompts are longer than a text encoder of the policy takes: how many are cut, to how many tokens, and the first
+    one's file:line. Image families that wrap the prompt in a chat template (Qwen-Image, Z-Image, FLUX.2) count the
+    prompt alone, so a prompt a few tokens short of the limit may be cut unwarned."""
+    limits = _token_limits(policy)
+    if not warn:
+        return
+    seen: set[int] = set()
+    for key, prompts in sets.items():
+        if id(prompts) in seen:
+            continue
+        seen.add(id(prompts))
+        message = truncation_message(key, prompts, limits)
+        if message:
+            warnings.warn(message, stacklevel=2)
+
+
+def truncation_message(key: str, prompts: PromptSet, limits: list[TokenLimit]) -> str:
+    """The warning about the prompts of `prompts` (config key `key`) longer than a limit of `limits`; "" when
+    none is."""
+    texts = list(prompts.prompts)
+    over: list[tuple[TokenLimit, list[int]]] = []  # each limit with the token counts of every prompt
+    for limit in limits:
+        counts = limit.count(texts)
+        if any(n > limit.limit for n in counts):
+            over.append((limit, counts))
+    if not over:
+        return ""
+    cut = [i for i in range(len(texts)) if any(counts[i] > limit.limit for limit, counts in over)]
+    parts = ", ".join(
+        f"{sum(n > limit.limit for n in counts)} to {limit.tokens(limit.limit)}"
+        + (f" ({limit.note})" if limit.note else "")
+        for limit, counts in over
+    )
+    first = cut[0]
+    lengths = ", ".join(limit.tokens(counts[first]) for limit, counts in over)
+    encoders = "text encoders" if len(limits) > 1 else "text encoder"
+    return (
+        f"{key}: {len(cut)} of {len(texts)} prompts are too long for the model's {encoders} and are cut: "
+        f"{parts}; the first is {prompts.origins[first]} ({len(texts[first])} characters, {lengths}); the model "
+        f"never sees the cut part"
+    )
+
+
+def _token_limits(policy) -> list[TokenLimit]:
+    """The prompt lengths of `policy`'s text encoders (an image policy's pipeline tokenizers, a text policy's
+    prompt), with the libraries' truncation logs silenced for them."""
+    logging.getLogger("transformers.tokenization_utils_base").addFilter(_TRUNCATION_FILTER)
+    backend = getattr(policy, "backend", None)
+    if backend is not None:
+        return _pipeline_limits(backend)
+    tokenizer, text = getattr(policy, "tokenizer", None), getattr(policy, "text", None)
+    if tokenizer is None or text is None:
+        return []
+
+    def count(texts: list[str]) -> list[int]:
+        formatted = [policy.format_prompt(t) for t in texts]
+        ids = tokenizer(formatted, add_special_tokens=not policy.use_chat, verbose=False)["input_ids"]
+        return [len(i) for i in ids]
+
+    return [TokenLimit("", text.max_prompt_length, "text.max_prompt_length; a prompt's last tokens are kept", count)]
+
+
+def _pipeline_limits(backend) -> list[TokenLimit]:
+    """The prompt lengths of an image backend's pipeline: each CLIP tokenizer's model_max_length, and the
+    family's max_sequence_length for its other text encoder (T5, Gemma, Qwen, ...); the pipeline's modules' truncation
+    logs silenced."""
+    pipe = backend.pipe
+    for cls in type(pipe).__mro__:
+        if cls.__module__.startswith("diffusers."):
+            logging.getLogger(cls.__module__).addFilter(_TRUNCATION_FILTER)
+    limits: dict[tuple[str, int], TokenLimit] = {}
+    for suffix in ("", "_2", "_3"):
+        tokenizer, encoder = getattr(pipe, f"tokenizer{suffix}", None), getattr(pipe, f"text_encoder{suffix}", None)
+        tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor (FLUX.2 [dev]'s) holds its tokenizer
+        if tokenizer is None or encoder is None:  # none, or left out (model.drop_t5)
+            continue
+        name = str(getattr(encoder.config, "model_type", ""))
+        if name.startswith("clip"):
+            name, limit, note = "CLIP", tokenizer.model_max_length, ""
+        elif backend.default_max_sequence_length is not None and backend.max_sequence_length:
+            limit, note = backend.max_sequence_length, "sample.max_sequence_length"
+        else:
+            continue
+        name = name.upper() if name in ("t5", "umt5") else name
+
+        def count(texts: list[str], tokenizer=tokenizer) -> list[int]:
+            return [len(ids) for ids in tokenizer(texts, verbose=False)["input_ids"]]
+
+        limits.setdefault((name, limit), TokenLimit(name, limit, note, count))
+    return list(limits.values())

@@ -95,3 +95,19 @@ def test_the_trainer_rolls_out_balanced_prompts(tmp_path):
         batch = tr.rollout(epoch)
         assert sorted(m["family"] for m in batch.metadata) == ["big", "big", "small", "small"]
         assert batch.prompts.count("a blue square") == 2
+
+
+def test_the_error_says_how_to_turn_balancing_off(tmp_path):
+    from flowrl.config import load_config
+    from flowrl.preflight import PreflightError, load_prompt_sets
+
+    path = tmp_path / "mine.txt"  # a plain-text prompt file under a preset that balances by a column
+    path.write_text("a red cat\na blue dog\n")
+    mine = [f"data.train_prompts={path}", "sample.prompts_per_epoch=2", "eval.group_by=", "eval.images_per_group=0"]
+    with pytest.raises(PreflightError, match=r"by 'family'.*; set data\.balance_by= \(or data\.balance_by=null\)"):
+        load_prompt_sets(load_config("configs/shapes.yaml", mine))
+    for off in ("data.balance_by=", "data.balance_by=null", "data.balance_by=none"):
+        cfg = load_config("configs/shapes.yaml", [*mine, off])
+        assert cfg.data.balance_by == ""
+        train, _ = load_prompt_sets(cfg)
+        assert len(train) == 2

@@ -238,6 +238,8 @@ def _convert(value: Any, tp, key: str) -> Any:
     if tp is str:
         if isinstance(value, str):
             return value
+        if value is None:
+            raise ConfigError(f"{key}: expected a string, got null (write {key}= for an empty string)")
         raise ConfigError(f"{key}: expected a string, got {value!r}")
     if tp is Any:
         return value
@@ -257,8 +259,32 @@ def _build(cls: type, data: Any, prefix: str = ""):
         if k not in names:
             raise _unknown_key(key, [f"{prefix}.{n}" if prefix else n for n in names])
         sub = _dataclass_of(hints[k])
+        if sub is None and _is_null(v):
+            off = _null_value(cls, k, hints[k])
+            if off is not _NOT_NULLABLE:
+                kwargs[k] = off
+                continue
         kwargs[k] = _build(sub, v, key) if sub is not None else _convert(v, hints[k], key)
     return cls(**kwargs)
+
+
+_NOT_NULLABLE = object()
+
+
+def _is_null(value: Any) -> bool:
+    """YAML's null (`null`, `~`, an empty YAML value) or the words `none` / `null` in any case, which YAML reads as
+    strings."""
+    return value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null"))
+
+
+def _null_value(cls: type, name: str, tp) -> Any:
+    """What null means for field `name` of section `cls`: None for an Optional field; "" for a text field whose
+    default is "" (empty = off, e.g. data.balance_by); _NOT_NULLABLE for any other field (a Literal's `none` is
+    one of its choices)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp):
+        return None
+    default = next(f.default for f in dataclasses.fields(cls) if f.name == name)
+    return "" if tp is str and default == "" else _NOT_NULLABLE
 
 
 def to_dict(cfg) -> dict:

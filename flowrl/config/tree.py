@@ -78,8 +78,11 @@ class SampleConfig:
     group_size: int = 4
     """Images per prompt (the GRPO group), >= 2."""
     prompts_per_epoch: int = 4
-    """Distinct prompts per epoch (over all processes); the epoch's batch is prompts_per_epoch x group_size,
-    split evenly over the processes (a group may span two)."""
+    """Prompts drawn per epoch (over all processes), each making one group of group_size samples: the epoch's batch
+    is prompts_per_epoch x group_size, split evenly over the processes (a group may span two). The training prompts
+    are walked in a seeded shuffled order, each once per pass, so an epoch's prompts are distinct when the set holds
+    at least this many (save an epoch that spans the end of one pass and the start of the next); with fewer, some
+    are drawn twice or more in every epoch, each time as a separate group (a warning says so)."""
     rollout_batch_size: int = 0
     """Images per rollout forward (0 = the whole epoch batch at once)."""
     max_sequence_length: int = 77
@@ -321,7 +324,8 @@ class DataConfig:
     """Held-out prompts for evaluation (same formats); empty = the training prompts."""
     balance_by: str = ""
     """A metadata column of the training prompts (e.g. `family`) whose values are drawn equally often, however
-    many prompts each has (GenEval-style sets are lopsided); empty = every prompt equally often."""
+    many prompts each has (GenEval-style sets are lopsided); empty (`data.balance_by=` or `=null`) = every prompt
+    equally often."""
     prompt_column: str = "prompt"
     """The column that holds the prompt in a .jsonl file or a `hf:` dataset (GSM8K: `question`); the other
     columns become metadata that reaches the rewards."""

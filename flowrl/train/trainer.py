@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from flowrl import dist as distributed
 from flowrl.config import Config, to_dict
+from flowrl.data import check_prompt_lengths
 from flowrl.errors import Interrupted
 from flowrl.eval import Evaluator
 from flowrl.objectives import build_objective
@@ -80,6 +81,8 @@ class Trainer:
         seed_everything(t.seed)
         self.device = self.acc.device if cfg.model.device == "auto" else torch.device(cfg.model.device)
         self.policy = build_policy(cfg, self.device)
+        prompt_sets = {"data.train_prompts": self.train_set, "data.eval_prompts": self.eval_set}
+        check_prompt_lengths(self.policy, prompt_sets, warn=self.main)  # and silences the libraries' own logs
         # before the strategy wraps or shards the model: an objective may add to it (NFT's "old" adapter)
         self.objective = build_objective(cfg, self.policy, self.acc.num_processes)
         self.world = self.acc.num_processes

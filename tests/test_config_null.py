@@ -1,0 +1,43 @@
+"""`null` (and `none`) for a key that can be off: None for an Optional field, "" for a text field whose default is
+"" (empty = off, e.g. data.balance_by), alike in overrides and YAML; any other key refuses it in one line."""
+
+import pytest
+
+from flowrl.config import ConfigError, describe, load_config
+
+ROWS = describe()
+OPTIONAL = [key for key, kind, _, _ in ROWS if kind.endswith("|null")]
+EMPTY_OFF = [key for key, kind, default, _ in ROWS if kind == "str" and default == ""]
+
+
+def _get(cfg, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def test_there_are_keys_of_both_kinds():
+    assert {"checkpoint.resume", "lora.init_path", "train.grpo.clip_high"} <= set(OPTIONAL)
+    assert {"data.balance_by", "eval.group_by", "data.eval_prompts"} <= set(EMPTY_OFF)
+
+
+@pytest.mark.parametrize("spelling", ["null", "~", "none", "None", "NULL"])
+@pytest.mark.parametrize("key", OPTIONAL + EMPTY_OFF)
+def test_null_turns_a_key_off(key, spelling):
+    cfg = load_config(None, [f"{key}={spelling}"])
+    assert _get(cfg, key) == (None if key in OPTIONAL else "")
+
+
+def test_null_in_a_yaml_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  balance_by: null\ncheckpoint:\n  resume: none\neval:\n  group_by:\n")
+    cfg = load_config(path)
+    assert (cfg.data.balance_by, cfg.checkpoint.resume, cfg.eval.group_by) == ("", None, "")
+
+
+def test_other_keys_keep_their_meaning_of_none_and_refuse_null():
+    assert load_config(None, ["train.adv_scale=none"]).train.adv_scale == "none"  # a choice named none
+    with pytest.raises(ConfigError, match=r"^data\.image_column: expected a string, got null \(write "):
+        load_config(None, ["data.image_column=null"])
+    with pytest.raises(ConfigError, match=r"^train\.lr: expected a number, got None"):
+        load_config(None, ["train.lr=null"])
