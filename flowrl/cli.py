@@ -70,6 +70,7 @@ def _eval(args) -> int:
     from .eval import Evaluator, base_for_eval
     from .preflight import preflight
     from .run.loading import policy_from_checkpoint
+    from .run.metrics import strict_json
     from .train.scoring import build_reward_fns
     from .train.signals import eval_signals
 
@@ -94,6 +95,7 @@ def _eval(args) -> int:
         if base_dir:
             result["base"] = str(base_dir)
         result["num_samples"] = len(outputs)
+        result = strict_json(result)  # no NaN / Infinity in the JSON
         if out:
             evaluator.write_outputs(policy, outputs, scores, out / "eval")
             (out / "eval.json").write_text(json.dumps(result, indent=1))

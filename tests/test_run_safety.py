@@ -226,6 +226,61 @@ def test_an_infinite_reward_does_not_poison_the_weights_or_the_checkpoint(tmp_pa
     assert all(torch.isfinite(t).all() for t in saved.values())
 
 
+INF_REWARD = '''
+def brightness(images, prompts, **metadata):
+    """Mean pixel, but +inf for the first image of every call."""
+    return [float("inf") if i == 0 else sum(im.convert("L").getdata()) / (255.0 * im.width * im.height)
+            for i, im in enumerate(images)]
+'''
+
+
+def strict_rows(path) -> list[dict]:
+    """metrics.jsonl read as strict JSON: NaN, Infinity and -Infinity are refused."""
+
+    def refuse(token):
+        raise ValueError(f"{token} in {path}")
+
+    return [json.loads(line, parse_constant=refuse) for line in Path(path).read_text().splitlines()]
+
+
+def test_the_eval_leaves_non_finite_scores_out_of_its_means_and_writes_strict_json(tmp_path):
+    """A user reward returning +inf for some images: the eval's mean is that of the finite scores, the count is
+    logged as eval/<reward>_nonfinite, one warning says so, and metrics.jsonl holds no Infinity / NaN."""
+    (tmp_path / "inf_scores.py").write_text(INF_REWARD)
+    run = tmp_path / "run"
+    tr = Trainer(
+        tiny_cfg(
+            run,
+            "train.epochs=1",
+            "eval.grid=false",
+            "eval.num_prompts=3",
+            f"rewards=[{{name: '{tmp_path / 'inf_scores.py'}:brightness'}}]",
+        )
+    )
+    outputs, scores = tr.evaluator.sample(tr.policy, tr.scorer.fns)
+    column = next(iter(scores.values()))
+    with pytest.warns(UserWarning, match=r"eval: scores that are not finite .*inf_scores\.py:brightness 1 of 3\)"):
+        results = tr.evaluator.results(outputs, scores, base_dir=None, this_is_base=True)
+    name = tr.cfg.rewards[0].name
+    assert results[f"eval/{name}_nonfinite"] == 1
+    assert results[f"eval/{name}_mean"] == pytest.approx(float(column[1:].mean()))
+    with pytest.warns(UserWarning, match="not finite"):
+        tr.fit()
+    rows = strict_rows(run / "metrics.jsonl")
+    evals = [r for r in rows if f"eval/{name}_mean" in r]
+    assert len(evals) == 2 and all(r[f"eval/{name}_nonfinite"] == 1 for r in evals)
+    assert all(math.isfinite(r[f"eval/{name}_mean"]) for r in evals)
+
+
+def test_metrics_jsonl_writes_non_finite_numbers_as_null(tmp_path):
+    from flowrl.run.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.log({"a": float("inf"), "b": torch.tensor(float("nan")), "c": np.float32("-inf"), "d": 2, "e": "x"}, step=1)
+    (row,) = strict_rows(tmp_path / "metrics.jsonl")
+    assert (row["a"], row["b"], row["c"], row["d"], row["e"]) == (None, None, None, 2.0, "x")
+
+
 def test_non_finite_losses_skip_steps_then_stop_the_run(tmp_path, monkeypatch):
     tr = Trainer(
         tiny_cfg(

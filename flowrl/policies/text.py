@@ -554,7 +554,7 @@ class TextPolicy:
                 stop()
             vals = call_text_reward(fn, prompts, completions, ids, columns, state=self.reward_state, logs={}, extra={})
             per_reward.append(torch.tensor([float("nan") if v is None else float(v) for v in vals]))
-        return completions, [v.nan_to_num(0.0) for v in per_reward], {}
+        return completions, [v.masked_fill(v.isnan(), 0.0) for v in per_reward], {}  # inf stays: not a score
 
     def save_eval_outputs(self, outputs, prompts, path: Path, scores=None) -> Path:
         """`path`.jsonl: one row per eval prompt with its completion (and score, when given)."""
