@@ -549,6 +549,26 @@ def test_a_rollout_is_abandoned_between_its_batches(tmp_path, monkeypatch):
     assert len(calls) == 1 and list_checkpoints(tmp_path / "run") == []
 
 
+def test_a_signal_during_the_final_eval_checkpoints_the_trained_run_and_logs_no_final_row(tmp_path):
+    from flowrl.errors import Interrupted
+
+    run = tmp_path / "run"
+    tr = Trainer(tiny_cfg(run, "train.epochs=1", "eval.grid=false"))
+    sample, calls = tr.evaluator.sample, []
+
+    def signalled_on_the_second(*args, **kwargs):  # the eval before training, then the final one
+        calls.append(1)
+        if len(calls) == 2:
+            tr.signals.signum = signal.SIGTERM  # as the handler does on a first signal
+        return sample(*args, **kwargs)
+
+    tr.evaluator.sample = signalled_on_the_second
+    with pytest.raises(Interrupted, match=r"after 1 epochs \(the final eval, which `flowrl eval .* was abandoned\)"):
+        tr.fit()
+    assert [p.name for p in list_checkpoints(run)] == ["ckpt-000001"]
+    assert [r["epoch"] for r in metric_rows(run)] == [0, 1] and not any(r.get("final") for r in metric_rows(run))
+
+
 def test_the_eval_in_batches_is_the_eval_at_once_and_stops_between_them(tmp_path):
     """With sample.rollout_batch_size the eval samples in batches of whole prompts: the same images as at once
     (every image keeps its noise); its `stop` runs before each batch and each reward, and raising abandons it."""

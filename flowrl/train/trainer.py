@@ -192,7 +192,8 @@ class Trainer:
         if last:  # some epoch ran in this call (a resume of a finished run does nothing)
             final = self.evaluate(tag="final")
             if final is None:
-                self.stop_if_asked(self.state.epochs_done, mid_epoch=False, abandoned="the final eval")
+                final_eval = "the final eval, which `flowrl eval CONFIG --checkpoint` of this checkpoint makes,"
+                self.stop_if_asked(self.state.epochs_done, mid_epoch=False, abandoned=final_eval)
             self.log.log({**final, "final": True}, step=self.state.epochs_done)
             last.update(final)
             self.save()
