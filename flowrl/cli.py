@@ -39,10 +39,14 @@ def _load(args) -> "object":
 
 
 def _train(args) -> int:
+    import os
+
     from .train import train
+    from .train.signals import StopSignals
 
     cfg = _load(args)
-    metrics = train(cfg)
+    with StopSignals(announce=os.environ.get("RANK", "0") == "0").installed():  # from the start to the end
+        metrics = train(cfg)
     keys = [k for k in sorted(metrics) if k.startswith(("eval/", "reward/total"))]
     print(json.dumps({k: metrics[k] for k in keys}, indent=1))
     return 0
@@ -66,28 +70,35 @@ def _eval(args) -> int:
     from .eval import Evaluator, base_for_eval
     from .preflight import preflight
     from .run.loading import policy_from_checkpoint
+    from .run.metrics import strict_json
     from .train.scoring import build_reward_fns
+    from .train.signals import eval_signals
 
     cfg = _load(args)
     # prompts, rewards and the model's class and size are checked before the model loads
     _, eval_set = preflight(cfg)
     evaluator = Evaluator(cfg, eval_set, _device(cfg))
     base_dir = base_for_eval(args.base, args.checkpoint, evaluator.settings)
-    policy = policy_from_checkpoint(cfg, args.checkpoint, args.weights, _device(cfg))
-    outputs, scores = evaluator.sample(policy, build_reward_fns(cfg, policy.reward_kind))
-    out = Path(args.out) if args.out else None
-    if out:
-        out.mkdir(parents=True, exist_ok=True)
-    result = evaluator.results(outputs, scores, base_dir=base_dir, this_is_base=not args.checkpoint, save_base_to=out)
-    result["checkpoint"] = args.checkpoint or "(base model)"
-    if args.checkpoint:
-        result["weights"] = args.weights
-    if base_dir:
-        result["base"] = str(base_dir)
-    result["num_samples"] = len(outputs)
-    if out:
-        evaluator.write_outputs(policy, outputs, scores, out / "eval")
-        (out / "eval.json").write_text(json.dumps(result, indent=1))
+    with eval_signals() as signals:  # a signal abandons the eval between its batches: nothing is written
+        policy = policy_from_checkpoint(cfg, args.checkpoint, args.weights, _device(cfg))
+        outputs, scores = evaluator.sample(policy, build_reward_fns(cfg, policy.reward_kind), stop=signals.stop_point)
+        signals.stop_point()
+        out = Path(args.out) if args.out else None
+        if out:
+            out.mkdir(parents=True, exist_ok=True)
+        result = evaluator.results(
+            outputs, scores, base_dir=base_dir, this_is_base=not args.checkpoint, save_base_to=out
+        )
+        result["checkpoint"] = args.checkpoint or "(base model)"
+        if args.checkpoint:
+            result["weights"] = args.weights
+        if base_dir:
+            result["base"] = str(base_dir)
+        result["num_samples"] = len(outputs)
+        result = strict_json(result)  # no NaN / Infinity in the JSON
+        if out:
+            evaluator.write_outputs(policy, outputs, scores, out / "eval")
+            (out / "eval.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     return 0
 
@@ -280,11 +291,12 @@ def _one_line_warnings() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line. A FlowrlError (config, data, checkpoint, run directory, a stopped run) is printed as one
-    line `flowrl: ...` with its exit code; FLOWRL_DEBUG=1 shows the traceback instead."""
+    """The command line. A FlowrlError (config, data, checkpoint, run directory, a stopped run) and a second stop
+    signal (StopNow) are printed as one line `flowrl: ...` with their exit code; FLOWRL_DEBUG=1 shows the traceback
+    instead."""
     import os
 
-    from .errors import FlowrlError
+    from .errors import FlowrlError, StopNow
 
     argv = sys.argv[1:] if argv is None else list(argv)
     _one_line_warnings()
@@ -298,6 +310,13 @@ def main(argv: list[str] | None = None) -> int:
     except FlowrlError as e:
         if os.environ.get("FLOWRL_DEBUG"):
             raise
+        print(f"flowrl {args.command}: {e}", file=sys.stderr)
+        return e.exit_code
+    except StopNow as e:  # a second signal; what the first one stopped (a checkpoint written) is said first
+        if os.environ.get("FLOWRL_DEBUG"):
+            raise
+        if isinstance(e.__context__, FlowrlError):
+            print(f"flowrl {args.command}: {e.__context__}", file=sys.stderr)
         print(f"flowrl {args.command}: {e}", file=sys.stderr)
         return e.exit_code
 

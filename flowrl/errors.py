@@ -39,3 +39,12 @@ class Interrupted(FlowrlError):
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.exit_code = 128 + signum
+
+
+class StopNow(BaseException):
+    """A second SIGINT / SIGTERM: stop at once. A BaseException, like KeyboardInterrupt, so that no `except Exception`
+    on its way swallows it; the command line prints its one line and exits 128 + signum."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum

@@ -259,6 +259,39 @@ def check_optimizer(cfg: Config) -> None:
         import_bitsandbytes()
 
 
+def lora_init_file(init_path: str):
+    """The LoRA file of `lora.init_path` (a directory holding its .safetensors file, as a checkpoint's `lora/`, or
+    that file), its header read (cheap: no tensor is loaded), so that a missing, foreign or truncated file is a
+    PreflightError naming it; returns (path, {key: shape})."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    where = Path(init_path)
+    example = "e.g. RUN_DIR/ckpt-000010/lora, the LoRA a run exports"
+    if where.is_dir():
+        files = sorted(where.glob("*.safetensors"))
+        if not files:
+            raise PreflightError(f"lora.init_path={init_path!r} holds no .safetensors LoRA file ({example})")
+        where = files[0]
+    elif not where.is_file():
+        raise PreflightError(f"lora.init_path={init_path!r} does not exist: give a LoRA directory ({example})")
+    try:
+        with safe_open(str(where), framework="pt") as f:
+            return where, {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for truncated or foreign files
+        raise PreflightError(
+            f"lora.init_path: {where} is not a readable safetensors file (corrupt or truncated: {e}); "
+            f"give an intact LoRA ({example})"
+        ) from None
+
+
+def check_lora_init(cfg: Config) -> None:
+    """lora.init_path, when set: an intact LoRA file (`lora_init_file`)."""
+    if cfg.lora.enabled and cfg.lora.init_path:
+        lora_init_file(cfg.lora.init_path)
+
+
 def preflight(cfg: Config) -> tuple[PromptSet, PromptSet]:
     """All checks of `cfg` that need no model, before it loads; returns the (train, eval) prompt sets. (The run
     directory is the trainer's to check: `flowrl.run.rundir`.)"""
@@ -270,6 +303,7 @@ def preflight(cfg: Config) -> tuple[PromptSet, PromptSet]:
     check_eval_features(cfg, family_name, eval_set)
     check_loggers(cfg)
     check_optimizer(cfg)
+    check_lora_init(cfg)
     return train_set, eval_set
 
 

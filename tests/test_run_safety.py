@@ -226,6 +226,61 @@ def test_an_infinite_reward_does_not_poison_the_weights_or_the_checkpoint(tmp_pa
     assert all(torch.isfinite(t).all() for t in saved.values())
 
 
+INF_REWARD = '''
+def brightness(images, prompts, **metadata):
+    """Mean pixel, but +inf for the first image of every call."""
+    return [float("inf") if i == 0 else sum(im.convert("L").getdata()) / (255.0 * im.width * im.height)
+            for i, im in enumerate(images)]
+'''
+
+
+def strict_rows(path) -> list[dict]:
+    """metrics.jsonl read as strict JSON: NaN, Infinity and -Infinity are refused."""
+
+    def refuse(token):
+        raise ValueError(f"{token} in {path}")
+
+    return [json.loads(line, parse_constant=refuse) for line in Path(path).read_text().splitlines()]
+
+
+def test_the_eval_leaves_non_finite_scores_out_of_its_means_and_writes_strict_json(tmp_path):
+    """A user reward returning +inf for some images: the eval's mean is that of the finite scores, the count is
+    logged as eval/<reward>_nonfinite, one warning says so, and metrics.jsonl holds no Infinity / NaN."""
+    (tmp_path / "inf_scores.py").write_text(INF_REWARD)
+    run = tmp_path / "run"
+    tr = Trainer(
+        tiny_cfg(
+            run,
+            "train.epochs=1",
+            "eval.grid=false",
+            "eval.num_prompts=3",
+            f"rewards=[{{name: '{tmp_path / 'inf_scores.py'}:brightness'}}]",
+        )
+    )
+    outputs, scores = tr.evaluator.sample(tr.policy, tr.scorer.fns)
+    column = next(iter(scores.values()))
+    with pytest.warns(UserWarning, match=r"eval: scores that are not finite .*inf_scores\.py:brightness 1 of 3\)"):
+        results = tr.evaluator.results(outputs, scores, base_dir=None, this_is_base=True)
+    name = tr.cfg.rewards[0].name
+    assert results[f"eval/{name}_nonfinite"] == 1
+    assert results[f"eval/{name}_mean"] == pytest.approx(float(column[1:].mean()))
+    with pytest.warns(UserWarning, match="not finite"):
+        tr.fit()
+    rows = strict_rows(run / "metrics.jsonl")
+    evals = [r for r in rows if f"eval/{name}_mean" in r]
+    assert len(evals) == 2 and all(r[f"eval/{name}_nonfinite"] == 1 for r in evals)
+    assert all(math.isfinite(r[f"eval/{name}_mean"]) for r in evals)
+
+
+def test_metrics_jsonl_writes_non_finite_numbers_as_null(tmp_path):
+    from flowrl.run.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.log({"a": float("inf"), "b": torch.tensor(float("nan")), "c": np.float32("-inf"), "d": 2, "e": "x"}, step=1)
+    (row,) = strict_rows(tmp_path / "metrics.jsonl")
+    assert (row["a"], row["b"], row["c"], row["d"], row["e"]) == (None, None, None, 2.0, "x")
+
+
 def test_non_finite_losses_skip_steps_then_stop_the_run(tmp_path, monkeypatch):
     tr = Trainer(
         tiny_cfg(
@@ -304,15 +359,44 @@ SIGNAL_REWARD = '''
 import os, signal
 calls = 0
 
-def brightness(images, prompts, signal_on_call=2, signum=2, **metadata):
-    """Mean pixel; sends this process signal `signum` during its call number `signal_on_call` (counted in training
-    rollouts and evals alike)."""
+def brightness(images, prompts, signal_on_call=2, signum=2, times=1, **metadata):
+    """Mean pixel; sends this process signal `signum` (`times` times) during its call number `signal_on_call`
+    (counted in training rollouts and evals alike); each call appends its number to calls.txt."""
     global calls
     calls += 1
+    with open("calls.txt", "a") as f:
+        f.write(f"{calls}\\n")
     if calls == signal_on_call:
-        os.kill(os.getpid(), signum)
+        for _ in range(times):
+            os.kill(os.getpid(), signum)
     return [sum(im.convert("L").getdata()) / (255.0 * im.width * im.height) for im in images]
 '''
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+
+
+def signal_reward(on_call: int, signum: int, times: int = 1) -> str:
+    """The rewards= override of SIGNAL_REWARD (scores.py in the working directory)."""
+    kwargs = f"signal_on_call: {on_call}, signum: {int(signum)}, times: {times}"
+    return f"rewards=[{{name: 'scores.py:brightness', kwargs: {{{kwargs}}}}}]"
+
+
+def run_flowrl(tmp_path, *args, code: str | None = None) -> subprocess.CompletedProcess:
+    """`flowrl ARGS` in a subprocess in `tmp_path` (with SIGNAL_REWARD there as scores.py); `code`: Python run
+    before the command line (e.g. to patch what it calls)."""
+    (tmp_path / "scores.py").write_text(SIGNAL_REWARD)
+    head = [sys.executable, "-c", f"{code}\nimport sys\nfrom flowrl.cli import main\nsys.exit(main(sys.argv[1:]))"]
+    return subprocess.run(
+        [*(head if code else [sys.executable, "-m", "flowrl"]), *args],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def reward_calls(tmp_path) -> list[int]:
+    return [int(x) for x in (tmp_path / "calls.txt").read_text().split()]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
@@ -351,6 +435,162 @@ def test_a_signal_writes_a_checkpoint_and_says_how_to_resume(tmp_path, signum):
     )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert [r["epoch"] for r in metric_rows(run) if "policy/loss" in r] == [1, 2, 3]
+
+
+def test_a_signal_during_the_eval_before_training_abandons_it_and_writes_nothing(tmp_path):
+    """SIGINT during the eval before training (its reward, call 1): the eval is abandoned (no row), no epoch's
+    rollout or reward follows, nothing trained so no checkpoint; one line, exit 130."""
+    run = tmp_path / "run"
+    proc = run_flowrl(tmp_path, "train", *TINY, f"log.run_dir={run}", "train.epochs=2", signal_reward(1, signal.SIGINT))
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("flowrl train: stopped by SIGINT after 0 epochs (the eval before training was abandoned)")
+    assert "nothing was trained" in last and "Traceback" not in proc.stderr
+    assert reward_calls(tmp_path) == [1]  # no epoch-1 rollout's reward
+    assert not (run / "metrics.jsonl").exists() or metric_rows(run) == []
+    assert list_checkpoints(run) == [] and not list(run.glob("eval-*"))
+
+
+def test_a_signal_during_an_eval_in_training_logs_the_epoch_not_the_eval_and_checkpoints(tmp_path):
+    """SIGTERM during the eval after epoch 1 (call 3: eval before, epoch 1, that eval): the epoch's row is logged
+    without eval results, ckpt-000001 is written, epoch 2 never starts; exit 143."""
+    run = tmp_path / "run"
+    proc = run_flowrl(
+        tmp_path,
+        "train",
+        *TINY,
+        f"log.run_dir={run}",
+        "train.epochs=3",
+        "eval.every=1",
+        "eval.grid=false",
+        signal_reward(3, signal.SIGTERM),
+    )
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("flowrl train: stopped by SIGTERM after 1 epochs (the eval after epoch 1 was abandoned)")
+    assert "checkpoint.resume=auto" in last and "Traceback" not in proc.stderr
+    assert reward_calls(tmp_path) == [1, 2, 3]
+    rows = metric_rows(run)
+    assert [r["epoch"] for r in rows] == [0, 1]
+    assert any(k.startswith("eval/") for k in rows[0]) and not any(k.startswith("eval/") for k in rows[1])
+    assert [p.name for p in list_checkpoints(run)] == ["ckpt-000001"]
+
+
+def test_a_second_signal_during_the_checkpoint_write_stops_once_it_is_whole(tmp_path):
+    """The first SIGTERM (epoch 2's reward) asks for the checkpoint; a second one arrives while it is written: the
+    write completes, then the run stops with one line per signal, exit 143, not killed by the signal."""
+    from flowrl.run.checkpoint import read_checkpoint
+
+    patch = (
+        "import os, signal, flowrl.train.trainer as t\n"
+        "write = t.write_checkpoint\n"
+        "def interrupted_write(run_dir, epoch, **kw):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return write(run_dir, epoch, **kw)\n"
+        "t.write_checkpoint = interrupted_write"
+    )
+    run = tmp_path / "run"
+    args = ["train", *TINY, f"log.run_dir={run}", "train.epochs=3", "eval.grid=false"]
+    proc = run_flowrl(tmp_path, *args, signal_reward(3, signal.SIGTERM), code=patch)
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"flowrl train: second SIGTERM received: stopping now; checkpoint {run / 'ckpt-000001'} is written "
+        "(resume with checkpoint.resume=auto)"
+    ), proc.stderr[-2000:]
+    assert "stopping once the checkpoint being written is whole" in proc.stdout
+    assert "Traceback" not in proc.stderr
+    assert [p.name for p in list_checkpoints(run)] == ["ckpt-000001"]
+    assert read_checkpoint(run / "ckpt-000001")["state"]["counters"]["epochs_done"] == 1
+    assert not [p for p in run.iterdir() if p.name.startswith(".")]  # no temporary directory left
+
+
+@pytest.mark.parametrize("times", [1, 2])
+def test_a_signal_during_flowrl_eval_is_one_line_and_writes_nothing(tmp_path, times):
+    """`flowrl eval`: a SIGINT (during its reward) abandons the eval: one line, exit 130, --out not written; two
+    SIGTERMs stop at once: one line, exit 143. No traceback either way."""
+    signum = signal.SIGINT if times == 1 else signal.SIGTERM
+    out = tmp_path / "out"
+    proc = run_flowrl(
+        tmp_path,
+        "eval",
+        str(ROOT / "configs" / "tiny_cpu.yaml"),
+        "--out",
+        str(out),
+        *TINY,
+        signal_reward(1, signum, times),
+    )
+    assert proc.returncode == 128 + signum, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    if times == 1:
+        assert last == "flowrl eval: interrupted by SIGINT during the eval; nothing written"
+    else:
+        assert last == "flowrl eval: second SIGTERM received: stopping now"
+    assert "Traceback" not in proc.stderr and not out.exists()
+
+
+def test_a_rollout_is_abandoned_between_its_batches(tmp_path, monkeypatch):
+    """A stop signal during the first rollout batch: the next batch is not sampled, the epoch's rewards are not
+    computed, and nothing trained means no checkpoint."""
+    from flowrl.errors import Interrupted
+
+    tr = Trainer(tiny_cfg(tmp_path / "run", "train.epochs=2", "eval.before=false", "sample.rollout_batch_size=4"))
+    backend_rollout, calls = tr.policy.backend.rollout, []
+
+    def rollout(*args, **kwargs):
+        calls.append(1)
+        tr.signals.signum = signal.SIGINT  # as the handler does on a first signal
+        return backend_rollout(*args, **kwargs)
+
+    monkeypatch.setattr(tr.policy.backend, "rollout", rollout)
+    monkeypatch.setattr(tr, "score", lambda *a, **k: pytest.fail("the abandoned rollout was scored"))
+    with pytest.raises(Interrupted, match=r"stopped by SIGINT after 0 epochs \(epoch 1's rollout was abandoned\)"):
+        tr.fit()
+    assert len(calls) == 1 and list_checkpoints(tmp_path / "run") == []
+
+
+def test_a_signal_during_the_final_eval_checkpoints_the_trained_run_and_logs_no_final_row(tmp_path):
+    from flowrl.errors import Interrupted
+
+    run = tmp_path / "run"
+    tr = Trainer(tiny_cfg(run, "train.epochs=1", "eval.grid=false"))
+    sample, calls = tr.evaluator.sample, []
+
+    def signalled_on_the_second(*args, **kwargs):  # the eval before training, then the final one
+        calls.append(1)
+        if len(calls) == 2:
+            tr.signals.signum = signal.SIGTERM  # as the handler does on a first signal
+        return sample(*args, **kwargs)
+
+    tr.evaluator.sample = signalled_on_the_second
+    with pytest.raises(Interrupted, match=r"after 1 epochs \(the final eval, which `flowrl eval .* was abandoned\)"):
+        tr.fit()
+    assert [p.name for p in list_checkpoints(run)] == ["ckpt-000001"]
+    assert [r["epoch"] for r in metric_rows(run)] == [0, 1] and not any(r.get("final") for r in metric_rows(run))
+
+
+def test_the_eval_in_batches_is_the_eval_at_once_and_stops_between_them(tmp_path):
+    """With sample.rollout_batch_size the eval samples in batches of whole prompts: the same images as at once
+    (every image keeps its noise); its `stop` runs before each batch and each reward, and raising abandons it."""
+    from flowrl.train.signals import Abandoned
+
+    whole = Trainer(tiny_cfg(tmp_path / "a", "eval.num_prompts=3"))
+    batched = Trainer(tiny_cfg(tmp_path / "b", "eval.num_prompts=3", "sample.rollout_batch_size=1"))
+    images, scores = whole.evaluator.sample(whole.policy, whole.scorer.fns)
+    stops = []
+    images_b, scores_b = batched.evaluator.sample(batched.policy, batched.scorer.fns, stop=lambda: stops.append(1))
+    assert len(stops) == 3 + 1  # three batches of one prompt, one reward
+    for a, b in zip(images, images_b, strict=True):
+        assert np.abs(np.asarray(a, dtype=np.int16) - np.asarray(b, dtype=np.int16)).max() <= 1
+    torch.testing.assert_close(scores["jpeg_compressibility"], scores_b["jpeg_compressibility"], atol=1e-3, rtol=0)
+
+    def stop_at_the_second():
+        stops.append(2)
+        if stops.count(2) == 2:
+            raise Abandoned
+
+    with pytest.raises(Abandoned):
+        batched.evaluator.sample(batched.policy, batched.scorer.fns, stop=stop_at_the_second)
 
 
 # ------------------------------------------------------------------------------------------ what a person sees

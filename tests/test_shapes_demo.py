@@ -35,9 +35,9 @@ def test_shapes_preset_one_epoch(preset, tmp_path, monkeypatch):
     evaluated = []
     evaluate_prompts = tr.policy.evaluate_prompts
 
-    def spy(prompts, meta, fns, eval_cfg, part=None):
+    def spy(prompts, meta, fns, eval_cfg, part=None, **kwargs):
         evaluated.append((list(prompts[part or slice(None)]), eval_cfg.images_per_prompt))
-        return evaluate_prompts(prompts, meta, fns, eval_cfg, part=part)
+        return evaluate_prompts(prompts, meta, fns, eval_cfg, part=part, **kwargs)
 
     tr.policy.evaluate_prompts = spy
     tr.fit()

@@ -803,6 +803,54 @@ def test_lora_init_path_starts_from_an_exported_adapter(tmp_path):
         torch.testing.assert_close(p.detach(), trained[n], rtol=0, atol=1e-7)
 
 
+def test_a_missing_or_truncated_lora_init_path_fails_before_the_model_loads(tmp_path, monkeypatch):
+    """lora.init_path that does not exist, holds no .safetensors file, or holds a truncated one: one PreflightError
+    line naming it, before any model loads."""
+    from safetensors.torch import save_file
+
+    import flowrl.policies
+    from flowrl.preflight import PreflightError
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before lora.init_path was checked")
+
+    monkeypatch.setattr(flowrl.policies, "build_policy", no_load)
+    missing = tmp_path / "nowhere"
+    with pytest.raises(PreflightError, match=rf"lora\.init_path='{missing}' does not exist"):
+        Trainer(tiny_cfg(tmp_path / "a", f"lora.init_path={missing}"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PreflightError, match=r"holds no \.safetensors LoRA file"):
+        Trainer(tiny_cfg(tmp_path / "a", f"lora.init_path={tmp_path / 'empty'}"))
+    lora = tmp_path / "lora"
+    lora.mkdir()
+    f = lora / "pytorch_lora_weights.safetensors"
+    save_file({"x.lora_A.weight": torch.zeros(8, 64)}, f)
+    f.write_bytes(f.read_bytes()[:-100])  # truncated
+    with pytest.raises(PreflightError, match=rf"{f} is not a readable safetensors file \(corrupt or truncated"):
+        Trainer(tiny_cfg(tmp_path / "a", f"lora.init_path={lora}"))
+
+
+def test_a_lora_init_path_of_another_rank_or_other_modules_is_one_line_naming_them(tmp_path, capsys):
+    """A LoRA of rank 4 into a rank-8 adapter, or a LoRA of fewer modules: a ConfigError naming the file's rank and
+    lora.rank, or the keys that differ, not peft's size-mismatch traceback (the command line prints one line)."""
+    from flowrl.cli import main
+    from flowrl.config import ConfigError
+
+    small = Trainer(tiny_cfg(tmp_path / "r4", "lora.rank=4"))
+    small.policy.export(tmp_path / "r4" / "lora")
+    targets = list(small.policy.backend.lora_targets)
+    with pytest.raises(ConfigError, match=r"holds a LoRA of rank 4, this config's lora\.rank is 8: set lora\.rank=4"):
+        Trainer(tiny_cfg(tmp_path / "b", f"lora.init_path={tmp_path / 'r4' / 'lora'}"))
+    fewer = Trainer(tiny_cfg(tmp_path / "few", f"lora.target_modules=[{targets[0]}]"))
+    fewer.policy.export(tmp_path / "few" / "lora")
+    with pytest.raises(ConfigError, match=r"LoRA of other modules .* of the adapter's keys are not in it \(.*lora_A"):
+        Trainer(tiny_cfg(tmp_path / "c", f"lora.init_path={tmp_path / 'few' / 'lora'}"))
+    args = ["eval", *TINY, f"lora.init_path={tmp_path / 'r4' / 'lora'}", "eval.num_prompts=1"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("flowrl eval: lora.init_path:") and "rank 4" in err[0]
+
+
 @pytest.fixture
 def redness_reward():
     """A test-only image reward: mean of R - (G + B) / 2 over pixels, in [-1, 1] (a direction every image can move)."""

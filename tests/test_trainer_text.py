@@ -352,3 +352,22 @@ def test_trl_reward_functions_work_unchanged_in_the_loop(tiny_lm, tmp_path, monk
     assert all(r["reward/trl_rewards.py:async_zero_applies"] == 0.75 for r in epochs)  # None: does not apply
     table = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
     assert all(row["answer_seen"] == str(int(row["prompt"][:2]) + int(row["prompt"][3:5])) for row in table)
+
+
+def test_the_text_eval_leaves_an_infinite_score_out_of_its_mean(tiny_lm, tmp_path):
+    """A text reward returning inf for one completion and None for another: None counts as 0, the inf is left out
+    of the eval's mean and counted (not turned into the largest float)."""
+    import pytest
+
+    (tmp_path / "inf_text.py").write_text(
+        "def fn(prompts, completions, **kwargs):\n    return [float('inf'), None] + [1.0] * (len(completions) - 2)\n"
+    )
+    cfg = text_cfg(tiny_lm, tmp_path / "run", f"rewards=[{{name: '{tmp_path / 'inf_text.py'}:fn'}}]")
+    tr = Trainer(cfg)
+    outputs, scores = tr.evaluator.sample(tr.policy, tr.scorer.fns)
+    name = cfg.rewards[0].name
+    assert scores[name][:2].tolist() == [float("inf"), 0.0]
+    with pytest.warns(UserWarning, match="not finite"):
+        results = tr.evaluator.results(outputs, scores, base_dir=None, this_is_base=True)
+    assert results[f"eval/{name}_nonfinite"] == 1
+    assert results[f"eval/{name}_mean"] == pytest.approx(4 / 5)  # 0 and four 1s

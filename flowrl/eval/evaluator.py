@@ -118,18 +118,20 @@ class Evaluator:
     # ---- sampling and scoring
 
     def sample(
-        self, policy, reward_fns: list, *, parked=(), rank: int = 0, world: int = 1
+        self, policy, reward_fns: list, *, parked=(), rank: int = 0, world: int = 1, stop=None
     ) -> tuple[list, dict[str, torch.Tensor]]:
         """(outputs [N], {reward or reward/component: scores [N]}) of the plan's prompts, prompt-major. With `world`
         processes each samples a contiguous share and every process gets the whole (a collective); `parked`: the
-        rewards' offloaded models, put on their device while the eval runs."""
+        rewards' offloaded models, put on their device while the eval runs; `stop()`: called between the eval's
+        batches and rewards, it raises to abandon the eval (a stop signal; the shares' batches differ in number, so
+        it is for one process, or processes that sample every prompt alike)."""
         share = -(-len(self.prompts) // world)
         part = slice(min(len(self.prompts), rank * share), min(len(self.prompts), (rank + 1) * share))
         with contextlib.ExitStack() as on_device:
             for p in parked:
                 on_device.enter_context(visiting(p))
             outputs, per_reward, components = policy.evaluate_prompts(
-                self.prompts, self.meta, reward_fns, self.eval_cfg, part=part
+                self.prompts, self.meta, reward_fns, self.eval_cfg, part=part, stop=stop
             )
         scores = {spec.name: vals for spec, vals in zip(self.cfg.rewards, per_reward)}
         scores.update(components)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
+
+import torch
 
 from flowrl.config import EvalConfig
 
@@ -16,7 +19,7 @@ def grouped_means(name: str, values, metadata: list[dict], column: str) -> dict[
     metadata: [P] the prompts' metadata dicts; column: the key to group by (every prompt must have it).
     -> {f"eval/{name}_by_{column}/{value}": mean over that group's samples,
         f"eval/{name}_{column}_mean": unweighted mean of the group means}.
-    NaN samples (a reward that does not apply) are left out of their group's mean.
+    NaN samples (a reward that does not apply) and infinite ones are left out of their group's mean.
     """
     vals = [float(v) for v in values]
     if not metadata or len(vals) % len(metadata):
@@ -29,7 +32,7 @@ def grouped_means(name: str, values, metadata: list[dict], column: str) -> dict[
     n = len(vals) // len(metadata)
     groups: dict[str, list[float]] = {}
     for i, m in enumerate(metadata):
-        groups.setdefault(str(m[column]), []).extend(v for v in vals[i * n : (i + 1) * n] if not math.isnan(v))
+        groups.setdefault(str(m[column]), []).extend(v for v in vals[i * n : (i + 1) * n] if math.isfinite(v))
     means = {g: sum(v) / len(v) for g, v in sorted(groups.items()) if v}
     out = {f"eval/{name}_by_{column}/{g}": m for g, m in means.items()}
     if means:
@@ -84,15 +87,31 @@ def eval_summary(
     """{name: per-sample scores [P * n]} -> {"eval/<name>_mean": mean} plus, with `group_by`, the
     `grouped_means` of every score (shared by the trainer's evaluations and `flowrl eval`). Free-attribute counts
     (`flowrl.eval.diversity`: "<reward>/free_<attribute>=<value>") are not averaged: they become the distribution's
-    entropy and, given the base model's histograms `base`, its total variation distance from them."""
+    entropy and, given the base model's histograms `base`, its total variation distance from them.
+    Scores that are not finite (inf, NaN) are left out of the means, as training leaves them out of the advantages:
+    their number is `eval/<name>_nonfinite` (when there are any; one warning names them), and a score with no
+    finite value has no mean."""
     from .diversity import distribution_metrics, histograms, is_count
 
     out: dict[str, float] = {}
+    bad = []
     for name, vals in scores.items():
         if is_count(name):
             continue
-        out[f"eval/{name}_mean"] = float(vals.mean())
+        vals = torch.as_tensor(vals, dtype=torch.float64)
+        finite = torch.isfinite(vals)
+        if not finite.all():
+            out[f"eval/{name}_nonfinite"] = int((~finite).sum())
+            bad.append(f"{name} {int((~finite).sum())} of {len(vals)}")
+        if finite.any():
+            out[f"eval/{name}_mean"] = float(vals[finite].mean())
         if group_by:
             out.update(grouped_means(name, vals, metadata, group_by))
+    if bad:
+        warnings.warn(
+            f"eval: scores that are not finite (inf or NaN) are left out of the eval's means ({'; '.join(bad)}), "
+            "counted in eval/<reward>_nonfinite",
+            stacklevel=2,
+        )
     out.update(distribution_metrics(histograms(scores), base))
     return out

@@ -83,9 +83,9 @@ class Objective:
 
     # ---- the epoch
 
-    def rollout(self, prompts: list[str], metadata: list[dict], *, epoch: int, generator: torch.Generator):
-        """This process's samples of the epoch, recorded as the objective needs them."""
-        return self.policy.rollout(prompts, metadata, epoch=epoch, generator=generator)
+    def rollout(self, prompts: list[str], metadata: list[dict], *, epoch: int, generator: torch.Generator, stop=None):
+        """This process's samples of the epoch, recorded as the objective needs them (`stop`: the policy's)."""
+        return self.policy.rollout(prompts, metadata, epoch=epoch, generator=generator, stop=stop)
 
     def prepare(self, batch, adv: Tensor, keep: Tensor, *, epoch: int, process_index: int) -> Tensor:
         """Before the epoch's update: draw what the update uses (times, noise seeds, pairs); returns which samples

@@ -99,9 +99,10 @@ class Policy(Protocol):
     def trainable_parameters(self) -> list[torch.nn.Parameter]: ...
 
     def rollout(
-        self, prompts: list[str], metadata: list[dict], *, epoch: int, generator: torch.Generator
+        self, prompts: list[str], metadata: list[dict], *, epoch: int, generator: torch.Generator, stop=None
     ) -> ImageBatch | TextBatch:
-        """One sample per entry of `prompts` (a group's prompt repeats), recorded for training."""
+        """One sample per entry of `prompts` (a group's prompt repeats), recorded for training. `stop()`: called
+        between its batches; it raises to abandon the rollout (a stop signal)."""
 
     def call_reward(self, fn: Callable, batch, columns: dict) -> Tensor:
         """One reward's scores [B] float32 for a batch (NaN: does not apply)."""
@@ -134,9 +135,10 @@ class Policy(Protocol):
         the adapter off). Called by the objectives that need one, before the model is wrapped or sharded."""
 
     def evaluate_prompts(
-        self, prompts: list[str], metadata: list[dict], reward_fns: list, eval_cfg, part: slice | None = None
+        self, prompts: list[str], metadata: list[dict], reward_fns: list, eval_cfg, part: slice | None = None, stop=None
     ) -> tuple[list, list[Tensor], dict[str, Tensor]]:
-        """Held-out eval of `prompts[part]` (deterministic): (outputs, per-reward scores, components)."""
+        """Held-out eval of `prompts[part]` (deterministic): (outputs, per-reward scores, components). `stop()`:
+        called between its batches and rewards; it raises to abandon the eval (a stop signal)."""
 
     def save_eval_outputs(self, outputs: list, prompts: list[str], path: Path, scores=None) -> Path:
         """Write eval outputs next to `path` (an image grid, a JSONL of completions); returns the file."""

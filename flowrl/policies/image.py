@@ -262,24 +262,27 @@ class ImagePolicy:
     # ---------------------------------------------------------------------------- rollout
 
     def rollout(
-        self, prompts: list[str], metadata: list[dict], *, epoch: int, generator, final_only: bool = False
+        self, prompts: list[str], metadata: list[dict], *, epoch: int, generator, final_only: bool = False, stop=None
     ) -> ImageBatch:
         """Roll out one image per entry of `prompts` (a group's prompt repeats). With same_noise_per_group the
         entries come in whole groups, and each group starts from one shared initial noise.
         final_only: what the forward-process objectives train on: deterministic ODE sampling (no log-prob
         bookkeeping, the policy's LoRA merged for every step) keeping only the final latents (traj.latents
-        [B, 1, ...], traj.log_probs None); the images are decoded as usual."""
+        [B, 1, ...], traj.log_probs None); the images are decoded as usual.
+        stop(): called before each call of sample.rollout_batch_size images; it raises to abandon the rollout."""
         from flowrl.sampling import Trajectory
 
         s, g = self.cfg.sample, self.cfg.train.grpo
         if final_only:
-            return self._final_rollout(prompts, metadata, epoch=epoch, generator=generator)
+            return self._final_rollout(prompts, metadata, epoch=epoch, generator=generator, stop=stop)
         G = s.group_size if g.same_noise_per_group else 1
         kernel, window = self.stochastic_sampler()
         chunk = s.rollout_batch_size or len(prompts)  # images per rollout call (memory), whole groups with G > 1
         chunk = max(G, chunk - chunk % G)
         parts = []
         for start in range(0, len(prompts), chunk):
+            if stop is not None:
+                stop()
             parts.append(
                 self.backend.rollout(
                     prompts[start : start + chunk : G],
@@ -303,30 +306,35 @@ class ImagePolicy:
         traj = parts[0] if len(parts) == 1 else Trajectory.cat(parts)
         return ImageBatch(traj=traj, prompts=list(prompts), metadata=list(metadata), images=traj.images)
 
-    def _final_rollout(self, prompts: list[str], metadata: list[dict], *, epoch: int, generator) -> ImageBatch:
+    def _final_rollout(
+        self, prompts: list[str], metadata: list[dict], *, epoch: int, generator, stop=None
+    ) -> ImageBatch:
         """`rollout(final_only=True)`: ODE samples with sample.guidance_scale, only their final latents kept."""
         from flowrl.sampling import Trajectory
 
         s = self.cfg.sample
         chunk = s.rollout_batch_size or len(prompts)
-        parts = [
-            self.backend.rollout(
-                prompts[start : start + chunk],
-                group_size=1,
-                num_steps=s.num_steps,
-                images=self.condition_images(metadata[start : start + chunk]),
-                guidance_scale=s.guidance_scale,
-                sde_type="ode",
-                epoch=epoch,
-                generator=generator,
-                height=s.height,
-                width=s.width,
-                num_frames=s.num_frames,
-                keep_steps=False,
-                deterministic_context=self.merged_adapter,
+        parts = []
+        for start in range(0, len(prompts), chunk):
+            if stop is not None:
+                stop()
+            parts.append(
+                self.backend.rollout(
+                    prompts[start : start + chunk],
+                    group_size=1,
+                    num_steps=s.num_steps,
+                    images=self.condition_images(metadata[start : start + chunk]),
+                    guidance_scale=s.guidance_scale,
+                    sde_type="ode",
+                    epoch=epoch,
+                    generator=generator,
+                    height=s.height,
+                    width=s.width,
+                    num_frames=s.num_frames,
+                    keep_steps=False,
+                    deterministic_context=self.merged_adapter,
+                )
             )
-            for start in range(0, len(prompts), chunk)
-        ]
         traj = parts[0] if len(parts) == 1 else Trajectory.cat(parts)
         return ImageBatch(traj=traj, prompts=list(prompts), metadata=list(metadata), images=traj.images)
 
@@ -500,45 +508,53 @@ class ImagePolicy:
     # ---------------------------------------------------------------------------- eval / export
 
     @torch.no_grad()
-    def evaluate_prompts(self, prompts, metadata, reward_fns, eval_cfg, part: slice | None = None):
+    def evaluate_prompts(self, prompts, metadata, reward_fns, eval_cfg, part: slice | None = None, stop=None):
         """ODE samples of `prompts[part]` (`eval_cfg.images_per_prompt` each, prompt-major) and their scores:
         (images, per-reward scores [n] each, {reward/component: [n]}). Image j of the whole list starts from the
         j-th initial noise drawn from `eval_cfg.seed`, whatever `part` is: sharing the prompts out over processes
-        gives every image the noise it has in one process."""
+        (or sampling them in batches of sample.rollout_batch_size images) gives every image the noise it has in one
+        call. `stop()`: called before each batch and each reward; it raises to abandon the eval."""
         s = self.cfg.sample
         n = eval_cfg.images_per_prompt
         part = part or slice(0, len(prompts))
         mine, mine_meta = prompts[part], metadata[part]
         if not mine:
             return [], [torch.zeros(0) for _ in reward_fns], {}
-        latents, seed = None, eval_cfg.seed
-        if (part.start, part.stop) != (0, len(prompts)):  # a share: the whole list's noise, then this share's rows
-            noise = self._noise(len(prompts) * n, eval_cfg.seed, eval_cfg.guidance_scale)
-            latents, seed = noise[part.start * n : part.stop * n], None
-        traj = self.backend.rollout(
-            mine,
-            group_size=n,
-            num_steps=eval_cfg.num_steps,
-            images=self.condition_images(mine_meta),
-            guidance_scale=eval_cfg.guidance_scale,
-            sde_type="ode",
-            seed=seed,
-            latents=latents,
-            height=s.height,
-            width=s.width,
-            num_frames=s.num_frames,
-            deterministic_context=self.merged_adapter,
-        )
+        per = max(1, s.rollout_batch_size // n) if s.rollout_batch_size else len(mine)  # prompts per batch
+        noise = None
+        if (part.start, part.stop) != (0, len(prompts)) or per < len(mine):  # the whole list's noise, then rows
+            noise = self._noise(len(prompts) * n, eval_cfg.seed, eval_cfg.guidance_scale)[part.start * n :]
+        images = []
+        for i in range(0, len(mine), per):
+            if stop is not None:
+                stop()
+            traj = self.backend.rollout(
+                mine[i : i + per],
+                group_size=n,
+                num_steps=eval_cfg.num_steps,
+                images=self.condition_images(mine_meta[i : i + per]),
+                guidance_scale=eval_cfg.guidance_scale,
+                sde_type="ode",
+                seed=eval_cfg.seed if noise is None else None,
+                latents=None if noise is None else noise[i * n : (i + len(mine[i : i + per])) * n],
+                height=s.height,
+                width=s.width,
+                num_frames=s.num_frames,
+                deterministic_context=self.merged_adapter,
+            )
+            images.extend(traj.images)
         rep_prompts = [p for p in mine for _ in range(n)]
         rep_meta = [m for m in mine_meta for _ in range(n)]
-        batch = ImageBatch(traj=None, prompts=rep_prompts, metadata=rep_meta, images=traj.images)
+        batch = ImageBatch(traj=None, prompts=rep_prompts, metadata=rep_meta, images=images)
         columns = {k: [m.get(k) for m in rep_meta] for k in {k for m in rep_meta for k in m}}
         per_reward, comps = [], {}
         for spec, fn in zip(self.cfg.rewards, reward_fns):
+            if stop is not None:
+                stop()
             per_reward.append(self.call_reward(fn, batch, columns))
             for name, v in (getattr(fn, "last_components", None) or {}).items():
                 comps[f"{spec.name}/{name}"] = torch.as_tensor(v, dtype=torch.float32)
-        return traj.images, per_reward, comps
+        return images, per_reward, comps
 
     def _noise(self, n: int, seed: int, guidance_scale: float) -> Tensor:
         """n initial noises drawn from `seed` on the CPU, as a rollout with that seed draws them."""
@@ -650,14 +666,41 @@ class ImagePolicy:
         metadata = den.peft_config["default"].to_dict()
         self.backend.export_lora(type(self.backend.pipe), directory, state, metadata)
 
-    def load_adapter(self, directory: str) -> None:
+    def load_adapter(self, init_path: str) -> None:
+        """Start the adapter from the LoRA of `init_path` (lora.init_path: a directory holding its .safetensors file,
+        or that file). A LoRA of another rank or of other modules than this adapter's is a ConfigError naming the
+        file's rank and keys against the config's."""
         from peft.utils import set_peft_model_state_dict
         from safetensors.torch import load_file
 
-        files = sorted(Path(directory).glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"lora.init_path={directory!r} holds no .safetensors LoRA file")
-        state = load_file(files[0])
+        from flowrl.errors import ConfigError
+        from flowrl.preflight import lora_init_file
+
+        path, _ = lora_init_file(init_path)
         prefix = self.backend.denoiser_attr + "."
-        state = {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in state.items()}
+        state = {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in load_file(path).items()}
+        own = {k: tuple(v.shape) for k, v in self.lora_state().items()}
+        missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        ranks = sorted({v.shape[0] for k, v in state.items() if "lora_A" in k})
+        if ranks and ranks != [self.cfg.lora.rank]:
+            raise ConfigError(
+                f"lora.init_path: {path} holds a LoRA of rank {'/'.join(map(str, ranks))}, this config's "
+                f"lora.rank is {self.cfg.lora.rank}: set lora.rank={ranks[0]} to start from it"
+            )
+        unlike = [k for k in sorted(set(own) & set(state)) if own[k] != tuple(state[k].shape)]
+        parts = [
+            f"{len(keys)} {what} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
+            for keys, what in (
+                (missing, "of the adapter's keys are not in it"),
+                (extra, "of its keys are not the adapter's"),
+                (unlike, "keys differ in shape"),
+            )
+            if keys
+        ]
+        if parts:
+            raise ConfigError(
+                f"lora.init_path: {path} is a LoRA of other modules than this config's "
+                f"(lora.target_modules={self.cfg.lora.target_modules or 'the family default'}): "
+                f"{'; '.join(parts)}; start from a LoRA of this model and lora.target_modules"
+            )
         set_peft_model_state_dict(self.module, state)

@@ -384,7 +384,10 @@ class TextPolicy:
         )
 
     @torch.no_grad()
-    def rollout(self, prompts: list[str], metadata: list[dict], *, epoch: int, generator) -> TextBatch:
+    def rollout(self, prompts: list[str], metadata: list[dict], *, epoch: int, generator, stop=None) -> TextBatch:
+        """One sampled completion per prompt; `stop()`: called before generating, raises to abandon the rollout."""
+        if stop is not None:
+            stop()
         t = self.text
         tok = self.tokenizer
         input_ids, attn = self.encode_prompts(prompts)
@@ -528,25 +531,30 @@ class TextPolicy:
         return (*self.decode_completions(comp, mask),)
 
     @torch.no_grad()
-    def evaluate_prompts(self, prompts, metadata, reward_fns, eval_cfg, part: slice | None = None):
+    def evaluate_prompts(self, prompts, metadata, reward_fns, eval_cfg, part: slice | None = None, stop=None):
         """Greedy completions of the eval prompts `prompts[part]` and each reward's scores (None counts as 0):
         (completions, per-reward scores [n] each, {} components). The rewards are called as in training, with
-        their log_metric / log_extra calls kept out of the training logs."""
+        their log_metric / log_extra calls kept out of the training logs. `stop()`: called before each batch of
+        64 prompts and each reward; it raises to abandon the eval."""
         from rewards import call_text_reward
 
         part = part or slice(0, len(prompts))
         prompts, metadata = list(prompts[part]), list(metadata[part])
         completions, ids = [], []
         for i in range(0, len(prompts), 64):
+            if stop is not None:
+                stop()
             texts, tids = self.generate_greedy(prompts[i : i + 64])
             completions.extend(texts)
             ids.extend(tids)
         columns = {k: [m.get(k) for m in metadata] for k in {k for m in metadata for k in m}}
         per_reward = []
         for fn in reward_fns:
+            if stop is not None:
+                stop()
             vals = call_text_reward(fn, prompts, completions, ids, columns, state=self.reward_state, logs={}, extra={})
             per_reward.append(torch.tensor([float("nan") if v is None else float(v) for v in vals]))
-        return completions, [v.nan_to_num(0.0) for v in per_reward], {}
+        return completions, [v.masked_fill(v.isnan(), 0.0) for v in per_reward], {}  # inf stays: not a score
 
     def save_eval_outputs(self, outputs, prompts, path: Path, scores=None) -> Path:
         """`path`.jsonl: one row per eval prompt with its completion (and score, when given)."""

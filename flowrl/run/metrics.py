@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 from pathlib import Path
 
@@ -24,13 +25,18 @@ class MetricsLog:
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:
             return
-        clean = {
-            k: (float(v) if isinstance(v, (int, float, np.floating, torch.Tensor)) else v) for k, v in metrics.items()
-        }
+        numbers = (int, float, np.floating, torch.Tensor)
+        clean = strict_json({k: float(v) if isinstance(v, numbers) else v for k, v in metrics.items()})
         with open(self.path, "a") as f:
-            f.write(json.dumps({"epoch": step, "time": time.time(), **clean}) + "\n")
+            f.write(json.dumps({"epoch": step, "time": time.time(), **clean}, allow_nan=False) + "\n")
         if self.accelerator is not None and self.accelerator.trackers:
             self.accelerator.log({k: v for k, v in clean.items() if isinstance(v, float)}, step=step)
+
+
+def strict_json(values: dict) -> dict:
+    """`values` with its floats that are not finite (NaN, inf) as None: strict JSON has no NaN or Infinity, and
+    readers other than Python's refuse them."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in values.items()}
 
 
 def read_metrics(path: str | Path) -> list[dict]:

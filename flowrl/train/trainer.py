@@ -38,7 +38,7 @@ from flowrl.seeding import derive_seed, seed_everything
 
 from .optim import EMA, build_optimizer
 from .scoring import Scorer, adv_metrics
-from .signals import StopSignals
+from .signals import Abandoned, StopSignals
 from .update import Updater
 
 
@@ -108,6 +108,7 @@ class Trainer:
         self.evaluator = Evaluator(cfg, self.eval_set, self.device, offload=t.offload)
         self.state = State()
         self.signals = StopSignals(announce=self.main)
+        self.saved: tuple[tuple[int, int], Path | None] | None = None  # the newest checkpoint's (epochs, steps), path
         self.clock_start, self.budget_before = time.perf_counter(), 0.0  # train.max_minutes' clock (budget_spent)
         self.log = MetricsLog(self.run_dir / "metrics.jsonl", self.acc, enabled=self.main)
         if self.main:
@@ -142,7 +143,10 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         last = {}
         if cfg.eval.before and self.state.epochs_done == 0 and t.epochs > 0:
-            self.log.log(self.evaluate(tag="epoch000000"), step=0)
+            before = self.evaluate(tag="epoch000000")
+            if before is None:
+                self.stop_if_asked(0, mid_epoch=False, abandoned="the eval before training")
+            self.log.log(before, step=0)
         # the time budget and the time metrics go on from a checkpoint's: a resumed run trains what is left
         self.clock_start, self.budget_before = time.perf_counter(), self.state.budget_seconds
         first = self.state.epochs_done
@@ -162,19 +166,25 @@ class Trainer:
             total=t.epochs,
         )
         for epoch in bar:
-            metrics = self.train_epoch(epoch)
+            try:
+                metrics = self.train_epoch(epoch)
+            except Abandoned:
+                self.stop_if_asked(epoch, mid_epoch=False, abandoned=f"epoch {epoch + 1}'s rollout")
+                raise
             # train.max_minutes: the epoch that reaches the budget is the last (every process stops together)
             out_of_time = bool(t.max_minutes) and self.out_of_time()
-            done = epoch + 1
+            done, abandoned = epoch + 1, None
             if cfg.eval.every and done % cfg.eval.every == 0 and done < t.epochs:
-                metrics.update(self.evaluate(tag=f"epoch{done:06d}"))
+                results = self.evaluate(tag=f"epoch{done:06d}")
+                metrics.update(results or {})
+                abandoned = None if results is not None else f"the eval after epoch {done}"
             if done % cfg.log.every == 0 or done == t.epochs or out_of_time:
                 self.log.log(metrics, step=done)
             if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < t.epochs:
                 self.save()
             bar.set_postfix(progress_postfix(metrics, self.objective))
             last = metrics
-            self.stop_if_asked(done, mid_epoch=False)
+            self.stop_if_asked(done, mid_epoch=False, abandoned=abandoned)
             if out_of_time:
                 if self.main:
                     print(
@@ -184,6 +194,9 @@ class Trainer:
                 break
         if last:  # some epoch ran in this call (a resume of a finished run does nothing)
             final = self.evaluate(tag="final")
+            if final is None:
+                final_eval = "the final eval, which `flowrl eval CONFIG --checkpoint` of this checkpoint makes,"
+                self.stop_if_asked(self.state.epochs_done, mid_epoch=False, abandoned=final_eval)
             self.log.log({**final, "final": True}, step=self.state.epochs_done)
             last.update(final)
             self.save()
@@ -206,6 +219,7 @@ class Trainer:
         t0, cpu0 = time.perf_counter(), time.process_time()
         with self.timer("rollout"):
             batch = self.rollout(epoch)
+        self.stop_point()  # before the rewards: the epoch's rollout is abandoned
         with self.timer("reward"):
             scores, components = self.score(batch, epoch)
         self.stop_if_asked(epoch, mid_epoch=False)  # nothing of this epoch has changed the weights yet
@@ -244,7 +258,9 @@ class Trainer:
         start = self.acc.process_index * self.batch_local
         gids = [i // G for i in range(start, start + self.batch_local)]
         gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, epoch, self.acc.process_index))
-        batch = self.objective.rollout([prompts[g] for g in gids], [meta[g] for g in gids], epoch=epoch, generator=gen)
+        batch = self.objective.rollout(
+            [prompts[g] for g in gids], [meta[g] for g in gids], epoch=epoch, generator=gen, stop=self.stop_point
+        )
         batch.group_ids = torch.tensor(gids)
         batch.epoch_prompts = prompts
         return batch
@@ -263,16 +279,26 @@ class Trainer:
         return self.updater.run(batch, adv, keep, epoch, self.state, self.stop_if_asked)
 
     @torch.no_grad()
-    def evaluate(self, tag: str) -> dict:
+    def evaluate(self, tag: str) -> dict | None:
         """The held-out eval (EMA weights when on): every process samples a share of the prompts (all of them when
         the weights are sharded: every forward pass is a collective); the main process compares with the base
-        model's eval (the run's first, before any optimizer step) and draws the grid."""
+        model's eval (the run's first, before any optimizer step) and draws the grid. None when a stop signal
+        abandoned it (between its batches, or after them): nothing of it is written."""
         world = 1 if self.dist.sharded else self.world
         rank = 0 if world == 1 else self.acc.process_index
-        with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
-            outputs, scores = self.evaluator.sample(
-                self.policy, self.scorer.fns, parked=self.scorer.parked, rank=rank, world=world
-            )
+        try:
+            with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
+                outputs, scores = self.evaluator.sample(
+                    self.policy,
+                    self.scorer.fns,
+                    parked=self.scorer.parked,
+                    rank=rank,
+                    world=world,
+                    stop=self.stop_point if world == 1 else None,  # shares differ in batches: no collective inside
+                )
+            self.stop_point()
+        except Abandoned:
+            return None
         results = {}
         if self.main:
             base = self.state.optimizer_steps == 0
@@ -325,19 +351,35 @@ class Trainer:
         """Whether train.max_minutes is spent on some process (a collective)."""
         return self.dist.any_process(self.budget_spent() >= 60 * self.cfg.train.max_minutes)
 
-    def stop_if_asked(self, epoch: int, *, mid_epoch: bool) -> None:
-        """At a safe point: when a stop signal arrived (on any process), write a checkpoint and raise Interrupted.
-        `epoch`: the epoch in progress (mid_epoch) or the number of epochs done."""
+    def stop_point(self) -> None:
+        """Between the batches of a rollout or an eval: raise Abandoned when a stop signal arrived (on any process:
+        a collective, so every process must call it alike)."""
+        self.signals.stop_point(self.dist.any_process)
+
+    def stop_if_asked(self, epoch: int, *, mid_epoch: bool, abandoned: str | None = None) -> None:
+        """At a safe point: when a stop signal arrived (on any process), write a checkpoint (unless the newest one
+        holds this state, or nothing was trained yet) and raise Interrupted. `epoch`: the epoch in progress
+        (mid_epoch) or the number of epochs done; `abandoned`: what the signal cut short, for the message."""
         signum = self.signals.signum
         if not self.dist.any_process(signum is not None):
             return
         signum = signum or signal.SIGTERM
-        path = self.save()
         what = (
             f"during epoch {epoch + 1} (its finished minibatches are in the weights; the epoch restarts on resume)"
             if mid_epoch
             else f"after {self.state.epochs_done} epochs"
         )
+        if abandoned:
+            what += f" ({abandoned} was abandoned)"
+        now = (self.state.epochs_done, self.state.optimizer_steps)
+        if self.saved is None and now == (0, 0):
+            again = " with log.overwrite=true" if rundir.holds_a_run(self.run_dir) else ""
+            raise Interrupted(
+                f"stopped by {signal.Signals(signum).name} {what}; nothing was trained, so no checkpoint was "
+                f"written: run the same command again{again} to start over",
+                signum,
+            )
+        path = self.saved[1] if self.saved is not None and self.saved[0] == now else self.save()
         raise Interrupted(
             f"stopped by {signal.Signals(signum).name} {what}; checkpoint {path or self.run_dir}. "
             f"Resume with checkpoint.resume=auto (same config and log.run_dir={self.run_dir})",
@@ -370,17 +412,20 @@ class Trainer:
                 if self.policy.can_export
                 else {}
             )
-            path = write_checkpoint(
-                self.run_dir,
-                self.state.epochs_done,
-                trainable=trainable,
-                optimizer=optimizer,
-                ema=ema,
-                state=st,
-                extra_dirs=extra,
-                keep=self.cfg.checkpoint.keep,
-                objective=objective or None,
-            )
+            with self.signals.deferred() as done:  # a second signal waits for the checkpoint to be whole
+                path = write_checkpoint(
+                    self.run_dir,
+                    self.state.epochs_done,
+                    trainable=trainable,
+                    optimizer=optimizer,
+                    ema=ema,
+                    state=st,
+                    extra_dirs=extra,
+                    keep=self.cfg.checkpoint.keep,
+                    objective=objective or None,
+                )
+                done.append(f"checkpoint {path} is written (resume with checkpoint.resume=auto)")
+        self.saved = ((self.state.epochs_done, self.state.optimizer_steps), path)
         self.acc.wait_for_everyone()
         return path
 
@@ -407,6 +452,7 @@ class Trainer:
             self.tracker.load_state_dict(st["tracker"])
         self.objective.load_state_dict(ck.get("objective", {}), distributed.like)
         self.state = State(**st["counters"])
+        self.saved = ((self.state.epochs_done, self.state.optimizer_steps), path)
         set_rng_state(ck["rng_tensors"], st["rng"])
         if self.main:
             print(f"resumed from {path} after {self.state.epochs_done} epochs")
