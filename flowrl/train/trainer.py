@@ -32,6 +32,7 @@ from flowrl.preflight import preflight
 from flowrl.run import rundir
 from flowrl.run.checkpoint import remove_temporary, resolve_resume, set_rng_state, write_checkpoint
 from flowrl.run.loading import check_resume, check_weights
+from flowrl.run.lock import RunLock
 from flowrl.run.metrics import MetricsLog, Timer, read_metrics
 from flowrl.seeding import derive_seed, seed_everything
 
@@ -63,6 +64,15 @@ class Trainer:
     """Holds the pieces the loop needs; `fit()` is the loop."""
 
     def __init__(self, cfg: Config, accelerator=None):
+        self.lock = None  # the run directory's (main process), from before the model loads to the end of fit
+        try:
+            self._build(cfg, accelerator)
+        except BaseException:
+            if self.lock is not None:
+                self.lock.release()
+            raise
+
+    def _build(self, cfg: Config, accelerator) -> None:
         from flowrl.policies import build_policy
 
         # everything that can be checked without the model (prompts, rewards, the model's class and image size,
@@ -72,8 +82,9 @@ class Trainer:
         self.acc = accelerator or distributed.make_accelerator(cfg)
         self.run_dir = Path(cfg.log.run_dir)
         self.main = self.acc.is_main_process
-        if self.main:  # writable, and not another run's (unless resuming it or told to overwrite it)
+        if self.main:  # writable, this run's alone, and not another run's (unless resuming it or told to overwrite it)
             rundir.check_writable(self.run_dir)
+            self.lock = RunLock(self.run_dir).acquire()  # released when fit ends (or at exit)
             rundir.claim(self.run_dir, resume=cfg.checkpoint.resume, overwrite=cfg.log.overwrite)
             remove_temporary(self.run_dir)  # what a kill during a checkpoint write left behind
         self.acc.wait_for_everyone()
@@ -122,18 +133,24 @@ class Trainer:
 
     def fit(self) -> dict:
         """Train to train.epochs (or the time budget), resuming from a checkpoint when asked; returns the last epoch's
-        metrics with the final eval's."""
+        metrics with the final eval's. The run directory's lock is released when it returns or raises."""
         cfg = self.cfg
-        found = resolve_resume(cfg.checkpoint.resume, self.run_dir)
-        if found is not None:
-            self.load(*found)
-        elif cfg.checkpoint.resume == "auto" and self.main and rundir.holds_a_run(self.run_dir):
-            raise rundir.nothing_to_resume(self.run_dir)  # its checkpoints are all corrupt
-        if self.main:  # the epochs after the checkpoint are redone: their old rows go
-            rundir.truncate_logs(self.run_dir, self.state.epochs_done)
-        self.acc.wait_for_everyone()
-        with self.signals.installed():
-            return self._fit()
+        if self.lock is not None:
+            self.lock.acquire()  # (again, when an earlier fit released it)
+        try:
+            found = resolve_resume(cfg.checkpoint.resume, self.run_dir)
+            if found is not None:
+                self.load(*found)
+            elif cfg.checkpoint.resume == "auto" and self.main and rundir.holds_a_run(self.run_dir):
+                raise rundir.nothing_to_resume(self.run_dir)  # its checkpoints are all corrupt
+            if self.main:  # the epochs after the checkpoint are redone: their old rows go
+                rundir.truncate_logs(self.run_dir, self.state.epochs_done)
+            self.acc.wait_for_everyone()
+            with self.signals.installed():
+                return self._fit()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
     def _fit(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
