@@ -1,7 +1,9 @@
-"""A run directory is one run's at a time (its lock). Tiny SD3 on the CPU."""
+"""A run directory is one run's at a time (its lock), and a checkpoint resumes (or is evaluated) only over the base
+weights it was trained over (their fingerprint). Tiny SD3 on the CPU."""
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -9,11 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from flowrl.cli import main
 from flowrl.config import load_config
-from flowrl.errors import RunDirError
+from flowrl.errors import CheckpointError, RunDirError
 from flowrl.run import rundir
+from flowrl.run.checkpoint import list_checkpoints, read_checkpoint
 from flowrl.run.lock import LOCK_NAME, RunLock
 from flowrl.train import Trainer
 
@@ -168,3 +172,100 @@ def test_a_lock_is_removed_only_by_its_holder(tmp_path):
     assert json.loads((tmp_path / LOCK_NAME).read_text())["token"] == second.info["token"]
     second.release()
     assert not (tmp_path / LOCK_NAME).exists()
+
+
+# ------------------------------------------------------------------------------------------ the base model
+
+
+@pytest.fixture(scope="module")
+def sd3_dir(tmp_path_factory):
+    from flowrl.families import tiny_pipeline
+
+    d = tmp_path_factory.mktemp("sd3") / "model"
+    tiny_pipeline("tiny-sd3").save_pretrained(d)
+    return d
+
+
+def perturb(file: Path) -> None:
+    """Re-save the safetensors `file` with its weights nudged: same tensors, names, shapes, so the same header."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(file), "pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    header = file.read_bytes()[: 8 + int.from_bytes(file.read_bytes()[:8], "little")]
+    save_file({k: v + 0.01 if v.is_floating_point() else v for k, v in tensors.items()}, str(file), metadata=meta)
+    assert file.read_bytes().startswith(header)
+
+
+def test_a_resume_or_eval_over_changed_base_weights_refuses_naming_the_file(sd3_dir, tmp_path, capsys, monkeypatch):
+    model = tmp_path / "model"
+    shutil.copytree(sd3_dir, model)
+    run = tmp_path / "run"
+    cfg = [f"model.path={model}", "checkpoint.resume=auto"]
+    Trainer(tiny_cfg(run, f"model.path={model}", "train.epochs=1")).fit()
+    saved = read_checkpoint(run / "ckpt-000001")["state"]["base_model"]
+    assert saved["path"] == str(model) and "transformer/diffusion_pytorch_model.safetensors" in saved["files"]
+    Trainer(tiny_cfg(run, *cfg, "train.epochs=2")).fit()  # unchanged: resumes
+    assert [p.name for p in list_checkpoints(run)] == ["ckpt-000001", "ckpt-000002"]
+
+    perturb(model / "transformer" / "diffusion_pytorch_model.safetensors")
+    import flowrl.policies
+
+    build_policy = flowrl.policies.build_policy
+    monkeypatch.setattr(flowrl.policies, "build_policy", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(
+        CheckpointError,
+        match=rf"checkpoint {run / 'ckpt-000002'} was trained over other base weights than model\.path={model} "
+        r"holds now \(changed: transformer/diffusion_pytorch_model\.safetensors\); use the base model it was "
+        r"trained from, or set checkpoint\.allow_other_base=true",
+    ):
+        Trainer(tiny_cfg(run, *cfg, "train.epochs=3"))
+    capsys.readouterr()  # (the runs' progress bars)
+    err = one_line_error(capsys, main(["eval", *TINY, *cfg[:1], "--checkpoint", str(run / "ckpt-000002")]))
+    assert "changed: transformer/diffusion_pytorch_model.safetensors" in err and "allow_other_base=true" in err
+    assert not (run / LOCK_NAME).exists()  # the refused run let go of the folder
+
+    monkeypatch.setattr(flowrl.policies, "build_policy", build_policy)
+    with pytest.warns(UserWarning, match=r"other base weights.*going on, as checkpoint\.allow_other_base=true asks"):
+        tr = Trainer(tiny_cfg(run, *cfg, "train.epochs=3", "checkpoint.allow_other_base=true"))
+    tr.fit()
+    assert tr.state.epochs_done == 3
+    assert read_checkpoint(run / "ckpt-000003")["state"]["base_model"] != saved  # the new base's, from now on
+
+
+def test_a_checkpoint_without_a_fingerprint_or_a_model_without_files_is_not_checked(tmp_path):
+    from flowrl.run.basemodel import fingerprint
+    from flowrl.run.loading import check_base
+
+    assert fingerprint("tiny-sd3") is None  # built in code
+    assert fingerprint("some-org/not-in-the-cache") is None  # a hub id that cannot be resolved offline
+    (tmp_path / "m").mkdir()
+    current = fingerprint(str(tmp_path / "m"))
+    assert current == {"path": str(tmp_path / "m"), "files": {}}
+    with pytest.warns(UserWarning, match=r"kept no fingerprint of its base model.*not checked"):
+        check_base({}, tmp_path / "ckpt-000001", current, allow=False, note=True)
+    check_base({"base_model": {"files": {}}}, tmp_path / "ckpt-000001", None, allow=False)  # nothing to compare
+
+
+def test_a_fingerprint_names_new_missing_and_changed_files(tmp_path):
+    from safetensors.torch import save_file
+
+    from flowrl.run.basemodel import differences, fingerprint
+
+    (tmp_path / "unet").mkdir()
+    layers = {f"layer{i:02d}": torch.zeros(64 * 1024) for i in range(40)}  # 10 MiB
+    save_file(layers, tmp_path / "unet" / "w.safetensors")
+    (tmp_path / "gone.bin").write_bytes(b"a" * 3_000_000)
+    (tmp_path / "config.json").write_text("{}")  # not a weight file
+    before = fingerprint(str(tmp_path))
+    assert sorted(before["files"]) == ["gone.bin", "unet/w.safetensors"]
+    layers["layer20"] = layers["layer20"] + 1  # one tensor in the middle, same header
+    save_file(layers, tmp_path / "unet" / "w.safetensors")
+    (tmp_path / "gone.bin").rename(tmp_path / "new.bin")
+    assert differences(before, fingerprint(str(tmp_path))) == [
+        "changed: unet/w.safetensors",
+        "missing: gone.bin",
+        "new: new.bin",
+    ]
+    assert differences(before, before) == []

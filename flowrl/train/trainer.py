@@ -29,9 +29,9 @@ from flowrl.eval import Evaluator
 from flowrl.objectives import build_objective
 from flowrl.policies.base import full_tensor
 from flowrl.preflight import preflight
-from flowrl.run import rundir
+from flowrl.run import basemodel, rundir
 from flowrl.run.checkpoint import remove_temporary, resolve_resume, set_rng_state, write_checkpoint
-from flowrl.run.loading import check_resume, check_weights
+from flowrl.run.loading import check_base, check_resume, check_resume_base, check_weights
 from flowrl.run.lock import RunLock
 from flowrl.run.metrics import MetricsLog, Timer, read_metrics
 from flowrl.seeding import derive_seed, seed_everything
@@ -82,11 +82,14 @@ class Trainer:
         self.acc = accelerator or distributed.make_accelerator(cfg)
         self.run_dir = Path(cfg.log.run_dir)
         self.main = self.acc.is_main_process
+        self.base_model = self.base_checked = None
         if self.main:  # writable, this run's alone, and not another run's (unless resuming it or told to overwrite it)
             rundir.check_writable(self.run_dir)
             self.lock = RunLock(self.run_dir).acquire()  # released when fit ends (or at exit)
             rundir.claim(self.run_dir, resume=cfg.checkpoint.resume, overwrite=cfg.log.overwrite)
             remove_temporary(self.run_dir)  # what a kill during a checkpoint write left behind
+            self.base_model = basemodel.fingerprint(cfg.model.path)  # once: every checkpoint keeps it
+            self.base_checked = check_resume_base(cfg, self.run_dir, self.base_model)
         self.acc.wait_for_everyone()
         seed_everything(t.seed)
         self.device = self.acc.device if cfg.model.device == "auto" else torch.device(cfg.model.device)
@@ -378,6 +381,7 @@ class Trainer:
                 "counters": vars(self.state),
                 "tracker": self.tracker.state_dict() if self.tracker else None,
                 "config": to_dict(self.cfg),
+                "base_model": self.base_model,  # the base weights' fingerprint (flowrl.run.basemodel)
             }
             extra = (
                 {"lora" if self.cfg.lora.enabled else "model": functools.partial(self.export, exported=exported)}
@@ -409,8 +413,11 @@ class Trainer:
 
     def load(self, path: Path, ck: dict) -> None:
         """Continue from checkpoint `path` (read: `ck`). A changed model, adapter or batch shape is refused with the
-        differing keys; other config changes are listed in a warning."""
+        differing keys, other base weights with the files that differ; other config changes are listed in a
+        warning."""
         check_resume(ck, path, self.cfg, warn=self.main)
+        if path != self.base_checked:  # (the checkpoint checked before the model loaded was another)
+            check_base(ck["state"], path, self.base_model, self.cfg.checkpoint.allow_other_base)
         check_weights(self.named_params, ck["trainable"], path)
         self.dist.load_trained(self.named_params, ck["trainable"])
         self.dist.load_optimizer_state(ck)
