@@ -1,6 +1,8 @@
-"""A run directory is one run's at a time (its lock), and a checkpoint resumes (or is evaluated) only over the base
-weights it was trained over (their fingerprint). Tiny SD3 on the CPU."""
+"""A run directory is one run's at a time (its lock), a checkpoint resumes (or is evaluated) only over the base
+weights it was trained over (their fingerprint), and a full disk during a checkpoint write leaves no half-written
+folder and ends the run in one line. Tiny SD3 on the CPU."""
 
+import errno
 import json
 import os
 import shutil
@@ -17,7 +19,7 @@ from flowrl.cli import main
 from flowrl.config import load_config
 from flowrl.errors import CheckpointError, RunDirError
 from flowrl.run import rundir
-from flowrl.run.checkpoint import list_checkpoints, read_checkpoint
+from flowrl.run.checkpoint import list_checkpoints, read_checkpoint, write_checkpoint
 from flowrl.run.lock import LOCK_NAME, RunLock
 from flowrl.train import Trainer
 
@@ -269,3 +271,71 @@ def test_a_fingerprint_names_new_missing_and_changed_files(tmp_path):
         "new: new.bin",
     ]
     assert differences(before, before) == []
+
+
+# ------------------------------------------------------------------------------------------ a full disk
+
+
+def test_a_full_disk_during_a_checkpoint_write_removes_its_temporary_folder(tmp_path, monkeypatch):
+    from safetensors import SafetensorError
+
+    import flowrl.run.checkpoint as checkpoint
+
+    w = {"w": torch.ones(1000)}
+    write_checkpoint(tmp_path, 1, trainable=w)
+
+    def full(directory):
+        directory.mkdir()
+        (directory / "adapter.safetensors").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(
+        CheckpointError,
+        match=rf"could not write checkpoint {tmp_path / 'ckpt-000002'}: No space left on device \(it needs at "
+        r"least 7\.8 KiB, .* free there\); its temporary folder was removed and the previous checkpoint "
+        r"ckpt-000001 is intact; free space and resume with checkpoint\.resume=auto$",
+    ):
+        write_checkpoint(tmp_path, 2, trainable=w, extra_dirs={"lora": full})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000001"]
+    assert torch.equal(read_checkpoint(tmp_path / "ckpt-000001")["trainable"]["w"], w["w"])
+
+    def quota(tensors, filename, metadata=None):  # safetensors names the OS error in its own error type
+        raise SafetensorError("Error while serializing: I/O error: Disk quota exceeded (os error 122)")
+
+    monkeypatch.setattr(checkpoint, "save_file", quota)
+    with pytest.raises(CheckpointError, match=r"ckpt-000001: Disk quota exceeded .*there is no earlier checkpoint"):
+        write_checkpoint(tmp_path / "fresh", 1, trainable=w)
+    assert list((tmp_path / "fresh").iterdir()) == []
+
+    def broken(tensors, filename, metadata=None):  # another error stays itself, and leaves no folder either
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(checkpoint, "save_file", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        write_checkpoint(tmp_path, 3, trainable=w)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000001", "fresh"]
+
+
+def test_a_full_disk_during_a_runs_checkpoint_stops_it_in_one_line(tmp_path, capsys, monkeypatch):
+    """`flowrl train`: the LoRA export of epoch 2's checkpoint hits a full disk: one line, no traceback, no
+    temporary folder, epoch 1's checkpoint intact, the lock gone."""
+    export = Trainer.export
+    calls = []
+
+    def export_then_full(self, directory, exported=None):
+        calls.append(directory)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        export(self, directory, exported)
+
+    monkeypatch.setattr(Trainer, "export", export_then_full)
+    run = tmp_path / "run"
+    rc = main(["train", *TINY, f"log.run_dir={run}", "train.epochs=2", "checkpoint.every=1", "eval.before=false"])
+    err = one_line_error(capsys, rc)
+    assert err.startswith(f"flowrl train: could not write checkpoint {run / 'ckpt-000002'}: No space left on device")
+    assert err.endswith(
+        "the previous checkpoint ckpt-000001 is intact; free space and resume with checkpoint.resume=auto"
+    )
+    assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["ckpt-000001"]
+    assert (run / "ckpt-000001" / "lora").is_dir() and not (run / LOCK_NAME).exists()
+    read_checkpoint(run / "ckpt-000001")
