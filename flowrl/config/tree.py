@@ -429,6 +429,9 @@ class CheckpointConfig:
     """`auto` (the newest checkpoint in run_dir) or a checkpoint directory."""
     keep: int = 2
     """Checkpoints kept (older ones of this run are deleted; 0 = keep all)."""
+    allow_other_base: bool = False
+    """Resume (or evaluate, sample) a checkpoint although the base model's weight files at model.path changed since
+    it was written (each checkpoint keeps a fingerprint of them); without it that is refused, naming the files."""
 
 
 @dataclass

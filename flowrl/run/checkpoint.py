@@ -13,6 +13,7 @@ Nothing is pickled, so a checkpoint from elsewhere cannot run code when it is lo
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -159,28 +160,37 @@ def write_checkpoint(
     tmp = run_dir / f".tmp-ckpt-{epoch:06d}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_file(_contiguous(trainable), tmp / "trainable.safetensors")
-    if ema is not None:
-        save_file(_contiguous(ema), tmp / "ema.safetensors")
-    if objective is not None:
-        save_file(_contiguous(objective), tmp / "objective.safetensors")
-    if opt_meta is not None:
-        save_file(_contiguous(opt_tensors), tmp / "optimizer.safetensors")
-        (tmp / "optimizer.json").write_text(json.dumps(opt_meta))
-    rng_tensors, rng_meta = rng_state()
-    save_file(_contiguous(rng_tensors), tmp / "rng.safetensors")
-    full_state = dict(state or {})
-    full_state["rng"] = rng_meta
-    full_state["epoch"] = epoch
-    (tmp / "state.json").write_text(json.dumps(full_state, indent=1, default=str))
-    for name, writer in (extra_dirs or {}).items():
-        writer(tmp / name)
-    # fsync the files so a crash right after the rename cannot leave an empty checkpoint
-    for f in tmp.rglob("*"):
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+    try:
+        tmp.mkdir()
+        save_file(_contiguous(trainable), tmp / "trainable.safetensors")
+        if ema is not None:
+            save_file(_contiguous(ema), tmp / "ema.safetensors")
+        if objective is not None:
+            save_file(_contiguous(objective), tmp / "objective.safetensors")
+        if opt_meta is not None:
+            save_file(_contiguous(opt_tensors), tmp / "optimizer.safetensors")
+            (tmp / "optimizer.json").write_text(json.dumps(opt_meta))
+        rng_tensors, rng_meta = rng_state()
+        save_file(_contiguous(rng_tensors), tmp / "rng.safetensors")
+        full_state = dict(state or {})
+        full_state["rng"] = rng_meta
+        full_state["epoch"] = epoch
+        (tmp / "state.json").write_text(json.dumps(full_state, indent=1, default=str))
+        for name, writer in (extra_dirs or {}).items():
+            writer(tmp / name)
+        # fsync the files so a crash right after the rename cannot leave an empty checkpoint
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+    except BaseException as e:  # nothing half-written stays behind; a full disk is one line
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = out_of_space(e)
+        if reason is None:
+            raise
+        groups = (trainable, ema, opt_tensors, objective, *([trainable] * len(extra_dirs or {})))
+        need = sum(t.numel() * t.element_size() for g in groups for t in (g or {}).values())
+        raise CheckpointError(no_space_message(run_dir, final, reason, need)) from None
     if final.exists():
         old = run_dir / f".old-{final.name}-{os.getpid()}"
         os.replace(final, old)
@@ -193,6 +203,52 @@ def write_checkpoint(
         for stale in older[: len(older) - (keep - 1)]:
             shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+#: The errors of a full disk or quota (EDQUOT is not on every platform).
+SPACE_ERRNOS = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+def out_of_space(error: BaseException) -> str | None:
+    """Why `error` (or an error it was raised from) is a full disk or quota, e.g. "No space left on device"; None
+    when it is not. safetensors' writer raises its own error type, naming the OS error's number."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in SPACE_ERRNOS:
+            return error.strerror or os.strerror(error.errno)
+        code = re.search(r"os error (\d+)", str(error))
+        if code and int(code.group(1)) in SPACE_ERRNOS:
+            return os.strerror(int(code.group(1)))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def no_space_message(run_dir: Path, final: Path, reason: str, need: int) -> str:
+    """The one line of a checkpoint write that ran out of space: what it needs, what is free, which checkpoint is
+    intact, how to go on."""
+    try:
+        free = f", {_size(shutil.disk_usage(run_dir).free)} free there"
+    except OSError:
+        free = ""
+    intact = [c for c in list_checkpoints(run_dir) if checkpoint_epoch(c) <= checkpoint_epoch(final)]
+    then = (
+        f"the previous checkpoint {intact[-1].name} is intact; free space and resume with checkpoint.resume=auto"
+        if intact
+        else "there is no earlier checkpoint; free space and run again"
+    )
+    return (
+        f"could not write checkpoint {final}: {reason} (it needs at least {_size(need)}{free}); its temporary "
+        f"folder was removed and {then}"
+    )
 
 
 def checkpoint_epoch(path: str | Path) -> int:

@@ -3,11 +3,13 @@
 A checkpoint is checked against the config before its weights go anywhere: its saved config (read with the keys'
 current spellings) must describe the same model, adapter and batch shape for a resume (`RESUME_KEYS`: the other
 changes are listed in a warning), the same model and adapter for an eval or a sample (`MODEL_KEYS`). Its trained
-weights must be the ones the policy trains (same names).
+weights must be the ones the policy trains (same names), and the base model's weight files those it was trained over
+(`flowrl.run.basemodel`: a fingerprint kept in the checkpoint), unless checkpoint.allow_other_base=true.
 """
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -16,7 +18,8 @@ import torch
 from flowrl.config import Config, migrate, to_dict, without_other_objectives
 from flowrl.errors import CheckpointError
 
-from . import rundir
+from . import basemodel, rundir
+from .checkpoint import list_checkpoints
 
 #: Which of a checkpoint's weights an eval or a sample uses: its EMA of the trained weights, the trained weights as
 #: the optimizer left them, or `auto`: the EMA when the run kept one (as its evals did).
@@ -66,6 +69,56 @@ def check_model(ck: dict, path: str | Path, cfg: Config) -> None:
         )
 
 
+def check_base(state: dict, path: str | Path, current: dict | None, allow: bool, *, note: bool = False) -> None:
+    """Checkpoint `path` (its state.json: `state`) was trained over the base weights whose fingerprint is `current`
+    (`basemodel.fingerprint`; None: not known, nothing to check): other weights are refused in one line naming the
+    files that differ, or a warning with `allow` (checkpoint.allow_other_base). A checkpoint that kept no fingerprint
+    (written before flowrl kept them) passes, with a note when `note`."""
+    saved = state.get("base_model")
+    if current is None:
+        return
+    if saved is None:
+        if note:
+            warnings.warn(
+                f"checkpoint {path} kept no fingerprint of its base model (it is older than them): "
+                "the base model's weights are not checked",
+                stacklevel=3,
+            )
+        return
+    changes = basemodel.differences(saved, current)
+    if not changes:
+        return
+    what = (
+        f"checkpoint {path} was trained over other base weights than model.path={current['path']} holds now "
+        f"({'; '.join(changes)})"
+    )
+    if allow:
+        warnings.warn(f"{what}; going on, as checkpoint.allow_other_base=true asks", stacklevel=3)
+        return
+    raise CheckpointError(
+        f"{what}; use the base model it was trained from, or set checkpoint.allow_other_base=true to go on anyway"
+    )
+
+
+def check_resume_base(cfg: Config, run_dir: str | Path, current: dict | None) -> Path | None:
+    """Before the model loads: the checkpoint a resume will read (checkpoint.resume=auto: the newest) was trained over
+    the base weights of fingerprint `current` (`check_base`); returns the checkpoint checked. One whose state.json
+    does not read is left to the resume's own checks (`resolve_resume`)."""
+    resume = cfg.checkpoint.resume
+    if not resume or current is None:
+        return None
+    found = list_checkpoints(run_dir)[-1:] if resume == "auto" else [Path(resume)]
+    for path in found:
+        try:
+            state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        if isinstance(state, dict):
+            check_base(state, path, current, cfg.checkpoint.allow_other_base, note=True)
+            return path
+    return None
+
+
 def checkpoint_weights(ck: dict, path: str | Path, which: str = "auto") -> dict[str, torch.Tensor]:
     """The weights `which` (one of WEIGHTS) picks from a read checkpoint."""
     if which not in WEIGHTS:
@@ -99,6 +152,8 @@ def policy_from_checkpoint(cfg: Config, checkpoint: str | None, which: str = "au
         ck = read_checkpoint(checkpoint)
         weights = checkpoint_weights(ck, checkpoint, which)
         check_model(ck, checkpoint, cfg)
+        current = basemodel.fingerprint(cfg.model.path)
+        check_base(ck["state"], checkpoint, current, cfg.checkpoint.allow_other_base, note=True)
     policy = build_policy(cfg, device)
     if weights is not None:
         named = dict(policy.named_trainable_parameters())

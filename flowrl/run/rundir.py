@@ -156,7 +156,7 @@ SHAPE_KEYS = (
     "train.objective",
 )  # an objective's state (NFT's old policy, AWM's EMA policy) is another's nothing
 #: Keys whose change says nothing about the run (where it logs, how it resumes).
-IGNORED_KEYS = ("checkpoint.resume", "log.overwrite", "log.progress", "log.run_dir")
+IGNORED_KEYS = ("checkpoint.resume", "checkpoint.allow_other_base", "log.overwrite", "log.progress", "log.run_dir")
 
 
 def _flatten(tree, prefix: str = "") -> dict:

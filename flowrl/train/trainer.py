@@ -30,9 +30,10 @@ from flowrl.eval import Evaluator
 from flowrl.objectives import build_objective
 from flowrl.policies.base import full_tensor
 from flowrl.preflight import preflight
-from flowrl.run import rundir
+from flowrl.run import basemodel, rundir
 from flowrl.run.checkpoint import remove_temporary, resolve_resume, set_rng_state, write_checkpoint
-from flowrl.run.loading import check_resume, check_weights
+from flowrl.run.loading import check_base, check_resume, check_resume_base, check_weights
+from flowrl.run.lock import RunLock
 from flowrl.run.metrics import MetricsLog, Timer, read_metrics
 from flowrl.seeding import derive_seed, seed_everything
 
@@ -64,6 +65,15 @@ class Trainer:
     """Holds the pieces the loop needs; `fit()` is the loop."""
 
     def __init__(self, cfg: Config, accelerator=None):
+        self.lock = None  # the run directory's (main process), from before the model loads to the end of fit
+        try:
+            self._build(cfg, accelerator)
+        except BaseException:
+            if self.lock is not None:
+                self.lock.release()
+            raise
+
+    def _build(self, cfg: Config, accelerator) -> None:
         from flowrl.policies import build_policy
 
         # everything that can be checked without the model (prompts, rewards, the model's class and image size,
@@ -73,10 +83,14 @@ class Trainer:
         self.acc = accelerator or distributed.make_accelerator(cfg)
         self.run_dir = Path(cfg.log.run_dir)
         self.main = self.acc.is_main_process
-        if self.main:  # writable, and not another run's (unless resuming it or told to overwrite it)
+        self.base_model = self.base_checked = None
+        if self.main:  # writable, this run's alone, and not another run's (unless resuming it or told to overwrite it)
             rundir.check_writable(self.run_dir)
+            self.lock = RunLock(self.run_dir).acquire()  # released when fit ends (or at exit)
             rundir.claim(self.run_dir, resume=cfg.checkpoint.resume, overwrite=cfg.log.overwrite)
             remove_temporary(self.run_dir)  # what a kill during a checkpoint write left behind
+            self.base_model = basemodel.fingerprint(cfg.model.path)  # once: every checkpoint keeps it
+            self.base_checked = check_resume_base(cfg, self.run_dir, self.base_model)
         self.acc.wait_for_everyone()
         seed_everything(t.seed)
         self.device = self.acc.device if cfg.model.device == "auto" else torch.device(cfg.model.device)
@@ -126,18 +140,24 @@ class Trainer:
 
     def fit(self) -> dict:
         """Train to train.epochs (or the time budget), resuming from a checkpoint when asked; returns the last epoch's
-        metrics with the final eval's."""
+        metrics with the final eval's. The run directory's lock is released when it returns or raises."""
         cfg = self.cfg
-        found = resolve_resume(cfg.checkpoint.resume, self.run_dir)
-        if found is not None:
-            self.load(*found)
-        elif cfg.checkpoint.resume == "auto" and self.main and rundir.holds_a_run(self.run_dir):
-            raise rundir.nothing_to_resume(self.run_dir)  # its checkpoints are all corrupt
-        if self.main:  # the epochs after the checkpoint are redone: their old rows go
-            rundir.truncate_logs(self.run_dir, self.state.epochs_done)
-        self.acc.wait_for_everyone()
-        with self.signals.installed():
-            return self._fit()
+        if self.lock is not None:
+            self.lock.acquire()  # (again, when an earlier fit released it)
+        try:
+            found = resolve_resume(cfg.checkpoint.resume, self.run_dir)
+            if found is not None:
+                self.load(*found)
+            elif cfg.checkpoint.resume == "auto" and self.main and rundir.holds_a_run(self.run_dir):
+                raise rundir.nothing_to_resume(self.run_dir)  # its checkpoints are all corrupt
+            if self.main:  # the epochs after the checkpoint are redone: their old rows go
+                rundir.truncate_logs(self.run_dir, self.state.epochs_done)
+            self.acc.wait_for_everyone()
+            with self.signals.installed():
+                return self._fit()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
     def _fit(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
@@ -406,6 +426,7 @@ class Trainer:
                 "counters": vars(self.state),
                 "tracker": self.tracker.state_dict() if self.tracker else None,
                 "config": to_dict(self.cfg),
+                "base_model": self.base_model,  # the base weights' fingerprint (flowrl.run.basemodel)
             }
             extra = (
                 {"lora" if self.cfg.lora.enabled else "model": functools.partial(self.export, exported=exported)}
@@ -440,8 +461,11 @@ class Trainer:
 
     def load(self, path: Path, ck: dict) -> None:
         """Continue from checkpoint `path` (read: `ck`). A changed model, adapter or batch shape is refused with the
-        differing keys; other config changes are listed in a warning."""
+        differing keys, other base weights with the files that differ; other config changes are listed in a
+        warning."""
         check_resume(ck, path, self.cfg, warn=self.main)
+        if path != self.base_checked:  # (the checkpoint checked before the model loaded was another)
+            check_base(ck["state"], path, self.base_model, self.cfg.checkpoint.allow_other_base)
         check_weights(self.named_params, ck["trainable"], path)
         self.dist.load_trained(self.named_params, ck["trainable"])
         self.dist.load_optimizer_state(ck)

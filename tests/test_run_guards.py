@@ -1,0 +1,341 @@
+"""A run directory is one run's at a time (its lock), a checkpoint resumes (or is evaluated) only over the base
+weights it was trained over (their fingerprint), and a full disk during a checkpoint write leaves no half-written
+folder and ends the run in one line. Tiny SD3 on the CPU."""
+
+import errno
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowrl.cli import main
+from flowrl.config import load_config
+from flowrl.errors import CheckpointError, RunDirError
+from flowrl.run import rundir
+from flowrl.run.checkpoint import list_checkpoints, read_checkpoint, write_checkpoint
+from flowrl.run.lock import LOCK_NAME, RunLock
+from flowrl.train import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "sample.height=32",
+    "sample.width=32",
+    "sample.num_steps=3",
+    "sample.max_sequence_length=16",
+    "sample.prompts_per_epoch=2",
+    "sample.group_size=4",
+    "eval.num_steps=2",
+    "eval.num_prompts=2",
+    "eval.grid=false",
+    "log.progress=false",
+    "model.device=cpu",
+]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+
+
+def tiny_cfg(run_dir, *extra):
+    return load_config(None, [*TINY, f"log.run_dir={run_dir}", *extra])
+
+
+def one_line_error(capsys, rc) -> str:
+    err = capsys.readouterr().err.strip()
+    assert rc == 1, err
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if a model is loaded: the checks under test must come first."""
+    import flowrl.policies
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the mistake was reported")
+
+    monkeypatch.setattr(flowrl.policies, "build_policy", refuse)
+
+
+def dead_pid() -> int:
+    """The pid of a process that has ended (and been reaped)."""
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(proc.stdout)
+
+
+# ------------------------------------------------------------------------------------------ the run lock
+
+
+BLOCKING_REWARD = '''
+import os, time
+
+def gated(images, prompts, **metadata):
+    """Mean pixel, once the file `go` exists (it writes `started` first): the run stays alive until the test says."""
+    open("started", "w").close()
+    deadline = time.time() + 300
+    while not os.path.exists("go") and time.time() < deadline:
+        time.sleep(0.05)
+    return [sum(im.convert("L").getdata()) / (255.0 * im.width * im.height) for im in images]
+'''
+
+
+def test_a_second_run_into_a_locked_folder_refuses_naming_the_first(tmp_path, capsys, no_model_load):
+    """Two `flowrl train` into one log.run_dir: the second (started while the first runs) refuses in one line naming
+    the first's pid, before its model loads; the first ends normally, its metrics its own, and its lock goes."""
+    (tmp_path / "scores.py").write_text(BLOCKING_REWARD)
+    run = tmp_path / "run"
+    args = [*TINY, f"log.run_dir={run}", "train.epochs=1", "rewards=[{name: 'scores.py:gated'}]"]
+    first = subprocess.Popen(
+        [sys.executable, "-m", "flowrl", "train", *args],
+        cwd=tmp_path,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 300
+        while not (tmp_path / "started").exists() and first.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        assert (tmp_path / "started").exists(), first.communicate()[1][-2000:]
+        holder = json.loads((run / LOCK_NAME).read_text())
+        assert holder["pid"] == first.pid and holder["host"] == socket.gethostname()
+        err = one_line_error(capsys, main(["train", *TINY, f"log.run_dir={run}", "train.epochs=1"]))
+        assert f"is in use by another run (pid {first.pid} on {socket.gethostname()}, since " in err
+        assert "pick another log.run_dir, or wait for that run to end" in err
+    finally:
+        (tmp_path / "go").touch()
+        _, stderr = first.communicate(timeout=600)
+    assert first.returncode == 0, stderr[-2000:]
+    assert not (run / LOCK_NAME).exists()
+    rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows if "policy/loss" in r] == [1] and sum("final" in r for r in rows) == 1
+
+
+def test_a_lock_of_a_dead_process_is_taken_over_with_a_warning(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    pid = dead_pid()
+    stale = {"pid": pid, "host": socket.gethostname(), "started": "2020-01-01 00:00:00"}
+    (run / LOCK_NAME).write_text(json.dumps(stale))
+    assert rundir.run_files(run) == [] and not rundir.holds_a_run(run)  # a lock is not a run's file
+    with pytest.warns(
+        UserWarning, match=rf"taking over the lock of a run that is gone \(pid {pid} on this host, since"
+    ):
+        tr = Trainer(tiny_cfg(run, "train.epochs=1"))
+    assert json.loads((run / LOCK_NAME).read_text())["pid"] == os.getpid()
+    tr.fit()
+    assert not (run / LOCK_NAME).exists()
+
+
+def test_a_lock_of_another_host_refuses_and_says_how_to_remove_it(tmp_path, no_model_load):
+    run = tmp_path / "run"
+    run.mkdir()
+    other = {"pid": 4242, "host": "gpu-node-7", "started": "2020-01-01 00:00:00"}
+    (run / LOCK_NAME).write_text(json.dumps(other))
+    with pytest.raises(
+        RunDirError,
+        match=r"locked by a run on host gpu-node-7 \(pid 4242, since 2020-01-01 00:00:00\).*pick another "
+        rf"log\.run_dir.*if you are sure it is gone, delete {run / LOCK_NAME}",
+    ):
+        Trainer(tiny_cfg(run, "train.epochs=1"))
+    assert json.loads((run / LOCK_NAME).read_text()) == other  # left alone
+
+
+def test_the_lock_is_held_during_a_run_and_removed_after_it_fails_or_ends(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    seen = []
+
+    def failing_epoch(self, epoch):
+        seen.append(json.loads((run / LOCK_NAME).read_text()))
+        seen.append(rundir.run_files(run))
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(Trainer, "train_epoch", failing_epoch)
+    with pytest.raises(RuntimeError, match="boom"):
+        Trainer(tiny_cfg(run, "train.epochs=1", "eval.before=false")).fit()
+    assert seen[0]["pid"] == os.getpid() and seen[1] == []  # held, and not one of the run's files
+    assert not (run / LOCK_NAME).exists()
+    monkeypatch.undo()
+    Trainer(tiny_cfg(run, "train.epochs=1", "log.overwrite=true")).fit()
+    assert not (run / LOCK_NAME).exists()
+
+
+def test_a_lock_is_removed_only_by_its_holder(tmp_path):
+    first = RunLock(tmp_path).acquire()
+    (tmp_path / LOCK_NAME).unlink()  # (a user removed it) and another run took it
+    second = RunLock(tmp_path).acquire()
+    first.release()
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["token"] == second.info["token"]
+    second.release()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+# ------------------------------------------------------------------------------------------ the base model
+
+
+@pytest.fixture(scope="module")
+def sd3_dir(tmp_path_factory):
+    from flowrl.families import tiny_pipeline
+
+    d = tmp_path_factory.mktemp("sd3") / "model"
+    tiny_pipeline("tiny-sd3").save_pretrained(d)
+    return d
+
+
+def perturb(file: Path) -> None:
+    """Re-save the safetensors `file` with its weights nudged: same tensors, names, shapes, so the same header."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(file), "pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    header = file.read_bytes()[: 8 + int.from_bytes(file.read_bytes()[:8], "little")]
+    save_file({k: v + 0.01 if v.is_floating_point() else v for k, v in tensors.items()}, str(file), metadata=meta)
+    assert file.read_bytes().startswith(header)
+
+
+def test_a_resume_or_eval_over_changed_base_weights_refuses_naming_the_file(sd3_dir, tmp_path, capsys, monkeypatch):
+    model = tmp_path / "model"
+    shutil.copytree(sd3_dir, model)
+    run = tmp_path / "run"
+    cfg = [f"model.path={model}", "checkpoint.resume=auto"]
+    Trainer(tiny_cfg(run, f"model.path={model}", "train.epochs=1")).fit()
+    saved = read_checkpoint(run / "ckpt-000001")["state"]["base_model"]
+    assert saved["path"] == str(model) and "transformer/diffusion_pytorch_model.safetensors" in saved["files"]
+    Trainer(tiny_cfg(run, *cfg, "train.epochs=2")).fit()  # unchanged: resumes
+    assert [p.name for p in list_checkpoints(run)] == ["ckpt-000001", "ckpt-000002"]
+
+    perturb(model / "transformer" / "diffusion_pytorch_model.safetensors")
+    import flowrl.policies
+
+    build_policy = flowrl.policies.build_policy
+    monkeypatch.setattr(flowrl.policies, "build_policy", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(
+        CheckpointError,
+        match=rf"checkpoint {run / 'ckpt-000002'} was trained over other base weights than model\.path={model} "
+        r"holds now \(changed: transformer/diffusion_pytorch_model\.safetensors\); use the base model it was "
+        r"trained from, or set checkpoint\.allow_other_base=true",
+    ):
+        Trainer(tiny_cfg(run, *cfg, "train.epochs=3"))
+    capsys.readouterr()  # (the runs' progress bars)
+    err = one_line_error(capsys, main(["eval", *TINY, *cfg[:1], "--checkpoint", str(run / "ckpt-000002")]))
+    assert "changed: transformer/diffusion_pytorch_model.safetensors" in err and "allow_other_base=true" in err
+    assert not (run / LOCK_NAME).exists()  # the refused run let go of the folder
+
+    monkeypatch.setattr(flowrl.policies, "build_policy", build_policy)
+    with pytest.warns(UserWarning, match=r"other base weights.*going on, as checkpoint\.allow_other_base=true asks"):
+        tr = Trainer(tiny_cfg(run, *cfg, "train.epochs=3", "checkpoint.allow_other_base=true"))
+    tr.fit()
+    assert tr.state.epochs_done == 3
+    assert read_checkpoint(run / "ckpt-000003")["state"]["base_model"] != saved  # the new base's, from now on
+
+
+def test_a_checkpoint_without_a_fingerprint_or_a_model_without_files_is_not_checked(tmp_path):
+    from flowrl.run.basemodel import fingerprint
+    from flowrl.run.loading import check_base
+
+    assert fingerprint("tiny-sd3") is None  # built in code
+    assert fingerprint("some-org/not-in-the-cache") is None  # a hub id that cannot be resolved offline
+    (tmp_path / "m").mkdir()
+    current = fingerprint(str(tmp_path / "m"))
+    assert current == {"path": str(tmp_path / "m"), "files": {}}
+    with pytest.warns(UserWarning, match=r"kept no fingerprint of its base model.*not checked"):
+        check_base({}, tmp_path / "ckpt-000001", current, allow=False, note=True)
+    check_base({"base_model": {"files": {}}}, tmp_path / "ckpt-000001", None, allow=False)  # nothing to compare
+
+
+def test_a_fingerprint_names_new_missing_and_changed_files(tmp_path):
+    from safetensors.torch import save_file
+
+    from flowrl.run.basemodel import differences, fingerprint
+
+    (tmp_path / "unet").mkdir()
+    layers = {f"layer{i:02d}": torch.zeros(64 * 1024) for i in range(40)}  # 10 MiB
+    save_file(layers, tmp_path / "unet" / "w.safetensors")
+    (tmp_path / "gone.bin").write_bytes(b"a" * 3_000_000)
+    (tmp_path / "config.json").write_text("{}")  # not a weight file
+    before = fingerprint(str(tmp_path))
+    assert sorted(before["files"]) == ["gone.bin", "unet/w.safetensors"]
+    layers["layer20"] = layers["layer20"] + 1  # one tensor in the middle, same header
+    save_file(layers, tmp_path / "unet" / "w.safetensors")
+    (tmp_path / "gone.bin").rename(tmp_path / "new.bin")
+    assert differences(before, fingerprint(str(tmp_path))) == [
+        "changed: unet/w.safetensors",
+        "missing: gone.bin",
+        "new: new.bin",
+    ]
+    assert differences(before, before) == []
+
+
+# ------------------------------------------------------------------------------------------ a full disk
+
+
+def test_a_full_disk_during_a_checkpoint_write_removes_its_temporary_folder(tmp_path, monkeypatch):
+    from safetensors import SafetensorError
+
+    import flowrl.run.checkpoint as checkpoint
+
+    w = {"w": torch.ones(1000)}
+    write_checkpoint(tmp_path, 1, trainable=w)
+
+    def full(directory):
+        directory.mkdir()
+        (directory / "adapter.safetensors").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(
+        CheckpointError,
+        match=rf"could not write checkpoint {tmp_path / 'ckpt-000002'}: No space left on device \(it needs at "
+        r"least 7\.8 KiB, .* free there\); its temporary folder was removed and the previous checkpoint "
+        r"ckpt-000001 is intact; free space and resume with checkpoint\.resume=auto$",
+    ):
+        write_checkpoint(tmp_path, 2, trainable=w, extra_dirs={"lora": full})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000001"]
+    assert torch.equal(read_checkpoint(tmp_path / "ckpt-000001")["trainable"]["w"], w["w"])
+
+    def quota(tensors, filename, metadata=None):  # safetensors names the OS error in its own error type
+        raise SafetensorError("Error while serializing: I/O error: Disk quota exceeded (os error 122)")
+
+    monkeypatch.setattr(checkpoint, "save_file", quota)
+    with pytest.raises(CheckpointError, match=r"ckpt-000001: Disk quota exceeded .*there is no earlier checkpoint"):
+        write_checkpoint(tmp_path / "fresh", 1, trainable=w)
+    assert list((tmp_path / "fresh").iterdir()) == []
+
+    def broken(tensors, filename, metadata=None):  # another error stays itself, and leaves no folder either
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(checkpoint, "save_file", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        write_checkpoint(tmp_path, 3, trainable=w)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000001", "fresh"]
+
+
+def test_a_full_disk_during_a_runs_checkpoint_stops_it_in_one_line(tmp_path, capsys, monkeypatch):
+    """`flowrl train`: the LoRA export of epoch 2's checkpoint hits a full disk: one line, no traceback, no
+    temporary folder, epoch 1's checkpoint intact, the lock gone."""
+    export = Trainer.export
+    calls = []
+
+    def export_then_full(self, directory, exported=None):
+        calls.append(directory)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        export(self, directory, exported)
+
+    monkeypatch.setattr(Trainer, "export", export_then_full)
+    run = tmp_path / "run"
+    rc = main(["train", *TINY, f"log.run_dir={run}", "train.epochs=2", "checkpoint.every=1", "eval.before=false"])
+    err = one_line_error(capsys, rc)
+    assert err.startswith(f"flowrl train: could not write checkpoint {run / 'ckpt-000002'}: No space left on device")
+    assert err.endswith(
+        "the previous checkpoint ckpt-000001 is intact; free space and resume with checkpoint.resume=auto"
+    )
+    assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["ckpt-000001"]
+    assert (run / "ckpt-000001" / "lora").is_dir() and not (run / LOCK_NAME).exists()
+    read_checkpoint(run / "ckpt-000001")
