@@ -1,6 +1,6 @@
 """Checks that run before any model loads, so that a typo costs seconds, not a model load: the prompt data (with
 its conditioning images, and their count for the model's family), the rewards' names and options, the model's
-pipeline class and image size (from its config files only), the loggers.
+pipeline class and image size (from its config files only), the loggers, and that the reward servers answer.
 Each failure is one FlowrlError line saying what was wrong and what would be right."""
 
 from __future__ import annotations
@@ -63,6 +63,19 @@ def check_rewards(cfg: Config) -> None:
     kind = "text" if cfg.backend == "text" else "image"
     for i, spec in enumerate(cfg.rewards):
         _checked(f"rewards[{i}] ({spec.name})", rewards.check, spec.name, dict(spec.kwargs), kind)
+
+
+def check_reward_servers(cfg: Config) -> None:
+    """Each reward server a remote reward calls answers `GET /health` (a few seconds, two tries) and serves the
+    reward's kind (`rewards.remote.check_server`); else one line naming its URL and how to start it."""
+    from rewards.remote import RewardServerError, check_server, server_urls
+
+    for i, spec in enumerate(cfg.rewards):
+        for url, kind in server_urls(spec.name, dict(spec.kwargs)):
+            try:
+                check_server(url, kind)
+            except RewardServerError as e:
+                raise PreflightError(f"rewards[{i}] ({spec.name}): {e}") from None
 
 
 def check_reward_samples(cfg: Config, family_name: str | None) -> None:
@@ -269,6 +282,7 @@ def preflight(cfg: Config) -> tuple[PromptSet, PromptSet]:
     check_eval_features(cfg, family_name, eval_set)
     check_loggers(cfg)
     check_optimizer(cfg)
+    check_reward_servers(cfg)  # last: the one check that waits on the network
     return train_set, eval_set
 
 
