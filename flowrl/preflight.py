@@ -62,7 +62,7 @@ def check_rewards(cfg: Config) -> None:
 
     kind = "text" if cfg.backend == "text" else "image"
     for i, spec in enumerate(cfg.rewards):
-        _checked(f"rewards[{i}] ({spec.name})", rewards.check, spec.name, dict(spec.kwargs), kind)
+        _checked(f"rewards[{i}] ({spec.target})", rewards.check, spec.target, dict(spec.kwargs), kind)
 
 
 def check_reward_servers(cfg: Config) -> None:
@@ -71,7 +71,7 @@ def check_reward_servers(cfg: Config) -> None:
     from rewards.remote import RewardServerError, check_server, server_urls
 
     for i, spec in enumerate(cfg.rewards):
-        for url, kind in server_urls(spec.name, dict(spec.kwargs)):
+        for url, kind in server_urls(spec.target, dict(spec.kwargs)):
             try:
                 check_server(url, kind)
             except RewardServerError as e:
@@ -90,10 +90,10 @@ def check_reward_samples(cfg: Config, family_name: str | None) -> None:
     if family(family_name).video:
         return
     for i, spec in enumerate(cfg.rewards):
-        accepts = _checked(f"rewards[{i}] ({spec.name})", declared_accepts, spec.name)
+        accepts = _checked(f"rewards[{i}] ({spec.target})", declared_accepts, spec.target)
         if "image" not in accepts:
             raise PreflightError(
-                f"rewards[{i}] ({spec.name}) scores videos only ({', '.join(accepts)}), and "
+                f"rewards[{i}] ({spec.target}) scores videos only ({', '.join(accepts)}), and "
                 f"{family_name} makes images; use an image reward or a video model"
             )
 
