@@ -1,6 +1,6 @@
 """Checks that run before any model loads, so that a typo costs seconds, not a model load: the prompt data (with
 its conditioning images, and their count for the model's family), the rewards' names and options, the model's
-pipeline class and image size (from its config files only), the loggers.
+pipeline class and image size (from its config files only), the loggers, and that the reward servers answer.
 Each failure is one FlowrlError line saying what was wrong and what would be right."""
 
 from __future__ import annotations
@@ -63,7 +63,20 @@ def check_rewards(cfg: Config) -> None:
 
     kind = "text" if cfg.backend == "text" else "image"
     for i, spec in enumerate(cfg.rewards):
-        _checked(f"rewards[{i}] ({spec.name})", rewards.check, spec.name, dict(spec.kwargs), kind)
+        _checked(f"rewards[{i}] ({spec.target})", rewards.check, spec.target, dict(spec.kwargs), kind)
+
+
+def check_reward_servers(cfg: Config) -> None:
+    """Each reward server a remote reward calls answers `GET /health` (a few seconds, two tries) and serves the
+    reward's kind (`rewards.remote.check_server`); else one line naming its URL and how to start it."""
+    from rewards.remote import RewardServerError, check_server, server_urls
+
+    for i, spec in enumerate(cfg.rewards):
+        for url, kind in server_urls(spec.target, dict(spec.kwargs)):
+            try:
+                check_server(url, kind)
+            except RewardServerError as e:
+                raise PreflightError(f"rewards[{i}] ({spec.name}): {e}") from None
 
 
 def check_reward_samples(cfg: Config, family_name: str | None) -> None:
@@ -78,10 +91,10 @@ def check_reward_samples(cfg: Config, family_name: str | None) -> None:
     if family(family_name).video:
         return
     for i, spec in enumerate(cfg.rewards):
-        accepts = _checked(f"rewards[{i}] ({spec.name})", declared_accepts, spec.name)
+        accepts = _checked(f"rewards[{i}] ({spec.target})", declared_accepts, spec.target)
         if "image" not in accepts:
             raise PreflightError(
-                f"rewards[{i}] ({spec.name}) scores videos only ({', '.join(accepts)}), and "
+                f"rewards[{i}] ({spec.target}) scores videos only ({', '.join(accepts)}), and "
                 f"{family_name} makes images; use an image reward or a video model"
             )
 
@@ -304,6 +317,7 @@ def preflight(cfg: Config) -> tuple[PromptSet, PromptSet]:
     check_loggers(cfg)
     check_optimizer(cfg)
     check_lora_init(cfg)
+    check_reward_servers(cfg)  # last: the one check that waits on the network
     return train_set, eval_set
 
 

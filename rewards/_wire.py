@@ -5,7 +5,8 @@ POST /score, image kind:  {"images": [base64 PNG, ...], "prompts": [...], "metad
 POST /score, text kind:   {"prompts": [...], "completions": [...], "columns": {...}}
                      ->   {"scores": [float | null, ...]}
 GET /health          ->   {"status": "ok", "reward": NAME, "kind": "image" | "text"}
-Errors               ->   {"error": message} with status 400 (bad request), 413 (too large), 500 (reward failed).
+Errors               ->   {"error": message} with status 400 (bad request), 413 (a body over the server's limit,
+                          64 MiB unless started with --max-request-mb), 500 (reward failed).
 """
 
 from __future__ import annotations

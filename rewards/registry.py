@@ -79,6 +79,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 from flowrl.core.registry import Registry, unknown_name_error
+from flowrl.errors import FlowrlError
 from rewards._common import (
     TRL_EXTRAS,
     accepted_kwargs,
@@ -615,7 +616,8 @@ class NamedReward:
 
     Calls go to ``reward`` with ``options`` added as keyword arguments, and with only the keyword
     arguments (dataset columns, TRL's extras) that its signature accepts. A call that raises is re-raised
-    as ``RewardError("reward 'NAME' failed: ...")`` (chained); the output is checked and returned as
+    as ``RewardError("reward 'NAME' failed: ...")`` (chained), a flowrl error (a reward server that is down) as it
+    is; the output is checked and returned as
     ``Tensor[B]`` float32 (image) or ``list[float | None]`` (text). An async reward gives an awaitable,
     checked the same way when awaited. ``last_components`` and other attributes are the wrapped reward's.
 
@@ -697,6 +699,8 @@ class NamedReward:
                 )
             else:
                 out = self.reward(*args, **accepted_kwargs(self.reward, {**kwargs, **self.options}))
+        except FlowrlError:  # a one-line error the user can act on (a reward server down): as it is
+            raise
         except Exception as e:
             raise self._failure(e) from e
         if inspect.isawaitable(out):
@@ -706,6 +710,8 @@ class NamedReward:
     async def _finish(self, pending: Any, size: int | None) -> Any:
         try:
             out = await pending
+        except FlowrlError:
+            raise
         except Exception as e:
             raise self._failure(e) from e
         return self._scores(out, size)
@@ -755,6 +761,8 @@ class NamedReward:
     async def _finish_frames(self, pending: Any, counts: list[int]) -> Any:
         try:
             out = await pending
+        except FlowrlError:
+            raise
         except Exception as e:
             raise self._failure(e) from e
         return self._frame_scores(out, counts)

@@ -4,7 +4,11 @@ a large reward model on another GPU or machine. Images travel as PNG in JSON ove
 A reply is checked before it is used: a body that is not a JSON object, no ``scores``, another number of
 scores than samples, a score that is not a number (or null), or components of the wrong length raise
 RewardServerError naming the server and what was wrong. NaN and infinities (which Python's json reads and
-writes as ``NaN``/``Infinity``) pass through as floats; the trainer decides what to do with them."""
+writes as ``NaN``/``Infinity``) pass through as floats; the trainer decides what to do with them.
+
+RewardServerError is a flowrl error: the command line prints it as one line. Before a run loads its model,
+``check_server`` asks the server's ``GET /health`` (a few seconds, two tries), so that a server that is down, or
+something else on its port, is reported at once."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from typing import Any
 
 import torch
 
+from flowrl.errors import FlowrlError
 from rewards._common import TRL_EXTRAS, check_images
 from rewards._wire import encode_png, to_jsonable
 from rewards.memory import NOTHING
@@ -27,8 +32,9 @@ from rewards.registry import IMAGE, KINDS, register
 RETRY_STATUS = (502, 503, 504)  # transient: retried; any other error status is raised at once
 
 
-class RewardServerError(RuntimeError):
-    """The reward server answered with an error or a malformed reply, or could not be reached."""
+class RewardServerError(FlowrlError, RuntimeError):
+    """The reward server answered with an error or a malformed reply, or could not be reached (one line naming
+    its URL and what was wrong)."""
 
 
 def backoff_delays(retries: int, backoff: float) -> list[float]:
@@ -167,9 +173,10 @@ class RemoteReward:
                 raise self._malformed(f"not HTTP ({type(e).__name__}: {e})") from None
             if attempt < self.retries:
                 time.sleep(delays[attempt])
+        port = urllib.parse.urlparse(self.url).port or "PORT"
         raise RewardServerError(
             f"reward server {self.url} is not answering ({self.retries + 1} attempts, last: {last_error}). "
-            f"Is it running? Start one with: flowrl serve-reward NAME --port PORT"
+            f"Is the server running? Start it with: flowrl serve-reward NAME --port {port}"
         )
 
     def _decode(self, body: bytes) -> dict[str, Any]:
@@ -183,6 +190,37 @@ class RemoteReward:
         return answer
 
 
+def check_server(url: str, kind: str = IMAGE, *, timeout: float = 5.0, retries: int = 1) -> dict[str, Any]:
+    """The server's ``GET /health`` answer, checked to come from a reward server of ``kind``: a cheap check before
+    a run loads its model. RewardServerError (one line naming ``url``) when it does not answer in ``retries + 1``
+    tries of ``timeout`` seconds, answers something else, or serves the other kind."""
+    client = RemoteReward(url, timeout=timeout, retries=retries, backoff=0.5, kind=kind)
+    answer = client.health()
+    served = answer.get("kind")
+    if answer.get("status") != "ok" or served not in KINDS:
+        raise client._malformed(f"GET /health gave {json.dumps(answer)[:120]}, not a flowrl reward server's status")
+    if served != kind:
+        raise RewardServerError(
+            f"reward server {client.url} serves a {served} reward ({answer.get('reward')!r}); "
+            f"this remote reward is of kind {kind!r} (set its kind option, or serve a {kind} reward)"
+        )
+    return answer
+
+
+def server_urls(name: str, options: dict[str, Any]) -> list[tuple[str, str]]:
+    """The (url, kind) of each reward server a configured reward calls: ``remote`` itself, or the ``remote``
+    components of a ``weighted`` reward."""
+    if name == "remote":
+        return [(options.get("url"), options.get("kind", IMAGE))]
+    if name != "weighted" or not isinstance(options.get("components"), dict):
+        return []
+    found = []
+    for key, spec in options["components"].items():
+        if isinstance(spec, dict) and spec.get("reward", key) == "remote":
+            found.append((spec.get("url"), spec.get("kind", IMAGE)))
+    return found
+
+
 def _json_type(value: Any) -> str:
     """The JSON name of a decoded value's type."""
     if value is None:
@@ -193,7 +231,9 @@ def _json_type(value: Any) -> str:
 
 
 def _error_message(error: urllib.error.HTTPError) -> str:
+    """The server's ``{"error": ...}`` message, on one line."""
     try:
-        return json.loads(error.read()).get("error", error.reason)
+        message = json.loads(error.read()).get("error", error.reason)
     except (ValueError, OSError, AttributeError):
-        return str(error.reason)
+        message = error.reason
+    return " ".join(str(message).split())

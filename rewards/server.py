@@ -5,6 +5,7 @@ Scores may be NaN or infinite: they are sent as ``NaN``/``Infinity``, which Pyth
 
     flowrl serve-reward pickscore --port 8000 --arg device=cuda:1 --arg scale=0.038
     flowrl serve-reward mypkg.scores:brightness --kind image   # a plug-in
+    flowrl serve-reward pickscore --max-request-mb 256   # larger batches (default 64 MiB; 413 above the limit)
     rewards.get("remote", url="http://127.0.0.1:8000")   # the client
 """
 
@@ -23,6 +24,8 @@ from rewards._wire import decode_png, to_jsonable
 from rewards.registry import IMAGE, KINDS, RewardError, build, get, is_plugin, kind_of, load_plugin
 
 _CHUNK = 1 << 20
+MIB = 1 << 20
+DEFAULT_MAX_REQUEST_MB = 64.0  # the largest request body by default (`--max-request-mb`): 413 above it
 
 
 class RewardHTTPServer(ThreadingHTTPServer):
@@ -50,13 +53,14 @@ def make_server(
     host: str = "127.0.0.1",
     port: int = 0,
     *,
-    max_request_bytes: int = 64 << 20,
+    max_request_bytes: int = int(DEFAULT_MAX_REQUEST_MB * MIB),
     name: str = "reward",
     quiet: bool = False,
     request_timeout: float = 120.0,
 ) -> RewardHTTPServer:
     """A server (not yet serving: call ``serve_forever``) for ``reward``; ``port=0`` picks a free port,
-    read it back from ``server.server_address``. Requests over ``max_request_bytes`` get a 413."""
+    read it back from ``server.server_address``. Requests over ``max_request_bytes`` get a 413 naming the limit and
+    the flag that raises it (``--max-request-mb``)."""
     kind = kind_of(reward)
     lock = threading.Lock()
 
@@ -93,8 +97,8 @@ def make_server(
                 return self._send(
                     413,
                     {
-                        "error": f"request of {length} bytes exceeds the server's limit of "
-                        f"{max_request_bytes} bytes (--max-request-mb); send smaller batches"
+                        "error": f"request of {_mib(length)} exceeds the server's limit of {_mib(max_request_bytes)}; "
+                        f"restart the server with a larger --max-request-mb, or send smaller batches"
                     },
                 )
             try:
@@ -124,6 +128,10 @@ def make_server(
 
     server_class = RewardHTTPServerV6 if ":" in host else RewardHTTPServer  # ::1 is IPv6
     return server_class((host, port), Handler)
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:.3g} MiB"
 
 
 def _parse_image_request(request: dict[str, Any]) -> Callable[[Callable[..., Any]], dict[str, Any]]:
@@ -195,7 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="address to bind (default loopback; 0.0.0.0 exposes the server to the network)",
     )
     parser.add_argument("--port", type=int, default=8000, help="port (0 picks a free one; default 8000)")
-    parser.add_argument("--max-request-mb", type=float, default=64.0, help="largest request body, in MiB")
+    parser.add_argument(
+        "--max-request-mb",
+        type=float,
+        default=DEFAULT_MAX_REQUEST_MB,
+        help=f"largest request body, in MiB (default {DEFAULT_MAX_REQUEST_MB:g}); a larger one is answered 413",
+    )
     parser.add_argument(
         "--arg",
         action="append",
@@ -234,6 +247,9 @@ def serve_main(argv: list[str], *, on_ready: Callable[[RewardHTTPServer], None] 
     except ValueError as e:
         print(f"flowrl serve-reward: {e}", file=sys.stderr)
         return 2
+    if not args.max_request_mb > 0:
+        print(f"flowrl serve-reward: --max-request-mb must be > 0, got {args.max_request_mb:g}", file=sys.stderr)
+        return 2
     try:
         reward = _build_served(args.name, options, args.kind)
     except (ValueError, TypeError) as e:  # unknown name or option: the message lists the valid ones
@@ -243,7 +259,7 @@ def serve_main(argv: list[str], *, on_ready: Callable[[RewardHTTPServer], None] 
         reward,
         args.host,
         args.port,
-        max_request_bytes=int(args.max_request_mb * (1 << 20)),
+        max_request_bytes=int(args.max_request_mb * MIB),
         name=args.name,
         quiet=args.quiet,
     )
@@ -254,7 +270,8 @@ def serve_main(argv: list[str], *, on_ready: Callable[[RewardHTTPServer], None] 
             file=sys.stderr,
         )
     print(
-        f"serving reward {args.name!r} ({kind_of(reward)}) on http://{host}:{port}  (POST /score, GET /health)",
+        f"serving reward {args.name!r} ({kind_of(reward)}) on http://{host}:{port}  (POST /score, GET /health; "
+        f"requests up to {args.max_request_mb:g} MiB: --max-request-mb)",
         flush=True,
     )
     if on_ready is not None:

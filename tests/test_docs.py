@@ -82,7 +82,7 @@ def test_the_readmes_own_model_reward_and_prompts_train_as_printed(tmp_path, mon
     assert main(["train", config_name, *tiny]) == 0
     run = tmp_path / config["log"]["run_dir"]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    key = f"reward/{reward['name']}_mean"
+    key = f"reward/{reward['name'].rpartition(':')[2]}_mean"  # a plug-in is named by its function
     means = [row[key] for row in rows if key in row]
     gain = reward["kwargs"]["gain"]
     assert means and 0 < means[0] < gain  # gain x a mean brightness in (0, 1)

@@ -4,7 +4,9 @@ flowrl.families, not by copying tests), on its tiny random-weight pipeline:
 - with the SDE off, the rollout is the pipeline's own `pipe(...)`, latent by latent;
 - the exported LoRA loads with the pipeline's `load_lora_weights` and reproduces the trained model;
 - a directory written by diffusers' own `save_pretrained` trains one `flowrl train` epoch that changes the LoRA
-  and writes a checkpoint `flowrl sample` loads.
+  and writes a checkpoint `flowrl sample` loads;
+- a directory saved with another scheduler the family swaps for its own (`other_schedulers`: a plain Euler or
+  DPM-Solver config, with none of DDIM's keys; a flow solver) samples finite log-probs with a finite gradient.
 A video family's tiny model samples `tiny_num_frames` frames (`pipe(num_frames=...)`, `sample.num_frames`); a family
 taking conditioning images (an editor, image-to-video) gets a small generated source image per prompt (`conditioned`).
 """
@@ -215,6 +217,48 @@ def test_a_saved_pipeline_trains_one_epoch_and_flowrl_sample_loads_its_checkpoin
         assert list(run.glob("eval-*/000.webp")) and list(run.glob("eval-*.png"))  # animations beside the grid
     else:
         assert (out / "000_seed0.png").exists()
+
+
+def _plain_scheduler(class_name: str, config, extra: dict):
+    """A `class_name` scheduler with the model's noise schedule and only its own config keys (a directory written by
+    another tool has no other scheduler's keys, e.g. no DDIM `set_alpha_to_one`)."""
+    import inspect
+
+    import diffusers
+
+    cls = getattr(diffusers, class_name)
+    own = inspect.signature(cls.__init__).parameters
+    return cls.from_config({**{k: v for k, v in config.items() if k in own}, **extra})
+
+
+OTHER_SCHEDULERS = [(n, cls, extra) for n in FAMILIES for cls, extra in family(n).other_schedulers]
+
+
+@pytest.mark.parametrize("name,scheduler,extra", OTHER_SCHEDULERS, ids=[f"{n}-{cls}" for n, cls, _ in OTHER_SCHEDULERS])
+def test_a_directory_with_another_scheduler_trains_with_finite_log_probs(name, scheduler, extra, tmp_path):
+    assert {"sd15", "sdxl", "sana", "wan"} <= {n for n, _, _ in OTHER_SCHEDULERS}
+    pipe = tiny_pipeline(f"tiny-{name}")
+    pipe.scheduler = _plain_scheduler(scheduler, pipe.scheduler.config, extra)
+    pipe.save_pretrained(tmp_path / "model")
+    backend = load_image_backend(str(tmp_path / "model"), max_sequence_length=16)
+    traj = backend.rollout(
+        PROMPTS,
+        2,
+        num_steps=3,
+        seed=3,
+        height=SIZE,
+        width=SIZE,
+        decode=False,
+        num_frames=backend.tiny_num_frames,
+        images=condition_images(name, len(PROMPTS)),
+    )
+    assert traj.sde_mask.all() and torch.isfinite(traj.log_probs).all(), traj.log_probs
+    backend.denoiser.requires_grad_(True)
+    with torch.enable_grad():
+        lp, _, _ = backend.step_log_prob(traj, traj.train_steps)
+        lp.sum().backward()
+    grads = [p.grad for p in backend.denoiser.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
 
 
 CONDITIONED = [n for n in FAMILIES if family(n).condition_images[1] > 0]

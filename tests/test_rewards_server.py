@@ -94,10 +94,25 @@ def test_text_reward_over_the_server(serve):
     assert remote(["q"] * 3, completions, solution=["4", "4", "pi"]) == [1.0, 0.0, None]
 
 
-def test_request_over_the_size_limit_gets_413(serve):
+def test_request_over_the_size_limit_gets_413_naming_the_limit_and_the_flag(serve):
     remote = rewards.get("remote", url=serve(MeanPixel(), max_request_bytes=2000), retries=0)
-    with pytest.raises(RewardServerError, match="413.*exceeds the server's limit of 2000 bytes"):
+    with pytest.raises(RewardServerError) as info:
         remote(random_images(2, (40, 40)), ["a", "b"])  # noise PNGs of ~5 kB each
+    message = str(info.value)
+    assert "\n" not in message and "answered 413: request of 0.0" in message
+    assert "exceeds the server's limit of 0.00191 MiB; restart the server with a larger --max-request-mb" in message
+
+
+def test_the_max_request_mb_flag_sets_the_limit(capsys):
+    with serving(["jpeg_incompressibility", "--port", "0", "--quiet", "--max-request-mb", "0.002"]) as server:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        remote = rewards.get("remote", url=url, retries=0)
+        with pytest.raises(RewardServerError, match=r"413: .* limit of 0\.002 MiB; .*--max-request-mb"):
+            remote(random_images(2, (40, 40)), ["a", "b"])
+        assert remote(random_images(1, (4, 4)), ["a"]).shape == (1,)  # a small request is served
+    assert "requests up to 0.002 MiB: --max-request-mb" in capsys.readouterr().out
+    assert serve_main(["jpeg_incompressibility", "--max-request-mb", "0"]) == 2
+    assert "--max-request-mb must be > 0" in capsys.readouterr().err
 
 
 def test_reward_failure_is_reported_and_not_retried(serve, monkeypatch):
@@ -445,3 +460,102 @@ def test_remote_text_reward_through_the_trl_call_sends_only_data(serve):
     )
     assert out == [2.0, 1.0]
     assert seen == {"answer": ["1", "2"], "completion_ids": [[1, 2], [3]]}  # no trainer_state, log_metric, log_extra
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:  # a port that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_remote_reward_failing_in_a_run_is_one_flowrl_error(monkeypatch):
+    """Built as a run builds it (`rewards.build`): the server's error is not wrapped into a RewardError with its
+    traceback; it is a flowrl error, which the command line prints as one line."""
+    from flowrl.errors import FlowrlError
+
+    monkeypatch.setattr(remote_module.time, "sleep", lambda s: None)
+    url = f"http://127.0.0.1:{_closed_port()}"
+    reward = rewards.build("remote", {"url": url, "retries": 1}, IMAGE)
+    with pytest.raises(FlowrlError) as info:
+        reward(random_images(1), ["a"])
+    assert isinstance(info.value, RewardServerError) and "\n" not in str(info.value)
+    assert f"{url} is not answering" in str(info.value)
+
+
+class HealthPage(BaseHTTPRequestHandler):
+    """Something else on the port: answers GET with an HTML page."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        body = b"<html>hello</html>"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def _train_with_remote(url: str, tmp_path, *extra) -> list[str]:
+    from pathlib import Path
+
+    tiny_cfg = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml")
+    return [
+        "train",
+        tiny_cfg,
+        "model.device=cpu",
+        "log.progress=false",
+        f"log.run_dir={tmp_path / 'run'}",
+        f"rewards=[{{name: remote, kwargs: {{url: '{url}'{''.join(extra)}}}}}]",
+    ]
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    import flowrl.policies
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the reward server was checked")
+
+    monkeypatch.setattr(flowrl.policies, "build_policy", refuse)
+
+
+def _one_line(capsys, rc) -> str:
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_a_reward_server_that_is_down_is_refused_before_the_model_loads(tmp_path, capsys, no_model_load):
+    from flowrl.cli import main
+
+    url = f"http://127.0.0.1:{_closed_port()}"
+    err = _one_line(capsys, main(_train_with_remote(url, tmp_path)))
+    assert f"rewards[0] (remote): reward server {url} is not answering (2 attempts" in err
+    assert f"Is the server running? Start it with: flowrl serve-reward NAME --port {url.rsplit(':', 1)[1]}" in err
+
+
+def test_something_else_on_the_port_or_the_other_kind_is_refused_before_the_model_loads(
+    tmp_path, capsys, no_model_load, serve
+):
+    from flowrl.cli import main
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), HealthPage)
+    server.daemon_threads = True
+    with running_servers() as run:
+        url = run(server)
+        err = _one_line(capsys, main(_train_with_remote(url, tmp_path)))
+    assert f"rewards[0] (remote): reward server {url} sent a malformed reply: not JSON" in err
+    url = serve(rewards.get("accuracy"), name="accuracy")
+    err = _one_line(capsys, main(_train_with_remote(url, tmp_path)))
+    assert f"reward server {url} serves a text reward ('accuracy'); this remote reward is of kind 'image'" in err
+
+
+def test_preflight_checks_the_servers_of_a_weighted_rewards_remote_components(serve):
+    from rewards.remote import check_server, server_urls
+
+    url = serve(MeanPixel(), name="mean_pixel")
+    options = {"components": {"near": {"reward": "remote", "url": url}, "jpeg_compressibility": 1.0}}
+    assert server_urls("weighted", options) == [(url, IMAGE)]
+    assert server_urls("remote", {"url": url, "kind": "text"}) == [(url, "text")]
+    assert check_server(url) == {"status": "ok", "reward": "mean_pixel", "kind": "image"}

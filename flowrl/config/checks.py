@@ -42,6 +42,22 @@ def range_problems(cfg: Config) -> list[str]:
     return problems
 
 
+def _reward_name_problems(cfg: Config) -> list[str]:
+    """Each reward has a name of its own in the metrics (`reward/NAME_mean`, `eval/NAME`): two of one name would
+    write one metric, so they are refused (not suffixed: a metric's name does not depend on the order of the list)."""
+    problems, first = [], {}
+    for i, r in enumerate(cfg.rewards):
+        if "/" in r.name:
+            problems.append(f"rewards[{i}].name={r.name!r}: a reward's name in the metrics has no '/'")
+        if r.name in first:
+            problems.append(
+                f"rewards[{first[r.name]}] and rewards[{i}] are both named {r.name!r} in the metrics; give one "
+                f"a name of its own and what it builds as `reward`, e.g. {{name: {r.name}_2, reward: {r.target}}}"
+            )
+        first.setdefault(r.name, i)
+    return problems
+
+
 def _family_problems(cfg: Config) -> list[str]:
     """model.family against the registered families (flowrl.families), and what the family allows (drop_t5; its
     step kernels are checked by the objective that samples with them)."""
@@ -110,6 +126,7 @@ def validate(cfg: Config) -> None:
             f"rewards: every weight is 0 ({', '.join(r.name for r in cfg.rewards)}), so there is nothing "
             "to train on; give at least one reward a non-zero weight (weight 0 = report only)"
         )
+    problems.extend(_reward_name_problems(cfg))
     if cfg.backend == "image":
         problems.extend(_family_problems(cfg))
     if t.optimizer == "adamw_8bit" and t.sharding == "fsdp":

@@ -154,7 +154,14 @@ def without_other_objectives(tree: dict, objective: str) -> dict:
 
 def _all_keys(cls: type = Config, prefix: str = "") -> list[str]:
     return [row[0] for row in describe(cls, prefix)] + (
-        ["rewards.name", "rewards.weight", "rewards.kwargs", "rewards.video_frames", "rewards.video_aggregate"]
+        [
+            "rewards.name",
+            "rewards.reward",
+            "rewards.weight",
+            "rewards.kwargs",
+            "rewards.video_frames",
+            "rewards.video_aggregate",
+        ]
         if cls is Config and not prefix
         else []
     )

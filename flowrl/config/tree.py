@@ -303,7 +303,9 @@ class RewardSpec:
     RANGES: ClassVar[dict[str, Range]] = {"weight": Range(), "video_frames": AT_LEAST_1}
 
     name: str = "jpeg_compressibility"
-    """Registered reward name (`rewards.available()` lists them)."""
+    """Registered reward name (`rewards.available()` lists them), or a plug-in `module:function` /
+    `file.py:function`; the reward's name in the metrics (a plug-in's: its function's name). With `reward` set: only
+    the name in the metrics (a label)."""
     weight: float = 1.0
     """Weight in the combination (0 = computed and reported, not trained on)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
@@ -313,6 +315,19 @@ class RewardSpec:
     (a video-native reward gets the whole clip)."""
     video_aggregate: Literal["mean", "min", "max"] = "mean"
     """Video models: how an image reward's frame scores make the video's score."""
+    reward: str = ""
+    """What is built when `name` is a label: a registered name or a plug-in; empty = `name` (a plug-in given as
+    `name` is moved here, and `name` becomes its function's name)."""
+
+    def __post_init__(self):
+        # A plug-in is named in the metrics by its function, not by its path (`eval//abs/my.py:fn_mean`).
+        if not self.reward and ":" in self.name:
+            self.reward, self.name = self.name, self.name.rpartition(":")[2]
+
+    @property
+    def target(self) -> str:
+        """What is built: `reward`, else `name`."""
+        return self.reward or self.name
 
 
 @dataclass

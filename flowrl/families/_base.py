@@ -178,6 +178,9 @@ class ImageBackend:
     default_num_frames: ClassVar[int] = 1  # frames per sample when none are asked for (the pipeline's default)
     tiny_num_frames: ClassVar[int] = 1  # frames per sample of the tiny test model's runs
     tiny_denoiser: ClassVar[dict]  # the denoiser config of its tiny random-weight test model
+    #: schedulers a directory of this family may ship that the backend swaps for the one it samples with: (diffusers
+    #: class name, config beyond the model's noise schedule). The family tests check that such a directory trains.
+    other_schedulers: ClassVar[tuple[tuple[str, dict], ...]] = ()
     #: how the memory planner (`flowrl plan`) reads `denoiser_class`: which layers see which token streams, which
     #: modules gradient checkpointing recomputes (flowrl.plan.declarations.Layout)
     plan_layout: ClassVar[Layout]

@@ -8,14 +8,48 @@ from torch import Tensor
 
 from flowrl.sampling import flow_sde_step
 
-from ._base import ImageBackend, Schedule
+from ._base import ImageBackend, ImageModelError, Schedule
+
+
+def flow_euler_scheduler(scheduler, family: str):
+    """The FlowMatchEulerDiscreteScheduler a flow family samples with (the SDE kernels step on Euler sigmas), made
+    from the directory's scheduler: itself if it is one; another flow-matching scheduler (FlowMatchHeun,
+    FlowMatchLCM) through its config; a solver of flow predictions (DPM-Solver, UniPC: what SANA and Wan ship) with
+    its flow shift. Anything else is an ImageModelError."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
+        return scheduler
+    config, name = scheduler.config, type(scheduler).__name__
+    if name.startswith("FlowMatch"):
+        return FlowMatchEulerDiscreteScheduler.from_config(config)
+    if config.get("prediction_type") == "flow_prediction":
+        return FlowMatchEulerDiscreteScheduler(
+            num_train_timesteps=config.get("num_train_timesteps", 1000), shift=config.get("flow_shift") or 1.0
+        )
+    raise ImageModelError(
+        f"{family} samples flow-matching models; this {name} has prediction_type "
+        f"{config.get('prediction_type')!r}, not 'flow_prediction' (a FlowMatchEulerDiscreteScheduler is right)"
+    )
 
 
 class FlowMatchingBackend(ImageBackend):
-    """A flow-matching family: FlowMatchEulerDiscreteScheduler sigmas, flow_sde_step."""
+    """A flow-matching family: FlowMatchEulerDiscreteScheduler sigmas, flow_sde_step. The pipeline's scheduler is
+    replaced by one made from it (`flow_euler_scheduler`) if it is another."""
 
     sde_types = ("sde", "cps", "dance", "ode")
     default_sde_type = "sde"
+    other_schedulers = (
+        ("FlowMatchHeunDiscreteScheduler", {}),
+        (
+            "DPMSolverMultistepScheduler",
+            {"prediction_type": "flow_prediction", "use_flow_sigmas": True, "flow_shift": 3.0},
+        ),
+    )
+
+    def __init__(self, pipe, **kwargs):
+        pipe.scheduler = flow_euler_scheduler(pipe.scheduler, self.family)
+        super().__init__(pipe, **kwargs)
 
     def _set_scheduler(self, num_steps: int, **kwargs) -> Schedule:
         scheduler = self.pipe.scheduler

@@ -14,7 +14,7 @@ from flowrl.plan.declarations import NOT_CALIBRATED, Layout
 
 from . import _tiny as tiny
 from ._base import SizeRule, encode_prompt_per_prompt, register_family
-from ._flow import FlowMatchingBackend
+from ._flow import FlowMatchingBackend, flow_euler_scheduler
 
 # the tiny test model's transformer (`tiny-sana`)
 TINY_TRANSFORMER = dict(
@@ -91,20 +91,8 @@ class SanaBackend(FlowMatchingBackend):
     def __init__(self, pipe, *, complex_human_instruction: Sequence[str] | None = None, **kwargs):
         """complex_human_instruction: the lines prefixed to every prompt (None: the pipeline's default; () for
         none). The pipeline's scheduler is replaced by a FlowMatchEulerDiscreteScheduler with its flow shift."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        scheduler = pipe.scheduler
-        if not isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
-            config = scheduler.config
-            if config.get("prediction_type") != "flow_prediction":
-                raise ValueError(
-                    f"SanaBackend samples flow-matching models; this {type(scheduler).__name__} has "
-                    f"prediction_type {config.get('prediction_type')!r}, not 'flow_prediction'"
-                )
-            pipe.scheduler = FlowMatchEulerDiscreteScheduler(
-                num_train_timesteps=config.get("num_train_timesteps", 1000), shift=config.get("flow_shift") or 1.0
-            )
-        elif pipe.scheduler.config.get("use_dynamic_shifting", False):
+        pipe.scheduler = flow_euler_scheduler(pipe.scheduler, self.family)
+        if pipe.scheduler.config.get("use_dynamic_shifting", False):
             raise ValueError("SanaPipeline passes no `mu`: a scheduler with use_dynamic_shifting cannot sample it")
         encode_prompt_per_prompt(pipe)
         if complex_human_instruction is None:

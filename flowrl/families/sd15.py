@@ -26,6 +26,21 @@ TINY_UNET = dict(
 )
 
 
+def ddim_scheduler(scheduler):
+    """The DDIM scheduler the backend samples with, made from the directory's scheduler (DDPO swaps DDIM in from the
+    pipeline's config): its betas, prediction type, timestep spacing and steps offset as the source says, and the
+    DDIM-only settings as SD1.5 / SDXL base have them when the source does not say (an Euler or DPM-Solver config
+    has no `clip_sample`: DDIM's default True would clamp x0 to [-1, 1]). `set_alpha_to_one` is False whatever the
+    source says: True puts alpha-bar 1 below the last step, whose DDIM variance is then 0 and its log-prob not
+    finite, so no run could train it."""
+    from diffusers import DDIMScheduler
+
+    config = scheduler.config
+    if isinstance(scheduler, DDIMScheduler) and not config.set_alpha_to_one:
+        return scheduler
+    return DDIMScheduler.from_config(config, set_alpha_to_one=False, clip_sample=bool(config.get("clip_sample", False)))
+
+
 @register_family
 class SD15Backend(ImageBackend):
     """StableDiffusionPipeline with a DDIM scheduler (swapped in from the pipeline's config, as DDPO
@@ -62,14 +77,12 @@ class SD15Backend(ImageBackend):
         gamma=0.364,
     )
     default_sde_type = "ddim"
+    other_schedulers = (("EulerDiscreteScheduler", {}), ("DPMSolverMultistepScheduler", {}))
     default_guidance_scale = 5.0
     uses_cfg_encodings = True
 
     def __init__(self, pipe, **kwargs):
-        from diffusers import DDIMScheduler
-
-        if not isinstance(pipe.scheduler, DDIMScheduler):
-            pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+        pipe.scheduler = ddim_scheduler(pipe.scheduler)
         config = pipe.scheduler.config
         if config.prediction_type != "epsilon":
             raise ValueError(

@@ -15,7 +15,7 @@ from flowrl.plan.declarations import NOT_CALIBRATED, Layout
 
 from . import _tiny as tiny
 from ._base import ImageModelError, SizeRule, register_family
-from ._flow import FlowMatchingBackend
+from ._flow import FlowMatchingBackend, flow_euler_scheduler
 
 # the tiny test model's transformer (`tiny-wan`): 2 heads of 12 (RoPE splits a head over frames, rows, columns)
 TINY_TRANSFORMER = dict(
@@ -65,13 +65,15 @@ class WanBackend(FlowMatchingBackend):
     uses_cfg_encodings = True
     _t5_tokenizer_attr = "tokenizer"
     video = True
+    other_schedulers = (
+        *FlowMatchingBackend.other_schedulers,
+        ("UniPCMultistepScheduler", {"prediction_type": "flow_prediction", "use_flow_sigmas": True, "flow_shift": 3.0}),
+    )
     default_num_frames = 81  # WanPipeline's: 5 s at 16 fps
     tiny_num_frames = 5  # two latent frames
 
     def __init__(self, pipe, **kwargs):
         """The pipeline's scheduler is replaced by a FlowMatchEulerDiscreteScheduler with its flow shift."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
         if getattr(pipe, "transformer_2", None) is not None or pipe.config.get("boundary_ratio") is not None:
             raise ImageModelError(
                 "WanBackend trains one denoiser: this pipeline has Wan2.2's two experts "
@@ -80,18 +82,8 @@ class WanBackend(FlowMatchingBackend):
             )
         if pipe.config.get("expand_timesteps", False):
             raise ImageModelError("WanBackend does not drive Wan2.2 TI2V's per-token timesteps (expand_timesteps)")
-        scheduler = pipe.scheduler
-        if not isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
-            config = scheduler.config
-            if config.get("prediction_type") != "flow_prediction":
-                raise ImageModelError(
-                    f"WanBackend samples flow-matching models; this {type(scheduler).__name__} has "
-                    f"prediction_type {config.get('prediction_type')!r}, not 'flow_prediction'"
-                )
-            pipe.scheduler = FlowMatchEulerDiscreteScheduler(
-                num_train_timesteps=config.get("num_train_timesteps", 1000), shift=config.get("flow_shift") or 1.0
-            )
-        elif pipe.scheduler.config.get("use_dynamic_shifting", False):
+        pipe.scheduler = flow_euler_scheduler(pipe.scheduler, self.family)
+        if pipe.scheduler.config.get("use_dynamic_shifting", False):
             raise ImageModelError("WanPipeline passes no `mu`: a scheduler with use_dynamic_shifting cannot sample it")
         super().__init__(pipe, **kwargs)
 

@@ -317,9 +317,9 @@ def reward_components(specs) -> tuple[list[Component], list[str]]:
     parts, notes = [], []
     for spec in specs:
         try:
-            held = rewards.memory_spec(spec.name, dict(spec.kwargs))
+            held = rewards.memory_spec(spec.target, dict(spec.kwargs))
         except rewards.RewardConfigError as e:
-            notes.append(f"reward {spec.name}: its memory is not estimated: {e}")
+            notes.append(f"reward {spec.target}: its memory is not estimated: {e}")
             continue
         for item in held:
             found, why = _held_component(f"reward {item.reward}", f"reward {item.reward}", item)

@@ -25,7 +25,7 @@ def build_reward_fns(cfg, kind: str) -> list:
 
     return [
         rewards.build(
-            spec.name, dict(spec.kwargs), kind, video_frames=spec.video_frames, video_aggregate=spec.video_aggregate
+            spec.target, dict(spec.kwargs), kind, video_frames=spec.video_frames, video_aggregate=spec.video_aggregate
         )
         for spec in cfg.rewards
     ]
