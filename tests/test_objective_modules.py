@@ -300,3 +300,21 @@ def test_grpo_loss_moves_the_scorers_cpu_tensors_to_the_units_device():
     )
     loss, stats = grpo_loss(out, torch.ones(b), torch.ones(b, dtype=torch.bool), GRPOSettings(beta=0.1), "token-mean")
     assert loss.device.type == "meta" and stats["kl"].device.type == "meta"
+
+
+def test_cudnn_attention_is_off_on_cuda_unless_asked(monkeypatch):
+    """model.cudnn_attention: on a CUDA device the trainer turns PyTorch's cuDNN attention backend off (its backward
+    failed for FLUX.1-dev on an H200) unless the config asks for it; on the CPU it touches nothing."""
+    import torch
+
+    from flowrl.train.trainer import attention_backends
+
+    calls = []
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", calls.append)
+    attention_backends(torch.device("cpu"), cudnn=False)
+    assert calls == []
+    attention_backends(torch.device("cuda", 0), cudnn=False)
+    attention_backends(torch.device("cuda"), cudnn=True)
+    assert calls == [False, True]
+    assert load_config(None, []).model.cudnn_attention is False
+    assert load_config(None, ["model.cudnn_attention=true"]).model.cudnn_attention is True

@@ -33,6 +33,10 @@ class ModelConfig:
     drop_t5: bool = False
     """SD3/SD3.5: leave the T5 text encoder out (diffusers' `text_encoder_3=None`): ~4.7B fewer parameters in
     memory, prompts encoded by the two CLIP encoders only (T5's part of the embedding is zeros)."""
+    cudnn_attention: bool = False
+    """Let PyTorch's `scaled_dot_product_attention` use its cuDNN backend when training on a CUDA GPU. Off by default:
+    its backward failed with an illegal memory access for FLUX.1-dev's shapes on an H200 (torch 2.11, cuDNN 9.19;
+    see docs/benchmarks.md); the flash and memory-efficient backends serve instead, at about the same speed."""
 
 
 @dataclass

@@ -23,8 +23,9 @@ even a 20B denoiser plans in seconds on a laptop. Per GPU, in GiB, it reports:
   (the denoiser's weights, its trained parameters, gradients, optimizer and EMA sharded over the GPUs) and
   offload (text encoders, VAE and rewards off the GPU, optimizer states and EMA in CPU memory);
 - the rollout's peak, without gradients: `sample.rollout_batch_size` images (0: the GPU's whole batch) through
-  the denoiser, then the VAE decoder; for a causal LM, generate()'s KV cache, then the old log-probs of the
-  GPU's whole batch in one forward; and the largest batch the rollout fits.
+  the denoiser, then the VAE decoder; for a causal LM, generate()'s KV cache and scores, then (with
+  `text.old_log_probs=forward`, or a reference forward for `text.kl_in_reward`) the log-probs of the GPU's whole
+  batch in one forward; and the largest batch the rollout fits.
 
 Configurations come from (in this order): a tiny test model (`tiny-<family>`, built for real: it is tiny), a
 local pipeline directory (model_index.json and each component's config.json), the JSON files shipped in

@@ -1,5 +1,6 @@
 """The plan of a text run: the causal LM built on meta, its LoRA, one completion's activations (its output head
-and the log-prob's row chunks), and the rollout: generate()'s KV cache, then the old log-probs in one forward."""
+and the log-prob's row chunks), and the rollout: generate()'s KV cache, then (text.old_log_probs=forward, or a reference
+forward for text.kl_in_reward) the old log-probs in one forward."""
 
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ LM_BLOCKS = r"(?:.*\.)?(?:layers|h|blocks)\.\d+"
 #: 205.8 / 284.0 / 440.5 MiB: 39.1 MiB per completion = 1.95 x its bf16 logits (they and the copy the log-prob makes
 #: of their slice) and 128 MiB once = 2 float32 row chunks of 2^24 elements; within 2% up to 16 completions. With a
 #: 1,024 vocabulary the hidden states, left out, matter: 32% under.
+#: float32 [vocabulary] rows per completion that generate() holds at a step: the step's logits, the processed scores,
+#: the sampling probabilities and the recorder's log-softmax (text.old_log_probs=sampling), with one to spare
+GENERATE_SCORES = 5
+
 LM_CALIBRATION = Calibration(
     0.849,
     0.52,
@@ -146,11 +151,12 @@ def plan_text(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     logits = LM_CALIBRATION.gamma * b * tokens * vocab
     gamma_chunk = LM_CALIBRATION.gamma_chunk
-    rollout = RolloutEstimate(
-        local,
-        {"generate (KV cache)": (kv * head_dim * tokens * b, False), LOGITS_PHASE: (logits, False)},
-        lambda n: gamma_chunk * 4 * update.chunk_units(n),
-    )
+    # generate() also holds each step's scores over the vocabulary in float32 (the sampler's and, with
+    # text.old_log_probs=sampling, the recorder's log-softmax): a few [vocabulary] rows per completion
+    phases = {"generate (KV cache)": (kv * head_dim * tokens * b + GENERATE_SCORES * 4 * vocab, False)}
+    if x.old_log_probs == "forward" or (t.grpo.beta > 0 and x.kl_in_reward):  # a forward of the whole batch after it
+        phases[LOGITS_PHASE] = (logits, False)
+    rollout = RolloutEstimate(local, phases, lambda n: gamma_chunk * 4 * update.chunk_units(n))
     host = tr.host_bytes()
     return finish(
         facts,

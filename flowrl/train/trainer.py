@@ -55,6 +55,14 @@ class State:
     budget_seconds: float = 0.0  # train.max_minutes spent on train.budget_clock when the checkpoint was written
 
 
+def attention_backends(device: torch.device, *, cudnn: bool) -> None:
+    """On a CUDA device, whether scaled_dot_product_attention may use cuDNN's fused attention (model.cudnn_attention):
+    its backward failed with an illegal memory access for FLUX.1-dev on an H200 (torch 2.11, cuDNN 9.19), which the
+    flash and memory-efficient backends trained. A process-wide torch setting; nothing changes on other devices."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
+
+
 def progress_postfix(metrics: dict, objective) -> dict[str, str]:
     """What the progress bar shows after an epoch: the mean reward, and the objective's own fields (GRPO: the first
     minibatch's ratio; DPO: its pairs)."""
@@ -94,6 +102,7 @@ class Trainer:
         self.acc.wait_for_everyone()
         seed_everything(t.seed)
         self.device = self.acc.device if cfg.model.device == "auto" else torch.device(cfg.model.device)
+        attention_backends(self.device, cudnn=cfg.model.cudnn_attention)
         self.policy = build_policy(cfg, self.device)
         prompt_sets = {"data.train_prompts": self.train_set, "data.eval_prompts": self.eval_set}
         check_prompt_lengths(self.policy, prompt_sets, warn=self.main)  # and silences the libraries' own logs
