@@ -6,7 +6,7 @@
 # multi-GB CUDA build. The default pins the wheels that lie on the reference CPU machine
 # (torchvision is needed by open_clip). On your own GPU machine keep your torch:
 #   make test TORCH=           (skip the torch step, use whatever the venv already has)
-#   make test TORCH="torch==2.5.1 torchvision==0.20.1 --index-url https://download.pytorch.org/whl/cu124"
+#   make test TORCH="torch==2.11.0 torchvision==0.26.0 --index-url https://download.pytorch.org/whl/cu130"
 VENV   ?= .venv
 PYTHON ?= python3
 TORCH  ?= torch==2.14.1 torchvision==0.29.1

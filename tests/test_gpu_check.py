@@ -66,3 +66,24 @@ def test_gpu_check_isolates_each_model_in_a_process_of_its_own(tmp_path):
     assert [r["case"] for r in rows] == ["sd35m-grpo"] and "error" not in rows[0], rows
     assert abs(rows[0]["ratio_first"] - 1) < 1e-5
     assert json.loads((tmp_path / "gpu_check.json").read_text())["rows"] == rows
+
+
+def test_lower_bounds_are_the_oldest_versions_a_run_has_seen():
+    """pyproject.toml's lower bounds of the libraries flowrl drives are the oldest versions it was seen to train with:
+    the GPU check's recorded environment or this machine's, whichever is older (by major.minor)."""
+    import importlib.metadata as md
+    import re
+
+    from packaging.version import Version
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "pyproject.toml").read_text()
+    seen = [
+        json.loads(p.read_text())["environment"] for p in (root / "benchmarks" / "results").glob("gpu_check_*.json")
+    ]
+    assert seen, "no recorded GPU check"
+    for name in ("torch", "diffusers", "transformers", "accelerate", "peft"):
+        bound = Version(re.search(rf'"{name}>=([0-9.]+)"', text).group(1))
+        versions = [Version(env[name].split("+")[0]) for env in seen] + [Version(md.version(name).split("+")[0])]
+        oldest = min(versions)
+        assert (bound.major, bound.minor) == (oldest.major, oldest.minor), (name, str(bound), str(oldest))
