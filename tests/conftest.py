@@ -84,3 +84,14 @@ def tiny_lm(tmp_path_factory):
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10, 14) for b in range(20, 23)]
     (d / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return d
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if a model is loaded: the checks under test must come first."""
+    import flowrl.policies
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the mistake was reported")
+
+    monkeypatch.setattr(flowrl.policies, "build_policy", refuse)

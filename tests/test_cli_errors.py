@@ -29,17 +29,6 @@ def one_line_error(capsys, code, rc) -> str:
     return err
 
 
-@pytest.fixture
-def no_model_load(monkeypatch):
-    """Fail the test if a model is loaded: the checks under test must come first."""
-    import flowrl.policies
-
-    def refuse(*a, **k):
-        raise AssertionError("the model was loaded before the mistake was reported")
-
-    monkeypatch.setattr(flowrl.policies, "build_policy", refuse)
-
-
 def test_report_on_a_missing_or_empty_run_directory(tmp_path, capsys):
     err = one_line_error(capsys, 1, main(["report", str(tmp_path / "nowhere")]))
     assert "nowhere is not a run directory: it does not exist" in err

@@ -510,16 +510,6 @@ def _train_with_remote(url: str, tmp_path, *extra) -> list[str]:
     ]
 
 
-@pytest.fixture
-def no_model_load(monkeypatch):
-    import flowrl.policies
-
-    def refuse(*a, **k):
-        raise AssertionError("the model was loaded before the reward server was checked")
-
-    monkeypatch.setattr(flowrl.policies, "build_policy", refuse)
-
-
 def _one_line(capsys, rc) -> str:
     err = capsys.readouterr().err.strip()
     assert rc == 1 and "Traceback" not in err and len(err.splitlines()) == 1, err

@@ -51,17 +51,6 @@ def one_line_error(capsys, rc) -> str:
     return err
 
 
-@pytest.fixture
-def no_model_load(monkeypatch):
-    """Fail the test if a model is loaded: the checks under test must come first."""
-    import flowrl.policies
-
-    def refuse(*a, **k):
-        raise AssertionError("the model was loaded before the mistake was reported")
-
-    monkeypatch.setattr(flowrl.policies, "build_policy", refuse)
-
-
 def dead_pid() -> int:
     """The pid of a process that has ended (and been reaped)."""
     proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
