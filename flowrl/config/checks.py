@@ -127,6 +127,9 @@ def validate(cfg: Config) -> None:
             "to train on; give at least one reward a non-zero weight (weight 0 = report only)"
         )
     problems.extend(_reward_name_problems(cfg))
+    from flowrl.sampling.acceleration import config_problems
+
+    problems.extend(config_problems(cfg))
     if cfg.backend == "image":
         problems.extend(_family_problems(cfg))
     if t.optimizer == "adamw_8bit" and t.sharding == "fsdp":

@@ -454,6 +454,17 @@ class CheckpointConfig:
 
 
 @dataclass
+class RolloutConfig:
+    acceleration: list[Any] = field(default_factory=list)
+    """Accelerators of the image rollout's sampling (flowrl.sampling.acceleration), each a name or a mapping of its
+    name and knobs, e.g. `[compile]` or `[{name: first_block_cache, threshold: 0.05}]`. Lossless ones (`compile`,
+    `attention_backend`) keep the rollout on-policy; lossy ones (the step caches `first_block_cache`,
+    `taylorseer_cache`, `mag_cache`) change the samples' distribution and are refused for an objective that trains on
+    the rollout's log-probs (grpo). They are on during the rollout only: not in the update, the reference pass or the
+    evaluation. A family that cannot take one says why before sampling. [] = none."""
+
+
+@dataclass
 class Config:
     backend: Literal["image", "text"] = "image"
     """What is trained: a diffusers image generator, or a Hugging Face causal LM."""
@@ -463,6 +474,8 @@ class Config:
     """LoRA adapter (or full fine-tuning)."""
     sample: SampleConfig = field(default_factory=SampleConfig)
     """Rollouts (group_size and prompts_per_epoch apply to text too; the rest is for images)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """How image rollouts are sampled (accelerators)."""
     text: TextConfig = field(default_factory=TextConfig)
     """Text rollouts and the token-level loss (backend: text)."""
     train: TrainConfig = field(default_factory=TrainConfig)

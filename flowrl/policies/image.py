@@ -63,6 +63,10 @@ class ImagePolicy:
             self.backend.offload(device)
         self.family = self.backend.family
         self.backend.check_image_size(s.height, s.width)
+        from flowrl.sampling.acceleration import check_supported, parse
+
+        self.accelerators = parse(cfg.rollout.acceleration)  # on around the training rollouts' sampling only
+        check_supported(self.backend, self.accelerators)  # a family that cannot take one says so before sampling
         pipe = self.backend.pipe
         for module in pipe.components.values():
             if isinstance(module, torch.nn.Module):
@@ -283,28 +287,36 @@ class ImagePolicy:
         for start in range(0, len(prompts), chunk):
             if stop is not None:
                 stop()
-            parts.append(
-                self.backend.rollout(
-                    prompts[start : start + chunk : G],
-                    group_size=G,
-                    num_steps=s.num_steps,
-                    images=self.condition_images(metadata[start : start + chunk : G]),
-                    guidance_scale=s.guidance_scale,
-                    noise_level=g.noise_level,
-                    sde_type=kernel,
-                    sde_window=window,
-                    epoch=epoch,
-                    same_noise_per_group=G > 1,
-                    generator=generator,
-                    height=s.height,
-                    width=s.width,
-                    num_frames=s.num_frames,
-                    record_means=g.step_weighting == "ratio_norm",
-                    deterministic_context=self.merged_adapter,
+            with self.accelerated():  # per call: a step cache's state starts afresh with every rollout call
+                parts.append(
+                    self.backend.rollout(
+                        prompts[start : start + chunk : G],
+                        group_size=G,
+                        num_steps=s.num_steps,
+                        images=self.condition_images(metadata[start : start + chunk : G]),
+                        guidance_scale=s.guidance_scale,
+                        noise_level=g.noise_level,
+                        sde_type=kernel,
+                        sde_window=window,
+                        epoch=epoch,
+                        same_noise_per_group=G > 1,
+                        generator=generator,
+                        height=s.height,
+                        width=s.width,
+                        num_frames=s.num_frames,
+                        record_means=g.step_weighting == "ratio_norm",
+                        deterministic_context=self.merged_adapter,
+                    )
                 )
-            )
         traj = parts[0] if len(parts) == 1 else Trajectory.cat(parts)
         return ImageBatch(traj=traj, prompts=list(prompts), metadata=list(metadata), images=traj.images)
+
+    def accelerated(self):
+        """rollout.acceleration's accelerators on the denoiser for the body (a training rollout's sampling), off
+        after it: the update, the reference pass and the evaluation run without them."""
+        from flowrl.sampling.acceleration import accelerated
+
+        return accelerated(self.backend, self.accelerators, self.cfg.sample.num_steps)
 
     def _final_rollout(
         self, prompts: list[str], metadata: list[dict], *, epoch: int, generator, stop=None
@@ -318,23 +330,24 @@ class ImagePolicy:
         for start in range(0, len(prompts), chunk):
             if stop is not None:
                 stop()
-            parts.append(
-                self.backend.rollout(
-                    prompts[start : start + chunk],
-                    group_size=1,
-                    num_steps=s.num_steps,
-                    images=self.condition_images(metadata[start : start + chunk]),
-                    guidance_scale=s.guidance_scale,
-                    sde_type="ode",
-                    epoch=epoch,
-                    generator=generator,
-                    height=s.height,
-                    width=s.width,
-                    num_frames=s.num_frames,
-                    keep_steps=False,
-                    deterministic_context=self.merged_adapter,
+            with self.accelerated():  # per call: a step cache's state starts afresh with every rollout call
+                parts.append(
+                    self.backend.rollout(
+                        prompts[start : start + chunk],
+                        group_size=1,
+                        num_steps=s.num_steps,
+                        images=self.condition_images(metadata[start : start + chunk]),
+                        guidance_scale=s.guidance_scale,
+                        sde_type="ode",
+                        epoch=epoch,
+                        generator=generator,
+                        height=s.height,
+                        width=s.width,
+                        num_frames=s.num_frames,
+                        keep_steps=False,
+                        deterministic_context=self.merged_adapter,
+                    )
                 )
-            )
         traj = parts[0] if len(parts) == 1 else Trajectory.cat(parts)
         return ImageBatch(traj=traj, prompts=list(prompts), metadata=list(metadata), images=traj.images)
 

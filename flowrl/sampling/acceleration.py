@@ -1,0 +1,554 @@
+"""Rollout accelerators (`rollout.acceleration`): each one declared lossless or lossy, with its knobs, what a family
+needs to take it (`problem`), and how it is switched on around the rollout's sampling and off again (`accelerated`).
+
+- lossless: the rollout's samples and recorded log-probs stay those of the trained policy (regional torch.compile,
+  the attention backend), so a coupled objective (GRPO: its ratio uses the recorded log-probs) may use them;
+- lossy: diffusers' step caches reuse computation across denoising steps, which changes the samples' distribution;
+  only the decoupled objectives (they train on the final samples alone) may use them. The caches are attached for
+  one rollout call and removed after it, so their state starts afresh every call and never reaches the update's
+  forward passes or the reference pass.
+
+flowrl samples with its own recorder loop, not `pipe(...)`: diffusers' pipelines name each denoiser call for the
+caches (`cache_context("cond")`); here every call of the denoiser is named by its rows and its place within the
+step (a family that runs the conditional and unconditional passes as two calls gets two states, as in diffusers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from flowrl.core.registry import Registry
+
+ACCELERATORS: Registry[type[Accelerator]] = Registry("rollout accelerator")
+
+#: attention backends of diffusers' dispatcher that run on a CPU (the others need CUDA kernels or packages)
+CPU_ATTENTION_BACKENDS = ("native", "_native_math")
+
+
+class Accelerator:
+    """One accelerator: `Knobs` (a dataclass, a docstring under each field), `problem(backend)` (why a family cannot
+    take it, or None), `enable(denoiser, knobs, num_steps)` and `disable(denoiser)`."""
+
+    name: ClassVar[str] = ""
+    lossless: ClassVar[bool] = True
+    summary: ClassVar[str] = ""
+
+    @dataclass
+    class Knobs:
+        pass
+
+    @classmethod
+    def problem(cls, backend) -> str | None:
+        return None
+
+    def enable(self, denoiser: torch.nn.Module, knobs, num_steps: int) -> None:
+        raise NotImplementedError
+
+    def disable(self, denoiser: torch.nn.Module) -> None:
+        raise NotImplementedError
+
+
+def register(cls: type[Accelerator]) -> type[Accelerator]:
+    return ACCELERATORS.register(cls.name)(cls)
+
+
+def accelerator_names() -> list[str]:
+    return ACCELERATORS.names()
+
+
+def decoupled_objectives() -> list[str]:
+    """The image objectives a lossy accelerator may serve: those whose loss needs only the final samples."""
+    from flowrl.objectives import get_objective, objective_names
+
+    return [n for n in objective_names() if not get_objective(n).coupled and "image" in get_objective(n).backends]
+
+
+# ------------------------------------------------------------------------------------------- parsing
+
+
+@dataclass(frozen=True)
+class AcceleratorSpec:
+    """A parsed entry of rollout.acceleration: the accelerator and its knobs."""
+
+    name: str
+    knobs: Any
+
+    @property
+    def accelerator(self) -> type[Accelerator]:
+        return ACCELERATORS.get(self.name)
+
+
+def parse_entry(entry: Any, where: str) -> AcceleratorSpec:
+    """`compile` or `{name: first_block_cache, threshold: 0.1}` -> AcceleratorSpec; a ValueError of one line naming
+    the valid accelerators or knobs."""
+    from flowrl.config.load import _convert
+    from flowrl.errors import ConfigError
+
+    if isinstance(entry, str):
+        entry = {"name": entry}
+    if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+        raise ValueError(
+            f"{where}: an accelerator is a name or a mapping with a name and its knobs, e.g. compile or "
+            f"{{name: first_block_cache, threshold: 0.05}}; got {entry!r}"
+        )
+    name = entry["name"]
+    if name not in ACCELERATORS:
+        raise ValueError(f"{where}: {_unknown(name)}")
+    cls = ACCELERATORS.get(name)
+    hints = typing.get_type_hints(cls.Knobs)
+    knobs = {}
+    for k, v in entry.items():
+        if k == "name":
+            continue
+        if k not in hints:
+            valid = ", ".join(hints) or "none"
+            raise ValueError(f"{where}: {name} has no knob {k!r}; its knobs: {valid}")
+        try:
+            knobs[k] = _convert(v, hints[k], f"{where}.{k}")
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+    try:
+        return AcceleratorSpec(name, cls.Knobs(**knobs))
+    except ValueError as e:
+        raise ValueError(f"{where}: {name}: {e}") from None
+
+
+def _unknown(name: str) -> str:
+    from flowrl.core.registry import unknown_name_error
+
+    return str(unknown_name_error("rollout accelerator", name, accelerator_names()))
+
+
+def parse(entries: list) -> list[AcceleratorSpec]:
+    specs = [parse_entry(e, f"rollout.acceleration[{i}]") for i, e in enumerate(entries)]
+    names = [s.name for s in specs]
+    for n in set(names):
+        if names.count(n) > 1:
+            raise ValueError(f"rollout.acceleration names {n} twice; give it once")
+    caches = [s.name for s in specs if not s.accelerator.lossless]
+    if len(caches) > 1:
+        raise ValueError(
+            f"rollout.acceleration: {' and '.join(caches)} are both step caches, and a denoiser takes one at a "
+            "time; keep one"
+        )
+    return specs
+
+
+def config_problems(cfg) -> list[str]:
+    """What rollout.acceleration cannot be in `cfg`, one line each (checked before any model loads)."""
+    entries = cfg.rollout.acceleration
+    if not entries:
+        return []
+    if cfg.backend != "image":
+        return [
+            f"rollout.acceleration accelerates image rollouts, and backend={cfg.backend}; set rollout.acceleration=[]"
+        ]
+    try:
+        specs = parse(entries)
+    except ValueError as e:
+        return [str(e)]
+    from flowrl.objectives import get_objective
+
+    objective = cfg.train.objective
+    problems = []
+    if get_objective(objective).coupled:
+        for s in specs:
+            if not s.accelerator.lossless:
+                problems.append(
+                    f"rollout.acceleration: {s.name} is lossy (it changes the samples' distribution), and "
+                    f"train.objective={objective} trains on the rollout's recorded log-probs; use {s.name} with "
+                    f"train.objective={' or '.join(decoupled_objectives())}, or a lossless accelerator "
+                    f"({', '.join(n for n in accelerator_names() if ACCELERATORS.get(n).lossless)})"
+                )
+    return problems
+
+
+# ------------------------------------------------------------------------------------------- using them
+
+
+def check_supported(backend, specs: list[AcceleratorSpec]) -> None:
+    """A ValueError of one line for the first accelerator the backend's family cannot take."""
+    for s in specs:
+        why = s.accelerator.problem(backend)
+        if why is not None:
+            raise ValueError(f"rollout.acceleration: {s.name} is not available for family {backend.family}: {why}")
+
+
+@contextlib.contextmanager
+def accelerated(backend, specs: list[AcceleratorSpec], num_steps: int):
+    """Every accelerator of `specs` on the backend's denoiser for the body (the rollout's sampling), off after it."""
+    if not specs:
+        yield
+        return
+    check_supported(backend, specs)
+    den = _diffusers_model(backend)
+    done: list[tuple[Accelerator, torch.nn.Module]] = []
+    try:
+        for s in specs:
+            acc = _instance(s.accelerator)
+            acc.enable(den, s.knobs, num_steps)
+            done.append((acc, den))
+        yield
+    finally:
+        for acc, d in reversed(done):
+            acc.disable(d)
+
+
+_INSTANCES: dict[type, Accelerator] = {}
+
+
+def _instance(cls: type[Accelerator]) -> Accelerator:
+    """One instance per accelerator class (compile keeps its compiled blocks between rollouts)."""
+    return _INSTANCES.setdefault(cls, cls())
+
+
+def _diffusers_model(backend) -> torch.nn.Module:
+    den = backend.denoiser
+    return getattr(den, "module", den)  # a wrapped (DDP) module's own model
+
+
+# ------------------------------------------------------------------------------------------- lossless
+
+
+@register
+class Compile(Accelerator):
+    name = "compile"
+    lossless = True
+    summary = "regional torch.compile of the denoiser's repeated blocks (diffusers' compile_repeated_blocks)"
+
+    @dataclass
+    class Knobs:
+        mode: str = "default"
+        """torch.compile's mode: default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs."""
+        fullgraph: bool = False
+        """Compile each block as one graph (an error instead of a graph break)."""
+        dynamic: bool = False
+        """Compile for dynamic shapes (fewer recompiles when the batch changes, slower kernels)."""
+
+        def __post_init__(self):
+            modes = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+            if self.mode not in modes:
+                raise ValueError(f"mode {self.mode!r} is not one of {', '.join(modes)}")
+
+    @classmethod
+    def problem(cls, backend):
+        den = _diffusers_model(backend)
+        blocks = getattr(den, "_repeated_blocks", None) or []
+        if not blocks or not any(type(m).__name__ in blocks for m in den.modules()):
+            return (
+                f"{type(den).__name__} declares no repeated blocks (`_repeated_blocks`) in this diffusers version, "
+                "so regional compilation has nothing to compile"
+            )
+        return None
+
+    def __init__(self):
+        self._compiled: dict[int, Any] = {}  # id(block) -> its compiled call, kept between rollouts
+
+    def _blocks(self, den):
+        names = set(den._repeated_blocks)
+        return [m for m in den.modules() if type(m).__name__ in names]
+
+    def enable(self, denoiser, knobs, num_steps):
+        for block in self._blocks(denoiser):
+            key = (id(block), knobs.mode, knobs.fullgraph, knobs.dynamic)
+            if key not in self._compiled:
+                block.compile(mode=knobs.mode, fullgraph=knobs.fullgraph, dynamic=knobs.dynamic)
+                self._compiled[key] = block._compiled_call_impl
+            block._compiled_call_impl = self._compiled[key]
+
+    def disable(self, denoiser):
+        for block in self._blocks(denoiser):
+            block._compiled_call_impl = None  # eager again: the update and the reference pass run uncompiled
+
+
+@register
+class AttentionBackend(Accelerator):
+    name = "attention_backend"
+    lossless = True
+    summary = "diffusers' attention dispatcher backend for the rollout (`set_attention_backend`)"
+
+    @dataclass
+    class Knobs:
+        backend: str = "native"
+        """A name of diffusers' AttentionBackendName (`native` = torch's scaled_dot_product_attention; on a CPU
+        `native` and `_native_math` run; `flash`, `sage`, `xformers`, `_native_flash`, ... need CUDA and their
+        packages)."""
+
+        def __post_init__(self):
+            from diffusers.models.attention_dispatch import AttentionBackendName
+
+            valid = sorted(x.value for x in AttentionBackendName)
+            if self.backend not in valid:
+                raise ValueError(f"backend {self.backend!r} is not one of diffusers' {', '.join(valid)}")
+
+    @classmethod
+    def problem(cls, backend):
+        den = _diffusers_model(backend)
+        if not any(hasattr(getattr(m, "processor", None), "_attention_backend") for m in den.modules()):
+            return (
+                f"the attention processors of {type(den).__name__} do not go through diffusers' attention "
+                "dispatcher, so there is no backend to choose"
+            )
+        return None
+
+    def enable(self, denoiser, knobs, num_steps):
+        from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+        self._active = _AttentionBackendRegistry._active_backend
+        with _quiet_diffusers():
+            denoiser.set_attention_backend(knobs.backend)
+
+    def disable(self, denoiser):
+        from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+        with _quiet_diffusers():
+            denoiser.reset_attention_backend()
+        _AttentionBackendRegistry.set_active_backend(self._active)  # set_attention_backend sets it process-wide
+
+
+@contextlib.contextmanager
+def _quiet_diffusers():
+    """diffusers' "experimental feature" warning, once per rollout otherwise."""
+    from diffusers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+
+
+# ------------------------------------------------------------------------------------------- lossy: step caches
+
+
+class StepCache(Accelerator):
+    """A diffusers cache hook (`enable_cache(config)` / `disable_cache()`), attached for one rollout call."""
+
+    lossless = False
+
+    def config(self, knobs, num_steps: int):
+        raise NotImplementedError
+
+    @classmethod
+    def problem(cls, backend):
+        den = _diffusers_model(backend)
+        if not hasattr(den, "enable_cache"):
+            return f"{type(den).__name__} has no cache hooks (diffusers' CacheMixin)"
+        return cls.blocks_problem(den)
+
+    @classmethod
+    def blocks_problem(cls, den) -> str | None:
+        """The block-level caches need the transformer blocks as diffusers' hooks know them: a ModuleList named
+        `transformer_blocks`, `blocks`, ... of block classes in its TransformerBlockRegistry."""
+        from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
+        from diffusers.hooks._helpers import TransformerBlockRegistry
+
+        lists = [
+            m
+            for n, m in den.named_children()
+            if n in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(m, torch.nn.ModuleList)
+        ]
+        blocks = [b for lst in lists for b in lst]
+        if not blocks:
+            return f"{type(den).__name__} has no list of transformer blocks that diffusers' cache hooks find"
+        if len(blocks) < 2:
+            return f"this {type(den).__name__} has one transformer block, and the cache needs a first and a last one"
+        TransformerBlockRegistry._register()  # diffusers registers its block classes on first use
+        unknown = sorted({type(b).__name__ for b in blocks if type(b) not in TransformerBlockRegistry._registry})
+        if unknown:
+            return f"diffusers' cache hooks do not know the block class {', '.join(unknown)} of {type(den).__name__}"
+        return None
+
+    def enable(self, denoiser, knobs, num_steps):
+        denoiser.enable_cache(self.config(knobs, num_steps))
+        self._handles = _name_every_call(denoiser)
+
+    def disable(self, denoiser):
+        for h in self._handles:
+            h.remove()
+        denoiser.disable_cache()  # the hooks (and their state) go: the next rollout starts afresh
+
+
+def _name_every_call(den: torch.nn.Module) -> list:
+    """Forward hooks that give each denoiser call a cache context, as a pipeline's `cache_context("cond")` does:
+    named by the call's rows and its place within the step (a new step when the timestep changes), so that a
+    family's separate unconditional pass, or a call over fewer rows (one per group), keeps a state of its own."""
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
+
+    seen = {"t": None, "k": 0}
+
+    def timestep_of(args, kwargs):
+        t = kwargs.get("timestep", args[1] if len(args) > 1 else None)
+        return t.detach().flatten()[:1].cpu() if isinstance(t, torch.Tensor) else t
+
+    def before(module, args, kwargs):
+        x = kwargs.get("hidden_states", args[0] if args else None)
+        t = timestep_of(args, kwargs)
+        same = seen["t"] is not None and t is not None and torch.equal(torch.as_tensor(seen["t"]), torch.as_tensor(t))
+        seen["k"] = seen["k"] + 1 if same else 0
+        seen["t"] = t
+        rows = x.shape[0] if isinstance(x, torch.Tensor) else 0
+        _set_cache_context(module, CacheContext(f"call{seen['k']}_rows{rows}"))
+
+    def after(module, args, kwargs, output):
+        _set_cache_context(module, None)
+
+    return [
+        den.register_forward_pre_hook(before, with_kwargs=True),
+        den.register_forward_hook(after, with_kwargs=True),
+    ]
+
+
+@register
+class FirstBlockCache(StepCache):
+    name = "first_block_cache"
+    summary = "diffusers' FirstBlockCache: skips the other blocks when the first block's residual barely changed"
+
+    @dataclass
+    class Knobs:
+        threshold: float = 0.05
+        """Relative change of the first block's residual below which the remaining blocks are skipped (their
+        cached residual reused): higher = faster, further from the uncached sample."""
+
+        def __post_init__(self):
+            if not self.threshold >= 0:
+                raise ValueError(f"threshold must be >= 0, got {self.threshold}")
+
+    @classmethod
+    def blocks_problem(cls, den):
+        if type(den).__name__ == "Flux2Transformer2DModel":  # measured: its hook fails on these blocks' outputs
+            return "diffusers' FirstBlockCache fails on Flux2's blocks (a TypeError in its residuals); use mag_cache"
+        return super().blocks_problem(den)
+
+    def config(self, knobs, num_steps):
+        from diffusers.hooks import FirstBlockCacheConfig
+
+        return FirstBlockCacheConfig(threshold=knobs.threshold)
+
+
+@register
+class TaylorSeerCache(StepCache):
+    name = "taylorseer_cache"
+    summary = "diffusers' TaylorSeer: predicts the blocks' outputs between full steps from their Taylor expansion"
+
+    @dataclass
+    class Knobs:
+        cache_interval: int = 5
+        """Steps between two full computations (the others are predicted)."""
+        disable_cache_before_step: int = 3
+        """The first steps are always computed in full (the warm-up)."""
+        disable_cache_after_step: int | None = None
+        """Steps from this one on are computed in full (null = none)."""
+        max_order: int = 1
+        """Order of the Taylor expansion."""
+        use_lite_mode: bool = False
+        """diffusers' lite mode: fewer modules predicted, less memory."""
+
+        def __post_init__(self):
+            if self.cache_interval < 1 or self.disable_cache_before_step < 0 or self.max_order < 0:
+                raise ValueError("needs cache_interval >= 1, disable_cache_before_step >= 0 and max_order >= 0")
+
+    @classmethod
+    def blocks_problem(cls, den):
+        return None  # it hooks the attention and feed-forward modules, wherever they are
+
+    def config(self, knobs, num_steps):
+        from diffusers.hooks import TaylorSeerCacheConfig
+
+        return TaylorSeerCacheConfig(
+            cache_interval=knobs.cache_interval,
+            disable_cache_before_step=knobs.disable_cache_before_step,
+            disable_cache_after_step=knobs.disable_cache_after_step,
+            max_order=knobs.max_order,
+            taylor_factors_dtype=None,  # the model's dtype (diffusers' default, bfloat16, rounds float32 models)
+            use_lite_mode=knobs.use_lite_mode,
+        )
+
+
+@register
+class MagCache(StepCache):
+    name = "mag_cache"
+    summary = "diffusers' MagCache: skips steps while the calibrated magnitude ratios say the output barely changes"
+
+    @dataclass
+    class Knobs:
+        mag_ratios: list[float] = field(default_factory=list)
+        """The model's magnitude ratios, one per step of a calibration run (diffusers' `calibrate=True`); resampled
+        to sample.num_steps. Required: they are the model's own."""
+        threshold: float = 0.06
+        """Accumulated error below which a step is skipped."""
+        max_skip_steps: int = 3
+        """Most steps skipped in a row."""
+        retention_ratio: float = 0.2
+        """The first fraction of the steps is never skipped."""
+
+        def __post_init__(self):
+            if len(self.mag_ratios) < 2:
+                raise ValueError("needs mag_ratios, the model's calibrated magnitude ratios (one per step)")
+
+    def config(self, knobs, num_steps):
+        from diffusers.hooks import MagCacheConfig
+
+        return MagCacheConfig(
+            threshold=knobs.threshold,
+            max_skip_steps=knobs.max_skip_steps,
+            retention_ratio=knobs.retention_ratio,
+            num_inference_steps=num_steps,
+            mag_ratios=torch.tensor(knobs.mag_ratios, dtype=torch.float32),
+        )
+
+
+class _TimestepCache(StepCache):
+    """The caches diffusers drives from the pipeline's `current_timestep` (a callback into its loop)."""
+
+    @classmethod
+    def problem(cls, backend):
+        return (
+            "it reads the timestep of diffusers' own pipeline loop (`current_timestep_callback`) and keys its "
+            "skips to diffusers' 0-1000 timesteps, which flowrl's rollout recorder does not drive; use "
+            "first_block_cache or taylorseer_cache"
+        )
+
+    def config(self, knobs, num_steps):  # pragma: no cover - never enabled (problem() refuses it)
+        raise NotImplementedError
+
+
+@register
+class FasterCache(_TimestepCache):
+    name = "faster_cache"
+    summary = "diffusers' FasterCache (not available on flowrl's rollout loop: see its reason)"
+
+    @dataclass
+    class Knobs:
+        spatial_attention_block_skip_range: int = 2
+        """Reuse the spatial attention's output for this many steps."""
+
+
+@register
+class PyramidAttentionBroadcast(_TimestepCache):
+    name = "pyramid_attention_broadcast"
+    summary = "diffusers' pyramid attention broadcast (not available on flowrl's rollout loop: see its reason)"
+
+    @dataclass
+    class Knobs:
+        spatial_attention_block_skip_range: int = 2
+        """Reuse the spatial attention's output for this many steps."""
+
+
+def knob_docs(name: str) -> list[tuple[str, Any, str]]:
+    """(knob, default, doc) of accelerator `name`, for the docs."""
+    from flowrl.config.tree import field_docs
+
+    cls = ACCELERATORS.get(name).Knobs
+    docs = field_docs(cls)
+    return [
+        (f.name, f.default if f.default is not dataclasses.MISSING else f.default_factory(), docs.get(f.name, ""))
+        for f in dataclasses.fields(cls)
+    ]

@@ -1,0 +1,188 @@
+"""rollout.acceleration: the config's checks (before any model loads), every family x accelerator pair either runs
+or says why not, lossless ones keep the rollout's latents and log-probs, lossy ones stay inside the rollout call,
+and regional compilation keeps GRPO's first ratio at 1 (one compiled tiny model: compiling costs minutes here)."""
+
+import json
+
+import pytest
+import torch
+from conditioned import condition_images
+
+from flowrl.config import load_config
+from flowrl.errors import ConfigError
+from flowrl.families import family, family_names, load_image_backend
+from flowrl.sampling.acceleration import ACCELERATORS, accelerated, decoupled_objectives, parse
+
+torch.set_num_threads(1)
+
+#: knobs that make every accelerator do something on a 4-step tiny rollout
+KNOBS = {
+    "attention_backend": {"backend": "_native_math"},
+    "first_block_cache": {"threshold": 1.0},
+    "taylorseer_cache": {"cache_interval": 2, "disable_cache_before_step": 1},
+    "mag_cache": {"mag_ratios": [1.0] * 4, "threshold": 1.0},
+}
+PAIRS = [(f, a) for f in family_names() for a in ACCELERATORS.names() if a != "compile"]
+
+
+def _spec(name):
+    return parse([{"name": name, **KNOBS.get(name, {})}])
+
+
+# ------------------------------------------------------------------------------------------- config
+
+
+def _problems(*overrides):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, list(overrides))
+    return str(e.value)
+
+
+def test_a_lossy_accelerator_with_a_coupled_objective_is_refused_naming_the_objectives_that_allow_it():
+    msg = _problems("rollout.acceleration=[first_block_cache]")
+    line = next(x for x in msg.splitlines() if "first_block_cache" in x)
+    assert "lossy" in line and "train.objective=grpo" in line
+    allowed = decoupled_objectives()
+    assert allowed and "grpo" not in allowed and all(f"{n}" in line for n in allowed)
+    for objective in allowed:  # the decoupled objectives take it
+        cfg = load_config(None, [f"train.objective={objective}", "rollout.acceleration=[{name: taylorseer_cache}]"])
+        assert cfg.rollout.acceleration == [{"name": "taylorseer_cache"}]
+    assert load_config(None, ["rollout.acceleration=[compile, attention_backend]"]).rollout.acceleration
+
+
+def test_unknown_names_and_knobs_name_the_valid_ones():
+    msg = _problems("rollout.acceleration=[compil]")
+    assert "Did you mean 'compile'" in msg and all(n in msg for n in ACCELERATORS.names())
+    msg = _problems("rollout.acceleration=[{name: first_block_cache, treshold: 0.1}]", "train.objective=nft")
+    assert "no knob 'treshold'" in msg and "its knobs: threshold" in msg
+    msg = _problems("rollout.acceleration=[{name: attention_backend, backend: nope}]")
+    assert "_native_math" in msg and "native" in msg
+    msg = _problems("rollout.acceleration=[mag_cache]", "train.objective=dpo")
+    assert "mag_ratios" in msg
+    msg = _problems("rollout.acceleration=[first_block_cache, taylorseer_cache]", "train.objective=dpo")
+    assert "keep one" in msg
+
+
+def test_the_text_backend_refuses_rollout_acceleration():
+    msg = _problems("backend=text", "model.path=tiny-lm", "rollout.acceleration=[compile]")
+    assert "backend=text" in msg and "rollout.acceleration=[]" in msg
+
+
+# ------------------------------------------------------------------------------------------- every family
+
+
+@pytest.fixture(scope="module")
+def backends():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = load_image_backend(f"tiny-{name}", max_sequence_length=16)
+        return cache[name]
+
+    return get
+
+
+def _rollout(backend, name):
+    return backend.rollout(
+        ["a red cat", "a blue dog"],
+        2,
+        num_steps=4,
+        seed=3,
+        height=32,
+        width=32,
+        decode=False,
+        same_noise_per_group=True,  # the first steps run one row per group: a cache state of their own
+        num_frames=backend.tiny_num_frames,
+        images=condition_images(name, 2),
+    )
+
+
+@pytest.mark.parametrize("name,accel", PAIRS)
+def test_every_family_runs_an_accelerator_or_says_why_not(name, accel, backends):
+    backend = backends(name)
+    why = ACCELERATORS.get(accel).problem(backend)
+    spec = _spec(accel)
+    if why is not None:
+        assert "\n" not in why
+        with pytest.raises(ValueError, match=f"{accel} is not available for family {name}: "):
+            with accelerated(backend, spec, 4):
+                pytest.fail("sampled with an accelerator the family cannot take")
+        return
+    plain = _rollout(backend, name)
+    with accelerated(backend, spec, 4):
+        fast = _rollout(backend, name)
+    with accelerated(backend, spec, 4):  # a cache's state starts afresh with every rollout call
+        again = _rollout(backend, name)
+    after = _rollout(backend, name)  # and is gone after it
+    diff = (fast.final_latents - plain.final_latents).abs().max().item()
+    print(f"{name} {accel}: max |final latents - plain| = {diff:.3g}")
+    assert torch.isfinite(fast.log_probs).all()
+    assert torch.equal(fast.latents, again.latents) and torch.equal(fast.log_probs, again.log_probs)
+    assert torch.equal(after.latents, plain.latents) and torch.equal(after.log_probs, plain.log_probs)
+    if ACCELERATORS.get(accel).lossless:  # _native_math against torch's default CPU attention kernel
+        assert diff <= 1e-5 and (fast.log_probs - plain.log_probs).abs().max().item() <= 1e-5
+
+
+def test_each_accelerator_runs_on_some_family(backends):
+    """No accelerator is declared only to be refused everywhere, except those flowrl's loop cannot drive."""
+    runs = {a for f, a in PAIRS if ACCELERATORS.get(a).problem(backends(f)) is None}
+    assert runs == {"attention_backend", "first_block_cache", "taylorseer_cache", "mag_cache"}
+    assert any(ACCELERATORS.get("compile").problem(backends(f)) is None for f in family_names())
+
+
+def test_an_unsupported_accelerator_fails_when_the_policy_loads(tmp_path):
+    from flowrl.train import Trainer
+
+    cfg = load_config(
+        None, ["model.path=tiny-sd3", "rollout.acceleration=[compile]", f"log.run_dir={tmp_path}", "model.device=cpu"]
+    )
+    assert ACCELERATORS.get("compile").problem(load_image_backend("tiny-sd3")) is not None
+    with pytest.raises(ValueError, match="compile is not available for family sd3: SD3Transformer2DModel"):
+        Trainer(cfg)
+
+
+# ------------------------------------------------------------------------------------------- compile
+
+
+COMPILED = "wan"  # the smallest tiny denoiser with repeated blocks (one WanTransformerBlock)
+
+
+def test_regional_compile_keeps_the_first_ratio_at_one_and_the_update_eager(tmp_path, backends):
+    from flowrl.train import Trainer
+
+    assert family(COMPILED).tiny_denoiser and ACCELERATORS.get("compile").problem(backends(COMPILED)) is None
+    cfg = load_config(
+        None,
+        [
+            f"model.path=tiny-{COMPILED}",
+            f"sample.num_frames={family(COMPILED).tiny_num_frames}",
+            "sample.height=32",
+            "sample.width=32",
+            "sample.num_steps=3",
+            "sample.max_sequence_length=16",
+            "sample.prompts_per_epoch=2",
+            "sample.group_size=2",
+            "log.progress=false",
+            "model.device=cpu",
+            "train.epochs=1",
+            "eval.before=false",
+            "eval.num_steps=2",
+            "eval.num_prompts=1",
+            "rollout.acceleration=[compile]",
+            f"log.run_dir={tmp_path}",
+        ],
+    )
+    tr = Trainer(cfg)
+    den = tr.policy.module
+    blocks = [m for m in den.modules() if type(m).__name__ in den._repeated_blocks]
+    calls = []
+    for b in blocks:  # which forward passes ran compiled
+        b.register_forward_pre_hook(lambda m, a: calls.append(m._compiled_call_impl is not None))
+    tr.fit()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "policy/ratio_first" in r]
+    print(f"compile: |ratio_first - 1| = {trained[0]['policy/ratio_first_dev']:.3g}")
+    assert trained and trained[0]["policy/ratio_first_dev"] <= 1e-5
+    assert True in calls and False in calls  # the rollout compiled, the update (and eval) eager
+    assert all(b._compiled_call_impl is None for b in blocks)
