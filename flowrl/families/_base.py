@@ -187,6 +187,9 @@ class ImageBackend:
     #: the planner's activation factors for `denoiser_class`: measured by benchmarks/memory.py, borrowed from a
     #: similar measured class (`Calibration.borrowed`), or `NOT_CALIBRATED`; its `measured` says which
     plan_calibration: ClassVar[Calibration]
+    #: the denoiser's attributes holding its repeated blocks (ModuleLists), which rollout.acceleration's `compile`
+    #: compiles one by one; () = those diffusers declares in the model class's `_repeated_blocks`
+    repeated_blocks: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def condition_tokens(cls, height: int, width: int, tokens_at) -> tuple[int, int]:

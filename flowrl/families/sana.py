@@ -73,6 +73,7 @@ class SanaBackend(FlowMatchingBackend):
     pipeline_classes = ("SanaPipeline",)
     denoiser_attr = "transformer"
     denoiser_class = "SanaTransformer2DModel"
+    repeated_blocks = ("transformer_blocks",)  # diffusers 0.42 declares no `_repeated_blocks` for it
     default_guidance_scale = 4.5
     default_max_sequence_length = 300  # SanaPipeline's: Gemma tokens kept after the instruction
     # q/k/v of the linear self-attention (attn1) and of the cross-attention (attn2), as diffusers'

@@ -35,6 +35,7 @@ class SD3Backend(FlowMatchingBackend):
     pipeline_classes = ("StableDiffusion3Pipeline",)
     denoiser_attr = "transformer"
     denoiser_class = "SD3Transformer2DModel"
+    repeated_blocks = ("transformer_blocks",)  # diffusers 0.42 declares no `_repeated_blocks` for it
     default_guidance_scale = 4.5
     # the attention projections of both streams (Flow-GRPO's choice for SD3)
     lora_targets = (

@@ -33,7 +33,7 @@ CPU_ATTENTION_BACKENDS = ("native", "_native_math")
 
 class Accelerator:
     """One accelerator: `Knobs` (a dataclass, a docstring under each field), `problem(backend)` (why a family cannot
-    take it, or None), `enable(denoiser, knobs, num_steps)` and `disable(denoiser)`."""
+    take it, or None), `enable(backend, knobs, num_steps)` and `disable(backend)`."""
 
     name: ClassVar[str] = ""
     lossless: ClassVar[bool] = True
@@ -47,10 +47,10 @@ class Accelerator:
     def problem(cls, backend) -> str | None:
         return None
 
-    def enable(self, denoiser: torch.nn.Module, knobs, num_steps: int) -> None:
+    def enable(self, backend, knobs, num_steps: int) -> None:
         raise NotImplementedError
 
-    def disable(self, denoiser: torch.nn.Module) -> None:
+    def disable(self, backend) -> None:
         raise NotImplementedError
 
 
@@ -187,17 +187,16 @@ def accelerated(backend, specs: list[AcceleratorSpec], num_steps: int):
         yield
         return
     check_supported(backend, specs)
-    den = _diffusers_model(backend)
-    done: list[tuple[Accelerator, torch.nn.Module]] = []
+    done: list[Accelerator] = []
     try:
         for s in specs:
             acc = _instance(s.accelerator)
-            acc.enable(den, s.knobs, num_steps)
-            done.append((acc, den))
+            acc.enable(backend, s.knobs, num_steps)
+            done.append(acc)
         yield
     finally:
-        for acc, d in reversed(done):
-            acc.disable(d)
+        for acc in reversed(done):
+            acc.disable(backend)
 
 
 _INSTANCES: dict[type, Accelerator] = {}
@@ -220,7 +219,7 @@ def _diffusers_model(backend) -> torch.nn.Module:
 class Compile(Accelerator):
     name = "compile"
     lossless = True
-    summary = "regional torch.compile of the denoiser's repeated blocks (diffusers' compile_repeated_blocks)"
+    summary = "regional torch.compile of the denoiser's repeated blocks, each block compiled once"
 
     @dataclass
     class Knobs:
@@ -238,33 +237,40 @@ class Compile(Accelerator):
 
     @classmethod
     def problem(cls, backend):
-        den = _diffusers_model(backend)
-        blocks = getattr(den, "_repeated_blocks", None) or []
-        if not blocks or not any(type(m).__name__ in blocks for m in den.modules()):
+        if not repeated_blocks(backend):
+            den = _diffusers_model(backend)
             return (
-                f"{type(den).__name__} declares no repeated blocks (`_repeated_blocks`) in this diffusers version, "
-                "so regional compilation has nothing to compile"
+                f"{type(den).__name__} declares no repeated blocks (diffusers' `_repeated_blocks`, or the family's "
+                "`repeated_blocks`), so regional compilation has nothing to compile"
             )
         return None
 
     def __init__(self):
-        self._compiled: dict[int, Any] = {}  # id(block) -> its compiled call, kept between rollouts
+        self._compiled: dict[tuple, Any] = {}  # (id(block), knobs) -> its compiled call, kept between rollouts
 
-    def _blocks(self, den):
-        names = set(den._repeated_blocks)
-        return [m for m in den.modules() if type(m).__name__ in names]
-
-    def enable(self, denoiser, knobs, num_steps):
-        for block in self._blocks(denoiser):
+    def enable(self, backend, knobs, num_steps):
+        for block in repeated_blocks(backend):
             key = (id(block), knobs.mode, knobs.fullgraph, knobs.dynamic)
             if key not in self._compiled:
                 block.compile(mode=knobs.mode, fullgraph=knobs.fullgraph, dynamic=knobs.dynamic)
                 self._compiled[key] = block._compiled_call_impl
             block._compiled_call_impl = self._compiled[key]
 
-    def disable(self, denoiser):
-        for block in self._blocks(denoiser):
+    def disable(self, backend):
+        for block in repeated_blocks(backend):
             block._compiled_call_impl = None  # eager again: the update and the reference pass run uncompiled
+
+
+def repeated_blocks(backend) -> list[torch.nn.Module]:
+    """The blocks regional compilation compiles: those in the ModuleLists the family names (`repeated_blocks` of
+    its backend class: SD3 and SANA, which diffusers 0.42 leaves undeclared), else the modules of the classes the
+    diffusers model declares (`_repeated_blocks`: FLUX's, Wan's, the UNet's BasicTransformerBlock, ...)."""
+    den = _diffusers_model(backend)
+    attrs = getattr(backend, "repeated_blocks", ())
+    if attrs:
+        return [b for a in attrs for b in getattr(den, a, None) or []]
+    names = set(getattr(den, "_repeated_blocks", None) or [])
+    return [m for m in den.modules() if type(m).__name__ in names]
 
 
 @register
@@ -297,18 +303,18 @@ class AttentionBackend(Accelerator):
             )
         return None
 
-    def enable(self, denoiser, knobs, num_steps):
+    def enable(self, backend, knobs, num_steps):
         from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
         self._active = _AttentionBackendRegistry._active_backend
         with _quiet_diffusers():
-            denoiser.set_attention_backend(knobs.backend)
+            _diffusers_model(backend).set_attention_backend(knobs.backend)
 
-    def disable(self, denoiser):
+    def disable(self, backend):
         from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
         with _quiet_diffusers():
-            denoiser.reset_attention_backend()
+            _diffusers_model(backend).reset_attention_backend()
         _AttentionBackendRegistry.set_active_backend(self._active)  # set_attention_backend sets it process-wide
 
 
@@ -329,51 +335,85 @@ def _quiet_diffusers():
 
 
 class StepCache(Accelerator):
-    """A diffusers cache hook (`enable_cache(config)` / `disable_cache()`), attached for one rollout call."""
+    """A diffusers cache hook, attached for one rollout call and removed after it. Applied with diffusers' own
+    `apply_*` functions (what its CacheMixin's `enable_cache` calls), so that a denoiser without that mixin (SD3's,
+    SANA's in diffusers 0.42) takes the caches too."""
 
     lossless = False
+    hook_names: ClassVar[tuple[str, ...]] = ()  # the diffusers hooks it registers, removed after the rollout
 
     def config(self, knobs, num_steps: int):
         raise NotImplementedError
 
+    def apply(self, den: torch.nn.Module, config) -> None:
+        raise NotImplementedError
+
     @classmethod
     def problem(cls, backend):
-        den = _diffusers_model(backend)
-        if not hasattr(den, "enable_cache"):
-            return f"{type(den).__name__} has no cache hooks (diffusers' CacheMixin)"
-        return cls.blocks_problem(den)
+        return cls.blocks_problem(_diffusers_model(backend))
 
     @classmethod
     def blocks_problem(cls, den) -> str | None:
         """The block-level caches need the transformer blocks as diffusers' hooks know them: a ModuleList named
         `transformer_blocks`, `blocks`, ... of block classes in its TransformerBlockRegistry."""
-        from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
         from diffusers.hooks._helpers import TransformerBlockRegistry
 
-        lists = [
-            m
-            for n, m in den.named_children()
-            if n in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(m, torch.nn.ModuleList)
-        ]
-        blocks = [b for lst in lists for b in lst]
+        blocks = _block_list(den)
         if not blocks:
             return f"{type(den).__name__} has no list of transformer blocks that diffusers' cache hooks find"
         if len(blocks) < 2:
             return f"this {type(den).__name__} has one transformer block, and the cache needs a first and a last one"
-        TransformerBlockRegistry._register()  # diffusers registers its block classes on first use
+        _register_blocks()
         unknown = sorted({type(b).__name__ for b in blocks if type(b) not in TransformerBlockRegistry._registry})
         if unknown:
             return f"diffusers' cache hooks do not know the block class {', '.join(unknown)} of {type(den).__name__}"
         return None
 
-    def enable(self, denoiser, knobs, num_steps):
-        denoiser.enable_cache(self.config(knobs, num_steps))
-        self._handles = _name_every_call(denoiser)
+    def enable(self, backend, knobs, num_steps):
+        from diffusers.hooks import HookRegistry
 
-    def disable(self, denoiser):
+        den = _diffusers_model(backend)
+        _register_blocks()
+        self.apply(den, self.config(knobs, num_steps))
+        HookRegistry.check_if_exists_or_initialize(den).invalidate_child_registries_cache()  # as enable_cache does
+        self._handles = _name_every_call(den)
+
+    def disable(self, backend):
+        from diffusers.hooks import HookRegistry
+
+        den = _diffusers_model(backend)
         for h in self._handles:
             h.remove()
-        denoiser.disable_cache()  # the hooks (and their state) go: the next rollout starts afresh
+        registry = HookRegistry.check_if_exists_or_initialize(den)
+        for name in self.hook_names:  # the hooks (and their state) go: the next rollout starts afresh
+            registry.remove_hook(name, recurse=True)
+        registry.invalidate_child_registries_cache()
+
+
+def _register_blocks() -> None:
+    """Tell diffusers' block registry (what the block-level caches read: which output is the hidden states) about
+    the blocks it leaves out: SANA's (one output, the hidden states). Once, and never over diffusers' own entry."""
+    from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
+    from diffusers.models.transformers.sana_transformer import SanaTransformerBlock
+
+    TransformerBlockRegistry._register()  # diffusers registers its block classes on first use
+    if SanaTransformerBlock not in TransformerBlockRegistry._registry:
+        TransformerBlockRegistry.register(
+            SanaTransformerBlock,
+            TransformerBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=None),
+        )
+
+
+def _block_list(den: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks as diffusers' block-level caches collect them (its named ModuleLists, in order)."""
+    from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
+
+    return [
+        b
+        for n, m in den.named_children()
+        if n in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(m, torch.nn.ModuleList)
+        for b in m
+    ]
 
 
 def _name_every_call(den: torch.nn.Module) -> list:
@@ -421,16 +461,50 @@ class FirstBlockCache(StepCache):
             if not self.threshold >= 0:
                 raise ValueError(f"threshold must be >= 0, got {self.threshold}")
 
+    hook_names = ("fbc_leader_block_hook", "fbc_block_hook")
+
     @classmethod
     def blocks_problem(cls, den):
         if type(den).__name__ == "Flux2Transformer2DModel":  # measured: its hook fails on these blocks' outputs
             return "diffusers' FirstBlockCache fails on Flux2's blocks (a TypeError in its residuals); use mag_cache"
-        return super().blocks_problem(den)
+        why = super().blocks_problem(den)
+        if why is None and len(_fbc_blocks(den)) < 2:
+            return (
+                f"this {type(den).__name__} has two transformer blocks, the last of them context_pre_only (it always "
+                "runs), and the cache needs a first and a last one before it"
+            )
+        return why
 
     def config(self, knobs, num_steps):
         from diffusers.hooks import FirstBlockCacheConfig
 
         return FirstBlockCacheConfig(threshold=knobs.threshold)
+
+    def apply(self, den, config):
+        """diffusers' `apply_first_block_cache` over `_fbc_blocks`: its hooks, its shared state."""
+        from diffusers.hooks.first_block_cache import (
+            FBCSharedBlockState,
+            _apply_fbc_block_hook,
+            _apply_fbc_head_block_hook,
+        )
+        from diffusers.hooks.hooks import StateManager
+
+        blocks = _fbc_blocks(den)
+        state = StateManager(FBCSharedBlockState, (), {})
+        _apply_fbc_head_block_hook(blocks[0], state, config.threshold)
+        for b in blocks[1:-1]:
+            _apply_fbc_block_hook(b, state)
+        _apply_fbc_block_hook(blocks[-1], state, is_tail=True)
+
+
+def _fbc_blocks(den) -> list[torch.nn.Module]:
+    """The blocks the first-block cache spans: all of them, except SD3's last block when it is `context_pre_only`
+    (it returns no text stream, so diffusers' hook, which takes the text stream's residual at the last block, fails
+    on it): that block then runs at every step, on the cached blocks' output."""
+    blocks = _block_list(den)
+    if blocks and getattr(blocks[-1], "context_pre_only", False):
+        blocks = blocks[:-1]
+    return blocks
 
 
 @register
@@ -455,9 +529,26 @@ class TaylorSeerCache(StepCache):
             if self.cache_interval < 1 or self.disable_cache_before_step < 0 or self.max_order < 0:
                 raise ValueError("needs cache_interval >= 1, disable_cache_before_step >= 0 and max_order >= 0")
 
+    hook_names = ("taylorseer_cache",)
+
     @classmethod
     def blocks_problem(cls, den):
-        return None  # it hooks the attention and feed-forward modules, wherever they are
+        """It hooks the attention modules whose names match its patterns (`^transformer_blocks.*attn`, ...)."""
+        import re
+
+        from diffusers.hooks.taylorseer_cache import _TRANSFORMER_BLOCK_IDENTIFIERS
+
+        if not any(re.fullmatch(p, n) for n, _ in den.named_modules() for p in _TRANSFORMER_BLOCK_IDENTIFIERS):
+            return (
+                f"no module of {type(den).__name__} has a name diffusers' TaylorSeer hooks "
+                f"({', '.join(_TRANSFORMER_BLOCK_IDENTIFIERS)}), so it would predict nothing"
+            )
+        return None
+
+    def apply(self, den, config):
+        from diffusers.hooks import apply_taylorseer_cache
+
+        apply_taylorseer_cache(den, config)
 
     def config(self, knobs, num_steps):
         from diffusers.hooks import TaylorSeerCacheConfig
@@ -492,6 +583,13 @@ class MagCache(StepCache):
         def __post_init__(self):
             if len(self.mag_ratios) < 2:
                 raise ValueError("needs mag_ratios, the model's calibrated magnitude ratios (one per step)")
+
+    hook_names = ("mag_cache_leader_block_hook", "mag_cache_block_hook")
+
+    def apply(self, den, config):
+        from diffusers.hooks import apply_mag_cache
+
+        apply_mag_cache(den, config)
 
     def config(self, knobs, num_steps):
         from diffusers.hooks import MagCacheConfig
