@@ -194,7 +194,7 @@ def test_an_unsupported_accelerator_fails_when_the_policy_loads(tmp_path):
 # ------------------------------------------------------------------------------------------- compile
 
 
-COMPILED = "wan"  # the smallest tiny denoiser with repeated blocks (one WanTransformerBlock)
+COMPILED = "sd3"  # the demo's family, its repeated blocks declared by flowrl (one JointTransformerBlock in tiny-sd3)
 
 
 def test_regional_compile_keeps_the_first_ratio_at_one_and_the_update_eager(tmp_path, backends):
@@ -223,8 +223,7 @@ def test_regional_compile_keeps_the_first_ratio_at_one_and_the_update_eager(tmp_
         ],
     )
     tr = Trainer(cfg)
-    den = tr.policy.module
-    blocks = [m for m in den.modules() if type(m).__name__ in den._repeated_blocks]
+    blocks = repeated_blocks(tr.policy.backend)
     calls = []
     for b in blocks:  # which forward passes ran compiled
         b.register_forward_pre_hook(lambda m, a: calls.append(m._compiled_call_impl is not None))
