@@ -24,6 +24,7 @@ class JpegSize:
     """``sign · size_kB``: sign +1 for incompressibility, -1 for compressibility."""
 
     kind = IMAGE
+    per_sample = True  # each image scored on its own, on any thread (rollout.overlap_rewards)
 
     def __init__(self, sign: float, quality: int = 95):
         if not 1 <= quality <= 95:

@@ -26,6 +26,7 @@ class ShapesGenEval:
     objects the prompt left uncoloured came out in that colour (`free_color_counts`)."""
 
     kind = IMAGE
+    per_sample = True  # each image scored on its own, on any thread (rollout.overlap_rewards)
 
     def __init__(self, score: str = "fraction"):
         if score not in ("fraction", "strict"):

@@ -462,6 +462,12 @@ class RolloutConfig:
     `taylorseer_cache`, `mag_cache`) change the samples' distribution and are refused for an objective that trains on
     the rollout's log-probs (grpo). They are on during the rollout only: not in the update, the reference pass or the
     evaluation. A family that cannot take one says why before sampling. [] = none."""
+    overlap_rewards: bool = False
+    """Score each rollout call's images (sample.rollout_batch_size of them) on a thread of their own while the next
+    call samples, with the rewards that declare `per_sample = True` (their score of an image depends on it alone,
+    and they may run on another thread: jpeg_*, shapes_geneval); the others, and any reward train.offload parks,
+    score the whole batch after the rollout as without it. The scores, and all that follows, are the same as
+    without it. No effect on text models."""
 
 
 @dataclass

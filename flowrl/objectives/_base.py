@@ -83,9 +83,20 @@ class Objective:
 
     # ---- the epoch
 
-    def rollout(self, prompts: list[str], metadata: list[dict], *, epoch: int, generator: torch.Generator, stop=None):
-        """This process's samples of the epoch, recorded as the objective needs them (`stop`: the policy's)."""
-        return self.policy.rollout(prompts, metadata, epoch=epoch, generator=generator, stop=stop)
+    def rollout(
+        self,
+        prompts: list[str],
+        metadata: list[dict],
+        *,
+        epoch: int,
+        generator: torch.Generator,
+        stop=None,
+        on_chunk=None,
+    ):
+        """This process's samples of the epoch, recorded as the objective needs them (`stop`, `on_chunk`: the
+        image policy's; `on_chunk` is only passed to it when given)."""
+        chunks = {} if on_chunk is None else {"on_chunk": on_chunk}
+        return self.policy.rollout(prompts, metadata, epoch=epoch, generator=generator, stop=stop, **chunks)
 
     def prepare(self, batch, adv: Tensor, keep: Tensor, *, epoch: int, process_index: int) -> Tensor:
         """Before the epoch's update: draw what the update uses (times, noise seeds, pairs); returns which samples

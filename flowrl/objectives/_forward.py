@@ -112,9 +112,11 @@ class ForwardProcessObjective(Objective):
 
     # ---- the rollout and the epoch's draw
 
-    def rollout(self, prompts, metadata, *, epoch, generator, stop=None):
+    def rollout(self, prompts, metadata, *, epoch, generator, stop=None, on_chunk=None):
         with self.policy.shadow(self.sampling_shadow) if self.sampling_shadow else contextlib.nullcontext():
-            return self.policy.rollout(prompts, metadata, epoch=epoch, generator=generator, final_only=True, stop=stop)
+            return self.policy.rollout(
+                prompts, metadata, epoch=epoch, generator=generator, final_only=True, stop=stop, on_chunk=on_chunk
+            )
 
     def draw_steps(self, n: int, num_steps: int, generator: torch.Generator) -> Tensor:
         """[n, T] long: the schedule indices each of n samples is trained at (default: T distinct ones in a random

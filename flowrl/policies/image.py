@@ -266,19 +266,31 @@ class ImagePolicy:
     # ---------------------------------------------------------------------------- rollout
 
     def rollout(
-        self, prompts: list[str], metadata: list[dict], *, epoch: int, generator, final_only: bool = False, stop=None
+        self,
+        prompts: list[str],
+        metadata: list[dict],
+        *,
+        epoch: int,
+        generator,
+        final_only: bool = False,
+        stop=None,
+        on_chunk=None,
     ) -> ImageBatch:
         """Roll out one image per entry of `prompts` (a group's prompt repeats). With same_noise_per_group the
         entries come in whole groups, and each group starts from one shared initial noise.
         final_only: what the forward-process objectives train on: deterministic ODE sampling (no log-prob
         bookkeeping, the policy's LoRA merged for every step) keeping only the final latents (traj.latents
         [B, 1, ...], traj.log_probs None); the images are decoded as usual.
-        stop(): called before each call of sample.rollout_batch_size images; it raises to abandon the rollout."""
+        stop(): called before each call of sample.rollout_batch_size images; it raises to abandon the rollout.
+        on_chunk(part): called with each call's images as an ImageBatch (their prompts and metadata, no group ids)
+        as soon as the call returns, in order (rollout.overlap_rewards scores them while the next call samples)."""
         from flowrl.sampling import Trajectory
 
         s, g = self.cfg.sample, self.cfg.train.grpo
         if final_only:
-            return self._final_rollout(prompts, metadata, epoch=epoch, generator=generator, stop=stop)
+            return self._final_rollout(
+                prompts, metadata, epoch=epoch, generator=generator, stop=stop, on_chunk=on_chunk
+            )
         G = s.group_size if g.same_noise_per_group else 1
         kernel, window = self.stochastic_sampler()
         chunk = s.rollout_batch_size or len(prompts)  # images per rollout call (memory), whole groups with G > 1
@@ -308,6 +320,7 @@ class ImagePolicy:
                         deterministic_context=self.merged_adapter,
                     )
                 )
+            self._chunk_done(on_chunk, parts[-1], prompts, metadata, start, chunk)
         traj = parts[0] if len(parts) == 1 else Trajectory.cat(parts)
         return ImageBatch(traj=traj, prompts=list(prompts), metadata=list(metadata), images=traj.images)
 
@@ -319,7 +332,7 @@ class ImagePolicy:
         return accelerated(self.backend, self.accelerators, self.cfg.sample.num_steps)
 
     def _final_rollout(
-        self, prompts: list[str], metadata: list[dict], *, epoch: int, generator, stop=None
+        self, prompts: list[str], metadata: list[dict], *, epoch: int, generator, stop=None, on_chunk=None
     ) -> ImageBatch:
         """`rollout(final_only=True)`: ODE samples with sample.guidance_scale, only their final latents kept."""
         from flowrl.sampling import Trajectory
@@ -348,8 +361,20 @@ class ImagePolicy:
                         deterministic_context=self.merged_adapter,
                     )
                 )
+            self._chunk_done(on_chunk, parts[-1], prompts, metadata, start, chunk)
         traj = parts[0] if len(parts) == 1 else Trajectory.cat(parts)
         return ImageBatch(traj=traj, prompts=list(prompts), metadata=list(metadata), images=traj.images)
+
+    @staticmethod
+    def _chunk_done(on_chunk, part, prompts: list[str], metadata: list[dict], start: int, chunk: int) -> None:
+        """Hand one rollout call's images (entries start..start+chunk of the batch) to `on_chunk`, if any."""
+        if on_chunk is not None:
+            end = start + chunk
+            on_chunk(
+                ImageBatch(
+                    traj=part, prompts=list(prompts[start:end]), metadata=list(metadata[start:end]), images=part.images
+                )
+            )
 
     def condition_images(self, metadata: list[dict]) -> list[list] | None:
         """The conditioning images of prompts with these metadata rows (their `data.image_column` paths, loaded and

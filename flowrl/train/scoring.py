@@ -8,6 +8,9 @@ advantages and the loss, counted in `reward/nonfinite_count`.
 from __future__ import annotations
 
 import json
+import queue
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -29,6 +32,14 @@ def build_reward_fns(cfg, kind: str) -> list:
         )
         for spec in cfg.rewards
     ]
+
+
+def scores_each_sample(fn) -> bool:
+    """Whether reward `fn` declares `per_sample = True` (on the reward, its class or a plug-in function): its score
+    and components of a sample depend on that sample, its prompt and its columns alone, bit for bit, whatever else
+    the call holds, and it may be called from a thread of its own. Only such rewards are scored chunk by chunk while
+    the rollout goes on (rollout.overlap_rewards); the others see the whole batch after the rollout, as without it."""
+    return getattr(fn, "per_sample", False) is True
 
 
 def invalid_scores(scores: torch.Tensor, weights: torch.Tensor, nan_is_missing: bool) -> torch.Tensor:
@@ -104,20 +115,56 @@ class Scorer:
         self.tracker = core.PerPromptStatTracker(t.stat_buffer_size, t.stat_min_count) if t.per_prompt_stats else None
         self.weights = torch.tensor([r.weight for r in cfg.rewards])
 
-    def score(
-        self, batch, epoch: int = 0, *, optimizer_steps: int = 0, max_steps: int = 0
-    ) -> tuple[torch.Tensor, dict]:
-        """Per-reward scores [B_local, K] and extra components, from this process's outputs."""
-        state = self.policy.reward_state  # what TRL-style rewards see as `trainer_state`
+    def set_reward_state(self, epoch: int, optimizer_steps: int, max_steps: int) -> None:
+        """Keep what TRL-style rewards see as `trainer_state` current."""
+        state = self.policy.reward_state
         state.global_step, state.epoch = optimizer_steps, float(epoch)
         state.max_steps = max_steps
-        columns = {k: [m.get(k) for m in batch.metadata] for k in {k for m in batch.metadata for k in m}}
-        scores, components = [], {}
-        for spec, fn, parked in zip(self.cfg.rewards, self.fns, self.parked):
-            with visiting(parked):
+
+    def overlapped(self) -> list[int]:
+        """The rewards (indices) that rollout.overlap_rewards scores chunk by chunk during the rollout: those that
+        declare `per_sample` (`scores_each_sample`) and hold no model offloaded by train.offload (it would visit
+        the device while the rollout uses it); [] when the key is off or the backend is text (no effect there)."""
+        if not self.cfg.rollout.overlap_rewards or self.policy.reward_kind != "image":
+            return []
+        return [
+            k for k, (fn, parked) in enumerate(zip(self.fns, self.parked)) if parked is None and scores_each_sample(fn)
+        ]
+
+    def columns(self, batch) -> dict[str, list]:
+        """The batch's metadata columns, as rewards take them (one list per column)."""
+        return {k: [m.get(k) for m in batch.metadata] for k in {k for m in batch.metadata for k in m}}
+
+    def score_rewards(self, batch, which: list[int]) -> dict[int, tuple[torch.Tensor, dict]]:
+        """Rewards `which` (indices) on `batch`: for each, its scores [B] and its components {name: [B]}."""
+        columns = self.columns(batch)
+        out = {}
+        for k in which:
+            fn = self.fns[k]
+            with visiting(self.parked[k]):
                 s = self.policy.call_reward(fn, batch, columns)
+            out[k] = s, dict(getattr(fn, "last_components", None) or {})
+        return out
+
+    def score(
+        self,
+        batch,
+        epoch: int = 0,
+        *,
+        optimizer_steps: int = 0,
+        max_steps: int = 0,
+        scored: dict[int, tuple[torch.Tensor, dict]] | None = None,
+    ) -> tuple[torch.Tensor, dict]:
+        """Per-reward scores [B_local, K] and extra components, from this process's outputs. `scored`: the rewards
+        already scored (by `OverlappedScoring`), by index; the others are scored now, on the whole batch."""
+        self.set_reward_state(epoch, optimizer_steps, max_steps)
+        scored = dict(scored or {})
+        scored.update(self.score_rewards(batch, [k for k in range(len(self.fns)) if k not in scored]))
+        scores, components = [], {}
+        for k, spec in enumerate(self.cfg.rewards):
+            s, parts = scored[k]
             scores.append(s)
-            for name, v in (getattr(fn, "last_components", None) or {}).items():
+            for name, v in parts.items():
                 components[f"{spec.name}/{name}"] = torch.as_tensor(v, dtype=torch.float32).reshape(-1)
         return torch.stack(scores, 1), components
 
@@ -214,3 +261,84 @@ class Scorer:
                 m[f"reward/{name}_mean"] = self.dist.gather(v).mean().item()
         m.update(distribution_metrics(histograms(counts), prefix="reward/diversity/"))
         return m
+
+
+class OverlappedScoring:
+    """rollout.overlap_rewards: rewards `which` score each finished rollout call's images (`submit`, the rollout's
+    `on_chunk`) on one thread of their own while the next call samples; `finish` waits for the last and returns
+    their scores and components over the whole batch, in the rollout's order (`Scorer.score`'s `scored`).
+
+    Chunks wait in a queue of `depth` (a full queue holds the rollout back). A reward that raises stops the thread;
+    its exception is raised in the rollout's thread, unchanged, at the next `submit` or at `finish`. Leaving the
+    `with` block before `finish` (a stop signal abandoned the rollout, or an error) drops the chunks not yet scored
+    and joins the thread once the call it is in returns. `busy`: the seconds the thread spent scoring."""
+
+    def __init__(self, scorer: Scorer, which: list[int], depth: int = 2):
+        self.scorer, self.which = scorer, which
+        self.chunks: queue.Queue = queue.Queue(maxsize=depth)
+        self.results: list[dict[int, tuple[torch.Tensor, dict]]] = []
+        self.error: BaseException | None = None
+        self.busy = 0.0
+        self.thread = threading.Thread(target=self._work, name="flowrl-reward-overlap", daemon=True)
+
+    def __enter__(self) -> OverlappedScoring:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.thread.is_alive():
+            return
+        while True:  # drop what waits; the thread ends at the sentinel, after the call it is in
+            try:
+                self.chunks.get_nowait()
+            except queue.Empty:
+                break
+        self.chunks.put(None)
+        self.thread.join()
+
+    def _work(self) -> None:
+        while (part := self.chunks.get()) is not None:
+            t0 = time.perf_counter()
+            try:
+                self.results.append(self.scorer.score_rewards(part, self.which))
+            except BaseException as e:  # raised in the rollout's thread
+                self.error = e
+                return
+            finally:
+                self.busy += time.perf_counter() - t0
+
+    def _put(self, item) -> None:
+        while True:
+            self._raise()
+            try:
+                self.chunks.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def submit(self, part) -> None:
+        """Score one rollout call's images (an ImageBatch) once the thread gets to them."""
+        self._put(part)
+
+    def finish(self) -> dict[int, tuple[torch.Tensor, dict]]:
+        """Wait for every submitted chunk; the rewards' scores [B] and components {name: [B]}, chunks in order."""
+        self._put(None)
+        self.thread.join()
+        self._raise()
+        out = {}
+        for k in self.which:
+            parts = [r[k] for r in self.results]
+            names = list(parts[0][1]) if parts else []
+            if any(list(p[1]) != names for p in parts):
+                raise ValueError(
+                    f"reward {self.scorer.cfg.rewards[k].name!r} declares per_sample but gave other components on "
+                    f"other calls ({names} and {[list(p[1]) for p in parts if list(p[1]) != names][0]}); give the "
+                    f"same names on every call, or drop per_sample"
+                )
+            components = {n: torch.cat([torch.as_tensor(p[1][n]).reshape(-1) for p in parts]) for n in names}
+            out[k] = torch.cat([p[0] for p in parts]), components
+        return out

@@ -38,7 +38,7 @@ from flowrl.run.metrics import MetricsLog, Timer, read_metrics
 from flowrl.seeding import derive_seed, seed_everything
 
 from .optim import EMA, build_optimizer
-from .scoring import Scorer, adv_metrics
+from .scoring import OverlappedScoring, Scorer, adv_metrics
 from .signals import Abandoned, StopSignals
 from .update import Updater
 
@@ -246,11 +246,17 @@ class Trainer:
         if cfg.train.schedule_over == "budget":  # the lr's position in a run that ends on its time budget
             self.updater.budget_fraction = self.dist.largest(self.budget_spent() / (60 * cfg.train.max_minutes))
         t0, cpu0 = time.perf_counter(), time.process_time()
-        with self.timer("rollout"):
-            batch = self.rollout(epoch)
-        self.stop_point()  # before the rewards: the epoch's rollout is abandoned
-        with self.timer("reward"):
-            scores, components = self.score(batch, epoch)
+        overlapped = self.scorer.overlapped()  # rollout.overlap_rewards: rewards scored during the rollout
+        with OverlappedScoring(self.scorer, overlapped) if overlapped else contextlib.nullcontext() as overlap:
+            with self.timer("rollout"):
+                batch = self.rollout(epoch, on_chunk=overlap.submit if overlap else None)
+            self.stop_point()  # before the rewards: the epoch's rollout is abandoned
+            with self.timer("reward"):
+                scored = None
+                if overlap:
+                    with self.timer("reward_wait"):  # for the chunks the thread has not scored yet
+                        scored = overlap.finish()
+                scores, components = self.score(batch, epoch, scored=scored)
         self.stop_if_asked(epoch, mid_epoch=False)  # nothing of this epoch has changed the weights yet
         metrics = self.scorer.reward_metrics(scores, components)
         metrics.update(self.scorer.reward_logs())
@@ -269,6 +275,8 @@ class Trainer:
         self.state.train_wall_seconds += seconds
         self.state.train_cpu_seconds += time.process_time() - cpu0
         metrics.update({f"time/{k}": v for k, v in self.timer.pop().items()})
+        if overlapped:
+            metrics["time/reward_thread"] = overlap.busy  # what the thread scored, mostly while the rollout sampled
         metrics["time/train_wall_minutes"] = self.state.train_wall_seconds / 60
         metrics["time/train_process_minutes"] = self.state.train_cpu_seconds / 60
         metrics["perf/samples_per_s"] = self.batch_total / seconds
@@ -278,9 +286,10 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ the phases
 
-    def rollout(self, epoch: int):
+    def rollout(self, epoch: int, on_chunk=None):
         """This process's slice of the epoch's samples: P prompts x G, laid out prompt-major and cut into
-        `world` contiguous slices (so a group may span two processes)."""
+        `world` contiguous slices (so a group may span two processes). `on_chunk`: the image policy's (each
+        rollout call's images, as it returns)."""
         cfg = self.cfg
         prompts, meta = self.train_set.draw(cfg.sample.prompts_per_epoch, epoch, cfg.train.seed, cfg.data.balance_by)
         G = cfg.sample.group_size
@@ -288,15 +297,23 @@ class Trainer:
         gids = [i // G for i in range(start, start + self.batch_local)]
         gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, epoch, self.acc.process_index))
         batch = self.objective.rollout(
-            [prompts[g] for g in gids], [meta[g] for g in gids], epoch=epoch, generator=gen, stop=self.stop_point
+            [prompts[g] for g in gids],
+            [meta[g] for g in gids],
+            epoch=epoch,
+            generator=gen,
+            stop=self.stop_point,
+            on_chunk=on_chunk,
         )
         batch.group_ids = torch.tensor(gids)
         batch.epoch_prompts = prompts
         return batch
 
-    def score(self, batch, epoch: int = 0) -> tuple[torch.Tensor, dict]:
-        """Per-reward scores [B_local, K] and extra components, from this process's outputs."""
-        return self.scorer.score(batch, epoch, optimizer_steps=self.state.optimizer_steps, max_steps=self.max_steps)
+    def score(self, batch, epoch: int = 0, scored: dict | None = None) -> tuple[torch.Tensor, dict]:
+        """Per-reward scores [B_local, K] and extra components, from this process's outputs (`scored`: those the
+        overlapped scoring gave)."""
+        return self.scorer.score(
+            batch, epoch, optimizer_steps=self.state.optimizer_steps, max_steps=self.max_steps, scored=scored
+        )
 
     def advantages(self, batch, scores: torch.Tensor, epoch: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Advantages of this process's samples from the whole batch's rewards, which samples to train, and how many
