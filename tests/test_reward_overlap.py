@@ -189,3 +189,10 @@ def test_no_overlap_for_text_offloaded_or_undeclared_rewards():
     assert Scorer.overlapped(scorer(overlap=False)) == []
     assert Scorer.overlapped(scorer(kind="text")) == []  # no effect on text models
     assert Scorer.overlapped(scorer(parked=object())) == []  # train.offload parks it: scored after the rollout
+
+
+def test_overlap_rewards_is_refused_for_text_before_the_model_loads():
+    from flowrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout.overlap_rewards .* set rollout.overlap_rewards=false"):
+        load_config(None, ["backend=text", "model.path=tiny-gpt2", "rollout.overlap_rewards=true"])

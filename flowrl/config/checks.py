@@ -130,6 +130,11 @@ def validate(cfg: Config) -> None:
     from flowrl.sampling.acceleration import config_problems
 
     problems.extend(config_problems(cfg))
+    if cfg.backend == "text" and cfg.rollout.overlap_rewards:
+        problems.append(
+            "rollout.overlap_rewards scores image rollouts while they sample; a text run scores its completions "
+            "after generate(): set rollout.overlap_rewards=false"
+        )
     if cfg.backend == "image":
         problems.extend(_family_problems(cfg))
     if t.optimizer == "adamw_8bit" and t.sharding == "fsdp":

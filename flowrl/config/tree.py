@@ -467,7 +467,7 @@ class RolloutConfig:
     call samples, with the rewards that declare `per_sample = True` (their score of an image depends on it alone,
     and they may run on another thread: jpeg_*, shapes_geneval); the others, and any reward train.offload parks,
     score the whole batch after the rollout as without it. The scores, and all that follows, are the same as
-    without it. No effect on text models."""
+    without it. Images only (refused for text models)."""
 
 
 @dataclass
