@@ -14,7 +14,7 @@ import types
 import typing
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
@@ -22,6 +22,7 @@ from flowrl.errors import ConfigError, ConfigWarning
 
 from .checks import validate
 from .tree import Config, _dataclass_of, _hints, describe
+from .values import convert_value
 
 #: Names users bring from TRL, diffusers' training scripts, Flow-GRPO and DDPO -> the flowrl key.
 ALIASES: dict[str, str] = {
@@ -195,64 +196,6 @@ def _unknown_key(key: str, valid: list[str]) -> ConfigError:
     return ConfigError(f"unknown config key {key!r}.{hint} Valid keys here: {', '.join(valid)}")
 
 
-def _convert(value: Any, tp, key: str) -> Any:
-    """Check (and gently convert) `value` against the annotation `tp`."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _convert(value, inner[0], key)
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
-            hint = f" Did you mean {close[0]}?" if close else ""
-            raise ConfigError(f"{key}: {value!r} is not a valid choice; valid: {', '.join(map(str, choices))}.{hint}")
-        return value
-    if origin is list:
-        (arg,) = typing.get_args(tp)
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        sub = _dataclass_of(arg)
-        if sub is not None:
-            return [_build(sub, v, f"{key}[{i}]") for i, v in enumerate(value)]
-        return [_convert(v, arg, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return dict(value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML reads 1e-4 without a dot as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if value is None:
-            raise ConfigError(f"{key}: expected a string, got null (write {key}= for an empty string)")
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
-    if tp is Any:
-        return value
-    raise ConfigError(f"{key}: unsupported annotation {tp!r}")
-
-
 def _build(cls: type, data: Any, prefix: str = ""):
     if isinstance(data, cls):
         return data
@@ -271,7 +214,7 @@ def _build(cls: type, data: Any, prefix: str = ""):
             if off is not _NOT_NULLABLE:
                 kwargs[k] = off
                 continue
-        kwargs[k] = _build(sub, v, key) if sub is not None else _convert(v, hints[k], key)
+        kwargs[k] = _build(sub, v, key) if sub is not None else convert_value(v, hints[k], key, build=_build)
     return cls(**kwargs)
 
 

@@ -87,7 +87,7 @@ class AcceleratorSpec:
 def parse_entry(entry: Any, where: str) -> AcceleratorSpec:
     """`compile` or `{name: first_block_cache, threshold: 0.1}` -> AcceleratorSpec; a ValueError of one line naming
     the valid accelerators or knobs."""
-    from flowrl.config.load import _convert
+    from flowrl.config.values import convert_value
     from flowrl.errors import ConfigError
 
     if isinstance(entry, str):
@@ -110,7 +110,7 @@ def parse_entry(entry: Any, where: str) -> AcceleratorSpec:
             valid = ", ".join(hints) or "none"
             raise ValueError(f"{where}: {name} has no knob {k!r}; its knobs: {valid}")
         try:
-            knobs[k] = _convert(v, hints[k], f"{where}.{k}")
+            knobs[k] = convert_value(v, hints[k], f"{where}.{k}")
         except ConfigError as e:
             raise ValueError(str(e)) from None
     try:
