@@ -18,6 +18,8 @@ are the larger of the two, the rates the second's), and one checkpoint. Per case
   update GiB    the peak while the update runs, against the plan's figure at the config's micro-batch and checkpointing;
   images/s      rollout images per second, and update samples per second (the second epoch);
   ratio_first   the first minibatch's importance ratio of the first epoch (GRPO: 1 on policy).
+The case sd35m-grpo-compile is sd35m-grpo with `rollout.acceleration=[compile]` (the rollout's repeated blocks
+compiled; the second epoch's rate is the compiled one), on a GPU only.
 
 --tiny runs the same code on the CPU (float32, tiny models built from code, 32 px): the peak there is the live
 tensors' (benchmarks/memory.py's LiveTensorBytes) on top of the weights, optimizer states and EMA. It keeps the pack
@@ -104,11 +106,14 @@ class Case:
     size: int = 512
     new_tokens: int = 256  # text.max_new_tokens (text)
     extra: tuple[str, ...] = ()
+    gpu_only: bool = False  # left out of --tiny (compiling costs minutes on a CPU; tests/ compile a tiny model once)
 
 
 CASES = [
     Case("sd35m-grpo", "sd35m"),
     Case("sd35m-nft", "sd35m", objective="nft"),
+    # torch.compile of the repeated blocks for the rollout (lossless): beside sd35m-grpo, the same config
+    Case("sd35m-grpo-compile", "sd35m", extra=("rollout.acceleration=[compile]",), gpu_only=True),
     Case("flux1-dev-grpo-ckpt", "flux1-dev", prompts=1, group=4, checkpointing=True, micro=2, steps=6),
     Case("flux1-dev-nft-ckpt", "flux1-dev", objective="nft", prompts=1, group=4, checkpointing=True, micro=2, steps=6),
     Case("qwen2.5-1.5b-grpo", "qwen2.5-1.5b", prompts=4, group=4, micro=8),
@@ -318,8 +323,8 @@ def run_case(case: Case, directory: Path, work: Path, *, tiny: bool, device: str
     trainer.timer = MeasuredTimer(trainer.timer, meter, trainer)
     batches = []  # the epochs' rollouts (a text run is planned at their prompt length)
 
-    def keep_batch(epoch, rollout=trainer.rollout):
-        batches.append(rollout(epoch))
+    def keep_batch(*args, rollout=trainer.rollout, **kwargs):
+        batches.append(rollout(*args, **kwargs))
         return batches[-1]
 
     trainer.rollout = keep_batch
@@ -469,7 +474,7 @@ def main(argv=None) -> list[dict]:
         device = "cuda"
     else:
         raise SystemExit("gpu_check: no CUDA device here; run with --tiny for the CPU version")
-    cases = [c for c in CASES if args.cases is None or c.name in args.cases]
+    cases = [c for c in CASES if (args.cases is None or c.name in args.cases) and not (args.tiny and c.gpu_only)]
     if args.child:
         rows_file = Path(args.child)
         with rows_file.open("a") as f:
