@@ -8,7 +8,7 @@ import typing
 import pytest
 
 from flowrl.config import ALIASES, RANGES, Config, ConfigError, Range, RewardSpec, describe, load_config
-from flowrl.config.tree import _hints
+from flowrl.config.tree import _hints, field_name
 
 
 def _numeric_keys() -> list[str]:
@@ -17,7 +17,7 @@ def _numeric_keys() -> list[str]:
     for key, _, _, _ in describe(Config):
         cls, tp = Config, None
         for part in key.split("."):
-            tp = _hints(cls)[part]
+            tp = _hints(cls)[field_name(part)]
             cls = tp if dataclasses.is_dataclass(tp) else None
         args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
         inner = typing.get_args(args[0]) if typing.get_origin(args[0]) is list else args

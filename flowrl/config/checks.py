@@ -96,6 +96,24 @@ def _eval_features_problems(cfg: Config) -> list[str]:
     return []
 
 
+def _async_problems(cfg: Config) -> list[str]:
+    """rollout.async: image rollouts, without rollout.overlap_rewards (the number of processes is checked when the
+    run starts, before the model loads)."""
+    if not cfg.rollout.async_:
+        return []
+    if cfg.backend != "image":
+        return [
+            f"rollout.async samples image rollouts in a worker process; backend={cfg.backend} generates in the "
+            "trainer: set rollout.async=false"
+        ]
+    if cfg.rollout.overlap_rewards:
+        return [
+            "rollout.async and rollout.overlap_rewards cannot be combined (the worker's rollout returns whole); "
+            "set rollout.overlap_rewards=false (the rewards still score while the worker samples the next epoch)"
+        ]
+    return []
+
+
 def validate(cfg: Config) -> None:
     """Value checks that need more than a type: every numeric field's range, and relations between keys."""
     s, t = cfg.sample, cfg.train
@@ -135,6 +153,7 @@ def validate(cfg: Config) -> None:
             "rollout.overlap_rewards scores image rollouts while they sample; a text run scores its completions "
             "after generate(): set rollout.overlap_rewards=false"
         )
+    problems.extend(_async_problems(cfg))
     if cfg.backend == "image":
         problems.extend(_family_problems(cfg))
     if t.optimizer == "adamw_8bit" and t.sharding == "fsdp":

@@ -21,7 +21,7 @@ import yaml
 from flowrl.errors import ConfigError, ConfigWarning
 
 from .checks import validate
-from .tree import Config, _dataclass_of, _hints, describe
+from .tree import Config, _dataclass_of, _hints, describe, field_name, key_name
 from .values import convert_value
 
 #: Names users bring from TRL, diffusers' training scripts, Flow-GRPO and DDPO -> the flowrl key.
@@ -206,8 +206,9 @@ def _build(cls: type, data: Any, prefix: str = ""):
     kwargs = {}
     for k, v in data.items():
         key = prefix + ("." if prefix else "") + str(k)
+        k = field_name(k) if isinstance(k, str) else k  # `async` is the field `async_`
         if k not in names:
-            raise _unknown_key(key, [f"{prefix}.{n}" if prefix else n for n in names])
+            raise _unknown_key(key, [f"{prefix}.{key_name(n)}" if prefix else key_name(n) for n in names])
         sub = _dataclass_of(hints[k])
         if sub is None and _is_null(v):
             off = _null_value(cls, k, hints[k])
@@ -263,8 +264,9 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
                 raise ConfigError(f"{key!r}: set a key of the item, e.g. {key}.weight=2")
             continue
         hints = _hints(cls)
+        part = field_name(part)
         if part not in hints:
-            raise _unknown_key(key, [f"{prefix}.{n}" if prefix else n for n in hints])
+            raise _unknown_key(key, [f"{prefix}.{key_name(n)}" if prefix else key_name(n) for n in hints])
         tp = hints[part]
         if last:
             node[part] = value

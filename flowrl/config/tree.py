@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import keyword
 import textwrap
 import types
 import typing
@@ -468,6 +469,18 @@ class RolloutConfig:
     and they may run on another thread: jpeg_*, shapes_geneval); the others, and any reward train.offload parks,
     score the whole batch after the rollout as without it. The scores, and all that follows, are the same as
     without it. Images only (refused for text models)."""
+    async_: bool = False
+    """(Written `rollout.async`.) Sample the next epoch in a rollout worker, a process of its own, while this one
+    updates on the current epoch: epoch k+1 is sampled with the weights after epoch k-1's update (one version
+    stale; the first epoch of a run, and of a resume, with the current weights). The trained weights go to the worker
+    after every update with their version (the epochs trained). `rollout/version_lag`, `time/rollout_wait` and
+    `time/worker_idle` say how it went. GRPO trains on the sampling version's log-probs (the first minibatch's ratio
+    is no longer 1; clipping bounds it); the decoupled objectives (nft, awm, dpo) need only the samples. One process,
+    images, without rollout.overlap_rewards (each refused otherwise)."""
+    async_threads: int = 1
+    """The rollout worker's torch threads (rollout.async)."""
+
+    RANGES: ClassVar[dict[str, Range]] = {"async_threads": AT_LEAST_1}
 
 
 @dataclass
@@ -550,6 +563,17 @@ def section_ranges(cls: type = Config, prefix: str = "") -> dict[str, Range]:
     return out
 
 
+def key_name(field_name: str) -> str:
+    """The key users write for a field: a Python keyword is a field's name with a trailing `_` (`async_` is
+    `rollout.async`)."""
+    return field_name[:-1] if field_name.endswith("_") and keyword.iskeyword(field_name[:-1]) else field_name
+
+
+def field_name(key: str) -> str:
+    """The field of the key users write (`key_name`'s inverse)."""
+    return key + "_" if keyword.iskeyword(key) else key
+
+
 def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, Any, str]]:
     """(dotted key, type text, default, doc) for every leaf field, for `flowrl train --help`."""
     rows = []
@@ -558,7 +582,7 @@ def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, Any, 
     default = cls()
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
-        key = prefix + f.name
+        key = prefix + key_name(f.name)
         sub = _dataclass_of(tp)
         if sub is not None:
             rows.extend(describe(sub, key + "."))

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from flowrl import dist as distributed
 from flowrl.config import Config, to_dict
 from flowrl.data import check_prompt_lengths
-from flowrl.errors import Interrupted
+from flowrl.errors import ConfigError, Interrupted
 from flowrl.eval import Evaluator
 from flowrl.objectives import build_objective
 from flowrl.policies.base import full_tensor
@@ -37,6 +37,7 @@ from flowrl.run.lock import RunLock
 from flowrl.run.metrics import MetricsLog, Timer, read_metrics
 from flowrl.seeding import derive_seed, seed_everything
 
+from .async_rollout import AsyncRollout
 from .optim import EMA, build_optimizer
 from .scoring import OverlappedScoring, Scorer, adv_metrics
 from .signals import Abandoned, StopSignals
@@ -100,6 +101,11 @@ class Trainer:
             self.base_model = basemodel.fingerprint(cfg.model.path)  # once: every checkpoint keeps it
             self.base_checked = check_resume_base(cfg, self.run_dir, self.base_model)
         self.acc.wait_for_everyone()
+        if cfg.rollout.async_ and self.acc.num_processes > 1:
+            raise ConfigError(
+                f"rollout.async runs one rollout worker beside one trainer process, and this run has "
+                f"{self.acc.num_processes}: set rollout.async=false, or launch one process"
+            )
         seed_everything(t.seed)
         self.device = self.acc.device if cfg.model.device == "auto" else torch.device(cfg.model.device)
         attention_backends(self.device, cudnn=cfg.model.cudnn_attention)
@@ -137,6 +143,8 @@ class Trainer:
         if self.main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.timer = Timer()
+        # rollout.async: the rollout worker (started at the first epoch's rollout, stopped when fit ends)
+        self.rollouts = AsyncRollout(cfg, self.device) if cfg.rollout.async_ else None
         if cfg.log.tensorboard or cfg.log.wandb:
             self.acc.init_trackers("flowrl", config={k: str(v) for k, v in to_dict(cfg).items()})
 
@@ -165,6 +173,8 @@ class Trainer:
             with self.signals.installed():
                 return self._fit()
         finally:
+            if self.rollouts is not None:  # stopped and joined, whatever ended the run
+                self.rollouts.close()
             if self.lock is not None:
                 self.lock.release()
 
@@ -249,7 +259,10 @@ class Trainer:
         overlapped = self.scorer.overlapped()  # rollout.overlap_rewards: rewards scored during the rollout
         with OverlappedScoring(self.scorer, overlapped) if overlapped else contextlib.nullcontext() as overlap:
             with self.timer("rollout"):
-                batch = self.rollout(epoch, on_chunk=overlap.submit if overlap else None)
+                if self.rollouts is None:
+                    batch = self.rollout(epoch, on_chunk=overlap.submit if overlap else None)
+                else:
+                    batch, worker = self.async_rollout(epoch)
             self.stop_point()  # before the rewards: the epoch's rollout is abandoned
             with self.timer("reward"):
                 scored = None
@@ -270,6 +283,9 @@ class Trainer:
         with self.timer("train"):
             metrics.update(self.update(batch, adv, keep, epoch))
         self.state.epochs_done = epoch + 1
+        if self.rollouts is not None:  # the worker samples epoch+2 with these
+            self.send_weights()
+            metrics.update(worker)
         self.state.samples_seen += self.batch_total
         seconds = time.perf_counter() - t0
         self.state.train_wall_seconds += seconds
@@ -286,27 +302,67 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ the phases
 
-    def rollout(self, epoch: int, on_chunk=None):
-        """This process's slice of the epoch's samples: P prompts x G, laid out prompt-major and cut into
-        `world` contiguous slices (so a group may span two processes). `on_chunk`: the image policy's (each
-        rollout call's images, as it returns)."""
+    def rollout_request(self, epoch: int) -> dict:
+        """What this process samples in epoch `epoch`: P prompts x G, laid out prompt-major and cut into `world`
+        contiguous slices (so a group may span two processes), their metadata, their group ids and the generator's
+        seed."""
         cfg = self.cfg
         prompts, meta = self.train_set.draw(cfg.sample.prompts_per_epoch, epoch, cfg.train.seed, cfg.data.balance_by)
         G = cfg.sample.group_size
         start = self.acc.process_index * self.batch_local
         gids = [i // G for i in range(start, start + self.batch_local)]
-        gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, epoch, self.acc.process_index))
+        return {
+            "prompts": [prompts[g] for g in gids],
+            "metadata": [meta[g] for g in gids],
+            "seed": derive_seed(cfg.train.seed, epoch, self.acc.process_index),
+            "group_ids": gids,
+            "epoch_prompts": prompts,
+        }
+
+    def rollout(self, epoch: int, on_chunk=None):
+        """This process's slice of the epoch's samples (`rollout_request`). `on_chunk`: the image policy's (each
+        rollout call's images, as it returns)."""
+        req = self.rollout_request(epoch)
+        gen = torch.Generator().manual_seed(req["seed"])
         batch = self.objective.rollout(
-            [prompts[g] for g in gids],
-            [meta[g] for g in gids],
-            epoch=epoch,
-            generator=gen,
-            stop=self.stop_point,
-            on_chunk=on_chunk,
+            req["prompts"], req["metadata"], epoch=epoch, generator=gen, stop=self.stop_point, on_chunk=on_chunk
         )
-        batch.group_ids = torch.tensor(gids)
-        batch.epoch_prompts = prompts
+        batch.group_ids = torch.tensor(req["group_ids"])
+        batch.epoch_prompts = req["epoch_prompts"]
         return batch
+
+    def send_weights(self) -> None:
+        """rollout.async: the trained adapter and the objective's state (e.g. NFT's "old" adapter, which samples),
+        as version `epochs_done`, to the worker."""
+        self.rollouts.send_weights(self.state.epochs_done, self.named_params, self.objective.state_dict())
+
+    def async_rollout(self, epoch: int):
+        """rollout.async: epoch `epoch`'s batch from the worker (the first of a fit sampled with the current
+        weights), and the worker's metrics; the worker is asked for the next epoch's at once."""
+        w, t0 = self.rollouts, time.perf_counter()
+        if w.process is None:
+            w.start()
+        if w.asked is None:  # the first epoch of this fit (or after a resume): version lag 0
+            self.send_weights()
+            w.ask(epoch, self.rollout_request(epoch))
+        start = time.perf_counter()
+        batch, version, idle, seconds = w.take(epoch, waiting=self.stop_point)
+        wait = time.perf_counter() - start
+        if epoch + 1 < self.cfg.train.epochs:  # sampled with the weights it has while this epoch updates
+            w.ask(epoch + 1, self.rollout_request(epoch + 1))
+        lag = self.state.epochs_done - version
+        self.updater.version_lag = lag
+        req = self.rollout_request(epoch)
+        batch.group_ids = torch.tensor(req["group_ids"])
+        batch.epoch_prompts = req["epoch_prompts"]
+        return batch, {
+            "rollout/version_lag": lag,
+            "time/rollout_wait": wait,
+            "time/worker_start": start - t0,
+            "time/worker_idle": idle,
+            "time/worker_rollout": seconds,
+            "rollout/worker_threads": w.threads,
+        }
 
     def score(self, batch, epoch: int = 0, scored: dict | None = None) -> tuple[torch.Tensor, dict]:
         """Per-reward scores [B_local, K] and extra components, from this process's outputs (`scored`: those the

@@ -68,6 +68,9 @@ class Updater:
         self.lr_factor = lr_lambda(t.warmup_steps, self.max_steps, t.schedule, t.decay_frac)
         self.budget_fraction = 0.0  # train.schedule_over=budget: the share of train.max_minutes spent, per epoch
         self.nonfinite_streak = 0
+        #: rollout.async: epochs between the weights that sampled this epoch's batch and the trained ones (0: the
+        #: same, and the first minibatch's ratio must be 1)
+        self.version_lag = 0
 
     @property
     def opt(self):
@@ -128,19 +131,21 @@ class Updater:
                 stop_check(epoch, mid_epoch=True)
         out = {f"policy/{k}": _reduce(k, v) for k, v in sums.items()}
         if first_ratio is not None:  # None: every group was dropped, nothing was trained this epoch
-            out.update(self.on_policy_metrics(first_ratio, epoch))
+            out.update(self.on_policy_metrics(first_ratio, epoch, lag=self.version_lag))
         out["policy/trained_units"] = trained  # steps x samples whose loss was computed
         out["policy/skipped_nonfinite"] = skipped
         out.update(self.objective.after_update(state.optimizer_steps))
         return out
 
     @staticmethod
-    def on_policy_metrics(first_ratio: tuple[float, float], epoch: int) -> dict[str, float]:
+    def on_policy_metrics(first_ratio: tuple[float, float], epoch: int, lag: int = 0) -> dict[str, float]:
         """`policy/ratio_first` (the first minibatch's ratio furthest from 1) and its distance from 1, from the
-        minibatch's (min, max) ratio; a warning when it is further than ON_POLICY_TOL."""
+        minibatch's (min, max) ratio; a warning when it is further than ON_POLICY_TOL and the batch was sampled with
+        the trained weights (`lag` 0; rollout.async's batch of lag 1 was sampled with the previous version's, whose
+        log-probs it records: its ratio is not 1, and clipping bounds it)."""
         low, high = first_ratio
         dev = max(abs(low - 1), abs(high - 1))
-        if dev > ON_POLICY_TOL:
+        if dev > ON_POLICY_TOL and lag == 0:
             warnings.warn(
                 f"epoch {epoch}: the first minibatch is not on-policy: max |ratio - 1| = {dev:.2e} > "
                 f"{ON_POLICY_TOL:g}; recomputed log-probs differ from the rollout's (non-deterministic "
