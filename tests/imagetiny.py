@@ -17,6 +17,17 @@ torch.set_num_threads(1)
 FAMILIES = ("sd3", "flux", "sd15")
 STOCHASTIC_SDE_TYPES = {"sd3": ("sde", "cps", "dance"), "flux": ("sde", "cps", "dance"), "sd15": ("ddim",)}
 PROMPTS = ["a red cat", "a blue dog"]
+#: a tiny image run on the CPU (tiny-sd3, 32 px, 3 steps, 2 prompts x 4): end-to-end tests add their own overrides
+TINY_RUN = [
+    "sample.height=32",
+    "sample.width=32",
+    "sample.num_steps=3",
+    "sample.max_sequence_length=16",
+    "sample.prompts_per_epoch=2",
+    "sample.group_size=4",
+    "log.progress=false",
+    "model.device=cpu",
+]
 SIZE = 32
 
 _backends = {}

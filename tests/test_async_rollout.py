@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from imagetiny import TINY_RUN
 
 from flowrl.config import ConfigError, describe, load_config
 from flowrl.run.metrics import read_metrics
@@ -21,21 +22,14 @@ from flowrl.train import Trainer
 from flowrl.train.async_rollout import RolloutWorkerError
 
 TINY = [
-    "sample.height=32",
-    "sample.width=32",
-    "sample.num_steps=3",
-    "sample.max_sequence_length=16",
-    "sample.prompts_per_epoch=2",
-    "sample.group_size=4",
+    *TINY_RUN,
     "train.epochs=3",
     "train.lr=3e-3",
     "train.steps_per_forward=3",
     "eval.before=false",
     "eval.num_steps=2",
     "eval.num_prompts=2",
-    "log.progress=false",
     "log.every=1",
-    "model.device=cpu",
     "rollout.async=true",
 ]
 

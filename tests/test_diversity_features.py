@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from imagetiny import TINY_RUN
 
 from flowrl.config import ConfigError, load_config
 from flowrl.eval.diversity import (
@@ -244,16 +245,9 @@ def test_a_backbone_that_cannot_load_offline_fails_before_the_model_loads(tmp_pa
 
 
 TINY = [
-    "sample.height=32",
-    "sample.width=32",
-    "sample.num_steps=3",
-    "sample.max_sequence_length=16",
-    "sample.prompts_per_epoch=2",
-    "sample.group_size=4",
+    *TINY_RUN,
     "eval.num_steps=2",
     "eval.num_prompts=2",
-    "log.progress=false",
-    "model.device=cpu",
     "train.grpo.clip_low=0.2",
     "eval.grid=false",
     "eval.images_per_prompt=3",

@@ -3,21 +3,15 @@ give the same gradient as the plain update (image and text), and the first minib
 
 import pytest
 import torch
+from imagetiny import TINY_RUN
 
 from flowrl.config import load_config
 from flowrl.train import Trainer
 
 TINY = [
-    "sample.height=32",
-    "sample.width=32",
-    "sample.num_steps=3",
-    "sample.max_sequence_length=16",
-    "sample.prompts_per_epoch=2",
-    "sample.group_size=4",
+    *TINY_RUN,
     "eval.num_steps=2",
     "eval.num_prompts=1",
-    "log.progress=false",
-    "model.device=cpu",
     "train.grpo.clip_low=0.2",
 ]
 

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from imagetiny import TINY_RUN
 
 from flowrl.config import load_config
 from flowrl.train import Trainer
@@ -15,12 +16,7 @@ from flowrl.train.scoring import Scorer
 from flowrl.train.signals import Abandoned
 
 TINY = [
-    "sample.height=32",
-    "sample.width=32",
-    "sample.num_steps=3",
-    "sample.max_sequence_length=16",
-    "sample.prompts_per_epoch=2",
-    "sample.group_size=4",
+    *TINY_RUN,
     "sample.rollout_batch_size=2",  # 4 rollout calls per epoch
     "train.epochs=1",
     "train.lr=3e-3",
@@ -28,8 +24,6 @@ TINY = [
     "eval.before=false",
     "eval.num_steps=2",
     "eval.num_prompts=2",
-    "log.progress=false",
-    "model.device=cpu",
 ]
 
 PLUGIN = '''

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from imagetiny import TINY_RUN
 
 from flowrl.cli import main
 from flowrl.config import load_config
@@ -25,17 +26,10 @@ from flowrl.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
-    "sample.height=32",
-    "sample.width=32",
-    "sample.num_steps=3",
-    "sample.max_sequence_length=16",
-    "sample.prompts_per_epoch=2",
-    "sample.group_size=4",
+    *TINY_RUN,
     "eval.num_steps=2",
     "eval.num_prompts=2",
     "eval.grid=false",
-    "log.progress=false",
-    "model.device=cpu",
 ]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from imagetiny import TINY_RUN
 
 from flowrl.config import load_config
 from flowrl.errors import CheckpointError, NonFiniteError, RunDirError
@@ -20,16 +21,9 @@ from flowrl.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
-    "sample.height=32",
-    "sample.width=32",
-    "sample.num_steps=3",
-    "sample.max_sequence_length=16",
-    "sample.prompts_per_epoch=2",
-    "sample.group_size=4",
+    *TINY_RUN,
     "eval.num_steps=2",
     "eval.num_prompts=2",
-    "log.progress=false",
-    "model.device=cpu",
     "train.lr=3e-3",
     "train.grpo.clip_low=0.2",
 ]
