@@ -4,6 +4,7 @@ A checkpoint directory `ckpt-{epoch:06d}/` holds
     trainable.safetensors   the trained weights (LoRA or the full denoiser), by parameter name
     ema.safetensors         the EMA of the trained weights (when EMA is on)
     objective.safetensors   what the training objective keeps besides them (DiffusionNFT's old policy), if anything
+    rollout.safetensors     rollout.async: the older weights the next epoch's rollout samples with, if any
     optimizer.safetensors   the optimizer's tensors; optimizer.json its structure and hyper-parameters
     state.json              counters, scheduler, stat trackers, python/numpy RNG, config
     rng.safetensors         torch RNG states (CPU, and CUDA when present)
@@ -138,17 +139,20 @@ def write_checkpoint(
     extra_dirs: dict[str, Any] | None = None,
     keep: int = 0,
     objective: dict[str, torch.Tensor] | None = None,
+    rollout: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write `ckpt-{epoch:06d}` under `run_dir` atomically; returns its path.
 
     `extra_dirs`: name -> callable(path) that writes a sub-directory (e.g. the diffusers LoRA export).
     `objective`: the training objective's tensors (flowrl.objectives: e.g. NFT's old adapter), if it keeps any.
+    `rollout`: rollout.async's weights of the version the next epoch samples with, when older than `trainable`.
     `keep` > 0 then keeps this checkpoint and the newest `keep - 1` older ones (by epoch); checkpoints of later
     epochs than this one (another run's, or a future this run was resumed before) are never deleted.
     Weights with NaN or inf are never written: NonFiniteError names them and nothing is written.
     """
     opt_tensors, opt_meta = optimizer_to_files(optimizer) if optimizer is not None else ({}, None)
-    bad = nonfinite_tensors({"trainable": trainable, "ema": ema, "optimizer": opt_tensors, "objective": objective})
+    named = {"trainable": trainable, "ema": ema, "optimizer": opt_tensors, "objective": objective, "rollout": rollout}
+    bad = nonfinite_tensors(named)
     if bad:
         raise NonFiniteError(
             f"not writing checkpoint epoch {epoch}: {len(bad)} tensor(s) hold NaN or inf "
@@ -167,6 +171,8 @@ def write_checkpoint(
             save_file(_contiguous(ema), tmp / "ema.safetensors")
         if objective is not None:
             save_file(_contiguous(objective), tmp / "objective.safetensors")
+        if rollout is not None:
+            save_file(_contiguous(rollout), tmp / "rollout.safetensors")
         if opt_meta is not None:
             save_file(_contiguous(opt_tensors), tmp / "optimizer.safetensors")
             (tmp / "optimizer.json").write_text(json.dumps(opt_meta))
@@ -188,7 +194,7 @@ def write_checkpoint(
         reason = out_of_space(e)
         if reason is None:
             raise
-        groups = (trainable, ema, opt_tensors, objective, *([trainable] * len(extra_dirs or {})))
+        groups = (trainable, ema, opt_tensors, objective, rollout, *([trainable] * len(extra_dirs or {})))
         need = sum(t.numel() * t.element_size() for g in groups for t in (g or {}).values())
         raise CheckpointError(no_space_message(run_dir, final, reason, need)) from None
     if final.exists():
@@ -343,6 +349,8 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         out["ema"] = _load_tensors(path / "ema.safetensors")
     if (path / "objective.safetensors").exists():
         out["objective"] = _load_tensors(path / "objective.safetensors")
+    if (path / "rollout.safetensors").exists():
+        out["rollout"] = _load_tensors(path / "rollout.safetensors")
     if (path / "optimizer.json").exists():
         tensors = _load_tensors(path / "optimizer.safetensors")
         try:

@@ -93,6 +93,7 @@ class AsyncRollout:
         self.target = worker_main  # (tests swap in a worker that fails)
         self.process = None
         self.asked: int | None = None  # the epoch whose rollout the worker was asked for and has not returned
+        self.sent: dict[int, tuple[dict, dict]] = {}  # the last two versions sent (trainable, objective state)
 
     def start(self) -> None:
         ctx = mp.get_context("spawn")
@@ -112,10 +113,20 @@ class AsyncRollout:
         copy = {n: p.detach().to("cpu", copy=True) for n, p in trainable.items()}
         state = {n: v.detach().to("cpu", copy=True) for n, v in state.items()}
         self.commands.put(("weights", version, (copy, state)))
+        self.sent = {v: w for v, w in self.sent.items() if v >= version - 1} | {version: (copy, state)}
 
     def ask(self, epoch: int, request: dict) -> None:
         self.commands.put(("rollout", epoch, request))
         self.asked = epoch
+
+    def sampling_weights(self) -> tuple[int, dict, dict] | None:
+        """(version, trainable, objective state) of the version before the newest sent: the one the next epoch samples
+        with (epoch e samples with version e - 1), which a checkpoint keeps so that a resumed run samples that epoch
+        as an uninterrupted one does; None before two versions were sent."""
+        newest = max(self.sent, default=None)
+        if newest is None or newest - 1 not in self.sent:
+            return None
+        return (newest - 1, *self.sent[newest - 1])
 
     def take(self, epoch: int, waiting=None):
         """Epoch `epoch`'s batch: (batch, the version it was sampled with, the worker's idle seconds before it, its

@@ -145,6 +145,7 @@ class Trainer:
         self.timer = Timer()
         # rollout.async: the rollout worker (started at the first epoch's rollout, stopped when fit ends)
         self.rollouts = AsyncRollout(cfg, self.device) if cfg.rollout.async_ else None
+        self.resumed_sampling = None  # (version, trainable, objective state) a resumed async run samples first with
         if cfg.log.tensorboard or cfg.log.wandb:
             self.acc.init_trackers("flowrl", config={k: str(v) for k, v in to_dict(cfg).items()})
 
@@ -331,6 +332,19 @@ class Trainer:
         batch.epoch_prompts = req["epoch_prompts"]
         return batch
 
+    def sampling_weights(self) -> dict[str, torch.Tensor] | None:
+        """rollout.async: the older weights the next epoch's rollout samples with (a checkpoint keeps them: the resumed
+        run samples that epoch with them, as the uninterrupted run does)."""
+        pending = self.rollouts.sampling_weights() if self.rollouts is not None else None
+        if pending is None:
+            return None
+        version, trainable, state = pending
+        return {
+            "version": torch.tensor(version),
+            **{f"trainable/{n}": t for n, t in trainable.items()},
+            **{f"objective/{n}": t for n, t in state.items()},
+        }
+
     def send_weights(self) -> None:
         """rollout.async: the trained adapter and the objective's state (e.g. NFT's "old" adapter, which samples),
         as version `epochs_done`, to the worker."""
@@ -342,9 +356,14 @@ class Trainer:
         w, t0 = self.rollouts, time.perf_counter()
         if w.process is None:
             w.start()
-        if w.asked is None:  # the first epoch of this fit (or after a resume): version lag 0
+        if w.asked is None:  # the first epoch of this fit: version lag 0; after a resume, as the run it resumes
+            resumed, self.resumed_sampling = self.resumed_sampling, None
+            if resumed is not None:  # the older weights that run sampled this epoch with (its checkpoint's)
+                w.send_weights(*resumed)
+                w.ask(epoch, self.rollout_request(epoch))
             self.send_weights()
-            w.ask(epoch, self.rollout_request(epoch))
+            if resumed is None:
+                w.ask(epoch, self.rollout_request(epoch))
         start = time.perf_counter()
         batch, version, idle, seconds = w.take(epoch, waiting=self.stop_point)
         wait = time.perf_counter() - start
@@ -526,6 +545,7 @@ class Trainer:
                     extra_dirs=extra,
                     keep=self.cfg.checkpoint.keep,
                     objective=objective or None,
+                    rollout=self.sampling_weights(),
                 )
                 done.append(f"checkpoint {path} is written (resume with checkpoint.resume=auto)")
         self.saved = ((self.state.epochs_done, self.state.optimizer_steps), path)
@@ -557,6 +577,13 @@ class Trainer:
         if self.tracker is not None and st.get("tracker"):
             self.tracker.load_state_dict(st["tracker"])
         self.objective.load_state_dict(ck.get("objective", {}), distributed.like)
+        if "rollout" in ck and self.rollouts is not None:  # rollout.async: what the next epoch samples with
+            saved = ck["rollout"]
+            self.resumed_sampling = (
+                int(saved["version"]),
+                {n.removeprefix("trainable/"): t for n, t in saved.items() if n.startswith("trainable/")},
+                {n.removeprefix("objective/"): t for n, t in saved.items() if n.startswith("objective/")},
+            )
         self.state = State(**st["counters"])
         self.saved = ((self.state.epochs_done, self.state.optimizer_steps), path)
         set_rng_state(ck["rng_tensors"], st["rng"])
