@@ -284,8 +284,6 @@ class ImagePolicy:
         stop(): called before each call of sample.rollout_batch_size images; it raises to abandon the rollout.
         on_chunk(part): called with each call's images as an ImageBatch (their prompts and metadata, no group ids)
         as soon as the call returns, in order (rollout.overlap_rewards scores them while the next call samples)."""
-        from flowrl.sampling import Trajectory
-
         s, g = self.cfg.sample, self.cfg.train.grpo
         if final_only:
             return self._final_rollout(
@@ -295,32 +293,52 @@ class ImagePolicy:
         kernel, window = self.stochastic_sampler()
         chunk = s.rollout_batch_size or len(prompts)  # images per rollout call (memory), whole groups with G > 1
         chunk = max(G, chunk - chunk % G)
+
+        def call(start: int):
+            return self.backend.rollout(
+                prompts[start : start + chunk : G],
+                group_size=G,
+                num_steps=s.num_steps,
+                images=self.condition_images(metadata[start : start + chunk : G]),
+                guidance_scale=s.guidance_scale,
+                noise_level=g.noise_level,
+                sde_type=kernel,
+                sde_window=window,
+                epoch=epoch,
+                same_noise_per_group=G > 1,
+                generator=generator,
+                height=s.height,
+                width=s.width,
+                num_frames=s.num_frames,
+                record_means=g.step_weighting == "ratio_norm",
+                deterministic_context=self.merged_adapter,
+            )
+
+        return self._in_calls(call, prompts, metadata, chunk, stop, on_chunk)
+
+    def _in_calls(self, call, prompts: list[str], metadata: list[dict], chunk: int, stop, on_chunk) -> ImageBatch:
+        """The batch sampled in rollout calls of `chunk` entries: `call(start)` -> the Trajectory of entries
+        start..start+chunk, each under the accelerators (a step cache's state starts afresh with every call), with
+        `stop()` before and `on_chunk(part)` after each (see `rollout`)."""
+        from flowrl.sampling import Trajectory
+
         parts = []
         for start in range(0, len(prompts), chunk):
             if stop is not None:
                 stop()
-            with self.accelerated():  # per call: a step cache's state starts afresh with every rollout call
-                parts.append(
-                    self.backend.rollout(
-                        prompts[start : start + chunk : G],
-                        group_size=G,
-                        num_steps=s.num_steps,
-                        images=self.condition_images(metadata[start : start + chunk : G]),
-                        guidance_scale=s.guidance_scale,
-                        noise_level=g.noise_level,
-                        sde_type=kernel,
-                        sde_window=window,
-                        epoch=epoch,
-                        same_noise_per_group=G > 1,
-                        generator=generator,
-                        height=s.height,
-                        width=s.width,
-                        num_frames=s.num_frames,
-                        record_means=g.step_weighting == "ratio_norm",
-                        deterministic_context=self.merged_adapter,
+            with self.accelerated():
+                parts.append(call(start))
+            if on_chunk is not None:
+                end = start + chunk
+                part = parts[-1]
+                on_chunk(
+                    ImageBatch(
+                        traj=part,
+                        prompts=list(prompts[start:end]),
+                        metadata=list(metadata[start:end]),
+                        images=part.images,
                     )
                 )
-            self._chunk_done(on_chunk, parts[-1], prompts, metadata, start, chunk)
         traj = parts[0] if len(parts) == 1 else Trajectory.cat(parts)
         return ImageBatch(traj=traj, prompts=list(prompts), metadata=list(metadata), images=traj.images)
 
@@ -335,46 +353,27 @@ class ImagePolicy:
         self, prompts: list[str], metadata: list[dict], *, epoch: int, generator, stop=None, on_chunk=None
     ) -> ImageBatch:
         """`rollout(final_only=True)`: ODE samples with sample.guidance_scale, only their final latents kept."""
-        from flowrl.sampling import Trajectory
-
         s = self.cfg.sample
         chunk = s.rollout_batch_size or len(prompts)
-        parts = []
-        for start in range(0, len(prompts), chunk):
-            if stop is not None:
-                stop()
-            with self.accelerated():  # per call: a step cache's state starts afresh with every rollout call
-                parts.append(
-                    self.backend.rollout(
-                        prompts[start : start + chunk],
-                        group_size=1,
-                        num_steps=s.num_steps,
-                        images=self.condition_images(metadata[start : start + chunk]),
-                        guidance_scale=s.guidance_scale,
-                        sde_type="ode",
-                        epoch=epoch,
-                        generator=generator,
-                        height=s.height,
-                        width=s.width,
-                        num_frames=s.num_frames,
-                        keep_steps=False,
-                        deterministic_context=self.merged_adapter,
-                    )
-                )
-            self._chunk_done(on_chunk, parts[-1], prompts, metadata, start, chunk)
-        traj = parts[0] if len(parts) == 1 else Trajectory.cat(parts)
-        return ImageBatch(traj=traj, prompts=list(prompts), metadata=list(metadata), images=traj.images)
 
-    @staticmethod
-    def _chunk_done(on_chunk, part, prompts: list[str], metadata: list[dict], start: int, chunk: int) -> None:
-        """Hand one rollout call's images (entries start..start+chunk of the batch) to `on_chunk`, if any."""
-        if on_chunk is not None:
-            end = start + chunk
-            on_chunk(
-                ImageBatch(
-                    traj=part, prompts=list(prompts[start:end]), metadata=list(metadata[start:end]), images=part.images
-                )
+        def call(start: int):
+            return self.backend.rollout(
+                prompts[start : start + chunk],
+                group_size=1,
+                num_steps=s.num_steps,
+                images=self.condition_images(metadata[start : start + chunk]),
+                guidance_scale=s.guidance_scale,
+                sde_type="ode",
+                epoch=epoch,
+                generator=generator,
+                height=s.height,
+                width=s.width,
+                num_frames=s.num_frames,
+                keep_steps=False,
+                deterministic_context=self.merged_adapter,
             )
+
+        return self._in_calls(call, prompts, metadata, chunk, stop, on_chunk)
 
     def condition_images(self, metadata: list[dict]) -> list[list] | None:
         """The conditioning images of prompts with these metadata rows (their `data.image_column` paths, loaded and
