@@ -66,3 +66,20 @@ def sample_args(name: str, directory: Path) -> list[str]:
         im.save(directory / f"sample_source{k}.png")
         args += ["--image", str(directory / f"sample_source{k}.png")]
     return args
+
+
+def tiny_rollout(backend, name: str, *, num_steps: int = 4, **kwargs):
+    """A rollout of family `name`'s tiny backend as the shared family tests make it: two prompts x 2, 32 px, seed 3,
+    latents only, with the family's frames and conditioning images; `kwargs` go to `backend.rollout`."""
+    return backend.rollout(
+        ["a red cat", "a blue dog"],
+        2,
+        num_steps=num_steps,
+        seed=3,
+        height=32,
+        width=32,
+        decode=False,
+        num_frames=backend.tiny_num_frames,
+        images=condition_images(name, 2),
+        **kwargs,
+    )

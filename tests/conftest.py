@@ -95,3 +95,18 @@ def no_model_load(monkeypatch):
         raise AssertionError("the model was loaded before the mistake was reported")
 
     monkeypatch.setattr(flowrl.policies, "build_policy", refuse)
+
+
+@pytest.fixture(scope="module")
+def backends():
+    """`backends(name)`: family `name`'s tiny backend (max_sequence_length 16), built once per test module."""
+    from flowrl.families import load_image_backend
+
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = load_image_backend(f"tiny-{name}", max_sequence_length=16)
+        return cache[name]
+
+    return get

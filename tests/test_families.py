@@ -15,7 +15,7 @@ import json
 
 import pytest
 import torch
-from conditioned import condition_images, images_per_prompt, prompt_data, sample_args
+from conditioned import condition_images, images_per_prompt, prompt_data, sample_args, tiny_rollout
 
 from flowrl.families import family, family_names, load_image_backend, tiny_pipeline
 
@@ -54,32 +54,10 @@ def _train(name: str) -> list[str]:
     return [*TRAIN, f"sample.num_frames={family(name).tiny_num_frames}"]
 
 
-@pytest.fixture(scope="module")
-def backends():
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = load_image_backend(f"tiny-{name}", max_sequence_length=16)
-        return cache[name]
-
-    return get
-
-
 @pytest.mark.parametrize("name", FAMILIES)
 def test_recomputed_log_probs_equal_the_recorded_ones(name, backends):
     backend = backends(name)
-    traj = backend.rollout(
-        PROMPTS,
-        2,
-        num_steps=4,
-        seed=3,
-        height=SIZE,
-        width=SIZE,
-        decode=False,
-        num_frames=backend.tiny_num_frames,
-        images=condition_images(name, len(PROMPTS)),
-    )
+    traj = tiny_rollout(backend, name)
     assert traj.sde_mask.all() and torch.isfinite(traj.log_probs).all()
     lp, _, _ = backend.step_log_prob(traj, traj.train_steps)  # [B, K]
     assert (lp - traj.log_probs[:, traj.train_steps].to(lp)).abs().max().item() <= 1e-5
@@ -241,17 +219,7 @@ def test_a_directory_with_another_scheduler_trains_with_finite_log_probs(name, s
     pipe.scheduler = _plain_scheduler(scheduler, pipe.scheduler.config, extra)
     pipe.save_pretrained(tmp_path / "model")
     backend = load_image_backend(str(tmp_path / "model"), max_sequence_length=16)
-    traj = backend.rollout(
-        PROMPTS,
-        2,
-        num_steps=3,
-        seed=3,
-        height=SIZE,
-        width=SIZE,
-        decode=False,
-        num_frames=backend.tiny_num_frames,
-        images=condition_images(name, len(PROMPTS)),
-    )
+    traj = tiny_rollout(backend, name, num_steps=3)
     assert traj.sde_mask.all() and torch.isfinite(traj.log_probs).all(), traj.log_probs
     backend.denoiser.requires_grad_(True)
     with torch.enable_grad():

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conditioned import condition_images
+from conditioned import tiny_rollout
 
 from flowrl.config import load_config
 from flowrl.errors import ConfigError
@@ -71,31 +71,9 @@ def test_the_text_backend_refuses_rollout_acceleration():
 # ------------------------------------------------------------------------------------------- every family
 
 
-@pytest.fixture(scope="module")
-def backends():
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = load_image_backend(f"tiny-{name}", max_sequence_length=16)
-        return cache[name]
-
-    return get
-
-
 def _rollout(backend, name):
-    return backend.rollout(
-        ["a red cat", "a blue dog"],
-        2,
-        num_steps=4,
-        seed=3,
-        height=32,
-        width=32,
-        decode=False,
-        same_noise_per_group=True,  # the first steps run one row per group: a cache state of their own
-        num_frames=backend.tiny_num_frames,
-        images=condition_images(name, 2),
-    )
+    # same_noise_per_group: the first steps run one row per group, a cache state of their own
+    return tiny_rollout(backend, name, same_noise_per_group=True)
 
 
 @pytest.mark.parametrize("name,accel", PAIRS)
