@@ -114,6 +114,13 @@ CASES = [
     Case("sd35m-nft", "sd35m", objective="nft"),
     # torch.compile of the repeated blocks for the rollout (lossless): beside sd35m-grpo, the same config
     Case("sd35m-grpo-compile", "sd35m", extra=("rollout.acceleration=[compile]",), gpu_only=True),
+    # ... and kept compiled for the update (the rollout's and the update's kernels both the compiler's)
+    Case(
+        "sd35m-grpo-compile-update",
+        "sd35m",
+        extra=("rollout.acceleration=[{name: compile, update: true}]",),
+        gpu_only=True,
+    ),
     Case("flux1-dev-grpo-ckpt", "flux1-dev", prompts=1, group=4, checkpointing=True, micro=2, steps=6),
     Case("flux1-dev-nft-ckpt", "flux1-dev", objective="nft", prompts=1, group=4, checkpointing=True, micro=2, steps=6),
     Case("qwen2.5-1.5b-grpo", "qwen2.5-1.5b", prompts=4, group=4, micro=8),
@@ -463,6 +470,13 @@ def main(argv=None) -> list[dict]:
     ap.add_argument(
         "--isolate", action="store_true", help="each model's cases in a process of their own (on a GPU: always)"
     )
+    ap.add_argument(
+        "--save-model",
+        nargs=2,
+        metavar=("MODEL", "DIR"),
+        default=None,
+        help=f"only save MODEL ({', '.join(MODELS)}) with random weights to DIR (for benchmarks/rollout.py), then stop",
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # run_isolated's: append rows to this file
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -474,6 +488,13 @@ def main(argv=None) -> list[dict]:
         device = "cuda"
     else:
         raise SystemExit("gpu_check: no CUDA device here; run with --tiny for the CPU version")
+    if args.save_model:
+        name, directory = args.save_model
+        if name not in MODELS:
+            raise SystemExit(f"gpu_check: unknown model {name!r}; the models: {', '.join(MODELS)}")
+        save = save_text_model if isinstance(MODELS[name], TextModel) else save_image_model
+        save(MODELS[name], Path(directory), tiny=args.tiny, device=device, dtype=torch.bfloat16)
+        return []
     cases = [c for c in CASES if (args.cases is None or c.name in args.cases) and not (args.tiny and c.gpu_only)]
     if args.child:
         rows_file = Path(args.child)

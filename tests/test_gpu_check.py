@@ -88,3 +88,24 @@ def test_lower_bounds_are_the_oldest_versions_a_run_has_seen():
         versions = [Version(env[name].split("+")[0]) for env in seen] + [Version(md.version(name).split("+")[0])]
         oldest = min(versions)
         assert (bound.major, bound.minor) == (oldest.major, oldest.minor), (name, str(bound), str(oldest))
+
+
+def test_save_model_writes_a_pipeline_the_rollout_benchmark_loads(tmp_path):
+    """`--save-model` (what benchmarks/gpu_rollout.sh runs before benchmarks/rollout.py): the tiny version saves a
+    pipeline flowrl loads and samples from; an unknown model name is refused naming the known ones."""
+    import pytest
+
+    from flowrl.families import load_image_backend
+
+    pack = load_pack()
+    threads = torch.get_num_threads()
+    try:
+        assert pack.main(["--tiny", "--out", str(tmp_path), "--save-model", "sd35m", str(tmp_path / "m")]) == []
+        with pytest.raises(SystemExit, match="sd35m, flux1-dev"):
+            pack.main(["--tiny", "--out", str(tmp_path), "--save-model", "sd4", str(tmp_path / "x")])
+    finally:
+        torch.set_num_threads(threads)
+    backend = load_image_backend(str(tmp_path / "m"), "auto", dtype=torch.float32, device="cpu", max_sequence_length=16)
+    assert backend.family == "sd3"
+    out = backend.rollout(["a cat"], 1, num_steps=2, guidance_scale=1.0, height=32, width=32, seed=0, decode=False)
+    assert torch.isfinite(out.final_latents).all()

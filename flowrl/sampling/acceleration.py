@@ -229,6 +229,11 @@ class Compile(Accelerator):
         """Compile each block as one graph (an error instead of a graph break)."""
         dynamic: bool = False
         """Compile for dynamic shapes (fewer recompiles when the batch changes, slower kernels)."""
+        update: bool = False
+        """Keep the blocks compiled outside the rollout too (the update's forward and backward, the reference pass,
+        the eval): faster updates, and the rollout's and the update's kernels are then both the compiler's. Off: the
+        update runs eager (in float32 its first ratio is 1 to ~1e-6; in bfloat16 compiled and eager kernels round
+        differently, see docs/benchmarks.md)."""
 
         def __post_init__(self):
             modes = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -247,8 +252,15 @@ class Compile(Accelerator):
 
     def __init__(self):
         self._compiled: dict[tuple, Any] = {}  # (id(block), knobs) -> its compiled call, kept between rollouts
+        self._keep = False
 
     def enable(self, backend, knobs, num_steps):
+        self._keep = knobs.update
+        # each block class is one code object for dynamo: blocks of different structure (SD3.5's dual-attention
+        # ones), grad on or off, the adapter on or off each take a variant; dynamo's default limit (8) would send
+        # the rest back to eager with a warning
+        dyn = torch._dynamo.config
+        dyn.recompile_limit = max(dyn.recompile_limit, 64)
         for block in repeated_blocks(backend):
             key = (id(block), knobs.mode, knobs.fullgraph, knobs.dynamic)
             if key not in self._compiled:
@@ -257,6 +269,8 @@ class Compile(Accelerator):
             block._compiled_call_impl = self._compiled[key]
 
     def disable(self, backend):
+        if self._keep:
+            return  # update: true keeps them compiled for the update, the reference pass and the eval
         for block in repeated_blocks(backend):
             block._compiled_call_impl = None  # eager again: the update and the reference pass run uncompiled
 
