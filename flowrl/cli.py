@@ -133,6 +133,56 @@ def _sample(args) -> int:
     return 0
 
 
+def _calibrate(args) -> int:
+    """mag_cache's ratios for the config's model and rollout: diffusers' MagCache in calibration mode over the
+    config's training rollout of --prompts training prompts (sample.group_size images each); prints them and the
+    rollout.acceleration entry that uses them."""
+    import torch
+
+    from .errors import ConfigError
+    from .objectives import get_objective
+    from .preflight import preflight
+    from .run.loading import policy_from_checkpoint
+    from .sampling.acceleration import calibrating_mag_cache
+
+    cfg = _load(args)
+    if cfg.backend != "image":
+        raise ConfigError(f"flowrl calibrate measures an image denoiser's steps, and backend={cfg.backend}")
+    if args.prompts < 1:
+        raise ConfigError(f"--prompts must be >= 1, got {args.prompts}")
+    train_set, _ = preflight(cfg)
+    policy = policy_from_checkpoint(cfg, args.checkpoint, args.weights, _device(cfg))
+    k = min(args.prompts, len(train_set))
+    G = cfg.sample.group_size
+    prompts = [p for p in train_set.prompts[:k] for _ in range(G)]
+    metadata = [m for m in train_set.metadata[:k] for _ in range(G)]
+    coupled = get_objective(cfg.train.objective).coupled
+    policy.accelerators = []  # the config's own accelerators stay off while measuring
+    try:
+        with torch.no_grad(), calibrating_mag_cache(policy.backend, cfg.sample.num_steps) as found:
+            policy.rollout(
+                prompts,
+                metadata,
+                epoch=0,
+                generator=torch.Generator("cpu").manual_seed(args.seed),
+                final_only=not coupled,
+            )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    ratios = [round(r, 4) for r in found.ratios()]
+    print(
+        f"mag_ratios of {cfg.model.path} over {len(found.done)} rollout passes ({k} prompts x {G} images, "
+        f"{cfg.sample.num_steps} steps): {ratios}"
+    )
+    print(f"rollout:\n  acceleration:\n    - name: mag_cache\n      threshold: 0.06\n      mag_ratios: {ratios}")
+    if coupled:
+        print(
+            f"note: mag_cache is lossy, and train.objective={cfg.train.objective} may not use it "
+            "(the decoupled objectives may: nft, awm, dpo)"
+        )
+    return 0
+
+
 def _plan(args) -> int:
     """`flowrl plan CONFIG`: the memory estimate per GPU (flowrl.plan); exit 1 when the config fits no strategy."""
     from .plan import main as plan_main
@@ -229,6 +279,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("overrides", nargs="*", metavar="key=value")
     demo.add_argument("--toy", action="store_true", help="the tabular GRPO toy instead (seconds)")
     demo.set_defaults(func=_demo)
+
+    ca = sub.add_parser(
+        "calibrate", help="measure mag_cache's ratios (rollout.acceleration) for a config's model and rollout"
+    )
+    ca.add_argument("--prompts", type=int, default=8, help="training prompts to sample (sample.group_size each)")
+    ca.add_argument("--checkpoint", default=None, help="a ckpt-XXXXXX directory; omit for the base model")
+    ca.add_argument("--weights", choices=WEIGHTS, default="auto", help="as for eval")
+    ca.add_argument("--seed", type=int, default=0)
+    with_config(ca, optional=False)
+    ca.set_defaults(func=_calibrate)
 
     pl = sub.add_parser("plan", help="estimate the memory a config needs per GPU, before renting them")
     pl.add_argument("--gpus", type=int, default=1, help="GPUs (processes) the run will use")

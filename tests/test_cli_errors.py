@@ -141,3 +141,25 @@ def test_sample_checks_its_images_before_the_model_loads(tmp_path, capsys, no_mo
         capsys, 1, main(["sample", TINY_CFG, *TINY, "--prompt", "a cat", "--image", str(tmp_path / "a.png")])
     )
     assert "sd3 is a text-to-image family and takes no conditioning image, got 1" in err
+
+
+def test_calibrate_prints_the_ratios_and_the_entry_that_uses_them(tmp_path, capsys):
+    """`flowrl calibrate`: mag_cache's ratios for the config's rollout, one per step, and a YAML entry that loads as
+    a valid rollout.acceleration; a model the cache cannot take and a bad --prompts are one line."""
+    import yaml
+
+    from flowrl.config import load_config
+
+    flux = [*TINY, "model.path=tiny-flux", "train.objective=dpo"]
+    rc = main(["calibrate", TINY_CFG, *flux, "--prompts", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    entry = yaml.safe_load(out[out.index("rollout:") :])
+    ratios = entry["rollout"]["acceleration"][0]["mag_ratios"]
+    assert len(ratios) == 3 and ratios[0] == 1.0 and all(r > 0 for r in ratios)
+    cfg = load_config(TINY_CFG, [*flux, f"rollout.acceleration={json.dumps(entry['rollout']['acceleration'])}"])
+    assert cfg.rollout.acceleration[0]["mag_ratios"] == ratios
+    err = one_line_error(capsys, 2, main(["calibrate", TINY_CFG, *TINY, "model.path=tiny-sd3"]))
+    assert "mag_cache is not available for family sd3" in err
+    err = one_line_error(capsys, 2, main(["calibrate", TINY_CFG, *flux, "--prompts", "0"]))
+    assert "--prompts must be >= 1" in err

@@ -219,3 +219,138 @@ def test_regional_compile_keeps_the_first_ratio_at_one(tmp_path, backends, updat
     else:
         assert True in calls and False in calls  # the rollout compiled, the update (and eval) eager
         assert all(b._compiled_call_impl is None for b in blocks)
+
+
+# ------------------------------------------------------------------------------------------- mag_cache calibration
+
+
+def _three_block_sd3(monkeypatch):
+    import importlib
+
+    monkeypatch.setitem(importlib.import_module("flowrl.families.sd3").TINY_TRANSFORMER, "num_layers", 3)
+    return load_image_backend("tiny-sd3", max_sequence_length=16)
+
+
+def _residual_ratios(backend, run) -> list[list[float]]:
+    """An independent re-derivation of MagCache's calibration: per denoiser call, the residual of the block stack
+    (last block's hidden states out - first block's hidden states in) and, per step, the mean over tokens of
+    |residual_t| / |residual_t-1| (1.0 at the first step); one list per call sequence of the same row count."""
+    blocks = backend.denoiser.transformer_blocks
+    seen, residuals = {}, {}
+
+    def pre(module, args, kwargs):
+        seen["in"] = kwargs.get("hidden_states", args[0] if args else None)
+
+    def post(module, args, kwargs, output):
+        hidden = output[1] if isinstance(output, tuple) else output  # SD3's blocks: (text, image)
+        r = (hidden - seen["in"]).float()
+        residuals.setdefault(r.shape[0], []).append(r)
+
+    handles = [
+        blocks[0].register_forward_pre_hook(pre, with_kwargs=True),
+        blocks[-1].register_forward_hook(post, with_kwargs=True),
+    ]
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    out = []
+    for rs in residuals.values():
+        ratios = [1.0] + [
+            (torch.linalg.norm(b, dim=-1) / (torch.linalg.norm(a, dim=-1) + 1e-8)).mean().item()
+            for a, b in zip(rs, rs[1:])
+        ]
+        out.append(ratios)
+    return out
+
+
+def test_mag_cache_calibration_measures_the_residual_ratios_and_leaves_nothing_behind(monkeypatch):
+    from flowrl.sampling.acceleration import calibrating_mag_cache
+
+    backend = _three_block_sd3(monkeypatch)
+
+    def run():
+        with torch.no_grad():
+            return tiny_rollout(backend, "sd3")  # 4 steps, one denoiser call per step
+
+    expected = _residual_ratios(backend, run)
+    assert len(expected) == 1 and len(expected[0]) == 4
+    plain = run()
+    with calibrating_mag_cache(backend, 4) as found:
+        during = run()
+    got = found.ratios()
+    print(f"calibrated {got}, re-derived {expected[0]}")
+    assert got[0] == 1.0 and got == pytest.approx(expected[0], rel=1e-5, abs=1e-6)
+    assert any(abs(r - 1.0) > 1e-3 for r in got[1:])  # a real measurement, not the flat default
+    assert torch.equal(during.latents, plain.latents)  # calibration skips nothing
+    assert torch.equal(run().latents, plain.latents)  # and its hooks are gone afterwards
+    # the calibrated ratios drive the cache: a threshold that skips nothing gives the plain rollout
+    with accelerated(backend, parse([{"name": "mag_cache", "mag_ratios": got, "threshold": 0.0}]), 4):
+        assert torch.equal(run().latents, plain.latents)
+
+
+def test_mag_cache_calibration_over_several_calls_averages_per_step_and_checks_the_step_count(monkeypatch):
+    from flowrl.sampling.acceleration import calibrating_mag_cache
+
+    backend = _three_block_sd3(monkeypatch)
+    with calibrating_mag_cache(backend, 4) as found, torch.no_grad():
+        for seed in (0, 1):
+            backend.rollout(["a red cat"], 2, num_steps=4, seed=seed, height=32, width=32, decode=False)
+    assert len(found.done) == 2
+    mean = [(a + b) / 2 for a, b in zip(*found.done)]
+    assert found.ratios() == pytest.approx(mean) and found.done[0] != found.done[1]
+    with calibrating_mag_cache(backend, 6) as wrong, torch.no_grad():
+        tiny_rollout(backend, "sd3")  # 4 steps, not 6
+    with pytest.raises(ValueError, match="no rollout of 6 steps"):
+        wrong.ratios()
+
+
+def test_mag_cache_calibration_refuses_a_model_the_cache_cannot_take(backends):
+    from flowrl.sampling.acceleration import calibrating_mag_cache
+
+    with pytest.raises(
+        ValueError, match="mag_cache is not available for family sd3: this SD3Transformer2DModel has one"
+    ):
+        with calibrating_mag_cache(backends("sd3"), 4):
+            pass
+
+
+def test_the_cache_quality_benchmark_scores_each_setting_against_the_plain_rollout(tmp_path):
+    """benchmarks/cache_quality.py on a tiny FLUX config: the plain row and one row per setting, mag_cache's ratios
+    calibrated first; the same seeds, so a cache that skips nothing scores exactly as the plain rollout."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("cache_quality_bench", root / "benchmarks" / "cache_quality.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    threads = torch.get_num_threads()
+    settings = [{"name": "mag_cache", "threshold": 0.0}, {"name": "mag_cache", "threshold": 1.0}]
+    try:
+        rows = bench.main(
+            [
+                str(root / "configs" / "tiny_cpu.yaml"),
+                "model.path=tiny-flux",
+                "train.objective=dpo",
+                "sample.height=32",
+                "sample.width=32",
+                "sample.num_steps=4",
+                "sample.max_sequence_length=16",
+                "rewards=[{name: jpeg_compressibility}]",
+                "--prompts",
+                "2",
+                "--images",
+                "2",
+                "--settings",
+                json.dumps(settings),
+            ]
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert [r["setting"] if r["setting"] == "none" else r["setting"]["threshold"] for r in rows] == ["none", 0.0, 1.0]
+    assert all(len(r["setting"]["mag_ratios"]) == 4 for r in rows[1:])
+    key = next(k for k in rows[0] if k not in ("setting", "images", "threads", "images_per_s") and "_se" not in k)
+    assert rows[1][key] == rows[0][key]  # threshold 0: nothing skipped, the same images
+    assert rows[2][key] != rows[0][key] and all(r["images"] == 4 and r["threads"] == 1 for r in rows)

@@ -617,6 +617,80 @@ class MagCache(StepCache):
         )
 
 
+class MagRatios:
+    """What `calibrating_mag_cache` collects: per rollout call and cache context (a call's conditional batch, a
+    family's separate unconditional pass), the magnitude ratio of every step (MagCache's: the mean over tokens of
+    |residual_t| / |residual_t-1| of the denoiser's blocks, 1.0 at the first step). `ratios()` averages them per
+    step: the model's `mag_ratios`."""
+
+    def __init__(self, num_steps: int):
+        self.num_steps = num_steps
+        self.runs: dict[int, list[float]] = {}  # id of a context's state -> its ratios so far (one per step)
+        self.done: list[list[float]] = []
+
+    def record(self, state) -> None:
+        run = self.runs.setdefault(id(state), [])
+        run.append(float(state.calibration_ratios[-1]))
+        if len(run) == self.num_steps:
+            self.done.append(self.runs.pop(id(state)))
+
+    def ratios(self) -> list[float]:
+        if not self.done:
+            raise ValueError(
+                f"no rollout of {self.num_steps} steps ran under the calibration (the calibration's num_steps must "
+                "be the rollout's)"
+            )
+        return [sum(r[k] for r in self.done) / len(self.done) for k in range(self.num_steps)]
+
+
+@contextlib.contextmanager
+def calibrating_mag_cache(backend, num_steps: int):
+    """diffusers' MagCache in calibration mode (it skips nothing and measures) on the backend's denoiser for the
+    body, which runs rollouts of `num_steps` steps; yields a MagRatios whose `ratios()` are the model's
+    `mag_ratios` for rollout.acceleration's mag_cache. A ValueError of one line where the family cannot take it."""
+    from diffusers.hooks import HookRegistry, MagCacheConfig, apply_mag_cache
+    from diffusers.hooks.mag_cache import MagCacheBlockHook
+
+    why = MagCache.problem(backend)
+    if why is not None:
+        raise ValueError(f"mag_cache is not available for family {backend.family}: {why}")
+    den = _diffusers_model(backend)
+    _register_blocks()
+    found = MagRatios(num_steps)
+    cache = _instance(MagCache)
+    apply_mag_cache(den, MagCacheConfig(calibrate=True, num_inference_steps=num_steps))
+    HookRegistry.check_if_exists_or_initialize(den).invalidate_child_registries_cache()
+    cache._handles = _name_every_call(den)
+    try:
+        tails = [
+            hook
+            for m in den.modules()
+            if getattr(m, "_diffusers_hook", None) is not None
+            for hook in [m._diffusers_hook.get_hook("mag_cache_block_hook")]
+            if isinstance(hook, MagCacheBlockHook) and hook.is_tail
+        ]
+        for hook in tails:  # the tail block measures: record each step's ratio before diffusers resets the list
+            original = hook._perform_calibration_step
+
+            def measured(state, residual, original=original):
+                original(state, residual)
+                found.record(state)
+
+            hook._perform_calibration_step = measured
+        with _quiet_stdout():  # diffusers prints the ratios of every call
+            yield found
+    finally:
+        cache.disable(backend)
+
+
+@contextlib.contextmanager
+def _quiet_stdout():
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield
+
+
 class _TimestepCache(StepCache):
     """The caches diffusers drives from the pipeline's `current_timestep` (a callback into its loop)."""
 
