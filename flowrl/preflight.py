@@ -317,8 +317,26 @@ def preflight(cfg: Config) -> tuple[PromptSet, PromptSet]:
     check_loggers(cfg)
     check_optimizer(cfg)
     check_lora_init(cfg)
-    check_reward_servers(cfg)  # last: the one check that waits on the network
+    check_reward_servers(cfg)  # last: the checks that wait on the network
+    check_engine_server(cfg)
     return train_set, eval_set
+
+
+def check_engine_server(cfg: Config) -> None:
+    """text.engine=vllm: its server answers /health as a flowrl vLLM server, before the model loads (an
+    EngineError of one line naming the URL and how to start it)."""
+    if cfg.backend != "text" or cfg.text.engine != "vllm":
+        return
+    from .engines.vllm_engine import SERVER_KIND, request, start_command
+    from .errors import EngineError
+
+    url = cfg.text.vllm_url.rstrip("/")
+    info = request(f"{url}/health", timeout=10.0, model=cfg.model.path)
+    if info.get("kind") != SERVER_KIND:
+        raise EngineError(
+            f"{url} answers, but not as a flowrl vLLM server (kind {info.get('kind')!r}); start one with "
+            f"`{start_command(cfg.model.path, url)}`"
+        )
 
 
 def check_sample_images(family_name: str, paths: list[str]) -> None:

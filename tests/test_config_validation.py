@@ -145,3 +145,36 @@ def test_yaml_syntax_error_is_one_line_with_file_and_line(tmp_path):
     yml.write_bytes(b"train:\n  lr: \xff\n")
     with pytest.raises(ConfigError, match="not UTF-8"):
         load_config(yml)
+
+
+def test_text_engine_keys_are_checked_before_any_model_loads():
+    """text.engine belongs to text runs, and its correction to an engine that is not the trainer itself; a bad
+    level or cap names the valid ones."""
+    with pytest.raises(ConfigError, match="text.engine=vllm samples text rollouts, and backend=image"):
+        load_config(None, ["text.engine=vllm"])
+    with pytest.raises(ConfigError, match="text.engine=hf samples with the trained model itself"):
+        load_config(None, ["backend=text", "text.engine_correction=token"])
+    with pytest.raises(ConfigError, match="hf, vllm"):
+        load_config(None, ["backend=text", "text.engine=sglang"])
+    with pytest.raises(ConfigError, match="engine_correction_cap"):
+        load_config(None, ["backend=text", "text.engine=vllm", "text.engine_correction_cap=0"])
+    cfg = load_config(None, ["backend=text", "text.engine=vllm", "text.engine_correction=sequence"])
+    assert (cfg.text.engine, cfg.text.engine_correction, cfg.text.engine_correction_cap) == ("vllm", "sequence", 2.0)
+
+
+def test_an_unreachable_engine_server_is_one_line_before_the_model_loads(tmp_path, no_model_load):
+    """preflight asks the server's /health first (no vLLM environment needed: nothing listens there)."""
+    import socket
+
+    from flowrl.errors import EngineError
+    from flowrl.preflight import check_engine_server
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = load_config(None, ["backend=text", "text.engine=vllm", f"text.vllm_url=http://127.0.0.1:{port}"])
+    with pytest.raises(EngineError) as e:
+        check_engine_server(cfg)
+    msg = str(e.value)
+    assert "\n" not in msg and f"cannot reach the vLLM server at http://127.0.0.1:{port}" in msg
+    assert f"vllm_server.py --model {cfg.model.path} --port {port}" in msg

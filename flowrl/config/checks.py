@@ -114,6 +114,22 @@ def _async_problems(cfg: Config) -> list[str]:
     return []
 
 
+def _engine_problems(cfg: Config) -> list[str]:
+    """text.engine and its correction: a text run's keys; the correction needs an engine that is not the trainer."""
+    t = cfg.text
+    if cfg.backend != "text":
+        if t.engine != "hf":
+            return [f"text.engine={t.engine} samples text rollouts, and backend={cfg.backend}; leave text.engine=hf"]
+        return []
+    if t.engine_correction != "none" and t.engine == "hf":
+        return [
+            f"text.engine_correction={t.engine_correction} corrects an inference engine's sampling numerics, and "
+            "text.engine=hf samples with the trained model itself (nothing to correct): set text.engine=vllm, or "
+            "text.engine_correction=none"
+        ]
+    return []
+
+
 def validate(cfg: Config) -> None:
     """Value checks that need more than a type: every numeric field's range, and relations between keys."""
     s, t = cfg.sample, cfg.train
@@ -154,6 +170,7 @@ def validate(cfg: Config) -> None:
             "after generate(): set rollout.overlap_rewards=false"
         )
     problems.extend(_async_problems(cfg))
+    problems.extend(_engine_problems(cfg))
     if cfg.backend == "image":
         problems.extend(_family_problems(cfg))
     if t.optimizer == "adamw_8bit" and t.sharding == "fsdp":

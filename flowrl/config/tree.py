@@ -105,6 +105,8 @@ class TextConfig:
         "top_p": FRACTION,
         "top_k": AT_LEAST_0,
         "entropy_coef": AT_LEAST_0,
+        "engine_correction_cap": POSITIVE,
+        "engine_timeout": POSITIVE,
     }
 
     max_new_tokens: int = 16
@@ -145,6 +147,22 @@ class TextConfig:
     loss_preset: Literal["none", "grpo", "dapo", "dr_grpo", "gspo"] = "none"
     """Published loss variants: sets the clip range, ratio level, aggregation, advantage scale and KL as the
     paper did (keys you set yourself win). See flowrl.config.LOSS_PRESETS."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """What samples the rollouts: `hf`, transformers' generate() on the trained model; `vllm`, a vLLM server
+    (`flowrl.engines.vllm_server`, in an environment of its own, at text.vllm_url) to which the trained weights (a
+    LoRA merged) are pushed before each rollout that follows an update. See docs/text.md."""
+    vllm_url: str = "http://127.0.0.1:8100"
+    """The vLLM server of text.engine=vllm."""
+    engine_timeout: float = 600.0
+    """Seconds a request to the engine's server may take before the run stops with one line naming it."""
+    engine_correction: Literal["none", "token", "sequence"] = "none"
+    """The engine / trainer mismatch (text.engine=vllm): `none` takes the old log-probs from the engine (its
+    numerics enter the ratio); `token` / `sequence` take them from the trainer's own forward (as
+    text.old_log_probs=forward) and weight each token's loss by truncated importance sampling, min(pi_old / mu,
+    cap) per token or per sequence (TRL's vllm_importance_sampling_correction). `rollout/engine_*` metrics log
+    the mismatch either way."""
+    engine_correction_cap: float = 2.0
+    """The cap of text.engine_correction's importance weights."""
 
 
 @dataclass

@@ -31,6 +31,7 @@ from .losses import (
     sequence_log_ratio,
 )
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten
+from .mismatch import IS_LEVELS, mismatch_metrics, truncated_is_weights
 from .objectives import (
     AWM_WEIGHTINGS,
     OBJECTIVE_LOSSES,
@@ -50,6 +51,7 @@ from .steps import STEP_WEIGHTINGS, inverse_dt_step_weights, noise_step_weights,
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "IS_LEVELS",
     "AGGREGATION_MODES",
     "AWM_WEIGHTINGS",
     "KL_KINDS",
@@ -81,6 +83,7 @@ __all__ = [
     "loss_normalizer",
     "loss_numerator",
     "masked_mean",
+    "mismatch_metrics",
     "masked_sum",
     "masked_var",
     "masked_whiten",
@@ -96,5 +99,6 @@ __all__ = [
     "soft_update_",
     "soft_update_decay",
     "token_log_probs",
+    "truncated_is_weights",
     "unknown_name_error",
 ]

@@ -72,6 +72,9 @@ class TextBatch:
     completion_id_lists: list[list[int]]  # [B] completion token ids through the EOS (TRL's completion_ids)
     ref_log_probs: Tensor | None = None  # [B, T] when the KL goes into the reward
     kl_penalty: Tensor | None = None  # [B] beta * sum_t KL_t, subtracted from the reward
+    engine_log_probs: Tensor | None = None  # [B, T] the engine's log-probs of its tokens (an engine not the trainer)
+    loss_weights: Tensor | None = None  # [B, T] per-token loss weights (text.engine_correction's IS weights)
+    rollout_metrics: dict = field(default_factory=dict)  # the rollout's own metrics (engine mismatch, version)
     group_ids: Tensor | None = None
     epoch_prompts: list[str] = field(default_factory=list)
 

@@ -383,20 +383,34 @@ class TextPolicy:
             **neutral_generation_kwargs(),
         )
 
+    @property
+    def engine(self):
+        """The rollout engine of text.engine (flowrl.engines), built on first use."""
+        if getattr(self, "_engine", None) is None:
+            from flowrl.engines import build_engine
+
+            self._engine = build_engine(self.text.engine, self)
+        return self._engine
+
     @torch.no_grad()
     def rollout(self, prompts: list[str], metadata: list[dict], *, epoch: int, generator, stop=None) -> TextBatch:
-        """One sampled completion per prompt; `stop()`: called before generating, raises to abandon the rollout."""
+        """One sampled completion per prompt, by the engine of text.engine holding the weights of
+        `self.weights_version` (the trainer's optimizer steps); `stop()`: called before generating, raises to
+        abandon the rollout."""
         if stop is not None:
             stop()
         t = self.text
         tok = self.tokenizer
+        engine = self.engine
+        pushed = engine.sync(getattr(self, "weights_version", 0))
         input_ids, attn = self.encode_prompts(prompts)
         prompt_len = input_ids.shape[1]
-        # generate() draws from torch's global RNG: seed it from this epoch/process's generator
-        torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
-        recorder = SampledLogProbs(t.temperature) if t.old_log_probs == "sampling" else None
-        out = self.generate_samples(input_ids, attn, recorder)
-        completion = out[:, prompt_len:]
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator))  # this epoch/process's draw
+        # the engine's log-probs: the old ones (text.old_log_probs=sampling), or beside the trainer's (a correction)
+        own = t.old_log_probs == "sampling" and t.engine_correction == "none"
+        record = own or not engine.same_numerics
+        gen = engine.generate(input_ids, attn, seed=seed, record=record)
+        completion = gen.completion_ids.to(self.device)
         n_new = completion.shape[1]
         if n_new < t.max_new_tokens:  # every row ended early: pad to a fixed T
             pad = completion.new_full((completion.shape[0], t.max_new_tokens - n_new), tok.pad_token_id)
@@ -405,10 +419,22 @@ class TextPolicy:
         completion = torch.where(cmask > 0, completion, torch.full_like(completion, tok.pad_token_id))
         full_ids = torch.cat([input_ids, completion], 1)
         full_attn = torch.cat([attn, cmask.long()], 1)
-        if recorder is not None:
-            old_lp = torch.nn.functional.pad(recorder.finish(out, n_new), (0, t.max_new_tokens - n_new))
+        engine_lp = None
+        if gen.log_probs is not None:
+            engine_lp = torch.nn.functional.pad(gen.log_probs.float().to(self.device), (0, t.max_new_tokens - n_new))
+            engine_lp = engine_lp * cmask
+        rollout_metrics = {"rollout/engine_version": float(engine.version), "rollout/engine_pushed": float(pushed)}
+        loss_weights = None
+        if own:
+            old_lp = engine_lp
         else:
             old_lp, _ = self._forward_log_probs(self.model, full_ids, full_attn, prompt_len, t.temperature)
+            if engine_lp is not None and not engine.same_numerics:
+                level = None if t.engine_correction == "none" else t.engine_correction
+                stats = core.mismatch_metrics(old_lp, engine_lp, cmask, level, t.engine_correction_cap)
+                rollout_metrics.update({f"rollout/engine_{k}": v for k, v in stats.items()})
+                if level is not None:
+                    loss_weights = core.truncated_is_weights(old_lp, engine_lp, cmask, level, t.engine_correction_cap)
         texts, id_lists = self.decode_completions(completion, cmask)
         batch = TextBatch(
             prompts=list(prompts),
@@ -422,6 +448,9 @@ class TextPolicy:
             old_log_probs=old_lp * cmask,
             completions=texts,
             completion_id_lists=id_lists,
+            engine_log_probs=engine_lp,
+            loss_weights=loss_weights,
+            rollout_metrics=rollout_metrics,
         )
         if self.cfg.train.grpo.beta > 0 and t.kl_in_reward:
             with self.reference() as ref:
@@ -498,6 +527,8 @@ class TextPolicy:
             )
         mask = self.step_mask(batch, idx, unit)
         out = UnitOutput(log_prob=lp, old_log_prob=batch.old_log_probs[idx], mask=mask, entropy=ent)
+        if batch.loss_weights is not None:  # text.engine_correction's importance weights
+            out.weight = batch.loss_weights[idx.to(batch.loss_weights.device)].to(lp.device)
         if with_reference and not t.kl_in_reward:
             with torch.no_grad(), self.reference() as ref:
                 ref_lp, _ = self._forward_log_probs(ref, ids, attn, batch.prompt_len, t.temperature)

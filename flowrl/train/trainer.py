@@ -106,6 +106,11 @@ class Trainer:
                 f"rollout.async runs one rollout worker beside one trainer process, and this run has "
                 f"{self.acc.num_processes}: set rollout.async=false, or launch one process"
             )
+        if cfg.backend == "text" and cfg.text.engine != "hf" and self.acc.num_processes > 1:
+            raise ConfigError(
+                f"text.engine={cfg.text.engine} pushes the weights to one server from one trainer process, and this "
+                f"run has {self.acc.num_processes}: set text.engine=hf, or launch one process"
+            )
         seed_everything(t.seed)
         self.device = self.acc.device if cfg.model.device == "auto" else torch.device(cfg.model.device)
         attention_backends(self.device, cudnn=cfg.model.cudnn_attention)
@@ -273,6 +278,7 @@ class Trainer:
                 scores, components = self.score(batch, epoch, scored=scored)
         self.stop_if_asked(epoch, mid_epoch=False)  # nothing of this epoch has changed the weights yet
         metrics = self.scorer.reward_metrics(scores, components)
+        metrics.update(getattr(batch, "rollout_metrics", None) or {})  # a text engine's version and mismatch
         metrics.update(self.scorer.reward_logs())
         extra = self.policy.pop_reward_extra()  # columns the rewards logged with log_extra (TRL's reward API)
         with self.timer("advantage"):
@@ -325,6 +331,7 @@ class Trainer:
         rollout call's images, as it returns)."""
         req = self.rollout_request(epoch)
         gen = torch.Generator().manual_seed(req["seed"])
+        self.policy.weights_version = self.state.optimizer_steps  # a text engine samples with these weights
         batch = self.objective.rollout(
             req["prompts"], req["metadata"], epoch=epoch, generator=gen, stop=self.stop_point, on_chunk=on_chunk
         )

@@ -1,0 +1,156 @@
+"""`text.engine: vllm`: the client of a vLLM server (`flowrl.engines.vllm_server`, run in vLLM's own environment).
+
+Each rollout sends the prompts' token ids and the sampling settings (text.temperature / top_k / top_p /
+max_new_tokens, the EOS, a seed) and gets back the sampled token ids with the engine's log-prob of each token under
+the tempered distribution. Before a rollout that follows an update, the trainer's weights (a LoRA merged into the
+base: W + scale * B A) go to the server as a folder of safetensors with their version; the server reloads them in
+place and resets its prefix cache. The server and the trainer share a filesystem (one machine, or a shared disk)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from flowrl.errors import EngineError
+
+from .base import Generation, TextEngine, register
+
+SERVER_KIND = "flowrl-vllm"
+
+
+def start_command(model: str = "MODEL_DIR", url: str = "http://127.0.0.1:8100") -> str:
+    """The README's command that starts the server for `model` at `url` (vLLM's environment: `make vllm-env`)."""
+    from urllib.parse import urlsplit
+
+    port = urlsplit(url).port or 8100
+    return f".venv-vllm/bin/python flowrl/engines/vllm_server.py --model {model} --port {port}"
+
+
+def request(url: str, payload: dict | None = None, timeout: float = 600.0, model: str = "MODEL_DIR") -> dict:
+    """GET (payload None) or POST JSON to the server; one-line EngineError naming the URL on any failure."""
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            body = r.read()
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace").strip().splitlines()
+        raise EngineError(f"the vLLM server at {url} answered {e.code}: {detail[-1] if detail else e.reason}") from None
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise EngineError(
+            f"cannot reach the vLLM server at {url} ({reason}); start it with `{start_command(model, url)}` "
+            "(docs/text.md), then resume the run with checkpoint.resume=auto"
+        ) from None
+    try:
+        return json.loads(body)
+    except json.JSONDecodeError:
+        raise EngineError(
+            f"{url} did not answer JSON: is it a flowrl vLLM server ({start_command(model, url)})?"
+        ) from None
+
+
+def merged_state(policy) -> dict[str, Tensor]:
+    """The policy's weights as the base model's checkpoint names, a LoRA merged in (W + its delta, computed beside
+    the trained weights, which stay as they are), tied embeddings once (under the input embedding's name)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    model = policy.base_model
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if "lora_" in name:
+            continue
+        state[name.replace(".base_layer.", ".")] = tensor.detach()
+    for name, module in model.named_modules():
+        if isinstance(module, BaseTunerLayer) and "default" in getattr(module, "lora_A", {}):
+            key = f"{name}.weight"
+            state[key] = state[key] + module.get_delta_weight("default").to(state[key].dtype)
+    if getattr(model.config, "tie_word_embeddings", False):
+        out = model.get_output_embeddings()
+        for name, tensor in list(state.items()):
+            if out is not None and tensor.data_ptr() == out.weight.data_ptr() and name != _input_embedding_name(model):
+                del state[name]
+    return {k: v.contiguous().cpu() for k, v in state.items()}
+
+
+def _input_embedding_name(model) -> str:
+    emb = model.get_input_embeddings()
+    for name, module in model.named_modules():
+        if module is emb:
+            return f"{name}.weight"
+    return ""
+
+
+@register
+class VLLMEngine(TextEngine):
+    name = "vllm"
+    same_numerics = False
+
+    def __init__(self, policy):
+        super().__init__(policy)
+        self.url = policy.text.vllm_url.rstrip("/")
+        self.model = policy.cfg.model.path
+        self.timeout = policy.text.engine_timeout
+        self.push_seconds = 0.0
+        self._dir = Path(tempfile.mkdtemp(prefix="flowrl-vllm-weights-"))
+
+    def generate(self, input_ids: Tensor, attention_mask: Tensor, *, seed: int, record: bool) -> Generation:
+        t, tok = self.policy.text, self.policy.tokenizer
+        prompts = [row[m.bool()].tolist() for row, m in zip(input_ids.cpu(), attention_mask.cpu())]
+        out = request(
+            f"{self.url}/generate",
+            dict(
+                prompt_token_ids=prompts,
+                max_tokens=t.max_new_tokens,
+                temperature=t.temperature,
+                top_k=t.top_k,
+                top_p=t.top_p,
+                seed=seed % 2**31,
+                stop_token_ids=[tok.eos_token_id],
+                logprobs=record,
+                version=self.version,
+            ),
+            timeout=self.timeout,
+            model=self.model,
+        )
+        if out.get("version") != self.version:
+            raise EngineError(
+                f"the vLLM server at {self.url} holds weights version {out.get('version')}, the trainer pushed "
+                f"{self.version}: was it restarted? Resume the run with checkpoint.resume=auto"
+            )
+        ids, lps = out["token_ids"], out.get("logprobs")
+        n = max((len(r) for r in ids), default=0)
+        pad = tok.pad_token_id
+        completion = torch.full((len(ids), n), pad, dtype=torch.long)
+        log_probs = torch.zeros((len(ids), n), dtype=torch.float32) if record else None
+        for i, row in enumerate(ids):
+            completion[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+            if record:
+                log_probs[i, : len(row)] = torch.tensor(lps[i], dtype=torch.float32)
+        return Generation(completion_ids=completion, log_probs=log_probs)
+
+    def push_weights(self, version: int) -> None:
+        from safetensors.torch import save_file
+
+        start = time.perf_counter()
+        folder = self._dir / f"v{version}"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        save_file(merged_state(self.policy), str(folder / "model.safetensors"), metadata={"format": "pt"})
+        payload = dict(path=str(folder), version=version)
+        request(f"{self.url}/update_weights", payload, timeout=self.timeout, model=self.model)
+        for old in self._dir.iterdir():  # the server has read them
+            if old != folder:
+                shutil.rmtree(old, ignore_errors=True)
+        self.push_seconds = time.perf_counter() - start
+
+    def close(self) -> None:
+        shutil.rmtree(self._dir, ignore_errors=True)
