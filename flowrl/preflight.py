@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from .errors import FlowrlError
+from .errors import ConfigError, FlowrlError
 
 if TYPE_CHECKING:
     from .config import Config
@@ -317,9 +317,24 @@ def preflight(cfg: Config) -> tuple[PromptSet, PromptSet]:
     check_loggers(cfg)
     check_optimizer(cfg)
     check_lora_init(cfg)
+    check_tool_env(cfg)
     check_reward_servers(cfg)  # last: the checks that wait on the network
     check_engine_server(cfg)
     return train_set, eval_set
+
+
+def check_tool_env(cfg: Config) -> None:
+    """text.tool_env: the environment loads, and the model's turn has stop strings to end at."""
+    if cfg.backend != "text" or not cfg.text.tool_env:
+        return
+    from .tools import load_tool_env
+
+    env = load_tool_env(cfg.text.tool_env)
+    if not (cfg.text.tool_stop or env.stop):
+        raise ConfigError(
+            f"text.tool_env={cfg.text.tool_env!r} declares no stop strings (a `stop` attribute), so the model's turn "
+            "would never end for it to answer: set text.tool_stop, e.g. text.tool_stop=['</call>']"
+        )
 
 
 def check_engine_server(cfg: Config) -> None:

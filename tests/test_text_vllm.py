@@ -281,3 +281,32 @@ def test_a_server_that_is_down_or_goes_down_is_one_line_and_the_run_resumes(serv
     assert versions[-1] == resumed.policy.engine.version > 0  # the resumed weights were pushed to the new server
     for name, p in straight.named_params.items():
         assert torch.equal(p, resumed.named_params[name]), name
+
+
+def test_a_multi_turn_rollout_on_the_engine(server, vllm_lm, tmp_path):
+    """text.tool_env with the vLLM engine: each turn ends at the stop string on the server, the environment's
+    reply joins the context but not the loss, and the engine's log-probs of the model's tokens are the trainer's
+    forward's with the replies in the context."""
+    from flowrl.train import Trainer
+
+    tr = Trainer(
+        cfg_for(
+            vllm_lm,
+            tmp_path,
+            server.url,
+            "text.tool_env=test_text_tools:echo_env",
+            "text.tool_stop=['7']",
+            "text.max_turns=3",
+            "text.max_new_tokens=14",
+            "text.temperature=1.5",
+        )
+    )
+    batch = rollout(tr)
+    tool = [i for i, turns in enumerate(batch.turns) if any("tool" in t for t in turns)]
+    assert tool, batch.turns
+    for i in tool:
+        k = batch.completion_mask[i].tolist().index(0.0)
+        assert batch.turns[i][0]["model"].endswith("7") and batch.engine_log_probs[i, k : k + 3].abs().sum() == 0
+    diff = max_diff(batch.engine_log_probs, trainer_log_probs(tr.policy, batch))
+    print(f"multi-turn on vLLM: {len(tool)} of 12 rows called the tool; max |engine - forward| = {diff:.3g}")
+    assert diff <= 1e-5

@@ -120,6 +120,8 @@ def _engine_problems(cfg: Config) -> list[str]:
     if cfg.backend != "text":
         if t.engine != "hf":
             return [f"text.engine={t.engine} samples text rollouts, and backend={cfg.backend}; leave text.engine=hf"]
+        if t.tool_env:
+            return [f"text.tool_env answers a language model's turns, and backend={cfg.backend}; set text.tool_env="]
         return []
     if t.engine_correction != "none" and t.engine == "hf":
         return [

@@ -107,6 +107,7 @@ class TextConfig:
         "entropy_coef": AT_LEAST_0,
         "engine_correction_cap": POSITIVE,
         "engine_timeout": POSITIVE,
+        "max_turns": AT_LEAST_1,
     }
 
     max_new_tokens: int = 16
@@ -163,6 +164,15 @@ class TextConfig:
     the mismatch either way."""
     engine_correction_cap: float = 2.0
     """The cap of text.engine_correction's importance weights."""
+    tool_env: str = ""
+    """Multi-turn rollouts with a tool: a registered environment (`calculator`) or `file.py:function` /
+    `module:function` that reads the model's turn and answers with text appended to the completion (left out of the
+    loss, the KL and the entropy); "" = single-turn. See flowrl.tools."""
+    tool_stop: list[str] = field(default_factory=list)
+    """The strings that end the model's turn (the environment answers then); [] = the environment's own (the
+    calculator's: </calc>)."""
+    max_turns: int = 4
+    """Most model turns of a multi-turn rollout (text.max_new_tokens bounds the whole completion, replies too)."""
 
 
 @dataclass

@@ -36,7 +36,18 @@ class TextEngine:
         self.policy = policy
         self.version = -1  # none pushed yet
 
-    def generate(self, input_ids: Tensor, attention_mask: Tensor, *, seed: int, record: bool) -> Generation:
+    def generate(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        *,
+        seed: int,
+        record: bool,
+        max_new_tokens: int | None = None,
+        stop: list[str] | None = None,
+    ) -> Generation:
+        """Up to `max_new_tokens` (default text.max_new_tokens) tokens per row, a row ending at its EOS or, with
+        `stop`, once its text contains one of those strings (the tokens after it, if any, are the caller's to cut)."""
         raise NotImplementedError
 
     def push_weights(self, version: int) -> None:

@@ -102,14 +102,24 @@ class VLLMEngine(TextEngine):
         self.push_seconds = 0.0
         self._dir = Path(tempfile.mkdtemp(prefix="flowrl-vllm-weights-"))
 
-    def generate(self, input_ids: Tensor, attention_mask: Tensor, *, seed: int, record: bool) -> Generation:
+    def generate(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        *,
+        seed: int,
+        record: bool,
+        max_new_tokens: int | None = None,
+        stop: list[str] | None = None,
+    ) -> Generation:
         t, tok = self.policy.text, self.policy.tokenizer
         prompts = [row[m.bool()].tolist() for row, m in zip(input_ids.cpu(), attention_mask.cpu())]
         out = request(
             f"{self.url}/generate",
             dict(
                 prompt_token_ids=prompts,
-                max_tokens=t.max_new_tokens,
+                max_tokens=max_new_tokens or t.max_new_tokens,
+                stop=list(stop or []),
                 temperature=t.temperature,
                 top_k=t.top_k,
                 top_p=t.top_p,

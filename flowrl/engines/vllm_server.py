@@ -6,7 +6,7 @@ transformers; `make vllm-env` builds one: docs/text.md):
 It holds one vLLM engine (in this process) and answers, one request at a time:
   GET  /health                    {"kind": "flowrl-vllm", "model", "version", "vllm"}
   POST /generate                  {"prompt_token_ids": [[int]], "max_tokens", "temperature", "top_k", "top_p",
-                                   "seed", "stop_token_ids", "logprobs": bool}
+                                   "seed", "stop_token_ids", "stop": [str], "logprobs": bool}
                                -> {"token_ids": [[int]], "logprobs": [[float]] | null, "version", "seconds"}
                                   (the log-prob of each sampled token under the tempered distribution)
   POST /update_weights            {"path": a folder of safetensors in the model's checkpoint names, "version"}
@@ -62,8 +62,10 @@ class Engine:
                 top_p=float(req.get("top_p", 1.0)),
                 seed=(base + i) % 2**31,
                 stop_token_ids=list(req.get("stop_token_ids") or []),
+                stop=list(req.get("stop") or []) or None,
+                include_stop_str_in_output=True,  # the turn's tokens through the stop string
                 logprobs=0 if want_lp else None,
-                detokenize=False,
+                detokenize=bool(req.get("stop")),  # stop strings are matched on the text
             )
             for i in range(len(req["prompt_token_ids"]))
         ]

@@ -75,6 +75,7 @@ class TextBatch:
     engine_log_probs: Tensor | None = None  # [B, T] the engine's log-probs of its tokens (an engine not the trainer)
     loss_weights: Tensor | None = None  # [B, T] per-token loss weights (text.engine_correction's IS weights)
     rollout_metrics: dict = field(default_factory=dict)  # the rollout's own metrics (engine mismatch, version)
+    turns: list[list[dict]] | None = None  # [B] a multi-turn rollout's turns: {"model": text, "tool": reply}
     group_ids: Tensor | None = None
     epoch_prompts: list[str] = field(default_factory=list)
 

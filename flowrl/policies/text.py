@@ -115,6 +115,22 @@ class InverseCdfSampler:
         return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)
 
 
+class StopOnStrings:
+    """A stopping criterion of generate(): a row is done once the text of its generated tokens (after the first
+    `prompt_len` of its ids) contains one of `stops`. Its own, rather than transformers' stop_strings, which needs a
+    tokenizer that can spell its probe word (a character-level vocabulary cannot). Only the last tokens are
+    decoded each step: as many as the longest stop string has characters, plus one."""
+
+    def __init__(self, tokenizer, stops: list[str], prompt_len: int):
+        self.tokenizer, self.stops, self.prompt_len = tokenizer, list(stops), prompt_len
+        self.window = max(len(s) for s in self.stops) + 1
+
+    def __call__(self, input_ids: Tensor, scores: Tensor, **kwargs) -> Tensor:
+        tail = input_ids[:, self.prompt_len :][:, -self.window :].tolist()
+        texts = self.tokenizer.batch_decode(tail, skip_special_tokens=True)
+        return torch.tensor([any(s in t for s in self.stops) for t in texts], device=input_ids.device)
+
+
 def sampling_processors(temperature: float, top_k: int, top_p: float) -> list:
     """transformers' warpers of generate's sampling mode, in its order (temperature, top-k, top-p; one token
     kept at least), for `temperature` / `top_k` (0 = off) / `top_p` (1 = off), followed by the sampler."""
@@ -362,10 +378,19 @@ class TextPolicy:
         ent = core.entropy_from_logits(logits, temperature)[:, :-1] if with_entropy else None
         return lp, ent
 
-    def generate_samples(self, input_ids: Tensor, attn: Tensor, recorder: SampledLogProbs | None = None) -> Tensor:
+    def generate_samples(
+        self,
+        input_ids: Tensor,
+        attn: Tensor,
+        recorder: SampledLogProbs | None = None,
+        *,
+        max_new_tokens: int | None = None,
+        stop: list[str] | None = None,
+    ) -> Tensor:
         """generate() sampling under text.temperature / top_k / top_p: prompt + completion ids [B, Lp + n]. The draw
-        is `InverseCdfSampler`'s (greedy mode over its one-hot scores); `recorder` first, when given."""
-        from transformers import LogitsProcessorList
+        is `InverseCdfSampler`'s (greedy mode over its one-hot scores); `recorder` first, when given. `stop`: strings
+        that end a row as its EOS does (transformers' stop_strings)."""
+        from transformers import LogitsProcessorList, StoppingCriteriaList
 
         t, tok = self.text, self.tokenizer
         processors = [recorder] if recorder is not None else []
@@ -374,12 +399,17 @@ class TextPolicy:
             input_ids=input_ids,
             attention_mask=attn,
             do_sample=False,  # greedy over InverseCdfSampler's one-hot scores: it samples (see there)
-            max_new_tokens=t.max_new_tokens,
+            max_new_tokens=max_new_tokens or t.max_new_tokens,
             use_cache=True,
             pad_token_id=tok.pad_token_id,
             eos_token_id=tok.eos_token_id,
             synced_gpus=self.sharded,  # sharded: every step's forward is a collective, on every process
             logits_processor=LogitsProcessorList(processors),
+            **(
+                {"stopping_criteria": StoppingCriteriaList([StopOnStrings(tok, stop, input_ids.shape[1])])}
+                if stop
+                else {}
+            ),
             **neutral_generation_kwargs(),
         )
 
@@ -409,19 +439,31 @@ class TextPolicy:
         # the engine's log-probs: the old ones (text.old_log_probs=sampling), or beside the trainer's (a correction)
         own = t.old_log_probs == "sampling" and t.engine_correction == "none"
         record = own or not engine.same_numerics
-        gen = engine.generate(input_ids, attn, seed=seed, record=record)
-        completion = gen.completion_ids.to(self.device)
-        n_new = completion.shape[1]
-        if n_new < t.max_new_tokens:  # every row ended early: pad to a fixed T
-            pad = completion.new_full((completion.shape[0], t.max_new_tokens - n_new), tok.pad_token_id)
-            completion = torch.cat([completion, pad], 1)
-        cmask, truncated = completion_mask_from_ids(completion, tok.eos_token_id)
-        completion = torch.where(cmask > 0, completion, torch.full_like(completion, tok.pad_token_id))
+        turns = None
+        if t.tool_env:  # multi-turn with a tool: the environment's tokens are in `present` but not in `cmask`
+            completion, model_mask, present, engine_lp, turns = self._tool_rollout(
+                prompts, metadata, input_ids, attn, seed=seed, record=record
+            )
+            cmask = present * model_mask
+            truncated = ~((completion == tok.eos_token_id) & (cmask > 0)).any(1)
+        else:
+            gen = engine.generate(input_ids, attn, seed=seed, record=record)
+            completion = gen.completion_ids.to(self.device)
+            n_new = completion.shape[1]
+            if n_new < t.max_new_tokens:  # every row ended early: pad to a fixed T
+                pad = completion.new_full((completion.shape[0], t.max_new_tokens - n_new), tok.pad_token_id)
+                completion = torch.cat([completion, pad], 1)
+            cmask, truncated = completion_mask_from_ids(completion, tok.eos_token_id)
+            present = cmask
+            engine_lp = None
+            if gen.log_probs is not None:
+                engine_lp = torch.nn.functional.pad(
+                    gen.log_probs.float().to(self.device), (0, t.max_new_tokens - n_new)
+                )
+        completion = torch.where(present > 0, completion, torch.full_like(completion, tok.pad_token_id))
         full_ids = torch.cat([input_ids, completion], 1)
-        full_attn = torch.cat([attn, cmask.long()], 1)
-        engine_lp = None
-        if gen.log_probs is not None:
-            engine_lp = torch.nn.functional.pad(gen.log_probs.float().to(self.device), (0, t.max_new_tokens - n_new))
+        full_attn = torch.cat([attn, present.long()], 1)
+        if engine_lp is not None:
             engine_lp = engine_lp * cmask
         rollout_metrics = {"rollout/engine_version": float(engine.version), "rollout/engine_pushed": float(pushed)}
         loss_weights = None
@@ -435,7 +477,7 @@ class TextPolicy:
                 rollout_metrics.update({f"rollout/engine_{k}": v for k, v in stats.items()})
                 if level is not None:
                     loss_weights = core.truncated_is_weights(old_lp, engine_lp, cmask, level, t.engine_correction_cap)
-        texts, id_lists = self.decode_completions(completion, cmask)
+        texts, id_lists = self.decode_completions(completion, present)
         batch = TextBatch(
             prompts=list(prompts),
             metadata=list(metadata),
@@ -451,6 +493,7 @@ class TextPolicy:
             engine_log_probs=engine_lp,
             loss_weights=loss_weights,
             rollout_metrics=rollout_metrics,
+            turns=turns,
         )
         if self.cfg.train.grpo.beta > 0 and t.kl_in_reward:
             with self.reference() as ref:
@@ -459,6 +502,98 @@ class TextPolicy:
             batch.ref_log_probs = ref_lp
             batch.kl_penalty = (self.cfg.train.grpo.beta * kl.sum(1)).cpu()
         return batch
+
+    @property
+    def tool_env(self):
+        """text.tool_env's environment (flowrl.tools), loaded on first use."""
+        if getattr(self, "_tool_env", None) is None:
+            from flowrl.tools import load_tool_env
+
+            self._tool_env = load_tool_env(self.text.tool_env)
+        return self._tool_env
+
+    def _turn_end(self, row: list[int], stops: list[str]) -> tuple[int, str]:
+        """How many of a turn's generated tokens `row` to keep and why the turn ended: through its first EOS
+        ("eos"), through the token that completes a stop string ("stop"), or all of them ("length")."""
+        tok = self.tokenizer
+        eos = row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else None
+        upto = row[: eos or len(row)]
+        if any(st in tok.decode(upto, skip_special_tokens=True) for st in stops):
+            for k in range(1, len(upto) + 1):
+                if any(st in tok.decode(upto[:k], skip_special_tokens=True) for st in stops):
+                    return k, "stop"
+        return (eos, "eos") if eos is not None else (len(row), "length")
+
+    def _tool_rollout(self, prompts, metadata, input_ids, attn, *, seed: int, record: bool):
+        """Multi-turn sampling with text.tool_env (flowrl.tools): each row's completion is the model's turns and
+        the environment's replies, text.max_new_tokens tokens in all, text.max_turns model turns at most. Returns
+        completion [B, T], model_mask [B, T] (1 = the model's token), present [B, T] (1 = a token of the
+        completion, either kind), the engine's log-probs [B, T] (0 on the environment's tokens; None unless
+        `record`) and each row's turns [{"model": text, "tool": reply}, ...]."""
+        t, tok, engine, env = self.text, self.tokenizer, self.engine, self.tool_env
+        stops = list(t.tool_stop) or env.stop
+        B, T = len(prompts), t.max_new_tokens
+        heads = [row[m.bool()].tolist() for row, m in zip(input_ids.cpu(), attn.cpu())]
+        comp, kind, lps = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]
+        turns = [[] for _ in range(B)]
+        active = list(range(B))
+        for turn in range(t.max_turns):
+            if not active:
+                break
+            budget = [T - len(comp[i]) for i in active]
+            seqs = [heads[i] + comp[i] for i in active]
+            width = max(len(q) for q in seqs)
+            ids = torch.full((len(seqs), width), tok.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(seqs), width), dtype=torch.long)
+            for j, q in enumerate(seqs):  # left-padded, as encode_prompts
+                ids[j, width - len(q) :] = torch.tensor(q)
+                mask[j, width - len(q) :] = 1
+            gen = engine.generate(
+                ids.to(self.device),
+                mask.to(self.device),
+                seed=seed + turn,
+                record=record,
+                max_new_tokens=max(budget),
+                stop=stops,
+            )
+            still = []
+            for j, i in enumerate(active):
+                row = gen.completion_ids[j].tolist()[: budget[j]]
+                keep, ended = self._turn_end(row, stops)
+                comp[i] += row[:keep]
+                kind[i] += [1] * keep
+                lps[i] += gen.log_probs[j].tolist()[:keep] if record else [0.0] * keep
+                said = tok.decode(row[:keep], skip_special_tokens=True)
+                entry = {"model": said}
+                if ended == "stop" and len(comp[i]) < T:
+                    context = {
+                        "prompt": prompts[i],
+                        "transcript": tok.decode(comp[i], skip_special_tokens=True),
+                        "metadata": metadata[i],
+                    }
+                    reply = env(said, context)
+                    if reply is not None:
+                        rids = tok(str(reply), add_special_tokens=False)["input_ids"][: T - len(comp[i])]
+                        comp[i] += rids
+                        kind[i] += [0] * len(rids)
+                        lps[i] += [0.0] * len(rids)
+                        entry["tool"] = str(reply)
+                        if len(comp[i]) < T:
+                            still.append(i)
+                turns[i].append(entry)
+            active = still
+        completion = torch.full((B, T), tok.pad_token_id, dtype=torch.long)
+        model_mask = torch.zeros((B, T))
+        present = torch.zeros((B, T))
+        engine_lp = torch.zeros((B, T))
+        for i in range(B):
+            n = len(comp[i])
+            completion[i, :n] = torch.tensor(comp[i], dtype=torch.long)
+            model_mask[i, :n] = torch.tensor(kind[i], dtype=torch.float32)
+            present[i, :n] = 1.0
+            engine_lp[i, :n] = torch.tensor(lps[i], dtype=torch.float32)
+        dev = self.device
+        return completion.to(dev), model_mask.to(dev), present.to(dev), engine_lp.to(dev) if record else None, turns
 
     def _init_reward_io(self) -> None:
         """What text rewards see and log besides the batch: ``reward_state`` (TRL's ``trainer_state``; the

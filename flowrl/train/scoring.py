@@ -225,6 +225,8 @@ class Scorer:
                         for k, n in enumerate(names)
                     },
                 }
+                if getattr(batch, "turns", None):  # a multi-turn rollout: its turns, tool calls and replies
+                    row["turns"] = batch.turns[i]
                 row.update({col: values[i] for col, values in (extra or {}).items() if i < len(values)})
                 f.write(json.dumps(row, default=str) + "\n")
 

@@ -1,0 +1,130 @@
+"""Multi-turn text rollouts with a tool environment (flowrl.tools, text.tool_env): the environment's replies are in
+the completion and its context but out of the loss, the KL and the entropy; the recorded log-probs of the model's
+tokens are the trainer's forward's (the first minibatch on policy); the turns go to completions.jsonl."""
+
+import json
+
+import pytest
+import torch
+from test_trainer_text import text_cfg
+
+from flowrl.errors import ConfigError
+from flowrl.tools import calculator, evaluate, load_tool_env
+
+torch.set_num_threads(1)
+
+
+def test_the_calculator_evaluates_integer_expressions_and_nothing_else():
+    assert evaluate("12*34") == 408 and evaluate("(7+5)*3-4") == 32 and evaluate("-3*-3") == 9
+    assert evaluate("123456789*987654321") == 121932631112635269  # exact, however large
+    assert calculator("so <calc>12*34</calc>") == "<out>408</out>"
+    assert calculator("<calc>1+1</calc> then <calc>6*7</calc>") == "<out>42</out>"  # the last call
+    for bad in ("<calc>__import__('os')</calc>", "<calc>2**10</calc>", "<calc>1/0</calc>", "<calc>1.5*2</calc>"):
+        assert calculator(bad) == "<out>?</out>", bad
+    assert calculator("no call here") is None
+
+
+def test_a_tool_environment_by_name_file_or_module_and_its_errors(tmp_path):
+    assert load_tool_env("calculator").stop == ["</calc>"]
+    f = tmp_path / "env.py"
+    f.write_text("def reply(turn, *, metadata):\n    return f\"[{turn}|{metadata['k']}]\"\n")
+    env = load_tool_env(f"{f}:reply")
+    assert env("hi", {"prompt": "p", "transcript": "t", "metadata": {"k": 3}}) == "[hi|3]"  # only what it names
+    assert env.stop == []
+    with pytest.raises(ConfigError, match="not a registered tool environment \\(calculator\\)"):
+        load_tool_env("calculater")
+    with pytest.raises(ConfigError, match="file 'nope.py' not found"):
+        load_tool_env("nope.py:f")
+    with pytest.raises(ConfigError, match="has no function 'answer'; its functions: \\['reply'\\]"):
+        load_tool_env(f"{f}:answer")
+
+
+def test_tool_env_without_stop_strings_or_for_images_is_refused_before_the_model_loads(tmp_path, no_model_load):
+    from flowrl.config import load_config
+    from flowrl.preflight import check_tool_env
+
+    f = tmp_path / "env.py"
+    f.write_text("def reply(turn):\n    return '1'\n")
+    with pytest.raises(ConfigError, match="text.tool_env answers a language model's turns, and backend=image"):
+        load_config(None, [f"text.tool_env={f}:reply"])
+    cfg = load_config(None, ["backend=text", f"text.tool_env={f}:reply"])
+    with pytest.raises(ConfigError, match="declares no stop strings"):
+        check_tool_env(cfg)
+    check_tool_env(load_config(None, ["backend=text", f"text.tool_env={f}:reply", "text.tool_stop=['7']"]))
+
+
+REPLIES = []
+
+
+def echo_env(turn, *, transcript):
+    """The tiny model's turn ends at a '7' (its digits come often); the environment answers '=1=' and
+    remembers what it saw."""
+    REPLIES.append((turn, transcript))
+    return "=1="
+
+
+def multi_turn_cfg(tiny_lm, tmp_path, *extra):
+    return text_cfg(
+        tiny_lm,
+        tmp_path,
+        "text.tool_env=test_text_tools:echo_env",
+        "text.tool_stop=['7']",
+        "text.max_turns=3",
+        "text.max_new_tokens=14",
+        "text.temperature=1.5",  # more digits, more 7s
+        *extra,
+    )
+
+
+def test_a_multi_turn_rollout_keeps_the_tool_tokens_out_of_the_loss(tiny_lm, tmp_path):
+    from flowrl.train import Trainer
+
+    tr = Trainer(multi_turn_cfg(tiny_lm, tmp_path))
+    tr.policy.weights_version = 0
+    prompts = [p for p in tr.train_set.prompts[:3] for _ in range(4)]
+    meta = [m for m in tr.train_set.metadata[:3] for _ in range(4)]
+    REPLIES.clear()
+    batch = tr.policy.rollout(prompts, meta, epoch=0, generator=torch.Generator().manual_seed(0))
+    tool = [i for i, turns in enumerate(batch.turns) if any("tool" in t for t in turns)]
+    assert tool and REPLIES, batch.turns  # some rows called the tool
+    tok = tr.policy.tokenizer
+    reply_ids = tok("=1=", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        trainer_lp, _ = tr.policy._forward_log_probs(
+            tr.policy.model, batch.input_ids, batch.attention_mask, batch.prompt_len, tr.policy.text.temperature
+        )
+    for i in tool:
+        turns = batch.turns[i]
+        assert turns[0]["model"].endswith("7") and turns[0]["tool"] == "=1="
+        ids = batch.completion_ids[i].tolist()
+        k = batch.completion_mask[i].tolist().index(0.0)  # the first token that is not the model's
+        assert ids[k - 1] == tok.convert_tokens_to_ids("7") and ids[k : k + 3] == reply_ids  # the reply follows
+        assert batch.completion_mask[i, k : k + 3].sum() == 0  # ... outside the loss
+        assert batch.attention_mask[i, batch.prompt_len + k : batch.prompt_len + k + 3].sum() == 3  # ... in context
+        assert batch.old_log_probs[i, k : k + 3].abs().sum() == 0
+        assert "=1=" in batch.completions[i]  # the reward sees the whole exchange
+    # the recorded log-probs of the model's own tokens are the trainer's forward's, the replies in the context
+    lp = trainer_lp * batch.completion_mask
+    diff = (lp - batch.old_log_probs).abs().max().item()
+    print(f"multi-turn: {len(tool)} of {len(prompts)} rows called the tool; max |recorded - forward| = {diff:.3g}")
+    assert diff <= 1e-5
+    unit = tr.policy.train_units(batch, 1)[0]
+    out = tr.policy.unit_log_probs(batch, torch.tensor(tool), unit, with_reference=True)
+    assert torch.equal(out.mask, batch.completion_mask[tool])  # KL and entropy aggregate over this mask too
+    transcript = REPLIES[0][1]
+    assert transcript.endswith("7")  # the environment saw the completion so far
+
+
+def test_a_multi_turn_run_trains_on_policy_and_logs_its_turns(tiny_lm, tmp_path):
+    from flowrl.train import Trainer
+
+    tr = Trainer(multi_turn_cfg(tiny_lm, tmp_path, "train.epochs=2", "train.grpo.beta=0.05", "text.entropy_coef=0.01"))
+    before = {n: p.detach().clone() for n, p in tr.named_params.items()}
+    tr.fit()
+    assert max((p.detach() - before[n]).abs().max().item() for n, p in tr.named_params.items()) > 1e-6
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "policy/ratio_first" in r]
+    assert len(trained) == 2 and all(r["policy/ratio_first_dev"] <= 1e-5 for r in trained)
+    table = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert all("turns" in r and r["turns"] and "model" in r["turns"][0] for r in table)
+    assert any(len(r["turns"]) > 1 or "tool" in r["turns"][0] for r in table)
