@@ -128,3 +128,18 @@ def test_a_multi_turn_run_trains_on_policy_and_logs_its_turns(tiny_lm, tmp_path)
     table = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
     assert all("turns" in r and r["turns"] and "model" in r["turns"][0] for r in table)
     assert any(len(r["turns"]) > 1 or "tool" in r["turns"][0] for r in table)
+
+
+def test_the_eval_answers_tool_calls_greedily(tiny_lm, tmp_path):
+    """flowrl eval and the run's evals go through the same environment: greedy turns, the replies in the text the
+    rewards score; the same twice (greedy)."""
+    from flowrl.train import Trainer
+
+    tr = Trainer(multi_turn_cfg(tiny_lm, tmp_path, "text.tool_stop=['9']"))  # its greedy turn writes 9s
+    prompts = list(tr.train_set.prompts[:6])
+    meta = list(tr.train_set.metadata[:6])
+    texts, ids = tr.policy.generate_greedy(prompts, metadata=meta)
+    again, _ = tr.policy.generate_greedy(prompts, metadata=meta)
+    assert texts == again and any("=1=" in t for t in texts), texts
+    completions, scores, _ = tr.policy.evaluate_prompts(prompts, meta, [], tr.cfg.eval)
+    assert completions == texts and len(ids) == 6

@@ -524,13 +524,17 @@ class TextPolicy:
                     return k, "stop"
         return (eos, "eos") if eos is not None else (len(row), "length")
 
-    def _tool_rollout(self, prompts, metadata, input_ids, attn, *, seed: int, record: bool):
+    def _tool_rollout(self, prompts, metadata, input_ids, attn, *, seed: int, record: bool, greedy: bool = False):
         """Multi-turn sampling with text.tool_env (flowrl.tools): each row's completion is the model's turns and
         the environment's replies, text.max_new_tokens tokens in all, text.max_turns model turns at most. Returns
         completion [B, T], model_mask [B, T] (1 = the model's token), present [B, T] (1 = a token of the
         completion, either kind), the engine's log-probs [B, T] (0 on the environment's tokens; None unless
-        `record`) and each row's turns [{"model": text, "tool": reply}, ...]."""
-        t, tok, engine, env = self.text, self.tokenizer, self.engine, self.tool_env
+        `record`) and each row's turns [{"model": text, "tool": reply}, ...]. `greedy`: the eval's greedy decoding
+        of the trained model instead of the engine's sampling."""
+        from flowrl.engines import Generation
+
+        t, tok, env = self.text, self.tokenizer, self.tool_env
+        engine = None if greedy else self.engine
         stops = list(t.tool_stop) or env.stop
         B, T = len(prompts), t.max_new_tokens
         heads = [row[m.bool()].tolist() for row, m in zip(input_ids.cpu(), attn.cpu())]
@@ -548,14 +552,18 @@ class TextPolicy:
             for j, q in enumerate(seqs):  # left-padded, as encode_prompts
                 ids[j, width - len(q) :] = torch.tensor(q)
                 mask[j, width - len(q) :] = 1
-            gen = engine.generate(
-                ids.to(self.device),
-                mask.to(self.device),
-                seed=seed + turn,
-                record=record,
-                max_new_tokens=max(budget),
-                stop=stops,
-            )
+            if greedy:
+                out = self._greedy(ids.to(self.device), mask.to(self.device), max(budget), stops)
+                gen = Generation(completion_ids=out, log_probs=None)
+            else:
+                gen = engine.generate(
+                    ids.to(self.device),
+                    mask.to(self.device),
+                    seed=seed + turn,
+                    record=record,
+                    max_new_tokens=max(budget),
+                    stop=stops,
+                )
             still = []
             for j, i in enumerate(active):
                 row = gen.completion_ids[j].tolist()[: budget[j]]
@@ -677,24 +685,44 @@ class TextPolicy:
 
     @torch.no_grad()
     def generate_greedy(
-        self, prompts: list[str], max_new_tokens: int | None = None
+        self, prompts: list[str], max_new_tokens: int | None = None, metadata: list[dict] | None = None
     ) -> tuple[list[str], list[list[int]]]:
-        """Greedy completions: (texts up to the EOS, their token ids through the EOS)."""
+        """Greedy completions: (texts up to the EOS, their token ids through the EOS). With text.tool_env, greedy
+        multi-turn ones (the environment answers each turn, as in the rollouts; `metadata` is what it sees)."""
         tok = self.tokenizer
         input_ids, attn = self.encode_prompts(prompts)
+        if self.text.tool_env:
+            meta = metadata if metadata is not None else [{} for _ in prompts]
+            comp, _, present, _, _ = self._tool_rollout(
+                prompts, meta, input_ids, attn, seed=0, record=False, greedy=True
+            )
+            return (*self.decode_completions(comp, present),)
+        comp = self._greedy(input_ids, attn, max_new_tokens or self.text.max_new_tokens)
+        mask, _ = completion_mask_from_ids(comp, tok.eos_token_id)
+        return (*self.decode_completions(comp, mask),)
+
+    def _greedy(self, input_ids: Tensor, attn: Tensor, max_new_tokens: int, stop: list[str] | None = None) -> Tensor:
+        """generate()'s greedy decoding of the trained model: the completion ids [B, n] (a row ends at its EOS, or
+        at one of `stop`'s strings)."""
+        from transformers import StoppingCriteriaList
+
+        tok = self.tokenizer
         out = self.model.generate(
             input_ids=input_ids,
             attention_mask=attn,
             do_sample=False,
-            max_new_tokens=max_new_tokens or self.text.max_new_tokens,
+            max_new_tokens=max_new_tokens,
             use_cache=True,
             pad_token_id=tok.pad_token_id,
             eos_token_id=tok.eos_token_id,
             synced_gpus=self.sharded,  # sharded: every step's forward is a collective, on every process
+            **(
+                {"stopping_criteria": StoppingCriteriaList([StopOnStrings(tok, stop, input_ids.shape[1])])}
+                if stop
+                else {}
+            ),
         )
-        comp = out[:, input_ids.shape[1] :]
-        mask, _ = completion_mask_from_ids(comp, tok.eos_token_id)
-        return (*self.decode_completions(comp, mask),)
+        return out[:, input_ids.shape[1] :]
 
     @torch.no_grad()
     def evaluate_prompts(self, prompts, metadata, reward_fns, eval_cfg, part: slice | None = None, stop=None):
@@ -710,7 +738,7 @@ class TextPolicy:
         for i in range(0, len(prompts), 64):
             if stop is not None:
                 stop()
-            texts, tids = self.generate_greedy(prompts[i : i + 64])
+            texts, tids = self.generate_greedy(prompts[i : i + 64], metadata=metadata[i : i + 64])
             completions.extend(texts)
             ids.extend(tids)
         columns = {k: [m.get(k) for m in metadata] for k in {k for m in metadata for k in m}}
