@@ -5,6 +5,7 @@
     python benchmarks/text_step.py --repeats 20 --threads 2
     python benchmarks/text_step.py --no-trl --profile     # flowrl only, with a cProfile of one more epoch
     python benchmarks/text_step.py --generate-ab          # generate() alone: flowrl's call and TRL's, in turns
+    python benchmarks/text_step.py --setting realistic --engine both   # flowrl on hf and on a vLLM server, in turns
 
 Settings (per step: prompts x group completions of at most max_new_tokens tokens):
   tiny       the char-level GPT-2 of samples/arith (0.1M parameters, 19 tokens), 32 prompts x 8, 4 new tokens,
@@ -32,6 +33,12 @@ Phases (median over `--repeats` steps after `--warmup` steps; every step samples
 Rollout tokens/s counts the completion tokens through the first EOS over the rollout time. The last column is
 TRL time / flowrl time (for tokens/s: flowrl rate / TRL rate): > 1 means flowrl is faster.
 Use 1 thread on a shared machine: with 2 threads on 2 busy cores the tiny ops run ~20x slower for both.
+
+--engine vllm | both: flowrl's rollouts on a flowrl vLLM server (text.engine=vllm; the server is started here in
+vLLM's environment, `make vllm-env`, on the setting's model); `both` runs an hf trainer and a vllm trainer whose
+epochs take turns (TRL skipped) and prints them side by side. For vllm, `generate` is the engine's request (the
+server's sampling, the HTTP round trip, the weight push when one is due); vLLM's CPU attention needs head_dim >= 32,
+so the tiny setting (head_dim 16) cannot run on it.
 
 Why generate() differed (issue 25 measured flowrl's at 0.84x TRL's, tiny setting): not its configuration. The
 same model and inputs, flowrl's former call (do_sample=True with keyword arguments) and TRL's (its
@@ -163,7 +170,7 @@ def setting_overrides(args) -> list[str]:
     ]
 
 
-def build_flowrl(args):
+def build_flowrl(args, engine_overrides=()):
     from flowrl.config import load_config
     from flowrl.train import Trainer
 
@@ -180,7 +187,8 @@ def build_flowrl(args):
             "log.tensorboard=false",
             "log.wandb=false",
             f"log.run_dir={tempfile.mkdtemp(prefix='flowrl-text-bench-')}",
-            *setting_overrides(args),
+            *args.setting_overrides,
+            *engine_overrides,
             *args.overrides,
         ],
     )
@@ -211,11 +219,15 @@ def flowrl_epoch(tr, epoch: int, gen_times: list) -> dict:
 class FlowrlRun:
     """flowrl's trainer with generate() timed; `epoch(e)` runs and records one timed epoch."""
 
-    def __init__(self, args):
+    def __init__(self, args, engine_overrides=()):
         self.args = args
-        self.tr = build_flowrl(args)
+        self.tr = build_flowrl(args, engine_overrides)
         self.gen_times: list[float] = []
-        self.tr.policy.model.generate = timed(self.tr.policy.model.generate, self.gen_times)
+        if self.tr.cfg.text.engine == "hf":
+            self.tr.policy.model.generate = timed(self.tr.policy.model.generate, self.gen_times)
+        else:  # the engine's request: the server's sampling, the round trip, a weight push when one is due
+            engine = self.tr.policy.engine
+            engine.generate = timed(engine.generate, self.gen_times)
         self.rows: list[dict] = []
 
     def epoch(self, e: int) -> None:
@@ -430,6 +442,35 @@ def print_table(fl: dict, tr: dict | None, threads: int, repeats: int) -> None:
         print(s + f"   [threads {threads}]")
 
 
+def engines(args) -> dict:
+    """--engine vllm / both: a vLLM server on the setting's model, and flowrl's trainers on it (and on hf)."""
+    from flowrl.config import load_config
+    from flowrl.engines.vllm_engine import LocalServer
+
+    model = load_config(args.config, [*args.setting_overrides, *args.overrides]).model.path
+    log = tempfile.mkdtemp(prefix="flowrl-text-bench-vllm-")
+    server = LocalServer(model, os.path.join(log, "server.log")).start()
+    try:
+        vllm = FlowrlRun(args, ["text.engine=vllm", f"text.vllm_url={server.url}"])
+        runs = {"vllm": vllm} if args.engine == "vllm" else {"hf": FlowrlRun(args), "vllm": vllm}
+        for e in range(args.warmup + args.repeats):
+            for run in runs.values():  # taking turns: the same load falls on both
+                run.epoch(e)
+        out = {name: medians(run.result()["rows"]) for name, run in runs.items()}
+    finally:
+        server.stop()
+    threads = torch.get_num_threads()
+    print(f"\nmedian of {args.repeats} steps, threads {threads} (the trainer's; the vLLM server: vLLM's own)")
+    print(f"{'':28s}" + "".join(f"{name:>12s}" for name in out) + ("  hf/vllm" if len(out) == 2 else ""))
+    for key in (*PHASES, "tok/s"):
+        row = f"{key + (' (s)' if key != 'tok/s' else ''):28s}" + "".join(f"{m[key]:12.4g}" for m in out.values())
+        if len(out) == 2:
+            ratio = out["hf"][key] / out["vllm"][key] if key != "tok/s" else out["vllm"][key] / out["hf"][key]
+            row += f"  {ratio:7.2f}"
+        print(row + f"   [threads {threads}]")
+    return {**out, "threads": threads}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -454,6 +495,12 @@ def main(argv=None) -> dict:
         action="store_true",
         help="time generate() alone: flowrl's call beside TRL's, taking turns (no training)",
     )
+    ap.add_argument(
+        "--engine",
+        choices=["hf", "vllm", "both"],
+        default="hf",
+        help="flowrl's rollout engine; both: hf and vllm trainers taking turns, TRL skipped (see above)",
+    )
     ap.add_argument("overrides", nargs="*", help="flowrl config overrides key=value (flowrl's half only)")
     args = ap.parse_args(argv)
     for key, value in SETTINGS[args.setting].items():
@@ -476,8 +523,11 @@ def main(argv=None) -> dict:
             f"temperature 1, beta 0, 1 optimizer step per batch; warm-up {args.warmup}, repeats {args.repeats}; "
             f"threads {torch.get_num_threads()}"
         )
+        args.setting_overrides = setting_overrides(args)
         if args.generate_ab:
             return {"generate_ab": generate_ab(args), "threads": torch.get_num_threads()}
+        if args.engine != "hf":
+            return engines(args)
         flowrl = FlowrlRun(args)
         trl_out = (
             "skipped (--no-trl)"

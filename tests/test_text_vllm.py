@@ -7,19 +7,15 @@ goes down is one line and the run resumes from its checkpoint once it is back.""
 import json
 import os
 import socket
-import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
 from flowrl.config import load_config
+from flowrl.engines.vllm_engine import LocalServer, vllm_python
 
-ROOT = Path(__file__).resolve().parents[1]
-SERVER = ROOT / "flowrl" / "engines" / "vllm_server.py"
-VLLM_PYTHON = Path(os.environ.get("FLOWRL_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
+VLLM_PYTHON = vllm_python()
 
 if not VLLM_PYTHON.exists():
     if os.environ.get("FLOWRL_REQUIRE_VLLM") == "1":
@@ -33,37 +29,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class Server:
-    """The flowrl vLLM server in its own environment, as the README starts it."""
-
-    def __init__(self, model: Path, log: Path):
-        self.model, self.log, self.port, self.proc = model, log, free_port(), None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> "Server":
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        command = [str(VLLM_PYTHON), str(SERVER), "--model", str(self.model), "--port", str(self.port)]
-        self.proc = subprocess.Popen(command, stdout=self.log.open("a"), stderr=subprocess.STDOUT, env=env)
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the vLLM server exited ({self.proc.returncode}): {self.log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
-                    return self
-            except OSError:
-                time.sleep(1)
-        raise RuntimeError(f"the vLLM server did not start in 300 s: {self.log.read_text()[-3000:]}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +63,7 @@ def vllm_lm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(vllm_lm, tmp_path_factory):
-    s = Server(vllm_lm, tmp_path_factory.mktemp("vllm_log") / "server.log").start()
+    s = LocalServer(vllm_lm, tmp_path_factory.mktemp("vllm_log") / "server.log").start()
     yield s
     s.stop()
 
@@ -310,3 +275,24 @@ def test_a_multi_turn_rollout_on_the_engine(server, vllm_lm, tmp_path):
     diff = max_diff(batch.engine_log_probs, trainer_log_probs(tr.policy, batch))
     print(f"multi-turn on vLLM: {len(tool)} of 12 rows called the tool; max |engine - forward| = {diff:.3g}")
     assert diff <= 1e-5
+
+
+def test_the_text_step_benchmark_runs_hf_and_vllm_in_turns():
+    """benchmarks/text_step.py --engine both: an hf trainer and a vllm trainer on the realistic setting's model
+    (head_dim 64), each phase timed, side by side."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("text_step_bench_vllm", root / "benchmarks" / "text_step.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    threads = torch.get_num_threads()
+    try:
+        out = bench.main(
+            ["--setting", "realistic", "--engine", "both", "--prompts", "1", "--group", "2"]
+            + ["--max-new-tokens", "4", "--warmup", "0", "--repeats", "1"]
+        )
+    finally:
+        torch.set_num_threads(threads)
+    for name in ("hf", "vllm"):
+        assert out[name]["generate"] > 0 and out[name]["update"] > 0 and out[name]["tokens"] > 0, out

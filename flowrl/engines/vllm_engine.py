@@ -58,6 +58,62 @@ def request(url: str, payload: dict | None = None, timeout: float = 600.0, model
         ) from None
 
 
+SERVER_SCRIPT = Path(__file__).with_name("vllm_server.py")
+
+
+def vllm_python() -> Path:
+    """The Python of vLLM's environment: $FLOWRL_VLLM_PYTHON, else .venv-vllm/bin/python of the checkout."""
+    import os
+
+    return Path(os.environ.get("FLOWRL_VLLM_PYTHON") or SERVER_SCRIPT.parents[2] / ".venv-vllm" / "bin" / "python")
+
+
+class LocalServer:
+    """A flowrl vLLM server started here in vLLM's environment (tests, benchmarks): `start()` waits for /health,
+    `stop()` kills it. Its output goes to `log`."""
+
+    def __init__(self, model: str | Path, log: str | Path, *, port: int | None = None, extra: list[str] = ()):
+        import socket
+
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        self.model, self.log, self.port, self.extra, self.proc = str(model), Path(log), port, list(extra), None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 300.0) -> "LocalServer":
+        import os
+        import subprocess
+
+        python = vllm_python()
+        if not python.exists():
+            raise EngineError(f"no vLLM environment at {python}: build it with `make vllm-env`")
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        command = [str(python), str(SERVER_SCRIPT), "--model", self.model, "--port", str(self.port), *self.extra]
+        self.proc = subprocess.Popen(command, stdout=self.log.open("a"), stderr=subprocess.STDOUT, env=env)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log.read_text()[-3000:]
+                raise EngineError(f"the vLLM server exited ({self.proc.returncode}); its log ends: {tail!r}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
+                    return self
+            except OSError:
+                time.sleep(1)
+        self.stop()
+        raise EngineError(f"the vLLM server did not answer in {timeout:.0f} s; see {self.log}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
 def merged_state(policy) -> dict[str, Tensor]:
     """The policy's weights as the base model's checkpoint names, a LoRA merged in (W + its delta, computed beside
     the trained weights, which stay as they are), tied embeddings once (under the input embedding's name)."""
