@@ -54,10 +54,9 @@ def pytest_report_header(config):
     )
 
 
-@pytest.fixture(scope="module")
-def tiny_lm(tmp_path_factory):
-    """A tiny random GPT-2 (2 blocks; GPT2Block is its _no_split_modules, which FSDP shards by) with the
-    arithmetic tokenizer, saved to a directory, and 12 addition prompts in its prompts.jsonl."""
+def save_tiny_gpt2(d, **config):
+    """A tiny random GPT-2 (seed 0) with the arithmetic tokenizer saved to `d`, and 12 addition prompts in its
+    prompts.jsonl; `config`: GPT2Config fields over 2 blocks of 32 dims, 2 heads, 32 positions."""
     import json
 
     import torch
@@ -65,25 +64,22 @@ def tiny_lm(tmp_path_factory):
 
     from flowrl.worlds.arith import arith_tokenizer
 
-    d = tmp_path_factory.mktemp("tiny_gpt2")
     tok = arith_tokenizer()
     torch.manual_seed(0)
-    GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=len(tok),
-            n_positions=32,
-            n_embd=32,
-            n_layer=2,
-            n_head=2,
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-    ).save_pretrained(d)
+    fields = {**dict(n_positions=32, n_embd=32, n_layer=2, n_head=2), **config}
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), **ids, **fields)).save_pretrained(d)
     tok.save_pretrained(d)
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10, 14) for b in range(20, 23)]
     (d / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return d
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tmp_path_factory):
+    """A tiny random GPT-2 (2 blocks; GPT2Block is its _no_split_modules, which FSDP shards by) with the
+    arithmetic tokenizer, saved to a directory, and 12 addition prompts in its prompts.jsonl."""
+    return save_tiny_gpt2(tmp_path_factory.mktemp("tiny_gpt2"))
 
 
 @pytest.fixture

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import save_tiny_gpt2
+from test_trainer_text import text_cfg
 
-from flowrl.config import load_config
 from flowrl.engines.vllm_engine import LocalServer, vllm_python
 
 VLLM_PYTHON = vllm_python()
@@ -35,30 +36,9 @@ def free_port() -> int:
 def vllm_lm(tmp_path_factory):
     """A tiny random GPT-2 with tied embeddings and head_dim 32 (vLLM's CPU attention needs >= 32), the
     arithmetic tokenizer, and 12 addition prompts."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from flowrl.worlds.arith import arith_tokenizer
-
-    d = tmp_path_factory.mktemp("vllm_gpt2")
-    tok = arith_tokenizer()
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=len(tok),
-        n_positions=64,
-        n_embd=64,
-        n_layer=2,
-        n_head=2,
-        n_inner=128,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=True,
+    return save_tiny_gpt2(
+        tmp_path_factory.mktemp("vllm_gpt2"), n_positions=64, n_embd=64, n_inner=128, tie_word_embeddings=True
     )
-    GPT2LMHeadModel(config).save_pretrained(d)
-    tok.save_pretrained(d)
-    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10, 14) for b in range(20, 23)]
-    (d / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return d
 
 
 @pytest.fixture(scope="module")
@@ -69,26 +49,16 @@ def server(vllm_lm, tmp_path_factory):
 
 
 def cfg_for(model_dir, run_dir, url, *extra):
-    return load_config(
-        None,
-        [
-            "backend=text",
-            f"model.path={model_dir}",
-            "model.device=cpu",
-            f"data.train_prompts={model_dir / 'prompts.jsonl'}",
-            "rewards=[{name: accuracy}]",
-            "sample.prompts_per_epoch=3",
-            "sample.group_size=4",
-            "text.max_new_tokens=6",
-            "text.chat_template=false",
-            "text.engine=vllm",
-            f"text.vllm_url={url}",
-            "train.lr=1e-2",
-            "log.progress=false",
-            "eval.num_prompts=3",
-            f"log.run_dir={run_dir}",
-            *extra,
-        ],
+    return text_cfg(
+        model_dir,
+        run_dir,
+        "text.max_new_tokens=6",
+        "text.chat_template=false",
+        "text.engine=vllm",
+        f"text.vllm_url={url}",
+        "eval.num_prompts=3",
+        "log.completions_every=0",
+        *extra,
     )
 
 
