@@ -4,6 +4,7 @@ tools' names, list-item overrides, YAML errors in one line."""
 import dataclasses
 import math
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -178,3 +179,28 @@ def test_an_unreachable_engine_server_is_one_line_before_the_model_loads(tmp_pat
     msg = str(e.value)
     assert "\n" not in msg and f"cannot reach the vLLM server at http://127.0.0.1:{port}" in msg
     assert f"vllm_server.py --model {cfg.model.path} --port {port}" in msg
+
+
+def test_a_vllm_engine_with_several_processes_is_refused_before_the_model_loads(tmp_path, no_model_load, monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    import flowrl.preflight
+    from flowrl.train import Trainer
+
+    monkeypatch.setattr(flowrl.preflight, "check_engine_server", lambda cfg: None)  # no server needed here
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(
+        root / "configs" / "text_arith.yaml",
+        ["text.engine=vllm", f"log.run_dir={tmp_path}", f"model.path={root / 'samples' / 'arith'}"]
+        + [
+            f"data.train_prompts={root / 'samples/arith/train.jsonl'}",
+            f"data.eval_prompts={root / 'samples/arith/test.jsonl'}",
+        ],
+    )
+    two = SimpleNamespace(
+        num_processes=2, is_main_process=True, process_index=0, device=torch.device("cpu"), wait_for_everyone=lambda: 0
+    )
+    with pytest.raises(ConfigError, match="text.engine=vllm pushes the weights .* this run has 2: set text.engine=hf"):
+        Trainer(cfg, accelerator=two)

@@ -14,6 +14,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import weakref
 from pathlib import Path
 
 import torch
@@ -157,6 +158,7 @@ class VLLMEngine(TextEngine):
         self.timeout = policy.text.engine_timeout
         self.push_seconds = 0.0
         self._dir = Path(tempfile.mkdtemp(prefix="flowrl-vllm-weights-"))
+        weakref.finalize(self, shutil.rmtree, self._dir, True)  # the last pushed weights go with the engine
 
     def generate(
         self,
