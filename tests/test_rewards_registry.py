@@ -182,7 +182,7 @@ def test_check_validates_registered_names_options_and_kind_without_building(monk
     with pytest.raises(
         rewards.RewardConfigError,
         match=r"^reward 'heavy_for_test' is an image reward; this backend needs "
-        r"text rewards: accuracy, soft_overlong, think_format, or a plug-in",
+        r"text rewards: accuracy, calc_answer, soft_overlong, think_format, tool_used, or a plug-in",
     ):
         rewards.check("heavy_for_test", {"model": "m"}, "text")
     with pytest.raises(
