@@ -9,6 +9,18 @@ with a version number before each rollout that follows an update.
 The engine's numerics are not the trainer's: with `text.engine_correction` the update takes its old log-probs from
 its own forward and reweights each token's loss by truncated importance sampling (flowrl.core.mismatch)."""
 
-from .base import ENGINES, Generation, TextEngine, build_engine, engine_names
+from .base import ENGINES, Generation, TextEngine
+
+
+def engine_names() -> list[str]:
+    """The registered engines: each module of this package registers its own (`hf`, `vllm`)."""
+    ENGINES.discover(__name__, __path__)
+    return ENGINES.names()
+
+
+def build_engine(name: str, policy) -> TextEngine:
+    engine_names()
+    return ENGINES.get(name)(policy)
+
 
 __all__ = ["ENGINES", "Generation", "TextEngine", "build_engine", "engine_names"]

@@ -73,12 +73,3 @@ def register(cls: type[TextEngine]) -> type[TextEngine]:
     return ENGINES.register(cls.name)(cls)
 
 
-def engine_names() -> list[str]:
-    from . import hf, vllm_engine  # noqa: F401  (registers them)
-
-    return ENGINES.names()
-
-
-def build_engine(name: str, policy) -> TextEngine:
-    engine_names()
-    return ENGINES.get(name)(policy)
