@@ -143,3 +143,39 @@ def test_the_eval_answers_tool_calls_greedily(tiny_lm, tmp_path):
     assert texts == again and any("=1=" in t for t in texts), texts
     completions, scores, _ = tr.policy.evaluate_prompts(prompts, meta, [], tr.cfg.eval)
     assert completions == texts and len(ids) == 6
+
+
+def test_the_tool_preset_trains_the_calculator_world(tmp_path):
+    """configs/text_tool.yaml, shrunk: the shipped calculator model calls the tool in its rollouts, the calls are
+    answered, the eval (greedy, with the calculator) scores the final answers, and the model changes."""
+    from pathlib import Path
+
+    from flowrl.config import load_config
+    from flowrl.train import Trainer
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(
+        root / "configs" / "text_tool.yaml",
+        [
+            f"model.path={root / 'samples' / 'calc'}",
+            f"data.train_prompts={root / 'samples' / 'calc' / 'train.jsonl'}",
+            f"data.eval_prompts={root / 'samples' / 'calc' / 'test.jsonl'}",
+            "train.epochs=2",
+            "sample.prompts_per_epoch=4",
+            "eval.num_prompts=16",
+            "log.completions_every=1",
+            "log.progress=false",
+            "checkpoint.every=0",
+            f"log.run_dir={tmp_path}",
+        ],
+    )
+    tr = Trainer(cfg)
+    before = {n: p.detach().clone() for n, p in tr.named_params.items()}
+    tr.fit()
+    assert max((p.detach() - before[n]).abs().max().item() for n, p in tr.named_params.items()) > 0
+    table = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    answered = [r for r in table if any(t.get("tool", "").startswith("<out>") for t in r["turns"])]
+    assert answered and all("<calc>" in r["completion"] and "</out>" in r["completion"] for r in answered)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/calc_answer_mean" in r]
+    assert len(evals) == 2 and evals[0]["eval/tool_used_mean"] > 0.1 and evals[0]["eval/calc_answer_mean"] > 0.1
