@@ -71,5 +71,3 @@ ENGINES: Registry[type[TextEngine]] = Registry("text engine")
 
 def register(cls: type[TextEngine]) -> type[TextEngine]:
     return ENGINES.register(cls.name)(cls)
-
-
