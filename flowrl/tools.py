@@ -22,11 +22,17 @@ import inspect
 import operator
 import re
 import sys
+import traceback
 from pathlib import Path
 from typing import Callable
 
 from flowrl.core.registry import Registry
-from flowrl.errors import ConfigError
+from flowrl.errors import ConfigError, FlowrlError
+
+
+class ToolEnvError(FlowrlError):
+    """A tool environment that raised or answered something other than text during a rollout."""
+
 
 ToolEnv = Callable[..., "str | None"]
 TOOL_ENVS: Registry[ToolEnv] = Registry("tool environment")
@@ -55,7 +61,20 @@ def load_tool_env(target: str) -> Callable[[str, dict], str | None]:
     wanted = [k for k in CONTEXT if takes_all or k in params]
 
     def call(turn: str, context: dict) -> str | None:
-        return fn(turn, **{k: context[k] for k in wanted})
+        try:
+            reply = fn(turn, **{k: context[k] for k in wanted})
+        except Exception as e:  # the user's environment failed on this turn: one line naming it and the turn
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            raise ToolEnvError(
+                f"text.tool_env={target!r} raised {type(e).__name__}: {e} ({where.filename} line {where.lineno}) "
+                f"on the turn {turn[-80:]!r}"
+            ) from e
+        if reply is not None and not isinstance(reply, str):
+            raise ToolEnvError(
+                f"text.tool_env={target!r} returned {type(reply).__name__} {reply!r}; it must return the text to "
+                "append (a str) or None to end the episode"
+            )
+        return reply
 
     call.__name__ = getattr(fn, "__name__", target)
     call.stop = list(getattr(fn, "stop", None) or [])  # the environment's own stop strings, if it declares them

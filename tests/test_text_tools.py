@@ -179,3 +179,16 @@ def test_the_tool_preset_trains_the_calculator_world(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/calc_answer_mean" in r]
     assert len(evals) == 2 and evals[0]["eval/tool_used_mean"] > 0.1 and evals[0]["eval/calc_answer_mean"] > 0.1
+
+
+def test_an_environment_that_fails_or_answers_no_text_is_one_line(tmp_path):
+    from flowrl.errors import FlowrlError
+
+    f = tmp_path / "bad.py"
+    f.write_text("def boom(turn):\n    return {'x': 1}[turn]\n\ndef number(turn):\n    return 42\n")
+    with pytest.raises(FlowrlError) as e:
+        load_tool_env(f"{f}:boom")("<calc>1</calc>", {"prompt": "", "transcript": "", "metadata": {}})
+    msg = str(e.value)
+    assert "\n" not in msg and "raised KeyError" in msg and "bad.py line 2" in msg and "<calc>1</calc>" in msg
+    with pytest.raises(FlowrlError, match="returned int 42; it must return the text to append"):
+        load_tool_env(f"{f}:number")("x", {"prompt": "", "transcript": "", "metadata": {}})

@@ -581,11 +581,11 @@ class TextPolicy:
                     }
                     reply = env(said, context)
                     if reply is not None:
-                        rids = tok(str(reply), add_special_tokens=False)["input_ids"][: T - len(comp[i])]
+                        rids = tok(reply, add_special_tokens=False)["input_ids"][: T - len(comp[i])]
                         comp[i] += rids
                         kind[i] += [0] * len(rids)
                         lps[i] += [0.0] * len(rids)
-                        entry["tool"] = str(reply)
+                        entry["tool"] = reply
                         if len(comp[i]) < T:
                             still.append(i)
                 turns[i].append(entry)
