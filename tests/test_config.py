@@ -41,7 +41,7 @@ def test_unknown_key_names_close_valid_keys(tmp_path):
         ("train.lr=abc", "expected a number"),
         ("lora.enabled=maybe", "expected true or false"),
         ("train.adv_estimator=ppo", "valid: dr_grpo, grpo, reinforce_pp, rloo"),
-        ("train.grpo.policy_loss=ppo", "valid: gspo, ppo_clip"),
+        ("train.grpo.policy_loss=ppo", "valid: dppo, gspo, ppo_clip"),
         ("train.grpo.window.kind=fixed", "window"),
         ("train.grpo.dual_clip=0.5", "dual_clip must be > 1"),
         ("train.decay_frac=0", r"train.decay_frac must be in \(0, 1\]"),

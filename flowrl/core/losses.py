@@ -115,6 +115,55 @@ def ppo_clip_loss(
     )
 
 
+@POLICY_LOSSES.register("dppo")
+def dppo_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    *,
+    step_kl: Tensor,
+    kl_threshold: float = 1e-5,
+    mask: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Flow-DPPO's trust-region mask in place of the ratio clip (arXiv 2606.11025).
+
+    ratio = exp(log_prob - old_log_prob);  L = -A * ratio, except where the step has left the trust region and its
+    ratio already moves the way its advantage pushes:
+        masked  <=>  step_kl >= kl_threshold  and  ((ratio > 1 and A > 0) or (ratio < 1 and A < 0)),
+    where L = 0 (no gradient). step_kl [like log_prob] is the exact KL between the current and the sampling policy's
+    Gaussian transition of the step, KL(N(mu, s^2) || N(mu_old, s^2)) = mean over dims (mu - mu_old)^2 / (2 s^2)
+    (core.gaussian_kl). Inside the trust region the update is the unclipped policy gradient; outside, a step may
+    still move back toward the sampling policy.
+
+    Returns (per-element loss like log_prob, stats: clipfrac = the masked fraction, step_kl_mean, approx_kl and the
+    ratio's mean/min/max over `mask`).
+    """
+    if kl_threshold <= 0:
+        raise ValueError(f"the trust region's KL threshold must be > 0, got {kl_threshold}")
+    log_prob, old_log_prob = _upcast(log_prob), _upcast(old_log_prob)
+    if step_kl.shape != log_prob.shape:
+        raise ValueError(f"step_kl {tuple(step_kl.shape)} and log_prob {tuple(log_prob.shape)} differ")
+    log_ratio = (log_prob - old_log_prob).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    adv = _broadcast_advantages(advantages, ratio).expand_as(ratio)
+    outside = step_kl.detach().to(ratio.dtype) >= kl_threshold
+    r = ratio.detach()
+    masked = outside & (((r > 1) & (adv > 0)) | ((r < 1) & (adv < 0)))
+    loss = torch.where(masked, torch.zeros_like(ratio), -adv * ratio)
+    with torch.no_grad():
+        m = torch.ones_like(ratio) if mask is None else mask.to(ratio.dtype).expand_as(ratio)
+        lr = log_ratio.detach()
+        stats = {
+            "clipfrac": masked_mean(masked.to(ratio.dtype), m),
+            "step_kl_mean": masked_mean(step_kl.detach().to(ratio.dtype), m),
+            "approx_kl": masked_mean(torch.expm1(lr) - lr, m),
+            "ratio_mean": masked_mean(r, m),
+            "ratio_max": torch.where(m > 0, r, torch.full_like(r, -torch.inf)).max(),
+            "ratio_min": torch.where(m > 0, r, torch.full_like(r, torch.inf)).min(),
+        }
+    return loss, stats
+
+
 def sequence_log_ratio(log_prob: Tensor, old_log_prob: Tensor, mask: Tensor) -> Tensor:
     """GSPO's sequence-level log importance ratio, broadcast to tokens (arXiv 2507.18071).
 

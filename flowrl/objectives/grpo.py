@@ -55,10 +55,15 @@ class GRPOSettings:
         "dual_clip": Range(1, lo_open=True),
         "beta": AT_LEAST_0,
         "noise_level": Range(0, 10, lo_open=True),
+        "trust_region_kl": POSITIVE,
     }
 
     policy_loss: str = "ppo_clip"
-    """Policy loss from the core's registry (`ppo_clip`, `gspo`)."""
+    """Policy loss from the core's registry: `ppo_clip`, `gspo` (text), `dppo` (images: Flow-DPPO's trust-region mask
+    on each step's Gaussian KL in place of the clip; see trust_region_kl)."""
+    trust_region_kl: float = 1e-5
+    """policy_loss=dppo: a step whose KL(current || sampling policy), mean over the latent of (mu - mu_old)^2 /
+    (2 std^2), reaches this while its ratio already moves the way its advantage pushes is masked out."""
     clip_low: float = 1e-4
     """Lower clip range epsilon (ratio >= 1 - clip_low); Flow-GRPO uses 1e-4."""
     clip_high: Optional[float] = None
@@ -108,6 +113,12 @@ def grpo_loss(
     clip = dict(clip_low=settings.clip_low, clip_high=settings.clip_high, dual_clip=settings.dual_clip, mask=mask)
     if out.log_ratio is not None:
         loss, stats = core.clipped_surrogate(out.log_ratio, adv, **clip)
+    elif settings.policy_loss == "dppo":
+        if out.step_kl is None:
+            raise ValueError("policy_loss=dppo needs each step's KL to the sampling policy (an image rollout's means)")
+        loss, stats = core.dppo_loss(
+            out.log_prob, out.old_log_prob, adv, step_kl=out.step_kl, kl_threshold=settings.trust_region_kl, mask=mask
+        )
     else:
         loss, stats = core.get_policy_loss(settings.policy_loss)(out.log_prob, out.old_log_prob, adv, **clip)
     if out.weight is not None:
@@ -162,7 +173,16 @@ class GRPO(Objective):
                 f"{', '.join(core.POLICY_LOSSES.names())}"
             )
         if cfg.backend != "image":
+            if s.policy_loss == "dppo":
+                problems.append(
+                    "train.grpo.policy_loss=dppo masks by each denoising step's Gaussian KL, which a text rollout does "
+                    "not have; use ppo_clip or gspo for text"
+                )
             return problems
+        if s.policy_loss == "dppo" and s.step_weighting == "ratio_norm":
+            problems.append(
+                "train.grpo.policy_loss=dppo and step_weighting=ratio_norm both replace the ratio; keep one"
+            )
         w = s.window
         if w.kind != "all" and (w.size < 1 or w.start < 0 or w.start + w.size > num_steps):
             problems.append(
@@ -201,7 +221,7 @@ class GRPO(Objective):
             rows=steps * cfg_rows,
             rows_note=f"{steps * cfg_rows} model rows: {steps} step(s)" + (" x 2 (CFG)" if cfg_rows == 2 else ""),
             latents_kept=num_steps + 1,
-            means_kept=num_steps if s.step_weighting == "ratio_norm" else 0,
+            means_kept=num_steps if s.step_weighting == "ratio_norm" or s.policy_loss == "dppo" else 0,
             whole_groups=s.same_noise_per_group,
         )
 

@@ -41,6 +41,7 @@ class UnitOutput:
     kl: Tensor | None = None  # [b, K] KL to the reference (with grad)
     log_ratio: Tensor | None = None  # [b, K] a replacement log-ratio (GRPO-Guard's RatioNorm)
     entropy: Tensor | None = None  # [b, K] policy entropy per step (text: for the entropy bonus)
+    step_kl: Tensor | None = None  # [b, K] KL(current || sampling policy) of each Gaussian step (policy_loss=dppo)
 
 
 @dataclass

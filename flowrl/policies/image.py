@@ -310,7 +310,7 @@ class ImagePolicy:
                 height=s.height,
                 width=s.width,
                 num_frames=s.num_frames,
-                record_means=g.step_weighting == "ratio_norm",
+                record_means=g.step_weighting == "ratio_norm" or g.policy_loss == "dppo",
                 deterministic_context=self.merged_adapter,
             )
 
@@ -526,6 +526,12 @@ class ImagePolicy:
         if self.cfg.train.grpo.step_weighting == "ratio_norm":
             old_mean = traj.means[idx.to(traj.means.device)][:, unit].to(mean.device)
             out.log_ratio = core.ratio_norm_log_ratio(lp, old, mean, old_mean, std)
+        elif self.cfg.train.grpo.policy_loss == "dppo":  # Flow-DPPO: each step's KL to the sampling policy
+            old_mean = traj.means[idx.to(traj.means.device)][:, unit].to(mean.device)
+            b, k = lp.shape
+            out.step_kl = core.gaussian_kl(
+                mean.detach().flatten(0, 1), old_mean.flatten(0, 1), std.detach().flatten(0, 1).reshape(b * k)
+            ).view(b, k)
         if with_reference:
             with torch.no_grad(), self.reference():
                 _, ref_mean, _ = self.backend.step_log_prob(traj, unit, sample_indices=idx)
