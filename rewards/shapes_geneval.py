@@ -54,6 +54,25 @@ class ShapesGenEval:
         self.last_details = details
         return torch.from_numpy(fraction if self.score == "fraction" else strict).float()
 
+    def compare(self, images_a, images_b, prompts, objects=None, relation=None, **_columns) -> torch.Tensor:
+        """The pairwise judge (rewards' `pairwise: true`): P(a beats b) [n] of each pair of images of one prompt,
+        clause by clause: (the prompt's clauses that hold in a and not in b + half those on which they agree) / the
+        clauses (flowrl.core.clause_preferences)."""
+        from flowrl.core import clause_preferences
+        from flowrl.worlds.shapes.detect import score_images
+
+        if objects is None:
+            raise ValueError("shapes_geneval's judge needs each prompt's metadata: the `objects` column")
+        relation = relation if relation is not None else [None] * len(images_a)
+        metadata = [{"objects": o, "relation": r} for o, r in zip(objects, relation)]
+        _, _, da = score_images(list(images_a), metadata)
+        _, _, db = score_images(list(images_b), metadata)
+        out = []
+        for a, b in zip(da, db):
+            holds = torch.tensor([[c["ok"] for c in a["clauses"]], [c["ok"] for c in b["clauses"]]])
+            out.append(clause_preferences(holds)[0, 1])
+        return torch.stack(out).float() if out else torch.zeros(0)
+
 
 def free_color_counts(details: list[dict], metadata: list[dict]) -> dict[str, torch.Tensor]:
     """Per image, how many objects of a shape the prompt asked for without a colour came out in each colour:

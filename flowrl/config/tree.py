@@ -348,6 +348,11 @@ class RewardSpec:
     (a video-native reward gets the whole clip)."""
     video_aggregate: Literal["mean", "min", "max"] = "mean"
     """Video models: how an image reward's frame scores make the video's score."""
+    pairwise: bool = False
+    """Train on each sample's win rate in its group (Pref-GRPO) instead of the score itself: the reward's own judge
+    when it has one (`compare`: shapes_geneval compares the prompt's clauses), else its scores compared (1 win, 0.5
+    tie). The training metrics report the win rates (0.5 on average) and the score as the component `raw`; the eval
+    reports the score. One process."""
     reward: str = ""
     """What is built when `name` is a label: a registered name or a plug-in; empty = `name` (a plug-in given as
     `name` is moved here, and `name` becomes its function's name)."""

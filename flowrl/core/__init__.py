@@ -47,6 +47,7 @@ from .objectives import (
     soft_update_,
     soft_update_decay,
 )
+from .pairwise import clause_preferences, scalar_preferences, win_rates
 from .registry import Registry, unknown_name_error
 from .steps import STEP_WEIGHTINGS, inverse_dt_step_weights, noise_step_weights, ratio_norm_log_ratio
 
@@ -65,6 +66,7 @@ __all__ = [
     "awm_loss",
     "awm_matching_loss",
     "best_worst_pairs",
+    "clause_preferences",
     "clipped_surrogate",
     "dpo_loss",
     "dr_grpo_advantages",
@@ -96,11 +98,13 @@ __all__ = [
     "ratio_norm_log_ratio",
     "reinforce_pp_advantages",
     "rloo_advantages",
+    "scalar_preferences",
     "sample_categorical",
     "sequence_log_ratio",
     "soft_update_",
     "soft_update_decay",
     "token_log_probs",
     "truncated_is_weights",
+    "win_rates",
     "unknown_name_error",
 ]

@@ -114,6 +114,14 @@ class Scorer:
         self.parked = [Parked(m) if m else None for m in modules]
         self.tracker = core.PerPromptStatTracker(t.stat_buffer_size, t.stat_min_count) if t.per_prompt_stats else None
         self.weights = torch.tensor([r.weight for r in cfg.rewards])
+        pairwise = [r.name for r in cfg.rewards if r.pairwise]
+        if pairwise and dist.world > 1:
+            from flowrl.errors import ConfigError
+
+            raise ConfigError(
+                f"rewards {', '.join(pairwise)}: pairwise (win rates within a group) needs each group on one "
+                f"process, and this run has {dist.world}: launch one process, or set pairwise: false"
+            )
 
     def set_reward_state(self, epoch: int, optimizer_steps: int, max_steps: int) -> None:
         """Keep what TRL-style rewards see as `trainer_state` current."""
@@ -163,10 +171,46 @@ class Scorer:
         scores, components = [], {}
         for k, spec in enumerate(self.cfg.rewards):
             s, parts = scored[k]
+            if spec.pairwise:  # Pref-GRPO: each sample's win rate in its group
+                parts = {**parts, "raw": s}
+                s = self.win_rates(self.fns[k], batch, s)
             scores.append(s)
             for name, v in parts.items():
                 components[f"{spec.name}/{name}"] = torch.as_tensor(v, dtype=torch.float32).reshape(-1)
         return torch.stack(scores, 1), components
+
+    def win_rates(self, fn, batch, scores: torch.Tensor) -> torch.Tensor:
+        """A pairwise reward's training scores [B]: per group (batch.group_ids), each sample's win rate against the
+        others (core.win_rates), the preferences from the reward's judge `compare(images_a, images_b, prompts,
+        **columns) -> P(a beats b)` when it has one, else from its scores (core.scalar_preferences). A sample with
+        no finite score stays as it is (it is left out of the advantages anyway)."""
+        out = scores.clone().float()
+        gids = batch.group_ids.tolist()
+        columns = self.columns(batch)
+        judge = getattr(fn, "compare", None)
+        for g in dict.fromkeys(gids):
+            rows = [i for i, x in enumerate(gids) if x == g and torch.isfinite(scores[i])]
+            if not rows:
+                continue
+            if judge is None or not hasattr(batch, "images"):
+                prefs = core.scalar_preferences(scores[rows])
+            else:
+                pairs = [(i, j) for a, i in enumerate(rows) for j in rows[a + 1 :]]
+                prefs = torch.full((len(rows), len(rows)), 0.5)
+                if pairs:
+                    pos = {r: n for n, r in enumerate(rows)}
+                    cols = {k: [v[i] for i, _ in pairs] for k, v in columns.items()}
+                    p = judge(
+                        [batch.images[i] for i, _ in pairs],
+                        [batch.images[j] for _, j in pairs],
+                        [batch.prompts[i] for i, _ in pairs],
+                        **cols,
+                    )
+                    p = torch.as_tensor(p, dtype=torch.float32).reshape(-1)
+                    for (i, j), pij in zip(pairs, p.tolist()):
+                        prefs[pos[i], pos[j]], prefs[pos[j], pos[i]] = pij, 1.0 - pij
+            out[rows] = core.win_rates(prefs)
+        return out
 
     def advantages(self, batch, scores: torch.Tensor, epoch: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Advantages of this process's samples from the whole batch's rewards, which samples to train, and how many
