@@ -354,3 +354,8 @@ def test_the_cache_quality_benchmark_scores_each_setting_against_the_plain_rollo
     key = next(k for k in rows[0] if k not in ("setting", "images", "threads", "images_per_s") and "_se" not in k)
     assert rows[1][key] == rows[0][key]  # threshold 0: nothing skipped, the same images
     assert rows[2][key] != rows[0][key] and all(r["images"] == 4 and r["threads"] == 1 for r in rows)
+
+
+def test_mag_cache_without_ratios_names_the_command_that_measures_them():
+    msg = _problems("rollout.acceleration=[mag_cache]", "train.objective=dpo")
+    assert "needs mag_ratios" in msg and "flowrl calibrate CONFIG" in msg

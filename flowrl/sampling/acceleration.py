@@ -596,7 +596,10 @@ class MagCache(StepCache):
 
         def __post_init__(self):
             if len(self.mag_ratios) < 2:
-                raise ValueError("needs mag_ratios, the model's calibrated magnitude ratios (one per step)")
+                raise ValueError(
+                    "needs mag_ratios, the model's calibrated magnitude ratios (one per step): "
+                    "`flowrl calibrate CONFIG` measures them and prints the entry"
+                )
 
     hook_names = ("mag_cache_leader_block_hook", "mag_cache_block_hook")
 
