@@ -350,6 +350,19 @@ def _one_line_warnings() -> None:
     warnings.formatwarning = one_line
 
 
+def _leave(rc: int) -> int:
+    """A rank of a multi-process launch (WORLD_SIZE > 1) that finished leaves without interpreter finalization:
+    gloo's worker threads, alive into it, intermittently abort a finished rank ("terminate called without an active
+    exception", pytorch/pytorch#179291; the process group is already destroyed, the run's files are written)."""
+    import os
+
+    if os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc or 0)
+    return rc
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line. A FlowrlError (config, data, checkpoint, run directory, a stopped run) and a second stop
     signal (StopNow) are printed as one line `flowrl: ...` with their exit code; FLOWRL_DEBUG=1 shows the traceback
@@ -366,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve_main(argv[1:])
     args = parse_args(argv)
     try:
-        return args.func(args)
+        return _leave(args.func(args))
     except FlowrlError as e:
         if os.environ.get("FLOWRL_DEBUG"):
             raise

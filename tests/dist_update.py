@@ -59,3 +59,6 @@ if tr.main:
 tr.acc.wait_for_everyone()
 if torch.distributed.is_initialized():
     torch.distributed.destroy_process_group()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)  # no interpreter finalization: gloo's threads can abort a finished rank there (flowrl.cli._leave)
