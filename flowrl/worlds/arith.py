@@ -45,19 +45,28 @@ def arith_vocab() -> dict[str, int]:
 
 
 def arith_tokenizer():
-    """A `PreTrainedTokenizerFast` with one token per character, built in code (no files needed).
+    """A `PreTrainedTokenizerFast` with one token per character, built in code (no files needed): `char_tokenizer`
+    over `arith_vocab()`."""
+    return char_tokenizer(arith_vocab(), max_length=MAX_LENGTH)
 
-    `tokenizers` pieces: a WordLevel model over `arith_vocab()`, a pre-tokenizer that isolates every
-    character, a template that prepends ``<bos>``, and a Fuse decoder (tokens are joined without
-    spaces). Pad, bos, eos and unk are set; padding is on the left (for batched generation). It saves
-    and loads with `save_pretrained` / `AutoTokenizer.from_pretrained`.
+
+def char_tokenizer(vocab: dict[str, int], *, max_length: int, tags: tuple[str, ...] = ()):
+    """A character-level `PreTrainedTokenizerFast` over `vocab` (the specials first), plus `tags`: whole strings
+    that are one token each (plain vocabulary entries, kept by decoding).
+
+    `tokenizers` pieces: a WordLevel model over `vocab`, a pre-tokenizer that isolates each tag, else every
+    character, a template that prepends ``<bos>``, and a Fuse decoder (tokens are joined without spaces). Pad, bos,
+    eos and unk are set; padding is on the left (for batched generation). It saves and loads with `save_pretrained`
+    / `AutoTokenizer.from_pretrained`.
     """
+    import re
+
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = arith_vocab()
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    pattern = "|".join([*(re.escape(t) for t in tags), "."])
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
@@ -69,7 +78,7 @@ def arith_tokenizer():
         pad_token=PAD,
         unk_token=UNK,
         padding_side="left",
-        model_max_length=MAX_LENGTH,
+        model_max_length=max_length,
         clean_up_tokenization_spaces=False,
     )
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flowrl.worlds.arith import BOS, CHARS, EOS, PAD, SPECIALS, UNK, write_jsonl
+from flowrl.worlds.arith import CHARS, EOS, PAD, SPECIALS, write_jsonl
 
 LOW, HIGH = 10, 99
 """Operands are drawn from LOW..HIGH."""
@@ -50,33 +50,13 @@ def calc_vocab() -> dict[str, int]:
 
 
 def calc_tokenizer():
-    """A `PreTrainedTokenizerFast` built in code: one token per character, and one per tag.
+    """A `PreTrainedTokenizerFast` built in code: one token per character, and one per tag
+    (`flowrl.worlds.arith.char_tokenizer` with `TAGS`; the tags are plain vocabulary entries, a stray ``<`` is
+    ``<unk>``). Encoding prepends ``<bos>``; padding is on the left; it saves and loads with `save_pretrained` /
+    `AutoTokenizer.from_pretrained`."""
+    from flowrl.worlds.arith import char_tokenizer
 
-    As `flowrl.worlds.arith.arith_tokenizer`, with a pre-tokenizer that isolates a whole tag before it falls back to
-    single characters; the tags are plain vocabulary entries (a stray ``<`` is ``<unk>``). Encoding prepends
-    ``<bos>``; padding is on the left; it saves and loads with `save_pretrained` / `AutoTokenizer.from_pretrained`.
-    """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = calc_vocab()
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    tags = "|".join(re.escape(t) for t in TAGS)
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(f"{tags}|."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        unk_token=UNK,
-        padding_side="left",
-        model_max_length=MAX_LENGTH,
-        clean_up_tokenization_spaces=False,
-    )
+    return char_tokenizer(calc_vocab(), max_length=MAX_LENGTH, tags=TAGS)
 
 
 # ----------------------------------------------------------------------------- prompts
