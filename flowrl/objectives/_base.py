@@ -50,6 +50,10 @@ class Objective:
     coupled: ClassVar[bool] = False
     #: the backends it trains ("image", "text")
     backends: ClassVar[tuple[str, ...]] = ("image",)
+    #: True: the loss has group-level terms (a sum or mean over a prompt's samples, e.g. DGPO's group preference),
+    #: so every minibatch and micro-batch holds whole groups of sample.group_size: the update shuffles groups, not
+    #: samples, and train.minibatch_size / train.micro_batch_size must be multiples of the group size
+    whole_groups: ClassVar[bool] = False
 
     def __init__(self, cfg, policy, num_processes: int = 1):
         self.cfg, self.policy, self.num_processes = cfg, policy, num_processes
@@ -73,7 +77,18 @@ class Objective:
                 f"train.objective={cls.name} trains {' and '.join(cls.backends)} models only "
                 f"(backend={'/'.join(cls.backends)}), not backend={cfg.backend}; use train.objective=grpo"
             ]
-        return []
+        problems = []
+        if cls.whole_groups:
+            g = cfg.sample.group_size
+            for key in ("minibatch_size", "micro_batch_size"):
+                n = getattr(cfg.train, key)
+                if n % g:
+                    problems.append(
+                        f"train.{key}={n}: train.objective={cls.name} computes group-level terms, so its "
+                        f"{'minibatches' if key == 'minibatch_size' else 'micro-batches'} hold whole groups; use a "
+                        f"multiple of sample.group_size={g} (or 0)"
+                    )
+        return problems
 
     @classmethod
     def memory_terms(cls, cfg, cfg_rows: int) -> MemoryTerms:

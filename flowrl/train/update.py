@@ -64,6 +64,13 @@ class Updater:
         if batch_local % self.minibatch:
             raise ValueError(f"train.minibatch_size={self.minibatch} must divide the per-process batch {batch_local}")
         self.per_pass = batch_local // self.minibatch  # minibatches (slots) of one pass over the batch
+        local = objective.groups_split() if objective.whole_groups else None
+        if local is not None:
+            raise ValueError(
+                f"train.objective={objective.name} computes group-level terms on one process, but the per-process "
+                f"batch {local} (prompts_per_epoch x group_size / {dist.world} processes) splits groups of "
+                f"sample.group_size={cfg.sample.group_size}; make prompts_per_epoch a multiple of the process count"
+            )
         self.max_steps = t.epochs * t.inner_epochs * self.per_pass  # the run's slots: the lr schedule's length
         self.lr_factor = lr_lambda(t.warmup_steps, self.max_steps, t.schedule, t.decay_frac)
         self.budget_fraction = 0.0  # train.schedule_over=budget: the share of train.max_minutes spent, per epoch
@@ -88,7 +95,7 @@ class Updater:
         first_ratio, trained, stepped, skipped = None, 0, False, 0
         for inner in range(t.inner_epochs):
             gen = torch.Generator().manual_seed(derive_seed(t.seed, epoch, inner, self.dist.rank, 7))
-            perm = torch.randperm(self.batch_local, generator=gen)
+            perm = self.shuffle(batch, gen)
             for mb_start in range(0, self.batch_local, self.minibatch):
                 slot = (epoch * t.inner_epochs + inner) * self.per_pass + mb_start // self.minibatch
                 idx = perm[mb_start : mb_start + self.minibatch]
@@ -198,12 +205,32 @@ class Updater:
             count = self.dist.sum_counts(count).clamp(min=1)
         return count / world
 
-    def micro_batches(self, idx: torch.Tensor) -> list[torch.Tensor]:
-        """The minibatch's samples `idx` in micro-batches of train.micro_batch_size (one when it is 0)."""
+    def shuffle(self, batch, gen: torch.Generator) -> torch.Tensor:
+        """The order of an inner epoch's pass over the batch [B]: a random permutation of the samples, or, for an
+        objective with group-level terms (`whole_groups`), of the groups, each group's samples kept together in
+        batch order (so that every minibatch of a multiple of the group size holds whole groups)."""
+        if not self.objective.whole_groups:
+            return torch.randperm(self.batch_local, generator=gen)
+        groups = batch.group_ids.cpu().unique()  # sorted
+        order = groups[torch.randperm(len(groups), generator=gen)]
+        return torch.cat([(batch.group_ids.cpu() == g).nonzero().flatten() for g in order])
+
+    def micro_batches(self, idx: torch.Tensor, batch=None) -> list[torch.Tensor]:
+        """The minibatch's samples `idx` in micro-batches of train.micro_batch_size (one when it is 0); for an
+        objective with group-level terms, of train.micro_batch_size / sample.group_size whole groups each (`idx`
+        holds whole groups, less the samples dropped from the loss)."""
         micro = self.cfg.train.micro_batch_size
         if not len(idx):
             return []
-        return list(idx.split(micro)) if micro and micro < len(idx) else [idx]
+        if not (micro and micro < len(idx)):
+            return [idx]
+        if not self.objective.whole_groups:
+            return list(idx.split(micro))
+        gids = batch.group_ids.cpu()[idx]
+        starts = [0] + [i for i in range(1, len(idx)) if gids[i] != gids[i - 1]]
+        per = max(micro // self.cfg.sample.group_size, 1)
+        cuts = starts[::per] + [len(idx)]
+        return [idx[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
 
     def minibatch_backward(
         self,
@@ -223,7 +250,9 @@ class Updater:
         Returns (stats per unit, whether every loss was finite)."""
         n_units = sum(len(u) for u in units)
         normalizers = [self.minibatch_normalizer(batch, idx, unit, keep) for unit in units]
-        work = [(u, unit, chunk, normalizers[u]) for u, unit in enumerate(units) for chunk in self.micro_batches(idx)]
+        work = [
+            (u, unit, chunk, normalizers[u]) for u, unit in enumerate(units) for chunk in self.micro_batches(idx, batch)
+        ]
         n_real = len(work)
         n_passes = int(self.dist.largest(n_real)) if self.dist.equal_passes else max(n_real, 1)
         work += [(0, units[0], placeholder, None)] * (n_passes - n_real)
