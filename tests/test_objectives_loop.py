@@ -95,11 +95,29 @@ def test_flow_prediction_is_the_velocity_the_sampler_steps_with(name, model_path
     flow-path point y (the latent itself for a flow family, x / (alpha + sigma) for a DDPM one, whose deterministic
     DDIM step is Euler's on that path) by (t_{i+1} - t_i) v. Re-noising an x0 that lands exactly on latents[:, i] at
     t_i must give that v, x_t = y and x0 = x_t - t target. And the prediction's gradient reaches the LoRA."""
+    policy = sampler_step_matches(name, model_path, tmp_path, guidance=None)
+    # the gradient of anything of the velocity reaches the trained LoRA (lora_B starts at 0: its gradient is not)
+    pred = policy.last_prediction
+    pred.velocity.square().mean().backward()
+    grads = {n: p.grad for n, p in policy.named_trainable_parameters()}
+    assert grads and all("lora" in n for n in grads)
+    assert any(g is not None and g.abs().max() > 0 for n, g in grads.items() if "lora_B" in n)
+
+
+@pytest.mark.parametrize("name", ["sd3", "sd15", "sdxl", "flux2-klein", "qwen_image", "wan"])
+def test_a_guided_flow_prediction_is_the_velocity_the_guided_sampler_steps_with(name, model_path, tmp_path):
+    """flow_prediction(guidance_scale=g) is a CFG-guided teacher: the velocity a rollout at guidance g steps with
+    (true CFG, flow and DDPM families)."""
+    sampler_step_matches(name, model_path, tmp_path, guidance=3.0)
+
+
+def sampler_step_matches(name, model_path, tmp_path, guidance):
+    """Checks flow_prediction against one step of an ODE rollout at `guidance` (None: the CFG-free value)."""
     from flowrl.policies.image import ImagePolicy
 
     policy = ImagePolicy(tiny_cfg(tmp_path, f"model.path={model_path(name)}", frames(name)), "cpu")
     backend = policy.backend
-    g = backend.training_guidance_scale(backend.default_guidance_scale)
+    g = backend.training_guidance_scale(backend.default_guidance_scale) if guidance is None else guidance
     traj = backend.rollout(
         ["a red cat", "a blue dog"],
         2,
@@ -129,7 +147,14 @@ def test_flow_prediction_is_the_velocity_the_sampler_steps_with(name, model_path
         assert math.isclose(float(times[i]), float(s / (a + s)), rel_tol=1e-6)
     v_sampler = (y_next - y_i) / (t_next - times[i])
     pred = backend.flow_prediction(
-        x0, eps, times[i], traj.prompt_ids, traj.prompt_encodings, traj.sampler, traj.conditions
+        x0,
+        eps,
+        times[i],
+        traj.prompt_ids,
+        traj.prompt_encodings,
+        traj.sampler,
+        traj.conditions,
+        guidance_scale=guidance,
     )
     scale = max(1.0, v_sampler.abs().max().item())
     assert (pred.velocity.detach() - v_sampler).abs().max().item() <= 2e-5 * scale
@@ -142,11 +167,8 @@ def test_flow_prediction_is_the_velocity_the_sampler_steps_with(name, model_path
         rtol=0,
         atol=2e-6 * max(1.0, x0.abs().max().item()),
     )
-    # the gradient of anything of the velocity reaches the trained LoRA (lora_B starts at 0: its gradient is not)
-    pred.velocity.square().mean().backward()
-    grads = {n: p.grad for n, p in policy.named_trainable_parameters()}
-    assert grads and all("lora" in n for n in grads)
-    assert any(g is not None and g.abs().max() > 0 for n, g in grads.items() if "lora_B" in n)
+    policy.last_prediction = pred
+    return policy
 
 
 def test_ddpm_velocity_by_hand():

@@ -608,6 +608,7 @@ class ImageBackend:
         encodings: PromptEncodings,
         settings: SamplerSettings,
         conditions: Mapping[str, Tensor] | None = None,
+        guidance_scale: float | None = None,
     ) -> FlowPrediction:
         """The model's prediction at a re-noised clean sample, as a rectified-flow velocity, WITH grad (when grad is
         enabled) and without CFG: what DiffusionNFT, AWM and Diffusion-DPO train.
@@ -616,7 +617,9 @@ class ImageBackend:
         t: [N] (or a float) flow times in (0, 1], 1 = noise; prompt_ids: [N] rows of `encodings`;
         settings: the rollout's SamplerSettings (its size; its guidance scale becomes the CFG-free value of
         `training_guidance_scale`, one forward pass); conditions: name -> [N, ...] the rows' encoded conditioning
-        inputs (a rollout's `traj.conditions` at those rows), for a family that takes them.
+        inputs (a rollout's `traj.conditions` at those rows), for a family that takes them; guidance_scale: None
+        (the CFG-free pass), or the guidance of a guided prediction (a CFG-guided teacher: with true CFG above 1, one
+        batched pass over [uncond, cond] combined as the rollout combines them; FLUX dev's embedded guidance).
         Flow families evaluate x_t = (1 - t) x0 + t eps at the denoiser timestep of t (the scheduler's
         num_train_timesteps x t, what a rollout at sigma = t passes); their `_predict` already returns the velocity
         in flowrl's convention (Z-Image's negation included). DDPM families evaluate x = alpha x0 + sigma eps at
@@ -635,7 +638,8 @@ class ImageBackend:
             raise ValueError(f"flow times must lie in (0, 1] (1 = noise), got {t.min().item():g}..{t.max().item():g}")
         x0, noise = x0.to(self.device, torch.float32), noise.to(self.device, torch.float32)
         t, x_in, timesteps, to_velocity = self._flow_input(x0, noise, t)
-        train_settings = replace(settings, guidance_scale=self.training_guidance_scale(settings.guidance_scale))
+        scale = self.training_guidance_scale(settings.guidance_scale) if guidance_scale is None else guidance_scale
+        train_settings = replace(settings, guidance_scale=float(scale))
         cond = self._condition(encodings, prompt_ids, conditions)
         out = self._predict(x_in.to(self.dtype), timesteps, cond, encodings, train_settings)
         tc = t.view(n, *([1] * (x0.ndim - 1)))

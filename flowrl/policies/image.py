@@ -393,15 +393,20 @@ class ImagePolicy:
         """[S] float32 on the CPU: the flow time of each step of the batch's rollout schedule (1 = noise)."""
         return self.backend.flow_times(batch.traj).float().cpu()
 
-    def flow_prediction(self, batch: ImageBatch, rows: Tensor, t: Tensor, noise: Tensor):
+    def flow_prediction(
+        self, batch: ImageBatch, rows: Tensor, t: Tensor, noise: Tensor, guidance_scale: float | None = None
+    ):
         """The policy (whatever is active: trained, `reference()`, `shadow(...)`) at the clean samples `rows` [N]
-        of the batch re-noised with `noise` [N, ...] at flow times `t` [N], without CFG: a FlowPrediction
-        (velocity, target, x_t, t) in float32, with grad when grad is enabled (`ImageBackend.flow_prediction`)."""
+        of the batch re-noised with `noise` [N, ...] at flow times `t` [N], without CFG (or guided with
+        `guidance_scale`): a FlowPrediction (velocity, target, x_t, t) in float32, with grad when grad is enabled
+        (`ImageBackend.flow_prediction`)."""
         traj = batch.traj
         x0 = traj.final_latents[rows.to(traj.latents.device)]
         prompt_ids = traj.prompt_ids[rows.to(traj.prompt_ids.device)]
         conditions = {name: c[rows.to(c.device)] for name, c in traj.conditions.items()}
-        return self.backend.flow_prediction(x0, noise, t, prompt_ids, traj.prompt_encodings, traj.sampler, conditions)
+        return self.backend.flow_prediction(
+            x0, noise, t, prompt_ids, traj.prompt_encodings, traj.sampler, conditions, guidance_scale=guidance_scale
+        )
 
     def sample_shape(self, batch: ImageBatch) -> tuple[int, ...]:
         """The shape of one clean sample (the denoiser's latent layout), e.g. [C, h, w] or FLUX's packed [L, C]."""
