@@ -1,5 +1,8 @@
-"""Write the shapes world's editing and video task data (deterministic: the same files on every run).
+"""Write the shapes world's prompt splits and its editing and video task data (deterministic: the same files on
+every run).
 
+samples/shapes/{train,test,out_of_template}.jsonl   the text-to-image prompt splits (flowrl.worlds.shapes.prompts)
+samples/shapes/{val,train_minus_val}.jsonl  the training prompts held out for choosing settings, and the rest
 samples/shapes/edit/{train,test}.jsonl   instructions with their source image (`image`, relative paths),
                                          `edit` and `edit_region` columns (flowrl.worlds.shapes.edit)
 samples/shapes/edit/images/*.png         the 64x64 source scenes, rendered by the shapes renderer
@@ -44,6 +47,18 @@ def write_edit_task(out: Path, per_instruction: int, seed: int) -> dict[str, int
     return counts
 
 
+def write_prompt_splits(out: Path) -> dict[str, int]:
+    from flowrl.worlds.shapes import write_jsonl
+    from flowrl.worlds.shapes.prompts import SPLITS, prompts_of_split
+
+    counts = {}
+    for split in SPLITS:
+        records = prompts_of_split(split)
+        write_jsonl(records, out / f"{split}.jsonl")
+        counts[split] = len(records)
+    return counts
+
+
 def write_motion_task(out: Path) -> dict[str, int]:
     from flowrl.worlds.shapes import write_jsonl
     from flowrl.worlds.shapes.motion import motion_prompts
@@ -62,8 +77,10 @@ def main(argv=None) -> int:
     p.add_argument("--per-instruction", type=int, default=4, help="source scenes per edit instruction")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    prompts = write_prompt_splits(args.out)
     edit = write_edit_task(args.out, args.per_instruction, args.seed)
     motion = write_motion_task(args.out)
+    print("prompts: " + ", ".join(f"{n} {split}" for split, n in prompts.items()))
     print(f"edit: {edit['train']} train, {edit['test']} test; motion: {motion['train']} train, {motion['test']} test")
     return 0
 

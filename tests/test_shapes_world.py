@@ -189,8 +189,27 @@ def test_split_holds_out_whole_combinations_of_known_parts():
     assert split_of([c, s], "left of") == split_of([s, c], "right of") == "train"
 
 
+def test_validation_split_holds_out_whole_training_combinations_of_every_family():
+    train, val, rest = (prompts_of_split(s) for s in ("train", "val", "train_minus_val"))
+    assert sorted(r["prompt"] for r in val + rest) == sorted(r["prompt"] for r in train)
+    assert not {r["combination"] for r in val} & {r["combination"] for r in rest}
+    assert {r["split"] for r in val} == {"val"} and {r["split"] for r in rest} == {"train_minus_val"}
+    for family in FAMILIES:  # every family is validated on and still trained on, about a quarter held out
+        combos = {r["combination"] for r in train if r["family"] == family}
+        held = {r["combination"] for r in val if r["family"] == family}
+        assert 0 < len(held) <= max(1, len(combos) // 3) and len(held) < len(combos)
+    # what is left still holds every part and every (colour, shape) binding
+    seen = {(o["shape"], o["color"], o["count"]) for r in rest for o in r["objects"]}
+    assert {s for s, _, _ in seen} == set(SHAPES)
+    assert {(c, s) for s, c, _ in seen if c} == set(itertools.product(COLORS, SHAPES))
+    assert {n for _, _, n in seen} == {1, 2, 3, 4}
+    assert {r["relation"] for r in rest if r["relation"]} == set(RELATIONS)
+    with pytest.raises(ValueError, match="expected one of train, test, out_of_template, val, train_minus_val"):
+        prompts_of_split("validation")
+
+
 def test_shipped_prompt_files_match_the_code():
-    for split in ("train", "test"):
+    for split in ("train", "test", "val", "train_minus_val"):
         assert load_jsonl(ROOT / f"samples/shapes/{split}.jsonl") == prompts_of_split(split)
 
 

@@ -30,6 +30,14 @@ and it is a test combination iff `checksum % 4 == 3`. This holds out about a qua
 (1/3 single, 1/3 two-object, 2/9 counting, 3/12 colours, 4/12 position, 8/36 colour attribution) while
 every shape, colour, count and relation, and every (colour, shape) pair, still occurs in training: the test
 asks for new combinations of known parts (e.g. "two circles", "a circle above a square", "a blue triangle").
+
+Validation split (`validation_combinations`): settings (objective, lr, epochs) are chosen on prompts held out of
+the *training* prompts, so that the test split is read once per reported setting. Within each family the training
+combinations, sorted by their combination key, at positions 1, 5, 9, ... (every fourth, from the second) are
+validation combinations: 15 of the 56 (1 of 2 single, 1 of 2 two-object, 2 of 7 counting, 2 of 9 colours, 2 of 8
+position, 7 of 28 colour attribution), 25 of the 94 training prompts. `prompts_of_split("val")` gives them and
+`prompts_of_split("train_minus_val")` the 69 training prompts left to train on when validating; "train" is still
+every training prompt (what the model was pre-trained on, and the demo trains on).
 """
 
 from __future__ import annotations
@@ -197,12 +205,32 @@ def _record(text: str, family: str, objects: list[dict], relation: str | None = 
     }
 
 
+def validation_combinations() -> set[str]:
+    """The training combinations held out for validation (the module docstring's rule)."""
+    held = set()
+    for family in FAMILIES:
+        combos = sorted({r["combination"] for r in all_prompts() if r["family"] == family and r["split"] == "train"})
+        held.update(combos[1::4])
+    return held
+
+
+SPLITS: tuple[str, ...] = ("train", "test", "out_of_template", "val", "train_minus_val")
+
+
 def prompts_of_split(split: str) -> list[dict]:
-    """The records of one split ('train', 'test' or 'out_of_template')."""
+    """The records of one split: 'train', 'test', 'out_of_template', or 'val' / 'train_minus_val' (the training
+    prompts held out for validation / the rest; records marked with that split)."""
     if split == "out_of_template":
         return out_of_template_prompts()
-    if split not in ("train", "test"):
-        raise ValueError(f"unknown split {split!r}; expected 'train', 'test' or 'out_of_template'")
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
+    if split in ("val", "train_minus_val"):
+        held = validation_combinations()
+        return [
+            {**r, "split": split}
+            for r in all_prompts()
+            if r["split"] == "train" and (r["combination"] in held) == (split == "val")
+        ]
     return [r for r in all_prompts() if r["split"] == split]
 
 
