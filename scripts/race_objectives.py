@@ -12,6 +12,11 @@ diversity metric: the colour distribution's total variation from the base model'
 runs every few epochs; after training, the final weights and the base model are evaluated on the out-of-template
 split (samples/shapes/out_of_template.jsonl).
 
+`--split val` races for choosing settings (issue 39): each run trains on the training prompts less the validation
+split (samples/shapes/train_minus_val.jsonl) and its curve is on the validation split (samples/shapes/val.jsonl);
+the test split is read once per run, on its final weights (`test_after`, against the base model's), and the table
+gains that column. Its results go to their own folder (default samples/shapes/race/val-runs).
+
 Each finished (objective, seed) leaves a small JSON in --results (default samples/shapes/race/runs, committed): its
 curve, its settings and its out-of-template accuracy. A run with a result file is not run again, so the race resumes
 where it stopped, on this machine or another; a result raced with other settings is an error, not a silent mix.
@@ -37,6 +42,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "shapes_grpo.yaml"
 OUT_OF_TEMPLATE = ROOT / "samples" / "shapes" / "out_of_template.jsonl"
+TEST = ROOT / "samples" / "shapes" / "test.jsonl"
+#: --split val: train on the training prompts less the validation split, curves on the validation split
+VAL_DATA = [
+    f"data.train_prompts={ROOT / 'samples' / 'shapes' / 'train_minus_val.jsonl'}",
+    f"data.eval_prompts={ROOT / 'samples' / 'shapes' / 'val.jsonl'}",
+]
 HEADLINE = "eval/shapes_geneval/strict_family_mean"
 TV = "eval/diversity/shapes_geneval/color_tv_from_base"
 TARGET_GAIN = 0.20
@@ -117,7 +128,7 @@ def train(out: Path, objective: str, seed: int, minutes: float, eval_every: int,
 def race_run(out: Path, results: Path, objective: str, seed: int, args) -> dict:
     """One (objective, seed): its result file in `results` when there (the race resumes across machines from the
     committed files), else train, evaluate the final weights on the out-of-template split and write it."""
-    settings = {"settings": OBJECTIVE_SETTINGS[objective] + args.extra, "minutes": args.minutes}
+    settings = {"settings": OBJECTIVE_SETTINGS[objective] + split_data(args) + args.extra, "minutes": args.minutes}
     path = results / f"{objective}-seed{seed}.json"
     if path.exists():
         result = json.loads(path.read_text())
@@ -127,23 +138,30 @@ def race_run(out: Path, results: Path, objective: str, seed: int, args) -> dict:
                 f"{settings}): delete it to race it again, or pass another --results"
             )
         return result
-    directory = train(out, objective, seed, args.minutes, args.eval_every, args.extra)
+    directory = train(out, objective, seed, args.minutes, args.eval_every, split_data(args) + args.extra)
     # the run's budget keys too: an override that needs them (train.schedule_over=budget) is valid in eval as well
-    after = evaluate(
-        directory,
-        directory / f"ckpt-{_last_ckpt(directory):06d}",
-        "oot-final",
-        [f"train.max_minutes={args.minutes}", "train.budget_clock=process", *args.extra],
-    )
+    budget = [f"train.max_minutes={args.minutes}", "train.budget_clock=process", *args.extra]
+    final = directory / f"ckpt-{_last_ckpt(directory):06d}"
+    after = evaluate(directory, final, "oot-final", budget)
     result = {"objective": objective, "seed": seed, **settings, "curve": curve(directory), "oot_after": after[HEADLINE]}
+    if args.split == "val":  # the test split, read once: the final weights
+        result["test_after"] = evaluate(directory, final, "test-final", budget, prompts=TEST)[HEADLINE]
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1))
     tmp.replace(path)
     return result
 
 
-def evaluate(directory: Path, checkpoint: Path | None, out_name: str, extra: list[str]) -> dict:
-    """`flowrl eval` of a checkpoint (None: the base model) on the out-of-template split."""
+def split_data(args) -> list[str]:
+    """The data overrides of --split: none for the test-split race, the validation split's for --split val."""
+    return VAL_DATA if args.split == "val" else []
+
+
+def evaluate(
+    directory: Path, checkpoint: Path | None, out_name: str, extra: list[str], prompts: Path = OUT_OF_TEMPLATE
+) -> dict:
+    """`flowrl eval` of a checkpoint (None: the base model) on the out-of-template split (or `prompts`: the test
+    split, once per run of a --split val race, every prompt at the demo's images per family)."""
     target = directory / out_name
     if (target / "eval.json").exists():
         return json.loads((target / "eval.json").read_text())
@@ -155,10 +173,12 @@ def evaluate(directory: Path, checkpoint: Path | None, out_name: str, extra: lis
         str(CONFIG),
         *EVAL,
         *extra,
-        f"data.eval_prompts={OUT_OF_TEMPLATE}",
-        "eval.num_prompts=48",
-        "eval.images_per_group=0",
-        "eval.images_per_prompt=2",
+        f"data.eval_prompts={prompts}",
+        *(
+            ["eval.num_prompts=48", "eval.images_per_group=0", "eval.images_per_prompt=2"]
+            if prompts == OUT_OF_TEMPLATE
+            else []
+        ),
         "--out",
         str(target),
     ]
@@ -188,11 +208,15 @@ def minutes_to_gain(c: dict, gain: float) -> float | None:
     return next((m for m, a in zip(c["minutes"], c["accuracy"]) if a - start >= gain), None)
 
 
-def summarise(results: dict) -> list[str]:
+def summarise(results: dict, test_base: float | None = None) -> list[str]:
+    """The race's table; `test_base`: the base model's test accuracy of a --split val race (its gains are on the
+    validation split, and a last column gives the test split's gain of the final weights, read once)."""
+    split = "test" if test_base is None else "val"
     lines = [
-        "| objective | seeds | gain on test, median (min - max) | minutes to +0.20, median | colour TV from "
-        "base, median (max) | out-of-template before -> after, median |",
-        "| --- | --- | --- | --- | --- | --- |",
+        f"| objective | seeds | gain on {split}, median (min - max) | minutes to +0.20, median | colour TV from "
+        "base, median (max) | out-of-template before -> after, median |"
+        + ("" if test_base is None else " test gain of the final weights, median (min - max) |"),
+        "| --- | --- | --- | --- | --- | --- |" + ("" if test_base is None else " --- |"),
     ]
     for objective, runs in results.items():
         gains = [r["curve"]["accuracy"][-1] - r["curve"]["accuracy"][0] for r in runs]
@@ -210,6 +234,9 @@ def summarise(results: dict) -> list[str]:
             + (f"{statistics.median(tvs):.3f} ({max(tvs):.3f})" if tvs else "-")
             + f" | {statistics.median(before):.3f} -> {statistics.median(after):.3f} |"
         )
+        if test_base is not None:
+            tests = [r["test_after"] - test_base for r in runs]
+            lines[-1] += f" {statistics.median(tests):+.3f} ({min(tests):+.3f} - {max(tests):+.3f}) |"
     return lines
 
 
@@ -252,14 +279,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--results",
         type=Path,
-        default=ROOT / "samples" / "shapes" / "race" / "runs",
-        help="one small JSON per finished (objective, seed): commit them, the race resumes from them",
+        default=None,
+        help="one small JSON per finished (objective, seed): commit them, the race resumes from them (default "
+        "samples/shapes/race/runs, with --split val samples/shapes/race/val-runs)",
+    )
+    parser.add_argument(
+        "--split",
+        choices=["test", "val"],
+        default="test",
+        help="the curves' split: test (the race as it was), or val (train less the validation split, curves on it, "
+        "the test split read once on the final weights)",
     )
     parser.add_argument(
         "--report", action="store_true", help="train nothing: the table and plot of the runs that have result files"
     )
     parser.add_argument("extra", nargs="*", metavar="key=value", help="overrides for every run")
     args = parser.parse_args(argv)
+    if args.results is None:
+        args.results = ROOT / "samples" / "shapes" / "race" / ("val-runs" if args.split == "val" else "runs")
     args.out.mkdir(parents=True, exist_ok=True)
     args.results.mkdir(parents=True, exist_ok=True)
     work = [(o, s) for s in args.seeds for o in args.objectives]  # seed by seed: a partial race covers every objective
@@ -281,12 +318,18 @@ def main(argv: list[str] | None = None) -> int:
     if not base_file.exists():
         base_file.write_text(json.dumps(evaluate(args.out, None, "oot-base", args.extra), indent=1))
     base = json.loads(base_file.read_text())[HEADLINE]
+    test_base = None
+    if args.split == "val":
+        test_file = args.results / "test-base.json"
+        if not test_file.exists():
+            test_file.write_text(json.dumps(evaluate(args.out, None, "test-base", args.extra, prompts=TEST), indent=1))
+        test_base = json.loads(test_file.read_text())[HEADLINE]
     results: dict[str, list[dict]] = {}
     for run in runs:
         results.setdefault(run["objective"], []).append({**run, "oot_before": base})
     report = args.results.parent
     (report / "race.json").write_text(json.dumps(results, indent=1))
-    table = summarise(results)
+    table = summarise(results, test_base)
     (report / "race.md").write_text("\n".join(table) + "\n")
     plot(results, report / "race.png")
     print("\n".join(table))
