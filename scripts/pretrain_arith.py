@@ -63,7 +63,6 @@ def encode_rows(tokenizer, rows: list[dict]):
 
     `loss_mask[i, t]` is 1 where token t+1 of row i is an answer digit or the eos (targets of logits[:, t]).
     """
-    import torch
 
     seqs, n_prompt = [], []
     for r in rows:
@@ -71,12 +70,20 @@ def encode_rows(tokenizer, rows: list[dict]):
         a = tokenizer(r["answer"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         seqs.append(p + a)
         n_prompt.append(len(p))
+    return right_pad(tokenizer, seqs, [[False] * k + [True] * (len(s) - k) for s, k in zip(seqs, n_prompt)])
+
+
+def right_pad(tokenizer, seqs: list[list[int]], trained: list[list[bool]]):
+    """-> (ids[N, L], loss_mask[N, L-1]): the token sequences right-padded to the longest; `trained[i][t]` says
+    whether token t of row i is a target (`loss_mask[i, t - 1]`: the target of logits[:, t - 1])."""
+    import torch
+
     length = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), length), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros(len(seqs), length - 1)
-    for i, (s, k) in enumerate(zip(seqs, n_prompt)):
+    for i, (s, k) in enumerate(zip(seqs, trained)):
         ids[i, : len(s)] = torch.tensor(s)
-        mask[i, k - 1 : len(s) - 1] = 1.0
+        mask[i, : len(s) - 1] = torch.tensor(k[1:], dtype=torch.float32)
     return ids, mask
 
 
@@ -92,14 +99,16 @@ def answer_loss(model, ids, mask):
 # ----------------------------------------------------------------------------- model
 
 
-def build_model(tokenizer, args):
+def build_model(tokenizer, args, n_positions: int | None = None):
+    """A tied-embedding GPT-2 of args' size for `tokenizer`'s vocabulary, without dropout, with n_positions
+    positions (default: the arithmetic world's MAX_LENGTH); the calculator world builds its model here too."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from flowrl.worlds.arith import MAX_LENGTH
 
     config = GPT2Config(
         vocab_size=len(tokenizer),
-        n_positions=MAX_LENGTH,
+        n_positions=n_positions or MAX_LENGTH,
         n_embd=args.n_embd,
         n_layer=args.n_layer,
         n_head=args.n_head,

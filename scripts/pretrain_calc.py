@@ -36,7 +36,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.pretrain_arith import publish, save_dir_atomic  # noqa: E402
+from scripts.pretrain_arith import answer_loss, build_model, publish, right_pad, save_dir_atomic  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -86,8 +86,6 @@ def draw_completion(row: dict, rng, p_tool: float, p_wrong: float) -> str:
 def encode_traces(tokenizer, prompts: list[str], completions: list[str]):
     """-> (ids[N, L], loss_mask[N, L-1]): "<bos>prompt completion<eos>" right-padded; the mask marks the targets
     the model is trained on: the completion's tokens and the eos, less "<out>...</out>" (the environment's)."""
-    import torch
-
     from flowrl.worlds.calc import OUT, OUT_END
 
     out_id, out_end_id = tokenizer.convert_tokens_to_ids([OUT, OUT_END])
@@ -102,52 +100,7 @@ def encode_traces(tokenizer, prompts: list[str], completions: list[str]):
             env = env and t != out_end_id
         seqs.append(p + c)
         trained.append([False] * len(p) + keep)
-    length = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), length), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros(len(seqs), length - 1)
-    for i, (s, k) in enumerate(zip(seqs, trained)):
-        ids[i, : len(s)] = torch.tensor(s)
-        mask[i, : len(s) - 1] = torch.tensor(k[1:], dtype=torch.float32)
-    return ids, mask
-
-
-def completion_loss(model, ids, mask):
-    """Mean cross-entropy of the trained targets. ids: [B, L] (right-padded), mask: [B, L-1] -> scalar."""
-    import torch.nn.functional as F
-
-    logits = model(input_ids=ids, attention_mask=(ids != model.config.pad_token_id).long()).logits  # [B, L, V]
-    nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none")  # [B*(L-1)]
-    return (nll.view_as(mask) * mask).sum() / mask.sum()
-
-
-# ----------------------------------------------------------------------------- model
-
-
-def build_model(tokenizer, args):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from flowrl.worlds.calc import MAX_LENGTH
-
-    config = GPT2Config(
-        vocab_size=len(tokenizer),
-        n_positions=MAX_LENGTH,
-        n_embd=args.n_embd,
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        n_inner=4 * args.n_embd,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True,
-    )
-    model = GPT2LMHeadModel(config)
-    model.generation_config.bos_token_id = tokenizer.bos_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model
+    return right_pad(tokenizer, seqs, trained)
 
 
 # ----------------------------------------------------------------------------- training
@@ -165,7 +118,7 @@ def main(argv=None) -> int:
     import torch
     from tqdm import tqdm
 
-    from flowrl.worlds.calc import calc_tokenizer, evaluate, make_prompts, split_rows, write_splits
+    from flowrl.worlds.calc import MAX_LENGTH, calc_tokenizer, evaluate, make_prompts, split_rows, write_splits
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -175,7 +128,7 @@ def main(argv=None) -> int:
 
     tokenizer = calc_tokenizer()
     train_rows, test_rows = split_rows("train"), split_rows("test")
-    model = build_model(tokenizer, args)
+    model = build_model(tokenizer, args, n_positions=MAX_LENGTH)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
@@ -193,7 +146,7 @@ def main(argv=None) -> int:
         rows = [train_rows[i] for i in rng.integers(len(train_rows), size=args.batch)]
         completions = [draw_completion(r, rng, args.p_tool, args.p_wrong) for r in rows]
         ids, mask = encode_traces(tokenizer, [r["prompt"] for r in rows], completions)
-        loss = completion_loss(model, ids, mask)
+        loss = answer_loss(model, ids, mask)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

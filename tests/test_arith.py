@@ -187,3 +187,21 @@ def test_greedy_accuracy_counts_what_it_decodes():
         text = "".join(tok.convert_ids_to_tokens(ids))
         hits += text.startswith(row["answer"] + EOS)
     assert greedy_accuracy(model, tok, rows, max_new_tokens=4, batch_size=16) == pytest.approx(hits / len(rows))
+
+
+# ----------------------------------------------------------------------------- the pre-training script
+
+
+def test_pretraining_trains_on_the_answer_and_eos_only(tok):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "pretrain_arith", SAMPLES.parents[1] / "scripts" / "pretrain_arith.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    ids, mask = script.encode_rows(tok, [{"prompt": "37+45=", "answer": "82"}, {"prompt": "9+1=", "answer": "10"}])
+    assert ids.shape == (2, 10) and mask.shape == (2, 9)
+    assert ids[1, -2:].tolist() == [tok.pad_token_id] * 2  # right-padded
+    trained = [tok.convert_ids_to_tokens([int(ids[i, t + 1]) for t in range(9) if mask[i, t]]) for i in (0, 1)]
+    assert trained == [["8", "2", EOS], ["1", "0", EOS]]
