@@ -47,6 +47,7 @@ TEST = ROOT / "samples" / "shapes" / "test.jsonl"
 VAL_DATA = [
     f"data.train_prompts={ROOT / 'samples' / 'shapes' / 'train_minus_val.jsonl'}",
     f"data.eval_prompts={ROOT / 'samples' / 'shapes' / 'val.jsonl'}",
+    "eval.images_per_group=56",  # a multiple of each family's validation prompts (colour attribution has 14)
 ]
 HEADLINE = "eval/shapes_geneval/strict_family_mean"
 TV = "eval/diversity/shapes_geneval/color_tv_from_base"
@@ -78,6 +79,10 @@ OBJECTIVE_SETTINGS: dict[str, list[str]] = {
         "train.schedule_over=budget",
     ],
     "dpo": ["train.objective=dpo", "train.dpo.beta=100", "train.dpo.timesteps=4"],
+    # issue 39: Flow-DPPO (GRPO with a per-step KL trust region instead of the ratio clip, its default threshold)
+    # and Pref-GRPO (GRPO on each group's win rates from the shapes judge instead of normalised scores)
+    "dppo": ["train.grpo.policy_loss=dppo"],
+    "pairwise": ["rewards.0.pairwise=true"],
 }
 
 

@@ -30,7 +30,14 @@ def fake_run(objective, seed, accuracy, test_after, race):
 
 def test_a_validation_race_reports_the_test_split_once_per_run(tmp_path):
     race = race_module()
-    assert all(Path(a.split("=", 1)[1]).exists() for a in race.VAL_DATA)
+    # the validation race's data exist, and its eval plan is valid (56 images per family on the val split)
+    from flowrl.config import load_config
+    from flowrl.data import load_prompts
+    from flowrl.eval.summary import eval_plan
+
+    cfg = load_config(race.CONFIG, race.VAL_DATA + race.EVAL)
+    prompts, meta, _ = eval_plan(load_prompts(cfg.data.eval_prompts), cfg.eval)
+    assert {m["split"] for m in meta} == {"val"} and len(prompts) == 56 * 6
     assert race.split_data(type("A", (), {"split": "val"})) == race.VAL_DATA
     assert race.split_data(type("A", (), {"split": "test"})) == []
     results = tmp_path / "val-runs"
