@@ -28,7 +28,8 @@ from flowrl.train import Trainer
 torch.set_num_threads(1)
 
 FAMILIES = [*family_names(), "flux2-klein"]
-OBJECTIVES = ("nft", "awm", "dpo")
+OBJECTIVES = ("nft", "awm", "dpo", "elbo")
+WITH_OLD = ("nft", "elbo")  # the objectives that keep an "old" shadow policy (in objective.safetensors)
 TINY = [
     "sample.height=32",
     "sample.width=32",
@@ -257,12 +258,13 @@ def test_one_epoch_trains_and_checkpoints(name, objective, model_path, tmp_path)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     epoch = next(r for r in rows if "policy/loss" in r)
     assert math.isfinite(epoch["policy/loss"]) and epoch["policy/skipped_nonfinite"] == 0
-    assert epoch["policy/trained_units"] > 0 and "policy/ratio_first" not in epoch
+    assert epoch["policy/trained_units"] > 0
+    assert epoch.get("policy/ratio_first") == (1.0 if objective == "elbo" else None)  # ELBO: on-policy check
     ckpt = run / "ckpt-000001"
     assert (ckpt / "trainable.safetensors").exists() and (ckpt / "lora").is_dir()
-    assert (ckpt / "objective.safetensors").exists() == (objective == "nft")
+    assert (ckpt / "objective.safetensors").exists() == (objective in WITH_OLD)
     # loading it restores the trained weights (and NFT's old policy) after they were changed
-    old = shadow(tr, "old") if objective == "nft" else {}
+    old = shadow(tr, "old") if objective in WITH_OLD else {}
     with torch.no_grad():
         for p in tr.params:
             p.add_(1.0)
@@ -290,7 +292,7 @@ def test_resume_equals_an_uninterrupted_run(objective, tmp_path):
     resumed.fit()
     assert resumed.state.epochs_done == 2
     assert max_change(trained(resumed), trained(straight)) <= 1e-6
-    if objective == "nft":
+    if objective in WITH_OLD:
         assert max_change(shadow(resumed, "old"), shadow(straight, "old")) <= 1e-6
 
 

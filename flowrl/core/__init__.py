@@ -16,6 +16,7 @@ from .advantages import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
+from .elbo import ELBO_LOSSES, ELBO_WEIGHTINGS, elbo_estimate, elbo_loss
 from .kl import KL_KINDS, gaussian_kl, kl_estimate
 from .logprobs import entropy_from_logits, sample_categorical, token_log_probs
 from .losses import (
@@ -56,6 +57,8 @@ __all__ = [
     "IS_LEVELS",
     "AGGREGATION_MODES",
     "AWM_WEIGHTINGS",
+    "ELBO_LOSSES",
+    "ELBO_WEIGHTINGS",
     "KL_KINDS",
     "OBJECTIVE_LOSSES",
     "POLICY_LOSSES",
@@ -69,6 +72,8 @@ __all__ = [
     "clause_preferences",
     "clipped_surrogate",
     "dpo_loss",
+    "elbo_estimate",
+    "elbo_loss",
     "dr_grpo_advantages",
     "entropy_from_logits",
     "forward_noising",
