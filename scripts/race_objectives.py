@@ -83,6 +83,8 @@ OBJECTIVE_SETTINGS: dict[str, list[str]] = {
     # and Pref-GRPO (GRPO on each group's win rates from the shapes judge instead of normalised scores)
     "dppo": ["train.grpo.policy_loss=dppo"],
     "pairwise": ["rewards.0.pairwise=true"],
+    # ELBO policy gradient at 4 training times (as nft, awm and dpo), its defaults otherwise (PEPG, adaptive weights)
+    "elbo": ["train.objective=elbo", "train.elbo.timesteps=4"],
 }
 
 
