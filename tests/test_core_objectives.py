@@ -11,6 +11,7 @@ from flowrl.core import (
     awm_loss,
     awm_matching_loss,
     best_worst_pairs,
+    crd_loss,
     dpo_loss,
     forward_noising,
     get_objective_loss,
@@ -585,9 +586,10 @@ def test_dpo_zero_pairs_and_bad_arguments():
 
 
 def test_registry_names_and_unknown_name():
-    assert {"awm", "dpo", "nft", "elbo"} <= set(OBJECTIVE_LOSSES.names())  # every objective: test_objectives_loop
+    assert OBJECTIVE_LOSSES.names() == ["awm", "crd", "dpo", "elbo", "nft"]
     assert get_objective_loss("nft") is nft_loss
     assert get_objective_loss("awm") is awm_loss
+    assert get_objective_loss("crd") is crd_loss
     assert get_objective_loss("dpo") is dpo_loss
     with pytest.raises(ValueError, match="Did you mean 'dpo'"):
         get_objective_loss("dpoo")

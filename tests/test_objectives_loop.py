@@ -1,5 +1,5 @@
-"""The forward-process objectives (train.objective nft / awm / dpo) in the one training loop, on every family's tiny
-pipeline:
+"""The forward-process objectives (train.objective nft / awm / dpo / crd) in the one training loop, on every
+family's tiny pipeline:
 - the backend primitive `flow_prediction` is the velocity the family's own sampler steps with (flow and DDPM
   families alike), its DDPM conversion equals a hand computation, and its gradient reaches the LoRA;
 - GRPO's rollout records every step's log-prob, the other objectives' only the final latents;
@@ -21,6 +21,7 @@ from conditioned import condition_images, prompt_data
 from flowrl import core
 from flowrl.config import ConfigError, describe, load_config
 from flowrl.families import family, family_names
+from flowrl.objectives import get_objective
 from flowrl.run.checkpoint import read_checkpoint
 from flowrl.sampling import ddpm_flow_time, ddpm_velocity
 from flowrl.train import Trainer
@@ -28,8 +29,9 @@ from flowrl.train import Trainer
 torch.set_num_threads(1)
 
 FAMILIES = [*family_names(), "flux2-klein"]
-OBJECTIVES = ("nft", "awm", "dpo", "elbo")
-WITH_OLD = ("nft", "elbo")  # the objectives that keep an "old" shadow policy (in objective.safetensors)
+OBJECTIVES = ("nft", "awm", "dpo", "elbo", "crd")
+#: the shadow policies an objective keeps in its checkpoint (objective.safetensors)
+SHADOWS = {"nft": ("old",), "elbo": ("old",), "crd": ("old", "sampling")}
 TINY = [
     "sample.height=32",
     "sample.width=32",
@@ -246,7 +248,8 @@ def test_one_epoch_trains_and_checkpoints(name, objective, model_path, tmp_path)
             f"train.objective={objective}",
             "train.epochs=1",
             "train.minibatch_size=4",
-            "train.micro_batch_size=2",
+            # an objective with group-level terms takes whole groups (of 4) per micro-batch
+            f"train.micro_batch_size={4 if get_objective(objective).whole_groups else 2}",
             frames(name),
             *prompt_data(name, tmp_path / "data", ["a red cat", "a blue dog"]),
         )
@@ -262,18 +265,20 @@ def test_one_epoch_trains_and_checkpoints(name, objective, model_path, tmp_path)
     assert epoch.get("policy/ratio_first") == (1.0 if objective == "elbo" else None)  # ELBO: on-policy check
     ckpt = run / "ckpt-000001"
     assert (ckpt / "trainable.safetensors").exists() and (ckpt / "lora").is_dir()
-    assert (ckpt / "objective.safetensors").exists() == (objective in WITH_OLD)
-    # loading it restores the trained weights (and NFT's old policy) after they were changed
-    old = shadow(tr, "old") if objective in WITH_OLD else {}
+    names = SHADOWS.get(objective, ())
+    assert (ckpt / "objective.safetensors").exists() == bool(names)
+    # loading it restores the trained weights (and the shadow policies: NFT's old, CRD's two) after they changed
+    kept = {n: shadow(tr, n) for n in names}
     with torch.no_grad():
         for p in tr.params:
             p.add_(1.0)
-        for w in tr.policy.shadow_parameters("old").values() if old else []:
-            w.add_(1.0)
+        for n in names:
+            for w in tr.policy.shadow_parameters(n).values():
+                w.add_(1.0)
     tr.load(ckpt, read_checkpoint(ckpt))
     assert max_change(trained(tr), after) == 0.0
-    if old:
-        assert max_change(shadow(tr, "old"), old) == 0.0
+    for n in names:
+        assert max_change(shadow(tr, n), kept[n]) == 0.0
 
 
 @pytest.mark.parametrize("objective", OBJECTIVES)
@@ -284,6 +289,8 @@ def test_resume_equals_an_uninterrupted_run(objective, tmp_path):
         "checkpoint.every=1",
         "checkpoint.keep=0",
         "train.nft.decay_rate=0.3",
+        "train.crd.sampling_decay_start=0",
+        "train.crd.sampling_decay_rate=0.3",
         "train.minibatch_size=4",
     ]
     straight = Trainer(tiny_cfg(tmp_path / "a", *extra))
@@ -292,8 +299,8 @@ def test_resume_equals_an_uninterrupted_run(objective, tmp_path):
     resumed.fit()
     assert resumed.state.epochs_done == 2
     assert max_change(trained(resumed), trained(straight)) <= 1e-6
-    if objective in WITH_OLD:
-        assert max_change(shadow(resumed, "old"), shadow(straight, "old")) <= 1e-6
+    for n in SHADOWS.get(objective, ()):
+        assert max_change(shadow(resumed, n), shadow(straight, n)) <= 1e-6
 
 
 # ------------------------------------------------------------------------------------ NFT, AWM, DPO
@@ -518,6 +525,7 @@ def test_help_documents_the_objectives():
         "train.awm.kl_coef",
         "train.dpo.beta",
         "train.dpo.weighting",
+        "train.crd.kl_cfg",
     ):
         assert "reference" in docs[key] or "paper" in docs[key] or "Flow-DPO" in docs[key], key
     from flowrl.objectives import OBJECTIVES as REGISTRY

@@ -16,6 +16,7 @@ from .advantages import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
+from .crd import CRD_LOSSES, crd_decay, crd_implicit_reward, crd_loss, group_centred, group_mean, group_softmax
 from .elbo import ELBO_LOSSES, ELBO_WEIGHTINGS, elbo_estimate, elbo_loss
 from .kl import KL_KINDS, gaussian_kl, kl_estimate
 from .logprobs import entropy_from_logits, sample_categorical, token_log_probs
@@ -112,4 +113,13 @@ __all__ = [
     "truncated_is_weights",
     "win_rates",
     "unknown_name_error",
+]
+__all__ += [
+    "CRD_LOSSES",
+    "crd_decay",
+    "crd_implicit_reward",
+    "crd_loss",
+    "group_centred",
+    "group_mean",
+    "group_softmax",
 ]
