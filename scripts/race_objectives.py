@@ -85,6 +85,8 @@ OBJECTIVE_SETTINGS: dict[str, list[str]] = {
     "pairwise": ["rewards.0.pairwise=true"],
     # ELBO policy gradient at 4 training times (as nft, awm and dpo), its defaults otherwise (PEPG, adaptive weights)
     "elbo": ["train.objective=elbo", "train.elbo.timesteps=4"],
+    # CRD at 4 training times, its KL anchored to the base guided at the rollouts' guidance (3, not the paper's 4.5)
+    "crd": ["train.objective=crd", "train.crd.timesteps=4", "train.crd.kl_cfg=3.0"],
 }
 
 
