@@ -1,5 +1,5 @@
-"""The forward-process objectives (train.objective nft / awm / dpo) in the one training loop, on every family's tiny
-pipeline:
+"""The forward-process objectives (train.objective nft / awm / dpo / dgpo) in the one training loop, on every
+family's tiny pipeline:
 - the backend primitive `flow_prediction` is the velocity the family's own sampler steps with (flow and DDPM
   families alike), its DDPM conversion equals a hand computation, and its gradient reaches the LoRA;
 - GRPO's rollout records every step's log-prob, the other objectives' only the final latents;
@@ -21,6 +21,7 @@ from conditioned import condition_images, prompt_data
 from flowrl import core
 from flowrl.config import ConfigError, describe, load_config
 from flowrl.families import family, family_names
+from flowrl.objectives import get_objective
 from flowrl.run.checkpoint import read_checkpoint
 from flowrl.sampling import ddpm_flow_time, ddpm_velocity
 from flowrl.train import Trainer
@@ -28,7 +29,9 @@ from flowrl.train import Trainer
 torch.set_num_threads(1)
 
 FAMILIES = [*family_names(), "flux2-klein"]
-OBJECTIVES = ("nft", "awm", "dpo")
+OBJECTIVES = ("nft", "awm", "dpo", "dgpo")
+#: objectives that keep a shadow policy by default (a checkpoint holds it)
+SHADOWED = ("nft", "dgpo")
 TINY = [
     "sample.height=32",
     "sample.width=32",
@@ -245,7 +248,8 @@ def test_one_epoch_trains_and_checkpoints(name, objective, model_path, tmp_path)
             f"train.objective={objective}",
             "train.epochs=1",
             "train.minibatch_size=4",
-            "train.micro_batch_size=2",
+            # a micro-batch of 2 samples, or of one whole group for an objective with group-level terms
+            f"train.micro_batch_size={4 if get_objective(objective).whole_groups else 2}",
             frames(name),
             *prompt_data(name, tmp_path / "data", ["a red cat", "a blue dog"]),
         )
@@ -260,9 +264,9 @@ def test_one_epoch_trains_and_checkpoints(name, objective, model_path, tmp_path)
     assert epoch["policy/trained_units"] > 0 and "policy/ratio_first" not in epoch
     ckpt = run / "ckpt-000001"
     assert (ckpt / "trainable.safetensors").exists() and (ckpt / "lora").is_dir()
-    assert (ckpt / "objective.safetensors").exists() == (objective == "nft")
-    # loading it restores the trained weights (and NFT's old policy) after they were changed
-    old = shadow(tr, "old") if objective == "nft" else {}
+    assert (ckpt / "objective.safetensors").exists() == (objective in SHADOWED)
+    # loading it restores the trained weights (and NFT's / DGPO's old policy) after they were changed
+    old = shadow(tr, "old") if objective in SHADOWED else {}
     with torch.no_grad():
         for p in tr.params:
             p.add_(1.0)
@@ -282,6 +286,8 @@ def test_resume_equals_an_uninterrupted_run(objective, tmp_path):
         "checkpoint.every=1",
         "checkpoint.keep=0",
         "train.nft.decay_rate=0.3",
+        "train.dgpo.ema_decay_rate=0.3",
+        "train.dgpo.switch_ema_ref=1",  # the second epoch samples with DGPO's old policy
         "train.minibatch_size=4",
     ]
     straight = Trainer(tiny_cfg(tmp_path / "a", *extra))
@@ -290,7 +296,7 @@ def test_resume_equals_an_uninterrupted_run(objective, tmp_path):
     resumed.fit()
     assert resumed.state.epochs_done == 2
     assert max_change(trained(resumed), trained(straight)) <= 1e-6
-    if objective == "nft":
+    if objective in SHADOWED:
         assert max_change(shadow(resumed, "old"), shadow(straight, "old")) <= 1e-6
 
 
@@ -516,6 +522,8 @@ def test_help_documents_the_objectives():
         "train.awm.kl_coef",
         "train.dpo.beta",
         "train.dpo.weighting",
+        "train.dgpo.beta",
+        "train.dgpo.kl_coef",
     ):
         assert "reference" in docs[key] or "paper" in docs[key] or "Flow-DPO" in docs[key], key
     from flowrl.objectives import OBJECTIVES as REGISTRY

@@ -16,6 +16,7 @@ from .advantages import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
+from .dgpo import dgpo_loss, dsm_clip_mask, dsm_error, group_preference_weights
 from .kl import KL_KINDS, gaussian_kl, kl_estimate
 from .logprobs import entropy_from_logits, sample_categorical, token_log_probs
 from .losses import (
@@ -108,3 +109,4 @@ __all__ = [
     "win_rates",
     "unknown_name_error",
 ]
+__all__ += ["dgpo_loss", "dsm_clip_mask", "dsm_error", "group_preference_weights"]
