@@ -585,7 +585,7 @@ def test_dpo_zero_pairs_and_bad_arguments():
 
 
 def test_registry_names_and_unknown_name():
-    assert OBJECTIVE_LOSSES.names() == ["awm", "dpo", "nft"]
+    assert OBJECTIVE_LOSSES.names() == ["awm", "dgpo", "dpo", "nft"]
     assert get_objective_loss("nft") is nft_loss
     assert get_objective_loss("awm") is awm_loss
     assert get_objective_loss("dpo") is dpo_loss
