@@ -187,7 +187,7 @@ class DGPO(ForwardProcessObjective):
             with torch.no_grad(), self.policy.reference():
                 guidance = s.kl_cfg if s.kl_cfg > 1 else None
                 base = self.policy.flow_prediction(batch, rows, t, noise, guidance_scale=guidance).velocity
-        a = adv[rows].float().clamp(-s.adv_clip, s.adv_clip)
+        a = adv.detach().float().cpu()[rows].clamp(-s.adv_clip, s.adv_clip)
         a = torch.where(self.keep[rows], a, torch.zeros_like(a)).to(noise.device)  # left-out samples: no term
         slots = torch.tensor(unit).repeat_interleave(len(idx))
         group_of_row = self.groups[rows] * len(unit) + slots  # a group at one time slot: one preference
