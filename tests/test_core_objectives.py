@@ -586,7 +586,7 @@ def test_dpo_zero_pairs_and_bad_arguments():
 
 
 def test_registry_names_and_unknown_name():
-    assert OBJECTIVE_LOSSES.names() == ["awm", "crd", "dpo", "elbo", "nft"]
+    assert OBJECTIVE_LOSSES.names() == ["awm", "crd", "dgpo", "dpo", "elbo", "nft"]
     assert get_objective_loss("nft") is nft_loss
     assert get_objective_loss("awm") is awm_loss
     assert get_objective_loss("crd") is crd_loss

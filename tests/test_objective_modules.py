@@ -58,21 +58,22 @@ def test_every_objective_declares_what_the_loop_the_config_and_the_planner_ask()
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
 def test_every_preset_switches_objective_with_one_key(preset):
     """`flowrl train PRESET train.objective=X` validates for every objective that trains the preset's backend: no
-    key of the preset belongs to one objective's rules but another's section (an objective with group-level terms
-    refuses minibatch / micro-batch sizes that split the preset's groups)."""
+    key of the preset belongs to one objective's rules but another's section. (An objective with group-level terms
+    refuses (mini/micro-)batch sizes that split groups: with those it validates once they are whole batches.)"""
     base = load_config(preset)
     for name in objective_names():
         if base.backend not in get_objective(name).backends:
             with pytest.raises(ConfigError, match=f"train.objective={name} trains"):
                 load_config(preset, [f"train.objective={name}"])
             continue
-        g = base.sample.group_size
-        if get_objective(name).whole_groups and (base.train.minibatch_size % g or base.train.micro_batch_size % g):
-            # an objective with group-level terms refuses sizes that split groups, in one line naming the fix
-            with pytest.raises(ConfigError, match=f"multiple of sample.group_size={g}"):
+        sizes = []
+        if get_objective(name).whole_groups and any(
+            getattr(base.train, key) % base.sample.group_size for key in ("minibatch_size", "micro_batch_size")
+        ):
+            with pytest.raises(ConfigError, match="multiple of sample.group_size"):
                 load_config(preset, [f"train.objective={name}"])
-            continue
-        cfg = load_config(preset, [f"train.objective={name}"])
+            sizes = ["train.minibatch_size=0", "train.micro_batch_size=0"]
+        cfg = load_config(preset, [f"train.objective={name}", *sizes])
         assert cfg.train.objective == name
         assert cfg.train.grpo == base.train.grpo  # GRPO's section kept as it is, ignored by the others
 

@@ -1,5 +1,5 @@
-"""The forward-process objectives (train.objective nft / awm / dpo / crd) in the one training loop, on every
-family's tiny pipeline:
+"""The forward-process objectives (train.objective nft / awm / dpo / elbo / crd / dgpo) in the one training loop,
+on every family's tiny pipeline:
 - the backend primitive `flow_prediction` is the velocity the family's own sampler steps with (flow and DDPM
   families alike), its DDPM conversion equals a hand computation, and its gradient reaches the LoRA;
 - GRPO's rollout records every step's log-prob, the other objectives' only the final latents;
@@ -29,9 +29,9 @@ from flowrl.train import Trainer
 torch.set_num_threads(1)
 
 FAMILIES = [*family_names(), "flux2-klein"]
-OBJECTIVES = ("nft", "awm", "dpo", "elbo", "crd")
-#: the shadow policies an objective keeps in its checkpoint (objective.safetensors)
-SHADOWS = {"nft": ("old",), "elbo": ("old",), "crd": ("old", "sampling")}
+OBJECTIVES = ("nft", "awm", "dpo", "elbo", "crd", "dgpo")
+#: the shadow policies an objective keeps in its checkpoint (objective.safetensors) with the loop tests' settings
+SHADOWS = {"nft": ("old",), "elbo": ("old",), "crd": ("old", "sampling"), "dgpo": ("old",)}
 TINY = [
     "sample.height=32",
     "sample.width=32",
@@ -248,7 +248,7 @@ def test_one_epoch_trains_and_checkpoints(name, objective, model_path, tmp_path)
             f"train.objective={objective}",
             "train.epochs=1",
             "train.minibatch_size=4",
-            # an objective with group-level terms takes whole groups (of 4) per micro-batch
+            # a micro-batch of 2 samples, or of one whole group for an objective with group-level terms
             f"train.micro_batch_size={4 if get_objective(objective).whole_groups else 2}",
             frames(name),
             *prompt_data(name, tmp_path / "data", ["a red cat", "a blue dog"]),
@@ -291,6 +291,8 @@ def test_resume_equals_an_uninterrupted_run(objective, tmp_path):
         "train.nft.decay_rate=0.3",
         "train.crd.sampling_decay_start=0",
         "train.crd.sampling_decay_rate=0.3",
+        "train.dgpo.ema_decay_rate=0.3",
+        "train.dgpo.switch_ema_ref=1",  # the second epoch samples with DGPO's old policy
         "train.minibatch_size=4",
     ]
     straight = Trainer(tiny_cfg(tmp_path / "a", *extra))
@@ -526,6 +528,8 @@ def test_help_documents_the_objectives():
         "train.dpo.beta",
         "train.dpo.weighting",
         "train.crd.kl_cfg",
+        "train.dgpo.beta",
+        "train.dgpo.kl_coef",
     ):
         assert "reference" in docs[key] or "paper" in docs[key] or "Flow-DPO" in docs[key], key
     from flowrl.objectives import OBJECTIVES as REGISTRY

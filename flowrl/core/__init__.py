@@ -17,6 +17,7 @@ from .advantages import (
     rloo_advantages,
 )
 from .crd import CRD_LOSSES, crd_decay, crd_implicit_reward, crd_loss, group_centred, group_mean, group_softmax
+from .dgpo import dgpo_loss, dsm_clip_mask, dsm_error, group_preference_weights
 from .elbo import ELBO_LOSSES, ELBO_WEIGHTINGS, elbo_estimate, elbo_loss
 from .kl import KL_KINDS, gaussian_kl, kl_estimate
 from .logprobs import entropy_from_logits, sample_categorical, token_log_probs
@@ -123,3 +124,4 @@ __all__ += [
     "group_mean",
     "group_softmax",
 ]
+__all__ += ["dgpo_loss", "dsm_clip_mask", "dsm_error", "group_preference_weights"]
