@@ -87,6 +87,8 @@ OBJECTIVE_SETTINGS: dict[str, list[str]] = {
     "elbo": ["train.objective=elbo", "train.elbo.timesteps=4"],
     # CRD at 4 training times, its KL anchored to the base guided at the rollouts' guidance (3, not the paper's 4.5)
     "crd": ["train.objective=crd", "train.crd.timesteps=4", "train.crd.kl_cfg=3.0"],
+    # DGPO at its defaults (4 shared training times, beta 100, DSM clipping against the EMA policy)
+    "dgpo": ["train.objective=dgpo"],
 }
 
 

@@ -2,8 +2,9 @@
 
 - ``grpo`` (the default): the policy loss on the sampler's own stochastic transitions (Flow-GRPO / DDPO for
   images, GRPO and its variants for text); its settings are `train.grpo`.
-- ``nft``, ``awm``, ``dpo``: DiffusionNFT, Advantage Weighted Matching and online Diffusion-DPO, on the forward
-  (noising) process of ODE samples' clean latents (`_forward.ForwardProcessObjective`); settings `train.nft`, ...
+- ``nft``, ``awm``, ``dpo``, ``elbo``, ``crd``, ``dgpo``: DiffusionNFT, Advantage Weighted Matching, online
+  Diffusion-DPO, the ELBO policy gradient, Centered Reward Distillation and DGPO, on the forward (noising) process of
+  ODE samples' clean latents (`_forward.ForwardProcessObjective`); settings `train.nft`, ...
 
 Adding an objective = one module here (a subclass of `Objective` decorated with `@register`, with its `Settings`)
 and its formula in `flowrl.core`: every module of this package whose name does not start with ``_`` is imported on
