@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 if TYPE_CHECKING:
+    import torch
+
     from .config import DataConfig
 
 BUILTIN_PROMPTS = [
@@ -436,16 +438,7 @@ def _load_hf(
     """The prompts of `hf:ORG/NAME` (the hub, or its local cache) or `hf:DIR` (a local dataset): split `split`,
     prompt from `column` through `template`, the other JSON-valued columns as metadata, and the images of
     `image_column` (when the dataset has it) as paths of files (see `_hf_images`)."""
-    name = source[len(HF_PREFIX) :].strip()
-    datasets = _import_datasets(source)
-    local = Path(name).expanduser()
-    loaded = (
-        _load_local_dataset(datasets, source, local, hf_config)
-        if name and local.is_dir()
-        else _load_hub_dataset(datasets, source, name, hf_config)
-    )
-    table = _choose_split(loaded, source, split)
-    where = f"{source} (split {split!r})"
+    datasets, table, where, base = _hf_table(source, split, hf_config)
     if column not in table.column_names:
         raise PromptFileError(
             f"{where}: no prompt column {column!r} (data.prompt_column); the dataset's columns are {table.column_names}"
@@ -462,11 +455,30 @@ def _load_hf(
         )
     rows = table.to_list()
     if image_column and image_column in table.column_names and image_column != column:
-        base = local if name and local.is_dir() else None
-        cache = Path(datasets.config.HF_DATASETS_CACHE).expanduser() / "flowrl_images"
+        cache = _image_cache(datasets)
         rows = [_hf_images(row, f"{where} row {i}", image_column, base, cache) for i, row in enumerate(rows)]
     rows = _json_columns(rows, column, source)
     return _prompt_set(((f"{where} row {i}", row) for i, row in enumerate(rows)), column, template, fields)
+
+
+def _hf_table(source: str, split: str, hf_config: str):
+    """(the `datasets` module, split `split` of dataset `source`, how errors name it, the local dataset's folder
+    or None for a hub dataset)."""
+    name = source[len(HF_PREFIX) :].strip()
+    datasets = _import_datasets(source)
+    local = Path(name).expanduser()
+    is_local = bool(name) and local.is_dir()
+    loaded = (
+        _load_local_dataset(datasets, source, local, hf_config)
+        if is_local
+        else _load_hub_dataset(datasets, source, name, hf_config)
+    )
+    return datasets, _choose_split(loaded, source, split), f"{source} (split {split!r})", local if is_local else None
+
+
+def _image_cache(datasets) -> Path:
+    """Where the images of `hf:` datasets are written as files (`_cached_image`)."""
+    return Path(datasets.config.HF_DATASETS_CACHE).expanduser() / "flowrl_images"
 
 
 def _hf_images(row: dict, where: str, column: str, base: Path | None, cache: Path) -> dict:
@@ -653,6 +665,126 @@ def _is_json(value) -> bool:
 def _one_line(error: BaseException) -> str:
     """An exception as one line: its type and its message with line breaks folded."""
     return f"{type(error).__name__}: {' '.join(str(error).split())}"
+
+
+# ------------------------------------------------------------------------------------------ preference pairs
+
+PAIR_KEYS = ("prompt", "chosen", "rejected")
+LATENTS_SUFFIX = ".safetensors"
+LATENTS_KEY = "latents"
+PAIR_EXAMPLE = '{"prompt": "a red circle", "chosen": "good.png", "rejected": "bad.png"}'
+
+
+def load_pairs(
+    source: str | Path, *, size: tuple[int, int] | None = None, image_column: str = "image", split: str = "train"
+) -> PromptSet:
+    """Preference pairs (offline Diffusion-DPO) of a .jsonl file (one JSON object per line) or `hf:ORG/NAME` /
+    `hf:DIR` (split `split`): each row a `prompt`, the `chosen` and the `rejected` sample, and any other keys as
+    metadata. A sample is an image (a path relative to the .jsonl file's folder or the local dataset's folder, or
+    a dataset's Image feature; its size (height, width) must be `size` when given: images are not resized) or a
+    `.safetensors` file holding its clean latents under the key `latents` (their shape is the model's to check).
+    Returns a PromptSet whose metadata hold `chosen` and `rejected` as absolute paths (images of a dataset written
+    once to `datasets`' cache), with the conditioning images of `image_column` resolved as `load_prompts` does.
+    Raises PromptFileError, one line naming the file and line (or dataset row) and the fix."""
+    source = str(source)
+    if source.startswith(HF_PREFIX):
+        datasets, table, where, base = _hf_table(source, split, "")
+        if len(table) == 0:
+            raise PromptFileError(f"{where}: no pairs: the split has no rows")
+        cache = _image_cache(datasets)
+        rows = [(f"{where} row {i}", row, base, cache) for i, row in enumerate(table.to_list())]
+    else:
+        path = Path(source)
+        if path.suffix != ".jsonl":
+            raise PromptFileError(
+                f"pairs {source!r}: unknown format {path.suffix or '(no extension)'!r}; valid: a .jsonl file (one "
+                f"JSON object per line, e.g. {PAIR_EXAMPLE}) or hf:ORG/NAME (hf:DIR for a local copy)"
+            )
+        if path.is_file() and not path.read_bytes().strip():
+            raise PromptFileError(
+                f"{path}: no pairs: the file is empty; write one JSON object per line, e.g. {PAIR_EXAMPLE}"
+            )
+        rows = [(where, row, path.parent, None) for where, row in _file_rows(path, "prompt")]
+    pairs = []
+    for where, row, base, cache in rows:
+        missing = [k for k in PAIR_KEYS if k not in row]
+        if missing:
+            raise PromptFileError(
+                f"{where}: no {' or '.join(map(repr, missing))}: a pair row has the keys 'prompt', 'chosen' and "
+                f"'rejected' (an image, or a .safetensors file of latents), other keys are metadata; this row has "
+                f"{sorted(row)}"
+            )
+        row = {**row, **{key: _pair_sample(row, key, where, base, cache, size) for key in ("chosen", "rejected")}}
+        if image_column and cache is not None and row.get(image_column) is not None:
+            row = _hf_images(row, where, image_column, base, cache)
+        elif image_column:
+            row = _with_images(row, where, image_column, base or Path.cwd())
+        pairs.append((where, row))
+    rows = _json_columns([row for _, row in pairs], "prompt", source)
+    return _prompt_set(zip([where for where, _ in pairs], rows), "prompt", "{prompt}", ["prompt"])
+
+
+def _pair_sample(row: dict, key: str, where: str, base: Path | None, cache: Path | None, size) -> str:
+    """The absolute path of a pair's `key` sample: a latents file (checked to hold `latents`) or an image (checked
+    to be readable, and of `size` (height, width) when given)."""
+    value = row[key]
+    if isinstance(value, str) and value.strip().endswith(LATENTS_SUFFIX):
+        file = (base or Path.cwd()) / Path(value).expanduser()
+        if not file.is_file():
+            raise PromptFileError(f"{where}: {key} latents {value!r} do not exist (looked for {file.resolve()})")
+        return _latents_file(file.resolve(), where, key)
+    if value is None or (cache is None and not (isinstance(value, str) and value.strip())):
+        raise PromptFileError(
+            f"{where}: {key!r} must be an image (a path relative to the pairs file's folder) or a .safetensors file "
+            f"of latents, got {_clip(repr(value))}"
+        )
+    if cache is not None:  # a dataset's image (a PIL image, bytes or a path)
+        path = _hf_images({key: value}, where, key, base, cache)[key][0]
+    else:
+        path = _with_images({key: value}, where, key, base)[key][0]
+    if size is not None:
+        from PIL import Image
+
+        with Image.open(path) as im:
+            w, h = im.size
+        if (h, w) != tuple(size):
+            raise PromptFileError(
+                f"{where}: {key} image {path} is {w}x{h} pixels and the run trains at {size[1]}x{size[0]} "
+                f"(sample.width x sample.height); write the pairs' images at that size (they are not resized)"
+            )
+    return path
+
+
+def _latents_file(file: Path, where: str, key: str) -> str:
+    """`file` as a string when it is a safetensors file holding `latents` (its header read, no tensor loaded)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            keys = list(f.keys())
+    except Exception as e:  # safetensors raises its own error types for truncated or foreign files
+        raise PromptFileError(f"{where}: {key} latents {file} is not a readable safetensors file: {_one_line(e)}")
+    if LATENTS_KEY not in keys:
+        raise PromptFileError(
+            f"{where}: {key} latents {file} hold no tensor {LATENTS_KEY!r} (its keys: {keys}); save one sample's clean "
+            f"latents as save_file({{'{LATENTS_KEY}': x0}}, path)"
+        )
+    return str(file)
+
+
+def read_latents(path: str) -> torch.Tensor:
+    """The clean latents of a pair's `.safetensors` file, float32."""
+    from safetensors.torch import load_file
+
+    return load_file(path)[LATENTS_KEY].float()
+
+
+def latents_shape(path: str) -> tuple[int, ...]:
+    """The shape of a pair's `.safetensors` latents, from the file's header alone."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return tuple(f.get_slice(LATENTS_KEY).get_shape())
 
 
 # ------------------------------------------------------------------------------------------ prompt lengths

@@ -25,6 +25,11 @@ class CheckpointError(FlowrlError, ValueError):
     """A checkpoint directory that is missing, incomplete or corrupt (the message names the file)."""
 
 
+class DataError(FlowrlError, ValueError):
+    """Training data that the loaded model cannot take (e.g. latents of another shape); the message names the file
+    and row."""
+
+
 class RunDirError(FlowrlError):
     """A run directory that holds another run, or cannot be written."""
 

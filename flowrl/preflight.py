@@ -32,15 +32,20 @@ def _checked(what: str, fn, *args, **kwargs):
 
 def load_prompt_sets(cfg: Config) -> tuple[PromptSet, PromptSet]:
     """The training and eval prompt sets of `cfg` (eval: the training prompts when none are given), with the
-    columns that data.balance_by and eval.group_by need checked."""
+    columns that data.balance_by and eval.group_by need checked. An objective that reads its own training set
+    (offline DPO's pairs: `Objective.training_prompts`) gives it in place of data.train_prompts."""
     from .data import load_config_prompts, require_column, warn_repeated_prompts
     from .eval.summary import eval_plan
+    from .objectives import get_objective
 
     d = cfg.data
     if cfg.backend == "text":  # a text model takes no images: its `image` column, if any, is plain metadata
         d = dataclasses.replace(d, image_column="")
-    train_set = _checked("data.train_prompts", load_config_prompts, d, "train")
-    warn_repeated_prompts(train_set, cfg.sample.prompts_per_epoch)
+    objective = cfg.train.objective
+    train_set = _checked(f"train.{objective}", get_objective(objective).training_prompts, cfg)
+    if train_set is None:
+        train_set = _checked("data.train_prompts", load_config_prompts, d, "train")
+        warn_repeated_prompts(train_set, cfg.sample.prompts_per_epoch)
     eval_set = _checked("data.eval_prompts", load_config_prompts, d, "eval") if d.eval_prompts else train_set
     if d.balance_by:
         _checked("data.balance_by", train_set.strata, d.balance_by)

@@ -83,3 +83,41 @@ def tiny_rollout(backend, name: str, *, num_steps: int = 4, **kwargs):
         images=condition_images(name, 2),
         **kwargs,
     )
+
+
+def pair_data(name: str, directory: Path, prompts: list[str], num_frames: int = 1) -> list[str]:
+    """The config overrides giving a run of family `name` offline DPO pairs of these prompts (train.dpo_offline.pairs,
+    sample.group_size=2): a .jsonl beside 32 x 32 generated images, chosen and rejected, for an image family, or
+    beside `.safetensors` random latents of the tiny model's sample shape for a video family (which takes no
+    images); an editing family's rows carry their conditioning images, as `prompt_data`'s."""
+    import torch
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    video = name in family_names() and family(name).video
+    shape = None
+    if video:
+        from flowrl.families import load_image_backend
+
+        shape = load_image_backend(f"tiny-{name}", dtype=torch.float32, device="cpu").latent_shape(32, 32, num_frames)
+    sources = []
+    for k, im in enumerate(images_per_prompt(name)):
+        im.save(directory / f"source{k}.png")
+        sources.append(f"source{k}.png")
+    rows = []
+    for i, prompt in enumerate(prompts):
+        row = {"prompt": prompt, "tag": i}
+        for j, side in enumerate(("chosen", "rejected")):
+            if video:
+                gen = torch.Generator().manual_seed(10 * i + j)
+                save_file({"latents": torch.randn(shape, generator=gen)}, directory / f"{i}_{side}.safetensors")
+                row[side] = f"{i}_{side}.safetensors"
+            else:
+                source_image(32, seed=100 + 10 * i + j).save(directory / f"{i}_{side}.png")
+                row[side] = f"{i}_{side}.png"
+        if sources:
+            row["image"] = sources
+        rows.append(row)
+    path = directory / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [f"train.dpo_offline.pairs={path}", "sample.group_size=2"]

@@ -4,7 +4,8 @@ on every family's tiny pipeline:
   families alike), its DDPM conversion equals a hand computation, and its gradient reaches the LoRA;
 - GRPO's rollout records every step's log-prob, the other objectives' only the final latents;
 - one epoch of each objective on each family trains the LoRA with a finite loss and writes a checkpoint that loads
-  (and a resumed run equals an uninterrupted one);
+  (and a resumed run equals an uninterrupted one); offline DPO too, on pairs of generated images (latents for a
+  video family) written per family;
 - NFT: the old policy samples, starts as a copy (so the first loss is nft_loss's hand value with v_old = v_theta)
   and is soft-updated by exactly the decay formula; AWM's EMA policy likewise; DPO pairs each group's best and worst
   sample with one noise and time.
@@ -16,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conditioned import condition_images, prompt_data
+from conditioned import condition_images, pair_data, prompt_data
 
 from flowrl import core
 from flowrl.config import ConfigError, describe, load_config
@@ -32,6 +33,7 @@ FAMILIES = [*family_names(), "flux2-klein"]
 OBJECTIVES = ("nft", "awm", "dpo", "elbo", "crd", "dgpo")
 #: the shadow policies an objective keeps in its checkpoint (objective.safetensors) with the loop tests' settings
 SHADOWS = {"nft": ("old",), "elbo": ("old",), "crd": ("old", "sampling"), "dgpo": ("old",)}
+FAMILY_LOOP = (*OBJECTIVES, "dpo_offline")  # offline DPO reads pairs (`pair_data`): its rollout samples nothing
 TINY = [
     "sample.height=32",
     "sample.width=32",
@@ -237,10 +239,16 @@ def test_nft_samples_with_the_old_policy(tmp_path):
 # ------------------------------------------------------------------------------------ one epoch, every family
 
 
-@pytest.mark.parametrize("objective", OBJECTIVES)
+@pytest.mark.parametrize("objective", FAMILY_LOOP)
 @pytest.mark.parametrize("name", FAMILIES)
 def test_one_epoch_trains_and_checkpoints(name, objective, model_path, tmp_path):
     run = tmp_path / "run"
+    prompts = ["a red cat", "a blue dog"]
+    data = (
+        pair_data(name, tmp_path / "data", prompts, int(frames(name).split("=")[1]))
+        if objective == "dpo_offline"
+        else prompt_data(name, tmp_path / "data", prompts)
+    )
     tr = Trainer(
         tiny_cfg(
             run,
@@ -251,7 +259,7 @@ def test_one_epoch_trains_and_checkpoints(name, objective, model_path, tmp_path)
             # a micro-batch of 2 samples, or of one whole group for an objective with group-level terms
             f"train.micro_batch_size={4 if get_objective(objective).whole_groups else 2}",
             frames(name),
-            *prompt_data(name, tmp_path / "data", ["a red cat", "a blue dog"]),
+            *data,
         )
     )
     before = trained(tr)
@@ -534,7 +542,8 @@ def test_help_documents_the_objectives():
         assert "reference" in docs[key] or "paper" in docs[key] or "Flow-DPO" in docs[key], key
     from flowrl.objectives import OBJECTIVES as REGISTRY
 
-    assert REGISTRY.names() == sorted(["grpo", *OBJECTIVES]) == sorted(core.OBJECTIVE_LOSSES.names() + ["grpo"])
+    assert REGISTRY.names() == sorted(["grpo", *FAMILY_LOOP])
+    assert sorted(core.OBJECTIVE_LOSSES.names()) == sorted(OBJECTIVES)  # offline DPO's loss is online DPO's
     # each objective names itself in reports and the demo's banner, and no two alike
     titles = [REGISTRY.get(name).title for name in REGISTRY.names()]
     assert len(set(titles)) == len(titles) and REGISTRY.get("dpo").title == "online Diffusion-DPO"

@@ -432,18 +432,14 @@ class ImageBackend:
         sde_type = sde_type or self.default_sde_type
         if sde_type not in self.sde_types:
             raise ValueError(f"sde_type {sde_type!r} is not available for {self.family}; valid: {self.sde_types}")
-        if noise_level is None:
-            noise_level = DEFAULT_NOISE_LEVEL.get(sde_type, 1.0)
-        height, width = self.check_image_size(height, width)
-        settings = SamplerSettings(
-            family=self.family,
-            sde_type=sde_type,
-            noise_level=float(noise_level),
-            guidance_scale=float(self.default_guidance_scale if guidance_scale is None else guidance_scale),
+        settings = self.sampler_settings(
+            sde_type,
+            noise_level=noise_level,
+            guidance_scale=guidance_scale,
             logprob_reduce=logprob_reduce,
             height=height,
             width=width,
-            num_frames=self.check_num_frames(num_frames),
+            num_frames=num_frames,
         )
         sde_mask = as_sde_window(sde_window).mask(num_steps, epoch)
         if sde_type == "ode":
@@ -536,6 +532,87 @@ class ImageBackend:
             with visiting(self._parked_vae):
                 traj.images = self.decode(traj.final_latents, height=settings.height, width=settings.width)
         return traj
+
+    def sampler_settings(
+        self,
+        sde_type: str,
+        *,
+        noise_level: float | None = None,
+        guidance_scale: float | None = None,
+        logprob_reduce: str = "mean",
+        height: int | None = None,
+        width: int | None = None,
+        num_frames: int | None = None,
+    ) -> SamplerSettings:
+        """The SamplerSettings of a rollout with these arguments (see `rollout`; None: the defaults), the size and
+        frame count checked."""
+        height, width = self.check_image_size(height, width)
+        return SamplerSettings(
+            family=self.family,
+            sde_type=sde_type,
+            noise_level=float(DEFAULT_NOISE_LEVEL.get(sde_type, 1.0) if noise_level is None else noise_level),
+            guidance_scale=float(self.default_guidance_scale if guidance_scale is None else guidance_scale),
+            logprob_reduce=logprob_reduce,
+            height=height,
+            width=width,
+            num_frames=self.check_num_frames(num_frames),
+        )
+
+    def latent_shape(
+        self, height: int | None = None, width: int | None = None, num_frames: int | None = None
+    ) -> tuple[int, ...]:
+        """The shape of one clean sample of this size in the denoiser's layout (a rollout's `final_latents[i]`), e.g.
+        [C, h, w] or FLUX's packed [L, C]."""
+        return tuple(
+            self._latent_shape(self.sampler_settings("ode", height=height, width=width, num_frames=num_frames))
+        )
+
+    @torch.no_grad()
+    def final_trajectory(
+        self,
+        prompts: Sequence[str],
+        final_latents: Tensor,
+        *,
+        num_steps: int,
+        guidance_scale: float | None = None,
+        height: int | None = None,
+        width: int | None = None,
+        num_frames: int | None = None,
+        images: Sequence[Sequence] | None = None,
+    ) -> Trajectory:
+        """What `rollout(prompts, num_steps=..., sde_type="ode", keep_steps=False, decode=False)` records, holding
+        the given clean samples `final_latents` [B, ...] (one per prompt, in the layout `latent_shape` gives) in
+        place of sampled ones: the schedule, the prompts' encodings and the conditioning `images` (as `rollout`
+        takes them), nothing sampled. What the forward-process objectives train on data read from files (offline
+        Diffusion-DPO's pairs)."""
+        prompts = list(prompts)
+        settings = self.sampler_settings(
+            "ode", guidance_scale=guidance_scale, height=height, width=width, num_frames=num_frames
+        )
+        expected = (len(prompts), *self._latent_shape(settings))
+        if tuple(final_latents.shape) != expected:
+            raise ValueError(
+                f"final_latents must have shape {expected} (one sample per prompt), got {tuple(final_latents.shape)}"
+            )
+        encodings = self.encode_prompts(prompts)
+        conditions = self.encode_conditions(images, len(prompts), settings, prompts=prompts)
+        schedule = self._schedule(num_steps, settings)
+        return Trajectory(
+            latents=final_latents[:, None].to(self.device, self.dtype),
+            log_probs=None,
+            stds=None,
+            timesteps=schedule.timesteps,
+            sde_mask=torch.zeros(num_steps, dtype=torch.bool, device=self.device),
+            prompts=prompts,
+            prompt_ids=encodings.ids_for(prompts).to(self.device),
+            group_ids=torch.arange(len(prompts), device=self.device),
+            prompt_encodings=encodings,
+            sampler=settings,
+            sigmas=schedule.sigmas,
+            alphas_cumprod=schedule.alphas_cumprod,
+            alphas_cumprod_prev=schedule.alphas_cumprod_prev,
+            conditions=conditions,
+        )
 
     def step_log_prob(
         self,
@@ -661,6 +738,35 @@ class ImageBackend:
         vae = self.pipe.vae
         image = vae.decode(self._to_vae_latents(latents, height, width).to(vae.device, vae.dtype), return_dict=False)[0]
         return self.pipe.image_processor.postprocess(image, output_type="pil")
+
+    @torch.no_grad()
+    def encode_images(self, images: Sequence, *, height: int | None = None, width: int | None = None) -> Tensor:
+        """B PIL images -> [B, ...] clean latents in the denoiser's layout and space, where a rollout's
+        `final_latents` live (so `decode` gives the images back, up to the VAE's loss): the images as
+        `pipe.image_processor` prepares them at height x width (resized if they are another size), the VAE's mode
+        (`_vae_encode`), then scaled, shifted and packed as the family's pipeline prepares image latents
+        (`_from_vae_latents`, the inverse of `_to_vae_latents`). A video family is refused (ValueError)."""
+        if self.video:
+            raise ValueError(f"{self.family} makes videos, not images: give its clean samples as latents")
+        from flowrl.offload import visiting
+
+        height, width = self.check_image_size(height, width)
+        pixels = self.pipe.image_processor.preprocess(list(images), height, width)  # [B, 3, H, W] in [-1, 1]
+        with visiting(self._parked_vae):
+            latents = self._vae_encode(pixels)
+        return self._from_vae_latents(latents, height, width).to(self.device, self.dtype)
+
+    def _vae_encode(self, pixels: Tensor) -> Tensor:
+        """[B, 3, H, W] pixels in [-1, 1] -> the VAE's latents (its distribution's mode; a deterministic
+        autoencoder's latent, SANA's DC-AE), float32."""
+        vae = self.pipe.vae
+        out = vae.encode(pixels.to(vae.device, vae.dtype))
+        return (out.latent_dist.mode() if hasattr(out, "latent_dist") else out.latent).float()
+
+    def _from_vae_latents(self, latents: Tensor, height: int, width: int) -> Tensor:
+        """The VAE's latents [B, ...] (`_vae_encode`) -> the denoiser's layout and space: `_to_vae_latents`'
+        inverse."""
+        raise NotImplementedError(f"{self.family} does not encode images into its latents")
 
     # ---- shared helpers --------------------------------------------------------------------------
 

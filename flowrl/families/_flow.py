@@ -88,6 +88,11 @@ class FlowMatchingBackend(ImageBackend):
         config = self.pipe.vae.config
         return latents / config.scaling_factor + (config.shift_factor or 0.0)
 
+    def _unscale_shift(self, latents: Tensor) -> Tensor:
+        """`_scale_shift`'s inverse: (z - shift_factor) x scaling_factor, as the pipelines encode images."""
+        config = self.pipe.vae.config
+        return (latents - (config.shift_factor or 0.0)) * config.scaling_factor
+
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x

@@ -154,6 +154,12 @@ class FluxBackend(FlowMatchingBackend):
         unpacked = self.pipe._unpack_latents(latents, height, width, self.pipe.vae_scale_factor)
         return self._scale_shift(unpacked)
 
+    def _from_vae_latents(self, latents, height, width):
+        """Shifted and scaled, then packed in 2x2 patches (as Kontext's source images are)."""
+        latents = self._unscale_shift(latents)
+        n, c, h, w = latents.shape
+        return self.pipe._pack_latents(latents, n, c, h, w)
+
     @classmethod
     def tiny_pipeline(cls, seed: int = 0):
         """A FluxPipeline (FLUX.1-dev style: guidance embedding, dynamic shift) of `tiny_flux1_parts`."""

@@ -418,6 +418,15 @@ class Flux2Backend(FlowMatchingBackend):
         unpacked = unpacked * std.to(unpacked.device, unpacked.dtype) + mean
         return self.pipe._unpatchify_latents(unpacked)
 
+    def _from_vae_latents(self, latents, height, width):
+        """Patchified 2x2, normalised by the VAE's batch-norm statistics (the pipelines' `_encode_vae_image`), then
+        packed to tokens."""
+        latents = self.pipe._patchify_latents(latents)
+        bn = self.pipe.vae.bn
+        mean = bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
+        std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + self.pipe.vae.config.batch_norm_eps)
+        return self.pipe._pack_latents((latents - mean) / std.to(latents.device, latents.dtype))
+
     # ---- the tiny model --------------------------------------------------------------------------
 
     @classmethod

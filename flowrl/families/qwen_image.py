@@ -328,6 +328,21 @@ class QwenImageBackend(FlowMatchingBackend):
         std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
         return latents / std + mean
 
+    def _vae_encode(self, pixels):
+        """The video VAE takes one frame: [B, 3, 1, H, W] -> [B, C, 1, h, w]."""
+        return super()._vae_encode(pixels[:, :, None])
+
+    def _from_vae_latents(self, latents, height, width):
+        """Normalised per channel (latents_mean, latents_std) and packed in 2x2 patches, as Qwen-Image-Edit's
+        source images are (`_source_latents`)."""
+        config = self.pipe.vae.config
+        shape = (1, config.z_dim, 1, 1, 1)
+        mean = torch.tensor(config.latents_mean).view(shape).to(latents.device, latents.dtype)
+        std = torch.tensor(config.latents_std).view(shape).to(latents.device, latents.dtype)
+        latents = (latents - mean) / std
+        n, c, _, h, w = latents.shape
+        return self.pipe._pack_latents(latents, n, c, h, w)
+
     @torch.no_grad()
     def decode(self, latents, *, height=None, width=None):
         vae = self.pipe.vae

@@ -188,6 +188,9 @@ class SanaBackend(FlowMatchingBackend):
     def _to_vae_latents(self, latents, height, width):
         return latents / self.pipe.vae.config.scaling_factor  # SanaPipeline: no shift
 
+    def _from_vae_latents(self, latents, height, width):
+        return latents * self.pipe.vae.config.scaling_factor
+
     # ---- the tiny model --------------------------------------------------------------------------
 
     @classmethod

@@ -174,6 +174,9 @@ class SD15Backend(ImageBackend):
     def _to_vae_latents(self, latents, height, width):
         return latents / self.pipe.vae.config.scaling_factor
 
+    def _from_vae_latents(self, latents, height, width):
+        return latents * self.pipe.vae.config.scaling_factor
+
     parity_guidance = (1.0, 5.0)
 
     def pipeline_call_kwargs(self, guidance_scale: float) -> dict:

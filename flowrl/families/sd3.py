@@ -145,6 +145,9 @@ class SD3Backend(FlowMatchingBackend):
     def _to_vae_latents(self, latents, height, width):
         return self._scale_shift(latents)
 
+    def _from_vae_latents(self, latents, height, width):
+        return self._unscale_shift(latents)
+
     @classmethod
     def tiny_pipeline(cls, seed: int = 0, *, drop_t5: bool = False):
         """A StableDiffusion3Pipeline: two CLIP-with-projection encoders, a T5, a 1-layer SD3 transformer.

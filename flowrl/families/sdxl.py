@@ -134,6 +134,17 @@ class SDXLBackend(SD15Backend):
         std = torch.tensor(std, device=latents.device, dtype=latents.dtype).view(shape)
         return latents * std / config.scaling_factor + mean
 
+    def _from_vae_latents(self, latents, height, width):
+        """`_to_vae_latents`' inverse: (z - mean) x scaling_factor / std, or z x scaling_factor."""
+        config = self.pipe.vae.config
+        mean, std = config.get("latents_mean"), config.get("latents_std")
+        if mean is None or std is None:
+            return latents * config.scaling_factor
+        shape = (1, len(mean), 1, 1)
+        mean = torch.tensor(mean, device=latents.device, dtype=latents.dtype).view(shape)
+        std = torch.tensor(std, device=latents.device, dtype=latents.dtype).view(shape)
+        return (latents - mean) * config.scaling_factor / std
+
     @torch.no_grad()
     def decode(self, latents, *, height=None, width=None):
         """As the base class does; a float16 VAE with `force_upcast` (SDXL's overflows in float16) decodes in

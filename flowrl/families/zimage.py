@@ -255,6 +255,9 @@ class ZImageBackend(FlowMatchingBackend):
     def _to_vae_latents(self, latents, height, width):
         return self._scale_shift(latents)
 
+    def _from_vae_latents(self, latents, height, width):
+        return self._unscale_shift(latents)
+
     def pipeline_call_kwargs(self, guidance_scale: float) -> dict:
         # no CFG renormalisation and no truncation (the pipeline's defaults, made explicit)
         return {

@@ -5,7 +5,8 @@ a dataclass read from `train.<name>`), its checks of a config (`check`), what it
 it uses the advantages (`prepare`), the units of its update and their loss (`train_units`, `step_mask`,
 `unit_loss`), what it does after an optimizer step and after the epoch's update, what the progress bar shows of it
 (`progress`), what a checkpoint keeps of it (`state_dict`) and what it adds to the memory of a run
-(`memory_terms`, for `flowrl plan`). The trainer calls these and nothing else: it never asks which objective runs.
+(`memory_terms`, for `flowrl plan`); an objective that reads its own training data says so (`training_prompts`,
+`check_data`, `scores_batch`). The trainer calls these and nothing else: it never asks which objective runs.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class Objective:
     #: so every minibatch and micro-batch holds whole groups of sample.group_size: the update shuffles groups, not
     #: samples, and train.minibatch_size / train.micro_batch_size must be multiples of the group size
     whole_groups: ClassVar[bool] = False
+    #: False: its batch says which sample is preferred (offline DPO's pairs), so no reward scores the epoch's batch
+    #: and the advantages are 0 (the evals still score with the configured rewards)
+    scores_batch: ClassVar[bool] = True
 
     def __init__(self, cfg, policy, num_processes: int = 1):
         self.cfg, self.policy, self.num_processes = cfg, policy, num_processes
@@ -91,10 +95,20 @@ class Objective:
         return problems
 
     @classmethod
+    def training_prompts(cls, cfg):
+        """The training set of an objective that reads its own (a flowrl.data.PromptSet, e.g. offline DPO's pairs),
+        read and checked before the model loads (a one-line error naming the fix), or None: data.train_prompts."""
+        return None
+
+    @classmethod
     def memory_terms(cls, cfg, cfg_rows: int) -> MemoryTerms:
         """What the objective adds to an image run's memory; `cfg_rows` is the rollout's rows per image (2 when the
         family batches classifier-free guidance and the scale is above 1)."""
         raise NotImplementedError(f"objective {cls.name!r} declares no memory terms for flowrl plan")
+
+    def check_data(self, train_set) -> None:
+        """Once the model is loaded, before training: what of the training set only the model can check (offline
+        DPO: the shape of its latents files); a one-line error."""
 
     # ---- the epoch
 

@@ -56,7 +56,7 @@ class DPO(ForwardProcessObjective):
         local = self.groups_split()
         if local is not None:
             raise ValueError(
-                f"train.objective=dpo pairs the best and worst image of a group on one process, but the "
+                f"train.objective={self.name} pairs the images of a group on one process, but the "
                 f"per-process batch {local} (prompts_per_epoch x group_size / {num_processes} processes) "
                 f"splits groups of sample.group_size={cfg.sample.group_size}; make prompts_per_epoch a multiple "
                 f"of the process count"

@@ -412,6 +412,35 @@ class ImagePolicy:
         """The shape of one clean sample (the denoiser's latent layout), e.g. [C, h, w] or FLUX's packed [L, C]."""
         return tuple(batch.traj.final_latents.shape[1:])
 
+    def latent_shape(self) -> tuple[int, ...]:
+        """The shape of one clean sample of this run's size and frames (what `sample_shape` of its batches is)."""
+        s = self.cfg.sample
+        return self.backend.latent_shape(s.height, s.width, s.num_frames)
+
+    def encode_images(self, images: list) -> Tensor:
+        """PIL images of this run's size -> their clean latents [B, ...] where a rollout's final latents live
+        (`ImageBackend.encode_images`)."""
+        s = self.cfg.sample
+        return self.backend.encode_images(images, height=s.height, width=s.width)
+
+    def given_batch(self, prompts: list[str], metadata: list[dict], final_latents: Tensor, images=None) -> ImageBatch:
+        """A batch of given clean samples `final_latents` [B, ...] of `prompts`, nothing sampled: as a
+        `rollout(final_only=True)` with this run's schedule, guidance and conditioning images would record them
+        (`ImageBackend.final_trajectory`); `images`: the samples as images, if any. Offline DPO trains on it."""
+        s = self.cfg.sample
+        traj = self.backend.final_trajectory(
+            prompts,
+            final_latents,
+            num_steps=s.num_steps,
+            guidance_scale=s.guidance_scale,
+            height=s.height,
+            width=s.width,
+            num_frames=s.num_frames,
+            images=self.condition_images(metadata),
+        )
+        traj.images = images
+        return ImageBatch(traj=traj, prompts=list(prompts), metadata=list(metadata), images=images)
+
     def ensure_reference(self) -> None:
         """The reference policy for an objective that needs one: a LoRA's is the adapter off; full fine-tuning keeps a
         frozen copy of the starting denoiser (made at the first call). Before wrapping or sharding."""

@@ -67,7 +67,8 @@ def attention_backends(device: torch.device, *, cudnn: bool) -> None:
 def progress_postfix(metrics: dict, objective) -> dict[str, str]:
     """What the progress bar shows after an epoch: the mean reward, and the objective's own fields (GRPO: the first
     minibatch's ratio; DPO: its pairs)."""
-    return {"reward": f"{metrics['reward/total_mean']:.3f}", **objective.progress(metrics)}
+    reward = {"reward": f"{metrics['reward/total_mean']:.3f}"} if "reward/total_mean" in metrics else {}
+    return {**reward, **objective.progress(metrics)}
 
 
 class Trainer:
@@ -119,6 +120,7 @@ class Trainer:
         check_prompt_lengths(self.policy, prompt_sets, warn=self.main)  # and silences the libraries' own logs
         # before the strategy wraps or shards the model: an objective may add to it (NFT's "old" adapter)
         self.objective = build_objective(cfg, self.policy, self.acc.num_processes)
+        self.objective.check_data(self.train_set)
         self.world = self.acc.num_processes
         self.batch_total = cfg.sample.prompts_per_epoch * cfg.sample.group_size
         if self.batch_total % self.world:
@@ -262,6 +264,36 @@ class Trainer:
         if cfg.train.schedule_over == "budget":  # the lr's position in a run that ends on its time budget
             self.updater.budget_fraction = self.dist.largest(self.budget_spent() / (60 * cfg.train.max_minutes))
         t0, cpu0 = time.perf_counter(), time.process_time()
+        if self.objective.scores_batch:
+            batch, adv, keep, metrics, worker = self.scored_rollout(epoch)
+        else:  # the batch says which sample is preferred (offline DPO's pairs): no reward scores it
+            with self.timer("rollout"):
+                batch = self.rollout(epoch)
+            self.stop_if_asked(epoch, mid_epoch=False)
+            adv, keep, metrics = torch.zeros(len(batch.prompts)), torch.ones(len(batch.prompts), dtype=torch.bool), {}
+        with self.timer("train"):
+            metrics.update(self.update(batch, adv, keep, epoch))
+        self.state.epochs_done = epoch + 1
+        if self.rollouts is not None:  # the worker samples epoch+2 with these
+            self.send_weights()
+            metrics.update(worker)
+        self.state.samples_seen += self.batch_total
+        seconds = time.perf_counter() - t0
+        self.state.train_wall_seconds += seconds
+        self.state.train_cpu_seconds += time.process_time() - cpu0
+        metrics.update({f"time/{k}": v for k, v in self.timer.pop().items()})
+        metrics["time/train_wall_minutes"] = self.state.train_wall_seconds / 60
+        metrics["time/train_process_minutes"] = self.state.train_cpu_seconds / 60
+        metrics["perf/samples_per_s"] = self.batch_total / seconds
+        metrics["perf/trained_steps_x_samples_per_s"] = metrics["policy/trained_units"] / seconds
+        metrics["lr"] = self.opt.param_groups[0]["lr"]
+        return metrics
+
+    # ------------------------------------------------------------------------------ the phases
+
+    def scored_rollout(self, epoch: int) -> tuple:
+        """The epoch's rollout, its scores and advantages: (batch, adv, keep, metrics, the async worker's metrics)."""
+        cfg, worker = self.cfg, None
         overlapped = self.scorer.overlapped()  # rollout.overlap_rewards: rewards scored during the rollout
         with OverlappedScoring(self.scorer, overlapped) if overlapped else contextlib.nullcontext() as overlap:
             with self.timer("rollout"):
@@ -287,27 +319,9 @@ class Trainer:
         metrics["reward/nonfinite_count"] = invalid
         if cfg.log.completions_every and epoch % cfg.log.completions_every == 0:
             self.scorer.log_outputs(batch, scores, adv, epoch, extra)
-        with self.timer("train"):
-            metrics.update(self.update(batch, adv, keep, epoch))
-        self.state.epochs_done = epoch + 1
-        if self.rollouts is not None:  # the worker samples epoch+2 with these
-            self.send_weights()
-            metrics.update(worker)
-        self.state.samples_seen += self.batch_total
-        seconds = time.perf_counter() - t0
-        self.state.train_wall_seconds += seconds
-        self.state.train_cpu_seconds += time.process_time() - cpu0
-        metrics.update({f"time/{k}": v for k, v in self.timer.pop().items()})
         if overlapped:
             metrics["time/reward_thread"] = overlap.busy  # what the thread scored, mostly while the rollout sampled
-        metrics["time/train_wall_minutes"] = self.state.train_wall_seconds / 60
-        metrics["time/train_process_minutes"] = self.state.train_cpu_seconds / 60
-        metrics["perf/samples_per_s"] = self.batch_total / seconds
-        metrics["perf/trained_steps_x_samples_per_s"] = metrics["policy/trained_units"] / seconds
-        metrics["lr"] = self.opt.param_groups[0]["lr"]
-        return metrics
-
-    # ------------------------------------------------------------------------------ the phases
+        return batch, adv, keep, metrics, worker
 
     def rollout_request(self, epoch: int) -> dict:
         """What this process samples in epoch `epoch`: P prompts x G, laid out prompt-major and cut into `world`
