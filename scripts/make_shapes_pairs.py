@@ -8,8 +8,9 @@ samples/shapes_pairs/images/*.png  the chosen image (the prompt rendered correct
                                    rejected one (a variant with one flaw: a wrong colour, a wrong count, the
                                    opposite position, or an object the prompt does not ask for)
 
-The prompts are the training split's, taken round the six GenEval families in turn (a seeded order within each),
-so each family has a sixth of the pairs. Every chosen image scores 1 and every rejected one 0 on the strict
+The prompts are the training split's less the validation split (samples/shapes/train_minus_val.jsonl, so that
+settings chosen on val.jsonl never trained on its prompts), taken round the six GenEval families in turn (a seeded
+order within each), so each family has a sixth of the pairs. Every chosen image scores 1 and every rejected one 0 on the strict
 shapes_geneval detector (the script checks it).
 
 python scripts/make_shapes_pairs.py [--out samples/shapes_pairs] [--pairs 64] [--seed 0]
@@ -71,7 +72,7 @@ def make_pairs(n: int, seed: int) -> list[tuple[dict, np.ndarray, np.ndarray, st
     from flowrl.worlds.shapes import FAMILIES, draw, prompts_of_split, render, score_images
 
     rng = np.random.default_rng(seed)
-    train = prompts_of_split("train")
+    train = prompts_of_split("train_minus_val")
     queues = {f: [r for r in train if r["family"] == f] for f in FAMILIES}
     order = {f: [] for f in FAMILIES}
     pairs = []

@@ -312,7 +312,7 @@ def test_the_shipped_pairs_raise_the_implicit_reward_margin_on_the_shapes_model(
 
 
 def test_the_shipped_pairs_are_what_the_script_writes(tmp_path):
-    """samples/shapes_pairs: 64 training prompts' pairs, a sixth of each GenEval family, every chosen image correct
+    """samples/shapes_pairs: 64 training prompts' pairs (none of the validation split's), a sixth of each GenEval family, every chosen image correct
     and every rejected one wrong on the strict detector, under 100 KB; and a fresh run of the script writes them."""
     import importlib.util
 
@@ -327,7 +327,7 @@ def test_the_shipped_pairs_are_what_the_script_writes(tmp_path):
     names = sorted(p.name for p in (shipped / "images").glob("*.png"))
     assert names == sorted(p.name for p in (tmp_path / "images").glob("*.png")) and len(names) == 128
     rows = load_jsonl(shipped / "pairs.jsonl")
-    train = {r["prompt"] for r in prompts_of_split("train")}
+    train = {r["prompt"] for r in prompts_of_split("train_minus_val")}  # never a validation prompt
     assert {r["prompt"] for r in rows} <= train and [r["family"] for r in rows[:6]] == list(FAMILIES)
     for side, want in (("chosen", 1.0), ("rejected", 0.0)):
         images = []
