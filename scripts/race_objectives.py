@@ -89,6 +89,16 @@ OBJECTIVE_SETTINGS: dict[str, list[str]] = {
     "crd": ["train.objective=crd", "train.crd.timesteps=4", "train.crd.kl_cfg=3.0"],
     # DGPO at its defaults (4 shared training times, beta 100, DSM clipping against the EMA policy)
     "dgpo": ["train.objective=dgpo"],
+    # offline DPO on the 64 shipped pairs (samples/shapes_pairs: training prompts less the validation split), 8 pairs
+    # an epoch in 4 optimizer steps (as online DPO's pairs per step), DPO's beta and 4 training times
+    "dpo_offline": [
+        "train.objective=dpo_offline",
+        "train.dpo_offline.pairs=samples/shapes_pairs/pairs.jsonl",
+        "sample.group_size=2",
+        "train.minibatch_size=4",
+        "train.dpo_offline.beta=100",
+        "train.dpo_offline.timesteps=4",
+    ],
 }
 
 
