@@ -10,8 +10,8 @@ samples/shapes_pairs/images/*.png  the chosen image (the prompt rendered correct
 
 The prompts are the training split's less the validation split (samples/shapes/train_minus_val.jsonl, so that
 settings chosen on val.jsonl never trained on its prompts), taken round the six GenEval families in turn (a seeded
-order within each), so each family has a sixth of the pairs. Every chosen image scores 1 and every rejected one 0 on the strict
-shapes_geneval detector (the script checks it).
+order within each), so each family has a sixth of the pairs. Every chosen image scores 1 and every rejected one 0
+on the strict shapes_geneval detector (the script checks it).
 
 python scripts/make_shapes_pairs.py [--out samples/shapes_pairs] [--pairs 64] [--seed 0]
 """

@@ -312,8 +312,9 @@ def test_the_shipped_pairs_raise_the_implicit_reward_margin_on_the_shapes_model(
 
 
 def test_the_shipped_pairs_are_what_the_script_writes(tmp_path):
-    """samples/shapes_pairs: 64 training prompts' pairs (none of the validation split's), a sixth of each GenEval family, every chosen image correct
-    and every rejected one wrong on the strict detector, under 100 KB; and a fresh run of the script writes them."""
+    """samples/shapes_pairs: 64 training prompts' pairs (none of the validation split's), a sixth of each GenEval
+    family, every chosen image correct and every rejected one wrong on the strict detector, under 100 KB; and a fresh
+    run of the script writes them."""
     import importlib.util
 
     from flowrl.worlds.shapes import FAMILIES, load_jsonl, prompts_of_split, score_images

@@ -67,7 +67,7 @@ def test_every_preset_switches_objective_with_one_key(preset):
                 load_config(preset, [f"train.objective={name}"])
             continue
         sizes = []
-        if get_objective(name).whole_groups and any(
+        if get_objective(name).group_batches and any(
             getattr(base.train, key) % base.sample.group_size for key in ("minibatch_size", "micro_batch_size")
         ):
             with pytest.raises(ConfigError, match="multiple of sample.group_size"):

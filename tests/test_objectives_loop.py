@@ -257,7 +257,7 @@ def test_one_epoch_trains_and_checkpoints(name, objective, model_path, tmp_path)
             "train.epochs=1",
             "train.minibatch_size=4",
             # a micro-batch of 2 samples, or of one whole group for an objective with group-level terms
-            f"train.micro_batch_size={4 if get_objective(objective).whole_groups else 2}",
+            f"train.micro_batch_size={4 if get_objective(objective).group_batches else 2}",
             frames(name),
             *data,
         )

@@ -1,4 +1,4 @@
-"""An objective with group-level terms (`Objective.whole_groups`, e.g. DGPO's group preference) gets whole groups in
+"""An objective with group-level terms (`Objective.group_batches`, e.g. DGPO's group preference) gets whole groups in
 every minibatch and micro-batch: the update shuffles groups, micro-batches are cut at group boundaries, and a
 minibatch or micro-batch size that is not a multiple of the group size is refused before the model loads."""
 
@@ -18,7 +18,7 @@ ARGS = [*TINY_RUN, "eval.num_steps=2", "eval.num_prompts=1", "sample.prompts_per
 @pytest.fixture
 def whole_groups(monkeypatch):
     """The forward-process objective dpo, declared as one with group-level terms."""
-    monkeypatch.setattr(get_objective("dpo"), "whole_groups", True)
+    monkeypatch.setattr(get_objective("dpo"), "group_batches", True)
 
 
 def groups_of(batch, idx: torch.Tensor) -> list[int]:

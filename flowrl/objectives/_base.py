@@ -54,7 +54,7 @@ class Objective:
     #: True: the loss has group-level terms (a sum or mean over a prompt's samples, e.g. DGPO's group preference),
     #: so every minibatch and micro-batch holds whole groups of sample.group_size: the update shuffles groups, not
     #: samples, and train.minibatch_size / train.micro_batch_size must be multiples of the group size
-    whole_groups: ClassVar[bool] = False
+    group_batches: ClassVar[bool] = False
     #: False: its batch says which sample is preferred (offline DPO's pairs), so no reward scores the epoch's batch
     #: and the advantages are 0 (the evals still score with the configured rewards)
     scores_batch: ClassVar[bool] = True
@@ -82,7 +82,7 @@ class Objective:
                 f"(backend={'/'.join(cls.backends)}), not backend={cfg.backend}; use train.objective=grpo"
             ]
         problems = []
-        if cls.whole_groups:
+        if cls.group_batches:
             g = cfg.sample.group_size
             for key in ("minibatch_size", "micro_batch_size"):
                 n = getattr(cfg.train, key)

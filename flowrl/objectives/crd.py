@@ -6,7 +6,7 @@ against the old one's, at the same x_t). Within each prompt's group (and trainin
 external reward r = 1/2 + 1/2 clip(A / adv_clip, -1, 1) are centred, and the loss (core.crd_loss) matches
 beta R_theta_c to R_c, plus a KL toward the base model guided at kl_cfg, its weight growing with r. After each
 epoch's update both snapshots move toward the trained policy on their own schedule (core.crd_decay). Micro-batches
-hold whole groups (`whole_groups`), so the group means are taken within one; the released code (Flow-Factory's
+hold whole groups (`group_batches`), so the group means are taken within one; the released code (Flow-Factory's
 trainers/crd.py) centres over its micro-batch instead.
 """
 
@@ -103,7 +103,7 @@ class CRD(ForwardProcessObjective):
     title = "CRD"
     Settings = CRDSettings
     sampling_shadow = "sampling"
-    whole_groups = True
+    group_batches = True
 
     def __init__(self, cfg, policy, num_processes=1):
         super().__init__(cfg, policy, num_processes)

@@ -3,7 +3,7 @@ forward process of ODE rollouts.
 
 The loss is core.dgpo_loss: each sample's flow-matching error weighted by its advantage and by its group's preference
 weight sigmoid(s_g), s_g = sum_i A_i beta (l_i - l_i^ref) / G. The group sum runs inside a micro-batch, so the
-objective takes whole groups (`whole_groups`: the update shuffles groups and cuts micro-batches at group
+objective takes whole groups (`group_batches`: the update shuffles groups and cuts micro-batches at group
 boundaries). As in Flow-Factory's DGPO trainer (X-GenGroup/Flow-Factory, trainers/dgpo.py), whose defaults these
 are:
 
@@ -101,7 +101,7 @@ class DGPO(ForwardProcessObjective):
     name = "dgpo"
     title = "DGPO"
     Settings = DGPOSettings
-    whole_groups = True
+    group_batches = True
     distinct_times = False  # strata repeat steps when there are more times than steps in the range
 
     def __init__(self, cfg, policy, num_processes=1):

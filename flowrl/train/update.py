@@ -64,7 +64,7 @@ class Updater:
         if batch_local % self.minibatch:
             raise ValueError(f"train.minibatch_size={self.minibatch} must divide the per-process batch {batch_local}")
         self.per_pass = batch_local // self.minibatch  # minibatches (slots) of one pass over the batch
-        local = objective.groups_split() if objective.whole_groups else None
+        local = objective.groups_split() if objective.group_batches else None
         if local is not None:
             raise ValueError(
                 f"train.objective={objective.name} computes group-level terms on one process, but the per-process "
@@ -207,9 +207,9 @@ class Updater:
 
     def shuffle(self, batch, gen: torch.Generator) -> torch.Tensor:
         """The order of an inner epoch's pass over the batch [B]: a random permutation of the samples, or, for an
-        objective with group-level terms (`whole_groups`), of the groups, each group's samples kept together in
+        objective with group-level terms (`group_batches`), of the groups, each group's samples kept together in
         batch order (so that every minibatch of a multiple of the group size holds whole groups)."""
-        if not self.objective.whole_groups:
+        if not self.objective.group_batches:
             return torch.randperm(self.batch_local, generator=gen)
         groups = batch.group_ids.cpu().unique()  # sorted
         order = groups[torch.randperm(len(groups), generator=gen)]
@@ -224,7 +224,7 @@ class Updater:
             return []
         if not (micro and micro < len(idx)):
             return [idx]
-        if not self.objective.whole_groups:
+        if not self.objective.group_batches:
             return list(idx.split(micro))
         gids = batch.group_ids.cpu()[idx]
         starts = [0] + [i for i in range(1, len(idx)) if gids[i] != gids[i - 1]]
