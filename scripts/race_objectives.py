@@ -15,7 +15,8 @@ split (samples/shapes/out_of_template.jsonl).
 `--split val` races for choosing settings (issue 39): each run trains on the training prompts less the validation
 split (samples/shapes/train_minus_val.jsonl) and its curve is on the validation split (samples/shapes/val.jsonl);
 the test split is read once per run, on its final weights (`test_after`, against the base model's), and the table
-gains that column. Its results go to their own folder (default samples/shapes/race/val-runs).
+gains that column. Its results go to their own folder (default samples/shapes/race/val-runs), its table and plot to
+race-val.md, race-val.json and race-val.png beside it.
 
 Each finished (objective, seed) leaves a small JSON in --results (default samples/shapes/race/runs, committed): its
 curve, its settings and its out-of-template accuracy. A run with a result file is not run again, so the race resumes
@@ -349,10 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     for run in runs:
         results.setdefault(run["objective"], []).append({**run, "oot_before": base})
     report = args.results.parent
-    (report / "race.json").write_text(json.dumps(results, indent=1))
+    stem = "race-val" if args.split == "val" else "race"  # a validation race does not overwrite the test race's
+    (report / f"{stem}.json").write_text(json.dumps(results, indent=1))
     table = summarise(results, test_base)
-    (report / "race.md").write_text("\n".join(table) + "\n")
-    plot(results, report / "race.png")
+    (report / f"{stem}.md").write_text("\n".join(table) + "\n")
+    plot(results, report / f"{stem}.png")
     print("\n".join(table))
     return 0
 

@@ -53,7 +53,8 @@ def test_a_validation_race_reports_the_test_split_once_per_run(tmp_path):
     (results / "test-base.json").write_text(json.dumps({race.HEADLINE: 0.299}))
     argv = ["--split", "val", "--report", "--objectives", "dpo", "--seeds", "0", "1", "2"]
     assert race.main([*argv, "--results", str(results), "--out", str(tmp_path / "out")]) == 0
-    table = (tmp_path / "race.md").read_text().splitlines()
+    assert not (tmp_path / "race.md").exists()  # the test-split race's table is left alone
+    table = (tmp_path / "race-val.md").read_text().splitlines()
     assert "gain on val" in table[0] and table[0].endswith("test gain of the final weights, median (min - max) |")
     # val gains +0.22, +0.14, +0.00; test gains 0.50 - 0.299 etc.: median +0.111 (+0.001 - +0.201)
     assert "| dpo | 3 | +0.140 (+0.000 - +0.220) |" in table[2]
