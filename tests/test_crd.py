@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from test_objectives_loop import TINY as LOOP_TINY
 
 from flowrl import core
 from flowrl.config import ConfigError, load_config
@@ -166,22 +167,7 @@ def test_the_decay_schedule_by_hand():
 
 # ------------------------------------------------------------------------------------ the objective
 
-TINY = [
-    "sample.height=32",
-    "sample.width=32",
-    "sample.num_steps=4",
-    "sample.max_sequence_length=16",
-    "sample.prompts_per_epoch=2",
-    "sample.group_size=4",
-    "eval.num_steps=2",
-    "eval.num_prompts=1",
-    "eval.before=false",
-    "eval.grid=false",
-    "log.progress=false",
-    "model.device=cpu",
-    "train.lr=3e-3",
-    "train.objective=crd",
-]
+TINY = [*LOOP_TINY, "train.objective=crd"]  # the objectives loop tests' tiny run
 
 
 def tiny(run_dir, *extra):

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from test_objectives_loop import TINY as LOOP_TINY
 
 from flowrl import core
 from flowrl.config import ConfigError, load_config
@@ -19,22 +20,7 @@ from flowrl.train import Trainer
 
 torch.set_num_threads(1)
 
-TINY = [
-    "sample.height=32",
-    "sample.width=32",
-    "sample.num_steps=4",
-    "sample.max_sequence_length=16",
-    "sample.prompts_per_epoch=2",
-    "sample.group_size=4",
-    "eval.num_steps=2",
-    "eval.num_prompts=1",
-    "eval.before=false",
-    "eval.grid=false",
-    "log.progress=false",
-    "model.device=cpu",
-    "train.lr=3e-3",
-    "train.objective=elbo",
-]
+TINY = [*LOOP_TINY, "train.objective=elbo"]  # the objectives loop tests' tiny run
 
 
 def tiny_cfg(run_dir, *extra):
