@@ -219,7 +219,7 @@ def plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
         (
             "batch",
             f"{local} samples per GPU per epoch, minibatch {minibatch}"
-            + (" pairs (a group's best and worst)" if obj.unit == "pairs" else "")
+            + (" pairs (a winner with its loser)" if obj.unit == "pairs" else "")
             + f", micro-batch {micro}, "
             f"gradient checkpointing {'on' if t.gradient_checkpointing else 'off'}",
         ),
