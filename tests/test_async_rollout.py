@@ -194,6 +194,33 @@ def test_a_killed_worker_is_one_line_and_the_run_resumes_exactly(tmp_path):
     assert [r[key] for r in rows if key in r] == [r[key] for r in straight_rows if key in r]
 
 
+def test_a_worker_that_dies_while_its_batch_is_in_the_queue_is_one_line(tmp_path):
+    """The worker put its batch and died before the trainer took it: the batch's tensors are file descriptors the
+    dead worker can no longer hand over (receiving them raises ConnectionRefusedError); one line, as a worker that
+    died while sampling (seen in CI under load)."""
+    over = [*TINY, f"log.run_dir={tmp_path}", "train.objective=dpo", "checkpoint.every=1", "train.epochs=4"]
+    tr = Trainer(load_config(None, over))
+    update = tr.update
+
+    def kill_after_second(batch, adv, keep, epoch):
+        out = update(batch, adv, keep, epoch)
+        if epoch == 1:
+            proc = tr.rollouts.process
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join()
+
+            def lost(*args, **kwargs):
+                raise ConnectionRefusedError(111, "Connection refused")
+
+            tr.rollouts.results.get = lost
+        return out
+
+    tr.update = kill_after_second
+    with pytest.raises(RolloutWorkerError, match=r"died during epoch 3's rollout with exit code -9; resume with"):
+        tr.fit()
+    assert tr.state.epochs_done == 2 and (tmp_path / "ckpt-000002").is_dir()
+
+
 SCRIPT = """
 import sys
 sys.path.insert(0, {tests!r})

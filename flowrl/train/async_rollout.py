@@ -136,6 +136,12 @@ class AsyncRollout:
         self.asked = None
         return batch, version, idle, seconds
 
+    def _died(self, what: str) -> RolloutWorkerError:
+        return RolloutWorkerError(
+            f"the rollout worker (rollout.async, pid {self.process.pid}) died during {what} with exit code "
+            f"{self.process.exitcode}; resume with checkpoint.resume=auto (or set rollout.async=false)"
+        )
+
     def _receive(self, kind: str, what: str, waiting=None):
         while True:
             try:
@@ -144,12 +150,15 @@ class AsyncRollout:
                 if waiting is not None:
                     waiting()
                 if not self.process.is_alive():
-                    code = self.process.exitcode
-                    raise RolloutWorkerError(
-                        f"the rollout worker (rollout.async, pid {self.process.pid}) died during {what} with exit "
-                        f"code {code}; resume with checkpoint.resume=auto (or set rollout.async=false)"
-                    ) from None
+                    raise self._died(what) from None
                 continue
+            except (OSError, EOFError):
+                # a batch the worker put just before it died: its tensors travel as file descriptors that the dead
+                # worker can no longer hand over (ConnectionRefusedError); the batch is lost with the worker
+                self.process.join(timeout=10)
+                if self.process.is_alive():
+                    raise
+                raise self._died(what) from None
             if got == "error":
                 raise RolloutWorkerError(
                     f"the rollout worker (rollout.async) failed during {what}: {payload}; resume with "
