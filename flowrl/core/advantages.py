@@ -49,15 +49,17 @@ def group_index(group_ids: Tensor | Sequence[Hashable], n: int, device=None) -> 
     return index, num_groups
 
 
+def group_sums(x: Tensor, index: Tensor, num_groups: int) -> Tensor:
+    """The sum of x over each group: x [N], index [N] (`group_index`) -> [G], differentiable in x."""
+    return torch.zeros(num_groups, dtype=x.dtype, device=x.device).index_add(0, index, x)
+
+
 def _group_stats(rewards: Tensor, index: Tensor, num_groups: int, unbiased: bool):
     """Per-sample (count, mean, std, range) of the sample's group, each [N]."""
-    counts = torch.zeros(num_groups, dtype=rewards.dtype, device=rewards.device).index_add_(
-        0, index, torch.ones_like(rewards)
-    )
-    sums = torch.zeros_like(counts).index_add_(0, index, rewards)
-    mean = sums / counts
+    counts = group_sums(torch.ones_like(rewards), index, num_groups)
+    mean = group_sums(rewards, index, num_groups) / counts
     dev = rewards - mean[index]
-    sq = torch.zeros_like(counts).index_add_(0, index, dev * dev)
+    sq = group_sums(dev * dev, index, num_groups)
     denom = counts - 1 if unbiased else counts
     var = torch.where(denom > 0, sq / denom.clamp(min=1), torch.zeros_like(sq))
     hi = torch.full_like(counts, -torch.inf).scatter_reduce(0, index, rewards, "amax")

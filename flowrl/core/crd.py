@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .advantages import group_index
+from .advantages import group_index, group_sums
 from .objectives import OBJECTIVE_LOSSES, _dtype, _mean, _per_sample, _per_sample_msq, _same_shape
 
 #: CRD's losses of the centred rewards
@@ -71,15 +71,13 @@ def group_softmax(x: Tensor, group_ids: Tensor | Sequence[Hashable], temperature
     temperature (infinite) gives the uniform 1 / group size. x: [N]."""
     index, num_groups = group_index(group_ids, x.numel(), x.device)
     if temperature < 0:
-        counts = torch.zeros(num_groups, dtype=x.dtype, device=x.device).index_add_(0, index, torch.ones_like(x))
-        return 1.0 / counts[index]
+        return 1.0 / group_sums(torch.ones_like(x), index, num_groups)[index]
     if temperature == 0:
         raise ValueError("temperature 0 (hard selection) is not supported; use a negative (uniform) or positive one")
     z = x / temperature
     top = torch.full((num_groups,), -torch.inf, dtype=x.dtype, device=x.device).scatter_reduce(0, index, z, "amax")
     e = torch.exp(z - top[index])
-    sums = torch.zeros(num_groups, dtype=x.dtype, device=x.device).index_add_(0, index, e)
-    return e / sums[index]
+    return e / group_sums(e, index, num_groups)[index]
 
 
 def group_mean(x: Tensor, group_ids: Tensor | Sequence[Hashable], weights: Tensor | None = None) -> Tensor:
@@ -88,8 +86,7 @@ def group_mean(x: Tensor, group_ids: Tensor | Sequence[Hashable], weights: Tenso
     index, num_groups = group_index(group_ids, x.numel(), x.device)
     if weights is None:
         weights = group_softmax(x.detach(), group_ids, -1.0)
-    means = torch.zeros(num_groups, dtype=x.dtype, device=x.device).index_add(0, index, weights.to(x.dtype) * x)
-    return means[index]
+    return group_sums(weights.to(x.dtype) * x, index, num_groups)[index]
 
 
 def group_centred(x: Tensor, group_ids: Tensor | Sequence[Hashable], weights: Tensor | None = None) -> Tensor:

@@ -35,7 +35,7 @@ from collections.abc import Hashable, Sequence
 import torch
 from torch import Tensor
 
-from .advantages import group_index
+from .advantages import group_index, group_sums
 from .objectives import OBJECTIVE_LOSSES, _dtype, _mean, _per_sample, _per_sample_msq, _same_shape, forward_noising
 
 
@@ -72,7 +72,7 @@ def group_preference_weights(
     ref = _per_sample(ref_errors.detach(), errors, "ref_errors")
     index, num_groups = group_index(group_ids, errors.shape[0], errors.device)
     per_sample = adv * beta * (errors - ref) / group_size
-    s = torch.zeros(num_groups, dtype=dtype, device=errors.device).index_add_(0, index, per_sample)[index]
+    s = group_sums(per_sample, index, num_groups)[index]
     return torch.sigmoid(s), s
 
 
