@@ -178,10 +178,20 @@ class ForwardProcessObjective(Objective):
         stats["loss"] = total.detach()
         return total, stats
 
-    def reference_velocity(self, batch, rows, t, noise) -> Tensor:
-        """The reference policy's velocity (the adapter off, or the frozen copy) at the same points, no gradient."""
+    def reference_velocity(self, batch, rows, t, noise, guidance_scale: float = 1.0) -> Tensor:
+        """The reference policy's velocity (the adapter off, or the frozen copy) at the same points, no gradient;
+        guided at `guidance_scale` when it is above 1 (a CFG-guided teacher), else the CFG-free pass."""
+        guided = {"guidance_scale": guidance_scale} if guidance_scale > 1 else {}
         with torch.no_grad(), self.policy.reference():
-            return self.policy.flow_prediction(batch, rows, t, noise).velocity
+            return self.policy.flow_prediction(batch, rows, t, noise, **guided).velocity
+
+    def slot_groups(self, batch, idx: Tensor, unit: list[int]) -> Tensor:
+        """[K*b] long: for each of the unit's rows (slot-major, as `inputs`), an id of its sample's group at its time
+        slot: rows share an id iff they are one prompt's samples at one training time (the groups of CRD's centring
+        and DGPO's preference)."""
+        groups = batch.group_ids.cpu()[idx.cpu().repeat(len(unit))]
+        slots = torch.arange(len(unit)).repeat_interleave(len(idx))
+        return groups * len(unit) + slots
 
     def shadow_velocity(self, name: str, batch, rows, t, noise) -> Tensor:
         """Shadow policy `name`'s velocity at the same points, no gradient."""

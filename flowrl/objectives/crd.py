@@ -15,8 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
-import torch
-
 from flowrl import core
 from flowrl.ranges import AT_LEAST_0, POSITIVE, Range
 
@@ -150,21 +148,14 @@ class CRD(ForwardProcessObjective):
         rows, t, noise = self.inputs(batch, idx, unit)
         old = self.shadow_velocity("old", batch, rows, t, noise)
         pred = self.policy.flow_prediction(batch, rows, t, noise)
-        ref = None
-        if s.kl_beta > 0:
-            with torch.no_grad(), self.policy.reference():
-                guidance = s.kl_cfg if s.kl_cfg > 1 else None
-                ref = self.policy.flow_prediction(batch, rows, t, noise, guidance_scale=guidance).velocity
-        # centred within a prompt's group at one training-time slot (rows are slot-major: see `inputs`)
-        gids = batch.group_ids.cpu()
-        keys = gids[rows] + torch.arange(len(unit)).repeat_interleave(len(idx)) * (int(gids.max()) + 1)
+        ref = self.reference_velocity(batch, rows, t, noise, s.kl_cfg) if s.kl_beta > 0 else None
         r = core.optimality_probability(adv[rows].to(noise.device), clip=s.adv_clip)
         return core.crd_loss(
             pred.velocity,
             old,
             pred.target,
             r,
-            keys,
+            self.slot_groups(batch, idx, unit),  # centred within a prompt's group at one training time
             beta=s.beta,
             loss_type=s.loss,
             weight_temp=s.weight_temp,

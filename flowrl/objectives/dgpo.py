@@ -182,15 +182,10 @@ class DGPO(ForwardProcessObjective):
         rows, t, noise = self.inputs(batch, idx, unit)
         old = self.shadow_velocity("old", batch, rows, t, noise) if self.has_old(s) else None
         pred = self.policy.flow_prediction(batch, rows, t, noise)
-        base = None
-        if self.reference_note(s)[0]:
-            with torch.no_grad(), self.policy.reference():
-                guidance = s.kl_cfg if s.kl_cfg > 1 else None
-                base = self.policy.flow_prediction(batch, rows, t, noise, guidance_scale=guidance).velocity
+        base = self.reference_velocity(batch, rows, t, noise, s.kl_cfg) if self.reference_note(s)[0] else None
         a = adv.detach().float().cpu()[rows].clamp(-s.adv_clip, s.adv_clip)
         a = torch.where(self.keep[rows], a, torch.zeros_like(a)).to(noise.device)  # left-out samples: no term
-        slots = torch.tensor(unit).repeat_interleave(len(idx))
-        group_of_row = self.groups[rows] * len(unit) + slots  # a group at one time slot: one preference
+        group_of_row = self.slot_groups(batch, idx, unit)  # a group at one time slot: one preference
         return core.dgpo_loss(
             pred.velocity,
             old if s.use_ema_ref else base,
