@@ -148,7 +148,7 @@ def test_the_regional_compile_targets_resolve_for_every_family(backends):
 def test_each_accelerator_runs_on_some_family(backends):
     """No accelerator is declared only to be refused everywhere, except those flowrl's loop cannot drive."""
     runs = {a for f, a in PAIRS if ACCELERATORS.get(a).problem(backends(f)) is None}
-    assert runs == {"attention_backend", "first_block_cache", "taylorseer_cache", "mag_cache"}
+    assert runs == {"attention_backend", "autocast", "first_block_cache", "taylorseer_cache", "mag_cache"}
     assert ACCELERATORS.get("taylorseer_cache").problem(backends("sd3")) is None  # the demo's family
 
 
@@ -359,3 +359,46 @@ def test_the_cache_quality_benchmark_scores_each_setting_against_the_plain_rollo
 def test_mag_cache_without_ratios_names_the_command_that_measures_them():
     msg = _problems("rollout.acceleration=[mag_cache]", "train.objective=dpo")
     assert "needs mag_ratios" in msg and "flowrl calibrate CONFIG" in msg
+
+
+# ------------------------------------------------------------------------------------------- autocast
+
+
+def test_autocast_runs_the_denoiser_in_bfloat16_and_gives_float32_to_the_step_math(backends):
+    """Inside the rollout the denoiser's linear layers compute in bfloat16; what the denoiser returns (and so the
+    guidance, the step math and the recorded log-probs) is float32; after the rollout its forward is its own again."""
+    backend = backends("sd3")
+    den = backend.denoiser
+    seen = []
+    hooks = [
+        m.register_forward_hook(lambda m, a, o: seen.append(o.dtype))
+        for m in den.modules()
+        if isinstance(m, torch.nn.Linear)
+    ]
+    outs = []
+    top = den.register_forward_hook(lambda m, a, o: outs.append(o[0].dtype))
+    try:
+        with accelerated(backend, parse(["autocast"]), 4):
+            fast = _rollout(backend, "sd3")
+            assert "forward" in vars(den)
+        assert set(seen) == {torch.bfloat16} and outs and set(outs) == {torch.float32}
+        assert fast.log_probs.dtype == torch.float32 and fast.final_latents.dtype == torch.float32
+        assert "forward" not in vars(den)  # the class's forward again: the update and the eval run float32
+        seen.clear()
+        _rollout(backend, "sd3")
+        assert set(seen) == {torch.float32}
+    finally:
+        for h in [*hooks, top]:
+            h.remove()
+
+
+def test_autocast_is_lossy_refuses_a_low_precision_model_and_combines_with_one_step_cache():
+    msg = _problems("rollout.acceleration=[autocast]")
+    assert "autocast is lossy" in msg and "train.objective=grpo" in msg
+    msg = _problems("rollout.acceleration=[{name: autocast, dtype: float8}]", "train.objective=dpo")
+    assert "bfloat16, float16" in msg
+    both = ["autocast", {"name": "taylorseer_cache"}]
+    assert [s.name for s in parse(both)] == ["autocast", "taylorseer_cache"]  # a precision and a cache: allowed
+    bf16 = load_image_backend("tiny-sd3", dtype=torch.bfloat16)
+    why = ACCELERATORS.get("autocast").problem(bf16)
+    assert "already computes in bfloat16" in why and "model.dtype" in why

@@ -493,9 +493,10 @@ class RolloutConfig:
     """Accelerators of the image rollout's sampling (flowrl.sampling.acceleration), each a name or a mapping of its
     name and knobs, e.g. `[compile]` or `[{name: first_block_cache, threshold: 0.05}]`. Lossless ones (`compile`,
     `attention_backend`) keep the rollout on-policy; lossy ones (the step caches `first_block_cache`,
-    `taylorseer_cache`, `mag_cache`) change the samples' distribution and are refused for an objective that trains on
-    the rollout's log-probs (grpo). They are on during the rollout only: not in the update, the reference pass or the
-    evaluation. A family that cannot take one says why before sampling. [] = none."""
+    `taylorseer_cache`, `mag_cache`, and `autocast`: the denoiser in bfloat16) change the samples' distribution and
+    are refused for an objective that trains on the rollout's log-probs (grpo). They are on during the rollout only:
+    not in the update, the reference pass or the evaluation. A family that cannot take one says why before sampling.
+    [] = none."""
     overlap_rewards: bool = False
     """Score each rollout call's images (sample.rollout_batch_size of them) on a thread of their own while the next
     call samples, with the rewards that declare `per_sample = True` (their score of an image depends on it alone,

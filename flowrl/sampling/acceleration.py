@@ -131,7 +131,7 @@ def parse(entries: list) -> list[AcceleratorSpec]:
     for n in set(names):
         if names.count(n) > 1:
             raise ValueError(f"rollout.acceleration names {n} twice; give it once")
-    caches = [s.name for s in specs if not s.accelerator.lossless]
+    caches = [s.name for s in specs if issubclass(s.accelerator, StepCache)]
     if len(caches) > 1:
         raise ValueError(
             f"rollout.acceleration: {' and '.join(caches)} are both step caches, and a denoiser takes one at a "
@@ -343,6 +343,65 @@ def _quiet_diffusers():
         yield
     finally:
         logging.set_verbosity(level)
+
+
+# ------------------------------------------------------------------------------------------- lossy: precision
+
+
+@register
+class Autocast(Accelerator):
+    name = "autocast"
+    lossless = False
+    summary = "the denoiser's rollout forward in bfloat16 (or float16) under torch.autocast, float32 out"
+
+    @dataclass
+    class Knobs:
+        dtype: str = "bfloat16"
+        """The autocast dtype of the denoiser's matrix products and attention during the rollout: bfloat16 or
+        float16. Its output is cast back to float32, so classifier-free guidance, the step math and the recorded
+        log-probs stay float32."""
+
+        def __post_init__(self):
+            if self.dtype not in ("bfloat16", "float16"):
+                raise ValueError(f"dtype {self.dtype!r} is not one of bfloat16, float16")
+
+    @classmethod
+    def problem(cls, backend):
+        if backend.dtype != torch.float32:
+            return (
+                f"the denoiser already computes in {str(backend.dtype).removeprefix('torch.')} (model.dtype); "
+                "autocast lowers a float32 denoiser's rollout"
+            )
+        if backend.device.type not in ("cpu", "cuda"):
+            return f"torch.autocast on {backend.device.type} is not supported here (cpu and cuda are)"
+        return None
+
+    def enable(self, backend, knobs, num_steps):
+        den = _diffusers_model(backend)
+        forward, dtype, device = den.forward, getattr(torch, knobs.dtype), backend.device.type
+
+        def autocast_forward(*args, **kwargs):
+            with torch.autocast(device, dtype=dtype):
+                out = forward(*args, **kwargs)
+            return _as_float32(out)
+
+        den.forward = autocast_forward  # an instance attribute over the class's forward, deleted by disable
+        self._den = den
+
+    def disable(self, backend):
+        if "forward" in vars(self._den):
+            del self._den.forward
+
+
+def _as_float32(out):
+    """A denoiser's output (a tensor, a tuple, or diffusers' output dataclass) with its floating tensors float32."""
+    if isinstance(out, torch.Tensor):
+        return out.float() if out.is_floating_point() else out
+    if isinstance(out, tuple):
+        return type(out)(_as_float32(x) for x in out)
+    if isinstance(out, dict):  # diffusers' BaseOutput is an OrderedDict dataclass
+        return type(out)(**{k: _as_float32(v) for k, v in out.items()})
+    return out
 
 
 # ------------------------------------------------------------------------------------------- lossy: step caches
