@@ -402,3 +402,30 @@ def test_autocast_is_lossy_refuses_a_low_precision_model_and_combines_with_one_s
     bf16 = load_image_backend("tiny-sd3", dtype=torch.bfloat16)
     why = ACCELERATORS.get("autocast").problem(bf16)
     assert "already computes in bfloat16" in why and "model.dtype" in why
+
+
+def test_autocast_puts_back_the_forward_it_found_and_runs_under_a_step_cache(backends):
+    """A forward already set on the denoiser (a hook's wrapper) is the one autocast wraps and leaves in place; with a
+    step cache beside it the rollout runs and, after both, the plain rollout is the same as before."""
+    backend = backends("sd3")
+    den = backend.denoiser
+    plain = _rollout(backend, "sd3")
+    calls = []
+    own = den.forward
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return own(*args, **kwargs)
+
+    den.forward = wrapper
+    try:
+        with accelerated(backend, parse(["autocast"]), 4):
+            _rollout(backend, "sd3")
+        assert calls and vars(den)["forward"] is wrapper
+    finally:
+        del den.forward
+    with accelerated(backend, parse(["autocast", {"name": "taylorseer_cache", **KNOBS["taylorseer_cache"]}]), 4):
+        both = _rollout(backend, "sd3")
+    assert torch.isfinite(both.final_latents).all() and "forward" not in vars(den)
+    after = _rollout(backend, "sd3")
+    assert torch.equal(after.latents, plain.latents) and torch.equal(after.log_probs, plain.log_probs)

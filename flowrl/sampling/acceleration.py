@@ -385,11 +385,14 @@ class Autocast(Accelerator):
                 out = forward(*args, **kwargs)
             return _as_float32(out)
 
-        den.forward = autocast_forward  # an instance attribute over the class's forward, deleted by disable
-        self._den = den
+        # an instance attribute over the forward in place (the class's, or one a hook set before), put back by disable
+        self._den, self._previous = den, vars(den).get("forward")
+        den.forward = autocast_forward
 
     def disable(self, backend):
-        if "forward" in vars(self._den):
+        if self._previous is not None:
+            self._den.forward = self._previous
+        else:
             del self._den.forward
 
 
