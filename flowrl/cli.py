@@ -81,7 +81,9 @@ def _eval(args) -> int:
     base_dir = base_for_eval(args.base, args.checkpoint, evaluator.settings)
     with eval_signals() as signals:  # a signal abandons the eval between its batches: nothing is written
         policy = policy_from_checkpoint(cfg, args.checkpoint, args.weights, _device(cfg))
-        outputs, scores = evaluator.sample(policy, build_reward_fns(cfg, policy.reward_kind), stop=signals.stop_point)
+        outputs, scores = evaluator.sample(
+            policy, build_reward_fns(cfg, policy.reward_kind), stop=signals.stop_point, progress=cfg.log.progress
+        )
         signals.stop_point()
         out = Path(args.out) if args.out else None
         if out:

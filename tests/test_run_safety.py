@@ -564,19 +564,31 @@ def test_a_signal_during_the_final_eval_checkpoints_the_trained_run_and_logs_no_
 
 
 def test_the_eval_in_batches_is_the_eval_at_once_and_stops_between_them(tmp_path):
-    """With sample.rollout_batch_size the eval samples in batches of whole prompts: the same images as at once
-    (every image keeps its noise); its `stop` runs before each batch and each reward, and raising abandons it."""
+    """The eval samples in calls of whole prompts, the size of a training rollout's (the epoch batch, 8 images
+    here; sample.rollout_batch_size when set): the same images as at once (every image keeps its noise); its
+    `stop` runs before each batch and each reward, and raising abandons it."""
     from flowrl.train.signals import Abandoned
 
-    whole = Trainer(tiny_cfg(tmp_path / "a", "eval.num_prompts=3"))
-    batched = Trainer(tiny_cfg(tmp_path / "b", "eval.num_prompts=3", "sample.rollout_batch_size=1"))
-    images, scores = whole.evaluator.sample(whole.policy, whole.scorer.fns)
-    stops = []
-    images_b, scores_b = batched.evaluator.sample(batched.policy, batched.scorer.fns, stop=lambda: stops.append(1))
-    assert len(stops) == 3 + 1  # three batches of one prompt, one reward
-    for a, b in zip(images, images_b, strict=True):
-        assert np.abs(np.asarray(a, dtype=np.int16) - np.asarray(b, dtype=np.int16)).max() <= 1
-    torch.testing.assert_close(scores["jpeg_compressibility"], scores_b["jpeg_compressibility"], atol=1e-3, rtol=0)
+    eval3 = ["eval.num_prompts=3", "eval.images_per_prompt=3"]  # 9 images
+    default = Trainer(tiny_cfg(tmp_path / "a", *eval3))
+    batched = Trainer(tiny_cfg(tmp_path / "b", *eval3, "sample.rollout_batch_size=1"))
+    ev = default.evaluator
+    images, scores, _ = default.policy.evaluate_prompts(
+        ev.prompts, ev.meta, default.scorer.fns, ev.eval_cfg, per_call=10**6
+    )  # all 9 in one call
+    for tr, sizes in ((default, [6, 3]), (batched, [3, 3, 3])):  # whole prompts: 2 of 3 images fit in 8, 1 in 1
+        calls, stops, rollout = [], [], tr.policy.backend.rollout
+
+        def counted(prompts, *args, _rollout=rollout, **kwargs):
+            calls.append(len(prompts) * kwargs["group_size"])
+            return _rollout(prompts, *args, **kwargs)
+
+        tr.policy.backend.rollout = counted
+        images_b, scores_b = tr.evaluator.sample(tr.policy, tr.scorer.fns, stop=lambda: stops.append(1))
+        assert calls == sizes and len(stops) == len(sizes) + 1  # one reward
+        for a, b in zip(images, images_b, strict=True):
+            assert np.abs(np.asarray(a, dtype=np.int16) - np.asarray(b, dtype=np.int16)).max() <= 1
+        torch.testing.assert_close(scores[0], scores_b["jpeg_compressibility"], atol=1e-3, rtol=0)
 
     def stop_at_the_second():
         stops.append(2)
@@ -585,6 +597,35 @@ def test_the_eval_in_batches_is_the_eval_at_once_and_stops_between_them(tmp_path
 
     with pytest.raises(Abandoned):
         batched.evaluator.sample(batched.policy, batched.scorer.fns, stop=stop_at_the_second)
+
+
+def test_the_eval_calls_are_a_process_share_of_the_epoch_batch():
+    """Without sample.rollout_batch_size an eval call holds what one process's training rollout samples at once."""
+    from flowrl.eval.evaluator import images_per_call
+
+    cfg = tiny_cfg("unused").sample  # 2 prompts x 4 images an epoch
+    assert images_per_call(cfg) == 8 and images_per_call(cfg, processes=2) == 4
+    assert images_per_call(load_config(None, [*TINY, "sample.rollout_batch_size=2"]).sample, processes=2) == 2
+
+
+def test_the_eval_shows_a_progress_bar_over_its_images(tmp_path, capsys, monkeypatch):
+    import flowrl.eval.evaluator as evaluator
+
+    updates = []
+
+    class Recorded(evaluator.tqdm):
+        def update(self, n=1):
+            updates.append(n)
+            return super().update(n)
+
+    monkeypatch.setattr(evaluator, "tqdm", Recorded)
+    tr = Trainer(tiny_cfg(tmp_path / "run", "eval.num_prompts=3", "eval.images_per_prompt=3"))
+    tr.evaluator.sample(tr.policy, tr.scorer.fns, progress=True)
+    assert updates == [6, 3]  # after each call (2 prompts of 3 images in the epoch's 8, then 1)
+    err = capsys.readouterr().err
+    assert "eval: " in err and "/9 [" in err and "image/s" in err
+    tr.evaluator.sample(tr.policy, tr.scorer.fns)  # progress off by default (a library call)
+    assert "eval" not in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------ what a person sees

@@ -89,7 +89,8 @@ class SampleConfig:
     at least this many (save an epoch that spans the end of one pass and the start of the next); with fewer, some
     are drawn twice or more in every epoch, each time as a separate group (a warning says so)."""
     rollout_batch_size: int = 0
-    """Images per rollout forward (0 = the whole epoch batch at once)."""
+    """Images per rollout forward (0 = the whole epoch batch at once); the eval samples in calls of this many too
+    (0: of one process's epoch batch)."""
     max_sequence_length: int = 77
     """T5 tokens for SD3/FLUX prompts (tiny runs: 16-32)."""
     num_frames: int = 0

@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from flowrl.errors import FlowrlError
 from flowrl.offload import Parked, visiting
@@ -103,6 +104,16 @@ def merge_eval_shares(shares: list[tuple[list, dict[str, torch.Tensor]]]) -> tup
     return outputs, {k: torch.cat([sc[k] for out, sc in shares if out]) for k in keys}
 
 
+def images_per_call(sample_cfg, processes: int = 1) -> int:
+    """The images an eval samples per model call: sample.rollout_batch_size when set, else one process's share of
+    the training epoch's batch (prompts_per_epoch x group_size / processes), the most a training rollout samples
+    in one call. Chunking changes no image (each keeps its own initial noise) and keeps an eval of many prompts
+    within the memory that training's rollout needs."""
+    if sample_cfg.rollout_batch_size:
+        return sample_cfg.rollout_batch_size
+    return max(1, sample_cfg.prompts_per_epoch * sample_cfg.group_size // max(1, processes))
+
+
 class Evaluator:
     """The eval of a config: its plan (prompts, metadata and eval settings, fixed once), its sampling and scoring,
     and its comparison with the base model's eval. The feature backbone loads at its first use (with `offload`:
@@ -118,20 +129,47 @@ class Evaluator:
     # ---- sampling and scoring
 
     def sample(
-        self, policy, reward_fns: list, *, parked=(), rank: int = 0, world: int = 1, stop=None
+        self,
+        policy,
+        reward_fns: list,
+        *,
+        parked=(),
+        rank: int = 0,
+        world: int = 1,
+        stop=None,
+        processes: int | None = None,
+        progress: bool = False,
     ) -> tuple[list, dict[str, torch.Tensor]]:
         """(outputs [N], {reward or reward/component: scores [N]}) of the plan's prompts, prompt-major. With `world`
         processes each samples a contiguous share and every process gets the whole (a collective); `parked`: the
         rewards' offloaded models, put on their device while the eval runs; `stop()`: called between the eval's
         batches and rewards, it raises to abandon the eval (a stop signal; the shares' batches differ in number, so
-        it is for one process, or processes that sample every prompt alike)."""
+        it is for one process, or processes that sample every prompt alike). Images are sampled in calls of
+        `images_per_call(cfg.sample, processes)` (`processes`: the run's process count, `world` when not given),
+        the size of a training rollout's calls, so an eval fits where training does. `progress`: a bar over
+        this process's outputs."""
         share = -(-len(self.prompts) // world)
         part = slice(min(len(self.prompts), rank * share), min(len(self.prompts), (rank + 1) * share))
-        with contextlib.ExitStack() as on_device:
+        image = policy.reward_kind == "image"
+        bar = tqdm(
+            total=(part.stop - part.start) * (self.eval_cfg.images_per_prompt if image else 1),
+            desc="eval",
+            unit="image" if image else "completion",
+            leave=False,
+            disable=not progress,
+        )
+        with contextlib.ExitStack() as on_device, bar:
             for p in parked:
                 on_device.enter_context(visiting(p))
             outputs, per_reward, components = policy.evaluate_prompts(
-                self.prompts, self.meta, reward_fns, self.eval_cfg, part=part, stop=stop
+                self.prompts,
+                self.meta,
+                reward_fns,
+                self.eval_cfg,
+                part=part,
+                stop=stop,
+                per_call=images_per_call(self.cfg.sample, processes or world),
+                on_batch=bar.update,
             )
         scores = {spec.name: vals for spec, vals in zip(self.cfg.rewards, per_reward)}
         scores.update(components)

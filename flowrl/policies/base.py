@@ -140,10 +140,21 @@ class Policy(Protocol):
         the adapter off). Called by the objectives that need one, before the model is wrapped or sharded."""
 
     def evaluate_prompts(
-        self, prompts: list[str], metadata: list[dict], reward_fns: list, eval_cfg, part: slice | None = None, stop=None
+        self,
+        prompts: list[str],
+        metadata: list[dict],
+        reward_fns: list,
+        eval_cfg,
+        part: slice | None = None,
+        stop=None,
+        *,
+        per_call: int = 0,
+        on_batch=None,
     ) -> tuple[list, list[Tensor], dict[str, Tensor]]:
         """Held-out eval of `prompts[part]` (deterministic): (outputs, per-reward scores, components). `stop()`:
-        called between its batches and rewards; it raises to abandon the eval (a stop signal)."""
+        called between its batches and rewards; it raises to abandon the eval (a stop signal). `per_call`: the
+        images sampled per model call (0: the policy's own choice; text generates in batches of its own);
+        `on_batch(n)`: called after each batch with the number of outputs it made (a progress bar)."""
 
     def save_eval_outputs(self, outputs: list, prompts: list[str], path: Path, scores=None) -> Path:
         """Write eval outputs next to `path` (an image grid, a JSONL of completions); returns the file."""

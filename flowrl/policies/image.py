@@ -585,19 +585,33 @@ class ImagePolicy:
     # ---------------------------------------------------------------------------- eval / export
 
     @torch.no_grad()
-    def evaluate_prompts(self, prompts, metadata, reward_fns, eval_cfg, part: slice | None = None, stop=None):
+    def evaluate_prompts(
+        self,
+        prompts,
+        metadata,
+        reward_fns,
+        eval_cfg,
+        part: slice | None = None,
+        stop=None,
+        *,
+        per_call=0,
+        on_batch=None,
+    ):
         """ODE samples of `prompts[part]` (`eval_cfg.images_per_prompt` each, prompt-major) and their scores:
         (images, per-reward scores [n] each, {reward/component: [n]}). Image j of the whole list starts from the
         j-th initial noise drawn from `eval_cfg.seed`, whatever `part` is: sharing the prompts out over processes
-        (or sampling them in batches of sample.rollout_batch_size images) gives every image the noise it has in one
-        call. `stop()`: called before each batch and each reward; it raises to abandon the eval."""
+        (or sampling them in calls of `per_call` images, whole prompts: 0 takes sample.rollout_batch_size, and
+        0 there the whole share in one call) gives every image the noise it has in one call. `stop()`: called
+        before each batch and each reward; it raises to abandon the eval. `on_batch(k)`: called after each call
+        with its k images."""
         s = self.cfg.sample
         n = eval_cfg.images_per_prompt
         part = part or slice(0, len(prompts))
         mine, mine_meta = prompts[part], metadata[part]
         if not mine:
             return [], [torch.zeros(0) for _ in reward_fns], {}
-        per = max(1, s.rollout_batch_size // n) if s.rollout_batch_size else len(mine)  # prompts per batch
+        per_call = per_call or s.rollout_batch_size
+        per = max(1, per_call // n) if per_call else len(mine)  # prompts per batch
         noise = None
         if (part.start, part.stop) != (0, len(prompts)) or per < len(mine):  # the whole list's noise, then rows
             noise = self._noise(len(prompts) * n, eval_cfg.seed, eval_cfg.guidance_scale)[part.start * n :]
@@ -620,6 +634,8 @@ class ImagePolicy:
                 deterministic_context=self.merged_adapter,
             )
             images.extend(traj.images)
+            if on_batch is not None:
+                on_batch(len(traj.images))
         rep_prompts = [p for p in mine for _ in range(n)]
         rep_meta = [m for m in mine_meta for _ in range(n)]
         batch = ImageBatch(traj=None, prompts=rep_prompts, metadata=rep_meta, images=images)

@@ -725,22 +725,37 @@ class TextPolicy:
         return out[:, input_ids.shape[1] :]
 
     @torch.no_grad()
-    def evaluate_prompts(self, prompts, metadata, reward_fns, eval_cfg, part: slice | None = None, stop=None):
+    def evaluate_prompts(
+        self,
+        prompts,
+        metadata,
+        reward_fns,
+        eval_cfg,
+        part: slice | None = None,
+        stop=None,
+        *,
+        per_call=0,
+        on_batch=None,
+    ):
         """Greedy completions of the eval prompts `prompts[part]` and each reward's scores (None counts as 0):
         (completions, per-reward scores [n] each, {} components). The rewards are called as in training, with
         their log_metric / log_extra calls kept out of the training logs. `stop()`: called before each batch of
-        64 prompts and each reward; it raises to abandon the eval."""
+        64 prompts (`per_call` is the image policies' and is not used here) and each reward; it raises to abandon
+        the eval. `on_batch(k)`: called after each batch with its k completions."""
         from rewards import call_text_reward
 
         part = part or slice(0, len(prompts))
         prompts, metadata = list(prompts[part]), list(metadata[part])
         completions, ids = [], []
-        for i in range(0, len(prompts), 64):
+        per = 64
+        for i in range(0, len(prompts), per):
             if stop is not None:
                 stop()
-            texts, tids = self.generate_greedy(prompts[i : i + 64], metadata=metadata[i : i + 64])
+            texts, tids = self.generate_greedy(prompts[i : i + per], metadata=metadata[i : i + per])
             completions.extend(texts)
             ids.extend(tids)
+            if on_batch is not None:
+                on_batch(len(texts))
         columns = {k: [m.get(k) for m in metadata] for k in {k for m in metadata for k in m}}
         per_reward = []
         for fn in reward_fns:

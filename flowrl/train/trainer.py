@@ -437,6 +437,8 @@ class Trainer:
                     rank=rank,
                     world=world,
                     stop=self.stop_point if world == 1 else None,  # shares differ in batches: no collective inside
+                    processes=self.world,  # calls the size of a training rollout's, also when sharded (world 1)
+                    progress=self.main and self.cfg.log.progress,
                 )
             self.stop_point()
         except Abandoned:
