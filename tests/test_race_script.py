@@ -69,3 +69,40 @@ def test_a_validation_race_reports_the_test_split_once_per_run(tmp_path):
         assert "was raced with other settings" in str(e)
     else:
         raise AssertionError("a result of another split was mixed in")
+
+
+def test_the_frontier_lists_the_settings_nothing_beats_and_checks_the_demo_targets():
+    """Every (objective, minutes) is a setting: each run stopped at its last eval by then. Hand-computed: objective
+    a's seeds gain +0.20/+0.15 by minute 5 (TV 0.05 at most) and +0.34/+0.28 by minute 10 (TV 0.12 on seed 1);
+    b's gain less with less drift."""
+    race = race_module()
+
+    def run(minutes, accuracy, tv):
+        return {"curve": {"minutes": minutes, "accuracy": accuracy, "tv": tv}}
+
+    results = {
+        "a": [
+            run([0, 5, 10], [0.30, 0.50, 0.64], [None, 0.05, 0.08]),
+            run([0, 5, 10], [0.30, 0.45, 0.58], [None, 0.04, 0.12]),
+        ],
+        "b": [
+            run([0, 4, 9], [0.30, 0.40, 0.42], [None, 0.02, 0.03]),
+            run([0, 4, 9], [0.30, 0.35, 0.40], [0, 0.01, 0.02]),
+        ],
+    }
+    a10 = next(s for s in race.settings_at(results) if (s["objective"], s["minutes"]) == ("a", 10.0))
+    assert a10["seeds"] == 2 and abs(a10["median_gain"] - 0.31) < 1e-9 and abs(a10["min_gain"] - 0.28) < 1e-9
+    assert a10["max_tv"] == 0.12
+    front = [(s["objective"], s["minutes"]) for s in race.pareto(race.settings_at(results))]
+    # 7.5 repeats 5's evals (more minutes, no better): beaten; a and b at 2.5 are the base, equal, both kept
+    assert front == [("a", 2.5), ("b", 2.5), ("a", 5.0), ("b", 5.0), ("a", 10.0), ("b", 10.0)]
+    lines = race.frontier(results, "val")
+    assert "| a | 10 | 2 | +0.310 | +0.280 | 0.120 |" in lines
+    assert any(line.startswith("No setting meets the demo's targets") for line in lines)
+    assert lines[-1].startswith(
+        "Within their colour TV and minutes, the best worst-seed gain is +0.150 (median +0.175): a at 5 min"
+    )
+    results["a"][1]["curve"]["tv"][2] = 0.09  # now a at 10 minutes meets every target
+    lines = race.frontier(results, "val")
+    assert any(line.endswith("are met by: a at 10 min.") for line in lines)  # 12.5 and 15: past 10 minutes
+    assert lines[-1].endswith("+0.280 (median +0.310): a at 10 min, over 2 seeds.")
