@@ -270,3 +270,29 @@ def test_a_stop_signal_stops_and_joins_the_worker(tmp_path):
             break
         time.sleep(0.1)
     assert not os.path.exists(f"/proc/{pid}")
+
+
+def test_elbo_takes_its_ratio_against_the_version_that_sampled_the_batch(tmp_path):
+    """ELBO on-policy: "old" is the weights that sampled the batch. With a lag of one epoch those are the previous
+    version's, not the trained ones: "old" equals that version at the update's start and the first ratio is not 1
+    (it was exactly 1 when "old" was reset to the trained weights)."""
+    cfg = load_config(None, [*TINY, f"log.run_dir={tmp_path}", "train.objective=elbo"])
+    tr, seen, versions = recording_trainer(cfg)
+    olds, prepare = [], tr.objective.prepare
+
+    def record_old(batch, *args, **kwargs):
+        keep = prepare(batch, *args, **kwargs)
+        olds.append({n: w.detach().clone() for n, w in tr.policy.shadow_parameters("old").items()})
+        return keep
+
+    tr.objective.prepare = record_old
+    tr.fit()
+    assert [lag for _, _, lag in seen] == [0, 1, 1]
+    assert seen[0][1].sampled_with is None and seen[1][1].sampled_with is not None
+    for (epoch, _, lag), old in zip(seen, olds, strict=True):
+        trained = versions[epoch - lag][0]
+        assert all(torch.equal(old[n], trained[n]) for n in trained), f"epoch {epoch}"
+    assert any(not torch.equal(versions[0][0][n], versions[1][0][n]) for n in versions[0][0])
+    rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "policy/ratio_first" in r]
+    assert rows[0]["policy/ratio_first"] == 1.0  # the trained weights sampled epoch 0
+    assert all(r["policy/ratio_first_dev"] > 1e-6 for r in rows[1:])  # an older version sampled these

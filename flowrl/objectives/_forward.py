@@ -206,6 +206,15 @@ class ForwardProcessObjective(Objective):
         trained = self.policy.named_trainable_parameters()
         core.soft_update_([weights[n] for n, _ in trained], [p for _, p in trained], decay)
 
+    def load_shadow(self, shadow: str, weights: dict[str, Tensor]) -> None:
+        """shadow <- `weights` (by named_trainable_parameters' names, whole tensors: one process)."""
+        own = self.policy.shadow_parameters(shadow)
+        if own.keys() != weights.keys():
+            raise KeyError(f"shadow {shadow!r}: weights for {sorted(set(own) ^ set(weights))[:3]} do not match")
+        with torch.no_grad():
+            for n, w in own.items():
+                w.copy_(weights[n].to(w.device, w.dtype))
+
     def state_dict(self):
         return {
             f"{name}/{n}": full_tensor(w.detach()).cpu().contiguous()

@@ -12,9 +12,12 @@ The old policy is a shadow "old" (a second adapter, or a frozen copy in full fin
 (old_decay_rate 0) the trained weights sample and "old" is set to them when the epoch's update starts: before the
 first optimizer step of the epoch old = theta, so the loss takes theta's own detached estimate (no second forward
 pass) and the ratio is exactly 1, which the trainer's on-policy check (`policy/ratio_first`) sees; after a step, old
-is evaluated without gradient. With old_decay_rate > 0 (the authors' runs: 1e-3, cap 0.5) "old" samples the rollouts
-and follows the trained weights as DiffusionNFT's does, old <- lambda old + (1 - lambda) theta after each epoch's
-update; its ratio is then not 1 by design and is not reported to the on-policy check.
+is evaluated without gradient. With rollout.async the batch was sampled by the previous version of the trained
+weights (a lag of one epoch): "old" is set to that version, so the ratio is the trained policy's against the one
+that sampled, not 1, from the first step. With old_decay_rate > 0 (the authors' runs: 1e-3, cap 0.5) "old"
+samples the rollouts and follows the trained weights as DiffusionNFT's does, old <- lambda old + (1 - lambda) theta
+after each epoch's update; its ratio is then not 1 by design and is not reported to the on-policy check (with
+rollout.async the worker samples with "old" as it was one update earlier).
 """
 
 from __future__ import annotations
@@ -101,11 +104,17 @@ class ELBO(ForwardProcessObjective):
         return ("old",)
 
     def prepare(self, batch, adv, keep, *, epoch, process_index):
-        """The training times; on-policy (old_decay_rate 0), "old" becomes the weights that sampled the batch."""
+        """The training times; on-policy (old_decay_rate 0), "old" becomes the weights that sampled the batch: the
+        trained ones, or with rollout.async the older version that sampled it (`batch.sampled_with`), whose ratio
+        to the trained weights is then not 1 at the first step."""
         keep = super().prepare(batch, adv, keep, epoch=epoch, process_index=process_index)
+        older = getattr(batch, "sampled_with", None)
         if not self.lagging:
-            self.soft_update("old", 0.0)
-        self.old_is_theta = not self.lagging
+            if older is not None:
+                self.load_shadow("old", older)
+            else:
+                self.soft_update("old", 0.0)
+        self.old_is_theta = not self.lagging and older is None
         return keep
 
     def row_losses(self, batch, idx, unit, adv):

@@ -54,6 +54,9 @@ class ImageBatch:
     images: list  # [B] PIL images
     group_ids: Tensor | None = None  # [B] set by the trainer
     epoch_prompts: list[str] = field(default_factory=list)
+    #: rollout.async: the trained weights (named_trainable_parameters' names, on the CPU) that sampled the batch when
+    #: they are older than the trained ones (a version lag); None when the trained weights sampled it
+    sampled_with: dict[str, Tensor] | None = None
 
 
 @dataclass

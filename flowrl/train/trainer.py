@@ -392,6 +392,10 @@ class Trainer:
             w.ask(epoch + 1, self.rollout_request(epoch + 1))
         lag = self.state.epochs_done - version
         self.updater.version_lag = lag
+        if lag:  # the older weights that sampled it (an objective whose ratio needs the sampling policy's: ELBO)
+            if version not in w.sent:
+                raise RuntimeError(f"rollout.async: version {version}'s weights were not kept (have {sorted(w.sent)})")
+            batch.sampled_with = w.sent[version][0]
         req = self.rollout_request(epoch)
         batch.group_ids = torch.tensor(req["group_ids"])
         batch.epoch_prompts = req["epoch_prompts"]
