@@ -109,6 +109,7 @@ def _sample(args) -> int:
     """Images of each --prompt with seeds --seed, --seed + 1, ... (--num of them): flowrl.eval.samples."""
     from pathlib import Path
 
+    from .eval.evaluator import images_per_call
     from .eval.samples import sample_to_dir
     from .preflight import check_model, check_sample_images
     from .run.loading import policy_from_checkpoint
@@ -130,6 +131,8 @@ def _sample(args) -> int:
         num_steps=args.steps or cfg.eval.num_steps,
         guidance_scale=cfg.eval.guidance_scale,
         image_paths=args.image,
+        per_call=images_per_call(cfg.sample),  # a training rollout's call: what fits where training does
+        progress=cfg.log.progress,
     )
     print(f"wrote {count} images to {args.out} (listed in samples.jsonl)")
     return 0

@@ -163,3 +163,46 @@ def test_calibrate_prints_the_ratios_and_the_entry_that_uses_them(tmp_path, caps
     assert "mag_cache is not available for family sd3" in err
     err = one_line_error(capsys, 2, main(["calibrate", TINY_CFG, *flux, "--prompts", "0"]))
     assert "--prompts must be >= 1" in err
+
+
+def test_sample_calls_hold_per_call_images_and_each_call_is_written_at_once(tmp_path):
+    """flowrl sample's calls: whole prompts with all their seeds when they fit in `per_call`, else one prompt's seeds
+    in parts; what a call returned is on disk (and listed) even when a later call fails."""
+    from PIL import Image
+
+    from flowrl.eval.samples import sample_to_dir
+    from flowrl.policies.image import ImagePolicy
+
+    class Fake:
+        def __init__(self, fail_at=None):
+            self.calls, self.fail_at = [], fail_at
+
+        def sample(self, prompts, seeds, **kwargs):
+            self.calls.append((list(prompts), list(seeds)))
+            if len(self.calls) == self.fail_at:
+                raise RuntimeError("out of memory")
+            return [Image.new("RGB", (4, 4), (len(p), s, 0)) for p in prompts for s in seeds]  # prompt-major
+
+        save_sample = ImagePolicy.save_sample
+
+    fake = Fake()
+    fake.cfg = None  # save_sample reads the config only for videos
+    assert (
+        sample_to_dir(fake, ["a", "bb", "ccc"], [1, 2], tmp_path / "x", num_steps=1, guidance_scale=1, per_call=4) == 6
+    )
+    assert fake.calls == [(["a", "bb"], [1, 2]), (["ccc"], [1, 2])]
+    assert Image.open(tmp_path / "x" / "001_seed2.png").getpixel((0, 0)) == (2, 2, 0)  # prompt "bb", seed 2
+    listed = [json.loads(line) for line in (tmp_path / "x" / "samples.jsonl").read_text().splitlines()]
+    assert [(r["file"], r["prompt"], r["seed"]) for r in listed][:3] == [
+        ("000_seed1.png", "a", 1),
+        ("000_seed2.png", "a", 2),
+        ("001_seed1.png", "bb", 1),
+    ]
+    fake = Fake(fail_at=3)
+    fake.cfg = None
+    with pytest.raises(RuntimeError, match="out of memory"):
+        sample_to_dir(fake, ["a", "bb"], [1, 2, 3], tmp_path / "y", num_steps=1, guidance_scale=1, per_call=2)
+    assert fake.calls == [(["a"], [1, 2]), (["a"], [3]), (["bb"], [1, 2])]  # seeds in parts, one prompt a call
+    kept = sorted(p.name for p in (tmp_path / "y").iterdir())
+    assert kept == ["000_seed1.png", "000_seed2.png", "000_seed3.png", "samples.jsonl"]  # no temporary file left
+    assert len((tmp_path / "y" / "samples.jsonl").read_text().splitlines()) == 3

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 
 def sample_to_dir(
     policy,
@@ -15,17 +17,35 @@ def sample_to_dir(
     num_steps: int,
     guidance_scale: float,
     image_paths: list[str] | None = None,
+    per_call: int = 0,
+    progress: bool = False,
 ) -> int:
     """Sample every prompt with every seed (the deterministic ODE) into `out`, named `PPP_seedS.png` (prompt index,
     seed; a video model's `PPP_seedS.webp`), and list them in `out/samples.jsonl` (file, prompt, seed). Sample
-    (prompt, seed) is the same whatever else is sampled beside it. Returns how many were written."""
+    (prompt, seed) is the same whatever else is sampled beside it. The images are sampled about `per_call` at a time
+    (whole prompts with all their seeds when they fit, else one prompt's seeds in parts; 0: everything in one
+    call), and each is written when its call returns, so an interrupted run keeps what it sampled (the list is
+    rewritten after each call). `progress`: a bar over the images. Returns how many were written."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    images = policy.sample(prompts, seeds, num_steps=num_steps, guidance_scale=guidance_scale, image_paths=image_paths)
+    per_call = per_call or len(prompts) * len(seeds)
+    seeds_per_call = min(len(seeds), per_call)
+    prompts_per_call = max(1, per_call // len(seeds))  # whole prompts when all their seeds fit in a call
     rows = []
-    for i, prompt in enumerate(prompts):
-        for k, seed in enumerate(seeds):
-            path = policy.save_sample(images[i * len(seeds) + k], out / f"{i:03d}_seed{seed}")
-            rows.append({"file": path.name, "prompt": prompt, "seed": seed})
-    (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with tqdm(total=len(prompts) * len(seeds), desc="sample", unit="image", disable=not progress) as bar:
+        for first in range(0, len(prompts), prompts_per_call):
+            batch = prompts[first : first + prompts_per_call]
+            for start in range(0, len(seeds), seeds_per_call):
+                chunk = seeds[start : start + seeds_per_call]
+                images = policy.sample(
+                    batch, chunk, num_steps=num_steps, guidance_scale=guidance_scale, image_paths=image_paths
+                )  # prompt-major
+                for j, prompt in enumerate(batch):
+                    for k, seed in enumerate(chunk):
+                        path = policy.save_sample(images[j * len(chunk) + k], out / f"{first + j:03d}_seed{seed}")
+                        rows.append({"file": path.name, "prompt": prompt, "seed": seed})
+                listing = out / "samples.jsonl.tmp"
+                listing.write_text("".join(json.dumps(r) + "\n" for r in rows))
+                listing.replace(out / "samples.jsonl")
+                bar.update(len(images))
     return len(rows)

@@ -729,7 +729,9 @@ class ImagePolicy:
         stem.parent.mkdir(parents=True, exist_ok=True)
         if not is_video(sample):
             path = stem.with_name(stem.name + ".png")
-            sample.save(path)
+            tmp = stem.with_name(stem.name + ".tmp.png")
+            sample.save(tmp)  # then renamed: an interrupted write leaves no half image under the name
+            tmp.replace(path)
             return path
         wanted = "." + self.cfg.eval.video_format
         suffix = animation_suffix(wanted)
