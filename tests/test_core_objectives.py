@@ -18,6 +18,7 @@ from flowrl.core import (
     group_advantages,
     nft_loss,
     optimality_probability,
+    ranked_pairs,
     soft_update_,
     soft_update_decay,
 )
@@ -464,6 +465,42 @@ def test_best_worst_pairs_ties_singletons_and_flat_groups():
     # a: best 3.0 first at 1, worst 0.0 first at 3; b: all equal -> none; c: one sample -> none; d: 9 beats 8
     assert w.tolist() == [1, 9] and l.tolist() == [3, 8]
     assert w.dtype == torch.long and l.dtype == torch.long
+
+
+def test_ranked_pairs_by_hand():
+    """Group a [0.9, 0.1, 0.5, 0.5]: best-first 0, 2, 3, 1 and worst-first 1, 2, 3, 0: (0 over 1), then 2 against
+    itself is not strict. Group b (0/1 rewards, 3 of 8 correct): best-first 4, 6, 9, 5, ... worst-first 5, 7, 8, 10,
+    ...: 3 pairs, min(3, 5). Group c [0.2, 0.7]: one pair. A group of one or all equal: none."""
+    rewards = t64([0.9, 0.1, 0.5, 0.5, 1, 0, 1, 0, 0, 1, 0, 0, 0.2, 0.7, 3.0, 2.0, 2.0])
+    ids = ["a"] * 4 + ["b"] * 8 + ["c"] * 2 + ["d"] + ["e"] * 2
+    w, l = ranked_pairs(rewards, ids)
+    assert w.tolist() == [0, 4, 6, 9, 13] and l.tolist() == [1, 5, 7, 8, 12]
+    assert w.dtype == torch.long and l.dtype == torch.long
+    assert ranked_pairs(t64([]), [])[0].numel() == 0
+    with pytest.raises(ValueError, match="NaN"):
+        ranked_pairs(t64([1.0, float("nan")]), [0, 0])
+
+
+def test_ranked_pairs_are_disjoint_strict_and_start_with_best_worst():
+    """Random groups with many ties: every pair strictly ordered, no sample in two pairs, each group's first pair
+    is best_worst_pairs', and as many pairs as a brute-force count of the rank pairing gives."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        n = int(torch.randint(1, 30, (1,), generator=gen))
+        rewards = torch.randint(0, 3, (n,), generator=gen).double()
+        ids = torch.randint(0, 4, (n,), generator=gen)
+        w, l = ranked_pairs(rewards, ids)
+        assert bool((rewards[w] > rewards[l]).all()) and len(set(w.tolist()) | set(l.tolist())) == 2 * len(w)
+        assert bool((ids[w] == ids[l]).all())
+        bw, bl = best_worst_pairs(rewards, ids)
+        firsts = {}
+        for a, b in zip(w.tolist(), l.tolist()):
+            firsts.setdefault(int(ids[a]), (a, b))
+        assert sorted(firsts.values()) == sorted(zip(bw.tolist(), bl.tolist()))
+        for g in ids.unique().tolist():  # the k-th highest reward against the k-th lowest, while strictly higher
+            r = sorted(rewards[ids == g].tolist())
+            expected = sum(1 for k in range(len(r) // 2) if r[-1 - k] > r[k])
+            assert int((ids[w] == g).sum()) == expected
 
 
 def test_best_worst_pairs_tensor_ids_empty_and_nan():

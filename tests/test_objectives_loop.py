@@ -485,6 +485,26 @@ def test_dpo_pairs_each_groups_best_and_worst_sample(tmp_path):
         assert torch.equal(t[:2], t[2:]) and torch.equal(noise[:2], noise[2:]) and not torch.equal(t[0], t[1])
 
 
+def test_dpo_ranked_pairing_trains_several_pairs_a_group(tmp_path):
+    """train.dpo.pairing=ranked: in a group of 4 the best over the worst and the second best over the second worst
+    (when strictly better), each winner bringing its own loser; one epoch trains with them."""
+    tr = Trainer(tiny_cfg(tmp_path, "train.objective=dpo", "train.dpo.pairing=ranked"))
+    batch, scores, adv, keep = _epoch_inputs(tr)
+    obj = tr.objective
+    assert batch.group_ids.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    adv = torch.tensor([0.1, 0.9, -0.5, 0.3, 1.0, 0.0, 1.0, 0.0])
+    winners = obj.prepare(batch, adv, keep, epoch=0, process_index=0)
+    # group 0: 1 over 2, then 3 over 0; group 1 (0/1): 4 over 5, 6 over 7
+    assert winners.nonzero().flatten().tolist() == [1, 3, 4, 6]
+    assert obj.partner.tolist() == [-1, 2, -1, 0, 5, -1, 7, -1] and obj.pairs == 4
+    before = {n: p.detach().clone() for n, p in tr.named_params.items()}
+    metrics = tr.update(batch, adv, keep, epoch=0)
+    assert metrics["objective/dpo_pairs"] == 4.0
+    assert any(not torch.equal(before[n], p) for n, p in tr.named_params.items())
+    with pytest.raises(ConfigError, match="train.dpo_offline.pairing=ranked"):
+        tiny_cfg(tmp_path, "train.objective=dpo_offline", "train.dpo_offline.pairing=ranked")
+
+
 # ------------------------------------------------------------------------------------ config
 
 

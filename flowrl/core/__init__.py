@@ -47,6 +47,7 @@ from .objectives import (
     get_objective_loss,
     nft_loss,
     optimality_probability,
+    ranked_pairs,
     soft_update_,
     soft_update_decay,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "awm_loss",
     "awm_matching_loss",
     "best_worst_pairs",
+    "ranked_pairs",
     "clause_preferences",
     "clipped_surrogate",
     "dpo_loss",

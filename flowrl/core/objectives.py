@@ -398,6 +398,39 @@ def best_worst_pairs(rewards: Tensor, group_ids: Tensor | Sequence[Hashable]) ->
     return first_hi[has_pair], first_lo[has_pair]
 
 
+def ranked_pairs(rewards: Tensor, group_ids: Tensor | Sequence[Hashable]) -> tuple[Tensor, Tensor]:
+    """Online DPO's preference pairs, several per group: a group of n samples ranked from best to worst (ties by
+    index) and from worst to best (ties by index), the k-th best wins over the k-th worst for k < n // 2 while it is
+    strictly better. The pairs of a group are disjoint (no sample in two), and its first pair is
+    `best_worst_pairs`'s. With 0/1 rewards a group of c correct samples gives min(c, n - c) pairs.
+
+    rewards: [N]; group_ids: [N] -> (winners [P], losers [P]) long indices into the N samples, the groups in
+    `group_index`'s order and each group's pairs in order of k.
+    """
+    rewards = _float(rewards)
+    if rewards.ndim != 1:
+        raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
+    if torch.isnan(rewards).any():
+        raise ValueError("rewards contain NaN")
+    n = rewards.numel()
+    index, num_groups = group_index(group_ids, n, rewards.device)
+    winners, losers = [], []
+    for g in range(num_groups):
+        members = (index == g).nonzero().flatten()  # ascending sample index: a stable sort breaks ties by it
+        r = rewards[members]
+        best = members[torch.sort(r, descending=True, stable=True).indices]
+        worst = members[torch.sort(r, stable=True).indices]
+        for k in range(len(members) // 2):
+            if not rewards[best[k]] > rewards[worst[k]]:
+                break  # the k-th best is non-increasing and the k-th worst non-decreasing: no later pair is strict
+            winners.append(best[k])
+            losers.append(worst[k])
+    if not winners:
+        empty = torch.zeros(0, dtype=torch.long, device=rewards.device)
+        return empty, empty.clone()
+    return torch.stack(winners), torch.stack(losers)
+
+
 @OBJECTIVE_LOSSES.register("dpo")
 def dpo_loss(
     velocity_w: Tensor,

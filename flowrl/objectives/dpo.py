@@ -1,6 +1,7 @@
 """Online Diffusion-DPO (Wallace et al., arXiv 2311.12908) on each group's best and worst image.
 
-In each group the best image (highest advantage) wins over the worst; the pair is noised with the SAME noise and
+In each group the best image (highest advantage) wins over the worst (with train.dpo.pairing=ranked, also the second
+best over the second worst, and so on, while strictly better); a pair is noised with the SAME noise and
 time, the trained model and the reference (the adapter off, or the frozen copy) evaluated on both, and the loss is
 core.dpo_loss. The loss's samples are the winners (each brings its loser). train.minibatch_size counts samples, of
 which only the winners are computed; train.micro_batch_size counts winners, that is pairs: a forward pass takes two
@@ -35,6 +36,11 @@ class DPOSettings:
     weighting: Literal["noise", "velocity"] = "noise"
     """`noise`: w(t) = (1 - t)^2, which turns velocity errors into the paper's noise errors exactly (eps - eps_hat =
     (1 - t)(v - v_hat)); `velocity`: w = 1, Flow-DPO's form on velocity errors."""
+    pairing: Literal["best_worst", "ranked"] = "best_worst"
+    """The pairs of a group: `best_worst`, its best image over its worst (one pair); `ranked`, the k-th best over
+    the k-th worst while strictly better (up to group_size / 2 disjoint pairs, core.ranked_pairs: with 0/1 rewards
+    every correct image paired with an incorrect one while both last). More pairs train more of each rollout, and
+    cost update time in proportion."""
     timesteps: int = 0
     """Training times per pair (the same time and noise for winner and loser): that many steps of the rollout's
     schedule in a random order per pair; 0 = all of them (an online batch has one pair per prompt; the paper draws
@@ -85,7 +91,8 @@ class DPO(ForwardProcessObjective):
         valid = keep.nonzero().flatten()
         partner = torch.full((len(keep),), -1, dtype=torch.long)
         if len(valid):
-            w, l = core.best_worst_pairs(adv[valid].float(), batch.group_ids[valid])
+            pairing = core.ranked_pairs if self.settings.pairing == "ranked" else core.best_worst_pairs
+            w, l = pairing(adv[valid].float(), batch.group_ids[valid])
             partner[valid[w]] = valid[l]
         self.partner, self.pairs = partner, int((partner >= 0).sum())
         return partner >= 0

@@ -63,6 +63,11 @@ class DPOOffline(DPO):
                 "rollout.async samples the next epoch in a worker; train.objective=dpo_offline samples nothing "
                 "(it reads its pairs): set rollout.async=false"
             )
+        if cfg.train.dpo_offline.pairing != "best_worst":
+            problems.append(
+                f"train.dpo_offline.pairing={cfg.train.dpo_offline.pairing}: the pairing of online DPO's groups; "
+                "offline DPO's pairs are the rows of train.dpo_offline.pairs (leave pairing at best_worst)"
+            )
         return problems
 
     @classmethod
