@@ -73,8 +73,8 @@ def test_shapes_preset_one_epoch(preset, tmp_path, monkeypatch):
 def test_the_demo_is_the_measured_dpo_setting():
     """configs/shapes.yaml (the demo) is the race's DPO (configs/shapes_grpo.yaml with the race's DPO overrides)
     with the settings the demo's seeds were measured with (docs/demo_eval.md): every step of the schedule trained,
-    half the race's lr, 140 epochs. Only keys DPO does not read (GRPO's section: the race's base config is the GRPO
-    preset) may differ."""
+    ranked pairs, the rollout in bfloat16, lr 1e-3, 62 epochs. Only keys DPO does not read (GRPO's section: the
+    race's base config is the GRPO preset) may differ."""
     import importlib.util
 
     from flowrl.config import to_dict, without_other_objectives
@@ -91,8 +91,10 @@ def test_the_demo_is_the_measured_dpo_setting():
         [
             *race.OBJECTIVE_SETTINGS["dpo"],
             "train.dpo.timesteps=0",
-            "train.lr=5e-4",
-            "train.epochs=140",
+            "train.dpo.pairing=ranked",
+            "rollout.acceleration=[autocast]",
+            "train.lr=1e-3",
+            "train.epochs=62",
             "log.run_dir=runs/shapes_dpo",
         ],
     )
