@@ -20,7 +20,8 @@ race-val.md, race-val.json and race-val.png beside it.
 
 Each finished (objective, seed) leaves a small JSON in --results (default samples/shapes/race/runs, committed): its
 curve, its settings and its out-of-template accuracy. A run with a result file is not run again, so the race resumes
-where it stopped, on this machine or another; a result raced with other settings is an error, not a silent mix.
+where it stopped, on this machine or another; a result raced with other settings is an error, not a silent mix. A
+run cut short in --out (the machine stopped) goes on from its last checkpoint, with the budget it had spent.
 Beside --results (in its parent folder) go `race.json` (every run), `race.md` (per objective: the median and range
 over seeds of the gain on the test split, the training minutes to reach +0.20, the colour TV from the base, the
 out-of-template accuracy before and after) and `race.png` (test accuracy against training minutes: the median over
@@ -121,6 +122,8 @@ def train(out: Path, objective: str, seed: int, minutes: float, eval_every: int,
     directory = run_dir(out, objective, seed)
     if finished(directory):
         return directory
+    # a run cut short (the machine stopped) goes on from its last checkpoint, budget included; none: afresh
+    partial = directory.is_dir() and any(p.is_dir() for p in directory.glob("ckpt-*"))
     directory.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable,
@@ -135,14 +138,14 @@ def train(out: Path, objective: str, seed: int, minutes: float, eval_every: int,
         f"eval.every={eval_every}",
         "log.progress=false",
         f"log.run_dir={directory}",
-        "log.overwrite=true",
+        "checkpoint.resume=auto" if partial else "log.overwrite=true",
         "checkpoint.keep=0",
         *EVAL,
         *OBJECTIVE_SETTINGS[objective],
         *extra,
     ]  # every checkpoint kept (a few MB each): the demo's eval of any epoch (docs/demo_eval.md)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    with open(directory / "train.log", "w") as log:
+    with open(directory / "train.log", "a" if partial else "w") as log:
         subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
     return directory
 

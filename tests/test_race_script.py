@@ -106,3 +106,25 @@ def test_the_frontier_lists_the_settings_nothing_beats_and_checks_the_demo_targe
     lines = race.frontier(results, "val")
     assert any(line.endswith("are met by: a at 10 min.") for line in lines)  # 12.5 and 15: past 10 minutes
     assert lines[-1].endswith("+0.280 (median +0.310): a at 10 min, over 2 seeds.")
+
+
+def test_a_run_cut_short_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    """train(): a run directory with checkpoints and no final row resumes (checkpoint.resume=auto, its log appended);
+    one without a checkpoint starts afresh (log.overwrite=true); a finished one is not run."""
+    race = race_module()
+    calls = []
+
+    def fake_run(cmd, **kwargs):
+        calls.append(cmd)
+
+    monkeypatch.setattr(race.subprocess, "run", fake_run)
+    fresh = race.train(tmp_path, "dpo", 0, 15.0, 6, [])
+    assert "log.overwrite=true" in calls[-1] and "checkpoint.resume=auto" not in calls[-1]
+    (fresh / "ckpt-000010").mkdir()
+    (fresh / "train.log").write_text("first part\n")
+    race.train(tmp_path, "dpo", 0, 15.0, 6, [])
+    assert "checkpoint.resume=auto" in calls[-1] and "log.overwrite=true" not in calls[-1]
+    assert (fresh / "train.log").read_text() == "first part\n"  # appended to, not replaced
+    (fresh / "metrics.jsonl").write_text(json.dumps({"epoch": 20, "final": True}) + "\n")
+    race.train(tmp_path, "dpo", 0, 15.0, 6, [])
+    assert len(calls) == 2
