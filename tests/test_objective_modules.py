@@ -59,20 +59,28 @@ def test_every_objective_declares_what_the_loop_the_config_and_the_planner_ask()
 def test_every_preset_switches_objective_with_one_key(preset):
     """`flowrl train PRESET train.objective=X` validates for every objective that trains the preset's backend: no
     key of the preset belongs to one objective's rules but another's section. (An objective with group-level terms
-    refuses (mini/micro-)batch sizes that split groups: with those it validates once they are whole batches.)"""
+    refuses (mini/micro-)batch sizes that split groups: with those it validates once they are whole batches. A
+    coupled objective refuses the preset's lossy rollout accelerator, naming it: without it, it validates.)"""
+    from flowrl.sampling.acceleration import parse
+
     base = load_config(preset)
+    lossy = [s.name for s in parse(base.rollout.acceleration) if not s.accelerator.lossless]
     for name in objective_names():
         if base.backend not in get_objective(name).backends:
             with pytest.raises(ConfigError, match=f"train.objective={name} trains"):
                 load_config(preset, [f"train.objective={name}"])
             continue
         sizes = []
+        if lossy and get_objective(name).coupled:
+            with pytest.raises(ConfigError, match=f"rollout.acceleration: {lossy[0]} is lossy"):
+                load_config(preset, [f"train.objective={name}"])
+            sizes = ["rollout.acceleration=[]"]
         if get_objective(name).group_batches and any(
             getattr(base.train, key) % base.sample.group_size for key in ("minibatch_size", "micro_batch_size")
         ):
             with pytest.raises(ConfigError, match="multiple of sample.group_size"):
                 load_config(preset, [f"train.objective={name}"])
-            sizes = ["train.minibatch_size=0", "train.micro_batch_size=0"]
+            sizes += ["train.minibatch_size=0", "train.micro_batch_size=0"]
         cfg = load_config(preset, [f"train.objective={name}", *sizes])
         assert cfg.train.objective == name
         assert cfg.train.grpo == base.train.grpo  # GRPO's section kept as it is, ignored by the others
