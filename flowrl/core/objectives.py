@@ -368,6 +368,17 @@ def awm_loss(
 # ------------------------------------------------------------------------------------------ online Diffusion-DPO
 
 
+def _pair_inputs(rewards: Tensor, group_ids) -> tuple[Tensor, Tensor, int]:
+    """The checks and group numbering of the pairings: (rewards as float [N], group index [N], number of groups)."""
+    rewards = _float(rewards)
+    if rewards.ndim != 1:
+        raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
+    if torch.isnan(rewards).any():
+        raise ValueError("rewards contain NaN")
+    index, num_groups = group_index(group_ids, rewards.numel(), rewards.device)
+    return rewards, index, num_groups
+
+
 def best_worst_pairs(rewards: Tensor, group_ids: Tensor | Sequence[Hashable]) -> tuple[Tensor, Tensor]:
     """Online DPO's preference pairs: in each group (samples of one prompt) the best sample wins over the worst.
 
@@ -377,13 +388,8 @@ def best_worst_pairs(rewards: Tensor, group_ids: Tensor | Sequence[Hashable]) ->
     rewards: [N]; group_ids: [N] tensor or sequence of hashables -> (winners [P], losers [P]) long indices into
     the N samples, one pair per group that has one, in order of the groups (`group_index`'s numbering).
     """
-    rewards = _float(rewards)
-    if rewards.ndim != 1:
-        raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
-    if torch.isnan(rewards).any():
-        raise ValueError("rewards contain NaN")
+    rewards, index, num_groups = _pair_inputs(rewards, group_ids)
     n = rewards.numel()
-    index, num_groups = group_index(group_ids, n, rewards.device)
     if n == 0:
         empty = torch.zeros(0, dtype=torch.long, device=rewards.device)
         return empty, empty.clone()
@@ -407,13 +413,7 @@ def ranked_pairs(rewards: Tensor, group_ids: Tensor | Sequence[Hashable]) -> tup
     rewards: [N]; group_ids: [N] -> (winners [P], losers [P]) long indices into the N samples, the groups in
     `group_index`'s order and each group's pairs in order of k.
     """
-    rewards = _float(rewards)
-    if rewards.ndim != 1:
-        raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
-    if torch.isnan(rewards).any():
-        raise ValueError("rewards contain NaN")
-    n = rewards.numel()
-    index, num_groups = group_index(group_ids, n, rewards.device)
+    rewards, index, num_groups = _pair_inputs(rewards, group_ids)
     winners, losers = [], []
     for g in range(num_groups):
         members = (index == g).nonzero().flatten()  # ascending sample index: a stable sort breaks ties by it
