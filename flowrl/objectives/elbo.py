@@ -108,7 +108,7 @@ class ELBO(ForwardProcessObjective):
         trained ones, or with rollout.async the older version that sampled it (`batch.sampled_with`), whose ratio
         to the trained weights is then not 1 at the first step."""
         keep = super().prepare(batch, adv, keep, epoch=epoch, process_index=process_index)
-        older = getattr(batch, "sampled_with", None)
+        older = batch.sampled_with
         if not self.lagging:
             if older is not None:
                 self.load_shadow("old", older)
