@@ -118,7 +118,8 @@ def test_demo_command_reports_and_writes_figures(tmp_path, monkeypatch, capsys):
     assert "eval/shapes_geneval/strict_mean: before" in out
     import torch
 
-    assert "wall-clock " in out and f" min at {torch.get_num_threads()} torch threads" in out
+    assert "wall-clock " in out and f" s) at {torch.get_num_threads()} torch threads" in out
+    assert "time: rollouts " in out and " s (1 epoch); evals " in out and " s (2)" in out  # the base's and the final
     assert "eval/diversity/shapes_geneval/color_tv_from_base: " in out and "(0 = the base model's)" in out
     assert "trained on 1 x shapes_geneval," in out  # the banner names what the preset trains on, with weights
     objective = OBJECTIVES.get(load_config(ROOT / "configs" / "shapes.yaml").train.objective).title
@@ -181,3 +182,20 @@ def test_describe_rewards_names_weights_and_report_only_rewards():
         [RewardSpec("shapes_geneval", 0.0), RewardSpec("shapes_soft"), RewardSpec("pickscore", 0.5)]
     ) == ("1 x shapes_soft + 0.5 x pickscore (reported only, weight 0: shapes_geneval)")
     assert describe_rewards([RewardSpec("a", 0.0)]).startswith("no reward")
+
+
+def test_time_split_sums_each_phase_over_the_epochs_and_the_evals():
+    """The demo's time split: each phase summed over the epoch rows, the evals over theirs (hand sums)."""
+    from flowrl.worlds.demo import time_split
+
+    rows = [
+        {"epoch": 0, "time/eval": 40.2},
+        {"epoch": 1, "time/rollout": 3.1, "time/reward": 0.2, "time/advantage": 0.01, "time/train": 1.5},
+        {"epoch": 2, "time/rollout": 2.6, "time/reward": 0.2, "time/train": 1.2},
+        {"epoch": 2, "time/eval": 41.1, "final": True},
+    ]
+    assert time_split(rows) == "time: rollouts 6 s, rewards 0 s, updates 3 s (2 epochs); evals 81 s (2)"
+    waited = [{"time/rollout": 0.5, "time/rollout_wait": 0.5, "time/reward": 0.1, "time/train": 4.0}]
+    assert time_split(waited) == (
+        "time: waiting for the rollout worker 0 s, rewards 0 s, updates 4 s (1 epoch); evals 0 s (0)"
+    )

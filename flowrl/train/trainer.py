@@ -432,6 +432,7 @@ class Trainer:
         abandoned it (between its batches, or after them): nothing of it is written."""
         world = 1 if self.dist.sharded else self.world
         rank = 0 if world == 1 else self.acc.process_index
+        t0 = time.perf_counter()
         try:
             with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
                 outputs, scores = self.evaluator.sample(
@@ -456,6 +457,7 @@ class Trainer:
             if self.cfg.eval.grid:
                 path = self.evaluator.write_outputs(self.policy, outputs, scores, self.run_dir / f"eval-{tag}")
                 self.log_eval_images(path, tag)
+            results["time/eval"] = time.perf_counter() - t0  # sampling, scoring and the grid (the demo's split)
         self.acc.wait_for_everyone()
         return results
 

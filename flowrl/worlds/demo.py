@@ -18,9 +18,27 @@ def describe_rewards(specs) -> str:
     return trained + (f" (reported only, weight 0: {', '.join(reported)})" if reported else "")
 
 
+def time_split(rows: list[dict]) -> str:
+    """Where a run's time went, from its metrics rows: the epochs' rollout, reward and update phases (summed over the
+    logged epochs; with rollout.async the rollout phase is the trainer's wait for the worker) and the evals."""
+    epochs = [r for r in rows if "time/train" in r]
+    evals = [r["time/eval"] for r in rows if "time/eval" in r]
+
+    def total(key: str) -> float:
+        return sum(r.get(key, 0.0) for r in epochs)
+
+    rollout = "waiting for the rollout worker" if any("time/rollout_wait" in r for r in epochs) else "rollouts"
+    return (
+        f"time: {rollout} {total('time/rollout'):.0f} s, rewards {total('time/reward'):.0f} s, updates "
+        f"{total('time/train'):.0f} s ({len(epochs)} epoch{'s' * (len(epochs) != 1)}); evals {sum(evals):.0f} s "
+        f"({len(evals)})"
+    )
+
+
 def run_demo(config: str | Path = DEMO_CONFIG, overrides: list[str] | None = None, *, toy: bool = False) -> int:
     """Train `config` (with `overrides`) and print its eval before and after: the headline first, the diversity's
-    distance from the base model, the wall-clock beside the torch thread count, and the figures written."""
+    distance from the base model, the wall-clock beside the torch thread count and where the run's time went, and the
+    figures written."""
     import torch
 
     from flowrl.config import load_config
@@ -68,7 +86,8 @@ def run_demo(config: str | Path = DEMO_CONFIG, overrides: list[str] | None = Non
         meaning = "1 = as diverse as the base model" if key.endswith("spread_from_base") else "0 = the base model's"
         print(f"{key}: {final[key]:.3f} ({meaning})")
     # the thread count changes float rounding, so the trajectory, and the time: printed beside the figures
-    print(f"wall-clock {minutes:.1f} min at {torch.get_num_threads()} torch threads")
+    print(f"wall-clock {minutes:.1f} min ({minutes * 60:.0f} s) at {torch.get_num_threads()} torch threads")
+    print(time_split(rows))
     figures = [str(f) for f in (run / "before_after.png", run / "curves.png") if f.exists()]
     if figures:
         print("wrote " + " and ".join(figures))
