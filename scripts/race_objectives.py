@@ -46,9 +46,11 @@ CONFIG = ROOT / "configs" / "shapes_grpo.yaml"
 OUT_OF_TEMPLATE = ROOT / "samples" / "shapes" / "out_of_template.jsonl"
 TEST = ROOT / "samples" / "shapes" / "test.jsonl"
 #: --split val: train on the training prompts less the validation split, curves on the validation split
+#: (paths relative to the repository, where every run starts: a result file holds them and stays valid in another
+#: checkout)
 VAL_DATA = [
-    f"data.train_prompts={ROOT / 'samples' / 'shapes' / 'train_minus_val.jsonl'}",
-    f"data.eval_prompts={ROOT / 'samples' / 'shapes' / 'val.jsonl'}",
+    "data.train_prompts=samples/shapes/train_minus_val.jsonl",
+    "data.eval_prompts=samples/shapes/val.jsonl",
     "eval.images_per_group=56",  # a multiple of each family's validation prompts (colour attribution has 14)
 ]
 HEADLINE = "eval/shapes_geneval/strict_family_mean"
