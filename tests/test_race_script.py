@@ -28,7 +28,8 @@ def fake_run(objective, seed, accuracy, test_after, race):
     }
 
 
-def test_a_validation_race_reports_the_test_split_once_per_run(tmp_path):
+def test_a_validation_race_reports_the_test_split_once_per_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # where the race starts its runs: the data paths are relative to it
     race = race_module()
     # the validation race's data exist, and its eval plan is valid (56 images per family on the val split)
     from flowrl.config import load_config
@@ -69,6 +70,18 @@ def test_a_validation_race_reports_the_test_split_once_per_run(tmp_path):
         assert "was raced with other settings" in str(e)
     else:
         raise AssertionError("a result of another split was mixed in")
+
+
+def test_the_committed_validation_results_resume_in_any_checkout():
+    """Each committed validation result holds the settings the race asks of it (its objective's and the validation
+    data, relative to the repository), so a race resumed in another directory takes it instead of refusing it."""
+    race = race_module()
+    files = sorted((ROOT / "samples" / "shapes" / "race" / "val-runs").glob("*-seed*.json"))
+    assert files
+    for path in files:
+        result = json.loads(path.read_text())
+        assert result["settings"] == race.OBJECTIVE_SETTINGS[result["objective"]] + race.VAL_DATA, path.name
+        assert f"{result['objective']}-seed{result['seed']}.json" == path.name
 
 
 def test_the_frontier_lists_the_settings_nothing_beats_and_checks_the_demo_targets():
