@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser(
         "train",
-        help="RL fine-tuning (GRPO, DiffusionNFT, AWM, online DPO)",
+        help="RL fine-tuning (GRPO and Flow-DPPO, DiffusionNFT, AWM, DPO online and offline, ELBO, CRD, DGPO)",
         epilog=_config_help(),
         formatter_class=_HelpWithConfig,
     )

@@ -239,6 +239,7 @@ def check_model(cfg: Config) -> str | None:
         width=s.width,
         drop_t5=m.drop_t5,
         num_frames=s.num_frames,
+        variant=m.variant,
     )
 
 
@@ -304,10 +305,22 @@ def lora_init_file(init_path: str):
         ) from None
 
 
-def check_lora_init(cfg: Config) -> None:
-    """lora.init_path, when set: an intact LoRA file (`lora_init_file`)."""
-    if cfg.lora.enabled and cfg.lora.init_path:
-        lora_init_file(cfg.lora.init_path)
+def check_lora_init(cfg: Config, family_name: str | None = None) -> None:
+    """lora.init_path, when set: an intact LoRA file (`lora_init_file`) made with the settings the config's lora
+    section describes (its alpha; not DoRA, rsLoRA or per-module alphas: `lora_files.settings_problem`)."""
+    if not (cfg.lora.enabled and cfg.lora.init_path):
+        return
+    from .lora_files import adapter_settings, settings_problem
+
+    path, _ = lora_init_file(cfg.lora.init_path)
+    prefix = None
+    if family_name is not None:
+        from .families import family
+
+        prefix = family(family_name).denoiser_attr
+    problem = settings_problem(adapter_settings(path, prefix), cfg.lora, path)
+    if problem:
+        raise PreflightError(problem)
 
 
 def preflight(cfg: Config) -> tuple[PromptSet, PromptSet]:
@@ -321,7 +334,7 @@ def preflight(cfg: Config) -> tuple[PromptSet, PromptSet]:
     check_eval_features(cfg, family_name, eval_set)
     check_loggers(cfg)
     check_optimizer(cfg)
-    check_lora_init(cfg)
+    check_lora_init(cfg, family_name)
     check_tool_env(cfg)
     check_reward_servers(cfg)  # last: the checks that wait on the network
     check_engine_server(cfg)

@@ -199,3 +199,42 @@ def test_drop_t5_for_tiny_sd3_and_pipeline_objects_and_only_sd3():
     ):
         with pytest.raises(ImageModelError, match=r"drop_t5 is SD3-only \(families with an optional T5: \['sd3'\]\)"):
             check()
+
+
+def test_a_directory_saved_as_a_variant_names_it_and_loads_with_it(sd3_dirs, tmp_path):
+    """save_pretrained(DIR, variant="fp16") writes *.fp16.safetensors only: without model.variant, diffusers would
+    look for the plain files (and then for pickled .bin ones); the check names the variant before any weight is
+    read, and with it the directory loads the very weights. A variant the directory lacks is named too."""
+    from flowrl.config import load_config
+    from flowrl.preflight import PreflightError, check_model
+
+    pipe = tiny_sd3_pipeline(seed=3)
+    pipe.save_pretrained(tmp_path / "v16", variant="fp16")
+    v16 = str(tmp_path / "v16")
+    assert sorted(os.listdir(tmp_path / "v16" / "transformer")) == [
+        "config.json",
+        "diffusion_pytorch_model.fp16.safetensors",
+    ]
+    with pytest.raises(
+        ImageModelError,
+        match=r"text_encoder/, text_encoder_2/, .*transformer/, vae/ hold only the 'fp16' variant .* "
+        r"set model\.variant=fp16",
+    ):
+        preflight_image_model(v16, height=32, width=32)
+    assert preflight_image_model(v16, height=32, width=32, variant="fp16") == "sd3"
+    with pytest.raises(
+        ImageModelError, match=r"has no weight file of variant 'bf16' \(model\.variant\): its variants are fp16"
+    ):
+        preflight_image_model(v16, height=32, width=32, variant="bf16")
+    with pytest.raises(ImageModelError, match=r"holds only plain files: set model\.variant=null"):
+        preflight_image_model(sd3_dirs["full"], height=32, width=32, variant="fp16")
+
+    base = ["sample.height=32", "sample.width=32", "model.device=cpu"]
+    with pytest.raises(PreflightError, match=rf"model\.path={v16}: .* set model\.variant=fp16"):
+        check_model(load_config(None, [f"model.path={v16}", *base]))
+    assert check_model(load_config(None, [f"model.path={v16}", "model.variant=fp16", *base])) == "sd3"
+
+    loaded = load_image_backend(v16, variant="fp16", max_sequence_length=16)
+    theirs = dict(pipe.transformer.named_parameters())
+    for name, p in loaded.denoiser.named_parameters():
+        torch.testing.assert_close(p, theirs[name], rtol=0, atol=0)

@@ -843,12 +843,62 @@ def test_a_lora_init_path_of_another_rank_or_other_modules_is_one_line_naming_th
         Trainer(tiny_cfg(tmp_path / "b", f"lora.init_path={tmp_path / 'r4' / 'lora'}"))
     fewer = Trainer(tiny_cfg(tmp_path / "few", f"lora.target_modules=[{targets[0]}]"))
     fewer.policy.export(tmp_path / "few" / "lora")
-    with pytest.raises(ConfigError, match=r"LoRA of other modules .* of the adapter's keys are not in it \(.*lora_A"):
+    with pytest.raises(
+        ConfigError, match=r"LoRA of other modules .* of the adapter's keys are not in it \(.*lora_A"
+    ) as e:
         Trainer(tiny_cfg(tmp_path / "c", f"lora.init_path={tmp_path / 'few' / 'lora'}"))
+    assert f"its modules are lora.target_modules=[{targets[0]}]: set that" in str(e.value)
+    # the setting it names is the one that takes it
+    Trainer(
+        tiny_cfg(tmp_path / "c", f"lora.init_path={tmp_path / 'few' / 'lora'}", f"lora.target_modules=[{targets[0]}]")
+    )
     args = ["eval", *TINY, f"lora.init_path={tmp_path / 'r4' / 'lora'}", "eval.num_prompts=1"]
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("flowrl eval: lora.init_path:") and "rank 4" in err[0]
+
+
+def test_a_lora_init_path_of_another_alpha_or_format_is_refused_naming_the_setting(tmp_path, monkeypatch):
+    """The same A and B under another alpha are another function (scale alpha / r): a LoRA exported with alpha 16
+    into a config of lora.alpha 8 is refused before the model loads, naming lora.alpha=16; a kohya-format file
+    (lora_down / lora_up) is named as such, not as a LoRA of other modules."""
+    from safetensors.torch import save_file
+
+    import flowrl.policies
+    from flowrl.config import ConfigError
+    from flowrl.preflight import PreflightError
+
+    made = Trainer(tiny_cfg(tmp_path / "a16", "lora.alpha=16"))
+    made.policy.export(tmp_path / "a16" / "lora")
+    load = flowrl.policies.build_policy
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before lora.init_path's alpha was checked")
+
+    monkeypatch.setattr(flowrl.policies, "build_policy", no_load)
+    init = f"lora.init_path={tmp_path / 'a16' / 'lora'}"
+    with pytest.raises(
+        PreflightError,
+        match=r"made with lora alpha 16 \(rank 8: a scale of 2\), this config's lora\.alpha is 8: set lora\.alpha=16",
+    ):
+        Trainer(tiny_cfg(tmp_path / "b", init, "lora.alpha=8"))
+    monkeypatch.setattr(flowrl.policies, "build_policy", load)
+    same = Trainer(tiny_cfg(tmp_path / "c", init, "lora.alpha=16"))  # the alpha it names: loads
+    for n, p in same.named_params.items():
+        torch.testing.assert_close(p.detach(), made.named_params[n].detach(), rtol=0, atol=0)
+
+    kohya = tmp_path / "kohya.safetensors"
+    save_file(
+        {
+            "lora_unet_blocks_0_attn_to_q.lora_down.weight": torch.zeros(8, 32),
+            "lora_unet_blocks_0_attn_to_q.lora_up.weight": torch.zeros(32, 8),
+        },
+        kohya,
+    )
+    with pytest.raises(
+        ConfigError, match=r"is a LoRA in kohya's \(lora_down / lora_up\) format .* pipe\.load_lora_weights"
+    ):
+        Trainer(tiny_cfg(tmp_path / "d", f"lora.init_path={kohya}"))
 
 
 @pytest.fixture

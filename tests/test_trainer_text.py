@@ -371,3 +371,31 @@ def test_the_text_eval_leaves_an_infinite_score_out_of_its_mean(tiny_lm, tmp_pat
         results = tr.evaluator.results(outputs, scores, base_dir=None, this_is_base=True)
     assert results[f"eval/{name}_nonfinite"] == 1
     assert results[f"eval/{name}_mean"] == pytest.approx(4 / 5)  # 0 and four 1s
+
+
+def test_lora_init_path_starts_a_text_run_from_an_exported_adapter(tiny_lm, tmp_path):
+    """lora.init_path on the text backend: a run starts from another run's exported adapter (peft's format,
+    adapter_config.json beside it), the very weights; one made with another alpha or rank is refused, naming the
+    setting that takes it."""
+    import pytest
+
+    from flowrl.config import ConfigError
+    from flowrl.preflight import PreflightError
+
+    first = Trainer(text_cfg(tiny_lm, tmp_path / "a", "lora.alpha=16"))
+    with torch.no_grad():  # lora_B starts at zero: as if trained
+        for n, p in first.named_params.items():
+            p.add_(0.01 * torch.randn_like(p))
+    trained = {n: p.detach().clone() for n, p in first.named_params.items()}
+    lora = tmp_path / "a" / "lora"
+    first.policy.export(lora)  # what a checkpoint's lora/ holds
+    second = Trainer(text_cfg(tiny_lm, tmp_path / "b", f"lora.init_path={lora}", "lora.alpha=16"))
+    assert set(second.named_params) == set(trained)
+    for n, p in second.named_params.items():
+        torch.testing.assert_close(p.detach(), trained[n], rtol=0, atol=0)
+    fresh = Trainer(text_cfg(tiny_lm, tmp_path / "c", "lora.alpha=16"))
+    assert any((p.detach() - trained[n]).abs().max() > 0 for n, p in fresh.named_params.items())
+    with pytest.raises(PreflightError, match=r"made with lora alpha 16 .* lora\.alpha is 8: set lora\.alpha=16"):
+        Trainer(text_cfg(tiny_lm, tmp_path / "d", f"lora.init_path={lora}", "lora.alpha=8"))
+    with pytest.raises(ConfigError, match=r"holds a LoRA of rank 8, this config's lora\.rank is 4"):
+        Trainer(text_cfg(tiny_lm, tmp_path / "e", f"lora.init_path={lora}", "lora.alpha=16", "lora.rank=4"))

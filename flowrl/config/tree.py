@@ -31,6 +31,10 @@ class ModelConfig:
     """Dtype of the frozen weights and the forward pass (step math is float32 whatever this is)."""
     device: str = "auto"
     """`auto` (the accelerator's device), `cpu`, `cuda`, `cuda:1`, ..."""
+    variant: Optional[str] = None
+    """The weight files' variant to load (diffusers' `variant`: `fp16` reads `*.fp16.safetensors`, as
+    `save_pretrained(DIR, variant="fp16")` writes them; a component without them loads its plain files); None =
+    the plain files. A directory that holds only a variant's files names it before anything loads."""
     drop_t5: bool = False
     """SD3/SD3.5: leave the T5 text encoder out (diffusers' `text_encoder_3=None`): ~4.7B fewer parameters in
     memory, prompts encoded by the two CLIP encoders only (T5's part of the embedding is zeros)."""
@@ -55,7 +59,9 @@ class LoraConfig:
     target_modules: Optional[list[str]] = None
     """Module names to adapt; None = the family's default (attention projections, and FFN for SD3/FLUX)."""
     init_path: Optional[str] = None
-    """Start from a saved adapter (a checkpoint's `lora/` dir) instead of a fresh one."""
+    """Start from a saved adapter instead of a fresh one: a checkpoint's `lora/` dir (diffusers' format for images,
+    peft's for text) or its .safetensors file. Its recorded alpha, rank and modules must be the config's (each
+    mismatch names the setting that takes it; docs/training.md)."""
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+import re
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -204,7 +205,14 @@ def _check_drop_t5(backend_cls: type[ImageBackend], source: str) -> None:
 
 
 def preflight_image_model(
-    path: str, family: str = "auto", *, height: int, width: int, drop_t5: bool = False, num_frames: int = 0
+    path: str,
+    family: str = "auto",
+    *,
+    height: int,
+    width: int,
+    drop_t5: bool = False,
+    num_frames: int = 0,
+    variant: str | None = None,
 ) -> str:
     """Check that the model at `path` can be run as asked, from its configuration files alone (never its
     weights), and return its family.
@@ -216,6 +224,8 @@ def preflight_image_model(
     height, width: the image size in pixels the run will ask for.
     drop_t5: the run will leave the T5 encoder out (SD3 only).
     num_frames: the frames per sample the run will ask for (0: the family's default; image families make 1).
+    variant: the weight files' variant the run will load (diffusers' `variant`, e.g. "fp16"; None: the plain
+        files); checked against a local directory's files (`check_variant`).
     Raises ImageModelError (a ValueError) naming what is wrong and what would be right: a pipeline class
     no family drives (with the supported ones), another family than `family`, a size the model cannot
     make (with the nearest valid ones), drop_t5 for a family without an optional T5, a missing file.
@@ -227,7 +237,54 @@ def preflight_image_model(
     denoiser_config = read(f"{backend_cls.denoiser_attr}/config.json")
     backend_cls.size_rule(denoiser_config, _vae_scale_factor(read, model_index)).check(height, width)
     backend_cls.check_num_frames(num_frames)
+    if os.path.isdir(path):
+        check_variant(path, model_index, variant)
     return backend_cls.family
+
+
+#: weight files diffusers and transformers read: NAME[.VARIANT][-0000k-of-0000n].(safetensors|bin)
+_WEIGHT_FILE = re.compile(r"^[^.]+?(?:\.(?P<variant>[^.-]+))?(?:-\d+-of-\d+)?\.(?:safetensors|bin)$")
+
+
+def weight_variants(path: str, model_index: Mapping) -> dict[str, set[str]]:
+    """The variants of each weighted component's files in the pipeline directory `path`: {component: {"" (the
+    plain files), "fp16", ...}}, for the components whose folder holds weight files."""
+    found = {}
+    for name in model_index:
+        folder = os.path.join(path, name)
+        if name.startswith("_") or name in _null_components(model_index) or not os.path.isdir(folder):
+            continue
+        kinds = {m["variant"] or "" for f in os.listdir(folder) if (m := _WEIGHT_FILE.match(f))}
+        if kinds:
+            found[name] = kinds
+    return found
+
+
+def check_variant(path: str, model_index: Mapping, variant: str | None) -> None:
+    """A local pipeline directory has the weight files `variant` asks for: without one, every component its plain
+    files (a component saved only as a variant names the variant to ask for); with one, some component that
+    variant's files (the others load their plain files, as diffusers does)."""
+    found = weight_variants(path, model_index)
+    if variant is None:
+        only = {name: kinds for name, kinds in found.items() if "" not in kinds}
+        if only:
+            kinds = sorted(set.union(*only.values()))
+            common = sorted(set.intersection(*only.values())) or kinds
+            raise ImageModelError(
+                f"{path}: {', '.join(f'{n}/' for n in sorted(only))} hold{'s' * (len(only) == 1)} only the "
+                f"{' or '.join(repr(k) for k in kinds)} variant of the weights (as save_pretrained(DIR, "
+                f"variant=...) names them), no plain files: set model.variant={common[0]}"
+            )
+    elif not any(variant in kinds for kinds in found.values()):
+        present = sorted({k for kinds in found.values() for k in kinds} - {""})
+        raise ImageModelError(
+            f"{path} has no weight file of variant {variant!r} (model.variant): "
+            + (
+                f"its variants are {', '.join(present)}"
+                if present
+                else "it holds only plain files: set model.variant=null"
+            )
+        )
 
 
 # ---- loading -----------------------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ class ImagePolicy:
             device="cpu" if offload else device,
             max_sequence_length=s.max_sequence_length,
             drop_t5=m.drop_t5,
+            **({"variant": m.variant} if m.variant else {}),
         )
         if offload:
             self.backend.denoiser.to(device)
@@ -763,39 +764,22 @@ class ImagePolicy:
 
     def load_adapter(self, init_path: str) -> None:
         """Start the adapter from the LoRA of `init_path` (lora.init_path: a directory holding its .safetensors file,
-        or that file). A LoRA of another rank or of other modules than this adapter's is a ConfigError naming the
-        file's rank and keys against the config's."""
+        or that file; diffusers' format, `flowrl.lora_files`). A LoRA of another rank, alpha or other modules than
+        this adapter's is a ConfigError naming the file's setting against the config's."""
         from peft.utils import set_peft_model_state_dict
         from safetensors.torch import load_file
 
         from flowrl.errors import ConfigError
+        from flowrl.lora_files import adapter_settings, match_state, settings_problem
         from flowrl.preflight import lora_init_file
 
         path, _ = lora_init_file(init_path)
+        settings = adapter_settings(path, self.backend.denoiser_attr)
+        problem = settings_problem(settings, self.cfg.lora, path)
+        if problem:
+            raise ConfigError(problem)
         prefix = self.backend.denoiser_attr + "."
         state = {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in load_file(path).items()}
         own = {k: tuple(v.shape) for k, v in self.lora_state().items()}
-        missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-        ranks = sorted({v.shape[0] for k, v in state.items() if "lora_A" in k})
-        if ranks and ranks != [self.cfg.lora.rank]:
-            raise ConfigError(
-                f"lora.init_path: {path} holds a LoRA of rank {'/'.join(map(str, ranks))}, this config's "
-                f"lora.rank is {self.cfg.lora.rank}: set lora.rank={ranks[0]} to start from it"
-            )
-        unlike = [k for k in sorted(set(own) & set(state)) if own[k] != tuple(state[k].shape)]
-        parts = [
-            f"{len(keys)} {what} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
-            for keys, what in (
-                (missing, "of the adapter's keys are not in it"),
-                (extra, "of its keys are not the adapter's"),
-                (unlike, "keys differ in shape"),
-            )
-            if keys
-        ]
-        if parts:
-            raise ConfigError(
-                f"lora.init_path: {path} is a LoRA of other modules than this config's "
-                f"(lora.target_modules={self.cfg.lora.target_modules or 'the family default'}): "
-                f"{'; '.join(parts)}; start from a LoRA of this model and lora.target_modules"
-            )
+        match_state(state, own, self.cfg.lora, path, settings.get("target_modules"))
         set_peft_model_state_dict(self.module, state)

@@ -203,7 +203,8 @@ class TextPolicy:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         if self.tokenizer.eos_token_id is None:
             raise ValueError(f"the tokenizer of {cfg.model.path!r} has no EOS token: completions could never end")
-        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=DTYPES[cfg.model.dtype])
+        variant = {"variant": cfg.model.variant} if cfg.model.variant else {}
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=DTYPES[cfg.model.dtype], **variant)
         model.to(self.device).eval()  # eval: no dropout, so recomputed log-probs equal the recorded ones
         model.requires_grad_(False)
         self.ref_copy = None
@@ -222,6 +223,8 @@ class TextPolicy:
                 fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()),
             )
             model = get_peft_model(model, lcfg)
+            if cfg.lora.init_path:
+                load_adapter(model, cfg.lora, cfg.lora.init_path)
             for name, p in model.named_parameters():
                 if "lora_" in name:
                     p.data = p.data.float()
@@ -814,3 +817,25 @@ class TextPolicy:
         directory.mkdir(parents=True, exist_ok=True)
         config.save_pretrained(str(directory))
         save_file(state, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+def load_adapter(model, lora_cfg, init_path: str) -> None:
+    """Start the peft `model`'s adapter from the LoRA of `init_path` (lora.init_path: a text run's `lora/`, or any
+    `PeftModel.save_pretrained` directory, or its adapter_model.safetensors). A LoRA of another rank, alpha or
+    other modules is a ConfigError naming the file's setting against the config's (`flowrl.lora_files`)."""
+    from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from flowrl.errors import ConfigError
+    from flowrl.lora_files import adapter_settings, match_state, settings_problem
+    from flowrl.preflight import lora_init_file
+
+    path, _ = lora_init_file(init_path)
+    settings = adapter_settings(path)
+    problem = settings_problem(settings, lora_cfg, path)
+    if problem:
+        raise ConfigError(problem)
+    state = load_file(path)
+    own = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(model).items()}
+    match_state(state, own, lora_cfg, path, settings.get("target_modules"))
+    set_peft_model_state_dict(model, state)

@@ -1,0 +1,148 @@
+"""lora.init_path's file: the settings a saved LoRA was made with, and its weights matched key by key to the
+adapter they start.
+
+Two formats are read, the two that flowrl writes:
+- diffusers' (`pytorch_lora_weights.safetensors`: an image run's `lora/`, `pipe.save_lora_weights`): keys prefixed
+  with the pipeline component (`transformer.`, `unet.`), the LoraConfig in the safetensors header's
+  `lora_adapter_metadata` under the same prefix (`transformer.lora_alpha`);
+- peft's (`adapter_model.safetensors` with `adapter_config.json` beside it: a text run's `lora/`,
+  `PeftModel.save_pretrained`).
+Another format (kohya's `lora_down`/`lora_up`, diffusers' old attention-processor `lora.down`/`lora.up`) is named
+in the error, with how to convert it. A file that records no settings is taken as the config describes it.
+
+The scale of a LoRA is alpha / r (peft's default): the same A and B under another alpha are another function, so
+an alpha that differs from lora.alpha is refused rather than loaded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+#: the LoraConfig fields a start must agree with (the rest, e.g. peft_version or inference_mode, change nothing)
+CHECKED = ("r", "lora_alpha", "use_rslora", "use_dora", "alpha_pattern", "rank_pattern", "target_modules")
+
+#: key fragments of LoRA formats other than peft's lora_A / lora_B
+FOREIGN = {
+    "lora_down": "kohya's (lora_down / lora_up)",
+    "lora_up": "kohya's (lora_down / lora_up)",
+    "lora.down": "diffusers' old attention-processor format (lora.down / lora.up)",
+    "lora.up": "diffusers' old attention-processor format (lora.down / lora.up)",
+}
+
+
+def adapter_settings(path: str | Path, prefix: str | None = None) -> dict[str, Any]:
+    """The LoraConfig fields (`CHECKED`) the LoRA file at `path` records: from its header's `lora_adapter_metadata`
+    (diffusers: the fields of component `prefix`, e.g. "transformer"; without a prefix, those of the only component
+    it holds), else from an `adapter_config.json` beside it (peft); {} when it records none."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    with safe_open(str(path), framework="pt") as f:
+        header = f.metadata() or {}
+    raw = header.get("lora_adapter_metadata")
+    if raw:
+        fields = json.loads(raw)
+        groups: dict[str, dict[str, Any]] = {}
+        for key, value in fields.items():
+            component, _, name = key.rpartition(".")
+            groups.setdefault(component, {})[name] = value
+        if prefix is not None and prefix in groups:
+            found = groups[prefix]
+        elif len(groups) == 1:
+            found = next(iter(groups.values()))
+        else:
+            found = {}
+    elif (path.parent / "adapter_config.json").is_file():
+        found = json.loads((path.parent / "adapter_config.json").read_text())
+    else:
+        found = {}
+    return {k: found[k] for k in CHECKED if k in found}
+
+
+def settings_problem(settings: dict[str, Any], lora_cfg, where: Path) -> str | None:
+    """Why the LoRA at `where`, made with `settings` (`adapter_settings`), is not the adapter `lora_cfg` (the
+    config's `lora` section) describes, as one line naming the setting that would start from it; None when
+    nothing it records disagrees. Its rank and modules are checked against the adapter's weights (`match_state`)."""
+    if settings.get("use_dora"):
+        return f"lora.init_path: {where} is a DoRA adapter (use_dora), and flowrl trains plain LoRA; start from a LoRA"
+    if settings.get("use_rslora"):
+        return (
+            f"lora.init_path: {where} is scaled as rsLoRA (use_rslora: alpha / sqrt(r)), and flowrl's LoRA as "
+            "alpha / r; start from a plain LoRA"
+        )
+    for pattern, what in (("alpha_pattern", "alphas"), ("rank_pattern", "ranks")):
+        if settings.get(pattern):
+            return (
+                f"lora.init_path: {where} has {what} of its own for some modules ({pattern}: "
+                f"{_short(settings[pattern])}), and flowrl's LoRA one for all (lora.alpha, lora.rank); start from a "
+                "LoRA without them"
+            )
+    alpha = settings.get("lora_alpha")
+    if alpha is not None and float(alpha) != float(lora_cfg.alpha):
+        r = settings.get("r", lora_cfg.rank)
+        return (
+            f"lora.init_path: {where} was made with lora alpha {alpha:g} (rank {r}: a scale of {float(alpha) / r:g}), "
+            f"this config's lora.alpha is {lora_cfg.alpha:g}: set lora.alpha={alpha:g} to start from the same "
+            "adapter (its weights under another alpha are another function)"
+        )
+    return None
+
+
+def match_state(state: dict, own: dict[str, tuple[int, ...]], lora_cfg, where: Path, recorded_targets=None) -> dict:
+    """`state` (the file's tensors, keys already in the adapter's naming) checked against the adapter's keys and
+    shapes `own`: the same rank, the same modules, the same shapes, else one ConfigError line naming what differs
+    and the setting that would take it (lora.rank, lora.target_modules with the file's modules). Returns `state`."""
+    foreign = sorted({name for key in state for frag, name in FOREIGN.items() if frag in key})
+    if foreign and not any("lora_A" in k for k in state):
+        raise ConfigError(
+            f"lora.init_path: {where} is a LoRA in {foreign[0]} format (e.g. {next(iter(state))}), and flowrl reads "
+            "peft's (lora_A / lora_B): convert it with diffusers first: pipe.load_lora_weights(FILE), then "
+            "pipe.save_lora_weights(DIR, transformer_lora_layers=peft.get_peft_model_state_dict(pipe.transformer, "
+            "adapter_name=...)) (unet_lora_layers for a UNet), and give DIR"
+        )
+    ranks = sorted({v.shape[0] for k, v in state.items() if "lora_A" in k})
+    if ranks and ranks != [lora_cfg.rank]:
+        raise ConfigError(
+            f"lora.init_path: {where} holds a LoRA of rank {'/'.join(map(str, ranks))}, this config's "
+            f"lora.rank is {lora_cfg.rank}: set lora.rank={ranks[0]} to start from it"
+        )
+    missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    unlike = [k for k in sorted(set(own) & set(state)) if own[k] != tuple(state[k].shape)]
+    parts = [
+        f"{len(keys)} {what} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
+        for keys, what in (
+            (missing, "of the adapter's keys are not in it"),
+            (extra, "of its keys are not the adapter's"),
+            (unlike, "keys differ in shape"),
+        )
+        if keys
+    ]
+    if parts:
+        targets = sorted(recorded_targets) if isinstance(recorded_targets, list) else lora_modules(state)
+        raise ConfigError(
+            f"lora.init_path: {where} is a LoRA of other modules than this config's "
+            f"(lora.target_modules={lora_cfg.target_modules or 'the family default'}): {'; '.join(parts)}; its "
+            f"modules are lora.target_modules=[{','.join(targets)}]: set that to start from it"
+        )
+    return state
+
+
+def lora_modules(state: dict) -> list[str]:
+    """The module names a LoRA's keys adapt, as lora.target_modules takes them (the part after the last block
+    index: `transformer_blocks.3.attn.to_q.lora_A.weight` -> `attn.to_q`, `...attn.to_out.0.lora_B.weight` ->
+    `attn.to_out.0`), sorted."""
+    names = set()
+    for key in state:
+        module = key.split(".lora_A")[0].split(".lora_B")[0]
+        parts = module.split(".")
+        index = max((i for i, p in enumerate(parts[:-1]) if p.isdigit()), default=-1)  # to_out.0: a layer's own
+        names.add(".".join(parts[index + 1 :]) or module)
+    return sorted(names)
+
+
+def _short(value, limit: int = 80) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

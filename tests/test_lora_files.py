@@ -1,0 +1,100 @@
+"""flowrl.lora_files: what a saved LoRA records of its settings (diffusers' header metadata, peft's
+adapter_config.json), which of them a start refuses, and the modules its keys name."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from flowrl.config import ConfigError
+from flowrl.lora_files import adapter_settings, lora_modules, match_state, settings_problem
+
+LORA = SimpleNamespace(rank=8, alpha=16.0, target_modules=None)
+
+
+def diffusers_file(path, fields: dict) -> None:
+    meta = {f"{component}.{k}": v for component, values in fields.items() for k, v in values.items()}
+    save_file({"x.lora_A.weight": torch.zeros(8, 4)}, path, metadata={"lora_adapter_metadata": json.dumps(meta)})
+
+
+def test_settings_come_from_the_header_of_the_named_component_or_the_peft_config(tmp_path):
+    f = tmp_path / "pytorch_lora_weights.safetensors"
+    diffusers_file(f, {"transformer": {"r": 8, "lora_alpha": 32, "peft_version": "x"}, "text_encoder": {"r": 4}})
+    assert adapter_settings(f, "transformer") == {"r": 8, "lora_alpha": 32}
+    assert adapter_settings(f, "text_encoder") == {"r": 4}
+    assert adapter_settings(f) == {}  # two components and none named: nothing is assumed
+    one = tmp_path / "one.safetensors"
+    diffusers_file(one, {"unet": {"lora_alpha": 4, "use_dora": False}})
+    assert adapter_settings(one) == {"lora_alpha": 4, "use_dora": False}  # the only component it holds
+
+    peft = tmp_path / "peft"
+    peft.mkdir()
+    save_file({"x.lora_A.weight": torch.zeros(8, 4)}, peft / "adapter_model.safetensors")
+    assert adapter_settings(peft / "adapter_model.safetensors") == {}  # records nothing
+    (peft / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 8, "target_modules": ["c_attn"]}))
+    assert adapter_settings(peft / "adapter_model.safetensors") == {
+        "r": 8,
+        "lora_alpha": 8,
+        "target_modules": ["c_attn"],
+    }
+
+
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        ({"r": 8, "lora_alpha": 16}, None),
+        ({"r": 8, "lora_alpha": 16.0, "use_rslora": False, "use_dora": False, "alpha_pattern": {}}, None),
+        ({}, None),
+        (
+            {"r": 8, "lora_alpha": 4},
+            r"lora alpha 4 \(rank 8: a scale of 0\.5\), this config's lora\.alpha is 16: set lora\.alpha=4",
+        ),
+        ({"use_dora": True}, r"is a DoRA adapter"),
+        ({"use_rslora": True}, r"alpha / sqrt\(r\)"),
+        ({"alpha_pattern": {"to_q": 32}}, r"alphas of its own for some modules \(alpha_pattern: \{\"to_q\": 32\}\)"),
+        ({"rank_pattern": {"to_q": 4}}, r"ranks of its own"),
+    ],
+)
+def test_settings_problem_names_what_differs(settings, expected):
+    problem = settings_problem(settings, LORA, "F")
+    if expected is None:
+        assert problem is None
+    else:
+        assert problem.startswith("lora.init_path: F ") and __import__("re").search(expected, problem), problem
+
+
+def test_lora_modules_are_the_names_after_the_block_index():
+    keys = [
+        "transformer_blocks.0.attn.to_q.lora_A.weight",
+        "transformer_blocks.1.attn.to_q.lora_B.weight",
+        "transformer_blocks.0.attn.to_out.0.lora_A.weight",
+        "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_k.lora_A.weight",
+        "base_model.model.transformer.h.1.attn.c_attn.lora_B.weight",
+        "context_embedder.lora_A.weight",
+    ]
+    assert lora_modules(dict.fromkeys(keys)) == [
+        "attn.c_attn",
+        "attn.to_out.0",
+        "attn.to_q",
+        "attn1.to_k",
+        "context_embedder",
+    ]
+
+
+def test_match_state_checks_rank_keys_and_shapes():
+    own = {"b.0.q.lora_A.weight": (8, 4), "b.0.q.lora_B.weight": (4, 8)}
+    good = {"b.0.q.lora_A.weight": torch.zeros(8, 4), "b.0.q.lora_B.weight": torch.zeros(4, 8)}
+    assert match_state(good, own, LORA, "F") is good
+    with pytest.raises(ConfigError, match=r"rank 2, this config's lora\.rank is 8: set lora\.rank=2"):
+        match_state({"b.0.q.lora_A.weight": torch.zeros(2, 4)}, own, LORA, "F")
+    wide = {**good, "b.0.k.lora_A.weight": torch.zeros(8, 4), "b.0.k.lora_B.weight": torch.zeros(4, 8)}
+    with pytest.raises(ConfigError, match=r"2 of its keys are not the adapter's .* lora\.target_modules=\[k,q\]"):
+        match_state(wide, own, LORA, "F")
+    with pytest.raises(ConfigError, match=r"lora\.target_modules=\[attn\.to_k,attn\.to_q\]: set that"):
+        match_state(wide, own, LORA, "F", ["attn.to_q", "attn.to_k"])  # the file's own record wins
+    with pytest.raises(ConfigError, match=r"1 keys differ in shape \(b\.0\.q\.lora_B\.weight\)"):
+        match_state({**good, "b.0.q.lora_B.weight": torch.zeros(5, 8)}, own, LORA, "F")
+    with pytest.raises(ConfigError, match=r"diffusers' old attention-processor format"):
+        match_state({"b.0.q.processor.lora.down.weight": torch.zeros(8, 4)}, own, LORA, "F")
