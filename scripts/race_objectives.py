@@ -54,6 +54,7 @@ VAL_DATA = [
     "eval.images_per_group=56",  # a multiple of each family's validation prompts (colour attribution has 14)
 ]
 HEADLINE = "eval/shapes_geneval/strict_family_mean"
+FAMILY = "eval/shapes_geneval/strict_by_family/"  # + the GenEval family: its strict accuracy (the headline's terms)
 TV = "eval/diversity/shapes_geneval/color_tv_from_base"
 TARGET_GAIN = 0.20
 
@@ -222,15 +223,34 @@ def evaluate(
 
 def curve(directory: Path) -> dict:
     """A run's eval curve: at each eval, the training minutes spent so far (this process's CPU time in training
-    epochs, evals excluded: `time/train_process_minutes`), the headline accuracy, the colour TV."""
+    epochs, evals excluded: `time/train_process_minutes`), the headline accuracy, the colour TV, and each GenEval
+    family's accuracy (`families`: {family: [accuracy at each eval]}, whose mean the headline is)."""
     rows = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    minutes, out = 0.0, {"minutes": [], "accuracy": [], "tv": [], "epochs": []}
+    minutes, out = 0.0, {"minutes": [], "accuracy": [], "tv": [], "epochs": [], "families": {}}
     for r in rows:
         minutes = r.get("time/train_process_minutes", minutes)  # the final eval's row follows the last epoch's
         if HEADLINE in r:
             for key, value in zip(out, (minutes, r[HEADLINE], r.get(TV), r["epoch"])):
                 out[key].append(value)
+            for key in sorted(k for k in r if k.startswith(FAMILY)):
+                out["families"].setdefault(key[len(FAMILY) :], []).append(r[key])
     return out
+
+
+def refresh_curve(result: dict, directory: Path) -> dict | None:
+    """`result` with its curve read again from its run directory (`curve`: the per-family accuracies added to a
+    result written before they were kept), or None when the directory is not there. The curve's other entries
+    must be the ones the result holds: a directory of another run is refused."""
+    if not (directory / "metrics.jsonl").exists():
+        return None
+    fresh = curve(directory)
+    kept = {k: result["curve"][k] for k in ("minutes", "accuracy", "tv", "epochs")}
+    if {k: fresh[k] for k in kept} != kept:
+        raise SystemExit(
+            f"{directory} holds another run than its result file's curve ({result['objective']}, "
+            f"seed {result['seed']}): refresh from the race's own --out"
+        )
+    return {**result, "curve": fresh}
 
 
 def minutes_to_gain(c: dict, gain: float) -> float | None:
@@ -268,6 +288,29 @@ def summarise(results: dict, test_base: float | None = None) -> list[str]:
         if test_base is not None:
             tests = [r["test_after"] - test_base for r in runs]
             lines[-1] += f" {statistics.median(tests):+.3f} ({min(tests):+.3f} - {max(tests):+.3f}) |"
+    return lines
+
+
+def families_table(results: dict) -> list[str]:
+    """Each GenEval family's accuracy, the median over an objective's seeds at the base model (its first eval) and
+    at the end, for the objectives whose every run kept its families (`curve`): which families the gains come from
+    and which none moves."""
+    kept = {o: runs for o, runs in results.items() if all(r["curve"].get("families") for r in runs)}
+    if not kept:
+        return []
+    names = sorted({f for runs in kept.values() for r in runs for f in r["curve"]["families"]})
+    first = next(iter(kept.values()))
+    base = [statistics.median(r["curve"]["families"][f][0] for r in first) for f in names]
+    lines = [
+        "Per family: strict accuracy, the median over seeds at the end (the base model's first).",
+        "",
+        "| objective | " + " | ".join(n.replace("_", " ") for n in names) + " |",
+        "| --- |" + " --- |" * len(names),
+        "| base | " + " | ".join(f"{b:.2f}" for b in base) + " |",
+    ]
+    for objective, runs in kept.items():
+        finals = [statistics.median(r["curve"]["families"][f][-1] for r in runs) for f in names]
+        lines.append(f"| {objective} ({len(runs)}) | " + " | ".join(f"{a:.2f}" for a in finals) + " |")
     return lines
 
 
@@ -418,6 +461,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--report", action="store_true", help="train nothing: the table and plot of the runs that have result files"
     )
+    parser.add_argument(
+        "--refresh-curves",
+        action="store_true",
+        help="with --report: read the curves of the result files again from their run directories in --out (the "
+        "per-family accuracies of results written before they were kept), then report",
+    )
     parser.add_argument("extra", nargs="*", metavar="key=value", help="overrides for every run")
     args = parser.parse_args(argv)
     if args.results is None:
@@ -429,6 +478,16 @@ def main(argv: list[str] | None = None) -> int:
         work = [(o, s) for o, s in work if (args.results / f"{o}-seed{s}.json").exists()]
         if not work:
             raise SystemExit(f"--report: no result file in {args.results} for these objectives and seeds")
+    if args.refresh_curves:
+        if not args.report:
+            raise SystemExit("--refresh-curves goes with --report (a race writes its curves whole)")
+        for o, seed in work:
+            path = args.results / f"{o}-seed{seed}.json"
+            fresh = refresh_curve(json.loads(path.read_text()), run_dir(args.out, o, seed))
+            if fresh is not None:
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(fresh, indent=1))
+                tmp.replace(path)
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         runs = list(pool.map(lambda w: race_run(args.out, args.results, w[0], w[1], args), work))
     if not args.report:  # the report is of the whole race: the other objectives' and seeds' result files too
@@ -456,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     stem = "race-val" if args.split == "val" else "race"  # a validation race does not overwrite the test race's
     (report / f"{stem}.json").write_text(json.dumps(results, indent=1))
     table = summarise(results, test_base) + ["", *frontier(results, "test" if test_base is None else "val")]
+    families = families_table(results)
+    table += ["", *families] if families else []
     (report / f"{stem}.md").write_text("\n".join(table) + "\n")
     plot(results, report / f"{stem}.png")
     print("\n".join(table))

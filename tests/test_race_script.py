@@ -141,3 +141,51 @@ def test_a_run_cut_short_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     (fresh / "metrics.jsonl").write_text(json.dumps({"epoch": 20, "final": True}) + "\n")
     race.train(tmp_path, "dpo", 0, 15.0, 6, [])
     assert len(calls) == 2
+
+
+def test_curves_keep_each_family_and_old_results_are_refreshed_from_their_run(tmp_path):
+    """curve() keeps each GenEval family's accuracy at each eval; a result written before it did takes them from
+    its run directory (--refresh-curves), which must hold the same run; the report's family table is the median
+    over seeds at the end, under the base's (hand-computed)."""
+    race = race_module()
+    run = tmp_path / "dpo-seed0"
+    run.mkdir()
+    fam = race.FAMILY
+    rows = [
+        {"epoch": 0, race.HEADLINE: 0.3, race.TV: None, f"{fam}counting": 0.2, f"{fam}position": 0.4},
+        {"epoch": 1, "time/train_process_minutes": 2.0},
+        {"epoch": 1, race.HEADLINE: 0.5, race.TV: 0.1, f"{fam}counting": 0.6, f"{fam}position": 0.4},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    c = race.curve(run)
+    assert c["families"] == {"counting": [0.2, 0.6], "position": [0.4, 0.4]}
+    assert c["minutes"] == [0.0, 2.0] and c["accuracy"] == [0.3, 0.5]
+    old = {"objective": "dpo", "seed": 0, "curve": {k: c[k] for k in ("minutes", "accuracy", "tv", "epochs")}}
+    assert race.refresh_curve(old, run)["curve"] == c
+    assert race.refresh_curve(old, tmp_path / "missing") is None
+    other = {**old, "curve": {**old["curve"], "accuracy": [0.3, 0.4]}}
+    try:
+        race.refresh_curve(other, run)
+    except SystemExit as e:
+        assert "holds another run" in str(e)
+    else:
+        raise AssertionError("a run directory of another run refreshed a result")
+
+    def result(counting, position):
+        return {"curve": {"families": {"counting": counting, "position": position}}}
+
+    table = race.families_table(
+        {
+            "a": [result([0.2, 0.6], [0.4, 0.5]), result([0.2, 0.8], [0.4, 0.3]), result([0.2, 0.7], [0.4, 0.1])],
+            "b": [result([0.2, 0.3], [0.4, 0.4])],
+            "old": [{"curve": {"minutes": [0]}}],  # kept no families: left out
+        }
+    )
+    assert table[2:] == [
+        "| objective | counting | position |",
+        "| --- | --- | --- |",
+        "| base | 0.20 | 0.40 |",
+        "| a (3) | 0.70 | 0.30 |",
+        "| b (1) | 0.30 | 0.40 |",
+    ]
+    assert race.families_table({"old": [{"curve": {"minutes": [0]}}]}) == []
