@@ -296,3 +296,35 @@ def test_elbo_takes_its_ratio_against_the_version_that_sampled_the_batch(tmp_pat
     rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "policy/ratio_first" in r]
     assert rows[0]["policy/ratio_first"] == 1.0  # the trained weights sampled epoch 0
     assert all(r["policy/ratio_first_dev"] > 1e-6 for r in rows[1:])  # an older version sampled these
+
+
+def test_on_a_cpu_the_trainer_leaves_the_workers_threads_while_it_samples(tmp_path):
+    """Trainer and worker share the run's threads: with 2 torch threads and rollout.async_threads=1, the trainer
+    updates at 1 while the worker samples the next epoch, and takes both back when the worker samples nothing (the
+    eval after the last epoch) and when the run ends. The worker is started before the eval before training, so
+    its start overlaps that eval."""
+    cfg = load_config(None, [*TINY, f"log.run_dir={tmp_path}", "train.objective=dpo", "eval.before=true"])
+    torch.set_num_threads(2)
+    try:
+        tr = Trainer(cfg)
+        at_update, at_eval = [], []
+        update, evaluate = tr.update, tr.evaluate
+
+        def record_update(*args):
+            at_update.append(torch.get_num_threads())
+            return update(*args)
+
+        def record_eval(tag):
+            at_eval.append((tag, torch.get_num_threads(), tr.rollouts.process is not None))
+            return evaluate(tag)
+
+        tr.update, tr.evaluate = record_update, record_eval
+        tr.fit()
+        # the last epoch's update has no next epoch beside it: all the threads
+        assert at_update == [1, 1, 2]
+        assert at_eval == [("epoch000000", 2, True), ("final", 2, True)]  # the worker was already starting
+        assert torch.get_num_threads() == 2
+        rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "rollout/trainer_threads" in r]
+        assert [r["rollout/trainer_threads"] for r in rows] == [1, 1, 2]
+    finally:
+        torch.set_num_threads(1)

@@ -92,10 +92,17 @@ class AsyncRollout:
         self.cfg, self.device = cfg, str(device)
         self.target = worker_main  # (tests swap in a worker that fails)
         self.process = None
+        self.threads: int | None = None  # the worker's torch threads, once it is ready
         self.asked: int | None = None  # the epoch whose rollout the worker was asked for and has not returned
         self.sent: dict[int, tuple[dict, dict]] = {}  # the last two versions sent (trainable, objective state)
 
     def start(self) -> None:
+        """Start the worker and wait until it is ready (`spawn`, then `ready`)."""
+        self.spawn()
+        self.ready()
+
+    def spawn(self) -> None:
+        """Start the worker's process; it builds its policy while this one goes on (`ready` waits for it)."""
         ctx = mp.get_context("spawn")
         self.commands, self.results = ctx.Queue(), ctx.Queue()
         threads = self.cfg.rollout.async_threads
@@ -106,7 +113,12 @@ class AsyncRollout:
             daemon=True,
         )
         self.process.start()
-        self.threads = self._receive("ready", "starting")
+        self.threads = None
+
+    def ready(self) -> None:
+        """Wait until the spawned worker has built its policy (at once when it had)."""
+        if self.threads is None:
+            self.threads = self._receive("ready", "starting")
 
     def send_weights(self, version: int, trainable: dict, state: dict) -> None:
         """The trained tensors after `version` epochs (copied: the trainer goes on changing its own)."""

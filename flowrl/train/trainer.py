@@ -152,6 +152,7 @@ class Trainer:
         self.timer = Timer()
         # rollout.async: the rollout worker (started at the first epoch's rollout, stopped when fit ends)
         self.rollouts = AsyncRollout(cfg, self.device) if cfg.rollout.async_ else None
+        self.threads = torch.get_num_threads()  # this process's torch threads (rollout.async shares them on a CPU)
         self.resumed_sampling = None  # (version, trainable, objective state) a resumed async run samples first with
         if cfg.log.tensorboard or cfg.log.wandb:
             self.acc.init_trackers("flowrl", config={k: str(v) for k, v in to_dict(cfg).items()})
@@ -183,12 +184,15 @@ class Trainer:
         finally:
             if self.rollouts is not None:  # stopped and joined, whatever ended the run
                 self.rollouts.close()
+                self.share_threads(worker_sampling=False)
             if self.lock is not None:
                 self.lock.release()
 
     def _fit(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
         last = {}
+        if self.rollouts is not None and self.rollouts.process is None and self.state.epochs_done < t.epochs:
+            self.rollouts.spawn()  # the worker builds its policy during the eval before training
         if cfg.eval.before and self.state.epochs_done == 0 and t.epochs > 0:
             before = self.evaluate(tag="epoch000000")
             if before is None:
@@ -376,7 +380,8 @@ class Trainer:
         weights), and the worker's metrics; the worker is asked for the next epoch's at once."""
         w, t0 = self.rollouts, time.perf_counter()
         if w.process is None:
-            w.start()
+            w.spawn()
+        w.ready()
         if w.asked is None:  # the first epoch of this fit: version lag 0; after a resume, as the run it resumes
             resumed, self.resumed_sampling = self.resumed_sampling, None
             if resumed is not None:  # the older weights that run sampled this epoch with (its checkpoint's)
@@ -388,8 +393,10 @@ class Trainer:
         start = time.perf_counter()
         batch, version, idle, seconds = w.take(epoch, waiting=self.stop_point)
         wait = time.perf_counter() - start
-        if epoch + 1 < self.cfg.train.epochs:  # sampled with the weights it has while this epoch updates
+        sampling = epoch + 1 < self.cfg.train.epochs
+        if sampling:  # sampled with the weights it has while this epoch updates
             w.ask(epoch + 1, self.rollout_request(epoch + 1))
+        self.share_threads(worker_sampling=sampling)
         lag = self.state.epochs_done - version
         self.updater.version_lag = lag
         if lag:  # the older weights that sampled it (an objective whose ratio needs the sampling policy's: ELBO)
@@ -406,7 +413,17 @@ class Trainer:
             "time/worker_idle": idle,
             "time/worker_rollout": seconds,
             "rollout/worker_threads": w.threads,
+            "rollout/trainer_threads": torch.get_num_threads(),
         }
+
+    def share_threads(self, worker_sampling: bool) -> None:
+        """rollout.async on a CPU: this process's torch threads less the worker's (rollout.async_threads) while the
+        worker samples beside it, so that the two use the threads the run was given; all of them while it samples
+        nothing (the eval after the last epoch). On a GPU the threads are left alone."""
+        if self.rollouts is None or self.device.type != "cpu":
+            return
+        busy = max(1, self.threads - self.cfg.rollout.async_threads)
+        torch.set_num_threads(busy if worker_sampling else self.threads)
 
     def score(self, batch, epoch: int = 0, scored: dict | None = None) -> tuple[torch.Tensor, dict]:
         """Per-reward scores [B_local, K] and extra components, from this process's outputs (`scored`: those the
