@@ -519,7 +519,8 @@ class RolloutConfig:
     is no longer 1; clipping bounds it); the decoupled objectives (nft, awm, dpo) need only the samples. One process,
     images, without rollout.overlap_rewards (each refused otherwise)."""
     async_threads: int = 1
-    """The rollout worker's torch threads (rollout.async)."""
+    """The rollout worker's torch threads (rollout.async). On a CPU the trainer updates at its own threads less these
+    while the worker samples beside it, and at all of them when it does not (the eval after the last epoch)."""
 
     RANGES: ClassVar[dict[str, Range]] = {"async_threads": AT_LEAST_1}
 
