@@ -61,6 +61,21 @@ def _device(cfg) -> str:
     return "cuda" if cfg.model.device == "auto" else cfg.model.device
 
 
+def _checkpoint_arg(args) -> str:
+    """--checkpoint: a checkpoint directory as given; a run directory's newest checkpoint, said on stderr."""
+    from pathlib import Path
+
+    from .run.checkpoint import checkpoint_in
+
+    found = checkpoint_in(args.checkpoint)
+    if found != Path(args.checkpoint):
+        print(
+            f"flowrl {args.command}: {args.checkpoint} is a run directory: its newest checkpoint, {found}",
+            file=sys.stderr,
+        )
+    return str(found)
+
+
 def _eval(args) -> int:
     """The eval of a checkpoint (or of the base model) on the eval prompts. The diversity metrics compare with the
     base model's eval: an eval of the base model with --out writes its files there; an eval of a checkpoint reads
@@ -237,7 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_train)
 
     ev = sub.add_parser("eval", help="evaluate a checkpoint (or the base model) on the eval prompts")
-    ev.add_argument("--checkpoint", default=None, help="a ckpt-XXXXXX directory; omit for the base model")
+    ev.add_argument(
+        "--checkpoint", default=None, help="a ckpt-XXXXXX directory, or a run directory (its newest); omit for the base"
+    )
     ev.add_argument("--out", default=None, help="directory for the image grid and eval.json")
     ev.add_argument(
         "--weights",
@@ -256,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=_eval)
 
     sa = sub.add_parser("sample", help="sample images (deterministic ODE) from a config and checkpoint")
-    sa.add_argument("--checkpoint", default=None)
+    sa.add_argument("--checkpoint", default=None, help="a ckpt-XXXXXX directory, or a run directory (its newest)")
     sa.add_argument("--weights", choices=WEIGHTS, default="auto", help="as for eval")
     sa.add_argument("--prompt", action="append", required=True, help="repeatable")
     sa.add_argument(
@@ -289,7 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
         "calibrate", help="measure mag_cache's ratios (rollout.acceleration) for a config's model and rollout"
     )
     ca.add_argument("--prompts", type=int, default=8, help="training prompts to sample (sample.group_size each)")
-    ca.add_argument("--checkpoint", default=None, help="a ckpt-XXXXXX directory; omit for the base model")
+    ca.add_argument(
+        "--checkpoint", default=None, help="a ckpt-XXXXXX directory, or a run directory (its newest); omit for the base"
+    )
     ca.add_argument("--weights", choices=WEIGHTS, default="auto", help="as for eval")
     ca.add_argument("--seed", type=int, default=0)
     with_config(ca, optional=False)
@@ -384,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve_main(argv[1:])
     args = parse_args(argv)
     try:
+        if getattr(args, "checkpoint", None):
+            args.checkpoint = _checkpoint_arg(args)
         return _leave(args.func(args))
     except FlowrlError as e:
         if os.environ.get("FLOWRL_DEBUG"):

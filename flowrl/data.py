@@ -157,6 +157,42 @@ def warn_repeated_prompts(prompts: PromptSet, per_epoch: int) -> None:
         )
 
 
+def warn_eval_not_held_out(train: PromptSet, eval_set: PromptSet | None, image_column: str = "") -> None:
+    """A ConfigWarning when the eval is not held out: no data.eval_prompts (`eval_set` None: the eval samples the
+    training prompts), or eval prompts that are training prompts too (the same text and, for a model that takes
+    conditioning images, the same `image_column` images), with how many and the first."""
+    from .errors import ConfigWarning
+
+    if eval_set is None:
+        warnings.warn(
+            "data.eval_prompts is not set: the eval before and after training samples the training prompts, so it "
+            "shows how the run fit them, not how it does on prompts it never trained on; give held-out prompts in "
+            "data.eval_prompts",
+            ConfigWarning,
+            stacklevel=2,
+        )
+        return
+
+    def keys(prompts: PromptSet) -> list:
+        if not image_column:
+            return list(prompts.prompts)
+        return [(p, json.dumps(m.get(image_column), sort_keys=True)) for p, m in zip(prompts.prompts, prompts.metadata)]
+
+    trained = set(keys(train))
+    shared = [(k, origin) for k, origin in zip(keys(eval_set), eval_set.origins) if k in trained]
+    if shared:
+        first, origin = shared[0]
+        text = first[0] if isinstance(first, tuple) else first
+        distinct = len({k for k, _ in shared})
+        warnings.warn(
+            f"data.eval_prompts: {distinct} of its {len(set(keys(eval_set)))} distinct prompts are training prompts "
+            f"too (the first: {text!r}, {origin}); the eval is not held out for them: take them out of one of the "
+            "two sets",
+            ConfigWarning,
+            stacklevel=2,
+        )
+
+
 # ------------------------------------------------------------------------------------------ loading
 
 FORMATS = (

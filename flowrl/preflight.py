@@ -34,7 +34,7 @@ def load_prompt_sets(cfg: Config) -> tuple[PromptSet, PromptSet]:
     """The training and eval prompt sets of `cfg` (eval: the training prompts when none are given), with the
     columns that data.balance_by and eval.group_by need checked. An objective that reads its own training set
     (offline DPO's pairs: `Objective.training_prompts`) gives it in place of data.train_prompts."""
-    from .data import load_config_prompts, require_column, warn_repeated_prompts
+    from .data import load_config_prompts, require_column, warn_eval_not_held_out, warn_repeated_prompts
     from .eval.summary import eval_plan
     from .objectives import get_objective
 
@@ -47,6 +47,7 @@ def load_prompt_sets(cfg: Config) -> tuple[PromptSet, PromptSet]:
         train_set = _checked("data.train_prompts", load_config_prompts, d, "train")
         warn_repeated_prompts(train_set, cfg.sample.prompts_per_epoch)
     eval_set = _checked("data.eval_prompts", load_config_prompts, d, "eval") if d.eval_prompts else train_set
+    warn_eval_not_held_out(train_set, eval_set if d.eval_prompts else None, d.image_column)
     if d.balance_by:
         _checked("data.balance_by", train_set.strata, d.balance_by)
     if cfg.eval.group_by:

@@ -206,3 +206,34 @@ def test_sample_calls_hold_per_call_images_and_each_call_is_written_at_once(tmp_
     kept = sorted(p.name for p in (tmp_path / "y").iterdir())
     assert kept == ["000_seed1.png", "000_seed2.png", "000_seed3.png", "samples.jsonl"]  # no temporary file left
     assert len((tmp_path / "y" / "samples.jsonl").read_text().splitlines()) == 3
+
+
+def test_checkpoint_may_be_a_run_directory_its_newest_is_taken(tmp_path, capsys):
+    """--checkpoint RUN_DIR (what users give as often as RUN_DIR/ckpt-XXXXXX): the run's newest complete checkpoint,
+    named on stderr; the same images as naming that checkpoint. A run directory without one, or a directory that is
+    neither, is one line."""
+    import numpy as np
+    from PIL import Image
+
+    run = tmp_path / "run"
+    args = [*TINY, "train.epochs=2", "checkpoint.every=1", "checkpoint.keep=0", "eval.before=false"]
+    assert main(["train", TINY_CFG, *args, f"log.run_dir={run}"]) == 0
+    assert sorted(p.name for p in run.glob("ckpt-*")) == ["ckpt-000001", "ckpt-000002"]
+    capsys.readouterr()
+    sample = ["sample", TINY_CFG, *TINY, "--prompt", "a red circle"]
+    assert main([*sample, "--checkpoint", str(run), "--out", str(tmp_path / "by_run")]) == 0
+    assert f"{run} is a run directory: its newest checkpoint, {run / 'ckpt-000002'}" in capsys.readouterr().err
+    assert main([*sample, "--checkpoint", str(run / "ckpt-000002"), "--out", str(tmp_path / "by_ckpt")]) == 0
+    assert "is a run directory" not in capsys.readouterr().err
+    a, b = (np.asarray(Image.open(tmp_path / d / "000_seed0.png")) for d in ("by_run", "by_ckpt"))
+    assert np.array_equal(a, b)
+    assert main([*sample, "--checkpoint", str(run / "ckpt-000001"), "--out", str(tmp_path / "first")]) == 0
+    assert not np.array_equal(a, np.asarray(Image.open(tmp_path / "first" / "000_seed0.png")))  # another epoch's
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "metrics.jsonl").write_text("")
+    err = one_line_error(capsys, 1, main(["eval", TINY_CFG, *TINY, "--checkpoint", str(bare)]))
+    assert "is a run directory without a complete checkpoint yet" in err
+    err = one_line_error(capsys, 1, main(["eval", TINY_CFG, *TINY, "--checkpoint", str(tmp_path / "first")]))
+    assert "is not a checkpoint directory (no state.json or trainable.safetensors) nor a run directory" in err

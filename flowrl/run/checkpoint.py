@@ -285,6 +285,27 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
+def checkpoint_in(path: str | Path) -> Path:
+    """The checkpoint a `--checkpoint PATH` names: PATH itself when it is a checkpoint directory (or not a directory:
+    `read_checkpoint` says what it is), else, PATH being a run directory, its newest complete checkpoint (as
+    checkpoint.resume=auto takes it); a run directory without one is a CheckpointError naming it."""
+    path = Path(path)
+    if not path.is_dir() or (path / "state.json").exists() or (path / "trainable.safetensors").exists():
+        return path
+    found = list_checkpoints(path)
+    if found:
+        return found[-1]
+    if (path / "metrics.jsonl").exists():
+        raise CheckpointError(
+            f"{str(path)!r} is a run directory without a complete checkpoint yet (checkpoint.every sets how often "
+            "one is written; a run writes one at its end)"
+        )
+    raise CheckpointError(
+        f"{str(path)!r} is not a checkpoint directory (no state.json or trainable.safetensors) nor a run directory "
+        "holding one; checkpoints are the ckpt-XXXXXX directories of a run directory"
+    )
+
+
 def resolve_resume(resume: str | None, run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint to resume from, read: `None` -> None; `auto` -> the newest intact checkpoint in run_dir
     (a corrupt one is skipped with a warning that names it; None when there is none); else that directory, whose
