@@ -260,27 +260,31 @@ def minutes_to_gain(c: dict, gain: float) -> float | None:
 
 
 def summarise(results: dict, test_base: float | None = None) -> list[str]:
-    """The race's table; `test_base`: the base model's test accuracy of a --split val race (its gains are on the
-    validation split, and a last column gives the test split's gain of the final weights, read once)."""
+    """The race's table: per objective, the final and the best eval's gain over the first (median and range over
+    seeds), the minutes to +0.20 (median, a seed that never reached it counted as never, and each seed's in seed
+    order, `-` for never), colour TV and out-of-template accuracy. `test_base`: the base model's test accuracy of a
+    --split val race (its gains are on the validation split, and a last column gives the test split's gain of the
+    final weights, read once)."""
     split = "test" if test_base is None else "val"
     lines = [
-        f"| objective | seeds | gain on {split}, median (min - max) | minutes to +0.20, median | colour TV from "
-        "base, median (max) | out-of-template before -> after, median |"
+        f"| objective | seeds | gain on {split}, median (min - max) | best gain, median (min - max) | minutes to "
+        "+0.20, median (each seed) | colour TV from base, median (max) | out-of-template before -> after, median |"
         + ("" if test_base is None else " test gain of the final weights, median (min - max) |"),
-        "| --- | --- | --- | --- | --- | --- |" + ("" if test_base is None else " --- |"),
+        "| --- | --- | --- | --- | --- | --- | --- |" + ("" if test_base is None else " --- |"),
     ]
     for objective, runs in results.items():
         gains = [r["curve"]["accuracy"][-1] - r["curve"]["accuracy"][0] for r in runs]
+        best = [max(r["curve"]["accuracy"]) - r["curve"]["accuracy"][0] for r in runs]  # its best eval's
         reach = [minutes_to_gain(r["curve"], TARGET_GAIN) for r in runs]
-        reached = [m for m in reach if m is not None]
         median_reach = statistics.median([math.inf if m is None else m for m in reach])  # a miss counts as never
         tvs = [r["curve"]["tv"][-1] for r in runs if r["curve"]["tv"][-1] is not None]
         before = [r["oot_before"] for r in runs]
         after = [r["oot_after"] for r in runs]
         lines.append(
             f"| {objective} | {len(runs)} | {statistics.median(gains):+.3f} ({min(gains):+.3f} - {max(gains):+.3f}) | "
+            f"{statistics.median(best):+.3f} ({min(best):+.3f} - {max(best):+.3f}) | "
             + (f"{median_reach:.1f}" if median_reach < math.inf else f"> {runs[0]['minutes']:g}")
-            + f" ({len(reached)}/{len(runs)} reached)"
+            + f" ({', '.join('-' if m is None else f'{m:.1f}' for m in reach)})"
             + " | "
             + (f"{statistics.median(tvs):.3f} ({max(tvs):.3f})" if tvs else "-")
             + f" | {statistics.median(before):.3f} -> {statistics.median(after):.3f} |"

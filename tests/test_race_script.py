@@ -45,7 +45,7 @@ def test_a_validation_race_reports_the_test_split_once_per_run(tmp_path, monkeyp
     results.mkdir()
     runs = [
         ("dpo", 0, [0.30, 0.45, 0.52], 0.50),
-        ("dpo", 1, [0.30, 0.40, 0.44], 0.41),
+        ("dpo", 1, [0.30, 0.52, 0.44], 0.41),  # its best eval (+0.22, at 5 minutes) is not its last
         ("dpo", 2, [0.3, 0.3, 0.3], 0.3),
     ]
     for objective, seed, acc, test in runs:
@@ -57,8 +57,12 @@ def test_a_validation_race_reports_the_test_split_once_per_run(tmp_path, monkeyp
     assert not (tmp_path / "race.md").exists()  # the test-split race's table is left alone
     table = (tmp_path / "race-val.md").read_text().splitlines()
     assert "gain on val" in table[0] and table[0].endswith("test gain of the final weights, median (min - max) |")
-    # val gains +0.22, +0.14, +0.00; test gains 0.50 - 0.299 etc.: median +0.111 (+0.001 - +0.201)
-    assert "| dpo | 3 | +0.140 (+0.000 - +0.220) |" in table[2]
+    # val gains +0.22, +0.14, +0.00, best +0.22, +0.22, +0.00; +0.20 reached at 10, 5 minutes and never (the
+    # median: 10); test gains 0.50 - 0.299 etc.: median +0.111 (+0.001 - +0.201)
+    assert "best gain, median (min - max) | minutes to +0.20, median (each seed) |" in table[0]
+    assert table[2].startswith(
+        "| dpo | 3 | +0.140 (+0.000 - +0.220) | +0.220 (+0.000 - +0.220) | 10.0 (10.0, 5.0, -) |"
+    )
     assert table[2].endswith("| +0.111 (+0.001 - +0.201) |")
     # a result raced without the validation data is refused, not mixed in
     mixed = fake_run("dpo", 3, [0.3, 0.4, 0.5], 0.4, race)
