@@ -1057,3 +1057,42 @@ def test_model_drop_t5_trains_without_the_t5_encoder(tmp_path):
     assert math.isfinite(metrics["policy/loss"]) and (tmp_path / "ckpt-000001" / "lora").is_dir()
     with pytest.raises(Exception, match="SD3"):
         tiny_cfg(tmp_path / "b", "model.drop_t5=true", "model.family=flux")
+
+
+def test_keep_best_keeps_the_best_evals_checkpoint_and_names_it(tmp_path, capsys):
+    """checkpoint.keep_best: evals scoring 0.10 (before), 0.50, 0.30, 0.20 (final, after epoch 3) keep epoch 1's
+    checkpoint through checkpoint.keep=1, holding the weights the eval after epoch 1 saw, and best.json names it;
+    the final checkpoint is written as usual. A resumed run knows its best. A metric the eval does not report is
+    one error naming those it does."""
+    from flowrl.config import ConfigError
+    from flowrl.run.checkpoint import read_checkpoint
+
+    run = tmp_path / "run"
+    args = ["train.epochs=3", "eval.every=1", "checkpoint.every=0", "checkpoint.keep=1", "checkpoint.keep_best=true"]
+    tr = Trainer(tiny_cfg(run, *args))
+    scores, seen = iter([0.10, 0.50, 0.30, 0.20]), {}
+
+    def scripted(tag):
+        seen[tr.state.epochs_done] = trained_weights(tr)
+        return {"eval/jpeg_compressibility_mean": next(scores), "eval/other_mean": 0.9}  # the headline: the first
+
+    tr.evaluate = scripted
+    tr.fit()
+    assert sorted(p.name for p in run.glob("ckpt-*")) == ["ckpt-000001", "ckpt-000003"]
+    best = json.loads((run / "best.json").read_text())
+    assert best == {"metric": "eval/jpeg_compressibility_mean", "value": 0.5, "epochs": 1, "checkpoint": "ckpt-000001"}
+    assert "best eval: eval/jpeg_compressibility_mean 0.5000 after 1 epochs" in capsys.readouterr().out
+    kept = read_checkpoint(run / "ckpt-000001")["trainable"]
+    for n, w in seen[1].items():
+        torch.testing.assert_close(kept[n], w, rtol=0, atol=0)
+    assert any((seen[1][n] - seen[3][n]).abs().max() > 0 for n in seen[1])  # epochs 2 and 3 trained on
+    resumed = Trainer(tiny_cfg(run, *args, "checkpoint.resume=auto", "train.epochs=4"))
+    resumed.load(run / "ckpt-000003", read_checkpoint(run / "ckpt-000003"))
+    assert (resumed.state.best_eval, resumed.state.best_epoch) == (0.5, 1)
+
+    other = Trainer(tiny_cfg(tmp_path / "b", *args, "checkpoint.best_metric=eval/nope"))
+    other.evaluate = lambda tag: {"eval/jpeg_compressibility_mean": 0.1, "eval/x/by_family/a": 0.2}
+    with pytest.raises(
+        ConfigError, match=r"best_metric='eval/nope' is not a number the eval reports; it reports: eval/jpeg"
+    ):
+        other.fit()

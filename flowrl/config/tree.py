@@ -488,7 +488,17 @@ class CheckpointConfig:
     resume: Optional[str] = None
     """`auto` (the newest checkpoint in run_dir) or a checkpoint directory."""
     keep: int = 2
-    """Checkpoints kept (older ones of this run are deleted; 0 = keep all)."""
+    """Checkpoints kept (older ones of this run are deleted; 0 = keep all). The best eval's (keep_best) is kept
+    besides them."""
+    keep_best: bool = False
+    """Keep the weights of the best eval: at each eval that beats every earlier one on checkpoint.best_metric (the
+    eval before training included) a checkpoint of that epoch is written, which checkpoint.keep never deletes, and
+    `best.json` in the run directory names it (`flowrl eval --checkpoint RUN/ckpt-...` evaluates the same weights:
+    the EMA when the run keeps one, as the eval did). For runs that peak and then drift."""
+    best_metric: str = ""
+    """The eval metric checkpoint.keep_best maximises, e.g. `eval/shapes_geneval/strict_family_mean`; "" = the
+    run's headline: the first reward's mean (its mean over eval.group_by's groups when set, a `strict` component
+    first). A name the eval does not report is an error at the first eval, listing those it does."""
     allow_other_base: bool = False
     """Resume (or evaluate, sample) a checkpoint although the base model's weight files at model.path changed since
     it was written (each checkpoint keeps a fingerprint of them); without it that is refused, naming the files."""

@@ -140,6 +140,7 @@ def write_checkpoint(
     keep: int = 0,
     objective: dict[str, torch.Tensor] | None = None,
     rollout: dict[str, torch.Tensor] | None = None,
+    protect: tuple[int, ...] = (),
 ) -> Path:
     """Write `ckpt-{epoch:06d}` under `run_dir` atomically; returns its path.
 
@@ -147,7 +148,8 @@ def write_checkpoint(
     `objective`: the training objective's tensors (flowrl.objectives: e.g. NFT's old adapter), if it keeps any.
     `rollout`: rollout.async's weights of the version the next epoch samples with, when older than `trainable`.
     `keep` > 0 then keeps this checkpoint and the newest `keep - 1` older ones (by epoch); checkpoints of later
-    epochs than this one (another run's, or a future this run was resumed before) are never deleted.
+    epochs than this one (another run's, or a future this run was resumed before) are never deleted, nor those of
+    the epochs in `protect` (checkpoint.keep_best's).
     Weights with NaN or inf are never written: NonFiniteError names them and nothing is written.
     """
     opt_tensors, opt_meta = optimizer_to_files(optimizer) if optimizer is not None else ({}, None)
@@ -205,7 +207,9 @@ def write_checkpoint(
     else:
         os.replace(tmp, final)
     if keep > 0:
-        older = [c for c in list_checkpoints(run_dir) if checkpoint_epoch(c) < epoch]
+        older = [
+            c for c in list_checkpoints(run_dir) if checkpoint_epoch(c) < epoch and checkpoint_epoch(c) not in protect
+        ]
         for stale in older[: len(older) - (keep - 1)]:
             shutil.rmtree(stale, ignore_errors=True)
     return final

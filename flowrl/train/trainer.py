@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import signal
 import time
 from dataclasses import dataclass
@@ -54,6 +55,8 @@ class State:
     train_wall_seconds: float = 0.0  # the epochs' wall-clock, evals excluded (time/train_wall_minutes)
     train_cpu_seconds: float = 0.0  # this process's CPU time in the epochs (time/train_process_minutes)
     budget_seconds: float = 0.0  # train.max_minutes spent on train.budget_clock when the checkpoint was written
+    best_eval: float | None = None  # checkpoint.keep_best: the best eval's checkpoint.best_metric so far
+    best_epoch: int = -1  # and the epochs done at it
 
 
 def attention_backends(device: torch.device, *, cudnn: bool) -> None:
@@ -153,6 +156,7 @@ class Trainer:
         # rollout.async: the rollout worker (started at the first epoch's rollout, stopped when fit ends)
         self.rollouts = AsyncRollout(cfg, self.device) if cfg.rollout.async_ else None
         self.threads = torch.get_num_threads()  # this process's torch threads (rollout.async shares them on a CPU)
+        self.best_metric = ""  # checkpoint.keep_best's metric, resolved at the first eval
         self.resumed_sampling = None  # (version, trainable, objective state) a resumed async run samples first with
         if cfg.log.tensorboard or cfg.log.wandb:
             self.acc.init_trackers("flowrl", config={k: str(v) for k, v in to_dict(cfg).items()})
@@ -198,6 +202,7 @@ class Trainer:
             if before is None:
                 self.stop_if_asked(0, mid_epoch=False, abandoned="the eval before training")
             self.log.log(before, step=0)
+            self.keep_if_best(before)
         # the time budget and the time metrics go on from a checkpoint's: a resumed run trains what is left
         self.clock_start, self.budget_before = time.perf_counter(), self.state.budget_seconds
         first = self.state.epochs_done
@@ -229,10 +234,14 @@ class Trainer:
                 results = self.evaluate(tag=f"epoch{done:06d}")
                 metrics.update(results or {})
                 abandoned = None if results is not None else f"the eval after epoch {done}"
+                if results is not None:
+                    self.keep_if_best(results)
             if done % cfg.log.every == 0 or done == t.epochs or out_of_time:
                 self.log.log(metrics, step=done)
             if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < t.epochs:
-                self.save()
+                now = (self.state.epochs_done, self.state.optimizer_steps)
+                if self.saved is None or self.saved[0] != now:  # (keep_best may have saved this epoch just now)
+                    self.save()
             bar.set_postfix(progress_postfix(metrics, self.objective))
             last = metrics
             self.stop_if_asked(done, mid_epoch=False, abandoned=abandoned)
@@ -250,9 +259,15 @@ class Trainer:
                 self.stop_if_asked(self.state.epochs_done, mid_epoch=False, abandoned=final_eval)
             self.log.log({**final, "final": True}, step=self.state.epochs_done)
             last.update(final)
-            self.save()
+            if not self.keep_if_best(final):  # (a best final eval saves its checkpoint there)
+                self.save()
             if self.main:
                 self.report()
+                if self.cfg.checkpoint.keep_best and self.state.best_eval is not None:
+                    print(
+                        f"best eval: {self.best_metric} {self.state.best_eval:.4f} after {self.state.best_epoch} "
+                        f"epochs: {self.run_dir / f'ckpt-{self.state.best_epoch:06d}'} (best.json)"
+                    )
         divergence = self.dist.replica_divergence()  # (sharded weights differ by design: None)
         if divergence is not None:
             last["dist/replica_max_abs_diff"] = divergence
@@ -478,6 +493,50 @@ class Trainer:
         self.acc.wait_for_everyone()
         return results
 
+    def keep_if_best(self, results: dict) -> bool:
+        """checkpoint.keep_best: when `results` (an eval's, on the main process) beat every earlier eval on
+        checkpoint.best_metric, a checkpoint of this epoch (kept by checkpoint.keep) and `best.json` naming it;
+        True when it wrote them. Every process calls it (the checkpoint is a collective when sharded)."""
+        if not self.cfg.checkpoint.keep_best:
+            return False
+        better = 0.0
+        if self.main:
+            key = self.best_metric = self.best_metric or self._best_metric(results)
+            value = float(results[key])
+            if self.state.best_eval is None or value > self.state.best_eval:
+                better = 1.0
+                self.state.best_eval, self.state.best_epoch = value, self.state.epochs_done
+        if not self.dist.largest(better):
+            return False
+        self.state.best_epoch = self.state.epochs_done  # (every process: the checkpoint's retention reads it)
+        path = self.save()
+        if self.main:
+            best = {
+                "metric": self.best_metric,
+                "value": self.state.best_eval,
+                "epochs": self.state.best_epoch,
+                "checkpoint": path.name,
+            }
+            tmp = self.run_dir / "best.json.tmp"
+            tmp.write_text(json.dumps(best, indent=1))
+            tmp.replace(self.run_dir / "best.json")
+        return True
+
+    def _best_metric(self, results: dict) -> str:
+        """checkpoint.best_metric, or the run's headline (`result_keys`), checked to be among the eval's numbers."""
+        from flowrl.errors import ConfigError
+        from flowrl.run.report import result_keys
+
+        key = self.cfg.checkpoint.best_metric
+        if not key:
+            key = next(iter(result_keys([results], self.cfg.rewards[0].name, self.cfg.eval.group_by)), "")
+        if key not in results or not isinstance(results[key], (int, float)):
+            numbers = sorted(k for k, v in results.items() if k.startswith("eval/") and isinstance(v, (int, float)))
+            raise ConfigError(
+                f"checkpoint.best_metric={key!r} is not a number the eval reports; it reports: {', '.join(numbers)}"
+            )
+        return key
+
     def log_eval_images(self, path: Path | None, tag: str) -> None:
         """The eval grid to TensorBoard / W&B when those loggers are on."""
         if path is None or not (self.cfg.log.tensorboard or self.cfg.log.wandb) or not self.acc.trackers:
@@ -590,6 +649,7 @@ class Trainer:
                     state=st,
                     extra_dirs=extra,
                     keep=self.cfg.checkpoint.keep,
+                    protect=(self.state.best_epoch,) if self.cfg.checkpoint.keep_best else (),
                     objective=objective or None,
                     rollout=self.sampling_weights(),
                 )
