@@ -153,7 +153,7 @@ class Trainer:
         if self.main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.timer = Timer()
-        # rollout.async: the rollout worker (started at the first epoch's rollout, stopped when fit ends)
+        # rollout.async: the rollout worker (spawned as fit starts, stopped when it ends)
         self.rollouts = AsyncRollout(cfg, self.device) if cfg.rollout.async_ else None
         self.threads = torch.get_num_threads()  # this process's torch threads (rollout.async shares them on a CPU)
         self.best_metric = ""  # checkpoint.keep_best's metric, resolved at the first eval
@@ -499,14 +499,23 @@ class Trainer:
         True when it wrote them. Every process calls it (the checkpoint is a collective when sharded)."""
         if not self.cfg.checkpoint.keep_best:
             return False
-        better = 0.0
+        better, problem = 0.0, None
         if self.main:
-            key = self.best_metric = self.best_metric or self._best_metric(results)
-            value = float(results[key])
-            if self.state.best_eval is None or value > self.state.best_eval:
-                better = 1.0
-                self.state.best_eval, self.state.best_epoch = value, self.state.epochs_done
-        if not self.dist.largest(better):
+            try:
+                key = self.best_metric = self.best_metric or self._best_metric(results)
+            except ConfigError as e:  # said on every process, not only this one (the others would wait on it)
+                better, problem = 2.0, e
+            else:
+                value = float(results[key])
+                if self.state.best_eval is None or value > self.state.best_eval:
+                    better = 1.0
+                    self.state.best_eval, self.state.best_epoch = value, self.state.epochs_done
+        decided = self.dist.largest(better)
+        if decided == 2.0:
+            raise problem or ConfigError(
+                "checkpoint.best_metric is not a number the eval reports (see the main process)"
+            )
+        if not decided:
             return False
         self.state.best_epoch = self.state.epochs_done  # (every process: the checkpoint's retention reads it)
         path = self.save()
@@ -524,7 +533,6 @@ class Trainer:
 
     def _best_metric(self, results: dict) -> str:
         """checkpoint.best_metric, or the run's headline (`result_keys`), checked to be among the eval's numbers."""
-        from flowrl.errors import ConfigError
         from flowrl.run.report import result_keys
 
         key = self.cfg.checkpoint.best_metric
