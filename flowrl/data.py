@@ -178,14 +178,14 @@ def warn_eval_not_held_out(train: PromptSet, eval_set: PromptSet | None, image_c
             return list(prompts.prompts)
         return [(p, json.dumps(m.get(image_column), sort_keys=True)) for p, m in zip(prompts.prompts, prompts.metadata)]
 
-    trained = set(keys(train))
-    shared = [(k, origin) for k, origin in zip(keys(eval_set), eval_set.origins) if k in trained]
+    trained, evaluated = set(keys(train)), keys(eval_set)
+    shared = [(k, origin) for k, origin in zip(evaluated, eval_set.origins) if k in trained]
     if shared:
         first, origin = shared[0]
         text = first[0] if isinstance(first, tuple) else first
         distinct = len({k for k, _ in shared})
         warnings.warn(
-            f"data.eval_prompts: {distinct} of its {len(set(keys(eval_set)))} distinct prompts are training prompts "
+            f"data.eval_prompts: {distinct} of its {len(set(evaluated))} distinct prompts are training prompts "
             f"too (the first: {text!r}, {origin}); the eval is not held out for them: take them out of one of the "
             "two sets",
             ConfigWarning,

@@ -146,3 +146,20 @@ def lora_modules(state: dict) -> list[str]:
 def _short(value, limit: int = 80) -> str:
     text = json.dumps(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def init_state(path: Path, lora_cfg, own: dict[str, tuple[int, ...]], prefix: str | None = None) -> dict:
+    """The tensors of the LoRA file `path` (lora.init_path's, found by `preflight.lora_init_file`), ready for
+    `set_peft_model_state_dict`: the settings it records checked (`settings_problem`: a ConfigError), the keys of
+    component `prefix` (diffusers' `transformer.`, `unet.`) stripped of it, and matched to the adapter's keys and
+    shapes `own` (`match_state`)."""
+    from safetensors.torch import load_file
+
+    settings = adapter_settings(path, prefix)
+    problem = settings_problem(settings, lora_cfg, path)
+    if problem:
+        raise ConfigError(problem)
+    state = load_file(path)
+    if prefix is not None:
+        state = {k.removeprefix(prefix + "."): v for k, v in state.items()}
+    return match_state(state, own, lora_cfg, path, settings.get("target_modules"))

@@ -178,10 +178,15 @@ def race_run(out: Path, results: Path, objective: str, seed: int, args) -> dict:
     result = {"objective": objective, "seed": seed, **settings, "curve": curve(directory), "oot_after": after[HEADLINE]}
     if args.split == "val":  # the test split, read once: the final weights
         result["test_after"] = evaluate(directory, final, "test-final", budget, prompts=TEST)[HEADLINE]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(path)
+    write_json(path, result)
     return result
+
+
+def write_json(path: Path, data) -> None:
+    """`data` as JSON at `path`, atomically (a temporary file, then renamed)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
 
 
 def split_data(args) -> list[str]:
@@ -489,9 +494,7 @@ def main(argv: list[str] | None = None) -> int:
             path = args.results / f"{o}-seed{seed}.json"
             fresh = refresh_curve(json.loads(path.read_text()), run_dir(args.out, o, seed))
             if fresh is not None:
-                tmp = path.with_suffix(".tmp")
-                tmp.write_text(json.dumps(fresh, indent=1))
-                tmp.replace(path)
+                write_json(path, fresh)
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         runs = list(pool.map(lambda w: race_run(args.out, args.results, w[0], w[1], args), work))
     if not args.report:  # the report is of the whole race: the other objectives' and seeds' result files too

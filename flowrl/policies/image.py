@@ -767,19 +767,11 @@ class ImagePolicy:
         or that file; diffusers' format, `flowrl.lora_files`). A LoRA of another rank, alpha or other modules than
         this adapter's is a ConfigError naming the file's setting against the config's."""
         from peft.utils import set_peft_model_state_dict
-        from safetensors.torch import load_file
 
-        from flowrl.errors import ConfigError
-        from flowrl.lora_files import adapter_settings, match_state, settings_problem
+        from flowrl.lora_files import init_state
         from flowrl.preflight import lora_init_file
 
         path, _ = lora_init_file(init_path)
-        settings = adapter_settings(path, self.backend.denoiser_attr)
-        problem = settings_problem(settings, self.cfg.lora, path)
-        if problem:
-            raise ConfigError(problem)
-        prefix = self.backend.denoiser_attr + "."
-        state = {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in load_file(path).items()}
         own = {k: tuple(v.shape) for k, v in self.lora_state().items()}
-        match_state(state, own, self.cfg.lora, path, settings.get("target_modules"))
+        state = init_state(path, self.cfg.lora, own, self.backend.denoiser_attr)
         set_peft_model_state_dict(self.module, state)

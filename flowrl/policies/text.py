@@ -824,18 +824,11 @@ def load_adapter(model, lora_cfg, init_path: str) -> None:
     `PeftModel.save_pretrained` directory, or its adapter_model.safetensors). A LoRA of another rank, alpha or
     other modules is a ConfigError naming the file's setting against the config's (`flowrl.lora_files`)."""
     from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
-    from safetensors.torch import load_file
 
-    from flowrl.errors import ConfigError
-    from flowrl.lora_files import adapter_settings, match_state, settings_problem
+    from flowrl.lora_files import init_state
     from flowrl.preflight import lora_init_file
 
     path, _ = lora_init_file(init_path)
-    settings = adapter_settings(path)
-    problem = settings_problem(settings, lora_cfg, path)
-    if problem:
-        raise ConfigError(problem)
-    state = load_file(path)
     own = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(model).items()}
-    match_state(state, own, lora_cfg, path, settings.get("target_modules"))
+    state = init_state(path, lora_cfg, own)
     set_peft_model_state_dict(model, state)

@@ -289,12 +289,17 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
+def is_checkpoint_dir(path: Path) -> bool:
+    """`path` holds a checkpoint's files (complete or not: `read_checkpoint` says what is missing)."""
+    return (path / "state.json").is_file() or (path / "trainable.safetensors").is_file()
+
+
 def checkpoint_in(path: str | Path) -> Path:
     """The checkpoint a `--checkpoint PATH` names: PATH itself when it is a checkpoint directory (or not a directory:
     `read_checkpoint` says what it is), else, PATH being a run directory, its newest complete checkpoint (as
     checkpoint.resume=auto takes it); a run directory without one is a CheckpointError naming it."""
     path = Path(path)
-    if not path.is_dir() or (path / "state.json").exists() or (path / "trainable.safetensors").exists():
+    if not path.is_dir() or is_checkpoint_dir(path):
         return path
     found = list_checkpoints(path)
     if found:
@@ -361,7 +366,7 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
             f"checkpoint directory {str(path)!r} does not exist; checkpoints are the "
             f"ckpt-XXXXXX directories of a run directory"
         )
-    if not (path / "state.json").is_file() and not (path / "trainable.safetensors").is_file():
+    if not is_checkpoint_dir(path):
         raise CheckpointError(
             f"{str(path)!r} is not a checkpoint directory (no state.json or trainable.safetensors); "
             "checkpoints are the ckpt-XXXXXX directories of a run directory"

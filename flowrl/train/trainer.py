@@ -508,8 +508,7 @@ class Trainer:
             else:
                 value = float(results[key])
                 if self.state.best_eval is None or value > self.state.best_eval:
-                    better = 1.0
-                    self.state.best_eval, self.state.best_epoch = value, self.state.epochs_done
+                    better, self.state.best_eval = 1.0, value
         decided = self.dist.largest(better)
         if decided == 2.0:
             raise problem or ConfigError(
@@ -517,7 +516,7 @@ class Trainer:
             )
         if not decided:
             return False
-        self.state.best_epoch = self.state.epochs_done  # (every process: the checkpoint's retention reads it)
+        self.state.best_epoch = self.state.epochs_done  # on every process: the checkpoint's retention reads it
         path = self.save()
         if self.main:
             best = {
