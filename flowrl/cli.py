@@ -240,7 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     def with_config(p, optional: bool):
         p.add_argument("config", nargs="?" if optional else None, help="YAML preset (configs/*.yaml)")
-        p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.lr=1e-4")
+        # default=[]: argparse otherwise lists the optional overrides among "the following arguments are required"
+        p.add_argument(
+            "overrides", nargs="*", default=[], metavar="key=value", help="config overrides, e.g. train.lr=1e-4"
+        )
 
     train = sub.add_parser(
         "train",
@@ -298,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="run the embedded default (offline, CPU): online Diffusion-DPO on the shapes world"
     )
     demo.add_argument("config", nargs="?", default="configs/shapes.yaml")
-    demo.add_argument("overrides", nargs="*", metavar="key=value")
+    demo.add_argument("overrides", nargs="*", default=[], metavar="key=value")
     demo.add_argument("--toy", action="store_true", help="the tabular GRPO toy instead (seconds)")
     demo.set_defaults(func=_demo)
 

@@ -71,8 +71,9 @@ def test_saved_sd3_passes_preflight_from_its_config_files_alone(sd3_dirs, tmp_pa
         preflight_image_model(bare, "nosuchfamily", height=32, width=32)
     with pytest.raises(ValueError, match="has no model_index.json: not a diffusers pipeline directory"):
         preflight_image_model(str(tmp_path), height=32, width=32)
-    with pytest.raises(ValueError, match="neither a local directory nor a hub id"):
+    with pytest.raises(ValueError, match="neither a local directory") as error:
         preflight_image_model(str(tmp_path / "missing" / "dir"), height=32, width=32)
+    assert os.getcwd() in str(error.value) and "tiny-sd3" in str(error.value)  # where it looked, what else is valid
 
 
 def test_unknown_pipeline_class_fails_before_any_weight_is_read(sd3_dirs, tmp_path):
@@ -145,6 +146,9 @@ def test_hub_id_offline_fails_at_once_naming_it_and_uses_the_cache(sd3_dirs, tmp
         with pytest.raises(ImageModelError, match=r"someorg/some-sd3: model_index.json .* HF_HUB_OFFLINE=1") as error:
             check()
         assert "download the model once online" in str(error.value) and "local directory" in str(error.value)
+        assert f"nor is there a directory someorg/some-sd3 under the working directory, {os.getcwd()}" in str(
+            error.value
+        )  # an ORG/NAME-shaped relative path that is not there: said, not only the hub
     # the same files in the cache, as a download leaves them: used, offline
     commit = "0123456789abcdef0123456789abcdef01234567"
     repo = tmp_path / "hub" / "models--someorg--some-sd3"
@@ -238,3 +242,30 @@ def test_a_directory_saved_as_a_variant_names_it_and_loads_with_it(sd3_dirs, tmp
     theirs = dict(pipe.transformer.named_parameters())
     for name, p in loaded.denoiser.named_parameters():
         torch.testing.assert_close(p, theirs[name], rtol=0, atol=0)
+
+
+def test_a_file_as_model_path_says_what_to_do_with_it(tmp_path):
+    """A LoRA file is sent to lora.init_path, a single-file checkpoint to a one-time conversion, anything else
+    to a pipeline directory; each before anything loads."""
+    from safetensors.torch import save_file
+
+    lora = tmp_path / "pytorch_lora_weights.safetensors"
+    save_file({"transformer.blocks.0.attn.to_q.lora_A.weight": torch.zeros(2, 8)}, str(lora))
+    kohya = tmp_path / "style.safetensors"
+    save_file({"lora_unet_down_blocks_0.lora_down.weight": torch.zeros(2, 8)}, str(kohya))
+    single = tmp_path / "sd3.5_medium.safetensors"
+    save_file({"model.diffusion_model.x_embedder.proj.weight": torch.zeros(2, 8)}, str(single))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello")
+    for path, hint in (
+        (lora, "lora.init_path"),
+        (kohya, "lora.init_path"),
+        (single, "from_single_file"),
+        (notes, "pipeline directory"),
+    ):
+        with pytest.raises(ImageModelError, match="is a file") as info:
+            preflight_image_model(str(path), "auto", height=32, width=32)
+        assert hint in str(info.value), (path.name, str(info.value))
+    with pytest.raises(ImageModelError) as info:
+        preflight_image_model(str(notes), "auto", height=32, width=32)
+    assert "lora.init_path" not in str(info.value) and "from_single_file" not in str(info.value)

@@ -86,6 +86,11 @@ def test_overrides_after_options_and_a_stray_argument(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["eval", TINY_CFG, "--out", str(out), "stray"])
     assert "unrecognized arguments: stray" in capsys.readouterr().err
+    for command in (["sample", "--prompt", "a cat"], ["sample"]):  # overrides are optional: not named as required
+        with pytest.raises(SystemExit):
+            main(command)
+        err = capsys.readouterr().err
+        assert err.rstrip().endswith("required: " + ", ".join([*(["--prompt"] if len(command) == 1 else []), "config"]))
 
 
 def test_sample_names_files_by_prompt_and_seed_and_each_image_is_its_seeds(tmp_path):

@@ -111,13 +111,16 @@ def read_hub_json(repo_id: str, name: str, **hub_kwargs) -> dict:
         file = hf_hub_download(repo_id, filename, subfolder=subfolder or None, **hub_kwargs)
     except HFValidationError:
         raise ImageModelError(
-            f"{repo_id!r} is neither a local directory nor a hub id (ORG/NAME), nor one of the tiny test models"
+            f"{repo_id!r} is neither a local directory (none there; a relative path is read from the working "
+            f"directory, {os.getcwd()}) nor a hub id (ORG/NAME), nor one of the tiny test models "
+            f"({', '.join(sorted(tiny_models()))})"
         ) from None
     except LocalEntryNotFoundError:
         why = "HF_HUB_OFFLINE=1 forbids downloading it" if offline else "the hub could not be reached"
         raise ImageModelError(
-            f"hub model {repo_id}: {name} is not in the Hugging Face cache and {why}; download the model once "
-            f"online (without HF_HUB_OFFLINE) or pass a local directory (pipe.save_pretrained(DIR))"
+            f"hub model {repo_id}: {name} is not in the Hugging Face cache and {why} (nor is there a directory "
+            f"{repo_id} under the working directory, {os.getcwd()}); download the model once online (without "
+            f"HF_HUB_OFFLINE) or pass a local directory (pipe.save_pretrained(DIR))"
         ) from None
     except (RepositoryNotFoundError, EntryNotFoundError) as e:
         raise ImageModelError(
@@ -138,8 +141,30 @@ def _config_reader(path: str, **hub_kwargs) -> Callable[[str], dict]:
     if os.path.isdir(path):
         return lambda name: _read_local_json(path, name)
     if os.path.exists(path):
-        raise ImageModelError(f"{path} is a file; a model is a diffusers pipeline directory or a hub id (ORG/NAME)")
+        raise ImageModelError(_file_given(path))
     return lambda name: read_hub_json(path, name, **hub_kwargs)
+
+
+def _file_given(path: str) -> str:
+    """Why a file is not a model.path: a LoRA file (its keys name lora_A/lora_B or lora_down/lora_up) belongs in
+    lora.init_path; a single-file checkpoint (.safetensors, .ckpt, ...) is converted to a pipeline directory once."""
+    base = f"model.path={path} is a file; a model is a diffusers pipeline directory or a hub id (ORG/NAME)"
+    keys: list[str] = []
+    if path.endswith(".safetensors"):
+        try:
+            with open(path, "rb") as f:  # the header only: 8 bytes of length, then JSON naming every tensor
+                n = int.from_bytes(f.read(8), "little")
+                keys = list(json.loads(f.read(n)) if 0 < n < 1 << 28 else {})
+        except (OSError, ValueError):
+            keys = []
+    if any(re.search(r"lora_(A|B|up|down)\b|\.lora\.", k) for k in keys):
+        return f"{base}; this file holds a LoRA: give the base model as model.path and this file as lora.init_path"
+    if path.endswith((".safetensors", ".ckpt", ".pt", ".pth", ".bin", ".gguf")):
+        return (
+            f"{base}; a single-file checkpoint is converted once, e.g. StableDiffusion3Pipeline.from_single_file("
+            f"{path!r}).save_pretrained('my_model') (the pipeline class of its family), then model.path=my_model"
+        )
+    return base
 
 
 def _class_name(model_index: Mapping) -> str:
