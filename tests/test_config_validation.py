@@ -111,6 +111,22 @@ def test_unknown_keys_get_a_suggestion_across_sections(override, wanted):
         load_config(None, [override])
 
 
+def test_an_objective_named_by_its_variant_says_which_settings_select_it():
+    """Flow-DPPO is GRPO's policy loss, not an objective: the error writes the two settings; names of GRPO itself
+    say grpo; an unrelated misspelling still gets the closest objective."""
+    with pytest.raises(ConfigError, match=r"'dppo' is not a valid choice.*dppo is train\.objective=grpo "):
+        load_config(None, ["train.objective=dppo"])
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ["train.objective=Flow-DPPO"])
+    written = str(error.value).split(" is ")[-1].rstrip(".").split()
+    cfg = load_config(None, written)  # what the error says to write is a valid config that selects Flow-DPPO
+    assert (cfg.train.objective, cfg.train.grpo.policy_loss) == ("grpo", "dppo")
+    with pytest.raises(ConfigError, match=r"Flow-GRPO is train\.objective=grpo\.$"):
+        load_config(None, ["train.objective=Flow-GRPO"])
+    with pytest.raises(ConfigError, match=r"Did you mean nft\?"):
+        load_config(None, ["train.objective=nfts"])
+
+
 def test_every_alias_points_at_a_real_key():
     from flowrl.config.load import _all_keys
 

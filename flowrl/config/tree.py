@@ -16,6 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional
 
+from flowrl.config.values import CHOICE_ALIASES
 from flowrl.ranges import AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, Range
 
 
@@ -319,6 +320,8 @@ def _with_objective_sections(base: type) -> type:
     docs = {}
     for name in names:
         objective = get_objective(name)
+        for alias, settings in objective.variants.items():
+            CHOICE_ALIASES.setdefault("train.objective", {})[alias] = f"train.objective={name} {settings}".strip() + "."
         listing.append(f"`{name}` = {objective.title} (train.{name})" if objective.Settings else f"`{name}`")
         if objective.Settings is not None:
             fields.append((name, objective.Settings, field(default_factory=objective.Settings)))

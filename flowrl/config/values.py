@@ -13,6 +13,10 @@ from typing import Any, Literal
 
 from flowrl.errors import ConfigError
 
+#: per config key, values that are not among its choices but name one (a variant under another name): value ->
+#: what to write instead; filled by the registries that define the choices (train.objective: the objectives)
+CHOICE_ALIASES: dict[str, dict[str, str]] = {}
+
 
 def convert_value(value: Any, tp, key: str, *, build: Callable | None = None) -> Any:
     """Check (and gently convert) `value` against the annotation `tp`; `key` names it in errors. `build(cls, data,
@@ -27,8 +31,9 @@ def convert_value(value: Any, tp, key: str, *, build: Callable | None = None) ->
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
+            alias = CHOICE_ALIASES.get(key, {}).get(str(value).lower())
             close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
-            hint = f" Did you mean {close[0]}?" if close else ""
+            hint = f" {value} is {alias}" if alias else f" Did you mean {close[0]}?" if close else ""
             raise ConfigError(f"{key}: {value!r} is not a valid choice; valid: {', '.join(map(str, choices))}.{hint}")
         return value
     if origin is list:

@@ -42,6 +42,9 @@ class Objective:
 
     #: the registered name (train.objective)
     name: ClassVar[str] = ""
+    #: names users may give train.objective for a variant of this objective, and the settings that select it
+    #: (GRPO: {"dppo": "train.grpo.policy_loss=dppo"}): a wrong name's error then says what to write
+    variants: ClassVar[dict[str, str]] = {}
     #: how reports and the demo's banner name it
     title: ClassVar[str] = ""
     #: its config section, read from train.<name> (a dataclass with a docstring under each field); None: no settings

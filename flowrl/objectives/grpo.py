@@ -145,6 +145,11 @@ class GRPO(Objective):
 
     name = "grpo"
     title = "GRPO"
+    # Flow-DPPO (arXiv 2606.11025) is GRPO with a KL trust region; Flow-GRPO / DDPO / PPO are GRPO as it is
+    variants = {
+        **dict.fromkeys(("dppo", "flow_dppo", "flow-dppo", "flowdppo"), "train.grpo.policy_loss=dppo"),
+        **dict.fromkeys(("flow_grpo", "flow-grpo", "flowgrpo", "ddpo", "ppo"), ""),
+    }
     Settings = GRPOSettings
     coupled = True
     backends = ("image", "text")
