@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 import textwrap
+import time
 
 
 def _config_help() -> str:
@@ -96,9 +97,9 @@ def _eval(args) -> int:
     base_dir = base_for_eval(args.base, args.checkpoint, evaluator.settings)
     with eval_signals() as signals:  # a signal abandons the eval between its batches: nothing is written
         policy = policy_from_checkpoint(cfg, args.checkpoint, args.weights, _device(cfg))
-        outputs, scores = evaluator.sample(
-            policy, build_reward_fns(cfg, policy.reward_kind), stop=signals.stop_point, progress=cfg.log.progress
-        )
+        reward_fns = build_reward_fns(cfg, policy.reward_kind)
+        t0 = time.perf_counter()
+        outputs, scores = evaluator.sample(policy, reward_fns, stop=signals.stop_point, progress=cfg.log.progress)
         signals.stop_point()
         out = Path(args.out) if args.out else None
         if out:
@@ -116,8 +117,35 @@ def _eval(args) -> int:
         if out:
             evaluator.write_outputs(policy, outputs, scores, out / "eval")
             (out / "eval.json").write_text(json.dumps(result, indent=1))
+        if cfg.eval.base_cache and not args.checkpoint:  # an eval of the base model: an entry for training runs
+            _add_to_base_cache(cfg, evaluator, policy, reward_fns, outputs, scores, result, time.perf_counter() - t0)
     print(json.dumps(result, indent=1))
     return 0
+
+
+def _add_to_base_cache(cfg, evaluator, policy, reward_fns, outputs, scores, result, seconds) -> None:
+    """`flowrl eval` of the base model with eval.base_cache set: the eval added to the cache as the eval before
+    training of a run of this config (its grid, its base-model files, its metrics), said on stderr."""
+    import tempfile
+    from pathlib import Path
+
+    from .eval.base_cache import BaseEvalCache, fingerprint_of_run
+
+    cache = BaseEvalCache(cfg.eval.base_cache)
+    fp = fingerprint_of_run(cfg, evaluator, policy, reward_fns, _device(cfg))
+    if fp is None:
+        print(
+            f"flowrl eval: eval.base_cache: model.path={cfg.model.path}'s files cannot be identified: not kept",
+            file=sys.stderr,
+        )
+        return
+    with tempfile.TemporaryDirectory() as tmp:  # laid out as a run directory's eval before training
+        evaluator.results(outputs, scores, base_dir=None, this_is_base=True, save_base_to=Path(tmp))
+        if cfg.eval.grid:
+            evaluator.write_outputs(policy, outputs, scores, Path(tmp) / "eval-epoch000000")
+        metrics = {k: v for k, v in result.items() if k.startswith("eval/")}
+        entry = cache.store(fp, metrics, Path(tmp), "epoch000000", seconds)
+    print(f"flowrl eval: the base model's eval is in eval.base_cache: {entry}", file=sys.stderr)
 
 
 def _sample(args) -> int:

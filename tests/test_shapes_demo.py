@@ -22,6 +22,7 @@ def test_shapes_preset_one_epoch(preset, tmp_path, monkeypatch):
         ROOT / "configs" / f"{preset}.yaml",
         [
             f"log.run_dir={tmp_path}",
+            f"eval.base_cache={tmp_path / 'base-evals'}",  # not the repository's (the demo's shipped one)
             "train.epochs=1",
             "sample.prompts_per_epoch=2",
             "eval.num_prompts=3",
@@ -96,6 +97,7 @@ def test_the_demo_is_the_measured_dpo_setting():
             "train.lr=1e-3",
             "train.epochs=62",
             "log.run_dir=runs/shapes_dpo",
+            "eval.base_cache=samples/shapes/base-evals",  # where the base model's eval is read from: no training key
         ],
     )
     assert demo.train.objective == measured.train.objective == "dpo"
@@ -112,6 +114,7 @@ def test_demo_command_reports_and_writes_figures(tmp_path, monkeypatch, capsys):
 
     monkeypatch.chdir(ROOT)
     overrides = ["sample.prompts_per_epoch=2", "eval.num_prompts=2", "eval.images_per_prompt=2", "eval.num_steps=4"]
+    overrides.append(f"eval.base_cache={tmp_path / 'base-evals'}")  # not the repository's shipped one
     main(["demo", "configs/shapes.yaml", f"log.run_dir={tmp_path}", "train.epochs=1", "log.progress=false", *overrides])
     out = capsys.readouterr().out
     assert "eval/shapes_geneval/strict_family_mean: before" in out  # the headline, GenEval's overall
@@ -166,6 +169,39 @@ def test_demo_command_reports_and_writes_figures(tmp_path, monkeypatch, capsys):
     assert "eval/diversity/shapes_geneval/color_tv_from_base" not in resumed
 
 
+@pytest.mark.skipif(not (ROOT / "samples/shapes/model/model_index.json").exists(), reason="model not built")
+def test_the_demo_ships_its_base_models_eval(tmp_path, monkeypatch):
+    """samples/shapes/base-evals holds one entry, the eval before training of configs/shapes.yaml at 2 threads on
+    a CPU (the demo's machine) with this code: so the demo reads it. A change to the code that samples or scores,
+    the model, the eval settings or the rewards fails here until the entry is made again (the message says how)."""
+    import torch
+
+    from flowrl.eval.base_cache import BaseEvalCache, fingerprint_of_run
+
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(ROOT / "configs" / "shapes.yaml", [f"log.run_dir={tmp_path}"])
+    shipped = ROOT / cfg.eval.base_cache
+    entries = [p for p in shipped.iterdir() if not p.name.startswith(".")]
+    again = (
+        f"make it again: rm -r {cfg.eval.base_cache} && OMP_NUM_THREADS=2 flowrl eval configs/shapes.yaml "
+        f"(on a CPU, 2 torch threads)"
+    )
+    assert len(entries) == 1, f"{shipped} holds {len(entries)} entries, not one: {again}"
+    tr = Trainer(cfg)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        fp = fingerprint_of_run(cfg, tr.evaluator, tr.policy, tr.scorer.fns, "cpu")
+    finally:
+        torch.set_num_threads(threads)
+    record = json.loads((entries[0] / "record.json").read_text())["fingerprint"]
+    # another torch or diffusers (a user's own) makes the demo sample its base eval, rightly: not a stale entry
+    stale = sorted(k for k in fp.keys() | record.keys() if k != "versions" and fp.get(k) != record.get(k))
+    assert not stale, f"the demo's shipped base eval differs from this code's in {stale}: {again}"
+    if record["versions"] == fp["versions"]:
+        assert BaseEvalCache(shipped).load(fp) is not None
+
+
 def _pixels(path):
     from PIL import Image
 
@@ -198,4 +234,9 @@ def test_time_split_sums_each_phase_over_the_epochs_and_the_evals():
     waited = [{"time/rollout": 0.5, "time/rollout_wait": 0.5, "time/reward": 0.1, "time/train": 4.0}]
     assert time_split(waited) == (
         "time: waiting for the rollout worker 0 s, rewards 0 s, updates 4 s (1 epoch); evals 0 s (0)"
+    )
+    read = [{"epoch": 0, "time/eval_read": 0.04}, *rows[1:]]  # the eval before training read from eval.base_cache
+    assert time_split(read) == (
+        "time: rollouts 6 s, rewards 0 s, updates 3 s (2 epochs); evals 41 s (1), the base model's read from "
+        "eval.base_cache in 0.0 s"
     )

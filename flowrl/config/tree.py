@@ -450,6 +450,11 @@ class EvalConfig:
     """A metadata column of the eval prompts (e.g. `family`) to break every eval score down by: logs
     `eval/<score>_by_<column>/<value>` and `eval/<score>_<column>_mean`, the unweighted mean over the groups
     (GenEval's "overall" is this mean over its task families). "" = off."""
+    base_cache: str = ""
+    """A directory that keeps evals of base models for reuse: the eval before training is read from it when it
+    holds one of this run's (the same model files, eval prompts and settings, rewards, versions and sampling code:
+    flowrl.eval.base_cache), else sampled and added to it. A sweep then samples its base model's eval once; the
+    demo ships its own. "" = off (every run samples its eval before training)."""
     diversity_features: str = ""
     """A vision backbone (hub id or local directory of a DINOv2, CLIP or CLIP vision model, e.g.
     `facebook/dinov2-small`) that embeds every eval image, for the feature-space diversity: logs

@@ -128,6 +128,19 @@ class Evaluator:
 
     # ---- sampling and scoring
 
+    def _share(self, rank: int, world: int) -> slice:
+        """The contiguous part of the plan's prompts that process `rank` of `world` samples."""
+        share = -(-len(self.prompts) // world)
+        return slice(min(len(self.prompts), rank * share), min(len(self.prompts), (rank + 1) * share))
+
+    def encode_as_sampled(self, policy, *, rank: int = 0, world: int = 1, processes: int | None = None) -> None:
+        """The prompt encodings `sample` (with the same arguments) makes, without sampling (a policy that caches
+        none: nothing): what an eval read from eval.base_cache leaves behind, as sampling it would."""
+        encode = getattr(policy, "encode_as_eval", None)
+        if encode is not None:
+            per_call = images_per_call(self.cfg.sample, processes or world)
+            encode(self.prompts, self.eval_cfg, self._share(rank, world), per_call=per_call)
+
     def sample(
         self,
         policy,
@@ -148,8 +161,7 @@ class Evaluator:
         `images_per_call(cfg.sample, processes)` (`processes`: the run's process count, `world` when not given),
         the size of a training rollout's calls, so an eval fits where training does. `progress`: a bar over
         this process's outputs."""
-        share = -(-len(self.prompts) // world)
-        part = slice(min(len(self.prompts), rank * share), min(len(self.prompts), (rank + 1) * share))
+        part = self._share(rank, world)
         image = policy.reward_kind == "image"
         bar = tqdm(
             total=(part.stop - part.start) * (self.eval_cfg.images_per_prompt if image else 1),

@@ -586,6 +586,22 @@ class ImagePolicy:
     # ---------------------------------------------------------------------------- eval / export
 
     @torch.no_grad()
+    def _eval_prompts_per_call(self, count: int, n: int, per_call: int) -> int:
+        """The prompts of each of an eval's model calls (`evaluate_prompts`): `per_call` images (0: sample.
+        rollout_batch_size, and 0 there: all `count` prompts in one call) of `n` per prompt, whole prompts."""
+        per_call = per_call or self.cfg.sample.rollout_batch_size
+        return max(1, per_call // n) if per_call else count
+
+    def encode_as_eval(self, prompts, eval_cfg, part: slice | None = None, *, per_call=0) -> None:
+        """The text encodings an eval of `prompts[part]` (`evaluate_prompts`, same arguments) makes, in the same
+        calls, without sampling: a run that reads its eval before training from eval.base_cache leaves the prompt
+        encodings' cache as the eval would have (an eval prompt that is a training prompt too then trains with the
+        encoding the eval made of it, bit for bit: an encoding's last bits depend on the batch it was made in)."""
+        mine = prompts[part or slice(0, len(prompts))]
+        per = self._eval_prompts_per_call(len(mine), eval_cfg.images_per_prompt, per_call)
+        for i in range(0, len(mine), per):
+            self.backend.encode_prompts(mine[i : i + per])
+
     def evaluate_prompts(
         self,
         prompts,
@@ -611,8 +627,7 @@ class ImagePolicy:
         mine, mine_meta = prompts[part], metadata[part]
         if not mine:
             return [], [torch.zeros(0) for _ in reward_fns], {}
-        per_call = per_call or s.rollout_batch_size
-        per = max(1, per_call // n) if per_call else len(mine)  # prompts per batch
+        per = self._eval_prompts_per_call(len(mine), n, per_call)
         noise = None
         if (part.start, part.stop) != (0, len(prompts)) or per < len(mine):  # the whole list's noise, then rows
             noise = self._noise(len(prompts) * n, eval_cfg.seed, eval_cfg.guidance_scale)[part.start * n :]

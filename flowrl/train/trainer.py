@@ -17,6 +17,7 @@ import functools
 import json
 import signal
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,6 +158,7 @@ class Trainer:
         self.rollouts = AsyncRollout(cfg, self.device) if cfg.rollout.async_ else None
         self.threads = torch.get_num_threads()  # this process's torch threads (rollout.async shares them on a CPU)
         self.best_metric = ""  # checkpoint.keep_best's metric, resolved at the first eval
+        self.base_fingerprint: dict | None = None  # eval.base_cache: this run's, made at its first use
         self.resumed_sampling = None  # (version, trainable, objective state) a resumed async run samples first with
         if cfg.log.tensorboard or cfg.log.wandb:
             self.acc.init_trackers("flowrl", config={k: str(v) for k, v in to_dict(cfg).items()})
@@ -198,9 +200,12 @@ class Trainer:
         if self.rollouts is not None and self.rollouts.process is None and self.state.epochs_done < t.epochs:
             self.rollouts.spawn()  # the worker builds its policy during the eval before training
         if cfg.eval.before and self.state.epochs_done == 0 and t.epochs > 0:
-            before = self.evaluate(tag="epoch000000")
+            before = self.base_eval_from_cache()
             if before is None:
-                self.stop_if_asked(0, mid_epoch=False, abandoned="the eval before training")
+                before = self.evaluate(tag="epoch000000")
+                if before is None:
+                    self.stop_if_asked(0, mid_epoch=False, abandoned="the eval before training")
+                self.add_base_eval_to_cache(before)
             self.log.log(before, step=0)
             self.keep_if_best(before)
         # the time budget and the time metrics go on from a checkpoint's: a resumed run trains what is left
@@ -492,6 +497,55 @@ class Trainer:
             results["time/eval"] = time.perf_counter() - t0  # sampling, scoring and the grid (the demo's split)
         self.acc.wait_for_everyone()
         return results
+
+    def _base_cache(self):
+        """(eval.base_cache's cache, this run's fingerprint) on the main process when the cache is on, else None.
+        The fingerprint digests the model's files: made once."""
+        if not self.cfg.eval.base_cache or not self.main or self.state.optimizer_steps:
+            return None
+        from flowrl.eval.base_cache import BaseEvalCache, fingerprint_of_run
+
+        if self.base_fingerprint is None:
+            self.base_fingerprint = (
+                fingerprint_of_run(self.cfg, self.evaluator, self.policy, self.scorer.fns, self.device) or {}
+            )
+            if not self.base_fingerprint:
+                warnings.warn(
+                    f"eval.base_cache: the files of model.path={self.cfg.model.path} could not be identified (not "
+                    f"a local directory, a hub model in the cache or a tiny model): its eval is sampled, not kept",
+                    stacklevel=2,
+                )
+        if not self.base_fingerprint:
+            return None
+        return BaseEvalCache(self.cfg.eval.base_cache), self.base_fingerprint
+
+    def base_eval_from_cache(self) -> dict | None:
+        """eval.base_cache: the eval before training read from the cache's entry for this run (its metrics logged,
+        its grid and base-model files copied into the run directory), when there is one; else None (every
+        process: the main process decides)."""
+        t0 = time.perf_counter()
+        cache = self._base_cache()
+        found = cache[0].restore(cache[1], self.run_dir) if cache is not None else None
+        if not self.dist.any_process(found is not None):
+            return None
+        world = 1 if self.dist.sharded else self.world  # as evaluate() shares the prompts out
+        self.evaluator.encode_as_sampled(
+            self.policy, rank=0 if world == 1 else self.acc.process_index, world=world, processes=self.world
+        )
+        if self.main:
+            record = cache[0].load(cache[1])
+            print(
+                f"eval before training: read from {cache[0].entry(cache[1])} (eval.base_cache; this base model's "
+                f"eval with these settings, sampled {record['sampled']} in {record['seconds']:.0f} s)"
+            )
+            found["time/eval_read"] = time.perf_counter() - t0  # not time/eval: nothing was sampled
+        return found or {}
+
+    def add_base_eval_to_cache(self, results: dict) -> None:
+        """eval.base_cache: the eval before training just sampled, added to the cache (main process)."""
+        cache = self._base_cache()
+        if cache is not None:
+            cache[0].store(cache[1], results, self.run_dir, "epoch000000", results.get("time/eval", 0.0))
 
     def keep_if_best(self, results: dict) -> bool:
         """checkpoint.keep_best: when `results` (an eval's, on the main process) beat every earlier eval on

@@ -20,18 +20,20 @@ def describe_rewards(specs) -> str:
 
 def time_split(rows: list[dict]) -> str:
     """Where a run's time went, from its metrics rows: the epochs' rollout, reward and update phases (summed over the
-    logged epochs; with rollout.async the rollout phase is the trainer's wait for the worker) and the evals."""
+    logged epochs; with rollout.async the rollout phase is the trainer's wait for the worker) and the evals (sampled;
+    an eval before training read from eval.base_cache is said apart)."""
     epochs = [r for r in rows if "time/train" in r]
     evals = [r["time/eval"] for r in rows if "time/eval" in r]
 
     def total(key: str) -> float:
         return sum(r.get(key, 0.0) for r in epochs)
 
+    read = [r["time/eval_read"] for r in rows if "time/eval_read" in r]
     rollout = "waiting for the rollout worker" if any("time/rollout_wait" in r for r in epochs) else "rollouts"
     return (
         f"time: {rollout} {total('time/rollout'):.0f} s, rewards {total('time/reward'):.0f} s, updates "
         f"{total('time/train'):.0f} s ({len(epochs)} epoch{'s' * (len(epochs) != 1)}); evals {sum(evals):.0f} s "
-        f"({len(evals)})"
+        f"({len(evals)})" + (f", the base model's read from eval.base_cache in {sum(read):.1f} s" if read else "")
     )
 
 
