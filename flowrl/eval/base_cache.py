@@ -8,8 +8,8 @@ finds none samples it and adds the entry.
 The fingerprint (a JSON dict; the entry's directory is named by a digest of it, and the whole dict is compared on
 reading):
 - the model: a digest of every file of a local directory (contents, not dates: a copy or a clone keeps it), a hub
-  model's snapshot commit, or a tiny model's name; with model.dtype, variant, drop_t5, the device type and, on a
-  CPU, the torch threads;
+  model's snapshot commit, or a tiny model's name; with model.dtype, variant, drop_t5, the device type, the
+  hardware (a CPU's instruction set as torch dispatches on it, a GPU's model) and, on a CPU, the torch threads;
 - the LoRA it starts from (lora.init_path's files' digest; a fresh LoRA adds exactly zero);
 - the eval's prompts and settings (`eval_settings`, and the rest of the eval section but `every`, `before`);
 - the image size and text length it samples with, the rewards as configured;
@@ -136,6 +136,7 @@ def fingerprint(cfg, settings: dict, *, device_type: str, modules: list[str], re
         # a CPU's matrix products sum in an order that depends on the threads (the shapes model's images move by
         # ~3e-6 between 1 and 2): the eval is another one at another thread count
         "threads": torch.get_num_threads() if device_type == "cpu" else None,
+        "hardware": hardware(device_type),  # the kernels a CPU's instruction set or a GPU's model selects
         "lora.init_path": tree_digest(lora.init_path) if getattr(lora, "init_path", "") else "",
         "eval": evaluation,
         "eval settings": settings,
@@ -161,6 +162,18 @@ def fingerprint_of_run(cfg, evaluator, policy, reward_fns, device) -> dict | Non
     return fingerprint(
         cfg, evaluator.settings, device_type=torch.device(device).type, modules=modules, reward_fns=reward_fns
     )
+
+
+def hardware(device_type: str) -> str | None:
+    """What selects the kernels, so the last bits of a result: a CPU's instruction set as torch dispatches on it
+    (e.g. "AVX512"), a GPU's model."""
+    import torch
+
+    if device_type == "cpu":
+        return f"cpu {torch.backends.cpu.get_cpu_capability()}"
+    if device_type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return device_type
 
 
 def key_of(fp: dict) -> str:
