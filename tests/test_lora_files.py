@@ -98,3 +98,19 @@ def test_match_state_checks_rank_keys_and_shapes():
         match_state({**good, "b.0.q.lora_B.weight": torch.zeros(5, 8)}, own, LORA, "F")
     with pytest.raises(ConfigError, match=r"diffusers' old attention-processor format"):
         match_state({"b.0.q.processor.lora.down.weight": torch.zeros(8, 4)}, own, LORA, "F")
+
+
+def test_an_exported_lora_lists_its_target_modules_sorted(tmp_path):
+    """peft keeps target_modules as a set (its order changes with the process's hash seed): the export sorts it, so
+    the same weights give the same file in every process, and a start from it reads the same modules."""
+    from flowrl.config import load_config
+    from flowrl.policies import build_policy
+
+    cfg = load_config(None, ["model.device=cpu", "sample.max_sequence_length=16", f"log.run_dir={tmp_path}"])
+    policy = build_policy(cfg, "cpu")
+    den = policy.backend.denoiser
+    den.peft_config["default"].target_modules = set(den.peft_config["default"].target_modules)  # as peft keeps it
+    policy.export(tmp_path / "lora")
+    (file,) = (tmp_path / "lora").glob("*.safetensors")
+    recorded = adapter_settings(file)["target_modules"]
+    assert recorded == sorted(recorded) and len(recorded) > 2

@@ -158,7 +158,10 @@ def fingerprint_of_run(cfg, evaluator, policy, reward_fns, device) -> dict | Non
     import torch
 
     backend = getattr(policy, "backend", None)
-    modules = [type(policy).__module__] + ([type(backend).__module__] if backend is not None else [])
+    classes = type(policy).__mro__ + (type(backend).__mro__ if backend is not None else ())
+    # the policy's and the model family's modules and those of their base classes (the rollout loop is the
+    # families' base class's)
+    modules = list(dict.fromkeys(c.__module__ for c in classes if c.__module__.startswith("flowrl.")))
     return fingerprint(
         cfg, evaluator.settings, device_type=torch.device(device).type, modules=modules, reward_fns=reward_fns
     )

@@ -775,6 +775,11 @@ class ImagePolicy:
         state = state if state is not None else self.lora_state()
         # the adapter's config (rank, alpha, targets) travels with the weights, so alpha / r is restored
         metadata = den.peft_config["default"].to_dict()
+        # peft keeps target_modules as a set, whose order changes with every process's hash seed: sorted, the same
+        # weights give the same file
+        metadata = {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in metadata.items()}
+        if isinstance(metadata.get("target_modules"), list):
+            metadata["target_modules"] = sorted(metadata["target_modules"])
         self.backend.export_lora(type(self.backend.pipe), directory, state, metadata)
 
     def load_adapter(self, init_path: str) -> None:
