@@ -6,6 +6,7 @@ import json
 import shutil
 
 import torch
+from imagetiny import TINY_RUN
 
 from flowrl.config import load_config
 from flowrl.eval.base_cache import BaseEvalCache, key_of, tree_digest
@@ -14,17 +15,10 @@ from flowrl.train import Trainer
 torch.set_num_threads(1)
 
 TINY = [
-    "sample.height=32",
-    "sample.width=32",
-    "sample.num_steps=3",
-    "sample.max_sequence_length=16",
-    "sample.prompts_per_epoch=2",
-    "sample.group_size=4",
+    *TINY_RUN,
     "eval.num_steps=3",
     "eval.num_prompts=2",
     "eval.images_per_prompt=2",
-    "log.progress=false",
-    "model.device=cpu",
     "train.lr=3e-3",
     "train.epochs=1",
 ]
@@ -166,3 +160,46 @@ def test_a_text_runs_base_eval_is_read_too(tiny_lm, tmp_path, capsys):
     read, read_weights = text_run(tmp_path / "b")
     assert f"read from {entry}" in capsys.readouterr().out
     assert read == sampled and all(torch.equal(read_weights[n], sampled_weights[n]) for n in read_weights)
+
+
+def test_two_processes_read_the_entry_two_processes_made(tmp_path):
+    """Over 2 processes (gloo), the main process reads the entry and every process makes its share's encodings:
+    the run trains as the one that sampled its eval before training (both ranks' weights equal, and equal to that
+    run's). The entry names 2 processes: a 1-process run does not read it (its eval's calls differ)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from launching import accelerate_launch
+    from safetensors.torch import load_file
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    config = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "cpu_2proc.yaml"
+    cache = tmp_path / "cache"
+
+    def launch(run_dir):
+        cmd = [*accelerate_launch(), "--config_file", str(config), "-m", "flowrl", "train", *TINY]
+        cmd += ["sample.prompts_per_epoch=3", "sample.group_size=2", "eval.num_prompts=3"]
+        cmd += [f"eval.base_cache={cache}", f"log.run_dir={run_dir}"]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r for r in rows if "dist/replica_max_abs_diff" in r][-1]["dist/replica_max_abs_diff"] == 0.0
+        return proc.stdout, rows, load_file(str(run_dir / "ckpt-000001" / "trainable.safetensors"))
+
+    out_a, rows_a, weights_a = launch(tmp_path / "a")
+    (entry,) = cache.iterdir()
+    assert "read from" not in out_a and json.loads((entry / "record.json").read_text())["fingerprint"]["processes"] == 2
+    out_b, rows_b, weights_b = launch(tmp_path / "b")
+    assert f"read from {entry}" in out_b
+    first = [{k: v for k, v in r.items() if k.startswith("eval/")} for r in (rows_a[0], rows_b[0])]
+    assert first[0] == first[1] and weights_a.keys() == weights_b.keys()
+    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+    _, _ = run(
+        tmp_path / "c",
+        f"eval.base_cache={cache}",
+        "sample.prompts_per_epoch=3",
+        "sample.group_size=2",
+        "eval.num_prompts=3",
+    )
+    assert len(list(cache.iterdir())) == 2  # one process: another entry

@@ -9,7 +9,8 @@ The fingerprint (a JSON dict; the entry's directory is named by a digest of it, 
 reading):
 - the model: a digest of every file of a local directory (contents, not dates: a copy or a clone keeps it), a hub
   model's snapshot commit, or a tiny model's name; with model.dtype, variant, drop_t5, the device type, the
-  hardware (a CPU's instruction set as torch dispatches on it, a GPU's model) and, on a CPU, the torch threads;
+  hardware (a CPU's instruction set as torch dispatches on it, a GPU's model), on a CPU the torch threads, and the
+  number of processes (whose shares set the eval's calls);
 - the LoRA it starts from (lora.init_path's files' digest; a fresh LoRA adds exactly zero);
 - the eval's prompts and settings (`eval_settings`, and the rest of the eval section but `every`, `before`);
 - the image size and text length it samples with, the rewards as configured;
@@ -110,7 +111,9 @@ def code_digest(files: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
-def fingerprint(cfg, settings: dict, *, device_type: str, modules: list[str], reward_fns) -> dict | None:
+def fingerprint(
+    cfg, settings: dict, *, device_type: str, modules: list[str], reward_fns, processes: int = 1
+) -> dict | None:
     """Everything the eval before training of `cfg` depends on (see the module docstring); `settings`: the
     evaluator's `eval_settings`; `modules`: the modules that sample (the policy's, its model family's). None when
     the model's files cannot be identified (`model_identity`): such an eval is neither read nor kept."""
@@ -137,6 +140,8 @@ def fingerprint(cfg, settings: dict, *, device_type: str, modules: list[str], re
         # ~3e-6 between 1 and 2): the eval is another one at another thread count
         "threads": torch.get_num_threads() if device_type == "cpu" else None,
         "hardware": hardware(device_type),  # the kernels a CPU's instruction set or a GPU's model selects
+        # the eval's calls hold a process's share of the training batch: other calls, other last bits
+        "processes": processes,
         "lora.init_path": tree_digest(lora.init_path) if getattr(lora, "init_path", "") else "",
         "eval": evaluation,
         "eval settings": settings,
@@ -152,9 +157,9 @@ def fingerprint(cfg, settings: dict, *, device_type: str, modules: list[str], re
     }
 
 
-def fingerprint_of_run(cfg, evaluator, policy, reward_fns, device) -> dict | None:
+def fingerprint_of_run(cfg, evaluator, policy, reward_fns, device, processes: int = 1) -> dict | None:
     """`fingerprint` of the eval of the base model that `evaluator` makes with `policy` and `reward_fns` on `device`
-    (a training run's eval before training, or `flowrl eval` without a checkpoint)."""
+    (a training run's eval before training over `processes` processes, or `flowrl eval` without a checkpoint)."""
     import torch
 
     backend = getattr(policy, "backend", None)
@@ -163,7 +168,12 @@ def fingerprint_of_run(cfg, evaluator, policy, reward_fns, device) -> dict | Non
     # families' base class's)
     modules = list(dict.fromkeys(c.__module__ for c in classes if c.__module__.startswith("flowrl.")))
     return fingerprint(
-        cfg, evaluator.settings, device_type=torch.device(device).type, modules=modules, reward_fns=reward_fns
+        cfg,
+        evaluator.settings,
+        device_type=torch.device(device).type,
+        modules=modules,
+        reward_fns=reward_fns,
+        processes=processes,
     )
 
 

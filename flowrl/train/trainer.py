@@ -507,7 +507,10 @@ class Trainer:
 
         if self.base_fingerprint is None:
             self.base_fingerprint = (
-                fingerprint_of_run(self.cfg, self.evaluator, self.policy, self.scorer.fns, self.device) or {}
+                fingerprint_of_run(
+                    self.cfg, self.evaluator, self.policy, self.scorer.fns, self.device, processes=self.world
+                )
+                or {}
             )
             if not self.base_fingerprint:
                 warnings.warn(
