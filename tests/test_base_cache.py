@@ -69,7 +69,8 @@ def test_an_entry_that_is_not_this_runs_is_not_read(tmp_path, capsys):
     record["fingerprint"]["eval settings"]["eval.seed"] = 99  # a key collision with another fingerprint
     (entry / "record.json").write_text(json.dumps(record))
     run(tmp_path / "b", f"eval.base_cache={cache}")
-    assert "read from" not in capsys.readouterr().out  # sampled again, the foreign entry left as it was
+    assert "read from" not in capsys.readouterr().out  # sampled again, and the entry is this run's again
+    assert json.loads((entry / "record.json").read_text())["fingerprint"]["eval settings"]["eval.seed"] == 1234
     (entry / "record.json").write_text("{not json")
     run(tmp_path / "c", f"eval.base_cache={cache}")
     assert "read from" not in capsys.readouterr().out
@@ -203,3 +204,29 @@ def test_two_processes_read_the_entry_two_processes_made(tmp_path):
         "eval.num_prompts=3",
     )
     assert len(list(cache.iterdir())) == 2  # one process: another entry
+
+
+def test_a_cache_that_cannot_be_written_or_read_costs_only_the_saving(tmp_path):
+    """An unwritable cache directory (here a file where the directory should be: a warning) or an entry with a
+    file missing or unreadable: the eval sampled, the run trained."""
+    import pytest
+
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("a file")
+    with pytest.warns(UserWarning, match="the eval was not kept"):
+        evals, _ = run(tmp_path / "a", f"eval.base_cache={blocked}")
+    assert len(evals) == 2
+    cache = tmp_path / "cache"
+    run(tmp_path / "b", f"eval.base_cache={cache}")
+    (entry,) = cache.iterdir()
+    (entry / "eval-epoch000000.png").unlink()  # an entry missing a file it lists is no entry
+    evals, _ = run(tmp_path / "c", f"eval.base_cache={cache}")
+    assert len(evals) == 2 and (tmp_path / "c" / "eval-epoch000000.png").exists()
+    assert (entry / "eval-epoch000000.png").is_file()  # the damaged entry replaced by the sampled eval
+    unreadable = tmp_path / "cache2"
+    run(tmp_path / "d", f"eval.base_cache={unreadable}")
+    (entry2,) = unreadable.iterdir()
+    (entry2 / "eval-epoch000000.png").unlink()
+    (entry2 / "eval-epoch000000.png").mkdir()  # listed, there, and not a file a copy can read
+    evals, _ = run(tmp_path / "e", f"eval.base_cache={unreadable}")
+    assert len(evals) == 2

@@ -91,7 +91,9 @@ def _source_files(modules: list[str], reward_fns) -> list[Path]:
     import flowrl
 
     root = Path(flowrl.__file__).parent
-    files = sorted((root / "sampling").glob("*.py")) + sorted((root / "eval").glob("*.py"))
+    # the eval's own modules but this one (the cache's machinery makes no image and no score)
+    evaluation = [f for f in sorted((root / "eval").glob("*.py")) if f.name != Path(__file__).name]
+    files = sorted((root / "sampling").glob("*.py")) + evaluation
     modules = list(modules) + [getattr(fn, "__module__", None) or type(fn).__module__ for fn in reward_fns]
     for name in modules:
         module = sys.modules.get(name) if name else None
@@ -213,7 +215,8 @@ class BaseEvalCache:
         return self.directory / key_of(fp)
 
     def load(self, fp: dict) -> dict | None:
-        """The record of the entry for `fp` (None: none, or one whose fingerprint is not `fp`, or unreadable)."""
+        """The record of the entry for `fp` (None: none, one whose fingerprint is not `fp`, unreadable, or missing a
+        file it lists)."""
         record = self.entry(fp) / RECORD
         try:
             data = json.loads(record.read_text())
@@ -221,6 +224,8 @@ class BaseEvalCache:
             return None
         if data.get("fingerprint") != json.loads(json.dumps(fp, default=str)):
             return None
+        if not all((self.entry(fp) / name).is_file() for name in data.get("files", [])):
+            return None  # an entry with a file gone is no entry: sampled again, nothing half-copied
         return data
 
     def restore(self, fp: dict, run_dir: Path) -> dict | None:
@@ -235,9 +240,10 @@ class BaseEvalCache:
 
     def store(self, fp: dict, metrics: dict, run_dir: Path, tag: str, seconds: float) -> Path:
         """Add the eval of the base model tagged `tag` in `run_dir` (its files, its `metrics`) as the entry for
-        `fp`, written whole or not at all (a temporary directory, renamed); an entry already there is kept."""
+        `fp`, written whole or not at all (a temporary directory, renamed); a sound entry already there is kept, a
+        damaged one (`load` refuses it) replaced."""
         final = self.entry(fp)
-        if (final / RECORD).exists():
+        if self.load(fp) is not None:
             return final
         self.directory.mkdir(parents=True, exist_ok=True)
         tmp = self.directory / f".{final.name}.{os.getpid()}.tmp"
@@ -254,6 +260,8 @@ class BaseEvalCache:
             "seconds": round(seconds, 1),
         }
         (tmp / RECORD).write_text(json.dumps(record, indent=1, sort_keys=True, default=str))
+        if final.exists() and self.load(fp) is None:  # a damaged entry (a file gone, another fingerprint): replaced
+            shutil.rmtree(final, ignore_errors=True)
         try:
             tmp.rename(final)
         except OSError:  # another process added it meanwhile: theirs stays

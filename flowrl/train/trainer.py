@@ -528,7 +528,11 @@ class Trainer:
         process: the main process decides)."""
         t0 = time.perf_counter()
         cache = self._base_cache()
-        found = cache[0].restore(cache[1], self.run_dir) if cache is not None else None
+        try:
+            found = cache[0].restore(cache[1], self.run_dir) if cache is not None else None
+        except OSError as e:  # an entry that cannot be copied: sampled instead
+            warnings.warn(f"eval.base_cache={self.cfg.eval.base_cache}: not read ({e}); sampling it", stacklevel=2)
+            found = None
         if not self.dist.any_process(found is not None):
             return None
         world = 1 if self.dist.sharded else self.world  # as evaluate() shares the prompts out
@@ -548,7 +552,10 @@ class Trainer:
         """eval.base_cache: the eval before training just sampled, added to the cache (main process)."""
         cache = self._base_cache()
         if cache is not None:
-            cache[0].store(cache[1], results, self.run_dir, "epoch000000", results.get("time/eval", 0.0))
+            try:
+                cache[0].store(cache[1], results, self.run_dir, "epoch000000", results.get("time/eval", 0.0))
+            except OSError as e:  # a cache is a saving, never a reason to stop a run
+                warnings.warn(f"eval.base_cache={self.cfg.eval.base_cache}: the eval was not kept ({e})", stacklevel=2)
 
     def keep_if_best(self, results: dict) -> bool:
         """checkpoint.keep_best: when `results` (an eval's, on the main process) beat every earlier eval on
