@@ -585,7 +585,6 @@ class ImagePolicy:
 
     # ---------------------------------------------------------------------------- eval / export
 
-    @torch.no_grad()
     def _eval_prompts_per_call(self, count: int, n: int, per_call: int) -> int:
         """The prompts of each of an eval's model calls (`evaluate_prompts`): `per_call` images (0: sample.
         rollout_batch_size, and 0 there: all `count` prompts in one call) of `n` per prompt, whole prompts."""
@@ -602,6 +601,7 @@ class ImagePolicy:
         for i in range(0, len(mine), per):
             self.backend.encode_prompts(mine[i : i + per])
 
+    @torch.no_grad()
     def evaluate_prompts(
         self,
         prompts,
