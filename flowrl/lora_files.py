@@ -33,6 +33,11 @@ FOREIGN = {
 }
 
 
+def is_lora_key(key: str) -> bool:
+    """Whether a tensor name is a LoRA's: peft's lora_A / lora_B or another format's fragments (`FOREIGN`)."""
+    return "lora_A" in key or "lora_B" in key or any(fragment in key for fragment in FOREIGN)
+
+
 def adapter_settings(path: str | Path, prefix: str | None = None) -> dict[str, Any]:
     """The LoraConfig fields (`CHECKED`) the LoRA file at `path` records: from its header's `lora_adapter_metadata`
     (diffusers: the fields of component `prefix`, e.g. "transformer"; without a prefix, those of the only component

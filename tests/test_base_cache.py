@@ -114,7 +114,7 @@ def test_a_store_is_whole_or_absent_and_keeps_an_existing_entry(tmp_path):
     assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")]
     target = tmp_path / "target"
     target.mkdir()
-    assert cache.restore(fp, target) == {"eval/x": 0.5}
+    assert cache.restore(fp, target)["metrics"] == {"eval/x": 0.5}
     assert (target / "eval-epoch000000.png").read_bytes() == b"grid"
     assert cache.restore({**fp, "model": "tiny tiny-flux"}, target) is None
 

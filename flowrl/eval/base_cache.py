@@ -229,14 +229,14 @@ class BaseEvalCache:
         return data
 
     def restore(self, fp: dict, run_dir: Path) -> dict | None:
-        """Copy the entry's files for `fp` into `run_dir` and return its metrics (None: no entry)."""
+        """Copy the entry's files for `fp` into `run_dir` and return its record (`load`; None: no entry)."""
         data = self.load(fp)
         if data is None:
             return None
         where = self.entry(fp)
         for name in data["files"]:
             shutil.copyfile(where / name, run_dir / name)
-        return dict(data["metrics"])
+        return data
 
     def store(self, fp: dict, metrics: dict, run_dir: Path, tag: str, seconds: float) -> Path:
         """Add the eval of the base model tagged `tag` in `run_dir` (its files, its `metrics`) as the entry for

@@ -149,15 +149,18 @@ def _file_given(path: str) -> str:
     """Why a file is not a model.path: a LoRA file (its keys name lora_A/lora_B or lora_down/lora_up) belongs in
     lora.init_path; a single-file checkpoint (.safetensors, .ckpt, ...) is converted to a pipeline directory once."""
     base = f"model.path={path} is a file; a model is a diffusers pipeline directory or a hub id (ORG/NAME)"
+    from flowrl.lora_files import is_lora_key
+
     keys: list[str] = []
     if path.endswith(".safetensors"):
+        from safetensors import safe_open
+
         try:
-            with open(path, "rb") as f:  # the header only: 8 bytes of length, then JSON naming every tensor
-                n = int.from_bytes(f.read(8), "little")
-                keys = list(json.loads(f.read(n)) if 0 < n < 1 << 28 else {})
-        except (OSError, ValueError):
+            with safe_open(path, framework="pt") as f:  # the header only: the tensors' names
+                keys = list(f.keys())
+        except Exception:  # safetensors raises its own error types for a truncated or foreign file
             keys = []
-    if any(re.search(r"lora_(A|B|up|down)\b|\.lora\.", k) for k in keys):
+    if any(is_lora_key(k) for k in keys):
         return f"{base}; this file holds a LoRA: give the base model as model.path and this file as lora.init_path"
     if path.endswith((".safetensors", ".ckpt", ".pt", ".pth", ".bin", ".gguf")):
         return (

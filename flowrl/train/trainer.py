@@ -529,24 +529,24 @@ class Trainer:
         t0 = time.perf_counter()
         cache = self._base_cache()
         try:
-            found = cache[0].restore(cache[1], self.run_dir) if cache is not None else None
+            record = cache[0].restore(cache[1], self.run_dir) if cache is not None else None
         except OSError as e:  # an entry that cannot be copied: sampled instead
             warnings.warn(f"eval.base_cache={self.cfg.eval.base_cache}: not read ({e}); sampling it", stacklevel=2)
-            found = None
-        if not self.dist.any_process(found is not None):
+            record = None
+        if not self.dist.any_process(record is not None):
             return None
         world = 1 if self.dist.sharded else self.world  # as evaluate() shares the prompts out
         self.evaluator.encode_as_sampled(
             self.policy, rank=0 if world == 1 else self.acc.process_index, world=world, processes=self.world
         )
-        if self.main:
-            record = cache[0].load(cache[1])
-            print(
-                f"eval before training: read from {cache[0].entry(cache[1])} (eval.base_cache; this base model's "
-                f"eval with these settings, sampled {record['sampled']} in {record['seconds']:.0f} s)"
-            )
-            found["time/eval_read"] = time.perf_counter() - t0  # not time/eval: nothing was sampled
-        return found or {}
+        if not self.main:
+            return {}
+        print(
+            f"eval before training: read from {cache[0].entry(cache[1])} (eval.base_cache; this base model's "
+            f"eval with these settings, sampled {record['sampled']} in {record['seconds']:.0f} s)"
+        )
+        # not time/eval: nothing was sampled
+        return {**record["metrics"], "time/eval_read": time.perf_counter() - t0}
 
     def add_base_eval_to_cache(self, results: dict) -> None:
         """eval.base_cache: the eval before training just sampled, added to the cache (main process)."""
