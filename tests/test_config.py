@@ -85,3 +85,36 @@ def test_every_preset_loads_and_validates():
         64.0,
         3e-4,
     )
+
+
+def test_a_preset_run_from_another_directory_names_where_its_paths_are(tmp_path, monkeypatch):
+    """configs/shapes.yaml names samples/shapes/... relative to the repository: from another working directory a
+    warning says so, naming the folder to run from; from the repository (or with absolute paths) nothing is said."""
+    import warnings
+    from pathlib import Path
+
+    from flowrl.config import ConfigWarning
+
+    repo = Path(__file__).resolve().parents[1]
+    preset = repo / "configs" / "shapes.yaml"
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(ConfigWarning) as seen:
+        load_config(preset)
+    text = " ".join(str(w.message) for w in seen)
+    for key in ("model.path=samples/shapes/model", "data.train_prompts=samples/shapes/train.jsonl", "eval.base_cache"):
+        assert key in text
+    assert f"run from {repo}" in text and str(tmp_path) in text
+    # a path that is nowhere (a hub id) and paths made absolute: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        load_config(
+            preset,
+            [
+                "model.path=org/some-model",
+                f"data.train_prompts={repo}/samples/shapes/train.jsonl",
+                f"data.eval_prompts={repo}/samples/shapes/test.jsonl",
+                f"eval.base_cache={repo}/samples/shapes/base-evals",
+            ],
+        )
+        monkeypatch.chdir(repo)
+        load_config(preset)

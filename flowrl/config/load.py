@@ -420,4 +420,52 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = _merge(LOSS_PRESETS[preset], data)
     cfg = _build(Config, data)
     validate(cfg)
+    if path is not None:
+        _warn_paths_beside(cfg, path)
     return cfg
+
+
+# The config keys that name a file or directory. A relative one is read from the working directory.
+PATH_KEYS = (
+    "model.path",
+    "lora.init_path",
+    "data.train_prompts",
+    "data.eval_prompts",
+    "train.dpo_offline.pairs",
+    "eval.base_cache",
+    "eval.diversity_features",
+)
+
+
+def paths_beside(cfg: Config, config_file: str | Path, levels: int = 3) -> list[tuple[str, str, Path]]:
+    """(key, value, where) for each PATH_KEYS value that is relative, absent from the working directory and present
+    relative to the config file's folder or one of its `levels - 1` parents (`where`, the first that has it): a preset
+    run from another directory, e.g. `flowrl train ~/flowrl/configs/shapes.yaml` whose paths are the repository's."""
+    folders = list(Path(config_file).resolve().parents)[:levels]
+    found = []
+    for key in PATH_KEYS:
+        value: Any = cfg
+        for part in key.split("."):
+            value = getattr(value, part, None)
+        if not isinstance(value, str) or not value or value.startswith("hf:") or Path(value).is_absolute():
+            continue
+        if Path(value).exists():
+            continue
+        where = next((f for f in folders if (f / value).exists()), None)
+        if where is not None:
+            found.append((key, value, where))
+    return found
+
+
+def _warn_paths_beside(cfg: Config, config_file: str | Path) -> None:
+    found = paths_beside(cfg, config_file)
+    if not found:
+        return
+    roots = sorted({str(where) for _, _, where in found})
+    listed = ", ".join(f"{key}={value}" for key, value, _ in found)
+    warnings.warn(
+        f"{listed}: not in the working directory {Path.cwd()}, but relative to {' and '.join(roots)}, near the config "
+        f"file: relative paths are read from the working directory, so run from {roots[0]} (or give absolute paths)",
+        ConfigWarning,
+        stacklevel=3,
+    )
