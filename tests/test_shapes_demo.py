@@ -74,7 +74,7 @@ def test_shapes_preset_one_epoch(preset, tmp_path, monkeypatch):
 def test_the_demo_is_the_measured_dpo_setting():
     """configs/shapes.yaml (the demo) is the race's DPO (configs/shapes_grpo.yaml with the race's DPO overrides)
     with the settings the demo's seeds were measured with (docs/demo_eval.md): every step of the schedule trained,
-    ranked pairs, the rollout in bfloat16, lr 1e-3, 62 epochs. Only keys DPO does not read (GRPO's section: the
+    ranked pairs, the rollout in bfloat16, lr 1e-3, 68 epochs. Only keys DPO does not read (GRPO's section: the
     race's base config is the GRPO preset) may differ."""
     import importlib.util
 
@@ -95,7 +95,7 @@ def test_the_demo_is_the_measured_dpo_setting():
             "train.dpo.pairing=ranked",
             "rollout.acceleration=[autocast]",
             "train.lr=1e-3",
-            "train.epochs=62",
+            "train.epochs=68",
             "log.run_dir=runs/shapes_dpo",
             "eval.base_cache=samples/shapes/base-evals",  # where the base model's eval is read from: no training key
         ],
