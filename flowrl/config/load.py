@@ -20,7 +20,7 @@ import yaml
 
 from flowrl.errors import ConfigError, ConfigWarning
 
-from .checks import validate
+from .checks import _get_dotted, validate
 from .tree import Config, _dataclass_of, _hints, describe, field_name, key_name
 from .values import convert_value
 
@@ -444,9 +444,7 @@ def paths_beside(cfg: Config, config_file: str | Path, levels: int = 3) -> list[
     folders = list(Path(config_file).resolve().parents)[:levels]
     found = []
     for key in PATH_KEYS:
-        value: Any = cfg
-        for part in key.split("."):
-            value = getattr(value, part, None)
+        value = _get_dotted(cfg, key)
         if not isinstance(value, str) or not value or value.startswith("hf:") or Path(value).is_absolute():
             continue
         if Path(value).exists():
