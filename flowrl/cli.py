@@ -420,7 +420,8 @@ def _leave(rc: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line. A FlowrlError (config, data, checkpoint, run directory, a stopped run) and a second stop
-    signal (StopNow) are printed as one line `flowrl: ...` with their exit code; FLOWRL_DEBUG=1 shows the traceback
+    signal (StopNow) are printed as one line `flowrl: ...` (a line more for each note the run added: what it kept) with
+    their exit code; FLOWRL_DEBUG=1 shows the traceback
     instead."""
     import os
 
@@ -441,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("FLOWRL_DEBUG"):
             raise
         print(f"flowrl {args.command}: {e}", file=sys.stderr)
+        for note in getattr(e, "__notes__", ()):  # what the run kept (Trainer.save_after_failure)
+            print(f"flowrl {args.command}: {note}", file=sys.stderr)
         return e.exit_code
     except StopNow as e:  # a second signal; what the first one stopped (a checkpoint written) is said first
         if os.environ.get("FLOWRL_DEBUG"):

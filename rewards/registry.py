@@ -62,6 +62,7 @@ returns the reward wrapped so that a failure names it.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
 import importlib
@@ -107,8 +108,33 @@ class RewardConfigError(ValueError):
     or a plug-in that cannot be imported or called as a reward."""
 
 
-class RewardError(RuntimeError):
-    """A built reward failed; the message starts with its name and the error is chained."""
+class RewardError(FlowrlError, RuntimeError):
+    """A built reward failed; the message starts with its name and the error is chained. A FlowrlError: the command
+    line prints its one line (a failure of the reward's own code names the line it raised at)."""
+
+
+#: the files whose frames are this package's wrapping of a reward call, not the reward's own code
+_CALLING_FILES = {os.path.abspath(__file__), os.path.abspath(os.path.join(os.path.dirname(__file__), "_common.py"))}
+
+
+def raised_at(error: BaseException) -> str:
+    """Where `error` was raised in the reward's own code: ' (at FILE:LINE, in FUNCTION)' for the innermost frame of its
+    traceback outside Python's and the installed packages' files (a plug-in's line, or a built-in reward's), else
+    the innermost frame's (a reward installed as a package); '' without a traceback. FILE is relative to the
+    working directory when it is under it."""
+    import sysconfig
+
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.abspath(f.filename) not in _CALLING_FILES]
+    if not frames:
+        return ""
+    libraries = {os.path.abspath(path) + os.sep for key, path in sysconfig.get_paths().items() if "lib" in key}
+    own = [f for f in frames if not any(os.path.abspath(f.filename).startswith(lib) for lib in libraries)]
+    frame = (own or frames)[-1]
+    path = os.path.abspath(frame.filename)
+    with contextlib.suppress(ValueError):  # another drive (Windows)
+        relative = os.path.relpath(path)
+        path = path if relative.startswith(os.pardir) else relative
+    return f" (at {path}:{frame.lineno}, in {frame.name})"
 
 
 def register(
@@ -787,7 +813,7 @@ class NamedReward:
         return torch.from_numpy(aggregate(scores.numpy(), counts, self.video_aggregate))
 
     def _failure(self, error: Exception) -> RewardError:
-        return RewardError(f"reward {self.__name__!r} failed: {type(error).__name__}: {error}")
+        return RewardError(f"reward {self.__name__!r} failed: {type(error).__name__}: {error}{raised_at(error)}")
 
     def _batch_size(self, args: tuple, kwargs: dict[str, Any]) -> int | None:
         """Images (image kind) or completions (text kind) in the call, if they can be counted."""

@@ -3,6 +3,7 @@ rewards that declare `per_sample`; the others score the whole batch after the ro
 advantages, metrics, the trained weights) equals the sequential path's; a reward's error and an abandoned rollout
 leave no thread behind."""
 
+import re
 import threading
 from types import SimpleNamespace
 
@@ -143,7 +144,9 @@ def test_a_reward_error_surfaces_as_without_overlap(tmp_path, plugin):
         if overlap:  # it raised during the rollout, at the next chunk, on the main thread
             assert [c[1] for c in calls(tr)[2:]] == ["flowrl-reward-overlap"]
     assert messages[0] == messages[1]
-    assert messages[0][1].endswith(":failing' failed: ValueError: no score for these")
+    assert re.search(
+        r":failing' failed: ValueError: no score for these \(at .*overlap_rewards.py:\d+, in failing\)$", messages[0][1]
+    )
     assert not overlap_threads()
 
 

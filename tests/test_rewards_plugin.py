@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 import rewards
+from flowrl.errors import FlowrlError
 from rewards import RewardConfigError, RewardError
 from rewards._common import RewardState, call_text_reward
 
@@ -145,13 +146,32 @@ def test_declared_kind_wins_and_a_mismatch_is_an_error(workdir):
 def test_a_failing_plugin_is_named_and_chained(workdir):
     write(workdir / "scores.py", SCORES)
     reward = rewards.build("scores.py:broken", {}, "image")
+    line = SCORES.splitlines().index("    return 1 / 0") + 1  # the plug-in's line that raised, named
     with pytest.raises(
-        RewardError, match=r"^reward 'scores.py:broken' failed: ZeroDivisionError: division by zero$"
+        RewardError,
+        match=rf"^reward 'scores.py:broken' failed: ZeroDivisionError: division by zero \(at scores.py:{line}, in "
+        rf"broken\)$",
     ) as info:
         reward(gray(0), ["a"])
     assert isinstance(info.value.__cause__, ZeroDivisionError)
+    assert isinstance(info.value, FlowrlError)  # the command line prints its one line
     with pytest.raises(RewardError, match=r"^reward 'scores.py:too_few' returned 1 scores for 3 images"):
         rewards.build("scores.py:too_few", {}, "image")(gray(0, 3), ["a"] * 3)
+
+
+def test_a_failure_inside_a_library_names_the_plugins_line_that_called_it(workdir):
+    """The innermost frame outside Python's and the installed packages' files: the plug-in's call into json."""
+    write(
+        workdir / "parse.py",
+        """
+        import json
+
+        def score(images, prompts):
+            return json.loads(prompts[0])
+    """,
+    )
+    with pytest.raises(RewardError, match=r"failed: JSONDecodeError: .* \(at parse.py:5, in score\)$"):
+        rewards.build("parse.py:score", {}, "image")(gray(0), ["not json"])
 
 
 def test_a_failing_async_reward_is_named(workdir):

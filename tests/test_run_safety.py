@@ -523,6 +523,89 @@ def test_a_signal_during_flowrl_eval_is_one_line_and_writes_nothing(tmp_path, ti
     assert "Traceback" not in proc.stderr and not out.exists()
 
 
+FAILING_REWARD = """
+from pathlib import Path
+
+
+def brightness(images, prompts, **metadata):
+    \"\"\"Mean pixel; call N (evals too, counted in calls.txt) raises when fail_on_call.txt holds N.\"\"\"
+    log, fail = Path("calls.txt"), Path("fail_on_call.txt")
+    calls = (log.read_text().split() if log.exists() else []) + [None]
+    log.write_text("x " * len(calls))
+    if fail.exists() and int(fail.read_text()) == len(calls):
+        raise ConnectionError("the reward server went away")
+    return [sum(im.convert("L").getdata()) / (255.0 * im.width * im.height) for im in images]
+"""
+
+
+def test_a_run_whose_reward_fails_keeps_its_epochs_and_resumes_as_if_uninterrupted(tmp_path, capsys, monkeypatch):
+    """The reward raises during epoch 2 (call 3: the eval before, epoch 1, epoch 2): the command line says so in one
+    line naming the plug-in's line, and a second naming the checkpoint it wrote of epoch 1 (checkpoint.every is 0);
+    resumed, the run ends with the weights of a run that never failed."""
+    from safetensors.torch import load_file
+
+    from flowrl.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "scores.py").write_text(FAILING_REWARD)
+    args = [
+        "train",
+        *TINY,
+        "train.epochs=3",
+        "checkpoint.every=0",
+        "eval.grid=false",
+        "rewards=[{name: 'scores.py:brightness'}]",
+    ]
+    (tmp_path / "fail_on_call.txt").write_text("3")
+    assert main([*args, f"log.run_dir={tmp_path / 'run'}"]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("flowrl train:")]
+    assert err[0] == (
+        "flowrl train: reward 'scores.py:brightness' failed: ConnectionError: the reward server went away "
+        "(at scores.py:11, in brightness)"
+    ), err
+    assert err[1].startswith(f"flowrl train: the 1 epochs done are in checkpoint {tmp_path / 'run' / 'ckpt-000001'}")
+    assert "checkpoint.resume=auto" in err[1] and len(err) == 2, err
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["ckpt-000001"]
+
+    (tmp_path / "fail_on_call.txt").unlink()
+    assert main([*args, f"log.run_dir={tmp_path / 'run'}", "checkpoint.resume=auto"]) == 0
+    assert main([*args, f"log.run_dir={tmp_path / 'whole'}"]) == 0
+    assert [r["epoch"] for r in metric_rows(tmp_path / "run") if "policy/loss" in r] == [1, 2, 3]
+    resumed, whole = (load_file(tmp_path / d / "ckpt-000003" / "trainable.safetensors") for d in ("run", "whole"))
+    assert resumed.keys() == whole.keys() and resumed
+    assert max((resumed[n] - t).abs().max().item() for n, t in whole.items()) <= 1e-6  # as any resume (objectives)
+    first = load_file(tmp_path / "run" / "ckpt-000001" / "trainable.safetensors")
+    assert any(not torch.equal(first[n], t) for n, t in whole.items())  # (epochs 2 and 3 trained something)
+
+
+def test_a_run_that_fails_in_an_update_names_its_newest_checkpoint_and_writes_none(tmp_path, monkeypatch):
+    """A failure inside an update, after one of its optimizer steps (the weights half-trained by the epoch), writes no
+    checkpoint: its note names the newest one."""
+    import flowrl.train.update as update_module
+
+    cfg = tiny_cfg(
+        tmp_path / "run", "train.epochs=3", "checkpoint.every=1", "train.minibatch_size=4", "eval.grid=false"
+    )
+    trainer = Trainer(cfg)
+    backward, calls = update_module.Updater.minibatch_backward, []
+
+    def failing(self, *args, **kwargs):  # two minibatches an epoch: the 4th is epoch 2's second
+        calls.append(trainer.state.optimizer_steps)
+        if len(calls) == 4:
+            raise MemoryError("out of memory in the update")
+        return backward(self, *args, **kwargs)
+
+    monkeypatch.setattr(update_module.Updater, "minibatch_backward", failing)
+    with pytest.raises(MemoryError) as info:
+        trainer.fit()
+    assert calls == [0, 1, 2, 3]  # epoch 2 had taken one optimizer step
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["ckpt-000001"]
+    assert info.value.__notes__ == [
+        f"it failed during epoch 2's update; the newest checkpoint is {tmp_path / 'run' / 'ckpt-000001'} (after 1 "
+        f"epochs): checkpoint.resume=auto continues from there"
+    ]
+
+
 def test_a_rollout_is_abandoned_between_its_batches(tmp_path, monkeypatch):
     """A stop signal during the first rollout batch: the next batch is not sampled, the epoch's rewards are not
     computed, and nothing trained means no checkpoint."""

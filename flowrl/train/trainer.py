@@ -33,7 +33,7 @@ from flowrl.objectives import build_objective
 from flowrl.policies.base import full_tensor
 from flowrl.preflight import preflight
 from flowrl.run import basemodel, rundir
-from flowrl.run.checkpoint import remove_temporary, resolve_resume, set_rng_state, write_checkpoint
+from flowrl.run.checkpoint import remove_temporary, resolve_resume, rng_state, set_rng_state, write_checkpoint
 from flowrl.run.loading import check_base, check_resume, check_resume_base, check_weights
 from flowrl.run.lock import RunLock
 from flowrl.run.metrics import MetricsLog, Timer, read_metrics
@@ -149,6 +149,8 @@ class Trainer:
         self.state = State()
         self.signals = StopSignals(announce=self.main)
         self.saved: tuple[tuple[int, int], Path | None] | None = None  # the newest checkpoint's (epochs, steps), path
+        self.whole = True  # whether the state is an epoch boundary's, which a checkpoint may keep (save_after_failure)
+        self.epoch_rng = None  # the RNG state at the start of the epoch in progress (rng_state())
         self.clock_start, self.budget_before = time.perf_counter(), 0.0  # train.max_minutes' clock (budget_spent)
         self.log = MetricsLog(self.run_dir / "metrics.jsonl", self.acc, enabled=self.main)
         if self.main:
@@ -186,7 +188,12 @@ class Trainer:
                 rundir.truncate_logs(self.run_dir, self.state.epochs_done)
             self.acc.wait_for_everyone()
             with self.signals.installed():
-                return self._fit()
+                try:
+                    return self._fit()
+                except Exception as error:  # (Interrupted wrote its checkpoint already)
+                    if not isinstance(error, Interrupted):
+                        self.save_after_failure(error)
+                    raise
         finally:
             if self.rollouts is not None:  # stopped and joined, whatever ended the run
                 self.rollouts.close()
@@ -288,12 +295,14 @@ class Trainer:
         if cfg.train.schedule_over == "budget":  # the lr's position in a run that ends on its time budget
             self.updater.budget_fraction = self.dist.largest(self.budget_spent() / (60 * cfg.train.max_minutes))
         t0, cpu0 = time.perf_counter(), time.process_time()
+        self.epoch_rng = rng_state()  # the RNG at the epoch's start, which a checkpoint after its failure keeps
         if self.objective.scores_batch:
             batch, adv, keep, metrics, worker = self.scored_rollout(epoch)
         else:  # the batch says which sample is preferred (offline DPO's pairs): no reward scores it
             with self.timer("rollout"):
                 batch = self.rollout(epoch)
             self.stop_if_asked(epoch, mid_epoch=False)
+            self.whole = False
             adv, keep, metrics = torch.zeros(len(batch.prompts)), torch.ones(len(batch.prompts), dtype=torch.bool), {}
         with self.timer("train"):
             metrics.update(self.update(batch, adv, keep, epoch))
@@ -311,6 +320,7 @@ class Trainer:
         metrics["perf/samples_per_s"] = self.batch_total / seconds
         metrics["perf/trained_steps_x_samples_per_s"] = metrics["policy/trained_units"] / seconds
         metrics["lr"] = self.opt.param_groups[0]["lr"]
+        self.whole, self.epoch_rng = True, None  # an epoch boundary again
         return metrics
 
     # ------------------------------------------------------------------------------ the phases
@@ -333,6 +343,7 @@ class Trainer:
                         scored = overlap.finish()
                 scores, components = self.score(batch, epoch, scored=scored)
         self.stop_if_asked(epoch, mid_epoch=False)  # nothing of this epoch has changed the weights yet
+        self.whole = False  # from here on (the per-prompt statistics, the update) the epoch changes the state
         metrics = self.scorer.reward_metrics(scores, components)
         metrics.update(getattr(batch, "rollout_metrics", None) or {})  # a text engine's version and mismatch
         metrics.update(self.scorer.reward_logs())
@@ -682,6 +693,36 @@ class Trainer:
             f"Resume with checkpoint.resume=auto (same config and log.run_dir={self.run_dir})",
             signum,
         )
+
+    def save_after_failure(self, error: Exception) -> None:
+        """A run that failed where its state is an epoch boundary's (in an epoch before anything of it changed the
+        weights or the statistics, e.g. a reward that raised, or in an eval): write a checkpoint of the epochs done,
+        unless the newest one holds them, so that `checkpoint.resume=auto` continues as the run would have, with
+        nothing lost. Elsewhere (in an update) the newest checkpoint is named. Said as a note on `error` (the command
+        line prints it under the error's line). One process only: with several, a save is a collective that the
+        others, elsewhere in the run, would not join."""
+        now = (self.state.epochs_done, self.state.optimizer_steps)
+        if self.world > 1 or not self.main or now == (0, 0):
+            return
+        path = self.saved[1] if self.saved is not None and self.saved[0] == now else None
+        if path is None and self.whole:
+            try:
+                if self.epoch_rng is not None:  # failed in an epoch: its resumed run draws what this one drew
+                    set_rng_state(*self.epoch_rng)
+                path = self.save()
+            except Exception as e:  # (the failure may be the disk's)
+                error.add_note(f"the checkpoint of the {now[0]} epochs done could not be written either: {e}")
+                return
+        if path is not None:
+            error.add_note(
+                f"the {now[0]} epochs done are in checkpoint {path}: once the cause is fixed, the same command with "
+                f"checkpoint.resume=auto continues from there"
+            )
+        elif self.saved is not None and self.saved[1] is not None:
+            error.add_note(
+                f"it failed during epoch {now[0] + 1}'s update; the newest checkpoint is {self.saved[1]} (after "
+                f"{self.saved[0][0]} epochs): checkpoint.resume=auto continues from there"
+            )
 
     def save(self) -> Path | None:
         """Write a checkpoint (main process). Partitioned weights and states are gathered first, by every process."""
