@@ -72,6 +72,32 @@ def check_rewards(cfg: Config) -> None:
         _checked(f"rewards[{i}] ({spec.target})", rewards.check, spec.target, dict(spec.kwargs), kind)
 
 
+def check_reward_columns(cfg: Config, train_set: PromptSet, eval_set: PromptSet) -> None:
+    """Each prompt a reward scores has the metadata columns it declares (`rewards.declared_columns`): the training
+    prompts (when the objective scores its samples) and the eval prompts."""
+    from rewards import declared_columns
+
+    from .objectives import get_objective
+
+    scored = get_objective(cfg.train.objective).scores_batch
+    sets = [("data.train_prompts", train_set)] if scored else []
+    if eval_set is not train_set or not scored:
+        sets.append(("data.eval_prompts" if cfg.data.eval_prompts else "the eval's prompts", eval_set))
+    for i, spec in enumerate(cfg.rewards):
+        for names in _checked(f"rewards[{i}] ({spec.target})", declared_columns, spec.target):
+            for where, prompts in sets:
+                missing = next((k for k, m in enumerate(prompts.metadata) if not set(names) & set(m or {})), None)
+                if missing is None:
+                    continue
+                have = sorted({c for m in prompts.metadata for c in (m or {})})
+                raise PreflightError(
+                    f"rewards[{i}] ({spec.target}) reads each prompt's {' or '.join(map(repr, names))} column, and "
+                    f"{where} has none at {prompts.origins[missing]}: its prompts' metadata columns are "
+                    f"{have or 'none (plain-text prompts, e.g. a .txt prompt file)'}; give a .jsonl file (or an hf: "
+                    f"dataset) with that column, or another reward"
+                )
+
+
 def check_reward_servers(cfg: Config) -> None:
     """Each reward server a remote reward calls answers `GET /health` (a few seconds, two tries) and serves the
     reward's kind (`rewards.remote.check_server`); else one line naming its URL and how to start it."""
@@ -329,6 +355,7 @@ def preflight(cfg: Config) -> tuple[PromptSet, PromptSet]:
     directory is the trainer's to check: `flowrl.run.rundir`.)"""
     train_set, eval_set = load_prompt_sets(cfg)
     check_rewards(cfg)
+    check_reward_columns(cfg, train_set, eval_set)
     family_name = check_model(cfg)
     check_conditioning(cfg, family_name, train_set, eval_set)
     check_reward_samples(cfg, family_name)

@@ -125,6 +125,7 @@ class Accuracy:
     "accuracy",
     kind=TEXT,
     memory=NOTHING,
+    columns=(("solution", "answer"),),
     summary="text: the accuracy of the final numeric answer against the row's `answer`",
 )
 def accuracy(rel_tol: float = 1e-6) -> Accuracy:

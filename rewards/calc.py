@@ -39,6 +39,7 @@ calc_answer_reward.kind = tool_used_reward.kind = TEXT
     "calc_answer",
     kind=TEXT,
     memory=NOTHING,
+    columns=("answer",),
     summary="text: the calculator world's final answer (after the last `</out>`) is exactly the row's `answer`",
 )
 def calc_answer():

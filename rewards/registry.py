@@ -138,17 +138,26 @@ def raised_at(error: BaseException) -> str:
 
 
 def register(
-    name: str, *, kind: str, accepts: tuple[str, ...] | None = None, memory: Any = None, summary: str = ""
+    name: str,
+    *,
+    kind: str,
+    accepts: tuple[str, ...] | None = None,
+    memory: Any = None,
+    summary: str = "",
+    columns: tuple[str | tuple[str, ...], ...] = (),
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: register a reward factory under ``name``; ``kind`` is "image" or "text". An image reward's
     ``accepts`` says which samples it scores: ("image",) by default, ("video",) for a video-native one, or both.
     ``memory`` declares what it keeps on the accelerator, for the planner (``rewards.memory``: ``NOTHING``, held
     items, or a function of its options); None: not declared, so not estimated. ``summary``: what it scores, in
-    one line (Markdown), for the docs' table of rewards (generated from the registry)."""
+    one line (Markdown), for the docs' table of rewards (generated from the registry). ``columns``: the prompts'
+    metadata columns it reads, each a name or a tuple of names of which one will do (``("solution", "answer")``);
+    a run checks its prompt files for them before the model loads (a plug-in declares ``.columns``)."""
     if kind not in KINDS:
         raise ValueError(f"reward {name!r}: kind must be one of {KINDS}, got {kind!r}")
     if accepts is not None:
         _check_accepts(name, accepts)
+    columns = _check_columns(name, columns)
     if memory is not None and not is_declaration(memory):
         raise ValueError(
             f"reward {name!r}: memory must be NOTHING, a HubModel, Parameters or NotEstimated, a list "
@@ -162,6 +171,7 @@ def register(
         if memory is not None:
             factory.reward_memory = memory  # type: ignore[attr-defined]
         factory.reward_summary = summary  # type: ignore[attr-defined]
+        factory.reward_columns = columns  # type: ignore[attr-defined]
         return REWARDS.register(name)(factory)
 
     return deco
@@ -303,6 +313,31 @@ def accepts_of(reward: Callable[..., Any]) -> tuple[str, ...]:
     """The samples an image reward scores (its ``.accepts``): ("image",) when it does not say."""
     declared = getattr(reward, "accepts", None)
     return ("image",) if declared is None else _check_accepts(getattr(reward, "__name__", repr(reward)), declared)
+
+
+def _check_columns(name: str, columns: Any) -> tuple[tuple[str, ...], ...]:
+    """``columns`` as a tuple of alternatives (each a non-empty tuple of column names)."""
+    problem = ValueError(
+        f"reward {name!r}: columns must be a tuple of column names, each a name or a tuple of names of which one "
+        f"will do, e.g. ('objects',) or (('solution', 'answer'),); got {columns!r}"
+    )
+    if isinstance(columns, str) or not isinstance(columns, (tuple, list)):
+        raise problem
+    out = []
+    for entry in columns:
+        names = (entry,) if isinstance(entry, str) else entry
+        if not isinstance(names, (tuple, list)) or not names or not all(isinstance(n, str) and n for n in names):
+            raise problem
+        out.append(tuple(names))
+    return tuple(out)
+
+
+def declared_columns(name: str) -> tuple[tuple[str, ...], ...]:
+    """The prompts' metadata columns the reward ``name`` (registered or a plug-in) says it reads, without building
+    it: a tuple of alternatives, each a tuple of names of which one will do; () when it does not say."""
+    if is_plugin(name):
+        return _check_columns(name, getattr(load_plugin(name), "columns", ()))
+    return tuple(getattr(_registered(name), "reward_columns", ()))
 
 
 def declared_accepts(name: str) -> tuple[str, ...]:

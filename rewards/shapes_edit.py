@@ -15,6 +15,7 @@ from rewards.registry import IMAGE, register
     "shapes_edit",
     kind=IMAGE,
     memory=NOTHING,
+    columns=("edit",),  # and the source image's (its option source_column, data.image_column)
     summary="the shapes world's edit check: the instruction carried out, the rest of the scene kept",
 )
 class ShapesEdit:

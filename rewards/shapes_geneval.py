@@ -17,6 +17,7 @@ from rewards.registry import IMAGE, register
     "shapes_geneval",
     kind=IMAGE,
     memory=NOTHING,
+    columns=("objects",),
     summary="the shapes world's GenEval-style check: the fraction of the prompt's clauses that hold "
     "(`score: strict`: all of them)",
 )
@@ -93,6 +94,7 @@ def free_color_counts(details: list[dict], metadata: list[dict]) -> dict[str, to
     "shapes_soft",
     kind=IMAGE,
     memory=NOTHING,
+    columns=("objects",),
     summary="the shapes world's graded check: shape IoU, colour, extra objects",
 )
 class ShapesSoft:

@@ -15,6 +15,7 @@ from rewards.registry import IMAGE, register
     kind=IMAGE,
     accepts=("video",),
     memory=NOTHING,
+    columns=("objects", "motion"),
     summary="the shapes world's motion check: the asked shape alone in every frame, moving the asked way",
 )
 class ShapesMotion:

@@ -79,6 +79,45 @@ def test_reward_mistakes_and_an_unwritable_run_dir_fail_before_the_model_loads(t
     assert "is not writable" in err and "log.run_dir" in err
 
 
+def test_a_reward_whose_columns_a_prompt_file_lacks_fails_before_the_model_loads(tmp_path, capsys, no_model_load):
+    """A reward declares the metadata columns it reads (rewards.register(columns=...), a plug-in's .columns); a
+    prompt file without them is named, with its first such prompt, before the model loads."""
+    free = tmp_path / "free.txt"
+    free.write_text("a red circle\ntwo blue squares\n")
+    shapes = [str(ROOT / "configs" / "shapes.yaml"), "eval.group_by=null", "eval.images_per_group=0"]
+    err = one_line_error(capsys, 1, main(["eval", *shapes, f"data.eval_prompts={free}", "--out", str(tmp_path / "e")]))
+    assert (
+        f"rewards[0] (shapes_geneval) reads each prompt's 'objects' column, and data.eval_prompts has none at {free}:1"
+        in err
+    )
+    assert "metadata columns are none (plain-text prompts" in err
+
+    rows = tmp_path / "qa.jsonl"
+    rows.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "solution": "4"}\n{"prompt": "3+3="}\n')
+    text = [str(ROOT / "configs" / "text_arith.yaml"), f"log.run_dir={tmp_path / 'run'}"]
+    err = one_line_error(capsys, 1, main(["train", *text, f"data.train_prompts={rows}"]))
+    assert (
+        f"(accuracy) reads each prompt's 'solution' or 'answer' column, and data.train_prompts has none at {rows}:3"
+        in err
+    )
+    assert "columns are ['answer', 'solution']" in err
+
+    (tmp_path / "judge.py").write_text(
+        "def score(images, prompts, **columns):\n    return [0.0] * len(images)\n\nscore.columns = ('style',)\n"
+    )
+    plugin = f"rewards=[{{name: '{tmp_path / 'judge.py'}:score'}}]"
+    err = one_line_error(capsys, 1, main(["train", TINY_CFG, *TINY, f"log.run_dir={tmp_path / 'r2'}", plugin]))
+    assert "reads each prompt's 'style' column, and data.train_prompts has none at prompt 0" in err
+
+
+def test_a_reward_declaring_bad_columns_is_refused_at_registration():
+    from rewards.registry import register
+
+    for bad in ("objects", (("",),), ((),), (3,)):
+        with pytest.raises(ValueError, match="columns must be a tuple of column names"):
+            register("test_bad_columns", kind="image", columns=bad)
+
+
 def test_overrides_after_options_and_a_stray_argument(tmp_path, capsys):
     out = tmp_path / "ev"
     assert main(["eval", TINY_CFG, "--out", str(out), *TINY, "eval.num_prompts=1"]) == 0
