@@ -607,6 +607,9 @@ def _load_hub_dataset(datasets, source: str, name: str, hf_config: str):
         raise PromptFileError(
             f"{source}: {name!r} is neither a local directory nor a dataset id such as hf:openai/gsm8k"
         )
+    from . import hub
+
+    hub.settle()  # (offline at once, HF_HUB_OFFLINE=1, when the hub cannot be reached)
     offline = _offline_variables()
     if offline and not any(d.exists() for d in _cache_dirs(datasets, name)):
         raise PromptFileError(_offline_message(datasets, source, name, offline))

@@ -134,9 +134,7 @@ def check_reward_samples(cfg: Config, family_name: str | None) -> None:
 def hub_file(key: str, repo_id: str, filename: str) -> str:
     """The local path of `filename` of hub model `repo_id` (config key `key`, for the errors): from the Hugging Face
     cache, or downloaded (never under HF_HUB_OFFLINE: then a file not cached fails at once, naming the id)."""
-    import os
-
-    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import (
         EntryNotFoundError,
         HFValidationError,
@@ -144,13 +142,15 @@ def hub_file(key: str, repo_id: str, filename: str) -> str:
         RepositoryNotFoundError,
     )
 
-    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+    from . import hub
+
+    offline = hub.settle()  # (offline at once when the hub cannot be reached)
     try:
         return hf_hub_download(repo_id, filename, local_files_only=offline)
     except HFValidationError:
         raise PreflightError(f"{key}={repo_id!r} is neither a local directory nor a hub id (ORG/NAME)") from None
     except LocalEntryNotFoundError:
-        why = "HF_HUB_OFFLINE=1 forbids downloading it" if offline else "the hub could not be reached"
+        why = hub.why_offline() if offline else "the hub could not be reached"
         raise PreflightError(
             f"{key}={repo_id}: the hub model is not in the Hugging Face cache and {why}; "
             "download it once online (without HF_HUB_OFFLINE) or pass a local directory"

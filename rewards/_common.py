@@ -65,6 +65,9 @@ def resolve_file(spec: str | os.PathLike, filename: str) -> str:
         return path
     from huggingface_hub import hf_hub_download
 
+    from flowrl import hub
+
+    hub.settle()  # (offline at once when the hub cannot be reached)
     try:
         return hf_hub_download(repo_id=spec, filename=filename)
     except Exception as e:  # offline, unknown repo, no network: say what was tried

@@ -76,10 +76,10 @@ def detect_family(pipe) -> str:
 
 
 def hub_offline() -> bool:
-    """HF_HUB_OFFLINE as huggingface_hub read it at import, or as the environment says now."""
-    from huggingface_hub import constants
+    """HF_HUB_OFFLINE as huggingface_hub read it at import, or as the environment says now (`flowrl.hub.offline`)."""
+    from flowrl import hub
 
-    return constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+    return hub.offline()
 
 
 def _read_local_json(directory: str, name: str) -> dict:
@@ -104,7 +104,9 @@ def read_hub_json(repo_id: str, name: str, **hub_kwargs) -> dict:
         RepositoryNotFoundError,
     )
 
-    offline = hub_offline()
+    from flowrl import hub
+
+    offline = hub.settle()  # (offline at once when the hub cannot be reached)
     subfolder, filename = posixpath.split(name)
     hub_kwargs["local_files_only"] = hub_kwargs.get("local_files_only", False) or offline
     try:
@@ -116,7 +118,7 @@ def read_hub_json(repo_id: str, name: str, **hub_kwargs) -> dict:
             f"({', '.join(sorted(tiny_models()))})"
         ) from None
     except LocalEntryNotFoundError:
-        why = "HF_HUB_OFFLINE=1 forbids downloading it" if offline else "the hub could not be reached"
+        why = hub.why_offline() if offline else "the hub could not be reached"
         raise ImageModelError(
             f"hub model {repo_id}: {name} is not in the Hugging Face cache and {why} (nor is there a directory "
             f"{repo_id} under the working directory, {os.getcwd()}); download the model once online (without "
