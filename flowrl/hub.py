@@ -85,3 +85,11 @@ def settle() -> bool:
             host, port = endpoint()
             go_offline(f"the Hugging Face hub ({host}:{port}) cannot be reached")
     return offline()
+
+
+def settle_for(path: str) -> bool:
+    """`settle` before loading `path` when it names a hub model (not a local file or directory); whether the
+    process is offline."""
+    if os.path.exists(os.fspath(path)):
+        return offline()
+    return settle()

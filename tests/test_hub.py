@@ -73,3 +73,10 @@ def test_hf_hub_offline_or_a_proxy_is_not_probed(online):
     assert hub.settle() is False  # the proxy's connection is its own
     online.setenv("HF_HUB_OFFLINE", "1")
     assert hub.settle() is True
+
+
+def test_a_local_path_is_never_probed_a_hub_id_is(online, tmp_path):
+    probes = []
+    online.setattr(hub, "reachable", lambda *a, **k: probes.append(1) or True)
+    assert hub.settle_for(str(tmp_path)) is False and probes == []
+    assert hub.settle_for("openai/clip-vit-large-patch14") is False and probes == [1]
