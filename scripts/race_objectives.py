@@ -38,6 +38,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -152,6 +153,10 @@ def train(out: Path, objective: str, seed: int, minutes: float, eval_every: int,
         *extra,
     ]  # every checkpoint kept (a few MB each): the demo's eval of any epoch (docs/demo_eval.md)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    say(
+        f"{objective} seed {seed}: {'resumed from its last checkpoint' if partial else 'training'}, {minutes:g} "
+        f"CPU-minutes (log: {directory / 'train.log'})"
+    )
     with open(directory / "train.log", "a" if partial else "w") as log:
         subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
     return directory
@@ -179,7 +184,18 @@ def race_run(out: Path, results: Path, objective: str, seed: int, args) -> dict:
     if args.split == "val":  # the test split, read once: the final weights
         result["test_after"] = evaluate(directory, final, "test-final", budget, prompts=TEST)[HEADLINE]
     write_json(path, result)
+    c = result["curve"]
+    test = f", test {result['test_after']:.3f}" if "test_after" in result else ""
+    say(
+        f"{objective} seed {seed}: done, {c['accuracy'][0]:.3f} -> {c['accuracy'][-1]:.3f} on its eval split{test}, "
+        f"colour TV {c['tv'][-1]:.3f} ({path})"
+    )
     return result
+
+
+def say(line: str) -> None:
+    """A progress line of the race, timed and written at once (a log file is not line-buffered)."""
+    print(f"{time.strftime('%H:%M:%S')} race: {line}", flush=True)
 
 
 def write_json(path: Path, data) -> None:

@@ -125,9 +125,9 @@ def test_the_frontier_lists_the_settings_nothing_beats_and_checks_the_demo_targe
     assert lines[-1].endswith("+0.280 (median +0.310): a at 10 min, over 2 seeds.")
 
 
-def test_a_run_cut_short_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+def test_a_run_cut_short_resumes_from_its_checkpoint(tmp_path, monkeypatch, capsys):
     """train(): a run directory with checkpoints and no final row resumes (checkpoint.resume=auto, its log appended);
-    one without a checkpoint starts afresh (log.overwrite=true); a finished one is not run."""
+    one without a checkpoint starts afresh (log.overwrite=true); a finished one is not run. Each start says so."""
     race = race_module()
     calls = []
 
@@ -145,6 +145,11 @@ def test_a_run_cut_short_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     (fresh / "metrics.jsonl").write_text(json.dumps({"epoch": 20, "final": True}) + "\n")
     race.train(tmp_path, "dpo", 0, 15.0, 6, [])
     assert len(calls) == 2
+    said = [line.split(" race: ")[1] for line in capsys.readouterr().out.splitlines()]
+    assert said == [
+        f"dpo seed 0: training, 15 CPU-minutes (log: {fresh / 'train.log'})",
+        f"dpo seed 0: resumed from its last checkpoint, 15 CPU-minutes (log: {fresh / 'train.log'})",
+    ]
 
 
 def test_curves_keep_each_family_and_old_results_are_refreshed_from_their_run(tmp_path):
