@@ -15,7 +15,7 @@ import torch
 from imagetiny import TINY_RUN
 
 from flowrl.config import load_config
-from flowrl.errors import CheckpointError, NonFiniteError, RunDirError
+from flowrl.errors import CheckpointError, FlowrlError, NonFiniteError, RunDirError
 from flowrl.run.checkpoint import list_checkpoints, write_checkpoint
 from flowrl.train import Trainer
 
@@ -576,6 +576,29 @@ def test_a_run_whose_reward_fails_keeps_its_epochs_and_resumes_as_if_uninterrupt
     assert max((resumed[n] - t).abs().max().item() for n, t in whole.items()) <= 1e-6  # as any resume (objectives)
     first = load_file(tmp_path / "run" / "ckpt-000001" / "trainable.safetensors")
     assert any(not torch.equal(first[n], t) for n, t in whole.items())  # (epochs 2 and 3 trained something)
+
+
+def test_a_run_whose_final_eval_fails_keeps_its_trained_epochs_and_says_how_to_evaluate_them(tmp_path, monkeypatch):
+    """The reward raises in the final eval (call 4: the eval before, epochs 1 and 2, the final eval): the two epochs
+    are checkpointed (checkpoint.every is 0), and the note says to evaluate them (a resume would train nothing)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "scores.py").write_text(FAILING_REWARD)
+    (tmp_path / "fail_on_call.txt").write_text("4")
+    cfg = tiny_cfg(
+        tmp_path / "run",
+        "train.epochs=2",
+        "checkpoint.every=0",
+        "eval.grid=false",
+        "rewards=[{name: 'scores.py:brightness'}]",
+    )
+    with pytest.raises(FlowrlError, match="the reward server went away") as info:
+        Trainer(cfg).fit()
+    ckpt = tmp_path / "run" / "ckpt-000002"
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == [ckpt.name]
+    assert info.value.__notes__ == [
+        f"the 2 epochs trained are in checkpoint {ckpt}: once the cause is fixed, `flowrl eval CONFIG --checkpoint "
+        f"{ckpt}` makes the final eval"
+    ]
 
 
 def test_a_run_that_fails_in_an_update_names_its_newest_checkpoint_and_writes_none(tmp_path, monkeypatch):

@@ -713,7 +713,13 @@ class Trainer:
             except Exception as e:  # (the failure may be the disk's)
                 error.add_note(f"the checkpoint of the {now[0]} epochs done could not be written either: {e}")
                 return
-        if path is not None:
+        trained = now[0] >= self.cfg.train.epochs or (bool(self.cfg.train.max_minutes) and self.out_of_time())
+        if path is not None and trained:  # (it failed in the final eval: a resume would find nothing to train)
+            error.add_note(
+                f"the {now[0]} epochs trained are in checkpoint {path}: once the cause is fixed, `flowrl eval CONFIG "
+                f"--checkpoint {path}` makes the final eval"
+            )
+        elif path is not None:
             error.add_note(
                 f"the {now[0]} epochs done are in checkpoint {path}: once the cause is fixed, the same command with "
                 f"checkpoint.resume=auto continues from there"
