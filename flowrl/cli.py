@@ -49,7 +49,8 @@ def _train(args) -> int:
     with StopSignals(announce=os.environ.get("RANK", "0") == "0").installed():  # from the start to the end
         metrics = train(cfg)
     keys = [k for k in sorted(metrics) if k.startswith(("eval/", "reward/total"))]
-    print(json.dumps({k: metrics[k] for k in keys}, indent=1))
+    if keys:  # (none: nothing was trained, which the run said)
+        print(json.dumps({k: metrics[k] for k in keys}, indent=1))
     return 0
 
 

@@ -845,6 +845,23 @@ def test_a_resumed_run_trains_what_is_left_of_its_time_budget(tmp_path, capsys):
     assert more.state.train_cpu_seconds == pytest.approx(rows[2]["time/train_process_minutes"] * 60)
 
 
+def test_a_finished_run_resumed_or_zero_epochs_says_there_is_nothing_to_train(tmp_path, capsys):
+    from flowrl.cli import main
+
+    run = tmp_path / "run"
+    common = ["train", *TINY, f"log.run_dir={run}", "eval.grid=false"]
+    assert main([*common, "train.epochs=1"]) == 0
+    capsys.readouterr()
+    assert main([*common, "train.epochs=1", "checkpoint.resume=auto"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == (
+        f"train.epochs=1 and the run in {run} has done 1 epochs: nothing to train (raise train.epochs to train on; "
+        f"`flowrl eval CONFIG --checkpoint {run}` evaluates its newest checkpoint)"
+    )  # and no empty JSON after it
+    assert main([*common, "train.epochs=0", f"log.run_dir={tmp_path / 'none'}"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "train.epochs=0: nothing to train"
+
+
 def test_a_cosine_over_the_time_budget_follows_the_training_minutes_spent(tmp_path):
     """train.schedule_over=budget: each epoch's lr is lr (1 + cos(pi b)) / 2 with b the share of the budget spent
     before the epoch, which the previous row logs as time/train_process_minutes (the epoch count barely moves

@@ -226,6 +226,14 @@ class Trainer:
                     f"train.max_minutes to train on)"
                 )
             first = t.epochs
+        elif first >= t.epochs and self.main:  # a finished run resumed, or train.epochs=0
+            print(
+                f"train.epochs={t.epochs} and the run in {self.run_dir} has done {first} epochs: nothing to train "
+                f"(raise train.epochs to train on; `flowrl eval CONFIG --checkpoint {self.run_dir}` evaluates its "
+                f"newest checkpoint)"
+                if first
+                else "train.epochs=0: nothing to train"
+            )
         bar = tqdm(
             range(first, t.epochs),
             desc="epochs",
