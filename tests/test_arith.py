@@ -193,13 +193,9 @@ def test_greedy_accuracy_counts_what_it_decodes():
 
 
 def test_pretraining_trains_on_the_answer_and_eos_only(tok):
-    import importlib.util
+    from repo_files import load_module
 
-    spec = importlib.util.spec_from_file_location(
-        "pretrain_arith", SAMPLES.parents[1] / "scripts" / "pretrain_arith.py"
-    )
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_module("scripts/pretrain_arith.py", "pretrain_arith")
     ids, mask = script.encode_rows(tok, [{"prompt": "37+45=", "answer": "82"}, {"prompt": "9+1=", "answer": "10"}])
     assert ids.shape == (2, 10) and mask.shape == (2, 9)
     assert ids[1, -2:].tolist() == [tok.pad_token_id] * 2  # right-padded

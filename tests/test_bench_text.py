@@ -1,18 +1,13 @@
 """benchmarks/text_step.py: the flowrl half runs one timed epoch on samples/arith and prints finite figures."""
 
-import importlib.util
 import math
-from pathlib import Path
 
 import torch
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "text_step.py"
+from repo_files import load_module
 
 
 def test_text_step_benchmark_flowrl_half_runs(capsys):
-    spec = importlib.util.spec_from_file_location("text_step_bench", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench()
     threads = torch.get_num_threads()
     try:
         out = bench.main(["--no-trl", "--warmup", "0", "--repeats", "1", "--prompts", "4", "--group", "4"])
@@ -29,10 +24,7 @@ def test_text_step_benchmark_flowrl_half_runs(capsys):
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("text_step_bench", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_module("benchmarks/text_step.py", "text_step_bench")
 
 
 def test_realistic_setting_builds_a_qwen2_with_a_32k_vocabulary(tmp_path):

@@ -3,12 +3,12 @@ resolve, every page is in the site's navigation, every pointer to a docs or samp
 the pages use the config's current key spellings, and the configuration reference is generated from whatever
 config tree `flowrl.config.describe()` returns. (`make test` also builds the site with `mkdocs build --strict`.)"""
 
-import importlib.util
 import json
 import re
 from pathlib import Path
 
 import yaml
+from repo_files import load_module
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -16,10 +16,7 @@ README = ROOT / "README.md"
 
 
 def _hooks():
-    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module("docs/hooks.py", "docs_hooks")
 
 
 def fenced_blocks(text: str, lang: str) -> list[str]:

@@ -315,13 +315,12 @@ def test_the_shipped_pairs_are_what_the_script_writes(tmp_path):
     """samples/shapes_pairs: 64 training prompts' pairs (none of the validation split's), a sixth of each GenEval
     family, every chosen image correct and every rejected one wrong on the strict detector, under 100 KB; and a fresh
     run of the script writes them."""
-    import importlib.util
+
+    from repo_files import load_module
 
     from flowrl.worlds.shapes import FAMILIES, load_jsonl, prompts_of_split, score_images
 
-    spec = importlib.util.spec_from_file_location("make_shapes_pairs", ROOT / "scripts" / "make_shapes_pairs.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_module("scripts/make_shapes_pairs.py", "make_shapes_pairs")
     shipped = ROOT / "samples" / "shapes_pairs"
     assert script.write_pairs(tmp_path, 64, seed=0) == 64
     assert (tmp_path / "pairs.jsonl").read_text() == (shipped / "pairs.jsonl").read_text()

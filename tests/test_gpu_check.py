@@ -2,23 +2,16 @@
 rot between GPU runs: every case trains two epochs through flowrl's Trainer, is measured and planned, and the report
 files are written."""
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+from repo_files import load_module
 
 
 def load_pack():
-    spec = importlib.util.spec_from_file_location("gpu_check_pack", SCRIPT)
-    pack = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = pack  # its dataclasses look their module up there
-    spec.loader.exec_module(pack)
-    return pack
+    return load_module("benchmarks/gpu_check.py", "gpu_check_pack", register=True)
 
 
 def test_gpu_check_tiny_runs_every_case(tmp_path):

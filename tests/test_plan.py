@@ -2,12 +2,12 @@
 the plan of the tiny models against what the trainer really builds, the activation estimate against a peak
 measured by benchmarks/memory.py's tracker, monotonicity, and the errors."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from repo_files import load_module
 
 from flowrl.config import load_config
 from flowrl.plan import (
@@ -26,10 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("memory_bench", ROOT / "benchmarks" / "memory.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_module("benchmarks/memory.py", "memory_bench")
 
 
 def _preset(name, *overrides):

@@ -2,18 +2,16 @@
 validation split with curves on it, the test split read once per run; the table's last column is the final weights'
 test gain over the base model's."""
 
-import importlib.util
 import json
 from pathlib import Path
+
+from repo_files import load_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def race_module():
-    spec = importlib.util.spec_from_file_location("race", ROOT / "scripts" / "race_objectives.py")
-    race = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(race)
-    return race
+    return load_module("scripts/race_objectives.py", "race")
 
 
 def fake_run(objective, seed, accuracy, test_after, race):

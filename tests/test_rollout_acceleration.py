@@ -319,13 +319,10 @@ def test_mag_cache_calibration_refuses_a_model_the_cache_cannot_take(backends):
 def test_the_cache_quality_benchmark_scores_each_setting_against_the_plain_rollout(tmp_path):
     """benchmarks/cache_quality.py on a tiny FLUX config: the plain row and one row per setting, mag_cache's ratios
     calibrated first; the same seeds, so a cache that skips nothing scores exactly as the plain rollout."""
-    import importlib.util
-    from pathlib import Path
+    from repo_files import ROOT as root
+    from repo_files import load_module
 
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("cache_quality_bench", root / "benchmarks" / "cache_quality.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_module("benchmarks/cache_quality.py", "cache_quality_bench")
     threads = torch.get_num_threads()
     settings = [{"name": "mag_cache", "threshold": 0.0}, {"name": "mag_cache", "threshold": 1.0}]
     try:

@@ -76,14 +76,13 @@ def test_the_demo_is_the_measured_dpo_setting():
     with the settings the demo's seeds were measured with (docs/demo_eval.md): every step of the schedule trained,
     ranked pairs, the rollout in bfloat16, lr 1e-3, 68 epochs. Only keys DPO does not read (GRPO's section: the
     race's base config is the GRPO preset) may differ."""
-    import importlib.util
+
+    from repo_files import load_module
 
     from flowrl.config import to_dict, without_other_objectives
     from flowrl.run.rundir import _flatten
 
-    spec = importlib.util.spec_from_file_location("race", ROOT / "scripts" / "race_objectives.py")
-    race = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(race)
+    race = load_module("scripts/race_objectives.py", "race")
     assert race.CONFIG == ROOT / "configs" / "shapes_grpo.yaml"
 
     demo = load_config(ROOT / "configs" / "shapes.yaml")

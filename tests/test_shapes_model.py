@@ -1,11 +1,11 @@
 """The tiny SD3 pipeline of the shapes world: tokenizers, the shipped weights, the pre-training script's state."""
 
-import importlib.util
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+from repo_files import load_module
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
@@ -119,10 +119,7 @@ def test_ode_accuracy_reports_why_images_fail():
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("pretrain_shapes_script", ROOT / "scripts/pretrain_shapes.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module("scripts/pretrain_shapes.py", "pretrain_shapes_script")
 
 
 def test_pretraining_resumes_exactly(tmp_path):

@@ -1,20 +1,17 @@
 """scripts/shapes_pass_at_k.py: per family, the accuracy, pass@G and the mixed groups (a right and a wrong image),
 against a hand count; and its measurement end to end on a few prompts of the shapes model."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from repo_files import load_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def script():
-    spec = importlib.util.spec_from_file_location("pass_at_k", ROOT / "scripts" / "shapes_pass_at_k.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module("scripts/shapes_pass_at_k.py", "pass_at_k")
 
 
 def test_the_family_table_is_the_hand_count():

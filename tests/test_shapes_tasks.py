@@ -26,11 +26,9 @@ MOTION = ROOT / "samples" / "shapes" / "motion"
 
 
 def test_the_shipped_edit_data_is_what_the_script_writes(tmp_path):
-    import importlib.util
+    from repo_files import load_module
 
-    spec = importlib.util.spec_from_file_location("make_shapes_tasks", ROOT / "scripts" / "make_shapes_tasks.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_module("scripts/make_shapes_tasks.py", "make_shapes_tasks")
     counts = script.write_edit_task(tmp_path, per_instruction=4, seed=0)
     for split in ("train", "test"):
         assert (tmp_path / "edit" / f"{split}.jsonl").read_text() == (EDIT / f"{split}.jsonl").read_text()

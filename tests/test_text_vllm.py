@@ -7,7 +7,6 @@ goes down is one line and the run resumes from its checkpoint once it is back.""
 import json
 import os
 import socket
-from pathlib import Path
 
 import pytest
 import torch
@@ -250,12 +249,9 @@ def test_a_multi_turn_rollout_on_the_engine(server, vllm_lm, tmp_path):
 def test_the_text_step_benchmark_runs_hf_and_vllm_in_turns():
     """benchmarks/text_step.py --engine both: an hf trainer and a vllm trainer on the realistic setting's model
     (head_dim 64), each phase timed, side by side."""
-    import importlib.util
+    from repo_files import load_module
 
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("text_step_bench_vllm", root / "benchmarks" / "text_step.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_module("benchmarks/text_step.py", "text_step_bench_vllm")
     threads = torch.get_num_threads()
     try:
         out = bench.main(
