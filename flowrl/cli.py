@@ -5,7 +5,7 @@ flowrl eval CONFIG --checkpoint DIR         evaluate a checkpoint on the held-ou
             [--weights auto|ema|trained]    (auto: the EMA weights when the run kept them)
 flowrl sample CONFIG [--checkpoint DIR] --prompt TEXT ...   save images
 flowrl serve-reward NAME [--host 127.0.0.1] [--port 8000]  serve a reward over HTTP
-flowrl report RUN_DIR                        plot the reward and eval curves to RUN_DIR/curves.png
+flowrl report RUN_DIR [RUN_DIR ...]          plot the reward and eval curves (several runs: compared)
 flowrl plan CONFIG [--gpus N] [--gpu-memory 80GiB]   memory per GPU, estimated before renting them
 flowrl demo                                  the embedded default
 """
@@ -243,12 +243,17 @@ def _plan(args) -> int:
 
 def _report(args) -> int:
     from .errors import RunDirError
-    from .run.report import plot_curves
+    from .run.report import plot_comparison, plot_curves
 
     try:
-        print(plot_curves(args.run_dir, args.out))
+        if len(args.run_dir) == 1:
+            print(plot_curves(args.run_dir[0], args.out))
+            return 0
+        out, table = plot_comparison(args.run_dir, args.out or "compare.png", args.x, args.metric)
     except (FileNotFoundError, ValueError) as e:  # not a run directory, or its metrics.jsonl is empty or broken
         raise RunDirError(str(e)) from None
+    print("\n".join(table))
+    print(out)
     return 0
 
 
@@ -321,9 +326,25 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(sa, optional=False)
     sa.set_defaults(func=_sample)
 
-    rep = sub.add_parser("report", help="plot a run directory's reward and eval curves to curves.png")
-    rep.add_argument("run_dir")
-    rep.add_argument("--out", default=None)
+    rep = sub.add_parser(
+        "report",
+        help="plot a run directory's reward and eval curves to curves.png; several runs: one figure comparing them",
+    )
+    rep.add_argument("run_dir", nargs="+", help="a run's log.run_dir; several: compared (a sweep's runs)")
+    rep.add_argument("--out", default=None, help="the PNG (one run: RUN_DIR/curves.png; several: compare.png)")
+    rep.add_argument(
+        "--metric",
+        action="append",
+        default=None,
+        help="several runs: an eval metric to compare (repeatable; its name without eval/); default: every one they "
+        "all logged",
+    )
+    rep.add_argument(
+        "--x",
+        choices=("epoch", "minutes", "cpu_minutes"),
+        default="epoch",
+        help="several runs: the x axis (minutes: the training wall-clock; cpu_minutes: the process's CPU time)",
+    )
     rep.set_defaults(func=_report)
 
     demo = sub.add_parser(

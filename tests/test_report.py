@@ -270,3 +270,80 @@ def test_a_corrupt_line_is_named_by_file_and_line(tmp_path, bad):
 def test_load_metrics_returns_the_rows_of_a_good_file(tmp_path):
     rows = resumed_run_rows()
     assert load_metrics(write_metrics(tmp_path, rows)) == rows
+
+
+# ------------------------------------------------------------------------------------ several runs compared
+
+
+def write_run(directory, rows):
+    directory.mkdir(parents=True)
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return directory
+
+
+def sweep(tmp_path):
+    """Two runs of a sweep, both named `run` in their own folder; b logs one eval metric more than a."""
+    a = write_run(
+        tmp_path / "lr1e-4" / "run",
+        [
+            {"epoch": 0, "eval/score_mean": 0.30},
+            {"epoch": 1, "reward/total_mean": 0.2, "time/train_wall_minutes": 1.5, "time/train_process_minutes": 2.5},
+            {"epoch": 2, "reward/total_mean": 0.4, "time/train_wall_minutes": 3.0, "time/train_process_minutes": 5.0},
+            {"epoch": 2, "eval/score_mean": 0.45, "final": True},
+        ],
+    )
+    b = write_run(
+        tmp_path / "lr3e-4" / "run",
+        [
+            {"epoch": 0, "eval/score_mean": 0.30, "eval/other_mean": 1.0},
+            {"epoch": 1, "reward/total_mean": 0.5, "time/train_wall_minutes": 2.0, "time/train_process_minutes": 1.0},
+            {"epoch": 1, "eval/score_mean": 0.25, "eval/other_mean": 2.0, "final": True},
+        ],
+    )
+    return a, b
+
+
+def test_several_runs_are_compared_on_the_metrics_they_all_logged(tmp_path, capsys):
+    from flowrl.cli import main
+
+    a, b = sweep(tmp_path)
+    out = tmp_path / "compare.png"
+    assert main(["report", str(a), str(b), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == [  # named by as much of their paths as tells them apart; eval/other_mean only b logged
+        "| run | epochs | training minutes (wall-clock) | score_mean |",
+        "| --- | --- | --- | --- |",
+        "| lr1e-4/run | 2 | 3.0 | 0.300 -> 0.450 (+0.150) |",
+        "| lr3e-4/run | 1 | 2.0 | 0.300 -> 0.250 (-0.050) |",
+        str(out),
+    ]
+    assert Image.open(out).size[0] > 2 * Image.open(out).size[1]  # the reward and one eval panel, side by side
+    assert main(["report", str(a), str(b), "--out", str(out), "--x", "cpu_minutes"]) == 0
+    assert "| lr1e-4/run | 2 | 5.0 |" in capsys.readouterr().out
+
+
+def test_a_metric_not_every_run_logged_is_named_with_the_shared_ones(tmp_path, capsys):
+    from flowrl.cli import main
+
+    a, b = sweep(tmp_path)
+    assert main(["report", str(a), str(b), "--metric", "other_mean"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == "flowrl report: --metric other_mean: not logged by every run; the eval metrics they all logged: score_mean"
+    )
+    assert main(["report", str(a), str(tmp_path / "missing")]) == 1
+    assert "missing is not a run directory" in capsys.readouterr().err
+
+
+def test_the_minutes_axis_places_each_eval_at_its_epochs_end():
+    from flowrl.run.report import minutes_by_epoch
+
+    rows = [
+        {"epoch": 0, "eval/x": 1},
+        {"epoch": 1, "time/train_wall_minutes": 1.5},
+        {"epoch": 2, "time/train_wall_minutes": 3.25},
+        {"epoch": 2, "eval/x": 2},
+    ]
+    assert minutes_by_epoch(rows) == {0: 0.0, 1: 1.5, 2: 3.25}
+    assert minutes_by_epoch(rows, "time/train_process_minutes") == {0: 0.0}

@@ -236,3 +236,118 @@ def plot_curves(run_dir: str | Path, out: str | Path | None = None, title: str |
     fig.savefig(tmp, dpi=110, bbox_inches="tight")
     tmp.replace(out)
     return out
+
+
+# ---------------------------------------------------------------------------------------------- several runs
+
+
+def run_labels(run_dirs: list[Path]) -> list[str]:
+    """A short name per run: its directory's name, or as much of its path as tells it from the others."""
+    parts = [Path(d).resolve().parts for d in run_dirs]
+    for depth in range(1, max(len(p) for p in parts) + 1):
+        labels = ["/".join(p[-depth:]) for p in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [str(d) for d in run_dirs]  # the same directory twice
+
+
+#: the x axes of a comparison: the metric that gives each epoch's position (None: the epoch itself) and its label
+X_AXES = {
+    "epoch": (None, "epoch"),
+    "minutes": ("time/train_wall_minutes", "training minutes (wall-clock)"),
+    "cpu_minutes": ("time/train_process_minutes", "training CPU minutes (the process's)"),
+}
+
+
+def minutes_by_epoch(rows: list[dict], key: str = "time/train_wall_minutes") -> dict[float, float]:
+    """Epoch -> the run's training minutes when it ended (`key`: wall-clock, or the process's CPU time; epoch 0: 0),
+    for a minutes axis; an eval row takes its epoch's."""
+    out = {0: 0.0}
+    for row in rows:
+        value = row.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[row["epoch"]] = float(value)
+    return out
+
+
+def shared_eval_keys(runs: dict[str, list[dict]]) -> list[str]:
+    """The headline eval metrics (`headline_eval_keys`) that every run logged, sorted."""
+    keys = [set(headline_eval_keys(rows)) for rows in runs.values()]
+    return sorted(set.intersection(*keys)) if keys else []
+
+
+def comparison_table(runs: dict[str, list[dict]], keys: list[str], x: str = "epoch") -> list[str]:
+    """Markdown, a row per run: the epochs it logged, its training minutes (the CPU's with x="cpu_minutes", else the
+    wall-clock's), and each shared eval metric's first and last value with the change between them."""
+    position, axis = X_AXES["cpu_minutes" if x == "cpu_minutes" else "minutes"]
+    header = ["run", "epochs", axis, *(k[len("eval/") :] for k in keys)]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for label, rows in runs.items():
+        minutes = minutes_by_epoch(rows, position)
+        cells = [label, f"{max(r['epoch'] for r in rows):g}", f"{max(minutes.values()):.1f}"]
+        for key in keys:
+            _, values = epoch_series(rows, key)
+            first, last = values[0], values[-1]
+            cells.append(f"{first:.3f} -> {last:.3f} ({last - first:+.3f})" if len(values) > 1 else f"{last:.3f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def comparison_figure(runs: dict[str, list[dict]], keys: list[str], x: str = "epoch"):
+    """One axes for the training reward (each run's moving average over an eighth of it) and one per shared eval
+    metric, a line per run, against the epoch or the training minutes (`x`, a key of X_AXES: the wall-clock's, or
+    the process's CPU time, which a paused run does not count)."""
+    from matplotlib.figure import Figure
+
+    if x not in X_AXES:
+        raise ValueError(f"x axis {x!r}: valid: {', '.join(X_AXES)}")
+    panels = 1 + len(keys)
+    fig = Figure(figsize=(4.6 * panels, 4.2), layout="constrained")
+    axes = fig.subplots(1, panels, squeeze=False)[0]
+    position, xlabel = X_AXES[x]
+    for label, rows in runs.items():
+        to_x = minutes_by_epoch(rows, position) if position else None
+
+        def place(epochs, to_x=to_x):
+            return [to_x.get(e, math.nan) for e in epochs] if to_x is not None else epochs
+
+        epochs, values = epoch_series(rows, "reward/total_mean")
+        k = max(1, round(len(values) / 8))
+        smooth = [
+            sum(values[max(0, i - k + 1) : i + 1]) / len(values[max(0, i - k + 1) : i + 1]) for i in range(len(values))
+        ]
+        (line,) = axes[0].plot(place(epochs), smooth, lw=1.4, label=label)
+        for ax, key in zip(axes[1:], keys):
+            epochs, values = epoch_series(rows, key)
+            ax.plot(place(epochs), values, marker="o", ms=3, color=line.get_color(), label=label)
+    axes[0].set(xlabel=xlabel, ylabel="training reward (moving average)", title="reward")
+    for ax, key in zip(axes[1:], keys):
+        ax.set(xlabel=xlabel, title=key[len("eval/") :])
+    axes[0].legend(frameon=False, fontsize=8)
+    return fig
+
+
+def plot_comparison(
+    run_dirs: list[str | Path], out: str | Path, x: str = "epoch", metrics: list[str] | None = None
+) -> tuple[Path, list[str]]:
+    """Several runs on one figure (`comparison_figure`) at `out`, and their table (`comparison_table`), of
+    `metrics` (eval metric names without `eval/`; None: every one the runs all logged). Each run directory is checked
+    as `load_metrics` checks it; a metric some run did not log is a ValueError naming the ones they share."""
+    dirs = [Path(d) for d in run_dirs]
+    runs = dict(zip(run_labels(dirs), (load_metrics(d) for d in dirs)))
+    keys = shared_eval_keys(runs)
+    if metrics:
+        shared = [k[len("eval/") :] for k in keys]
+        missing = [m for m in metrics if m.removeprefix("eval/") not in shared]
+        if missing:
+            raise ValueError(
+                f"--metric {', '.join(missing)}: not logged by every run; the eval metrics they all logged: "
+                f"{', '.join(shared) or 'none'}"
+            )
+        keys = [f"eval/{m.removeprefix('eval/')}" for m in metrics]
+    fig = comparison_figure(runs, keys, x)
+    out = Path(out)
+    tmp = out.with_name(out.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    tmp.replace(out)
+    return out, comparison_table(runs, keys, x)
