@@ -151,6 +151,7 @@ class Trainer:
         self.saved: tuple[tuple[int, int], Path | None] | None = None  # the newest checkpoint's (epochs, steps), path
         self.whole = True  # whether the state is an epoch boundary's, which a checkpoint may keep (save_after_failure)
         self.epoch_rng = None  # the RNG state at the start of the epoch in progress (rng_state())
+        self.saving = False  # whether a checkpoint is being written (and stays so when its write raised)
         self.clock_start, self.budget_before = time.perf_counter(), 0.0  # train.max_minutes' clock (budget_spent)
         self.log = MetricsLog(self.run_dir / "metrics.jsonl", self.acc, enabled=self.main)
         if self.main:
@@ -710,7 +711,7 @@ class Trainer:
         line prints it under the error's line). One process only: with several, a save is a collective that the
         others, elsewhere in the run, would not join."""
         now = (self.state.epochs_done, self.state.optimizer_steps)
-        if self.world > 1 or not self.main or now == (0, 0):
+        if self.world > 1 or not self.main or now == (0, 0) or self.saving:  # (saving: the save itself failed)
             return
         path = self.saved[1] if self.saved is not None and self.saved[0] == now else None
         if path is None and self.whole:
@@ -739,7 +740,9 @@ class Trainer:
             )
 
     def save(self) -> Path | None:
-        """Write a checkpoint (main process). Partitioned weights and states are gathered first, by every process."""
+        """Write a checkpoint (main process). Partitioned weights and states are gathered first, by every process.
+        `saving` stays True when it raises (a full disk, non-finite weights): save_after_failure does not try again."""
+        self.saving = True
         self.state.budget_seconds = self.budget_spent()
         sharded = self.dist.sharded
         optimizer = self.dist.optimizer_state()  # whole tensors (a collective when they are partitioned)
@@ -781,6 +784,7 @@ class Trainer:
                 )
                 done.append(f"checkpoint {path} is written (resume with checkpoint.resume=auto)")
         self.saved = ((self.state.epochs_done, self.state.optimizer_steps), path)
+        self.saving = False
         self.acc.wait_for_everyone()
         return path
 
