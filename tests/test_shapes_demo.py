@@ -74,7 +74,7 @@ def test_shapes_preset_one_epoch(preset, tmp_path, monkeypatch):
 def test_the_demo_is_the_measured_dpo_setting():
     """configs/shapes.yaml (the demo) is the race's DPO (configs/shapes_grpo.yaml with the race's DPO overrides)
     with the settings the demo's seeds were measured with (docs/demo_eval.md): every step of the schedule trained,
-    ranked pairs, the rollout in bfloat16, lr 1e-3, 68 epochs. Only keys DPO does not read (GRPO's section: the
+    ranked pairs, the rollout in bfloat16, lr 1e-3, 64 epochs, no EMA. Only keys DPO does not read (GRPO's section: the
     race's base config is the GRPO preset) may differ."""
 
     from repo_files import load_module
@@ -94,7 +94,8 @@ def test_the_demo_is_the_measured_dpo_setting():
             "train.dpo.pairing=ranked",
             "rollout.acceleration=[autocast]",
             "train.lr=1e-3",
-            "train.epochs=68",
+            "train.epochs=64",
+            "train.ema_decay=0",
             "log.run_dir=runs/shapes_dpo",
             "eval.base_cache=samples/shapes/base-evals",  # where the base model's eval is read from: no training key
         ],
