@@ -133,11 +133,16 @@ def require_column(metadata: list[dict], column: str, what: str, how_off: str = 
     have."""
     missing = next((i for i, m in enumerate(metadata) if column not in (m or {})), None)
     if missing is not None:
-        keys = sorted({k for m in metadata for k in (m or {})})
         raise ValueError(
             f"{what}: prompt {missing} has no column {column!r}; the prompts' metadata columns are "
-            f"{keys or 'none (plain-text prompts, e.g. a .txt prompt file)'}{how_off}"
+            f"{metadata_columns(metadata)}{how_off}"
         )
+
+
+def metadata_columns(metadata: list[dict]) -> str:
+    """The metadata columns the prompts hold, for an error: a sorted list, or that plain-text prompts hold none."""
+    keys = sorted({k for m in metadata for k in (m or {})})
+    return str(keys) if keys else "none (plain-text prompts, e.g. a .txt prompt file)"
 
 
 def warn_repeated_prompts(prompts: PromptSet, per_epoch: int) -> None:

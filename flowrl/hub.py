@@ -87,9 +87,9 @@ def settle() -> bool:
     return offline()
 
 
-def settle_for(path: str) -> bool:
-    """`settle` before loading `path` when it names a hub model (not a local file or directory); whether the
+def settle_for(*paths: str) -> bool:
+    """`settle` before loading `paths` when one names a hub model (not a local file or directory); whether the
     process is offline."""
-    if os.path.exists(os.fspath(path)):
+    if all(os.path.exists(os.fspath(p)) for p in paths):
         return offline()
     return settle()

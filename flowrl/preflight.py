@@ -77,6 +77,7 @@ def check_reward_columns(cfg: Config, train_set: PromptSet, eval_set: PromptSet)
     prompts (when the objective scores its samples) and the eval prompts."""
     from rewards import declared_columns
 
+    from .data import metadata_columns
     from .objectives import get_objective
 
     scored = get_objective(cfg.train.objective).scores_batch
@@ -89,12 +90,11 @@ def check_reward_columns(cfg: Config, train_set: PromptSet, eval_set: PromptSet)
                 missing = next((k for k, m in enumerate(prompts.metadata) if not set(names) & set(m or {})), None)
                 if missing is None:
                     continue
-                have = sorted({c for m in prompts.metadata for c in (m or {})})
                 raise PreflightError(
                     f"rewards[{i}] ({spec.target}) reads each prompt's {' or '.join(map(repr, names))} column, and "
                     f"{where} has none at {prompts.origins[missing]}: its prompts' metadata columns are "
-                    f"{have or 'none (plain-text prompts, e.g. a .txt prompt file)'}; give a .jsonl file (or an hf: "
-                    f"dataset) with that column, or another reward"
+                    f"{metadata_columns(prompts.metadata)}; give a .jsonl file (or an hf: dataset) with that column, "
+                    f"or another reward"
                 )
 
 

@@ -148,8 +148,7 @@ def load_clip(model: str, processor: str | None, device: "torch.device", dtype: 
 
     from flowrl import hub
 
-    for name in {model, processor or model}:
-        hub.settle_for(name)  # (offline at once when the hub cannot be reached)
+    hub.settle_for(model, processor or model)  # (offline at once when the hub cannot be reached)
     clip = CLIPModel.from_pretrained(model).to(device=device, dtype=dtype).eval().requires_grad_(False)
     return clip, CLIPProcessor.from_pretrained(processor or model)
 

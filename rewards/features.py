@@ -45,8 +45,7 @@ class ImageEncoder:
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        for name in {model, processor or model}:
-            hub.settle_for(name)  # (offline at once when the hub cannot be reached)
+        hub.settle_for(model, processor or model)  # (offline at once when the hub cannot be reached)
         try:
             self.model_type = AutoConfig.from_pretrained(model).model_type
         except OSError as e:

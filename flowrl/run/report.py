@@ -204,13 +204,21 @@ def curves_figure(rows: list[dict], title: str | None = None):
     return fig
 
 
+def moving_average(values: list[float]) -> tuple[list[float], int]:
+    """(the trailing mean of each value over the last k, k): k is an eighth of the run, since a batch mean of a few
+    prompts is noisy."""
+    k = max(1, round(len(values) / 8))
+    return [
+        sum(values[max(0, i - k + 1) : i + 1]) / len(values[max(0, i - k + 1) : i + 1]) for i in range(len(values))
+    ], k
+
+
 def draw_reward(ax, rows: list[dict]) -> None:
     """The mean training reward per epoch and its moving average over an eighth of the run."""
     x, y = epoch_series(rows, "reward/total_mean")
     if x:
         ax.plot(x, y, color="#9ab", lw=0.8, label="batch mean")
-        k = max(1, round(len(y) / 8))  # an eighth of the run: a batch mean of a few prompts is noisy
-        smooth = [sum(y[max(0, i - k + 1) : i + 1]) / len(y[max(0, i - k + 1) : i + 1]) for i in range(len(y))]
+        smooth, k = moving_average(y)
         ax.plot(x, smooth, color="#c33", lw=1.6, label=f"moving average ({k})")
         ax.legend(frameon=False, fontsize=8)
     ax.set(xlabel="epoch", ylabel="training reward", title="reward")
@@ -230,8 +238,11 @@ def plot_curves(run_dir: str | Path, out: str | Path | None = None, title: str |
     """Write `curves.png` (or `out`) from `run_dir`/metrics.jsonl (`curves_figure`). Returns the PNG's path.
     A missing run directory or metrics.jsonl raises FileNotFoundError, an empty or corrupt one ValueError."""
     run_dir = Path(run_dir)
-    fig = curves_figure(load_metrics(run_dir), title)
-    out = Path(out) if out else run_dir / "curves.png"
+    return save_figure(curves_figure(load_metrics(run_dir), title), Path(out) if out else run_dir / "curves.png")
+
+
+def save_figure(fig, out: Path) -> Path:
+    """`fig` as a PNG at `out`, written whole (a temporary file, then renamed)."""
     tmp = out.with_name(out.stem + ".tmp.png")
     fig.savefig(tmp, dpi=110, bbox_inches="tight")
     tmp.replace(out)
@@ -312,11 +323,7 @@ def comparison_figure(runs: dict[str, list[dict]], keys: list[str], x: str = "ep
             return [to_x.get(e, math.nan) for e in epochs] if to_x is not None else epochs
 
         epochs, values = epoch_series(rows, "reward/total_mean")
-        k = max(1, round(len(values) / 8))
-        smooth = [
-            sum(values[max(0, i - k + 1) : i + 1]) / len(values[max(0, i - k + 1) : i + 1]) for i in range(len(values))
-        ]
-        (line,) = axes[0].plot(place(epochs), smooth, lw=1.4, label=label)
+        (line,) = axes[0].plot(place(epochs), moving_average(values)[0], lw=1.4, label=label)
         for ax, key in zip(axes[1:], keys):
             epochs, values = epoch_series(rows, key)
             ax.plot(place(epochs), values, marker="o", ms=3, color=line.get_color(), label=label)
@@ -345,9 +352,4 @@ def plot_comparison(
                 f"{', '.join(shared) or 'none'}"
             )
         keys = [f"eval/{m.removeprefix('eval/')}" for m in metrics]
-    fig = comparison_figure(runs, keys, x)
-    out = Path(out)
-    tmp = out.with_name(out.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    tmp.replace(out)
-    return out, comparison_table(runs, keys, x)
+    return save_figure(comparison_figure(runs, keys, x), Path(out)), comparison_table(runs, keys, x)
