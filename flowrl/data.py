@@ -99,18 +99,18 @@ class PromptSet:
 
     def _draw_balanced(self, n: int, epoch: int, seed: int, column: str) -> tuple[list[str], list[dict]]:
         groups = self.strata(column)
-        g = len(groups)
         idx = []
         for k in range(epoch * n, epoch * n + n):  # the k-th draw of the run
-            rnd, pos = divmod(k, g)
-            order = list(range(g))
-            random.Random(f"{seed}/round/{rnd}").shuffle(order)
-            members = groups[order[pos]]
-            cycle, at = divmod(rnd, len(members))  # this value's rnd-th draw: its own shuffle, walked in order
-            perm = list(members)
-            random.Random(f"{seed}/{order[pos]}/{cycle}").shuffle(perm)
-            idx.append(perm[at])
+            rnd, pos = divmod(k, len(groups))
+            value = round_order(seed, rnd, len(groups))[pos]
+            idx.append(value_member(seed, value, groups[value], rnd))  # each value is drawn once a round
         return [self.prompts[i] for i in idx], [dict(self.metadata[i]) for i in idx]
+
+    def walk(self, seed: int, position: int) -> int:
+        """The prompt at `position` of the unbalanced draw order: seeded passes over the whole set, one after
+        another."""
+        cycle, at = divmod(position, len(self))
+        return self._permutation(seed, cycle)[at]
 
     def _permutation(self, seed: int, cycle: int) -> list[int]:
         """The seeded order of one pass over the set (cached: a pass spans many epochs)."""
@@ -125,6 +125,22 @@ class PromptSet:
     def head(self, n: int) -> tuple[list[str], list[dict]]:
         n = len(self) if n <= 0 else min(n, len(self))
         return self.prompts[:n], [dict(m) for m in self.metadata[:n]]
+
+
+def round_order(seed: int, rnd: int, values: int) -> list[int]:
+    """The order in which balanced draws visit the `values` values of the balancing column in round `rnd`."""
+    order = list(range(values))
+    random.Random(f"{seed}/round/{rnd}").shuffle(order)
+    return order
+
+
+def value_member(seed: int, value: int, members: list[int], count: int) -> int:
+    """The prompt of a value's `count`-th draw: the value walks its own seeded shuffle of its `members`, a new
+    shuffle each time round."""
+    cycle, at = divmod(count, len(members))
+    perm = list(members)
+    random.Random(f"{seed}/{value}/{cycle}").shuffle(perm)
+    return perm[at]
 
 
 def require_column(metadata: list[dict], column: str, what: str, how_off: str = "") -> None:

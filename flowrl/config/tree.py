@@ -380,6 +380,7 @@ class RewardSpec:
 
 @dataclass
 class DataConfig:
+    RANGES: ClassVar[dict[str, Range]] = {"skip_no_signal": AT_LEAST_0, "skip_epochs": AT_LEAST_0}
     train_prompts: str = ""
     """Training prompts: a .txt file (one per line), a .jsonl file (a `prompt` key, other keys are metadata), or
     `hf:ORG/NAME`, a Hugging Face dataset (needs `pip install 'flowrl[hf]'`); empty = a few built-in prompts."""
@@ -389,6 +390,14 @@ class DataConfig:
     """A metadata column of the training prompts (e.g. `family`) whose values are drawn equally often, however
     many prompts each has (GenEval-style sets are lopsided); empty (`data.balance_by=` or `=null`) = every prompt
     equally often."""
+    skip_no_signal: int = 0
+    """Leave out of the draws a prompt whose last N groups carried no signal (every sample of the group scored
+    alike on every reward: all correct or all wrong, so no advantage and no preference pair), for
+    `data.skip_epochs` epochs; the draws walk on to the next prompt (with balance_by, of the same value). 0 = off
+    (every prompt drawn in turn, as without it). The metric `data/groups_without_signal` is logged either way."""
+    skip_epochs: int = 0
+    """With skip_no_signal: how many epochs a prompt is left out (0 = the rest of the run). When every prompt is
+    left out at once, all are drawn again (with a warning)."""
     prompt_column: str = "prompt"
     """The column that holds the prompt in a .jsonl file or a `hf:` dataset (GSM8K: `question`); the other
     columns become metadata that reaches the rewards."""

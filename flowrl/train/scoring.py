@@ -20,6 +20,8 @@ from flowrl import core
 from flowrl.eval.diversity import distribution_metrics, histograms, is_count
 from flowrl.offload import Parked, modules_in, visiting
 
+from .prompts import groups_with_signal
+
 
 def build_reward_fns(cfg, kind: str) -> list:
     """The configured rewards, built (registered names, plug-ins `module:function` / `file.py:function`, and the
@@ -113,6 +115,7 @@ class Scorer:
         modules = [modules_in(fn) if t.offload else [] for fn in self.fns]
         self.parked = [Parked(m) if m else None for m in modules]
         self.tracker = core.PerPromptStatTracker(t.stat_buffer_size, t.stat_min_count) if t.per_prompt_stats else None
+        self.group_signal: list[bool] = []  # the last epoch's groups: which had a reward that differed (advantages)
         self.weights = torch.tensor([r.weight for r in cfg.rewards])
         pairwise = [r.name for r in cfg.rewards if r.pairwise]
         if pairwise and dist.world > 1:
@@ -238,6 +241,8 @@ class Scorer:
             adv_all[valid] = combine_advantages(
                 self.cfg, scored, all_gids[valid], prompts, self.tracker, penalty
             ).float()
+        n_groups = len(batch.epoch_prompts)
+        self.group_signal = groups_with_signal(all_scores[valid], all_gids[valid], n_groups)
         keep_all = valid.clone()
         if self.cfg.train.drop_zero_adv_groups:
             nonzero = torch.zeros(int(all_gids.max()) + 1, dtype=torch.bool).index_put_(

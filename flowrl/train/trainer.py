@@ -41,6 +41,7 @@ from flowrl.seeding import derive_seed, seed_everything
 
 from .async_rollout import AsyncRollout
 from .optim import EMA, build_optimizer
+from .prompts import PromptDraws
 from .scoring import OverlappedScoring, Scorer, adv_metrics
 from .signals import Abandoned, StopSignals
 from .update import Updater
@@ -125,6 +126,14 @@ class Trainer:
         # before the strategy wraps or shards the model: an objective may add to it (NFT's "old" adapter)
         self.objective = build_objective(cfg, self.policy, self.acc.num_processes)
         self.objective.check_data(self.train_set)
+        self.draws = PromptDraws(
+            self.train_set,
+            cfg.sample.prompts_per_epoch,
+            t.seed,
+            cfg.data.balance_by,
+            skip_after=cfg.data.skip_no_signal,
+            skip_epochs=cfg.data.skip_epochs,
+        )
         self.world = self.acc.num_processes
         self.batch_total = cfg.sample.prompts_per_epoch * cfg.sample.group_size
         if self.batch_total % self.world:
@@ -360,6 +369,7 @@ class Trainer:
         with self.timer("advantage"):
             adv, keep, invalid = self.advantages(batch, scores, epoch)
         metrics.update(adv_metrics(adv, keep))
+        metrics.update(self.draws.observe(epoch, self.scorer.group_signal))  # data.skip_no_signal's history
         metrics["reward/nonfinite_count"] = invalid
         if cfg.log.completions_every and epoch % cfg.log.completions_every == 0:
             self.scorer.log_outputs(batch, scores, adv, epoch, extra)
@@ -372,7 +382,7 @@ class Trainer:
         contiguous slices (so a group may span two processes), their metadata, their group ids and the generator's
         seed."""
         cfg = self.cfg
-        prompts, meta = self.train_set.draw(cfg.sample.prompts_per_epoch, epoch, cfg.train.seed, cfg.data.balance_by)
+        prompts, meta = self.draws.draw(epoch)
         G = cfg.sample.group_size
         start = self.acc.process_index * self.batch_local
         gids = [i // G for i in range(start, start + self.batch_local)]
@@ -760,6 +770,7 @@ class Trainer:
             st = {
                 "counters": vars(self.state),
                 "tracker": self.tracker.state_dict() if self.tracker else None,
+                "prompt_draws": self.draws.state_dict(),
                 "config": to_dict(self.cfg),
                 "base_model": self.base_model,  # the base weights' fingerprint (flowrl.run.basemodel)
             }
@@ -812,6 +823,8 @@ class Trainer:
             self.ema.load_state_dict({n: distributed.like(v, self.named_params[n]) for n, v in ck["ema"].items()})
         if self.tracker is not None and st.get("tracker"):
             self.tracker.load_state_dict(st["tracker"])
+        if st.get("prompt_draws"):  # (a checkpoint from before data.skip_no_signal: its draws resume in place)
+            self.draws.load_state_dict(st["prompt_draws"])
         self.objective.load_state_dict(ck.get("objective", {}), distributed.like)
         if "rollout" in ck and self.rollouts is not None:  # rollout.async: what the next epoch samples with
             saved = ck["rollout"]
