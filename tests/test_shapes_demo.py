@@ -50,10 +50,11 @@ def test_shapes_preset_one_epoch(preset, tmp_path, monkeypatch):
     assert cfg.train.objective == {"shapes": "dpo", "shapes_grpo": "grpo"}[preset]
     if preset == "shapes_grpo":  # on-policy: the first minibatch's ratio is 1
         assert epoch["policy/ratio_first_dev"] <= 1e-4
-    else:  # a pair per group whose images score differently (2 prompts: at most 2), trained at all 10 steps
+    else:  # a pair per group whose images score differently (2 prompts: at most 2), trained at all 10 steps, twice
         assert epoch["objective/dpo_pairs"] in (0, 1, 2) and "policy/ratio_first_dev" not in epoch
+        assert cfg.train.inner_epochs == 2
         if epoch["objective/dpo_pairs"]:
-            assert epoch["policy/trained_units"] == 10 * epoch["objective/dpo_pairs"]  # pairs x steps
+            assert epoch["policy/trained_units"] == 10 * 2 * epoch["objective/dpo_pairs"]  # pairs x steps x passes
     assert 0.0 <= epoch["reward/shapes_geneval/strict_mean"] <= 1.0
     assert all(math.isfinite(v) for v in epoch.values() if isinstance(v, float))
     assert any("eval/shapes_geneval/strict_mean" in r for r in rows)
@@ -74,8 +75,8 @@ def test_shapes_preset_one_epoch(preset, tmp_path, monkeypatch):
 def test_the_demo_is_the_measured_dpo_setting():
     """configs/shapes.yaml (the demo) is the race's DPO (configs/shapes_grpo.yaml with the race's DPO overrides)
     with the settings the demo's seeds were measured with (docs/demo_eval.md): every step of the schedule trained,
-    ranked pairs, the rollout in bfloat16, lr 1e-3, 64 epochs, no EMA. Only keys DPO does not read (GRPO's section: the
-    race's base config is the GRPO preset) may differ."""
+    ranked pairs, the rollout in bfloat16, lr 1e-3, 44 epochs of two update passes, no EMA. Only keys DPO does not
+    read (GRPO's section: the race's base config is the GRPO preset) may differ."""
 
     from repo_files import load_module
 
@@ -94,7 +95,8 @@ def test_the_demo_is_the_measured_dpo_setting():
             "train.dpo.pairing=ranked",
             "rollout.acceleration=[autocast]",
             "train.lr=1e-3",
-            "train.epochs=64",
+            "train.epochs=44",
+            "train.inner_epochs=2",
             "train.ema_decay=0",
             "log.run_dir=runs/shapes_dpo",
             "eval.base_cache=samples/shapes/base-evals",  # where the base model's eval is read from: no training key
