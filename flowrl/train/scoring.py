@@ -115,7 +115,7 @@ class Scorer:
         modules = [modules_in(fn) if t.offload else [] for fn in self.fns]
         self.parked = [Parked(m) if m else None for m in modules]
         self.tracker = core.PerPromptStatTracker(t.stat_buffer_size, t.stat_min_count) if t.per_prompt_stats else None
-        self.group_signal: list[bool] = []  # the last epoch's groups: which had a reward that differed (advantages)
+        self.group_signal: list[bool] = []  # the last epoch's groups: which had a reward that differed (skip_no_signal)
         self.weights = torch.tensor([r.weight for r in cfg.rewards])
         pairwise = [r.name for r in cfg.rewards if r.pairwise]
         if pairwise and dist.world > 1:
