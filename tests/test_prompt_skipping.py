@@ -160,6 +160,8 @@ def test_the_config_keys_are_checked():
         load_config(None, ["data.skip_no_signal=-1"])
     cfg = load_config(None, ["data.skip_no_signal=2", "data.skip_epochs=10"])
     assert (cfg.data.skip_no_signal, cfg.data.skip_epochs) == (2, 10)
+    with pytest.raises(ConfigError, match=r"data.skip_epochs=10 says .* data.skip_no_signal is 0 \(off\); set"):
+        load_config(None, ["data.skip_epochs=10"])
 
 
 def test_a_run_skips_a_prompt_that_always_scores_alike_and_resumes_exactly(tmp_path):

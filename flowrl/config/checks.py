@@ -185,6 +185,12 @@ def validate(cfg: Config) -> None:
             "train.schedule_over=budget decays the lr over the time budget, and train.max_minutes is 0 "
             "(none); set train.max_minutes, or train.schedule_over=epochs"
         )
+    if cfg.data.skip_epochs and not cfg.data.skip_no_signal:
+        problems.append(
+            f"data.skip_epochs={cfg.data.skip_epochs} says for how long data.skip_no_signal leaves a prompt out, and "
+            "data.skip_no_signal is 0 (off); set data.skip_no_signal=N (a prompt's groups without signal in a row), "
+            "or data.skip_epochs=0"
+        )
     problems.extend(get_objective(t.objective).check(cfg))  # its own section's relations (others' are ignored)
     from flowrl.core import ADVANTAGE_ESTIMATORS
 
