@@ -136,6 +136,18 @@ def test_the_state_resumes_the_same_draws_including_an_epoch_drawn_ahead(balance
     assert any(len(set(d) & {f"p{i}" for i in range(20)}) for d in all_draws)
 
 
+def test_a_state_that_names_prompts_the_set_lacks_is_not_used():
+    big = PromptDraws(_set(20), 4, seed=0, skip_after=1)
+    for e in range(6):
+        big.draw(e)
+        big.observe(e, [False] * 4)
+    small = PromptDraws(_set(5), 4, seed=0, skip_after=1)
+    with pytest.warns(UserWarning, match=r"beyond the 5 of data.train_prompts .* starts over"):
+        small.load_state_dict(big.state_dict())
+    assert small.position is None and small.skipped == {}
+    assert small.draw(3) == _set(5).draw(4, 3, 0)  # where the plain draws are
+
+
 def test_groups_with_signal_compares_each_reward_within_each_group():
     nan = math.nan
     scores = torch.tensor(

@@ -159,6 +159,17 @@ class PromptDraws:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's state; one that names prompts this set does not have (the prompt file changed since) is
+        not used, with a warning: the draws start over where the plain draws are."""
+        named = [int(i) for i in (*state["streak"], *state["skipped"])]
+        named += [i for idx in state["pending"].values() for i in idx]
+        if any(not 0 <= i < len(self.prompts) for i in named):
+            warnings.warn(
+                f"the checkpoint's prompt draws name prompts beyond the {len(self.prompts)} of data.train_prompts (the "
+                "file changed since): data.skip_no_signal's history starts over",
+                stacklevel=2,
+            )
+            return
         self.position = state["position"]
         self.counts = list(state["counts"])
         self.streak = {int(i): n for i, n in state["streak"].items()}
