@@ -78,7 +78,7 @@ class PromptSet:
             order.extend(self._permutation(seed, cycle))
             cycle += 1
         idx = order[start % len(self) : start % len(self) + n]
-        return [self.prompts[i] for i in idx], [dict(self.metadata[i]) for i in idx]
+        return self.pick(idx)
 
     def strata(self, column: str) -> list[list[int]]:
         """The prompts' indices grouped by their value of `column`, values in first-seen order (cached); an
@@ -104,6 +104,10 @@ class PromptSet:
             rnd, pos = divmod(k, len(groups))
             value = round_order(seed, rnd, len(groups))[pos]
             idx.append(value_member(seed, value, groups[value], rnd))  # each value is drawn once a round
+        return self.pick(idx)
+
+    def pick(self, idx: list[int]) -> tuple[list[str], list[dict]]:
+        """The prompts at `idx` and copies of their metadata (a draw's result)."""
         return [self.prompts[i] for i in idx], [dict(self.metadata[i]) for i in idx]
 
     def walk(self, seed: int, position: int) -> int:

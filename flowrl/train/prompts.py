@@ -73,8 +73,7 @@ class PromptDraws:
             return self.prompts.draw(self.per_epoch, epoch, self.seed, self.balance_by)
         if epoch not in self.pending:
             self.pending[epoch] = self._walk(epoch)
-        idx = self.pending[epoch]
-        return [self.prompts.prompts[i] for i in idx], [dict(self.prompts.metadata[i]) for i in idx]
+        return self.prompts.pick(self.pending[epoch])
 
     def observe(self, epoch: int, signal: list[bool]) -> dict[str, float]:
         """Epoch `epoch`'s groups (one per drawn prompt, in draw order): which had a signal. Returns the metrics
