@@ -62,6 +62,20 @@ def test_a_validation_race_reports_the_test_split_once_per_run(tmp_path, monkeyp
         "| dpo | 3 | +0.140 (+0.000 - +0.220) | +0.220 (+0.000 - +0.220) | 10.0 (10.0, 5.0, -) |"
     )
     assert table[2].endswith("| +0.111 (+0.001 - +0.201) |")
+    # every run on its line: seed 1's best (+0.22) came at 5 minutes, not its end; seed 2 never reached +0.20, its
+    # best the first eval's (gain 0 at minute 0); TV and out-of-template at the end; test 0.41 - 0.299
+    seeds = table[
+        table.index(
+            "| objective | seed | gain on val | best gain (minute) | minutes to +0.20 | colour TV "
+            "| out-of-template | test gain |"
+        )
+        + 2 :
+    ]
+    assert seeds[:3] == [
+        "| dpo | 0 | +0.220 | +0.220 (10.0) | 10.0 | 0.080 | 0.100 | +0.201 |",
+        "| dpo | 1 | +0.140 | +0.220 (5.0) | 5.0 | 0.080 | 0.100 | +0.111 |",
+        "| dpo | 2 | +0.000 | +0.000 (0.0) | - | 0.080 | 0.100 | +0.001 |",
+    ]
     # a result raced without the validation data is refused, not mixed in
     mixed = fake_run("dpo", 3, [0.3, 0.4, 0.5], 0.4, race)
     mixed["settings"] = race.OBJECTIVE_SETTINGS["dpo"]
