@@ -567,6 +567,34 @@ def test_dpo_by_hand():
     torch.testing.assert_close(same, t64([math.log(2.0)]), **TOL)
 
 
+def test_dpo_kl_penalty_by_hand():
+    # ||v_w - ref_w||^2 = ||[-1, .2]||^2 = (1 + .04) / 2 = .52; ||v_l - ref_l||^2 = ||[-.4, 0]||^2 = .08: kl = .60 per
+    # pair (stats: .30, the mean over both images), added times kl_coef to the loss of the pair
+    plain, stats = dpo_loss(**dpo_case(), beta=10.0)
+    assert stats["kl"].item() == pytest.approx(0.30, abs=1e-12)
+    loss, stats_kl = dpo_loss(**dpo_case(), beta=10.0, kl_coef=0.5)
+    torch.testing.assert_close(loss, t64([math.log1p(math.exp(-0.8)) + 0.5 * 0.60]), **TOL)
+    assert stats_kl["kl"].item() == pytest.approx(0.30, abs=1e-12) and stats_kl["margin"] == stats["margin"]
+    # its gradient: kl_coef * 2 (v - v_ref) / D on each image, added to the DPO term's
+    case = dpo_case()
+    grads = []
+    for coef in (0.0, 0.5):
+        vw = case["velocity_w"].clone().requires_grad_()
+        vl = case["velocity_l"].clone().requires_grad_()
+        dpo_loss(**{**case, "velocity_w": vw, "velocity_l": vl}, beta=10.0, kl_coef=coef)[0].sum().backward()
+        grads.append((vw.grad, vl.grad))
+    torch.testing.assert_close(grads[1][0] - grads[0][0], 0.5 * 2 * (case["velocity_w"] - case["ref_velocity_w"]) / 2)
+    torch.testing.assert_close(grads[1][1] - grads[0][1], 0.5 * 2 * (case["velocity_l"] - case["ref_velocity_l"]) / 2)
+    # the model equal to the reference: no penalty
+    same, same_stats = dpo_loss(
+        **{**case, "velocity_w": case["ref_velocity_w"], "velocity_l": case["ref_velocity_l"]}, kl_coef=3.0
+    )
+    torch.testing.assert_close(same, t64([math.log(2.0)]), **TOL)
+    assert same_stats["kl"].item() == 0.0
+    with pytest.raises(ValueError, match="kl_coef"):
+        dpo_loss(**case, kl_coef=-1.0)
+
+
 def test_dpo_gradient_lowers_the_winner_error_and_raises_the_loser_error():
     case = dpo_case()
     vw = case["velocity_w"].clone().requires_grad_()

@@ -505,6 +505,32 @@ def test_dpo_ranked_pairing_trains_several_pairs_a_group(tmp_path):
         tiny_cfg(tmp_path, "train.objective=dpo_offline", "train.dpo_offline.pairing=ranked")
 
 
+def test_dpo_kl_coef_adds_the_penalty_on_both_images_of_each_pair(tmp_path):
+    """train.dpo.kl_coef: the same pairs, times and noise give the loss without it plus kl_coef x the pair's summed
+    deviation from the reference (2 x the reported mean over images, policy/dpo_kl); with the adapter perturbed
+    (lora_B starts at 0, where the deviation is 0) it is positive, and an epoch trains with it."""
+    tr = Trainer(tiny_cfg(tmp_path, "train.objective=dpo", "train.dpo.pairing=ranked", "train.dpo.kl_coef=0.5"))
+    assert tr.objective.settings.kl_coef == 0.5
+    batch, _, adv, keep = _epoch_inputs(tr)
+    obj = tr.objective
+    winners = obj.prepare(batch, adv, keep, epoch=0, process_index=0).nonzero().flatten()
+    assert len(winners) > 0
+    with torch.no_grad():
+        for n, p in tr.named_params.items():
+            if "lora_B" in n:
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+        obj.settings.kl_coef = 0.0
+        plain, stats = obj.unit_loss(batch, winners, [0, 1], adv, keep, None)
+        obj.settings.kl_coef = 0.5
+        penalised, stats_kl = obj.unit_loss(batch, winners, [0, 1], adv, keep, None)
+    assert stats["dpo_kl"] > 0 and torch.equal(stats["dpo_kl"], stats_kl["dpo_kl"])
+    torch.testing.assert_close(penalised, plain + 0.5 * 2 * stats["dpo_kl"], rtol=1e-6, atol=1e-7)
+    metrics = tr.update(batch, adv, keep, epoch=0)
+    assert metrics["policy/dpo_kl"] > 0 and math.isfinite(metrics["policy/loss"])
+    with pytest.raises(ConfigError, match="train.dpo.kl_coef"):
+        tiny_cfg(tmp_path, "train.objective=dpo", "train.dpo.kl_coef=-1")
+
+
 # ------------------------------------------------------------------------------------ config
 
 

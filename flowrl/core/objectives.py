@@ -444,6 +444,7 @@ def dpo_loss(
     *,
     beta: float = 5000.0,
     weight: Tensor | float | None = None,
+    kl_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Diffusion-DPO (Wallace et al., arXiv 2311.12908) on a flow-matching model, one loss per winner/loser pair.
 
@@ -464,13 +465,24 @@ def dpo_loss(
     paper's noise-error loss is this one with w(t) = (1 - t)^2; the field uses velocity errors with w = 1. A
     gradient step lowers the winner's error relative to the reference and raises the loser's.
 
+    D constrains only the difference of the two images' deviations from the reference, so nothing in L holds back
+    a change both images share. `kl_coef` adds the velocity-space penalty toward the reference that the other
+    forward-process objectives here carry (NFT, AWM, DGPO), on both images of the pair:
+
+        L += kl_coef * (||v_theta(x_t^w) - v_ref(x_t^w)||^2 + ||v_theta(x_t^l) - v_ref(x_t^l)||^2)
+
+    (not in the paper; 0, the default, leaves its loss as it is).
+
     velocity_w/l (trained model at x_t^w / x_t^l), ref_velocity_w/l (reference model, no gradient), x0_w, x0_l,
     noise: [P, ...]; t: [P] flow time; weight: [P], a float, or None.
     Returns (loss [P], stats: implicit_acc = share of pairs with a positive inside, margin = mean inside,
-    model_error_w/l, ref_error_w/l, num_pairs); zero pairs give an empty loss and zero stats.
+    model_error_w/l, ref_error_w/l, kl = the mean over both images of ||v_theta - v_ref||^2 (whatever kl_coef),
+    num_pairs); zero pairs give an empty loss and zero stats.
     """
     if not beta > 0:
         raise ValueError(f"beta must be > 0, got {beta}")
+    if not kl_coef >= 0:
+        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
     _same_shape(
         velocity_w=velocity_w,
         velocity_l=velocity_l,
@@ -491,6 +503,11 @@ def dpo_loss(
     w = _per_sample(1.0 if weight is None else weight, err_w, "weight")
     inside = -0.5 * beta * w * ((err_w - ref_w) - (err_l - ref_l))
     loss = -F.logsigmoid(inside)
+    kl = _per_sample_msq(velocity_w.to(dtype) - ref_velocity_w.detach().to(dtype)) + _per_sample_msq(
+        velocity_l.to(dtype) - ref_velocity_l.detach().to(dtype)
+    )
+    if kl_coef > 0:
+        loss = loss + kl_coef * kl
     stats = {
         "implicit_acc": _mean((inside > 0).to(dtype)),
         "margin": _mean(inside),
@@ -498,6 +515,7 @@ def dpo_loss(
         "model_error_l": _mean(err_l),
         "ref_error_w": _mean(ref_w),
         "ref_error_l": _mean(ref_l),
+        "kl": _mean(kl.detach()) / 2,
         "num_pairs": torch.tensor(float(loss.shape[0]), dtype=dtype),
     }
     return loss, stats

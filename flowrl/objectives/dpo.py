@@ -26,7 +26,7 @@ from ._forward import ForwardProcessObjective
 
 @dataclass
 class DPOSettings:
-    RANGES: ClassVar[dict[str, Range]] = {"beta": POSITIVE, "timesteps": AT_LEAST_0}
+    RANGES: ClassVar[dict[str, Range]] = {"beta": POSITIVE, "timesteps": AT_LEAST_0, "kl_coef": AT_LEAST_0}
 
     beta: float = 5000.0
     """Diffusion-DPO's beta: the loss is -log sigmoid(-beta/2 w(t) D), D the winner's minus the loser's
@@ -45,6 +45,12 @@ class DPOSettings:
     """Training times per pair (the same time and noise for winner and loser): that many steps of the rollout's
     schedule in a random order per pair; 0 = all of them (an online batch has one pair per prompt; the paper draws
     one time per pair and step)."""
+    kl_coef: float = 0.0
+    """A velocity-space penalty kl_coef ||v_theta - v_ref||^2 toward the reference on both images of each pair (as
+    NFT's, AWM's and DGPO's kl_coef; not in the paper): the DPO loss constrains only the difference of the winner's
+    and the loser's deviations, so a drift both share goes unchecked. Free to compute (the loss evaluates the
+    reference on both images anyway); 0 = off, the paper's loss. The metric objective/kl reports the deviation
+    whatever the coefficient."""
 
 
 @register
@@ -77,7 +83,8 @@ class DPO(ForwardProcessObjective):
 
     @classmethod
     def reference_note(cls, settings):
-        return True, f"dpo beta {settings.beta:g}"
+        kl = f", kl_coef {settings.kl_coef:g}" if settings.kl_coef > 0 else ""
+        return True, f"dpo beta {settings.beta:g}{kl}"
 
     @classmethod
     def memory_terms(cls, cfg, cfg_rows):
@@ -120,6 +127,7 @@ class DPO(ForwardProcessObjective):
             t_used,
             beta=self.settings.beta,
             weight=weight,
+            kl_coef=self.settings.kl_coef,
         )
         stats.pop("num_pairs")
         return loss, stats
