@@ -49,7 +49,7 @@ class DPOSettings:
     """A velocity-space penalty kl_coef ||v_theta - v_ref||^2 toward the reference on both images of each pair (as
     NFT's, AWM's and DGPO's kl_coef; not in the paper): the DPO loss constrains only the difference of the winner's
     and the loser's deviations, so a drift both share goes unchecked. Free to compute (the loss evaluates the
-    reference on both images anyway); 0 = off, the paper's loss. The metric objective/kl reports the deviation
+    reference on both images anyway); 0 = off, the paper's loss. The metric policy/dpo_kl reports the deviation
     whatever the coefficient."""
 
 
