@@ -27,6 +27,13 @@ over seeds of the gain on the test split, the training minutes to reach +0.20, t
 out-of-template accuracy before and after) and `race.png` (test accuracy against training minutes: the median over
 seeds per objective, the band from the worst seed to the best). Run directories (checkpoints, logs) go to --out.
 `--jobs 2` runs two trainings at once, each on one thread.
+
+A CPU-minute is not the same work on every machine: the same runs took up to a third more CPU time per epoch on some
+machines than on others. `--calibrate-pace` measures this machine's pace against the race's earlier machines: it
+trains the first eval interval of the committed GRPO runs again (the same seeds, the same trajectory, so the same
+work) and divides the CPU time it takes here by theirs, the median over the seeds. `--pace P` then gives each new
+run a budget of P x --minutes CPU-minutes and divides its curve's minutes by P (the minutes are the reference
+machines'); the result file records its pace.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -123,10 +131,12 @@ def finished(directory: Path) -> bool:
     )
 
 
-def train(out: Path, objective: str, seed: int, minutes: float, eval_every: int, extra: list[str]) -> Path:
+def train(
+    out: Path, objective: str, seed: int, minutes: float, eval_every: int, extra: list[str], epochs: int = 100000
+) -> Path:
     """One training run (skipped when already finished); its stdout and stderr go to train.log beside it. The
     budget is training CPU minutes (`train.budget_clock=process`, one torch thread): a machine busy with other
-    work slows a run's wall-clock, not its budget."""
+    work slows a run's wall-clock, not its budget (a slower machine does: `--pace`). `epochs`: at most that many."""
     directory = run_dir(out, objective, seed)
     if finished(directory):
         return directory
@@ -142,7 +152,7 @@ def train(out: Path, objective: str, seed: int, minutes: float, eval_every: int,
         f"train.seed={seed}",
         f"train.max_minutes={minutes}",
         "train.budget_clock=process",
-        "train.epochs=100000",
+        f"train.epochs={epochs}",
         f"eval.every={eval_every}",
         "log.progress=false",
         f"log.run_dir={directory}",
@@ -175,12 +185,14 @@ def race_run(out: Path, results: Path, objective: str, seed: int, args) -> dict:
                 f"{settings}): delete it to race it again, or pass another --results"
             )
         return result
-    directory = train(out, objective, seed, args.minutes, args.eval_every, split_data(args) + args.extra)
+    minutes = args.minutes * args.pace  # this machine's CPU-minutes for the reference machines' budget
+    directory = train(out, objective, seed, minutes, args.eval_every, split_data(args) + args.extra)
     # the run's budget keys too: an override that needs them (train.schedule_over=budget) is valid in eval as well
-    budget = [f"train.max_minutes={args.minutes}", "train.budget_clock=process", *args.extra]
+    budget = [f"train.max_minutes={minutes}", "train.budget_clock=process", *args.extra]
     final = directory / f"ckpt-{_last_ckpt(directory):06d}"
     after = evaluate(directory, final, "oot-final", budget)
-    result = {"objective": objective, "seed": seed, **settings, "curve": curve(directory), "oot_after": after[HEADLINE]}
+    result = {"objective": objective, "seed": seed, **settings, "curve": curve(directory, args.pace)}
+    result.update({"oot_after": after[HEADLINE], **({"pace": args.pace} if args.pace != 1 else {})})
     if args.split == "val":  # the test split, read once: the final weights
         result["test_after"] = evaluate(directory, final, "test-final", budget, prompts=TEST)[HEADLINE]
     write_json(path, result)
@@ -191,6 +203,56 @@ def race_run(out: Path, results: Path, objective: str, seed: int, args) -> dict:
         f"colour TV {c['tv'][-1]:.3f} ({path})"
     )
     return result
+
+
+#: the objective whose committed runs are the pace's reference (the race's base config, the GRPO preset)
+PACE_REFERENCE = "grpo"
+
+
+def calibrate_pace(args) -> float:
+    """This machine's pace against the race's earlier machines: each committed run of PACE_REFERENCE raced at the
+    reference pace (no `pace` in its result) trains again here up to its first eval after the start (the same seed
+    and settings: the same work), and its CPU minutes here are divided by the committed curve's; the pace is the
+    median of these ratios. A run whose accuracy there differs from the committed curve's did not repeat the same
+    trajectory, and is refused."""
+    references = []
+    for path in sorted(args.results.glob(f"{PACE_REFERENCE}-seed*.json")):
+        r = json.loads(path.read_text())
+        if "pace" not in r and len(r["curve"]["epochs"]) > 1:
+            if r["settings"] != OBJECTIVE_SETTINGS[PACE_REFERENCE] + split_data(args) + args.extra:
+                raise SystemExit(f"--calibrate-pace: {path} was raced with other settings ({r['settings']})")
+            references.append(r)
+    if not references:
+        raise SystemExit(
+            f"--calibrate-pace: no result of {PACE_REFERENCE} raced at the reference pace in {args.results}"
+        )
+    out = args.out / "pace"
+
+    def one(r: dict) -> float:
+        epochs = r["curve"]["epochs"][1]
+        directory = run_dir(out, r["objective"], r["seed"])
+        shutil.rmtree(directory, ignore_errors=True)  # a fresh run: the whole interval is measured
+        train(out, r["objective"], r["seed"], 10 * r["minutes"], epochs, split_data(args) + args.extra, epochs=epochs)
+        here = curve(directory)
+        committed = r["curve"]["accuracy"][1]
+        if here["epochs"][1:2] != [epochs] or here["accuracy"][1] != committed:
+            raise SystemExit(
+                f"--calibrate-pace: {directory} did not repeat {r['objective']} seed {r['seed']}'s trajectory "
+                f"(accuracy {here['accuracy'][1:2]} at epoch {epochs}, committed {committed}): other code, so not "
+                "the same work"
+            )
+        ratio = here["minutes"][1] / r["curve"]["minutes"][1]
+        say(
+            f"pace: {r['objective']} seed {r['seed']}, {epochs} epochs: {here['minutes'][1]:.2f} CPU-minutes here, "
+            f"{r['curve']['minutes'][1]:.2f} committed: {ratio:.3f}"
+        )
+        return ratio
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        ratios = list(pool.map(one, references))
+    pace = statistics.median(ratios)
+    say(f"pace {pace:.3f} (the median of {len(ratios)}): race on this machine with --pace {pace:.3f}")
+    return pace
 
 
 def say(line: str) -> None:
@@ -242,16 +304,17 @@ def evaluate(
     return json.loads((target / "eval.json").read_text())
 
 
-def curve(directory: Path) -> dict:
+def curve(directory: Path, pace: float = 1.0) -> dict:
     """A run's eval curve: at each eval, the training minutes spent so far (this process's CPU time in training
-    epochs, evals excluded: `time/train_process_minutes`), the headline accuracy, the colour TV, and each GenEval
-    family's accuracy (`families`: {family: [accuracy at each eval]}, whose mean the headline is)."""
+    epochs, evals excluded: `time/train_process_minutes`, divided by the machine's `pace`), the headline accuracy,
+    the colour TV, and each GenEval family's accuracy (`families`: {family: [accuracy at each eval]}, whose mean
+    the headline is)."""
     rows = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    minutes, out = 0.0, {"minutes": [], "accuracy": [], "tv": [], "epochs": [], "families": {}}
+    spent, out = 0.0, {"minutes": [], "accuracy": [], "tv": [], "epochs": [], "families": {}}
     for r in rows:
-        minutes = r.get("time/train_process_minutes", minutes)  # the final eval's row follows the last epoch's
+        spent = r.get("time/train_process_minutes", spent)  # the final eval's row follows the last epoch's
         if HEADLINE in r:
-            for key, value in zip(out, (minutes, r[HEADLINE], r.get(TV), r["epoch"])):
+            for key, value in zip(out, (spent / pace, r[HEADLINE], r.get(TV), r["epoch"])):
                 out[key].append(value)
             for key in sorted(k for k in r if k.startswith(FAMILY)):
                 out["families"].setdefault(key[len(FAMILY) :], []).append(r[key])
@@ -264,7 +327,7 @@ def refresh_curve(result: dict, directory: Path) -> dict | None:
     must be the ones the result holds: a directory of another run is refused."""
     if not (directory / "metrics.jsonl").exists():
         return None
-    fresh = curve(directory)
+    fresh = curve(directory, result.get("pace", 1.0))
     kept = {k: result["curve"][k] for k in ("minutes", "accuracy", "tv", "epochs")}
     if {k: fresh[k] for k in kept} != kept:
         raise SystemExit(
@@ -366,6 +429,13 @@ def seeds_table(results: dict, test_base: float | None = None) -> list[str]:
                 + f" | {r['oot_after']:.3f} |"
                 + ("" if test_base is None else f" {r['test_after'] - test_base:+.3f} |")
             )
+    paced = [f"{o} {r['seed']} ({r['pace']:.2f})" for o, runs in results.items() for r in runs if "pace" in r]
+    if paced:
+        lines += [
+            "",
+            "Raced at another pace (`--pace`: the machine's CPU time per unit of work against the reference machines'; "
+            "budget and minutes in the reference machines' minutes): " + ", ".join(paced) + ".",
+        ]
     return lines
 
 
@@ -522,12 +592,30 @@ def main(argv: list[str] | None = None) -> int:
         help="with --report: read the curves of the result files again from their run directories in --out (the "
         "per-family accuracies of results written before they were kept), then report",
     )
+    parser.add_argument(
+        "--pace",
+        type=float,
+        default=1.0,
+        help="this machine's CPU time per unit of the race's work against the reference machines' (--calibrate-pace "
+        "measures it): each new run trains --minutes x pace CPU-minutes, its curve's minutes divided by the pace",
+    )
+    parser.add_argument(
+        "--calibrate-pace",
+        action="store_true",
+        help="train nothing of the race: measure --pace on this machine (the committed GRPO runs' first eval "
+        "interval trained again) and print it",
+    )
     parser.add_argument("extra", nargs="*", metavar="key=value", help="overrides for every run")
     args = parser.parse_args(argv)
     if args.results is None:
         args.results = ROOT / "samples" / "shapes" / "race" / ("val-runs" if args.split == "val" else "runs")
+    if not (args.pace > 0 and math.isfinite(args.pace)):
+        raise SystemExit(f"--pace must be a positive number (1: the reference machines' pace), got {args.pace}")
     args.out.mkdir(parents=True, exist_ok=True)
     args.results.mkdir(parents=True, exist_ok=True)
+    if args.calibrate_pace:
+        calibrate_pace(args)
+        return 0
     work = [(o, s) for s in args.seeds for o in args.objectives]  # seed by seed: a partial race covers every objective
     if args.report:  # the finished runs only: nothing trains
         work = [(o, s) for o, s in work if (args.results / f"{o}-seed{s}.json").exists()]

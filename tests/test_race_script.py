@@ -210,3 +210,106 @@ def test_curves_keep_each_family_and_old_results_are_refreshed_from_their_run(tm
         "| b (1) | 0.30 | 0.40 |",
     ]
     assert race.families_table({"old": [{"curve": {"minutes": [0]}}]}) == []
+
+
+def write_metrics(directory, rows):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_a_paced_run_trains_pace_times_the_budget_and_reports_reference_minutes(tmp_path, monkeypatch):
+    """--pace P: the run's budget is P x --minutes CPU-minutes, its curve's minutes are this machine's divided by P,
+    and its result records P (a run at the reference pace records none); the per-seed table names the paced runs."""
+    race = race_module()
+    budgets = []
+
+    def fake_train(out, objective, seed, minutes, eval_every, extra, epochs=100000):
+        budgets.append(minutes)
+        directory = race.run_dir(out, objective, seed)
+        rows = [
+            {"epoch": 0, race.HEADLINE: 0.3, race.TV: 0.0},
+            {"epoch": 6, "time/train_process_minutes": 2.5},
+            {"epoch": 6, race.HEADLINE: 0.5, race.TV: 0.05},
+        ]
+        write_metrics(directory, rows)
+        (directory / "ckpt-000006").mkdir()
+        return directory
+
+    monkeypatch.setattr(race, "train", fake_train)
+    monkeypatch.setattr(race, "evaluate", lambda *a, **k: {race.HEADLINE: 0.4})
+    args = type("A", (), {"minutes": 15.0, "pace": 1.25, "split": "val", "extra": [], "eval_every": 6})
+    results = tmp_path / "results"
+    results.mkdir()
+    paced = race.race_run(tmp_path / "out", results, "dpo", 0, args)
+    assert budgets == [18.75]  # 15 x 1.25
+    assert paced["pace"] == 1.25 and paced["minutes"] == 15.0  # the budget in reference minutes, as every run's
+    assert paced["curve"]["minutes"] == [0.0, 2.0]  # 2.5 CPU-minutes here / 1.25
+    args.pace = 1.0
+    plain = race.race_run(tmp_path / "out", results, "dpo", 1, args)
+    assert budgets[-1] == 15.0 and "pace" not in plain and plain["curve"]["minutes"] == [0.0, 2.5]
+    # the refresh reads the run again at its own pace
+    assert race.refresh_curve(paced, race.run_dir(tmp_path / "out", "dpo", 0))["curve"] == paced["curve"]
+    table = race.seeds_table({"dpo": [paced, plain]}, test_base=0.3)
+    assert table[-1].startswith("Raced at another pace") and table[-1].endswith(": dpo 0 (1.25).")
+    assert not race.seeds_table({"dpo": [plain]}, test_base=0.3)[-1].startswith("Raced at")
+    try:
+        race.main(["--report", "--pace", "0", "--out", str(tmp_path / "o"), "--results", str(results)])
+    except SystemExit as e:
+        assert "--pace must be a positive number" in str(e)
+    else:
+        raise AssertionError("a pace of 0 was taken")
+
+
+def test_the_pace_is_the_median_ratio_of_the_reference_runs_repeated_here(tmp_path, monkeypatch, capsys):
+    """--calibrate-pace trains each committed reference-objective run at the reference pace again up to its first
+    eval after the start and divides the CPU minutes here by the committed ones: the median over seeds. A paced
+    result is not a reference; a repeat that does not reach the committed accuracy (not the same work) is refused."""
+    race = race_module()
+    results = tmp_path / "results"
+    results.mkdir()
+    obj = race.PACE_REFERENCE
+    committed = {0: 1.0, 1: 1.2, 2: 0.8, 3: 5.0}  # seed 3 ran paced: not a reference
+    for seed, minutes in committed.items():
+        r = fake_run(obj, seed, [0.3, 0.31 + seed / 100, 0.4], 0.4, race)
+        r["curve"]["minutes"] = [0.0, minutes, 2 * minutes]
+        r["curve"]["epochs"] = [0, 6, 12]
+        if seed == 3:
+            r["pace"] = 2.0
+        (results / f"{obj}-seed{seed}.json").write_text(json.dumps(r))
+    here = {0: 1.3, 1: 1.2, 2: 1.2, 3: 1.0}  # ratios 1.3, 1.0, 1.5: the median 1.3
+    trained = []
+    wrong = set()
+
+    def fake_train(out, objective, seed, minutes, eval_every, extra, epochs=100000):
+        trained.append((objective, seed, epochs, eval_every))
+        directory = race.run_dir(out, objective, seed)
+        accuracy = 0.31 + seed / 100 + (0.01 if seed in wrong else 0.0)
+        rows = [
+            {"epoch": 0, race.HEADLINE: 0.3},
+            {"epoch": 6, "time/train_process_minutes": here[seed]},
+            {"epoch": 6, race.HEADLINE: accuracy},
+        ]
+        write_metrics(directory, rows)
+        return directory
+
+    monkeypatch.setattr(race, "train", fake_train)
+    argv = ["--split", "val", "--calibrate-pace", "--jobs", "1", "--out", str(tmp_path / "o")]
+    assert race.main([*argv, "--results", str(results)]) == 0
+    assert sorted(trained) == [(obj, s, 6, 6) for s in (0, 1, 2)]
+    said = capsys.readouterr().out
+    assert "pace 1.300 (the median of 3)" in said and "--pace 1.300" in said
+    assert abs(race.calibrate_pace(race_args(race, argv, results)) - 1.3) < 1e-12
+    wrong.add(1)
+    try:
+        race.calibrate_pace(race_args(race, argv, results))
+    except SystemExit as e:
+        assert "did not repeat" in str(e) and "seed 1" in str(e)
+    else:
+        raise AssertionError("a repeat on another trajectory calibrated the pace")
+
+
+def race_args(race, argv, results):
+    """The namespace race.main would build (its defaults) for argv."""
+    args = type("A", (), {})()
+    args.results, args.out, args.split, args.extra, args.jobs = results, Path(argv[-1]), "val", [], 1
+    return args
