@@ -429,12 +429,17 @@ def seeds_table(results: dict, test_base: float | None = None) -> list[str]:
                 + f" | {r['oot_after']:.3f} |"
                 + ("" if test_base is None else f" {r['test_after'] - test_base:+.3f} |")
             )
-    paced = [f"{o} {r['seed']} ({r['pace']:.2f})" for o, runs in results.items() for r in runs if "pace" in r]
+    paced = []
+    for objective, runs in results.items():
+        others = [r["curve"]["epochs"][-1] for r in runs if "pace" not in r]
+        span = f"; at the reference pace {min(others)}-{max(others)}" if others else ""
+        for r in (r for r in runs if "pace" in r):
+            paced.append(f"{objective} {r['seed']} (pace {r['pace']:.2f}, {r['curve']['epochs'][-1]} epochs{span})")
     if paced:
         lines += [
             "",
-            "Raced at another pace (`--pace`: the machine's CPU time per unit of work against the reference machines'; "
-            "budget and minutes in the reference machines' minutes): " + ", ".join(paced) + ".",
+            "Raced at another pace (`--pace`: the machine's CPU time per unit of work against the reference machines', "
+            "measured on GRPO; budget and minutes in the reference machines' minutes): " + ", ".join(paced) + ".",
         ]
     return lines
 

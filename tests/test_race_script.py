@@ -250,7 +250,8 @@ def test_a_paced_run_trains_pace_times_the_budget_and_reports_reference_minutes(
     # the refresh reads the run again at its own pace
     assert race.refresh_curve(paced, race.run_dir(tmp_path / "out", "dpo", 0))["curve"] == paced["curve"]
     table = race.seeds_table({"dpo": [paced, plain]}, test_base=0.3)
-    assert table[-1].startswith("Raced at another pace") and table[-1].endswith(": dpo 0 (1.25).")
+    assert table[-1].startswith("Raced at another pace")
+    assert table[-1].endswith(": dpo 0 (pace 1.25, 6 epochs; at the reference pace 6-6).")
     assert not race.seeds_table({"dpo": [plain]}, test_base=0.3)[-1].startswith("Raced at")
     try:
         race.main(["--report", "--pace", "0", "--out", str(tmp_path / "o"), "--results", str(results)])
