@@ -694,7 +694,8 @@ def test_the_eval_in_batches_is_the_eval_at_once_and_stops_between_them(tmp_path
         assert calls == sizes and len(stops) == len(sizes) + 1  # one reward
         for a, b in zip(images, images_b, strict=True):
             assert np.abs(np.asarray(a, dtype=np.int16) - np.asarray(b, dtype=np.int16)).max() <= 1
-        torch.testing.assert_close(scores[0], scores_b["jpeg_compressibility"], atol=1e-3, rtol=0)
+        # a pixel level apart moves a JPEG's size a little (0.003 of the score seen on one CPU); other noise, a lot
+        torch.testing.assert_close(scores[0], scores_b["jpeg_compressibility"], atol=1e-2, rtol=0)
 
     def stop_at_the_second():
         stops.append(2)

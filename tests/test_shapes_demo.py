@@ -50,8 +50,9 @@ def test_shapes_preset_one_epoch(preset, tmp_path, monkeypatch):
     assert cfg.train.objective == {"shapes": "dpo", "shapes_grpo": "grpo"}[preset]
     if preset == "shapes_grpo":  # on-policy: the first minibatch's ratio is 1
         assert epoch["policy/ratio_first_dev"] <= 1e-4
-    else:  # a pair per group whose images score differently (2 prompts: at most 2), trained at all 10 steps, twice
-        assert epoch["objective/dpo_pairs"] in (0, 1, 2) and "policy/ratio_first_dev" not in epoch
+    else:  # ranked pairs: min(correct, incorrect) per group of 8 (2 prompts: at most 8), all 10 steps, twice
+        assert cfg.train.dpo.pairing == "ranked" and cfg.sample.group_size == 8
+        assert epoch["objective/dpo_pairs"] in range(9) and "policy/ratio_first_dev" not in epoch
         assert cfg.train.inner_epochs == 2
         if epoch["objective/dpo_pairs"]:
             assert epoch["policy/trained_units"] == 10 * 2 * epoch["objective/dpo_pairs"]  # pairs x steps x passes
