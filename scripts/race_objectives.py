@@ -6,8 +6,9 @@ Every (objective, seed) run is `flowrl train configs/shapes_grpo.yaml` (the GRPO
 with `train.objective=<name>` and the objective's settings from OBJECTIVE_SETTINGS, one torch thread, and a budget
 of `--minutes` of training CPU time
 (`train.max_minutes` on `train.budget_clock=process`: rollout, reward and update count, evals do not; at one thread
-this is the wall-clock of the same run on an idle machine, and it does not change when other work shares the
-machine). An eval on the test split (GenEval-style strict accuracy, the mean over the prompt families, and the
+this is the wall-clock of the same run on an idle machine; a process beside the race's inflates it by about a
+fifth, so nothing else runs beside a race). An eval on the test split (GenEval-style strict accuracy, the mean
+over the prompt families, and the
 diversity metric: the colour distribution's total variation from the base model's where prompts leave colour free)
 runs every few epochs; after training, the final weights and the base model are evaluated on the out-of-template
 split (samples/shapes/out_of_template.jsonl).
