@@ -8,10 +8,9 @@ of `--minutes` of training CPU time
 (`train.max_minutes` on `train.budget_clock=process`: rollout, reward and update count, evals do not; at one thread
 this is the wall-clock of the same run on an idle machine; a process beside the race's inflates it by about a
 fifth, so nothing else runs beside a race). An eval on the test split (GenEval-style strict accuracy, the mean
-over the prompt families, and the
-diversity metric: the colour distribution's total variation from the base model's where prompts leave colour free)
-runs every few epochs; after training, the final weights and the base model are evaluated on the out-of-template
-split (samples/shapes/out_of_template.jsonl).
+over the prompt families, and the diversity metric: the colour distribution's total variation from the base
+model's where prompts leave colour free) runs every few epochs; after training, the final weights and the base
+model are evaluated on the out-of-template split (samples/shapes/out_of_template.jsonl).
 
 `--split val` races for choosing settings (issue 39): each run trains on the training prompts less the validation
 split (samples/shapes/train_minus_val.jsonl) and its curve is on the validation split (samples/shapes/val.jsonl);
