@@ -135,8 +135,8 @@ def train(
     out: Path, objective: str, seed: int, minutes: float, eval_every: int, extra: list[str], epochs: int = 100000
 ) -> Path:
     """One training run (skipped when already finished); its stdout and stderr go to train.log beside it. The
-    budget is training CPU minutes (`train.budget_clock=process`, one torch thread): a machine busy with other
-    work slows a run's wall-clock, not its budget (a slower machine does: `--pace`). `epochs`: at most that many."""
+    budget is training CPU minutes (`train.budget_clock=process`, one torch thread); what work a CPU-minute buys
+    depends on the machine and on what else runs beside it (`--pace`). `epochs`: at most that many."""
     directory = run_dir(out, objective, seed)
     if finished(directory):
         return directory
