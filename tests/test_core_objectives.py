@@ -610,6 +610,38 @@ def test_dpo_gradient_lowers_the_winner_error_and_raises_the_loser_error():
     assert ((vl.detach() - 1e-2 * vl.grad - target_l) ** 2).sum() > ((vl.detach() - target_l) ** 2).sum()
 
 
+def test_dpo_pairs_past_the_saturation_train_nothing_and_keep_their_loss():
+    # dpo_case's inside is .08 beta: beta 370 -> 29.6 (live), 1375 -> 110 (met: sigmoid(-110) = 1.7e-48, which float32
+    # holds only as 0 or, via the backward pass, as slow subnormals); the loss's value stays log(1 + e^-inside)
+    target_w = t64([[-1.0, 0.0]])
+    for dtype in (torch.float64, torch.float32):
+        for beta, live in ((370.0, True), (1375.0, False)):
+            case = {k: v.to(dtype) for k, v in dpo_case().items()}
+            vw = case["velocity_w"].clone().requires_grad_()
+            loss, _ = dpo_loss(**{**case, "velocity_w": vw}, beta=beta)
+            inside = 0.08 * beta
+            assert loss.item() == pytest.approx(math.log1p(math.exp(-inside)), rel=1e-5, abs=1e-30)
+            loss.sum().backward()
+            if live:  # sigmoid(-inside) * beta / 2 * 2 (v_w - target_w) / D, as above
+                want = (vw.detach().double() - target_w) * beta / 2 / (1 + math.exp(inside))
+                torch.testing.assert_close(vw.grad.double(), want, rtol=1e-4, atol=0.0)
+                assert vw.grad.abs().max() > 0
+            else:
+                assert torch.equal(vw.grad, torch.zeros_like(vw.grad))
+    # in a batch, a met pair leaves the live pairs' gradients as they are alone
+    both = {k: torch.cat([v, v]) for k, v in dpo_case().items()}
+    both["velocity_l"] = t64([[0.6, -1.0], [6.0, -1.0]])  # pair 2: its loser errs on (18 against .5): inside 89.9
+    vw = both["velocity_w"].clone().requires_grad_()
+    loss, stats = dpo_loss(**{**both, "velocity_w": vw}, beta=10.0)
+    assert stats["implicit_acc"].item() == 1.0 and loss[1].item() == pytest.approx(math.exp(-89.9), rel=1e-9)
+    loss.sum().backward()
+    alone = dpo_case()
+    v1 = alone["velocity_w"].clone().requires_grad_()
+    dpo_loss(**{**alone, "velocity_w": v1}, beta=10.0)[0].sum().backward()
+    torch.testing.assert_close(vw.grad[:1], v1.grad, rtol=0.0, atol=0.0)
+    assert torch.equal(vw.grad[1], torch.zeros(2, dtype=torch.float64))
+
+
 def test_dpo_with_noise_weighting_equals_the_papers_noise_error_form():
     # Re-derive the paper's loss on noise errors: eps_hat = x_t + (1 - t) v_hat (from x_t = (1 - t) x0 + t eps,
     # v = eps - x0), one pair at a time in plain Python; it equals dpo_loss with w(t) = (1 - t)^2.
