@@ -538,9 +538,10 @@ def frontier(results: dict, split: str) -> list[str]:
     return lines
 
 
-def plot(results: dict, path: Path) -> None:
-    """Two panels against training minutes, per objective: test accuracy and the colour TV from the base model;
-    each the median over seeds, with the band from the lowest seed to the highest."""
+def plot(results: dict, path: Path, split: str = "test") -> None:
+    """Two panels against training minutes, per objective: accuracy on the curves' split (`split`: "test", or "val"
+    for a --split val race) and the colour TV from the base model; each the median over seeds, with the band from
+    the lowest seed to the highest."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -557,8 +558,9 @@ def plot(results: dict, path: Path) -> None:
     for ax in (acc, tv):
         ax.set_xlabel("training minutes (CPU time of one run at 1 torch thread, evals excluded)")
         ax.legend()
-    acc.set_ylabel("test strict accuracy (family mean)")
-    acc.set_title("accuracy on the test split")
+    name = {"test": "test", "val": "validation"}[split]
+    acc.set_ylabel(f"{name} strict accuracy (family mean)")
+    acc.set_title(f"accuracy on the {name} split")
     tv.set_ylabel("total variation from the base model")
     tv.set_title("colour drift on free-colour objects")
     fig.tight_layout()
@@ -665,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
     table += ["", *families] if families else []
     table += ["", *seeds_table(results, test_base)]
     (report / f"{stem}.md").write_text("\n".join(table) + "\n")
-    plot(results, report / f"{stem}.png")
+    plot(results, report / f"{stem}.png", args.split)
     print("\n".join(table))
     return 0
 

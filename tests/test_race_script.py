@@ -50,9 +50,19 @@ def test_a_validation_race_reports_the_test_split_once_per_run(tmp_path, monkeyp
         (results / f"{objective}-seed{seed}.json").write_text(json.dumps(fake_run(objective, seed, acc, test, race)))
     (results / "oot-base.json").write_text(json.dumps({race.HEADLINE: 0.06}))
     (results / "test-base.json").write_text(json.dumps({race.HEADLINE: 0.299}))
+    import matplotlib.figure
+
+    titles, save = [], matplotlib.figure.Figure.savefig
+
+    def record(fig, *args, **kwargs):  # the plot's panels name the split its curves are on
+        titles.extend(ax.get_title() for ax in fig.axes)
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
     argv = ["--split", "val", "--report", "--objectives", "dpo", "--seeds", "0", "1", "2"]
     assert race.main([*argv, "--results", str(results), "--out", str(tmp_path / "out")]) == 0
     assert not (tmp_path / "race.md").exists()  # the test-split race's table is left alone
+    assert (tmp_path / "race-val.png").stat().st_size > 0 and titles[0] == "accuracy on the validation split"
     table = (tmp_path / "race-val.md").read_text().splitlines()
     assert "gain on val" in table[0] and table[0].endswith("test gain of the final weights, median (min - max) |")
     # val gains +0.22, +0.14, +0.00, best +0.22, +0.22, +0.00; +0.20 reached at 10, 5 minutes and never (the
