@@ -24,6 +24,7 @@ REPO_FILES = (
     "samples/shapes/demo_curves.png",
     "samples/shapes/test_samples.png",
     "samples/shapes/race/race.png",
+    "samples/shapes/race/race-val.png",
     "samples/arith/grpo_curve.png",
 )
 
