@@ -593,3 +593,59 @@ def test_help_documents_the_objectives():
     # each objective names itself in reports and the demo's banner, and no two alike
     titles = [REGISTRY.get(name).title for name in REGISTRY.names()]
     assert len(set(titles)) == len(titles) and REGISTRY.get("dpo").title == "online Diffusion-DPO"
+
+
+@pytest.mark.parametrize(
+    "objective, extra", [("dpo", "train.dpo.pairing=ranked"), ("nft", "train.nft.kl_coef=0.1")], ids=["dpo", "nft"]
+)
+def test_cache_reference_runs_the_reference_once_an_epoch_with_the_same_result(objective, extra, tmp_path):
+    """train.cache_reference with two passes: the reference runs in the first pass only (the second reads each row's
+    velocity by its key), and the epoch trains the same weights as without the cache, up to a batched forward's
+    rounding; the cache is the epoch's (the next epoch's draw starts it again) and off with one pass."""
+    runs = {}
+    for cached in (False, True):
+        cfg = tiny_cfg(
+            tmp_path / str(cached),
+            f"train.objective={objective}",
+            extra,
+            "train.inner_epochs=2",
+            "train.minibatch_size=4",
+            f"train.cache_reference={str(cached).lower()}",
+        )
+        tr = Trainer(cfg)
+        with torch.no_grad():  # lora_B starts at 0, where the trained model is its reference
+            for n, p in tr.named_params.items():
+                if "lora_B" in n:
+                    p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+        calls = []
+        enter = tr.policy.reference
+
+        def counted(enter=enter, calls=calls):
+            calls.append(1)
+            return enter()
+
+        tr.policy.reference = counted
+        start = trained(tr)
+        batch, _, adv, keep = _epoch_inputs(tr)
+        tr.update(batch, adv, keep, epoch=0)
+        assert max_change(trained(tr), start) > 1e-4  # it trained
+        runs[cached] = (tr, len(calls), trained(tr))
+    (_, plain_calls, plain_w), (cached_tr, cached_calls, cached_w) = runs[False], runs[True]
+    assert plain_calls > 0 and cached_calls * 2 == plain_calls
+    obj = cached_tr.objective
+    assert obj.reference_hits > 0 and len(obj.reference_cache) == obj.reference_hits
+    assert max_change(cached_w, plain_w) <= 1e-5
+    # a cached velocity is the reference's at its key's point
+    key = next(iter(obj.reference_cache))
+    owner, slot, sample = key[:3]
+    rows, t, noise = obj.inputs(batch, torch.tensor([owner]), [slot])
+    with torch.no_grad(), obj.policy.reference():
+        fresh = obj.policy.flow_prediction(batch, torch.tensor([sample]), t, noise).velocity[0]
+    torch.testing.assert_close(obj.reference_cache[key], fresh, rtol=1e-5, atol=1e-6)
+    batch, _, adv, keep = _epoch_inputs(cached_tr, epoch=1)
+    obj.prepare(batch, adv, keep, epoch=1, process_index=0)
+    assert obj.reference_cache == {} and obj.reference_hits == 0
+    one_pass = Trainer(tiny_cfg(tmp_path / "one", f"train.objective={objective}", extra, "train.cache_reference=true"))
+    batch, _, adv, keep = _epoch_inputs(one_pass)
+    one_pass.objective.prepare(batch, adv, keep, epoch=0, process_index=0)
+    assert one_pass.objective.reference_cache is None

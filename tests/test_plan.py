@@ -499,6 +499,17 @@ def test_objectives_rows_references_shadows_and_update_rows():
         )
         assert (p.unit, p.minibatch, p.micro_batch) == ("pairs", pairs, pairs)
         assert f"at most the minibatch ({pairs} pairs per GPU)" in p.render()
+    # train.cache_reference keeps a float32 velocity per sample and training time for the epoch (with two passes)
+    cached = plan(
+        _preset("sd35m_pickscore", "train.objective=dpo", "train.inner_epochs=2", "train.cache_reference=true")
+    )
+    label = "reference velocities kept for the epoch (1152 samples x 10 times, float32)"
+    assert {r.label: r.gib for r in cached.rows}[label]["DDP"] == pytest.approx(1152 * 10 * 16 * 64 * 64 * 4 / GIB)
+    for off in (["train.inner_epochs=2"], ["train.cache_reference=true"]):
+        assert not any(
+            "reference velocities" in r.label
+            for r in plan(_preset("sd35m_pickscore", "train.objective=dpo", *off)).rows
+        )
     small = plan(_preset("sd35m_pickscore", "train.objective=dpo", "train.minibatch_size=16"))
     assert (small.minibatch, small.micro_batch) == (16, 16)  # 16 random samples hold at most 16 winners
     assert (grpo.unit, grpo.minibatch) == ("samples", 8)  # the preset's minibatch_size

@@ -32,6 +32,7 @@ class MemoryTerms:
     shadows: tuple[str, ...] = ()  # shadow policies: a second adapter or a frozen copy each (NFT's "old")
     latents_kept: int = 1  # latents per sample the trajectory keeps for the update (GRPO: every step's, S + 1)
     means_kept: int = 0  # float32 transition means per sample the trajectory keeps (GRPO-Guard's ratio_norm)
+    reference_cached: int = 0  # float32 reference velocities per sample kept for the epoch (train.cache_reference)
     unit: str = "samples"  # what train.micro_batch_size counts ("pairs": DPO's winners, each with its loser)
     whole_groups: bool = False  # the rollout runs whole groups per call (one initial noise per group)
 

@@ -64,6 +64,9 @@ class ForwardProcessObjective(Objective):
     def __init__(self, cfg, policy, num_processes: int = 1):
         super().__init__(cfg, policy, num_processes)
         self.plan: TrainingTimes | None = None
+        #: train.cache_reference: the epoch's reference velocities by row key (`row_keys`), None when off
+        self.reference_cache: dict[tuple, Tensor] | None = None
+        self.reference_hits = 0
 
     # ---- before the model loads
 
@@ -100,7 +103,10 @@ class ForwardProcessObjective(Objective):
         times = min(cfg.train.steps_per_forward, cls.times_per_sample(settings, cfg.sample.num_steps))
         reference, note = cls.reference_note(settings)
         rows = times * cls.images_per_sample
+        # a DPO batch of B samples holds at most B / 2 pairs, 2 images each: B x T cached rows, as the others
+        cached = cls.times_per_sample(settings, cfg.sample.num_steps) if reference and cfg.train.cache_reference else 0
         return MemoryTerms(
+            reference_cached=cached if cfg.train.inner_epochs > 1 else 0,
             reference=reference,
             reference_note=note,
             rows=rows,
@@ -127,6 +133,9 @@ class ForwardProcessObjective(Objective):
         times = self.policy.flow_times(batch)
         gen = torch.Generator().manual_seed(derive_seed(self.cfg.train.seed, epoch, process_index, _TIMES_TAG))
         self.plan = TrainingTimes(epoch, process_index, times, self.draw_steps(len(batch.prompts), len(times), gen))
+        t = self.cfg.train
+        self.reference_cache = {} if t.cache_reference and t.inner_epochs > 1 else None  # a new batch: a new cache
+        self.reference_hits = 0
         return keep
 
     def train_units(self, batch, steps_per_forward):
@@ -158,6 +167,15 @@ class ForwardProcessObjective(Objective):
         noise = torch.stack([self.noise(int(s), int(k), shape) for s, k in zip(rows, slots)])
         return rows, t, noise.to(batch.traj.latents.device)
 
+    def row_keys(self, idx: Tensor, unit: list[int], noise_of: Tensor | None = None) -> list[tuple[int, int, int]]:
+        """The unit's K x b rows' identities in the epoch (slot-major, as `inputs`): (the sample whose noise and time
+        the row takes, its time slot, the sample it evaluates): `noise_of` [b] names, per sample of `idx`, the one
+        whose noise it is noised with (DPO's losers take their winner's; default: its own). A key fixes the row's
+        input x_t = (1 - t) x0 + t eps for the epoch, so the reference's velocity there is the same in every pass."""
+        idx = idx.cpu()
+        owners = idx if noise_of is None else noise_of.cpu()
+        return [(int(o), k, int(s)) for k in unit for o, s in zip(owners, idx)]
+
     def clean(self, batch, rows: Tensor) -> Tensor:
         """The clean latents x0 of `rows` [N] in float32 [N, ...] on the model's device."""
         return batch.traj.final_latents[rows.to(batch.traj.latents.device)].float()
@@ -178,12 +196,26 @@ class ForwardProcessObjective(Objective):
         stats["loss"] = total.detach()
         return total, stats
 
-    def reference_velocity(self, batch, rows, t, noise, guidance_scale: float = 1.0) -> Tensor:
+    def reference_velocity(self, batch, rows, t, noise, guidance_scale: float = 1.0, keys=None) -> Tensor:
         """The reference policy's velocity (the adapter off, or the frozen copy) at the same points, no gradient;
-        guided at `guidance_scale` when it is above 1 (a CFG-guided teacher), else the CFG-free pass."""
+        guided at `guidance_scale` when it is above 1 (a CFG-guided teacher), else the CFG-free pass.
+
+        With train.cache_reference (and inner_epochs > 1) and the rows' `keys` (`row_keys`), the first pass keeps
+        each row's velocity for the epoch and the later passes read it instead of running the reference again: the
+        reference is frozen and a key fixes the row's input, so it is the same velocity, up to the rounding of the
+        batch it was computed in (a batched forward's last bits depend on the batch)."""
+        cache = self.reference_cache if keys is not None else None
+        if cache is not None:
+            keys = [(*key, float(guidance_scale)) for key in keys]
+            if all(key in cache for key in keys):
+                self.reference_hits += len(keys)
+                return torch.stack([cache[key] for key in keys])
         guided = {"guidance_scale": guidance_scale} if guidance_scale > 1 else {}
         with torch.no_grad(), self.policy.reference():
-            return self.policy.flow_prediction(batch, rows, t, noise, **guided).velocity
+            velocity = self.policy.flow_prediction(batch, rows, t, noise, **guided).velocity
+        if cache is not None:
+            cache.update(zip(keys, velocity.detach().clone()))
+        return velocity
 
     def slot_groups(self, batch, idx: Tensor, unit: list[int]) -> Tensor:
         """[K*b] long: for each of the unit's rows (slot-major, as `inputs`), an id of its sample's group at its time

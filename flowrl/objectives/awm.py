@@ -99,7 +99,7 @@ class AWM(ForwardProcessObjective):
         s = self.settings
         rows, t, noise = self.inputs(batch, idx, unit)
         pred = self.policy.flow_prediction(batch, rows, t, noise)
-        ref = self.reference_velocity(batch, rows, t, noise) if s.kl_coef > 0 else None
+        ref = self.reference_velocity(batch, rows, t, noise, keys=self.row_keys(idx, unit)) if s.kl_coef > 0 else None
         ema = self.shadow_velocity("ema", batch, rows, t, noise) if s.ema_kl_coef > 0 else None
         return core.awm_loss(
             pred.velocity,

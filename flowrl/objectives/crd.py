@@ -148,7 +148,11 @@ class CRD(ForwardProcessObjective):
         rows, t, noise = self.inputs(batch, idx, unit)
         old = self.shadow_velocity("old", batch, rows, t, noise)
         pred = self.policy.flow_prediction(batch, rows, t, noise)
-        ref = self.reference_velocity(batch, rows, t, noise, s.kl_cfg) if s.kl_beta > 0 else None
+        ref = (
+            self.reference_velocity(batch, rows, t, noise, s.kl_cfg, self.row_keys(idx, unit))
+            if s.kl_beta > 0
+            else None
+        )
         r = core.optimality_probability(adv[rows].to(noise.device), clip=s.adv_clip)
         return core.crd_loss(
             pred.velocity,

@@ -182,7 +182,11 @@ class DGPO(ForwardProcessObjective):
         rows, t, noise = self.inputs(batch, idx, unit)
         old = self.shadow_velocity("old", batch, rows, t, noise) if self.has_old(s) else None
         pred = self.policy.flow_prediction(batch, rows, t, noise)
-        base = self.reference_velocity(batch, rows, t, noise, s.kl_cfg) if self.reference_note(s)[0] else None
+        base = (
+            self.reference_velocity(batch, rows, t, noise, s.kl_cfg, self.row_keys(idx, unit))
+            if self.reference_note(s)[0]
+            else None
+        )
         a = adv.detach().float().cpu()[rows].clamp(-s.adv_clip, s.adv_clip)
         a = torch.where(self.keep[rows], a, torch.zeros_like(a)).to(noise.device)  # left-out samples: no term
         group_of_row = self.slot_groups(batch, idx, unit)  # a group at one time slot: one preference

@@ -111,7 +111,8 @@ class DPO(ForwardProcessObjective):
         rows_l = losers.repeat(len(unit))
         both, t2, noise2 = torch.cat([rows_w, rows_l]), torch.cat([t, t]), torch.cat([noise, noise])
         pred = self.policy.flow_prediction(batch, both, t2, noise2)
-        ref = self.reference_velocity(batch, both, t2, noise2)
+        keys = self.row_keys(idx, unit) + self.row_keys(losers, unit, noise_of=idx)
+        ref = self.reference_velocity(batch, both, t2, noise2, keys=keys)
         v_w, v_l = pred.velocity.chunk(2)
         r_w, r_l = ref.chunk(2)
         t_used = pred.t.chunk(2)[0]

@@ -122,7 +122,7 @@ class ELBO(ForwardProcessObjective):
         rows, t, noise = self.inputs(batch, idx, unit)
         old = None if self.old_is_theta else self.shadow_velocity("old", batch, rows, t, noise)
         pred = self.policy.flow_prediction(batch, rows, t, noise)
-        ref = self.reference_velocity(batch, rows, t, noise) if s.kl_coef > 0 else None
+        ref = self.reference_velocity(batch, rows, t, noise, keys=self.row_keys(idx, unit)) if s.kl_coef > 0 else None
         return core.elbo_loss(
             pred.velocity,
             self.clean(batch, rows),

@@ -90,7 +90,7 @@ class NFT(ForwardProcessObjective):
         rows, t, noise = self.inputs(batch, idx, unit)
         old = self.shadow_velocity("old", batch, rows, t, noise)
         pred = self.policy.flow_prediction(batch, rows, t, noise)
-        ref = self.reference_velocity(batch, rows, t, noise) if s.kl_coef > 0 else None
+        ref = self.reference_velocity(batch, rows, t, noise, keys=self.row_keys(idx, unit)) if s.kl_coef > 0 else None
         r = core.optimality_probability(adv[rows].to(noise.device), clip=s.adv_clip)
         return core.nft_loss(
             pred.velocity,

@@ -192,6 +192,15 @@ def plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
             spread(cols, trajectory, gpus),
         )
     )
+    if obj.reference_cached:
+        cached = local * obj.reference_cached * shape.latent_elements * 4
+        rows.append(
+            Row(
+                f"reference velocities kept for the epoch ({local} samples x {obj.reference_cached} times, float32)",
+                None,
+                spread(cols, cached, gpus),
+            )
+        )
     rows.append(Row(f"prompt-encoding cache ({n_prompts} prompts)", None, spread(cols, prompt_cache, gpus)))
 
     rows_note = obj.rows_note
