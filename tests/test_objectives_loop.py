@@ -23,6 +23,7 @@ from flowrl import core
 from flowrl.config import ConfigError, describe, load_config
 from flowrl.families import family, family_names
 from flowrl.objectives import get_objective
+from flowrl.objectives._forward import random_order
 from flowrl.run.checkpoint import read_checkpoint
 from flowrl.sampling import ddpm_flow_time, ddpm_velocity
 from flowrl.train import Trainer
@@ -649,3 +650,29 @@ def test_cache_reference_runs_the_reference_once_an_epoch_with_the_same_result(o
     batch, _, adv, keep = _epoch_inputs(one_pass)
     one_pass.objective.prepare(batch, adv, keep, epoch=0, process_index=0)
     assert one_pass.objective.reference_cache is None
+
+
+def test_dpo_max_time_trains_only_the_steps_at_or_below_it(tmp_path):
+    """train.dpo.max_time: the training times are drawn from the schedule's steps at t <= max_time only (all of them
+    with timesteps 0, in a random order per sample); 1, the default, draws as before from every step; more times
+    than it leaves is a one-line error naming both settings."""
+    tr = Trainer(tiny_cfg(tmp_path, "train.objective=dpo", "train.dpo.max_time=0.7"))
+    batch, _, adv, keep = _epoch_inputs(tr)
+    obj = tr.objective
+    obj.prepare(batch, adv, keep, epoch=0, process_index=0)
+    times = obj.plan.times
+    assert times.tolist() == pytest.approx([1.0, 0.8577, 0.6022, 0.0089], abs=1e-4)  # the tiny SD3's shifted 4 steps
+    assert obj.plan.steps.shape == (8, 2)
+    assert all(sorted(row) == [2, 3] for row in obj.plan.steps.tolist())
+    assert {tuple(r) for r in obj.plan.steps.tolist()} == {(2, 3), (3, 2)}  # each sample's own order
+    before = trained(tr)
+    tr.update(batch, adv, keep, epoch=0)
+    assert max_change(trained(tr), before) > 0
+    g = torch.Generator().manual_seed(5)
+    obj.settings.max_time = 1.0
+    assert torch.equal(obj.draw_steps(8, times, g), random_order(8, 4, 4, torch.Generator().manual_seed(5)))
+    obj.settings.max_time, obj.settings.timesteps = 0.7, 3
+    with pytest.raises(ValueError, match=r"train.dpo.max_time=0.7 leaves 2 of the schedule's 4 steps .* timesteps=3"):
+        obj.draw_steps(8, times, g)
+    with pytest.raises(ConfigError, match="train.dpo.max_time"):
+        tiny_cfg(tmp_path, "train.objective=dpo", "train.dpo.max_time=0")

@@ -124,15 +124,15 @@ class ForwardProcessObjective(Objective):
                 prompts, metadata, epoch=epoch, generator=generator, final_only=True, stop=stop, on_chunk=on_chunk
             )
 
-    def draw_steps(self, n: int, num_steps: int, generator: torch.Generator) -> Tensor:
-        """[n, T] long: the schedule indices each of n samples is trained at (default: T distinct ones in a random
-        order per sample)."""
-        return random_order(n, num_steps, self.times_per_sample(self.settings, num_steps), generator)
+    def draw_steps(self, n: int, times: Tensor, generator: torch.Generator) -> Tensor:
+        """[n, T] long: the indices into the rollout's schedule (its flow times `times` [S]) each of n samples is
+        trained at (default: T distinct ones in a random order per sample)."""
+        return random_order(n, len(times), self.times_per_sample(self.settings, len(times)), generator)
 
     def prepare(self, batch, adv, keep, *, epoch, process_index):
         times = self.policy.flow_times(batch)
         gen = torch.Generator().manual_seed(derive_seed(self.cfg.train.seed, epoch, process_index, _TIMES_TAG))
-        self.plan = TrainingTimes(epoch, process_index, times, self.draw_steps(len(batch.prompts), len(times), gen))
+        self.plan = TrainingTimes(epoch, process_index, times, self.draw_steps(len(batch.prompts), times, gen))
         t = self.cfg.train
         self.reference_cache = {} if t.cache_reference and t.inner_epochs > 1 else None  # a new batch: a new cache
         self.reference_hits = 0

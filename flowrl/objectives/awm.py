@@ -85,10 +85,10 @@ class AWM(ForwardProcessObjective):
     def shadow_names(cls, settings):
         return ("ema",) if settings.ema_kl_coef > 0 else ()
 
-    def draw_steps(self, n, num_steps, generator):
+    def draw_steps(self, n, times, generator):
         """One index per stratum of [lo, hi): lo = 1 (the first step, pure noise, left out) and hi =
         int(timestep_fraction x S), as the reference's discrete times; strata repeat indices when T > hi - lo."""
-        count = self.settings.timesteps
+        count, num_steps = self.settings.timesteps, len(times)
         lo = 1 if num_steps > 1 else 0
         hi = max(lo + 1, int(num_steps * self.settings.timestep_fraction))
         u = torch.rand(n, count, generator=generator)

@@ -21,12 +21,17 @@ from flowrl.ranges import AT_LEAST_0, POSITIVE, Range
 
 from . import register
 from ._base import MemoryTerms
-from ._forward import ForwardProcessObjective
+from ._forward import ForwardProcessObjective, random_order
 
 
 @dataclass
 class DPOSettings:
-    RANGES: ClassVar[dict[str, Range]] = {"beta": POSITIVE, "timesteps": AT_LEAST_0, "kl_coef": AT_LEAST_0}
+    RANGES: ClassVar[dict[str, Range]] = {
+        "beta": POSITIVE,
+        "timesteps": AT_LEAST_0,
+        "kl_coef": AT_LEAST_0,
+        "max_time": Range(0, 1, lo_open=True),
+    }
 
     beta: float = 5000.0
     """Diffusion-DPO's beta: the loss is -log sigmoid(-beta/2 w(t) D), D the winner's minus the loser's
@@ -45,6 +50,11 @@ class DPOSettings:
     """Training times per pair (the same time and noise for winner and loser): that many steps of the rollout's
     schedule in a random order per pair; 0 = all of them (an online batch has one pair per prompt; the paper draws
     one time per pair and step)."""
+    max_time: float = 1.0
+    """Train only the schedule's steps at flow time t <= max_time (1 = pure noise): `timesteps` are drawn from them
+    (0 = all of them). Under weighting=noise a step's weight is (1 - t)^2, so the noisiest steps carry almost none
+    (on a 10-step schedule t = 1, 0.9, 0.8, 0.7 weigh 0, 0.01, 0.04, 0.09, 5% of the total) at a full forward and
+    backward each: max_time 0.6 trains the other six at 60% of the cost. 1 = every step."""
     kl_coef: float = 0.0
     """A velocity-space penalty kl_coef ||v_theta - v_ref||^2 toward the reference on both images of each pair (as
     NFT's, AWM's and DGPO's kl_coef; not in the paper): the DPO loss constrains only the difference of the winner's
@@ -80,6 +90,19 @@ class DPO(ForwardProcessObjective):
     def times_per_sample(cls, settings, num_steps):
         """The `timesteps` setting, or every step of the schedule."""
         return settings.timesteps or num_steps
+
+    def draw_steps(self, n, times, generator):
+        """`timesteps` distinct steps per sample in a random order, from those at t <= max_time (all of them when
+        `timesteps` is 0)."""
+        eligible = (times <= self.settings.max_time + 1e-6).nonzero().flatten()
+        count = self.settings.timesteps or len(eligible)
+        if not 1 <= count <= len(eligible):
+            raise ValueError(
+                f"train.{self.name}.max_time={self.settings.max_time:g} leaves {len(eligible)} of the schedule's "
+                f"{len(times)} steps (flow times {[round(float(x), 3) for x in times]}), and timesteps={count} are to "
+                f"be drawn from them: raise max_time or lower timesteps (0 = all the steps it leaves)"
+            )
+        return eligible[random_order(n, len(eligible), count, generator)]
 
     @classmethod
     def reference_note(cls, settings):
