@@ -76,8 +76,8 @@ def test_shapes_preset_one_epoch(preset, tmp_path, monkeypatch):
 def test_the_demo_is_the_measured_dpo_setting():
     """configs/shapes.yaml (the demo) is the race's DPO (configs/shapes_grpo.yaml with the race's DPO overrides)
     with the settings the demo's seeds were measured with (docs/demo_eval.md): every step of the schedule trained,
-    ranked pairs, the rollout in bfloat16, lr 1e-3, 44 epochs of two update passes, no EMA. Only keys DPO does not
-    read (GRPO's section: the race's base config is the GRPO preset) may differ."""
+    ranked pairs, the rollout in bfloat16, lr 1e-3, 44 epochs of two update passes (the reference kept between them),
+    no EMA. Only keys DPO does not read (GRPO's section: the race's base config is the GRPO preset) may differ."""
 
     from repo_files import load_module
 
@@ -98,6 +98,7 @@ def test_the_demo_is_the_measured_dpo_setting():
             "train.lr=1e-3",
             "train.epochs=44",
             "train.inner_epochs=2",
+            "train.cache_reference=true",  # the same math, the second pass's reference read from the first
             "train.ema_decay=0",
             "log.run_dir=runs/shapes_dpo",
             "eval.base_cache=samples/shapes/base-evals",  # where the base model's eval is read from: no training key
