@@ -220,7 +220,8 @@ class TrainConfig:
     reuse it in the later ones, which evaluate the same points (the same times and noise): one reference forward
     per point an epoch instead of one per pass. The same values up to the last bits of a batched forward. It holds
     one latent per trained point (samples x training times, x 2 for DPO's pairs) on the model's device for the
-    epoch: nothing at the shapes demo's size, about 1 MB a point for a 1024 px SD3.5 image."""
+    epoch: nothing at the shapes demo's size, about 1 MB a point for a 1024 px SD3.5 image. GRPO ignores it (a
+    preset that sets it still switches objective with one key)."""
     minibatch_size: int = 0
     """Samples per optimizer minibatch (0 = the whole batch); must divide the epoch batch."""
     steps_per_forward: int = 1
