@@ -676,3 +676,30 @@ def test_dpo_max_time_trains_only_the_steps_at_or_below_it(tmp_path):
         obj.draw_steps(8, times, g)
     with pytest.raises(ConfigError, match="train.dpo.max_time"):
         tiny_cfg(tmp_path, "train.objective=dpo", "train.dpo.max_time=0")
+
+
+def test_dpo_weighting_gives_the_loss_its_time_weight(tmp_path, monkeypatch):
+    """train.dpo.weighting: core.dpo_loss gets w(t) = (1 - t)^2 (noise), 1 - t (linear) or none (velocity, w = 1) at
+    each pair's training time."""
+    tr = Trainer(tiny_cfg(tmp_path, "train.objective=dpo"))
+    batch, _, adv, keep = _epoch_inputs(tr)
+    obj = tr.objective
+    winners = obj.prepare(batch, adv, keep, epoch=0, process_index=0).nonzero().flatten()
+    seen = {}
+    dpo_loss = core.dpo_loss
+
+    def spy(*args, weight=None, **kwargs):
+        seen["t"], seen["weight"] = args[7], weight
+        return dpo_loss(*args, weight=weight, **kwargs)
+
+    monkeypatch.setattr(core, "dpo_loss", spy)
+    expected = {"noise": lambda t: (1 - t) ** 2, "linear": lambda t: 1 - t, "velocity": None}
+    for name, w in expected.items():
+        obj.settings.weighting = name
+        obj.unit_loss(batch, winners, [0, 1], adv, keep, None)
+        t = seen["t"]
+        assert len(t) == 2 * len(winners) and len(t.unique()) > 1
+        if w is None:
+            assert seen["weight"] is None
+        else:
+            torch.testing.assert_close(seen["weight"], w(t), rtol=0, atol=0)

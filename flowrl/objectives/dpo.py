@@ -38,9 +38,10 @@ class DPOSettings:
     (model - reference) error difference. 5000 is the paper's (SD1.5 / SDXL) for noise errors, which the default
     weighting=noise reproduces for every family; with weighting=velocity divide it by about 3 (E[(1-t)^2] for
     uniform t) for the same strength."""
-    weighting: Literal["noise", "velocity"] = "noise"
+    weighting: Literal["noise", "linear", "velocity"] = "noise"
     """`noise`: w(t) = (1 - t)^2, which turns velocity errors into the paper's noise errors exactly (eps - eps_hat =
-    (1 - t)(v - v_hat)); `velocity`: w = 1, Flow-DPO's form on velocity errors."""
+    (1 - t)(v - v_hat)); `velocity`: w = 1, Flow-DPO's form on velocity errors; `linear`: w = 1 - t, between the
+    two (the noisiest steps weigh more than under `noise`, less than under `velocity`)."""
     pairing: Literal["best_worst", "ranked"] = "best_worst"
     """The pairs of a group: `best_worst`, its best image over its worst (one pair); `ranked`, the k-th best over
     the k-th worst while strictly better (up to group_size / 2 disjoint pairs, core.ranked_pairs: with 0/1 rewards
@@ -139,7 +140,7 @@ class DPO(ForwardProcessObjective):
         v_w, v_l = pred.velocity.chunk(2)
         r_w, r_l = ref.chunk(2)
         t_used = pred.t.chunk(2)[0]
-        weight = (1 - t_used) ** 2 if self.settings.weighting == "noise" else None
+        weight = {"noise": (1 - t_used) ** 2, "linear": 1 - t_used}.get(self.settings.weighting)  # velocity: None
         loss, stats = core.dpo_loss(
             v_w,
             v_l,
