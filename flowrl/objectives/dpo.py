@@ -140,7 +140,8 @@ class DPO(ForwardProcessObjective):
         v_w, v_l = pred.velocity.chunk(2)
         r_w, r_l = ref.chunk(2)
         t_used = pred.t.chunk(2)[0]
-        weight = {"noise": (1 - t_used) ** 2, "linear": 1 - t_used}.get(self.settings.weighting)  # velocity: None
+        w = self.settings.weighting
+        weight = (1 - t_used) ** 2 if w == "noise" else 1 - t_used if w == "linear" else None  # velocity: w = 1
         loss, stats = core.dpo_loss(
             v_w,
             v_l,
