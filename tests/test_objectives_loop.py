@@ -652,6 +652,60 @@ def test_cache_reference_runs_the_reference_once_an_epoch_with_the_same_result(o
     assert one_pass.objective.reference_cache is None
 
 
+@pytest.mark.parametrize(
+    "objective, extra",
+    [("dpo", "train.dpo.pairing=ranked train.dpo.beta=100"), ("nft", "train.nft.kl_coef=0.1")],
+    ids=["dpo", "nft"],
+)
+def test_steps_per_forward_batches_the_times_without_changing_the_update(objective, extra, tmp_path):
+    """train.steps_per_forward only groups a sample's training times into fewer, larger forward passes: one time a
+    forward and every time in one forward give the same gradient at every optimizer step of an epoch's update
+    (each time's noise is keyed by its sample and slot, not by the forward it runs in), up to a batched forward's
+    rounding, and so the same weights. DPO at the demo's beta: its loss multiplies the difference of two squared
+    errors by beta, and at the paper's 5000 that turns the rounding (1e-7) into ~4e-4 of the gradient."""
+    runs = {}
+    for spf in (1, 8):
+        tr = Trainer(
+            tiny_cfg(
+                tmp_path / str(spf),
+                f"train.objective={objective}",
+                *extra.split(),
+                "train.inner_epochs=2",
+                "train.cache_reference=true",
+                f"train.steps_per_forward={spf}",
+            )
+        )
+        with torch.no_grad():  # lora_B starts at 0, where the trained model is its reference
+            for n, p in tr.named_params.items():
+                if "lora_B" in n:
+                    p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+        start = trained(tr)
+        batch, _, adv, keep = _epoch_inputs(tr)
+        grads, units = [], []
+        step, unit_fn = tr.dist.step, tr.objective.train_units
+
+        def recorded(step=step, grads=grads):
+            grads.append([p.grad.clone() for p in tr.params])
+            step()
+
+        def counted(b, n, unit_fn=unit_fn, units=units):
+            units.append(len(unit_fn(b, n)))
+            return unit_fn(b, n)
+
+        tr.dist.step, tr.objective.train_units = recorded, counted
+        tr.update(batch, adv, keep, epoch=0)
+        assert max_change(trained(tr), start) > 1e-4  # it trained
+        runs[spf] = (grads, units, tr.objective.plan.steps.shape[1], trained(tr))
+    (g1, units1, times, w1), (g8, units8, _, w8) = runs[1], runs[8]
+    assert times > 1 and units1 == [times] and units8 == [1]  # a forward per time, then one for all of them
+    assert len(g1) == len(g8) > 1
+    for step1, step8 in zip(g1, g8):
+        assert any(g.abs().max() > 0 for g in step1)
+        for a, b in zip(step1, step8):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
+    assert max_change(w1, w8) <= 1e-4  # Adam's g / sqrt(v) magnifies the rounding of weights with tiny gradients
+
+
 def test_dpo_max_time_trains_only_the_steps_at_or_below_it(tmp_path):
     """train.dpo.max_time: the training times are drawn from the schedule's steps at t <= max_time only (all of them
     with timesteps 0, in a random order per sample); 1, the default, draws as before from every step; more times
