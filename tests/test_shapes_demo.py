@@ -76,8 +76,9 @@ def test_shapes_preset_one_epoch(preset, tmp_path, monkeypatch):
 def test_the_demo_is_the_measured_dpo_setting():
     """configs/shapes.yaml (the demo) is the race's DPO (configs/shapes_grpo.yaml with the race's DPO overrides)
     with the settings the demo's seeds were measured with (docs/demo_eval.md): every step of the schedule trained,
-    ranked pairs, the rollout in bfloat16, lr 1e-3, 44 epochs of two update passes (the reference kept between them),
-    no EMA. Only keys DPO does not read (GRPO's section: the race's base config is the GRPO preset) may differ."""
+    ranked pairs, the rollout in bfloat16, lr 1e-3, 44 epochs of two update passes (the reference kept between them,
+    a pair's ten times in one forward), no EMA. Only keys DPO does not read (GRPO's section: the race's base config
+    is the GRPO preset) may differ."""
 
     from repo_files import load_module
 
@@ -99,6 +100,7 @@ def test_the_demo_is_the_measured_dpo_setting():
             "train.epochs=44",
             "train.inner_epochs=2",
             "train.cache_reference=true",  # the same math, the second pass's reference read from the first
+            "train.steps_per_forward=10",  # the same math in fewer, larger forward passes
             "train.ema_decay=0",
             "log.run_dir=runs/shapes_dpo",
             "eval.base_cache=samples/shapes/base-evals",  # where the base model's eval is read from: no training key
