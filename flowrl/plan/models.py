@@ -257,7 +257,9 @@ def inject_lora(
     config = peft.LoraConfig(
         r=rank, lora_alpha=alpha, target_modules=targets, task_type="CAUSAL_LM" if causal_lm else None
     )
-    with _quiet():
+    # the adapters on the meta device, as the model is: their initialisation (kaiming on every adapted layer, ~1 s
+    # for a FLUX-size model on a CPU) is skipped, and a plan counts their elements only
+    with _quiet(), torch.device("meta"):
         try:
             if causal_lm:
                 module = peft.get_peft_model(module, config)
