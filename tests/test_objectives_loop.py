@@ -689,8 +689,9 @@ def test_steps_per_forward_batches_the_times_without_changing_the_update(objecti
             step()
 
         def counted(b, n, unit_fn=unit_fn, units=units):
-            units.append(len(unit_fn(b, n)))
-            return unit_fn(b, n)
+            out = unit_fn(b, n)
+            units.append(len(out))
+            return out
 
         tr.dist.step, tr.objective.train_units = recorded, counted
         tr.update(batch, adv, keep, epoch=0)
