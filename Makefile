@@ -66,8 +66,14 @@ lint: install-dev
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# The suite over TEST_WORKERS processes (pytest-xdist), a test file to a process (a file's module fixtures built once),
+# each process and the processes its tests launch at OMP_NUM_THREADS=1 unless set: two processes of one thread on a
+# 2-core machine. `make test TEST_WORKERS=0` runs it in one process, as plain `pytest` does.
+TEST_WORKERS ?= 2
 test: lint vllm-env
-	$(if $(VLLM),FLOWRL_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python FLOWRL_REQUIRE_VLLM=1) $(PY) -m pytest
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} \
+	$(if $(VLLM),FLOWRL_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python FLOWRL_REQUIRE_VLLM=1) \
+	$(PY) -m pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 	$(DOCS_BUILD)
 
 docs: install-dev
