@@ -652,6 +652,57 @@ def test_cache_reference_runs_the_reference_once_an_epoch_with_the_same_result(o
     assert one_pass.objective.reference_cache is None
 
 
+def test_grpo_cache_reference_runs_the_reference_once_an_epoch_with_the_same_result(tmp_path):
+    """GRPO with a KL term and two passes: train.cache_reference keeps each trained step's reference mean (at the
+    recorded latent: the same input in both passes) from the first pass, so the reference runs half as often, and
+    the epoch trains the same weights as without the cache, up to a batched forward's rounding."""
+    runs = {}
+    for cached in (False, True):
+        cfg = tiny_cfg(
+            tmp_path / str(cached),
+            "train.objective=grpo",
+            "train.grpo.beta=0.5",
+            "train.inner_epochs=2",
+            "train.minibatch_size=4",
+            f"train.cache_reference={str(cached).lower()}",
+        )
+        tr = Trainer(cfg)
+        with torch.no_grad():  # lora_B starts at 0, where the trained model is its reference and the KL is 0
+            for n, p in tr.named_params.items():
+                if "lora_B" in n:
+                    p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+        calls, enter = [], tr.policy.reference
+
+        def counted(enter=enter, calls=calls):
+            calls.append(1)
+            return enter()
+
+        tr.policy.reference = counted
+        start = trained(tr)
+        batch, _, adv, keep = _epoch_inputs(tr)
+        tr.update(batch, adv, keep, epoch=0)
+        assert max_change(trained(tr), start) > 1e-4  # it trained
+        runs[cached] = (tr, len(calls), trained(tr), batch)
+    (_, plain_calls, plain_w, _), (tr, cached_calls, cached_w, batch) = runs[False], runs[True]
+    assert plain_calls > 0 and cached_calls * 2 == plain_calls
+    obj = tr.objective
+    steps = len(batch.traj.train_steps)
+    assert len(obj.reference_cache) == len(batch.prompts) * steps == obj.reference_hits
+    assert max_change(cached_w, plain_w) <= 1e-5
+    # a kept mean is the reference's step mean at its sample's recorded latent
+    (sample, step), kept = next(iter(obj.reference_cache.items()))
+    with torch.no_grad(), tr.policy.reference():
+        fresh = tr.policy.backend.step_log_prob(batch.traj, [step], sample_indices=torch.tensor([sample]))[1][0, 0]
+    torch.testing.assert_close(kept, fresh, rtol=1e-5, atol=1e-6)
+    # the next epoch starts a new cache; without a KL term there is nothing to keep
+    batch, _, adv, keep = _epoch_inputs(tr, epoch=1)
+    obj.prepare(batch, adv, keep, epoch=1, process_index=0)
+    assert obj.reference_cache == {} and obj.reference_hits == 0
+    no_kl = Trainer(tiny_cfg(tmp_path / "nokl", "train.inner_epochs=2", "train.cache_reference=true"))
+    no_kl.objective.prepare(batch, adv, keep, epoch=1, process_index=0)
+    assert no_kl.objective.reference_cache is None
+
+
 @pytest.mark.parametrize(
     "objective, extra",
     [("dpo", "train.dpo.pairing=ranked train.dpo.beta=100"), ("nft", "train.nft.kl_coef=0.1")],

@@ -510,6 +510,12 @@ def test_objectives_rows_references_shadows_and_update_rows():
             "reference velocities" in r.label
             for r in plan(_preset("sd35m_pickscore", "train.objective=dpo", *off)).rows
         )
+    # GRPO with a KL term keeps a float32 reference mean per sample and trained step (sd35m at 512 px: 16 x 64 x 64)
+    grpo_cached = plan(_preset("sd35m_pickscore", "train.inner_epochs=2", "train.cache_reference=true"))
+    label = "reference step means kept for the epoch (1152 samples x 10 steps, float32)"
+    assert {r.label: r.gib for r in grpo_cached.rows}[label]["DDP"] == pytest.approx(1152 * 10 * 16 * 64 * 64 * 4 / GIB)
+    no_kl = plan(_preset("sd35m_pickscore", "train.inner_epochs=2", "train.cache_reference=true", "train.grpo.beta=0"))
+    assert not any("reference step means" in r.label for r in no_kl.rows)
     small = plan(_preset("sd35m_pickscore", "train.objective=dpo", "train.minibatch_size=16"))
     assert (small.minibatch, small.micro_batch) == (16, 16)  # 16 random samples hold at most 16 winners
     assert (grpo.unit, grpo.minibatch) == ("samples", 8)  # the preset's minibatch_size

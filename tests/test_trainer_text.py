@@ -65,6 +65,55 @@ def test_text_grpo_trains_a_tiny_gpt2(tiny_lm, tmp_path):
     assert (tmp_path / "ckpt-000002" / "lora" / "adapter_config.json").exists()
 
 
+def test_text_cache_reference_keeps_the_reference_log_probs_for_the_second_pass(tiny_lm, tmp_path):
+    """train.cache_reference with two passes: the reference's token log-probs of each completion are computed in
+    the first pass and read in the second (the same tokens), and the epoch trains the same weights as without."""
+    runs = {}
+    for cached in (False, True):
+        tr = Trainer(
+            text_cfg(
+                tiny_lm,
+                tmp_path / str(cached),
+                "train.grpo.beta=0.5",
+                "train.inner_epochs=2",
+                "train.minibatch_size=4",
+                f"train.cache_reference={str(cached).lower()}",
+            )
+        )
+        with torch.no_grad():  # lora_B starts at 0, where the trained model is its reference and the KL is 0
+            for n, p in tr.named_params.items():
+                if "lora_B" in n:
+                    p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+        calls, enter = [], tr.policy.reference
+
+        def counted(enter=enter, calls=calls):
+            calls.append(1)
+            return enter()
+
+        tr.policy.reference = counted
+        batch = tr.rollout(0)
+        scores, _ = tr.score(batch, 0)
+        adv, keep, _ = tr.advantages(batch, scores, 0)
+        start = {n: p.detach().clone() for n, p in tr.named_params.items()}
+        tr.update(batch, adv, keep, epoch=0)
+        change = max((p.detach() - start[n]).abs().max().item() for n, p in tr.named_params.items())
+        assert change > 1e-5  # it trained
+        runs[cached] = (tr, len(calls), {n: p.detach().clone() for n, p in tr.named_params.items()}, batch)
+    (_, plain_calls, plain_w, _), (tr, cached_calls, cached_w, batch) = runs[False], runs[True]
+    assert plain_calls > 0 and cached_calls * 2 == plain_calls
+    cache = tr.objective.reference_cache
+    assert len(cache) == len(batch.prompts) == cache.hits
+    assert max((cached_w[n] - plain_w[n]).abs().max().item() for n in plain_w) <= 1e-5
+    sample, kept = next(iter(cache.items()))
+    idx = torch.tensor([sample])
+    with torch.no_grad(), tr.policy.reference() as ref:
+        fresh = tr.policy._forward_log_probs(
+            ref, batch.input_ids[idx], batch.attention_mask[idx], batch.prompt_len, tr.policy.text.temperature
+        )[0][0]
+    mask = batch.completion_mask[sample].bool()
+    torch.testing.assert_close(kept[mask], fresh[mask], rtol=1e-5, atol=1e-6)
+
+
 def test_completion_mask_and_recorded_log_probs(tiny_lm, tmp_path):
     tr = Trainer(text_cfg(tiny_lm, tmp_path, "text.temperature=0.7"))
     batch = tr.rollout(epoch=0)

@@ -215,13 +215,14 @@ class TrainConfig:
     inner_epochs: int = 1
     """Passes over each rollout batch (mu); > 1 makes later passes off-policy (the ratio leaves 1)."""
     cache_reference: bool = False
-    """With inner_epochs > 1, the forward-process objectives (DPO, offline DPO, and NFT, AWM, ELBO, CRD and DGPO
-    with their reference term) keep the reference policy's velocity at each trained point from the first pass and
-    reuse it in the later ones, which evaluate the same points (the same times and noise): one reference forward
-    per point an epoch instead of one per pass. The same values up to the last bits of a batched forward. It holds
-    one latent per trained point (samples x training times, x 2 for DPO's pairs) on the model's device for the
-    epoch: nothing at the shapes demo's size, about 1 MB a point for a 1024 px SD3.5 image. GRPO ignores it (a
-    preset that sets it still switches objective with one key)."""
+    """With inner_epochs > 1, keep the reference policy's output at each trained point from the first pass and
+    reuse it in the later ones, which evaluate the same points: one reference forward per point an epoch instead of
+    one per pass, the same values up to the last bits of a batched forward. The forward-process objectives (DPO,
+    offline DPO, and NFT, AWM, ELBO, CRD and DGPO with their reference term) keep the velocity at each training time
+    and noise: one latent per point (samples x training times, x 2 for DPO's pairs) on the model's device for the
+    epoch, nothing at the shapes demo's size, about 1 MB a point for a 1024 px SD3.5 image. GRPO with a KL term
+    (train.grpo.beta > 0) keeps each trained step's reference mean (image: one latent per sample and step, as the
+    trajectory holds) or each completion's reference token log-probs (text)."""
     minibatch_size: int = 0
     """Samples per optimizer minibatch (0 = the whole batch); must divide the epoch batch."""
     steps_per_forward: int = 1

@@ -32,7 +32,8 @@ class MemoryTerms:
     shadows: tuple[str, ...] = ()  # shadow policies: a second adapter or a frozen copy each (NFT's "old")
     latents_kept: int = 1  # latents per sample the trajectory keeps for the update (GRPO: every step's, S + 1)
     means_kept: int = 0  # float32 transition means per sample the trajectory keeps (GRPO-Guard's ratio_norm)
-    reference_cached: int = 0  # float32 reference velocities per sample kept for the epoch (train.cache_reference)
+    reference_cached: int = 0  # float32 reference outputs per sample kept for the epoch (train.cache_reference)
+    reference_cached_what: tuple[str, str] = ("velocities", "times")  # what they are, and what a sample has n of
     unit: str = "samples"  # what train.micro_batch_size counts ("pairs": DPO's winners, each with its loser)
     whole_groups: bool = False  # the rollout runs whole groups per call (one initial noise per group)
 
@@ -66,6 +67,13 @@ class Objective:
     def __init__(self, cfg, policy, num_processes: int = 1):
         self.cfg, self.policy, self.num_processes = cfg, policy, num_processes
         self.settings = getattr(cfg.train, self.name) if self.Settings is not None else None
+        #: train.cache_reference: the epoch's reference outputs (a ReferenceCache made by `prepare`), None when off
+        self.reference_cache = None
+
+    @property
+    def reference_hits(self) -> int:
+        """Rows of the reference read from train.cache_reference's cache in this epoch instead of computed."""
+        return 0 if self.reference_cache is None else self.reference_cache.hits
 
     def groups_split(self) -> int | None:
         """This process's batch (prompts_per_epoch x group_size / processes) when it does not hold whole groups of

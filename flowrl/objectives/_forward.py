@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from flowrl import core
-from flowrl.policies.base import full_tensor
+from flowrl.policies.base import ReferenceCache, full_tensor
 from flowrl.seeding import derive_seed
 
 from ._base import MemoryTerms, Objective
@@ -63,10 +63,7 @@ class ForwardProcessObjective(Objective):
 
     def __init__(self, cfg, policy, num_processes: int = 1):
         super().__init__(cfg, policy, num_processes)
-        self.plan: TrainingTimes | None = None
-        #: train.cache_reference: the epoch's reference velocities by row key (`row_keys`), None when off
-        self.reference_cache: dict[tuple, Tensor] | None = None
-        self.reference_hits = 0
+        self.plan: TrainingTimes | None = None  # reference_cache (the base's): velocities by row key (`row_keys`)
 
     # ---- before the model loads
 
@@ -134,8 +131,7 @@ class ForwardProcessObjective(Objective):
         gen = torch.Generator().manual_seed(derive_seed(self.cfg.train.seed, epoch, process_index, _TIMES_TAG))
         self.plan = TrainingTimes(epoch, process_index, times, self.draw_steps(len(batch.prompts), times, gen))
         t = self.cfg.train
-        self.reference_cache = {} if t.cache_reference and t.inner_epochs > 1 else None  # a new batch: a new cache
-        self.reference_hits = 0
+        self.reference_cache = ReferenceCache() if t.cache_reference and t.inner_epochs > 1 else None  # a new batch
         return keep
 
     def train_units(self, batch, steps_per_forward):
@@ -204,18 +200,15 @@ class ForwardProcessObjective(Objective):
         each row's velocity for the epoch and the later passes read it instead of running the reference again: the
         reference is frozen and a key fixes the row's input, so it is the same velocity, up to the rounding of the
         batch it was computed in (a batched forward's last bits depend on the batch)."""
-        cache = self.reference_cache if keys is not None else None
-        if cache is not None:
-            keys = [(*key, float(guidance_scale)) for key in keys]
-            if all(key in cache for key in keys):
-                self.reference_hits += len(keys)
-                return torch.stack([cache[key] for key in keys])
         guided = {"guidance_scale": guidance_scale} if guidance_scale > 1 else {}
-        with torch.no_grad(), self.policy.reference():
-            velocity = self.policy.flow_prediction(batch, rows, t, noise, **guided).velocity
-        if cache is not None:
-            cache.update(zip(keys, velocity.detach().clone()))
-        return velocity
+
+        def velocity() -> Tensor:
+            with torch.no_grad(), self.policy.reference():
+                return self.policy.flow_prediction(batch, rows, t, noise, **guided).velocity
+
+        if self.reference_cache is None or keys is None:
+            return velocity()
+        return self.reference_cache.rows([(*key, float(guidance_scale)) for key in keys], velocity)
 
     def slot_groups(self, batch, idx: Tensor, unit: list[int]) -> Tensor:
         """[K*b] long: for each of the unit's rows (slot-major, as `inputs`), an id of its sample's group at its time

@@ -19,6 +19,7 @@ from typing import ClassVar, Literal, Optional
 from torch import Tensor
 
 from flowrl import core
+from flowrl.policies.base import ReferenceCache
 from flowrl.ranges import AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, Range
 
 from . import register
@@ -219,8 +220,13 @@ class GRPO(Objective):
     @classmethod
     def memory_terms(cls, cfg, cfg_rows: int) -> MemoryTerms:
         s, num_steps = cfg.train.grpo, cfg.sample.num_steps
-        steps = min(cfg.train.steps_per_forward, num_steps if s.window.kind == "all" else s.window.size)
+        trained = num_steps if s.window.kind == "all" else s.window.size
+        steps = min(cfg.train.steps_per_forward, trained)
+        t = cfg.train
         return MemoryTerms(
+            # train.cache_reference: the reference's mean of every trained step of a sample, for the epoch
+            reference_cached=trained if s.beta > 0 and t.cache_reference and t.inner_epochs > 1 else 0,
+            reference_cached_what=("step means", "steps"),
             reference=s.beta > 0,
             reference_note=f"beta {s.beta:g}",
             rows=steps * cfg_rows,
@@ -236,8 +242,16 @@ class GRPO(Objective):
     def step_mask(self, batch, idx, unit):
         return self.policy.step_mask(batch, idx, unit)
 
+    def prepare(self, batch, adv, keep, *, epoch, process_index):
+        t = self.cfg.train
+        cached = self.settings.beta > 0 and t.cache_reference and t.inner_epochs > 1
+        self.reference_cache = ReferenceCache() if cached else None  # a new batch: a new cache
+        return keep
+
     def unit_loss(self, batch, idx, unit, adv, keep, normalizer):
-        out = self.policy.unit_log_probs(batch, idx, unit, with_reference=self.settings.beta > 0)
+        out = self.policy.unit_log_probs(
+            batch, idx, unit, with_reference=self.settings.beta > 0, reference_cache=self.reference_cache
+        )
         if normalizer is not None:
             normalizer = normalizer.to(out.log_prob.device)
         return self.loss(out, adv[idx], keep[idx], normalizer)

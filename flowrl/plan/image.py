@@ -194,9 +194,10 @@ def plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
     )
     if obj.reference_cached:
         cached = local * obj.reference_cached * shape.latent_elements * 4
+        what, per = obj.reference_cached_what
         rows.append(
             Row(
-                f"reference velocities kept for the epoch ({local} samples x {obj.reference_cached} times, float32)",
+                f"reference {what} kept for the epoch ({local} samples x {obj.reference_cached} {per}, float32)",
                 None,
                 spread(cols, cached, gpus),
             )

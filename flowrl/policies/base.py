@@ -20,6 +20,30 @@ from torch import Tensor
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class ReferenceCache(dict):
+    """train.cache_reference: the reference policy's outputs for one epoch's update, one row per key (a trained
+    point: GRPO's sample and denoising step, a forward-process objective's sample, slot and time). The first pass
+    computes them and the later passes (train.inner_epochs > 1), which evaluate the same points, read them: the
+    reference is frozen and a key fixes its row's input, so a row is the same value up to the rounding of the batch
+    it was computed in. `hits`: rows read instead of computed."""
+
+    def __init__(self):
+        super().__init__()
+        self.hits = 0
+
+    def rows(self, keys: list, compute: Callable[[], Tensor]) -> Tensor:
+        """[len(keys), ...]: the kept rows when every key is kept, else `compute()`'s rows (one per key, in the
+        keys' order, no gradient), kept for the later passes."""
+        if keys and all(key in self for key in keys):
+            self.hits += len(keys)
+            return torch.stack([self[key] for key in keys])
+        value = compute()
+        if len(value) != len(keys):
+            raise ValueError(f"reference cache: {len(value)} rows computed for {len(keys)} keys")
+        self.update(zip(keys, value.detach().clone()))
+        return value
+
+
 def full_tensor(t: Tensor) -> Tensor:
     """A DTensor shard's whole tensor (a collective: every process calls it; FSDP2), a ZeRO-3 partitioned trained
     weight's whole float32 weight (as well), any other tensor as it is."""
@@ -131,9 +155,18 @@ class Policy(Protocol):
         """Which steps of `unit` count for samples `idx` [b, K] (1/0), known without a forward pass: what the loss's
         normalizer of a minibatch is computed from before its micro-batches run."""
 
-    def unit_log_probs(self, batch, idx: Tensor, unit: list[int], *, with_reference: bool) -> UnitOutput:
+    def unit_log_probs(
+        self,
+        batch,
+        idx: Tensor,
+        unit: list[int],
+        *,
+        with_reference: bool,
+        reference_cache: ReferenceCache | None = None,
+    ) -> UnitOutput:
         """The log-probs (with grad) of steps `unit` of samples `idx` [b], beside the recorded ones, and with
-        `with_reference` the KL to the reference policy."""
+        `with_reference` the KL to the reference policy, whose outputs `reference_cache` keeps across the epoch's
+        passes (train.cache_reference)."""
 
     def reference(self) -> contextlib.AbstractContextManager:
         """A context in which the policy is the reference policy."""

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from flowrl import core
-from flowrl.policies.base import DTYPES, ImageBatch, UnitOutput, full_tensor, shard_blocks
+from flowrl.policies.base import DTYPES, ImageBatch, ReferenceCache, UnitOutput, full_tensor, shard_blocks
 from flowrl.seeding import derive_seed
 
 
@@ -552,7 +552,15 @@ class ImagePolicy:
     def step_mask(self, batch: ImageBatch, idx: Tensor, unit: list[int]) -> Tensor:
         return torch.ones(len(idx), len(unit))  # every trained denoising step counts
 
-    def unit_log_probs(self, batch: ImageBatch, idx: Tensor, unit: list[int], *, with_reference: bool) -> UnitOutput:
+    def unit_log_probs(
+        self,
+        batch: ImageBatch,
+        idx: Tensor,
+        unit: list[int],
+        *,
+        with_reference: bool,
+        reference_cache: ReferenceCache | None = None,
+    ) -> UnitOutput:
         traj = batch.traj
         lp, mean, std = self.backend.step_log_prob(traj, unit, sample_indices=idx)  # [b,K] [b,K,...]
         dev = traj.log_probs.device
@@ -568,13 +576,18 @@ class ImagePolicy:
                 mean.detach().flatten(0, 1), old_mean.flatten(0, 1), std.detach().flatten(0, 1).reshape(b * k)
             ).view(b, k)
         if with_reference:
-            with torch.no_grad(), self.reference():
-                _, ref_mean, _ = self.backend.step_log_prob(traj, unit, sample_indices=idx)
+
+            def reference_means() -> Tensor:  # [b*K, ...], sample-major
+                with torch.no_grad(), self.reference():
+                    return self.backend.step_log_prob(traj, unit, sample_indices=idx)[1].flatten(0, 1)
+
+            if reference_cache is None:
+                ref_mean = reference_means()
+            else:  # a step's mean at a recorded latent: the same input in every pass
+                ref_mean = reference_cache.rows([(i, s) for i in idx.tolist() for s in unit], reference_means)
             kstd = self._kl_std(traj, unit, std)
             b, k = lp.shape
-            out.kl = core.gaussian_kl(
-                mean.flatten(0, 1), ref_mean.flatten(0, 1), kstd.flatten(0, 1).reshape(b * k)
-            ).view(b, k)
+            out.kl = core.gaussian_kl(mean.flatten(0, 1), ref_mean, kstd.flatten(0, 1).reshape(b * k)).view(b, k)
         return out
 
     def reward_penalty(self, batch: ImageBatch) -> Tensor | None:

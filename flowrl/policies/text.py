@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from flowrl import core
-from flowrl.policies.base import DTYPES, TextBatch, UnitOutput, full_tensor, shard_blocks
+from flowrl.policies.base import DTYPES, ReferenceCache, TextBatch, UnitOutput, full_tensor, shard_blocks
 from flowrl.seeding import derive_seed
 
 
@@ -663,7 +663,15 @@ class TextPolicy:
             mask = mask * (~batch.truncated[idx]).float()[:, None]
         return mask
 
-    def unit_log_probs(self, batch: TextBatch, idx: Tensor, unit: list[int], *, with_reference: bool) -> UnitOutput:
+    def unit_log_probs(
+        self,
+        batch: TextBatch,
+        idx: Tensor,
+        unit: list[int],
+        *,
+        with_reference: bool,
+        reference_cache: ReferenceCache | None = None,
+    ) -> UnitOutput:
         t = self.text
         idx = idx.to(self.device)
         ids, attn = batch.input_ids[idx], batch.attention_mask[idx]
@@ -676,8 +684,15 @@ class TextPolicy:
         if batch.loss_weights is not None:  # text.engine_correction's importance weights
             out.weight = batch.loss_weights[idx.to(batch.loss_weights.device)].to(lp.device)
         if with_reference and not t.kl_in_reward:
-            with torch.no_grad(), self.reference() as ref:
-                ref_lp, _ = self._forward_log_probs(ref, ids, attn, batch.prompt_len, t.temperature)
+
+            def reference_log_probs() -> Tensor:  # [b, T]
+                with torch.no_grad(), self.reference() as ref:
+                    return self._forward_log_probs(ref, ids, attn, batch.prompt_len, t.temperature)[0]
+
+            if reference_cache is None:
+                ref_lp = reference_log_probs()
+            else:  # a sample's tokens: the same input in every pass
+                ref_lp = reference_cache.rows(idx.tolist(), reference_log_probs)
             out.kl = core.kl_estimate(lp, ref_lp, t.kl_estimator)
         return out
 
