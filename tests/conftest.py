@@ -54,6 +54,26 @@ def pytest_report_header(config):
     )
 
 
+def perturb_lora_b(trainer, scale: float = 0.05, seed: int = 3) -> None:
+    """Move every lora_B of `trainer` off zero (where the trained model is its reference, and a KL to it is 0)."""
+    with torch.no_grad():
+        for n, p in trainer.named_params.items():
+            if "lora_B" in n:
+                p.add_(scale * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
+
+
+def count_reference_entries(policy) -> list:
+    """Wrap `policy.reference` so that each entry into the reference appends to the returned list."""
+    calls, enter = [], policy.reference
+
+    def counted():
+        calls.append(1)
+        return enter()
+
+    policy.reference = counted
+    return calls
+
+
 def save_tiny_gpt2(d, **config):
     """A tiny random GPT-2 (seed 0) with the arithmetic tokenizer saved to `d`, and 12 addition prompts in its
     prompts.jsonl; `config`: GPT2Config fields over 2 blocks of 32 dims, 2 heads, 32 positions."""

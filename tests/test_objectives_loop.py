@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conditioned import condition_images, pair_data, prompt_data
+from conftest import count_reference_entries, perturb_lora_b
 
 from flowrl import core
 from flowrl.config import ConfigError, describe, load_config
@@ -596,6 +597,29 @@ def test_help_documents_the_objectives():
     assert len(set(titles)) == len(titles) and REGISTRY.get("dpo").title == "online Diffusion-DPO"
 
 
+def _epochs_with_and_without_the_reference_cache(tmp_path, *extra):
+    """One two-pass epoch's update (minibatches of 4, lora_B off zero) without and with train.cache_reference:
+    {cached: (trainer, entries into the reference, trained weights, batch)}."""
+    runs = {}
+    for cached in (False, True):
+        cfg = tiny_cfg(
+            tmp_path / str(cached),
+            *extra,
+            "train.inner_epochs=2",
+            "train.minibatch_size=4",
+            f"train.cache_reference={str(cached).lower()}",
+        )
+        tr = Trainer(cfg)
+        perturb_lora_b(tr)
+        calls = count_reference_entries(tr.policy)
+        start = trained(tr)
+        batch, _, adv, keep = _epoch_inputs(tr)
+        tr.update(batch, adv, keep, epoch=0)
+        assert max_change(trained(tr), start) > 1e-4  # it trained
+        runs[cached] = (tr, len(calls), trained(tr), batch)
+    return runs
+
+
 @pytest.mark.parametrize(
     "objective, extra", [("dpo", "train.dpo.pairing=ranked"), ("nft", "train.nft.kl_coef=0.1")], ids=["dpo", "nft"]
 )
@@ -603,35 +627,8 @@ def test_cache_reference_runs_the_reference_once_an_epoch_with_the_same_result(o
     """train.cache_reference with two passes: the reference runs in the first pass only (the second reads each row's
     velocity by its key), and the epoch trains the same weights as without the cache, up to a batched forward's
     rounding; the cache is the epoch's (the next epoch's draw starts it again) and off with one pass."""
-    runs = {}
-    for cached in (False, True):
-        cfg = tiny_cfg(
-            tmp_path / str(cached),
-            f"train.objective={objective}",
-            extra,
-            "train.inner_epochs=2",
-            "train.minibatch_size=4",
-            f"train.cache_reference={str(cached).lower()}",
-        )
-        tr = Trainer(cfg)
-        with torch.no_grad():  # lora_B starts at 0, where the trained model is its reference
-            for n, p in tr.named_params.items():
-                if "lora_B" in n:
-                    p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
-        calls = []
-        enter = tr.policy.reference
-
-        def counted(enter=enter, calls=calls):
-            calls.append(1)
-            return enter()
-
-        tr.policy.reference = counted
-        start = trained(tr)
-        batch, _, adv, keep = _epoch_inputs(tr)
-        tr.update(batch, adv, keep, epoch=0)
-        assert max_change(trained(tr), start) > 1e-4  # it trained
-        runs[cached] = (tr, len(calls), trained(tr))
-    (_, plain_calls, plain_w), (cached_tr, cached_calls, cached_w) = runs[False], runs[True]
+    runs = _epochs_with_and_without_the_reference_cache(tmp_path, f"train.objective={objective}", extra)
+    (_, plain_calls, plain_w, _), (cached_tr, cached_calls, cached_w, batch) = runs[False], runs[True]
     assert plain_calls > 0 and cached_calls * 2 == plain_calls
     obj = cached_tr.objective
     assert obj.reference_hits > 0 and len(obj.reference_cache) == obj.reference_hits
@@ -656,33 +653,7 @@ def test_grpo_cache_reference_runs_the_reference_once_an_epoch_with_the_same_res
     """GRPO with a KL term and two passes: train.cache_reference keeps each trained step's reference mean (at the
     recorded latent: the same input in both passes) from the first pass, so the reference runs half as often, and
     the epoch trains the same weights as without the cache, up to a batched forward's rounding."""
-    runs = {}
-    for cached in (False, True):
-        cfg = tiny_cfg(
-            tmp_path / str(cached),
-            "train.objective=grpo",
-            "train.grpo.beta=0.5",
-            "train.inner_epochs=2",
-            "train.minibatch_size=4",
-            f"train.cache_reference={str(cached).lower()}",
-        )
-        tr = Trainer(cfg)
-        with torch.no_grad():  # lora_B starts at 0, where the trained model is its reference and the KL is 0
-            for n, p in tr.named_params.items():
-                if "lora_B" in n:
-                    p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
-        calls, enter = [], tr.policy.reference
-
-        def counted(enter=enter, calls=calls):
-            calls.append(1)
-            return enter()
-
-        tr.policy.reference = counted
-        start = trained(tr)
-        batch, _, adv, keep = _epoch_inputs(tr)
-        tr.update(batch, adv, keep, epoch=0)
-        assert max_change(trained(tr), start) > 1e-4  # it trained
-        runs[cached] = (tr, len(calls), trained(tr), batch)
+    runs = _epochs_with_and_without_the_reference_cache(tmp_path, "train.objective=grpo", "train.grpo.beta=0.5")
     (_, plain_calls, plain_w, _), (tr, cached_calls, cached_w, batch) = runs[False], runs[True]
     assert plain_calls > 0 and cached_calls * 2 == plain_calls
     obj = tr.objective

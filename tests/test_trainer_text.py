@@ -6,6 +6,7 @@ import math
 from types import SimpleNamespace
 
 import torch
+from conftest import count_reference_entries, perturb_lora_b
 
 from flowrl.config import LOSS_PRESETS, load_config
 from flowrl.objectives.grpo import grpo_loss
@@ -80,17 +81,8 @@ def test_text_cache_reference_keeps_the_reference_log_probs_for_the_second_pass(
                 f"train.cache_reference={str(cached).lower()}",
             )
         )
-        with torch.no_grad():  # lora_B starts at 0, where the trained model is its reference and the KL is 0
-            for n, p in tr.named_params.items():
-                if "lora_B" in n:
-                    p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
-        calls, enter = [], tr.policy.reference
-
-        def counted(enter=enter, calls=calls):
-            calls.append(1)
-            return enter()
-
-        tr.policy.reference = counted
+        perturb_lora_b(tr)
+        calls = count_reference_entries(tr.policy)
         batch = tr.rollout(0)
         scores, _ = tr.score(batch, 0)
         adv, keep, _ = tr.advantages(batch, scores, 0)
