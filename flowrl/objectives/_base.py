@@ -70,6 +70,11 @@ class Objective:
         #: train.cache_reference: the epoch's reference outputs (a ReferenceCache made by `prepare`), None when off
         self.reference_cache = None
 
+    @staticmethod
+    def keeps_reference(cfg) -> bool:
+        """Whether train.cache_reference applies: asked for, and more than one pass over each batch to reuse it in."""
+        return cfg.train.cache_reference and cfg.train.inner_epochs > 1
+
     @property
     def reference_hits(self) -> int:
         """Rows of the reference read from train.cache_reference's cache in this epoch instead of computed."""

@@ -63,7 +63,7 @@ class ForwardProcessObjective(Objective):
 
     def __init__(self, cfg, policy, num_processes: int = 1):
         super().__init__(cfg, policy, num_processes)
-        self.plan: TrainingTimes | None = None  # reference_cache (the base's): velocities by row key (`row_keys`)
+        self.plan: TrainingTimes | None = None
 
     # ---- before the model loads
 
@@ -101,9 +101,9 @@ class ForwardProcessObjective(Objective):
         reference, note = cls.reference_note(settings)
         rows = times * cls.images_per_sample
         # a DPO batch of B samples holds at most B / 2 pairs, 2 images each: B x T cached rows, as the others
-        cached = cls.times_per_sample(settings, cfg.sample.num_steps) if reference and cfg.train.cache_reference else 0
+        cached = cls.times_per_sample(settings, cfg.sample.num_steps) if reference and cls.keeps_reference(cfg) else 0
         return MemoryTerms(
-            reference_cached=cached if cfg.train.inner_epochs > 1 else 0,
+            reference_cached=cached,
             reference=reference,
             reference_note=note,
             rows=rows,
@@ -130,8 +130,8 @@ class ForwardProcessObjective(Objective):
         times = self.policy.flow_times(batch)
         gen = torch.Generator().manual_seed(derive_seed(self.cfg.train.seed, epoch, process_index, _TIMES_TAG))
         self.plan = TrainingTimes(epoch, process_index, times, self.draw_steps(len(batch.prompts), times, gen))
-        t = self.cfg.train
-        self.reference_cache = ReferenceCache() if t.cache_reference and t.inner_epochs > 1 else None  # a new batch
+        # reference velocities by row key (`row_keys`); a new batch: a new cache
+        self.reference_cache = ReferenceCache() if self.keeps_reference(self.cfg) else None
         return keep
 
     def train_units(self, batch, steps_per_forward):

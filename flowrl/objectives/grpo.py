@@ -222,10 +222,9 @@ class GRPO(Objective):
         s, num_steps = cfg.train.grpo, cfg.sample.num_steps
         trained = num_steps if s.window.kind == "all" else s.window.size
         steps = min(cfg.train.steps_per_forward, trained)
-        t = cfg.train
         return MemoryTerms(
             # train.cache_reference: the reference's mean of every trained step of a sample, for the epoch
-            reference_cached=trained if s.beta > 0 and t.cache_reference and t.inner_epochs > 1 else 0,
+            reference_cached=trained if s.beta > 0 and cls.keeps_reference(cfg) else 0,
             reference_cached_what=("step means", "steps"),
             reference=s.beta > 0,
             reference_note=f"beta {s.beta:g}",
@@ -243,8 +242,7 @@ class GRPO(Objective):
         return self.policy.step_mask(batch, idx, unit)
 
     def prepare(self, batch, adv, keep, *, epoch, process_index):
-        t = self.cfg.train
-        cached = self.settings.beta > 0 and t.cache_reference and t.inner_epochs > 1
+        cached = self.settings.beta > 0 and self.keeps_reference(self.cfg)
         self.reference_cache = ReferenceCache() if cached else None  # a new batch: a new cache
         return keep
 
