@@ -453,7 +453,8 @@ def test_awm_ema_policy_is_soft_updated_after_every_optimizer_step(tmp_path):
 
 
 def test_dpo_pairs_each_groups_best_and_worst_sample(tmp_path):
-    tr = Trainer(tiny_cfg(tmp_path, "train.objective=dpo"))
+    # weighting=velocity: no time weighs 0, so every row of a unit is computed (see the test of the t = 1 rows)
+    tr = Trainer(tiny_cfg(tmp_path, "train.objective=dpo", "train.dpo.weighting=velocity"))
     batch, scores, adv, keep = _epoch_inputs(tr)
     obj = tr.objective
     winners = obj.prepare(batch, adv, keep, epoch=0, process_index=0)
@@ -511,7 +512,16 @@ def test_dpo_kl_coef_adds_the_penalty_on_both_images_of_each_pair(tmp_path):
     """train.dpo.kl_coef: the same pairs, times and noise give the loss without it plus kl_coef x the pair's summed
     deviation from the reference (2 x the reported mean over images, policy/dpo_kl); with the adapter perturbed
     (lora_B starts at 0, where the deviation is 0) it is positive, and an epoch trains with it."""
-    tr = Trainer(tiny_cfg(tmp_path, "train.objective=dpo", "train.dpo.pairing=ranked", "train.dpo.kl_coef=0.5"))
+    # weighting=velocity: at kl_coef 0 too every row is computed (none weighs 0), so both see the same rows
+    tr = Trainer(
+        tiny_cfg(
+            tmp_path,
+            "train.objective=dpo",
+            "train.dpo.pairing=ranked",
+            "train.dpo.kl_coef=0.5",
+            "train.dpo.weighting=velocity",
+        )
+    )
     assert tr.objective.settings.kl_coef == 0.5
     batch, _, adv, keep = _epoch_inputs(tr)
     obj = tr.objective
@@ -775,8 +785,58 @@ def test_dpo_weighting_gives_the_loss_its_time_weight(tmp_path, monkeypatch):
         obj.settings.weighting = name
         obj.unit_loss(batch, winners, [0, 1], adv, keep, None)
         t = seen["t"]
-        assert len(t) == 2 * len(winners) and len(t.unique()) > 1
+        computed = 2 * len(winners) if w is None else int((obj.inputs(batch, winners, [0, 1])[1] < 1).sum())
+        assert len(t) == computed and len(t.unique()) > 1
         if w is None:
             assert seen["weight"] is None
         else:
             torch.testing.assert_close(seen["weight"], w(t), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("weighting", ["noise", "linear"])
+def test_dpo_rows_at_pure_noise_are_not_computed_and_change_nothing(weighting, tmp_path):
+    """Under weighting noise or linear a pair's row at t = 1 weighs w = 0: its inside is 0 whatever the model, so
+    its loss is log 2 and its gradient 0. It is left out of the forward passes (the policy's and the reference's)
+    and kept in the loss's mean: the per-row losses and the gradient equal those of every row computed (up to a
+    batched forward's rounding); with kl_coef > 0 (a penalty at every time) every row is computed."""
+    tr = Trainer(
+        tiny_cfg(tmp_path, "train.objective=dpo", "train.dpo.pairing=ranked", f"train.dpo.weighting={weighting}")
+    )
+    perturb_lora_b(tr)
+    batch, _, adv, keep = _epoch_inputs(tr)
+    obj = tr.objective
+    winners = obj.prepare(batch, adv, keep, epoch=0, process_index=0).nonzero().flatten()
+    unit = list(range(obj.plan.steps.shape[1]))  # every time of the 4-step schedule in one forward: t = 1 among them
+    rows_w, t, noise = obj.inputs(batch, winners, unit)
+    assert (t == 1).sum() == len(winners) and len(winners) > 1  # each winner's row at pure noise
+    seen = []
+    predict = tr.policy.flow_prediction
+
+    def spy(batch_, rows, t_, noise_, **kwargs):
+        seen.append(t_)
+        return predict(batch_, rows, t_, noise_, **kwargs)
+
+    tr.policy.flow_prediction = spy
+
+    def losses_and_grads(fn):
+        tr.opt.zero_grad(set_to_none=True)
+        seen.clear()
+        loss, stats = fn()
+        loss.mean().backward()
+        return loss.detach(), [p.grad.clone() for p in tr.params], list(seen)
+
+    skipped, g_skipped, calls = losses_and_grads(lambda: obj.row_losses(batch, winners, unit, adv))
+    assert len(calls) == 2 and all(len(c) == 2 * (len(t) - len(winners)) and (c < 1).all() for c in calls)
+    losers = obj.partner[winners].repeat(len(unit))
+    keys = obj.row_keys(winners, unit), obj.row_keys(obj.partner[winners], unit, noise_of=winners)
+    every, g_every, calls = losses_and_grads(lambda: obj.pair_losses(batch, rows_w, losers, t, noise, keys))
+    assert len(calls) == 2 and all(len(c) == 2 * len(t) for c in calls)  # the policy's and the reference's pass
+    assert torch.equal(skipped[t == 1], torch.full_like(skipped[t == 1], math.log(2.0)))
+    torch.testing.assert_close(every[t == 1], skipped[t == 1], rtol=0, atol=1e-7)  # -log sigmoid(0)
+    torch.testing.assert_close(skipped, every, rtol=1e-5, atol=1e-7)
+    assert any(g.abs().max() > 0 for g in g_every)
+    for a, b in zip(g_skipped, g_every):  # (the rounding of a batch of other rows, on elements near zero)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()))
+    obj.settings.kl_coef = 0.1
+    losses_and_grads(lambda: obj.row_losses(batch, winners, unit, adv))
+    assert all(len(c) == 2 * len(t) for c in seen)

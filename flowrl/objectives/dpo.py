@@ -10,6 +10,7 @@ images per pair.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -41,7 +42,9 @@ class DPOSettings:
     weighting: Literal["noise", "linear", "velocity"] = "noise"
     """`noise`: w(t) = (1 - t)^2, which turns velocity errors into the paper's noise errors exactly (eps - eps_hat =
     (1 - t)(v - v_hat)); `velocity`: w = 1, Flow-DPO's form on velocity errors; `linear`: w = 1 - t, between the
-    two (the noisiest steps weigh more than under `noise`, less than under `velocity`)."""
+    two (the noisiest steps weigh more than under `noise`, less than under `velocity`). Under `noise` and `linear`
+    a time at t = 1 (pure noise, a flow schedule's first step) weighs 0: its loss is the constant log 2, and with
+    kl_coef 0 it is not computed (one forward row of T saved, the same loss and gradient)."""
     pairing: Literal["best_worst", "ranked"] = "best_worst"
     """The pairs of a group: `best_worst`, its best image over its worst (one pair); `ranked`, the k-th best over
     the k-th worst while strictly better (up to group_size / 2 disjoint pairs, core.ranked_pairs: with 0/1 rewards
@@ -128,20 +131,46 @@ class DPO(ForwardProcessObjective):
         self.partner, self.pairs = partner, int((partner >= 0).sum())
         return partner >= 0
 
+    def time_weight(self, t: Tensor) -> Tensor | None:
+        """w(t) [N] of flow times `t` [N] under train.dpo.weighting (None: velocity's w = 1)."""
+        w = self.settings.weighting
+        return (1 - t) ** 2 if w == "noise" else 1 - t if w == "linear" else None
+
     def row_losses(self, batch, idx, unit, adv):
+        """The unit's pair losses [K*b]. A row whose time weighs w(t) = 0 (t = 1, pure noise, under weighting noise
+        or linear) is not computed when kl_coef is 0: its inside is 0, so its loss is the constant log 2 whatever
+        the model, and its gradient exactly zero. It stays in the loss's mean (the same loss and gradient, 1/T less
+        work at T times a pair); the stats are the computed rows'."""
         idx = idx.cpu()
         losers = torch.where(self.partner[idx] >= 0, self.partner[idx], idx)  # a placeholder pass: itself
         rows_w, t, noise = self.inputs(batch, idx, unit)  # the winner's times and noise serve its loser too
         rows_l = losers.repeat(len(unit))
+        keys = self.row_keys(idx, unit), self.row_keys(losers, unit, noise_of=idx)
+        weight = self.time_weight(t)
+        live = torch.ones(len(t), dtype=torch.bool) if weight is None else weight.cpu() > 0
+        if self.settings.kl_coef > 0 or live.all() or not live.any():  # (no live row: computed, for a gradient)
+            return self.pair_losses(batch, rows_w, rows_l, t, noise, keys)
+        kept = live.nonzero().flatten()
+        part, stats = self.pair_losses(
+            batch,
+            rows_w[kept],
+            rows_l[kept],
+            t[kept],
+            noise[kept.to(noise.device)],
+            tuple([k[i] for i in kept.tolist()] for k in keys),
+        )
+        loss = torch.full((len(t),), math.log(2.0), dtype=part.dtype, device=part.device)
+        return loss.index_put((kept.to(part.device),), part), stats
+
+    def pair_losses(self, batch, rows_w, rows_l, t, noise, keys) -> tuple[Tensor, dict]:
+        """core.dpo_loss of the pairs (rows_w[i] over rows_l[i]) [P], noised with `noise` [P, ...] at `t` [P];
+        `keys`: the reference cache's keys of the winners' and the losers' rows."""
         both, t2, noise2 = torch.cat([rows_w, rows_l]), torch.cat([t, t]), torch.cat([noise, noise])
         pred = self.policy.flow_prediction(batch, both, t2, noise2)
-        keys = self.row_keys(idx, unit) + self.row_keys(losers, unit, noise_of=idx)
-        ref = self.reference_velocity(batch, both, t2, noise2, keys=keys)
+        ref = self.reference_velocity(batch, both, t2, noise2, keys=keys[0] + keys[1])
         v_w, v_l = pred.velocity.chunk(2)
         r_w, r_l = ref.chunk(2)
         t_used = pred.t.chunk(2)[0]
-        w = self.settings.weighting
-        weight = (1 - t_used) ** 2 if w == "noise" else 1 - t_used if w == "linear" else None  # velocity: w = 1
         loss, stats = core.dpo_loss(
             v_w,
             v_l,
@@ -152,7 +181,7 @@ class DPO(ForwardProcessObjective):
             noise,
             t_used,
             beta=self.settings.beta,
-            weight=weight,
+            weight=self.time_weight(t_used),
             kl_coef=self.settings.kl_coef,
         )
         stats.pop("num_pairs")
