@@ -146,9 +146,9 @@ class DPO(ForwardProcessObjective):
         rows_w, t, noise = self.inputs(batch, idx, unit)  # the winner's times and noise serve its loser too
         rows_l = losers.repeat(len(unit))
         keys = self.row_keys(idx, unit), self.row_keys(losers, unit, noise_of=idx)
-        weight = self.time_weight(t)
-        live = torch.ones(len(t), dtype=torch.bool) if weight is None else weight.cpu() > 0
-        if self.settings.kl_coef > 0 or live.all() or not live.any():  # (no live row: computed, for a gradient)
+        weight = self.time_weight(t)  # (kl_coef > 0: a penalty at every time, w or not)
+        live = None if weight is None or self.settings.kl_coef > 0 else weight.cpu() > 0
+        if live is None or live.all() or not live.any():  # (no live row: all computed, for a gradient)
             return self.pair_losses(batch, rows_w, rows_l, t, noise, keys)
         kept = live.nonzero().flatten()
         part, stats = self.pair_losses(
