@@ -16,6 +16,7 @@ from flowrl.core import (
     forward_noising,
     get_objective_loss,
     group_advantages,
+    matched_pairs,
     nft_loss,
     optimality_probability,
     ranked_pairs,
@@ -501,6 +502,61 @@ def test_ranked_pairs_are_disjoint_strict_and_start_with_best_worst():
             r = sorted(rewards[ids == g].tolist())
             expected = sum(1 for k in range(len(r) // 2) if r[-1 - k] > r[k])
             assert int((ids[w] == g).sum()) == expected
+
+
+def test_matched_pairs_by_hand():
+    """Group a, 0/1 rewards, correct 0, 2, 6 and incorrect 1, 3, 4, 5, 7, one-hot colours (red, blue; 5 has none):
+    ranked pairs 0-1, 2-3, 6-4 (the first incorrect ones by index); matched pairs each winner with a loser of its own
+    colour, distance 0, the lowest indices first: 0 (red) with 3, 2 (blue) with 1, 6 (red) with 4. Group b
+    [0.9, 0.1, 0.5], red, blue, red: ranked's one pair is 0 over 1 (distance 2); matched's one pair is the closest
+    strictly ordered one, 0 over 2 (distance 0)."""
+    red, blue, none = [1.0, 0.0], [0.0, 1.0], [0.0, 0.0]
+    rewards = t64([1, 0, 1, 0, 0, 0, 1, 0, 0.9, 0.1, 0.5])
+    ids = ["a"] * 8 + ["b"] * 3
+    f = t64([red, blue, blue, red, red, none, red, blue, red, blue, red])
+    w, l = matched_pairs(rewards, ids, f)
+    assert w.tolist() == [0, 2, 6, 8] and l.tolist() == [3, 1, 4, 10]
+    assert ranked_pairs(rewards, ids)[1].tolist() == [1, 3, 4, 9]
+    # no features (nothing left free): every distance 0, and ranked's own pairs
+    w0, l0 = matched_pairs(rewards, ids, torch.zeros(11, 0))
+    assert (w0.tolist(), l0.tolist()) == tuple(x.tolist() for x in ranked_pairs(rewards, ids))
+    with pytest.raises(ValueError, match=r"features must be \[N, F\]"):
+        matched_pairs(rewards, ids, torch.zeros(10, 2))
+    with pytest.raises(ValueError, match="NaN or inf"):
+        matched_pairs(rewards, ids, torch.full((11, 1), float("nan")))
+    assert matched_pairs(t64([]), [], torch.zeros(0, 3))[0].numel() == 0
+
+
+def test_matched_pairs_count_and_distance_against_brute_force():
+    """Random groups of 0/1 rewards and counts: ranked_pairs' count, every pair strict, no sample twice, a total
+    distance at most ranked's, and (greedy, not exact) the smallest total distance over every choice of that many
+    winners, losers and matching of them in at least 95% of the groups, never more than 2 above it."""
+    import itertools
+
+    gen = torch.Generator().manual_seed(1)
+    optimal = tried = 0
+    for _ in range(200):
+        n = int(torch.randint(2, 9, (1,), generator=gen))
+        rewards = torch.randint(0, 2, (n,), generator=gen).double()
+        f = torch.randint(0, 3, (n, 2), generator=gen).double()
+        w, l = matched_pairs(rewards, [0] * n, f)
+        rw, rl = ranked_pairs(rewards, [0] * n)
+        assert len(w) == len(rw)
+        assert bool((rewards[w] > rewards[l]).all()) and len(set(w.tolist()) | set(l.tolist())) == 2 * len(w)
+        cost = float((f[w] - f[l]).abs().sum())
+        assert cost <= float((f[rw] - f[rl]).abs().sum()) + 1e-12
+        if not len(w):
+            continue
+        good = [i for i in range(n) if rewards[i] == 1]
+        bad = [i for i in range(n) if rewards[i] == 0]
+        best = min(
+            sum(float((f[a] - f[b]).abs().sum()) for a, b in zip(ws, ls))
+            for ws in itertools.combinations(good, len(w))
+            for ls in itertools.permutations(bad, len(w))
+        )
+        assert best <= cost <= best + 2
+        tried, optimal = tried + 1, optimal + (cost == best)
+    assert tried >= 150 and optimal >= 0.95 * tried
 
 
 def test_best_worst_pairs_tensor_ids_empty_and_nan():

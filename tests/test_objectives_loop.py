@@ -508,6 +508,74 @@ def test_dpo_ranked_pairing_trains_several_pairs_a_group(tmp_path):
         tiny_cfg(tmp_path, "train.objective=dpo_offline", "train.dpo_offline.pairing=ranked")
 
 
+@pytest.fixture
+def coloured_reward():
+    """A test-only image reward with free-attribute counts: 1 for the images whose mean red exceeds the batch's
+    median, else 0, and per image one free 'object' counted under the colour its index gives (red for even
+    indices, blue for odd), as a GenEval-style reward reports what the prompt left free."""
+    import numpy as np
+
+    from rewards.registry import REWARDS, register
+
+    name = "test_coloured"
+
+    @register(name, kind="image")
+    def factory(**kwargs):
+        class Fn:
+            last_components: dict = {}
+
+            def __call__(self, images, prompts, **metadata):
+                red = torch.tensor(
+                    [float(np.asarray(im.convert("RGB"), dtype=np.float32)[..., 0].mean()) for im in images]
+                )
+                even = (torch.arange(len(images)) % 2 == 0).float()
+                self.last_components = {"free_color=red": even, "free_color=blue": 1 - even}
+                return (red > red.median()).float()
+
+        return Fn()
+
+    yield name
+    REWARDS._items.pop(name, None)
+
+
+def test_dpo_matched_pairing_pairs_images_of_one_free_colour(tmp_path, coloured_reward):
+    """train.dpo.pairing=matched: the trainer hands the rewards' free counts to the pairing (batch.free_counts
+    [B, F], columns in sorted name order), which takes ranked's pair count in each group with a winner and a loser
+    of the same free colour where one exists; the pairs' mean count distance is logged, and an epoch trains.
+    Without a counting reward the pairing fails with a line that names the components it needs."""
+    tr = Trainer(
+        tiny_cfg(
+            tmp_path / "a", "train.objective=dpo", "train.dpo.pairing=matched", f"rewards=[{{name: {coloured_reward}}}]"
+        )
+    )
+    batch, adv, keep, metrics, _ = tr.scored_rollout(0)
+    even = (torch.arange(8) % 2 == 0).float()
+    assert torch.equal(batch.free_counts, torch.stack([1 - even, even], 1))  # blue, then red
+    adv = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0])  # group 0: 0, 1 beat 2, 3; group 1: 4, 7 beat 5, 6
+    keep = torch.ones(8, dtype=torch.bool)
+    tr.objective.prepare(batch, adv, keep, epoch=0, process_index=0)
+    # ranked would pair 0-2, 1-3 and 4-5, 7-6; matched pairs even with even and odd with odd: 0-2, 1-3, 4-6, 7-5
+    assert tr.objective.partner.tolist() == [2, 3, -1, -1, 6, -1, -1, 5]
+    before = trained(tr)
+    out = tr.update(batch, adv, keep, epoch=0)
+    assert out["objective/dpo_pairs"] == 4.0 and out["objective/dpo_pair_free_distance"] == 0.0
+    assert max_change(before, trained(tr)) > 0
+    ranked = Trainer(
+        tiny_cfg(
+            tmp_path / "b", "train.objective=dpo", "train.dpo.pairing=ranked", f"rewards=[{{name: {coloured_reward}}}]"
+        )
+    )
+    batch, *_ = ranked.scored_rollout(0)
+    ranked.objective.prepare(batch, adv, keep, epoch=0, process_index=0)
+    assert ranked.objective.partner.tolist() == [2, 3, -1, -1, 5, -1, -1, 6]
+    assert ranked.objective.pair_distance == 1.0  # 4-5 and 7-6 differ in colour, 0-2 and 1-3 do not
+    plain = Trainer(tiny_cfg(tmp_path / "c", "train.objective=dpo", "train.dpo.pairing=matched"))
+    batch, *_ = plain.scored_rollout(0)
+    assert batch.free_counts is None
+    with pytest.raises(ValueError, match=r"pairing=matched .* '<reward>/free_<attribute>=<value>'.* pairing=ranked"):
+        plain.objective.prepare(batch, adv, keep, epoch=0, process_index=0)
+
+
 def test_dpo_kl_coef_adds_the_penalty_on_both_images_of_each_pair(tmp_path):
     """train.dpo.kl_coef: the same pairs, times and noise give the loss without it plus kl_coef x the pair's summed
     deviation from the reference (2 x the reported mean over images, policy/dpo_kl); with the adapter perturbed

@@ -431,6 +431,64 @@ def ranked_pairs(rewards: Tensor, group_ids: Tensor | Sequence[Hashable]) -> tup
     return torch.stack(winners), torch.stack(losers)
 
 
+def matched_pairs(rewards: Tensor, group_ids: Tensor | Sequence[Hashable], features: Tensor) -> tuple[Tensor, Tensor]:
+    """Online DPO's pairs as many as `ranked_pairs` gives in each group, chosen so that a pair's two samples agree
+    on `features` (e.g. the counts of the colours the prompt left free): a preference then carries as little as
+    it can of what the reward does not judge, and the trained model is not pushed along it.
+
+    Per group, greedily: among the strictly ordered pairs (r_w > r_l) of samples not yet paired, the one of the
+    smallest L1 distance ||f_w - f_l||_1, ties to the larger reward gap, then the lower winner and loser index;
+    until the group has ranked_pairs' count. With 0/1 rewards every correct sample meets an incorrect one, so
+    the count is always reached; where a graded reward's greedy choice falls short of it, the group keeps
+    ranked_pairs' own pairs.
+
+    rewards: [N]; group_ids: [N]; features: [N, F] -> (winners [P], losers [P]) long indices into the N samples,
+    the groups in `group_index`'s order and each group's pairs in the order chosen.
+    """
+    rewards, index, num_groups = _pair_inputs(rewards, group_ids)
+    features = torch.as_tensor(features)
+    if features.ndim != 2 or features.shape[0] != rewards.numel():
+        raise ValueError(
+            f"features must be [N, F] with N = {rewards.numel()} samples (as rewards), got shape "
+            f"{tuple(features.shape)}"
+        )
+    if not torch.isfinite(features).all():
+        raise ValueError("features contain NaN or inf")
+    features = features.to(torch.float64)
+    ranked_w, ranked_l = ranked_pairs(rewards, index)
+    winners, losers = [], []
+    for g in range(num_groups):
+        in_group = index[ranked_w] == g
+        wanted = int(in_group.sum())
+        if not wanted:
+            continue
+        members = (index == g).nonzero().flatten().tolist()
+        r = rewards.tolist()
+        candidates = sorted(
+            (float((features[a] - features[b]).abs().sum()), -(r[a] - r[b]), a, b)
+            for a in members
+            for b in members
+            if r[a] > r[b]
+        )
+        used: set[int] = set()
+        chosen: list[tuple[int, int]] = []
+        for _, _, a, b in candidates:
+            if a not in used and b not in used:
+                chosen.append((a, b))
+                used.update((a, b))
+                if len(chosen) == wanted:
+                    break
+        if len(chosen) < wanted:
+            chosen = list(zip(ranked_w[in_group].tolist(), ranked_l[in_group].tolist()))
+        winners += [a for a, _ in chosen]
+        losers += [b for _, b in chosen]
+    device = rewards.device
+    if not winners:
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return empty, empty.clone()
+    return torch.tensor(winners, dtype=torch.long, device=device), torch.tensor(losers, dtype=torch.long, device=device)
+
+
 #: A pair whose DPO inside is above this is met: its loss's gradient, sigmoid(-inside), is below 1e-13 of a live
 #: pair's (sigmoid(-30) = 9.4e-14), under float32's resolution of any sum with one. Left in, it is no help and it is
 #: slow: past 87 it is subnormal, and so is everything its backward pass multiplies it into, and subnormal float32

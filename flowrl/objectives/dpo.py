@@ -1,7 +1,8 @@
 """Online Diffusion-DPO (Wallace et al., arXiv 2311.12908) on each group's best and worst image.
 
 In each group the best image (highest advantage) wins over the worst (with train.dpo.pairing=ranked, also the second
-best over the second worst, and so on, while strictly better); a pair is noised with the SAME noise and
+best over the second worst, and so on, while strictly better; with matched, as many pairs, of images that agree on
+what the prompt left free); a pair is noised with the SAME noise and
 time, the trained model and the reference (the adapter off, or the frozen copy) evaluated on both, and the loss is
 core.dpo_loss. The loss's samples are the winners (each brings its loser). train.minibatch_size counts samples, of
 which only the winners are computed; train.micro_batch_size counts winners, that is pairs: a forward pass takes two
@@ -45,11 +46,14 @@ class DPOSettings:
     two (the noisiest steps weigh more than under `noise`, less than under `velocity`). Under `noise` and `linear`
     a time at t = 1 (pure noise, a flow schedule's first step) weighs 0: its loss is the constant log 2, and with
     kl_coef 0 it is not computed (one forward row of T saved, the same loss and gradient)."""
-    pairing: Literal["best_worst", "ranked"] = "best_worst"
+    pairing: Literal["best_worst", "ranked", "matched"] = "best_worst"
     """The pairs of a group: `best_worst`, its best image over its worst (one pair); `ranked`, the k-th best over
     the k-th worst while strictly better (up to group_size / 2 disjoint pairs, core.ranked_pairs: with 0/1 rewards
-    every correct image paired with an incorrect one while both last). More pairs train more of each rollout, and
-    cost update time in proportion."""
+    every correct image paired with an incorrect one while both last); `matched`, as many pairs as `ranked`, each
+    of two images that agree as far as they can on what the prompt left free (core.matched_pairs, on the
+    free-attribute counts the rewards report, e.g. shapes_geneval's free_color=...: a winner and a loser of one
+    colour teach nothing about colour, so the model is not pushed toward the winners' colours). More pairs train
+    more of each rollout, and cost update time in proportion."""
     timesteps: int = 0
     """Training times per pair (the same time and noise for winner and loser): that many steps of the rollout's
     schedule in a random order per pair; 0 = all of them (an online batch has one pair per prompt; the paper draws
@@ -89,6 +93,7 @@ class DPO(ForwardProcessObjective):
             )
         self.partner: Tensor | None = None
         self.pairs = 0
+        self.pair_distance: float | None = None
 
     @classmethod
     def times_per_sample(cls, settings, num_steps):
@@ -125,11 +130,33 @@ class DPO(ForwardProcessObjective):
         valid = keep.nonzero().flatten()
         partner = torch.full((len(keep),), -1, dtype=torch.long)
         if len(valid):
-            pairing = core.ranked_pairs if self.settings.pairing == "ranked" else core.best_worst_pairs
-            w, l = pairing(adv[valid].float(), batch.group_ids[valid])
+            order, groups = adv[valid].float(), batch.group_ids[valid]
+            if self.settings.pairing == "matched":
+                w, l = core.matched_pairs(order, groups, self.free_counts(batch)[valid])
+            elif self.settings.pairing == "ranked":
+                w, l = core.ranked_pairs(order, groups)
+            else:
+                w, l = core.best_worst_pairs(order, groups)
             partner[valid[w]] = valid[l]
         self.partner, self.pairs = partner, int((partner >= 0).sum())
+        counts = getattr(batch, "free_counts", None)
+        self.pair_distance = None  # the pairs' mean L1 distance of their free-attribute counts, when a reward has any
+        if counts is not None and counts.shape[-1] and self.pairs:
+            w = (partner >= 0).nonzero().flatten()
+            self.pair_distance = float((counts[w] - counts[partner[w]]).abs().sum(1).mean())
         return partner >= 0
+
+    def free_counts(self, batch) -> Tensor:
+        """pairing=matched: the batch's free-attribute counts [B, F], which a reward must report."""
+        counts = getattr(batch, "free_counts", None)
+        if counts is None or counts.shape[-1] == 0:
+            raise ValueError(
+                f"train.{self.name}.pairing=matched pairs images by what they drew where the prompt left it free, "
+                "the count components a reward reports as '<reward>/free_<attribute>=<value>' (shapes_geneval's "
+                "free_color=...), and no reward of this run reports any; use pairing=ranked or best_worst, or a "
+                "reward that counts its prompts' free attributes"
+            )
+        return counts
 
     def time_weight(self, t: Tensor) -> Tensor | None:
         """w(t) [N] of flow times `t` [N] under train.dpo.weighting (None: velocity's w = 1)."""
@@ -188,7 +215,10 @@ class DPO(ForwardProcessObjective):
         return loss, stats
 
     def after_update(self, optimizer_steps):
-        return {"objective/dpo_pairs": float(self.pairs)}
+        out = {"objective/dpo_pairs": float(self.pairs)}
+        if self.pair_distance is not None:
+            out["objective/dpo_pair_free_distance"] = self.pair_distance
+        return out
 
     @classmethod
     def progress(cls, metrics):

@@ -314,6 +314,17 @@ class Scorer:
         return m
 
 
+def count_features(components: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The free-attribute counts among the score components (name -> [B], flowrl.eval.diversity's
+    "<reward>/free_<attribute>=<value>") as one matrix [B, F], a column per count in the order of their sorted
+    names; None when no reward reports any. A row says what its image drew where the prompt left things free
+    (train.dpo.pairing=matched pairs by it)."""
+    names = sorted(n for n in components if is_count(n))
+    if not names:
+        return None
+    return torch.stack([torch.as_tensor(components[n], dtype=torch.float32).reshape(-1) for n in names], 1)
+
+
 class OverlappedScoring:
     """rollout.overlap_rewards: rewards `which` score each finished rollout call's images (`submit`, the rollout's
     `on_chunk`) on one thread of their own while the next call samples; `finish` waits for the last and returns

@@ -42,7 +42,7 @@ from flowrl.seeding import derive_seed, seed_everything
 from .async_rollout import AsyncRollout
 from .optim import EMA, build_optimizer
 from .prompts import PromptDraws
-from .scoring import OverlappedScoring, Scorer, adv_metrics
+from .scoring import OverlappedScoring, Scorer, adv_metrics, count_features
 from .signals import Abandoned, StopSignals
 from .update import Updater
 
@@ -360,6 +360,9 @@ class Trainer:
                     with self.timer("reward_wait"):  # for the chunks the thread has not scored yet
                         scored = overlap.finish()
                 scores, components = self.score(batch, epoch, scored=scored)
+                # [B, F] what each sample drew where its prompt left it free (None: no reward counts it), for an
+                # objective that pairs by it (train.dpo.pairing=matched)
+                batch.free_counts = count_features(components)
         self.stop_if_asked(epoch, mid_epoch=False)  # nothing of this epoch has changed the weights yet
         self.whole = False  # from here on (the per-prompt statistics, the update) the epoch changes the state
         metrics = self.scorer.reward_metrics(scores, components)
