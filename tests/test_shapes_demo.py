@@ -50,8 +50,8 @@ def test_shapes_preset_one_epoch(preset, tmp_path, monkeypatch):
     assert cfg.train.objective == {"shapes": "dpo", "shapes_grpo": "grpo"}[preset]
     if preset == "shapes_grpo":  # on-policy: the first minibatch's ratio is 1
         assert epoch["policy/ratio_first_dev"] <= 1e-4
-    else:  # ranked pairs: min(correct, incorrect) per group of 8 (2 prompts: at most 8), all 10 steps, twice
-        assert cfg.train.dpo.pairing == "ranked" and cfg.sample.group_size == 8
+    else:  # matched pairs: min(correct, incorrect) per group of 8 (2 prompts: at most 8), all 10 steps, twice
+        assert cfg.train.dpo.pairing == "matched" and cfg.sample.group_size == 8
         assert epoch["objective/dpo_pairs"] in range(9) and "policy/ratio_first_dev" not in epoch
         assert cfg.train.inner_epochs == 2
         if epoch["objective/dpo_pairs"]:
@@ -76,8 +76,8 @@ def test_shapes_preset_one_epoch(preset, tmp_path, monkeypatch):
 def test_the_demo_is_the_measured_dpo_setting():
     """configs/shapes.yaml (the demo) is the race's DPO (configs/shapes_grpo.yaml with the race's DPO overrides)
     with the settings the demo's seeds were measured with (docs/demo_eval.md): every step of the schedule trained,
-    ranked pairs, the rollout in bfloat16, lr 1e-3 with Adam's beta2 0.95, 44 epochs of two update passes (the
-    reference kept between them, a pair's ten times in one forward), no EMA. Only keys DPO does not read (GRPO's
+    matched pairs, the rollout in bfloat16, lr 1e-3 with Adam's beta2 0.95, 44 epochs of two update passes (the
+    reference kept between them, a pair's ten times in one forward), the eval on an EMA of decay 0.97. Only keys DPO does not read (GRPO's
     section: the race's base config is the GRPO preset) may differ."""
 
     from repo_files import load_module
@@ -94,7 +94,7 @@ def test_the_demo_is_the_measured_dpo_setting():
         [
             *race.OBJECTIVE_SETTINGS["dpo"],
             "train.dpo.timesteps=0",
-            "train.dpo.pairing=ranked",
+            "train.dpo.pairing=matched",
             "rollout.acceleration=[autocast]",
             "train.lr=1e-3",
             "train.adam_betas=[0.9,0.95]",
@@ -102,7 +102,7 @@ def test_the_demo_is_the_measured_dpo_setting():
             "train.inner_epochs=2",
             "train.cache_reference=true",  # the same math, the second pass's reference read from the first
             "train.steps_per_forward=10",  # the same math in fewer, larger forward passes
-            "train.ema_decay=0",
+            "train.ema_decay=0.97",
             "log.run_dir=runs/shapes_dpo",
             "eval.base_cache=samples/shapes/base-evals",  # where the base model's eval is read from: no training key
         ],
