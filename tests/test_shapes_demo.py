@@ -77,8 +77,8 @@ def test_the_demo_is_the_measured_dpo_setting():
     """configs/shapes.yaml (the demo) is the race's DPO (configs/shapes_grpo.yaml with the race's DPO overrides)
     with the settings the demo's seeds were measured with (docs/demo_eval.md): every step of the schedule trained,
     matched pairs, the rollout in bfloat16, lr 1e-3 with Adam's beta2 0.95, 44 epochs of two update passes (the
-    reference kept between them, a pair's ten times in one forward), the eval on an EMA of decay 0.97. Only keys DPO does not read (GRPO's
-    section: the race's base config is the GRPO preset) may differ."""
+    reference kept between them, a pair's ten times in one forward), the eval on an EMA of decay 0.97. Only keys
+    DPO does not read (GRPO's section: the race's base config is the GRPO preset) may differ."""
 
     from repo_files import load_module
 
