@@ -66,6 +66,20 @@ def test_histograms_sum_counts_and_eval_summary_leaves_them_out_of_the_means():
     assert out["eval/diversity/shapes_geneval/color_entropy_bits"] == pytest.approx(h)
 
 
+def test_count_features_are_the_count_components_in_sorted_columns():
+    """The trainer's free counts for train.dpo.pairing=matched: one column per count component, sorted by name,
+    the other components left out, a non-finite count 0; None without any count."""
+    from flowrl.train.scoring import count_features
+
+    components = {
+        "shapes_geneval/strict": torch.tensor([1.0, 0.0, 1.0]),
+        "shapes_geneval/free_color=red": torch.tensor([1.0, 2.0, float("nan")]),
+        "shapes_geneval/free_color=blue": torch.tensor([0.0, 0.0, 1.0]),
+    }
+    assert torch.equal(count_features(components), torch.tensor([[0.0, 1.0], [0.0, 2.0], [1.0, 0.0]]))
+    assert count_features({"shapes_geneval/strict": torch.tensor([1.0])}) is None
+
+
 def test_base_distribution_round_trips_with_its_eval_settings(tmp_path):
     store = BaseDistribution(tmp_path)
     assert store.load() is None and store.settings() is None

@@ -318,11 +318,12 @@ def count_features(components: dict[str, torch.Tensor]) -> torch.Tensor | None:
     """The free-attribute counts among the score components (name -> [B], flowrl.eval.diversity's
     "<reward>/free_<attribute>=<value>") as one matrix [B, F], a column per count in the order of their sorted
     names; None when no reward reports any. A row says what its image drew where the prompt left things free
-    (train.dpo.pairing=matched pairs by it)."""
+    (train.dpo.pairing=matched pairs by it); a count that is not finite (a reward that did not apply) is 0."""
     names = sorted(n for n in components if is_count(n))
     if not names:
         return None
-    return torch.stack([torch.as_tensor(components[n], dtype=torch.float32).reshape(-1) for n in names], 1)
+    counts = torch.stack([torch.as_tensor(components[n], dtype=torch.float32).reshape(-1) for n in names], 1)
+    return torch.nan_to_num(counts, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 class OverlappedScoring:
