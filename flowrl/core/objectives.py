@@ -456,6 +456,7 @@ def matched_pairs(rewards: Tensor, group_ids: Tensor | Sequence[Hashable], featu
         raise ValueError("features contain NaN or inf")
     features = features.to(torch.float64)
     ranked_w, ranked_l = ranked_pairs(rewards, index)
+    r = rewards.tolist()
     winners, losers = [], []
     for g in range(num_groups):
         in_group = index[ranked_w] == g
@@ -463,7 +464,6 @@ def matched_pairs(rewards: Tensor, group_ids: Tensor | Sequence[Hashable], featu
         if not wanted:
             continue
         members = (index == g).nonzero().flatten().tolist()
-        r = rewards.tolist()
         candidates = sorted(
             (float((features[a] - features[b]).abs().sum()), -(r[a] - r[b]), a, b)
             for a in members
