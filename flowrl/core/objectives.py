@@ -454,7 +454,7 @@ def matched_pairs(rewards: Tensor, group_ids: Tensor | Sequence[Hashable], featu
         )
     if not torch.isfinite(features).all():
         raise ValueError("features contain NaN or inf")
-    features = features.to(torch.float64)
+    distance = torch.cdist(features.to(torch.float64), features.to(torch.float64), p=1).tolist()  # [N, N]
     ranked_w, ranked_l = ranked_pairs(rewards, index)
     r = rewards.tolist()
     winners, losers = [], []
@@ -464,12 +464,7 @@ def matched_pairs(rewards: Tensor, group_ids: Tensor | Sequence[Hashable], featu
         if not wanted:
             continue
         members = (index == g).nonzero().flatten().tolist()
-        candidates = sorted(
-            (float((features[a] - features[b]).abs().sum()), -(r[a] - r[b]), a, b)
-            for a in members
-            for b in members
-            if r[a] > r[b]
-        )
+        candidates = sorted((distance[a][b], -(r[a] - r[b]), a, b) for a in members for b in members if r[a] > r[b])
         used: set[int] = set()
         chosen: list[tuple[int, int]] = []
         for _, _, a, b in candidates:

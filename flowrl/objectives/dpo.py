@@ -129,27 +129,28 @@ class DPO(ForwardProcessObjective):
         super().prepare(batch, adv, keep, epoch=epoch, process_index=process_index)
         valid = keep.nonzero().flatten()
         partner = torch.full((len(keep),), -1, dtype=torch.long)
+        counts = getattr(batch, "free_counts", None)  # [B, F] the rewards' free-attribute counts, or None
+        if counts is not None and counts.shape[-1] == 0:
+            counts = None
         if len(valid):
             order, groups = adv[valid].float(), batch.group_ids[valid]
             if self.settings.pairing == "matched":
-                w, l = core.matched_pairs(order, groups, self.free_counts(batch)[valid])
+                w, l = core.matched_pairs(order, groups, self.required_counts(counts)[valid])
             elif self.settings.pairing == "ranked":
                 w, l = core.ranked_pairs(order, groups)
             else:
                 w, l = core.best_worst_pairs(order, groups)
             partner[valid[w]] = valid[l]
         self.partner, self.pairs = partner, int((partner >= 0).sum())
-        counts = getattr(batch, "free_counts", None)
         self.pair_distance = None  # the pairs' mean L1 distance of their free-attribute counts, when a reward has any
-        if counts is not None and counts.shape[-1] and self.pairs:
+        if counts is not None and self.pairs:
             w = (partner >= 0).nonzero().flatten()
             self.pair_distance = float((counts[w] - counts[partner[w]]).abs().sum(1).mean())
         return partner >= 0
 
-    def free_counts(self, batch) -> Tensor:
+    def required_counts(self, counts: Tensor | None) -> Tensor:
         """pairing=matched: the batch's free-attribute counts [B, F], which a reward must report."""
-        counts = getattr(batch, "free_counts", None)
-        if counts is None or counts.shape[-1] == 0:
+        if counts is None:
             raise ValueError(
                 f"train.{self.name}.pairing=matched pairs images by what they drew where the prompt left it free, "
                 "the count components a reward reports as '<reward>/free_<attribute>=<value>' (shapes_geneval's "
