@@ -8,6 +8,7 @@ import torch
 
 from flowrl.core import (
     OBJECTIVE_LOSSES,
+    attribute_shift,
     awm_loss,
     awm_matching_loss,
     best_worst_pairs,
@@ -786,3 +787,56 @@ def test_bf16_inputs_give_float32_losses_and_stats():
     assert v.grad.dtype == torch.bfloat16 and torch.isfinite(v.grad.float()).all()
     x_t, target = forward_noising(bf(2, 3), bf(2, 3), t[:2])
     assert x_t.dtype == torch.float32 and target.dtype == torch.float32
+
+
+def test_attribute_shift_by_hand():
+    """Two attributes (colour: red, blue; shape: square, circle, ring): the reference draws red 3 of 4 and the
+    current 1 of 4, so d = (0.75 - 0.25, 0.25 - 0.75) = (0.5, -0.5), TV 0.5; shapes: reference (2, 2, 0) -> (0.5, 0.5,
+    0) against current (0, 1, 3) -> (0, 0.25, 0.75), so d = (0.5, 0.25, -0.75), TV 0.75. An attribute no side counts
+    gives 0; one only the reference counts gives the reference's distribution."""
+    attrs = ["c", "c", "s", "s", "s"]
+    d = attribute_shift(t64([3, 1, 2, 2, 0]), t64([1, 3, 0, 1, 3]), attrs)
+    assert torch.allclose(d, t64([0.5, -0.5, 0.5, 0.25, -0.75]), atol=1e-12)
+    assert 0.5 * float(d[:2].abs().sum()) == pytest.approx(0.5) and 0.5 * float(d[2:].abs().sum()) == pytest.approx(
+        0.75
+    )
+    assert attribute_shift(t64([0, 0, 1, 3]), t64([0, 0, 0, 0]), ["a", "a", "b", "b"]).tolist() == [0, 0, 0.25, 0.75]
+    with pytest.raises(ValueError, match=r"\[F\] counts with one attribute each"):
+        attribute_shift(t64([1, 2]), t64([1, 2, 3]), ["a", "a"])
+    with pytest.raises(ValueError, match="finite and non-negative"):
+        attribute_shift(t64([1, -1]), t64([1, 2]), ["a", "a"])
+
+
+def test_matched_pairs_anchored_by_hand():
+    """One group, winner 0 (counts blue, red = 0, 1) and losers 1 (1, 1: an extra blue), 2 (0, 2: an extra red), 3
+    (2, 0): distances 1, 1, 3, so plain matching takes loser 1 (the lower index of the tie). With the current model
+    drawing red too often (d = q_ref - q_now = (0.25, -0.25)), the costs 1 - anchor (f_w - f_l) . d are, at anchor
+    10: 1 + 2.5, 1 - 2.5, 3 + 7.5: loser 2, whose extra object is of the colour drawn too often. The opposite shift
+    (blue too often) costs them 1 - 2.5, 1 + 2.5, 3 - 7.5: loser 3, the bluest, though the farthest; anchor 0 with
+    any shift is plain matching. With a second winner the greedy order follows the anchored costs (by hand below),
+    not the distances."""
+    rewards = t64([1, 0, 0, 0])
+    f = t64([[0, 1], [1, 1], [0, 2], [2, 0]])
+    d = t64([0.25, -0.25])
+    assert matched_pairs(rewards, [0] * 4, f)[1].tolist() == [1]
+    assert matched_pairs(rewards, [0] * 4, f, d, 10.0)[1].tolist() == [2]
+    assert matched_pairs(rewards, [0] * 4, f, -d, 10.0)[1].tolist() == [3]
+    assert matched_pairs(rewards, [0] * 4, f, -d, 1.0)[1].tolist() == [1]  # 1 - 0.25 against 3 - 0.75
+    assert matched_pairs(rewards, [0] * 4, f, d, 0.0)[1].tolist() == [1]
+    assert matched_pairs(rewards, [0] * 4, f, None, 0.0)[1].tolist() == [1]
+    # winner 4 = (1, 0): against 1 (1, 1): distance 1, (f_w - f_l) . d = (0, -1) . d = 0.25 -> 1 - 2.5 = -1.5;
+    # against 3 (2, 0): distance 1, (-1, 0) . d = -0.25 -> 3.5; against 2: distance 3, (1, -2) . d = 0.75 -> -4.5.
+    # 0 against 1: 3.5, against 2: -1.5, against 3: distance 3, (-2, 1) . d = -0.75 -> 10.5. Greedy: 4-2 (-4.5), then
+    # 0's cheapest free loser, 1 (3.5) before 3 (10.5).
+    rewards5 = t64([1, 0, 0, 0, 1])
+    f5 = torch.cat([f, t64([[1, 0]])])
+    w, l = matched_pairs(rewards5, [0] * 5, f5, d, 10.0)
+    assert (w.tolist(), l.tolist()) == ([4, 0], [2, 1])
+    # plain: the distance-1 pairs first, by index: 0-1 (1), then 4-3 (1)
+    assert tuple(x.tolist() for x in matched_pairs(rewards5, [0] * 5, f5)) == ([0, 4], [1, 3])
+    with pytest.raises(ValueError, match="anchor must be >= 0"):
+        matched_pairs(rewards, [0] * 4, f, None, 1.0)
+    with pytest.raises(ValueError, match="anchor must be >= 0"):
+        matched_pairs(rewards, [0] * 4, f, d, -1.0)
+    with pytest.raises(ValueError, match=r"shift must be \[F\] with F = 2"):
+        matched_pairs(rewards, [0] * 4, f, t64([1.0, 0, 0]), 1.0)

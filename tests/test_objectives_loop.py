@@ -576,6 +576,52 @@ def test_dpo_matched_pairing_pairs_images_of_one_free_colour(tmp_path, coloured_
         plain.objective.prepare(batch, adv, keep, epoch=0, process_index=0)
 
 
+def test_dpo_free_anchor_leans_matched_pairs_back_to_the_first_epochs_colours(tmp_path, coloured_reward):
+    """train.dpo.free_anchor: the base distribution is the first free_anchor_epochs epochs' summed counts (every
+    process's totals, batch.free_count_totals), d = q_base - q_now of the epoch's, handed to core.matched_pairs;
+    objective/dpo_free_shift logs TV(q_now, q_base); the kept counts go into the checkpoint and come back; and
+    the anchor without matched pairs is refused when the config loads."""
+    args = ("train.objective=dpo", "train.dpo.pairing=matched", "train.dpo.free_anchor=10")
+    tr = Trainer(
+        tiny_cfg(tmp_path / "a", *args, "train.dpo.free_anchor_epochs=1", f"rewards=[{{name: {coloured_reward}}}]")
+    )
+    batch, *_ = tr.scored_rollout(0)
+    names = [f"{coloured_reward}/free_color=blue", f"{coloured_reward}/free_color=red"]
+    assert batch.free_count_names == names and batch.free_count_totals.tolist() == [4.0, 4.0]
+    obj, keep = tr.objective, torch.ones(8, dtype=torch.bool)
+    adv = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0])
+    obj.prepare(batch, adv, keep, epoch=0, process_index=0)  # the base is this epoch: d = 0, plain matching
+    assert obj.anchor_counts == dict(zip(names, [4.0, 4.0])) and obj.anchor_epochs == 1 and obj.free_shift == 0.0
+    assert obj.partner.tolist() == [2, -1, -1, -1, -1, 7, -1, -1]  # even (red) with even, odd (blue) with odd
+    # epoch 1: group 0 has winner 0 (blue, red = 0, 1) and losers 1 (1, 1), 2 (0, 2), 3 (2, 0); the epoch draws red 6
+    # of 8 against the base's 4 of 8: d = (0.25, -0.25), and the loser whose extra object is red is chosen
+    batch.free_counts = torch.tensor(
+        [[0, 1], [1, 1], [0, 2], [2, 0], [0, 0], [0, 0], [0, 0], [0, 0]], dtype=torch.float32
+    )
+    batch.free_count_totals = torch.tensor([2.0, 6.0])
+    obj.prepare(batch, adv, keep, epoch=1, process_index=0)
+    assert obj.partner.tolist() == [2, -1, -1, -1, 7, -1, -1, -1] and obj.free_shift == pytest.approx(0.25)
+    assert obj.anchor_counts == dict(zip(names, [4.0, 4.0])) and obj.anchor_epochs == 1  # one epoch's base: kept
+    metrics = tr.update(batch, adv, keep, epoch=1)
+    assert metrics["objective/dpo_free_shift"] == pytest.approx(0.25)
+    state = obj.state_dict()
+    assert state["free_anchor/epochs"].item() == 1 and state[f"free_anchor/{names[1]}"].item() == 4.0
+    tr.state.epochs_done = 2
+    path = tr.save()
+    other = Trainer(tiny_cfg(tmp_path / "b", *args, f"rewards=[{{name: {coloured_reward}}}]"))
+    assert other.objective.anchor_epochs == 0
+    other.load(path, read_checkpoint(path))
+    assert other.objective.anchor_counts == obj.anchor_counts and other.objective.anchor_epochs == 1
+    # free_anchor_epochs=4 (the default): the base sums the epochs until it holds four
+    other.objective.prepare(batch, adv, keep, epoch=2, process_index=0)
+    assert other.objective.anchor_epochs == 2 and other.objective.anchor_counts[names[1]] == 10.0
+    assert other.objective.free_shift == pytest.approx(abs(10 / 16 - 6 / 8))
+    with pytest.raises(ConfigError, match=r"free_anchor=10 .*pairing=ranked .*use train.dpo.pairing=matched"):
+        tiny_cfg(tmp_path, "train.objective=dpo", "train.dpo.pairing=ranked", "train.dpo.free_anchor=10")
+    with pytest.raises(ConfigError, match="train.dpo.free_anchor_epochs"):
+        tiny_cfg(tmp_path, "train.objective=dpo", "train.dpo.free_anchor_epochs=0")
+
+
 def test_dpo_kl_coef_adds_the_penalty_on_both_images_of_each_pair(tmp_path):
     """train.dpo.kl_coef: the same pairs, times and noise give the loss without it plus kl_coef x the pair's summed
     deviation from the reference (2 x the reported mean over images, policy/dpo_kl); with the adapter perturbed

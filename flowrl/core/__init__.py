@@ -39,6 +39,7 @@ from .mismatch import IS_LEVELS, mismatch_metrics, truncated_is_weights
 from .objectives import (
     AWM_WEIGHTINGS,
     OBJECTIVE_LOSSES,
+    attribute_shift,
     awm_loss,
     awm_matching_loss,
     best_worst_pairs,
@@ -71,6 +72,7 @@ __all__ = [
     "STEP_WEIGHTINGS",
     "aggregate_loss",
     "awm_loss",
+    "attribute_shift",
     "awm_matching_loss",
     "best_worst_pairs",
     "matched_pairs",

@@ -431,7 +431,42 @@ def ranked_pairs(rewards: Tensor, group_ids: Tensor | Sequence[Hashable]) -> tup
     return torch.stack(winners), torch.stack(losers)
 
 
-def matched_pairs(rewards: Tensor, group_ids: Tensor | Sequence[Hashable], features: Tensor) -> tuple[Tensor, Tensor]:
+def attribute_shift(reference: Tensor, current: Tensor, attributes: Sequence[Hashable]) -> Tensor:
+    """d = q_ref - q_cur [F]: how far each value of a free attribute is drawn less often now than in the reference.
+
+    reference, current: [F] counts (column j counts one value of attribute attributes[j], e.g. the colours of the
+    objects a prompt left free); q_ref and q_cur normalise each attribute's columns to sum 1 (an attribute with no
+    count on a side gives that side 0 on its columns, so d is 0 there when neither has one). For one attribute,
+    1/2 ||d||_1 is the total variation distance TV(q_cur, q_ref) the eval reports against the base model.
+    """
+    reference, current = _float(torch.as_tensor(reference)), _float(torch.as_tensor(current))
+    if reference.ndim != 1 or reference.shape != current.shape or len(attributes) != reference.numel():
+        raise ValueError(
+            f"reference and current must be [F] counts with one attribute each, got shapes {tuple(reference.shape)}, "
+            f"{tuple(current.shape)} and {len(attributes)} attributes"
+        )
+    if (
+        not (torch.isfinite(reference).all() and torch.isfinite(current).all())
+        or (reference < 0).any()
+        or (current < 0).any()
+    ):
+        raise ValueError("counts must be finite and non-negative")
+    index, groups = group_index(list(attributes), reference.numel(), reference.device)
+
+    def distribution(x: Tensor) -> Tensor:
+        total = torch.zeros(groups, dtype=x.dtype, device=x.device).index_add(0, index, x)[index]
+        return torch.where(total > 0, x / total.clamp_min(torch.finfo(x.dtype).tiny), torch.zeros_like(x))
+
+    return distribution(reference) - distribution(current)
+
+
+def matched_pairs(
+    rewards: Tensor,
+    group_ids: Tensor | Sequence[Hashable],
+    features: Tensor,
+    shift: Tensor | None = None,
+    anchor: float = 0.0,
+) -> tuple[Tensor, Tensor]:
     """Online DPO's pairs as many as `ranked_pairs` gives in each group, chosen so that a pair's two samples agree
     on `features` (e.g. the counts of the colours the prompt left free): a preference then carries as little as
     it can of what the reward does not judge, and the trained model is not pushed along it.
@@ -442,8 +477,14 @@ def matched_pairs(rewards: Tensor, group_ids: Tensor | Sequence[Hashable], featu
     the count is always reached; where a graded reward's greedy choice falls short of it, the group keeps
     ranked_pairs' own pairs.
 
-    rewards: [N]; group_ids: [N]; features: [N, F] -> (winners [P], losers [P]) long indices into the N samples,
-    the groups in `group_index`'s order and each group's pairs in the order chosen.
+    With `anchor` > 0 and a `shift` d [F] (attribute_shift: what the sampled model draws less often than a reference
+    does), a pair's cost is ||f_w - f_l||_1 - anchor (f_w - f_l) . d instead of its distance: what a chosen pair's
+    two samples still differ in then leans toward the winner holding the values drawn too rarely and the loser
+    those drawn too often, so that DPO's push on the difference points back to the reference's distribution. With
+    |d| summing to 2 TV per attribute, the term moves a cost by at most anchor x 2 TV per unit of distance.
+
+    rewards: [N]; group_ids: [N]; features: [N, F]; shift: [F] or None -> (winners [P], losers [P]) long indices
+    into the N samples, the groups in `group_index`'s order and each group's pairs in the order chosen.
     """
     rewards, index, num_groups = _pair_inputs(rewards, group_ids)
     features = torch.as_tensor(features)
@@ -454,7 +495,17 @@ def matched_pairs(rewards: Tensor, group_ids: Tensor | Sequence[Hashable], featu
         )
     if not torch.isfinite(features).all():
         raise ValueError("features contain NaN or inf")
-    distance = torch.cdist(features.to(torch.float64), features.to(torch.float64), p=1).tolist()  # [N, N]
+    if anchor < 0 or (anchor > 0 and shift is None):
+        raise ValueError(f"anchor must be >= 0, with a shift [F] when > 0; got anchor={anchor} and shift={shift}")
+    features = features.to(torch.float64)
+    cost = torch.cdist(features, features, p=1)  # [N, N]
+    if anchor > 0:
+        shift = torch.as_tensor(shift, dtype=torch.float64, device=features.device)
+        if shift.shape != (features.shape[1],):
+            raise ValueError(f"shift must be [F] with F = {features.shape[1]} features, got {tuple(shift.shape)}")
+        along = features @ shift  # [N]: (f_a - f_b) . d = along[a] - along[b]
+        cost = cost - anchor * (along[:, None] - along[None, :])
+    distance = cost.tolist()
     ranked_w, ranked_l = ranked_pairs(rewards, index)
     r = rewards.tolist()
     winners, losers = [], []

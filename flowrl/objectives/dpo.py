@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from flowrl import core
-from flowrl.ranges import AT_LEAST_0, POSITIVE, Range
+from flowrl.ranges import AT_LEAST_0, AT_LEAST_1, POSITIVE, Range
 
 from . import register
 from ._base import MemoryTerms
@@ -33,6 +33,8 @@ class DPOSettings:
         "timesteps": AT_LEAST_0,
         "kl_coef": AT_LEAST_0,
         "max_time": Range(0, 1, lo_open=True),
+        "free_anchor": AT_LEAST_0,
+        "free_anchor_epochs": AT_LEAST_1,
     }
 
     beta: float = 5000.0
@@ -54,6 +56,17 @@ class DPOSettings:
     free-attribute counts the rewards report, e.g. shapes_geneval's free_color=...: a winner and a loser of one
     colour teach nothing about colour, so the model is not pushed toward the winners' colours). More pairs train
     more of each rollout, and cost update time in proportion."""
+    free_anchor: float = 0.0
+    """pairing=matched: how far the choice of pairs leans toward pulling the free attributes back to the base
+    model's distribution (0 = off: the pairs closest in them). A pair's cost becomes ||f_w - f_l||_1 -
+    free_anchor (f_w - f_l) . d (core.matched_pairs), d = q_base - q_now per value (core.attribute_shift): q_base
+    the distribution of the rollouts of the run's first free_anchor_epochs epochs (the first is the base model's
+    exactly), q_now this epoch's. What a pair's two images still differ in (a wrong image's extra object) then
+    tends to go against the values drawn too often, not the base model's commonest ones. d sums to 2 TV, so 5
+    moves a pair's cost by at most 10 TV per count it differs in: half a count at TV 0.05. The distribution kept
+    is in the checkpoint; objective/dpo_free_shift logs TV(q_now, q_base)."""
+    free_anchor_epochs: int = 4
+    """free_anchor's base distribution: the free-attribute counts of this many first epochs' rollouts."""
     timesteps: int = 0
     """Training times per pair (the same time and noise for winner and loser): that many steps of the rollout's
     schedule in a random order per pair; 0 = all of them (an online batch has one pair per prompt; the paper draws
@@ -94,6 +107,20 @@ class DPO(ForwardProcessObjective):
         self.partner: Tensor | None = None
         self.pairs = 0
         self.pair_distance: float | None = None
+        self.anchor_counts: dict[str, float] = {}  # free_anchor: the first epochs' summed counts, by column name
+        self.anchor_epochs = 0  # how many epochs they sum
+        self.free_shift: float | None = None
+
+    @classmethod
+    def check(cls, cfg):
+        problems = super().check(cfg)
+        s = cfg.train.dpo
+        if s.free_anchor > 0 and s.pairing != "matched":
+            problems.append(
+                f"train.dpo.free_anchor={s.free_anchor:g} weighs how matched pairs are chosen, and "
+                f"train.dpo.pairing={s.pairing} does not match them; use train.dpo.pairing=matched, or free_anchor=0"
+            )
+        return problems
 
     @classmethod
     def times_per_sample(cls, settings, num_steps):
@@ -130,12 +157,14 @@ class DPO(ForwardProcessObjective):
         valid = keep.nonzero().flatten()
         partner = torch.full((len(keep),), -1, dtype=torch.long)
         counts = getattr(batch, "free_counts", None)  # [B, F] the rewards' free-attribute counts, or None
+        self.free_shift = None
         if counts is not None and counts.shape[-1] == 0:
             counts = None
         if len(valid):
             order, groups = adv[valid].float(), batch.group_ids[valid]
             if self.settings.pairing == "matched":
-                w, l = core.matched_pairs(order, groups, self.required_counts(counts)[valid])
+                shift, anchor = self.anchor_shift(batch), self.settings.free_anchor
+                w, l = core.matched_pairs(order, groups, self.required_counts(counts)[valid], shift, anchor)
             elif self.settings.pairing == "ranked":
                 w, l = core.ranked_pairs(order, groups)
             else:
@@ -147,6 +176,40 @@ class DPO(ForwardProcessObjective):
             w = (partner >= 0).nonzero().flatten()
             self.pair_distance = float((counts[w] - counts[partner[w]]).abs().sum(1).mean())
         return partner >= 0
+
+    def anchor_shift(self, batch) -> Tensor | None:
+        """free_anchor: d = q_base - q_now [F] over the batch's count columns, the epoch's totals (every process's)
+        first added to the base while it sums fewer than free_anchor_epochs epochs; None when free_anchor is 0 or
+        no reward counts anything."""
+        self.free_shift = None
+        totals = getattr(batch, "free_count_totals", None)
+        if not self.settings.free_anchor or totals is None:
+            return None
+        names = list(batch.free_count_names)
+        totals = totals.double().cpu()
+        if self.anchor_epochs < self.settings.free_anchor_epochs:
+            for n, v in zip(names, totals.tolist()):
+                self.anchor_counts[n] = self.anchor_counts.get(n, 0.0) + v
+            self.anchor_epochs += 1
+        base = torch.tensor([self.anchor_counts.get(n, 0.0) for n in names], dtype=torch.float64)
+        attributes = [n.split("=", 1)[0] for n in names]  # "<reward>/free_<attribute>"
+        shift = core.attribute_shift(base, totals, attributes)
+        self.free_shift = 0.5 * float(shift.abs().sum()) / max(len(set(attributes)), 1)
+        return shift
+
+    def state_dict(self):
+        state = super().state_dict()
+        if self.anchor_epochs:
+            state["free_anchor/epochs"] = torch.tensor(float(self.anchor_epochs), dtype=torch.float64)
+            for n, v in self.anchor_counts.items():
+                state[f"free_anchor/{n}"] = torch.tensor(v, dtype=torch.float64)
+        return state
+
+    def load_state_dict(self, state, place=None):
+        super().load_state_dict(state, place)
+        kept = {k[len("free_anchor/") :]: v for k, v in state.items() if k.startswith("free_anchor/")}
+        self.anchor_epochs = int(kept.pop("epochs", torch.tensor(0.0)).item())
+        self.anchor_counts = {n: float(v.item()) for n, v in kept.items()}
 
     def required_counts(self, counts: Tensor | None) -> Tensor:
         """pairing=matched: the batch's free-attribute counts [B, F], which a reward must report."""
@@ -219,6 +282,8 @@ class DPO(ForwardProcessObjective):
         out = {"objective/dpo_pairs": float(self.pairs)}
         if self.pair_distance is not None:
             out["objective/dpo_pair_free_distance"] = self.pair_distance
+        if self.free_shift is not None:
+            out["objective/dpo_free_shift"] = self.free_shift
         return out
 
     @classmethod

@@ -314,12 +314,17 @@ class Scorer:
         return m
 
 
+def count_names(components: dict[str, torch.Tensor]) -> list[str]:
+    """The names of count_features' columns, in its order ([] when no reward reports a count)."""
+    return sorted(n for n in components if is_count(n))
+
+
 def count_features(components: dict[str, torch.Tensor]) -> torch.Tensor | None:
     """The free-attribute counts among the score components (name -> [B], flowrl.eval.diversity's
     "<reward>/free_<attribute>=<value>") as one matrix [B, F], a column per count in the order of their sorted
     names; None when no reward reports any. A row says what its image drew where the prompt left things free
     (train.dpo.pairing=matched pairs by it); a count that is not finite (a reward that did not apply) is 0."""
-    names = sorted(n for n in components if is_count(n))
+    names = count_names(components)
     if not names:
         return None
     counts = torch.stack([torch.as_tensor(components[n], dtype=torch.float32).reshape(-1) for n in names], 1)

@@ -42,7 +42,7 @@ from flowrl.seeding import derive_seed, seed_everything
 from .async_rollout import AsyncRollout
 from .optim import EMA, build_optimizer
 from .prompts import PromptDraws
-from .scoring import OverlappedScoring, Scorer, adv_metrics, count_features
+from .scoring import OverlappedScoring, Scorer, adv_metrics, count_features, count_names
 from .signals import Abandoned, StopSignals
 from .update import Updater
 
@@ -363,6 +363,12 @@ class Trainer:
                 # [B, F] what each sample drew where its prompt left it free (None: no reward counts it), for an
                 # objective that pairs by it (train.dpo.pairing=matched)
                 batch.free_counts = count_features(components)
+                batch.free_count_names = count_names(components)  # its columns' "<reward>/free_<attr>=<value>"
+                # [F] the whole batch's counts, every process's (train.dpo.free_anchor's distribution of this epoch)
+                counts = batch.free_counts
+                batch.free_count_totals = (
+                    None if counts is None else self.dist.gather(counts.sum(0, keepdim=True)).sum(0)
+                )
         self.stop_if_asked(epoch, mid_epoch=False)  # nothing of this epoch has changed the weights yet
         self.whole = False  # from here on (the per-prompt statistics, the update) the epoch changes the state
         metrics = self.scorer.reward_metrics(scores, components)
