@@ -181,7 +181,6 @@ class DPO(ForwardProcessObjective):
         """free_anchor: d = q_base - q_now [F] over the batch's count columns, the epoch's totals (every process's)
         first added to the base while it sums fewer than free_anchor_epochs epochs; None when free_anchor is 0 or
         no reward counts anything."""
-        self.free_shift = None
         totals = getattr(batch, "free_count_totals", None)
         if not self.settings.free_anchor or totals is None:
             return None
