@@ -191,7 +191,9 @@ class DPO(ForwardProcessObjective):
                 self.anchor_counts[n] = self.anchor_counts.get(n, 0.0) + v
             self.anchor_epochs += 1
         base = torch.tensor([self.anchor_counts.get(n, 0.0) for n in names], dtype=torch.float64)
-        attributes = [n.split("=", 1)[0] for n in names]  # "<reward>/free_<attribute>"
+        from flowrl.eval.diversity import COUNT_RE  # (here: flowrl.eval imports the config, which imports this)
+
+        attributes = [f"{m['reward']}/{m['attr']}" for m in map(COUNT_RE.match, names)]  # as histograms groups them
         shift = core.attribute_shift(base, totals, attributes)
         self.free_shift = 0.5 * float(shift.abs().sum()) / max(len(set(attributes)), 1)
         return shift

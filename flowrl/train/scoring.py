@@ -116,6 +116,7 @@ class Scorer:
         self.parked = [Parked(m) if m else None for m in modules]
         self.tracker = core.PerPromptStatTracker(t.stat_buffer_size, t.stat_min_count) if t.per_prompt_stats else None
         self.group_signal: list[bool] = []  # the last epoch's groups: which had a reward that differed (skip_no_signal)
+        self.count_totals: dict[str, float] = {}  # reward_metrics': the last batch's free-attribute counts, summed
         self.weights = torch.tensor([r.weight for r in cfg.rewards])
         pairwise = [r.name for r in cfg.rewards if r.pairwise]
         if pairwise and dist.world > 1:
@@ -311,6 +312,11 @@ class Scorer:
             else:
                 m[f"reward/{name}_mean"] = self.dist.gather(v).mean().item()
         m.update(distribution_metrics(histograms(counts), prefix="reward/diversity/"))
+        # each count summed over every process's images, a non-finite one as 0 (as count_features reads it)
+        self.count_totals = {
+            n: float(torch.nan_to_num(torch.as_tensor(v, dtype=torch.float64), nan=0.0, posinf=0.0, neginf=0.0).sum())
+            for n, v in counts.items()
+        }
         return m
 
 

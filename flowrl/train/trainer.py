@@ -364,14 +364,17 @@ class Trainer:
                 # objective that pairs by it (train.dpo.pairing=matched)
                 batch.free_counts = count_features(components)
                 batch.free_count_names = count_names(components)  # its columns' "<reward>/free_<attr>=<value>"
-                # [F] the whole batch's counts, every process's (train.dpo.free_anchor's distribution of this epoch)
-                counts = batch.free_counts
-                batch.free_count_totals = (
-                    None if counts is None else self.dist.gather(counts.sum(0, keepdim=True)).sum(0)
-                )
         self.stop_if_asked(epoch, mid_epoch=False)  # nothing of this epoch has changed the weights yet
         self.whole = False  # from here on (the per-prompt statistics, the update) the epoch changes the state
         metrics = self.scorer.reward_metrics(scores, components)
+        # [F] the whole batch's counts, every process's, as reward_metrics gathered them (train.dpo.free_anchor's
+        # distribution of this epoch)
+        totals = self.scorer.count_totals
+        batch.free_count_totals = (
+            None
+            if batch.free_counts is None
+            else torch.tensor([totals[n] for n in batch.free_count_names], dtype=torch.float64)
+        )
         metrics.update(getattr(batch, "rollout_metrics", None) or {})  # a text engine's version and mismatch
         metrics.update(self.scorer.reward_logs())
         extra = self.policy.pop_reward_extra()  # columns the rewards logged with log_extra (TRL's reward API)
