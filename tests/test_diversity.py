@@ -66,6 +66,64 @@ def test_histograms_sum_counts_and_eval_summary_leaves_them_out_of_the_means():
     assert out["eval/diversity/shapes_geneval/color_entropy_bits"] == pytest.approx(h)
 
 
+def test_tv_from_reference_by_hand(tmp_path):
+    """eval.free_reference: 'uniform' spreads every value the reward reports (a zero count included) evenly; a
+    JSON file's weights are normalised per attribute; off reports no _tv_from_reference."""
+    import json
+
+    from flowrl.eval.diversity import load_free_reference
+
+    hists = {"r/color": {"red": 3.0, "blue": 1.0, "green": 0.0}}  # p = (0.75, 0.25, 0)
+    key = "eval/diversity/r/color_tv_from_reference"
+    # uniform: 1/3 each -> 1/2 (|0.75 - 1/3| + |0.25 - 1/3| + |0 - 1/3|) = 1/2 (5/12 + 1/12 + 4/12) = 5/12
+    assert distribution_metrics(hists, reference="uniform")[key] == pytest.approx(5 / 12)
+    path = tmp_path / "ref.json"
+    path.write_text(json.dumps({"r/color": {"red": 1, "blue": 3}}))  # (0.25, 0.75): 1/2 (0.5 + 0.5 + 0) = 0.5
+    ref = load_free_reference(str(path))
+    assert ref == {"r/color": {"red": 1.0, "blue": 3.0}}
+    assert distribution_metrics(hists, reference=ref)[key] == pytest.approx(0.5)
+    assert key not in distribution_metrics(hists) and load_free_reference("") is None
+    # the base's distance and the reference's are separate: the base model itself is off the reference
+    both = eval_summary(
+        {"r/free_color=red": torch.tensor([1.0, 1.0]), "r/free_color=blue": torch.tensor([1.0, 0.0])},
+        [{}, {}],
+        base={"r/color": {"red": 2.0, "blue": 1.0}},
+        reference="uniform",
+    )
+    assert both["eval/diversity/r/color_tv_from_base"] == pytest.approx(0.0)
+    assert both[key] == pytest.approx(1 / 6)  # (2/3, 1/3) vs (1/2, 1/2)
+
+
+def test_free_reference_errors_name_the_problem_and_the_form(tmp_path):
+    from flowrl.config import ConfigError, load_config
+    from flowrl.eval.diversity import free_reference_problems, load_free_reference, reference_distributions
+
+    assert free_reference_problems("") == [] and free_reference_problems("uniform") == []
+    bad = {
+        "nofile.json": "no such file",
+        "text.json": "does not read as JSON",
+        "list.json": "holds list",
+        "neg.json": "not finite numbers >= 0",
+        "zero.json": "sum to 0",
+        "flat.json": "not a mapping of values to weights",
+    }
+    (tmp_path / "text.json").write_text("red: 1")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "neg.json").write_text('{"r/color": {"red": -1, "blue": 2}}')
+    (tmp_path / "zero.json").write_text('{"r/color": {"red": 0}}')
+    (tmp_path / "flat.json").write_text('{"r/color": 0.5}')
+    for name, says in bad.items():
+        problems = free_reference_problems(str(tmp_path / name))
+        assert len(problems) == 1 and says in problems[0] and "'uniform'" in problems[0], (name, problems)
+        with pytest.raises(ValueError, match=says):
+            load_free_reference(str(tmp_path / name))
+    with pytest.raises(ConfigError, match="eval.free_reference=.*no such file"):
+        load_config(None, [f"eval.free_reference={tmp_path / 'nofile.json'}"])
+    # an attribute no reward counts: a warning naming the counted ones, and no metric for it
+    with pytest.warns(UserWarning, match=r"names \['r/shape'\].*counted ones: \['r/color'\]"):
+        assert reference_distributions({"r/shape": {"square": 1.0}}, {"r/color": {"red": 1.0}}) == {}
+
+
 def test_count_features_are_the_count_components_in_sorted_columns():
     """The trainer's free counts for train.dpo.pairing=matched: one column per count component, sorted by name,
     the other components left out, a non-finite count 0; None without any count."""

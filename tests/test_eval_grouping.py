@@ -98,3 +98,46 @@ def test_eval_shares_merge_in_process_order_and_an_empty_share_adds_nothing():
     assert scores["r"].tolist() == [1.0, 2.0, 3.0] and scores["r/strict"].tolist() == [0.0, 1.0, 1.0]
     with pytest.raises(RuntimeError, match="process 1's scores have the columns"):
         merge_eval_shares([shares[0], (["c"], {"r": torch.tensor([3.0])})])
+
+
+def test_grid_images_keeps_the_same_share_of_every_prompt():
+    """eval.grid_images: each prompt's first ceil(n_p * keep / N) images, by hand; the scores go with their images;
+    0 or a grid as large as the eval shows everything; text completions are never cut."""
+    import types
+
+    import torch
+
+    from flowrl.config import Config
+    from flowrl.eval.evaluator import Evaluator, grid_subset
+
+    listed = ["a"] * 8 + ["b"] * 4 + ["c"] * 4  # N = 16, keep 4: a 2, b 1, c 1
+    assert grid_subset(listed, 4) == [0, 1, 8, 12]
+    assert grid_subset(listed, 3) == [0, 1, 8, 12]  # ceil: 1.5 -> 2, 0.75 -> 1
+    assert grid_subset(listed, 16) == list(range(16))
+
+    calls = []
+
+    class Policy:
+        reward_kind = "image"
+
+        def save_eval_outputs(self, outputs, prompts, path, scores=None):
+            calls.append((outputs, prompts, scores))
+            return path
+
+    ev = Evaluator.__new__(Evaluator)
+    ev.cfg = Config()
+    ev.eval_cfg = types.SimpleNamespace(grid_images=4)
+    ev.prompts = ["a", "a", "b", "c"]  # one entry per image, listed as eval_plan lists images_per_group's
+    name = ev.cfg.rewards[0].name
+    scores = {name: torch.arange(8.0)}  # images_per_prompt 2: 8 images, prompt-major
+    ev.write_outputs(Policy(), list("ABCDEFGH"), scores, "x")  # a: A-D (4 of 8 -> 2), b: E, F (1), c: G, H (1)
+    assert calls[-1][0] == ["A", "B", "E", "G"] and calls[-1][1] == ["a", "a", "b", "c"]
+    assert calls[-1][2].tolist() == [0.0, 1.0, 4.0, 6.0]
+    ev.eval_cfg.grid_images = 0
+    ev.write_outputs(Policy(), list("ABCDEFGH"), scores, "x")
+    assert calls[-1][0] == list("ABCDEFGH") and calls[-1][1] == ev.prompts
+    text = Policy()
+    text.reward_kind = "text"
+    ev.eval_cfg.grid_images = 4
+    ev.write_outputs(text, list("ABCDEFGH"), scores, "x")
+    assert calls[-1][0] == list("ABCDEFGH")

@@ -150,6 +150,9 @@ def validate(cfg: Config) -> None:
             f"{t.stat_buffer_size}: the per-prompt statistics would never be used"
         )
     problems.extend(_eval_features_problems(cfg))
+    from flowrl.eval.diversity import free_reference_problems
+
+    problems.extend(free_reference_problems(cfg.eval.free_reference))
     if cfg.eval.images_per_group and not cfg.eval.group_by:
         problems.append(
             f"eval.images_per_group={cfg.eval.images_per_group} shares images out over the groups of "

@@ -434,6 +434,7 @@ class EvalConfig:
         "num_prompts": AT_LEAST_0,
         "images_per_prompt": AT_LEAST_1,
         "images_per_group": AT_LEAST_0,
+        "grid_images": AT_LEAST_0,
         "seed": AT_LEAST_0,
         "fps": POSITIVE,
     }
@@ -456,6 +457,10 @@ class EvalConfig:
     it then replaces images_per_prompt and must be a multiple of every group's prompt count. 0 = off."""
     seed: int = 1234
     """Seed of the eval noise (the same every evaluation, so grids compare)."""
+    grid_images: int = 0
+    """At most about this many images in the eval grid (and the before/after figure drawn from it): each prompt's
+    first images, the same share of every prompt's (a prompt keeps ceil(its images x grid_images / all)). The
+    scores are of every image. 0 = every image."""
     grid: bool = True
     """Save an image grid of the eval samples in the run directory (videos: a contact sheet of each one's first,
     middle and last frames, and each video as an animation beside the grid)."""
@@ -473,6 +478,13 @@ class EvalConfig:
     holds one of this run's (the same model files, eval prompts and settings, rewards, versions and sampling code:
     flowrl.eval.base_cache), else sampled and added to it. A sweep then samples its base model's eval once; the
     demo ships its own. "" = off (every run samples its eval before training)."""
+    free_reference: str = ""
+    """The distribution the things prompts leave free should follow (the rewards' free-attribute counts,
+    flowrl.eval.diversity: e.g. shapes_geneval's colours), for `eval/diversity/<reward>/<attribute>_tv_from_reference`
+    (the total variation distance from it; beside `..._tv_from_base`, the distance from the base model's):
+    `uniform` (every value a reward counts equally likely, e.g. a world that draws free colours uniformly, or a
+    balance a fairness eval asks for), or a JSON file {"<reward>/<attribute>": {"<value>": weight, ...}} (weights
+    normalised per attribute). "" = off."""
     diversity_features: str = ""
     """A vision backbone (hub id or local directory of a DINOv2, CLIP or CLIP vision model, e.g.
     `facebook/dinov2-small`) that embeds every eval image, for the feature-space diversity: logs

@@ -11,6 +11,10 @@ eval's images they make a distribution p over the values; `distribution_metrics`
 given the base model's distribution q (the first eval, before training), the total variation distance
 TV(p, q) = 1/2 sum_v |p_v - q_v|, the share of the mass that moved to other values (0: unchanged, 1: disjoint).
 Entropy alone hides a drift that keeps the spread: from mostly green to mostly red is no entropy change.
+The base model need not draw its free things as they should be drawn (the shapes model draws a free colour
+yellow a third of the time where its world draws each of four colours a quarter), and a model that learns its
+world moves away from the base's there too: with eval.free_reference (`uniform`, or a distribution per attribute)
+the distance from the distribution they should follow is reported as well.
 
 For models whose free attributes no reward counts, `feature_metrics` measures the same in a vision backbone's
 feature space (eval.diversity_features): how far apart each prompt's images are (`feature_spread`), against the
@@ -23,6 +27,7 @@ import hashlib
 import json
 import math
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -63,12 +68,18 @@ def total_variation(p: dict[str, float], q: dict[str, float]) -> float:
 
 
 def distribution_metrics(
-    hists: dict[str, dict[str, float]], base: dict[str, dict[str, float]] | None = None, prefix: str = "eval/diversity/"
+    hists: dict[str, dict[str, float]],
+    base: dict[str, dict[str, float]] | None = None,
+    prefix: str = "eval/diversity/",
+    reference: str | dict[str, dict[str, float]] | None = None,
 ) -> dict[str, float]:
-    """For every "<reward>/<attribute>" histogram: its entropy in bits, the number of free things counted, and
-    with `base` (the same keys, counts or probabilities) the total variation distance from the base's
-    distribution. An attribute with nothing counted reports nothing."""
+    """For every "<reward>/<attribute>" histogram: its entropy in bits, the number of free things counted, with
+    `base` (the same keys, counts or probabilities) the total variation distance from the base's distribution
+    (`..._tv_from_base`), and with `reference` (eval.free_reference, see `reference_distributions`) the distance
+    from the distribution the free things should follow (`..._tv_from_reference`). An attribute with nothing
+    counted reports nothing."""
     out = {}
+    refs = reference_distributions(reference, hists)
     for key, counts in sorted(hists.items()):
         p = normalised(counts)
         if not p:
@@ -78,7 +89,85 @@ def distribution_metrics(
         q = normalised((base or {}).get(key, {}))
         if q:
             out[f"{prefix}{key}_tv_from_base"] = total_variation(p, q)
+        if key in refs:
+            out[f"{prefix}{key}_tv_from_reference"] = total_variation(p, refs[key])
     return out
+
+
+#: eval.free_reference's value for "every value a reward counts equally likely"
+UNIFORM = "uniform"
+
+
+def free_reference_problems(spec: str) -> list[str]:
+    """What is wrong with eval.free_reference (empty: nothing): "" (off), "uniform", or a JSON file of
+    {"<reward>/<attribute>": {"<value>": weight >= 0, ...}, ...} with a positive total per attribute."""
+    if spec in ("", UNIFORM):
+        return []
+    what = (
+        f"eval.free_reference={spec!r}: expected '' (off), '{UNIFORM}', or a JSON file of "
+        '{"<reward>/<attribute>": {"<value>": weight, ...}} (e.g. {"shapes_geneval/color": {"red": 1, "blue": 1}})'
+    )
+    path = Path(spec)
+    if not path.is_file():
+        return [f"{what}; no such file"]
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return [f"{what}; it does not read as JSON ({e})"]
+    if not isinstance(data, dict) or not data:
+        return [f"{what}; it holds {type(data).__name__} {str(data)[:60]}"]
+    problems = []
+    for key, dist in data.items():
+        if not isinstance(dist, dict) or not dist:
+            problems.append(f"{what}; {key!r} maps to {str(dist)[:60]}, not a mapping of values to weights")
+            continue
+        bad = {
+            v: w
+            for v, w in dist.items()
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0
+        }
+        if bad:
+            problems.append(f"{what}; {key!r} has weights that are not finite numbers >= 0: {bad}")
+        elif sum(dist.values()) <= 0:
+            problems.append(f"{what}; {key!r}'s weights sum to 0")
+    return problems
+
+
+def load_free_reference(spec: str) -> str | dict[str, dict[str, float]] | None:
+    """eval.free_reference -> None (off), "uniform", or the JSON file's {"<reward>/<attribute>": {value: weight}}
+    (checked: `free_reference_problems`; a ValueError names what is wrong)."""
+    problems = free_reference_problems(spec)
+    if problems:
+        raise ValueError("; ".join(problems))
+    if spec in ("", UNIFORM):
+        return spec or None
+    return {k: {v: float(w) for v, w in d.items()} for k, d in json.loads(Path(spec).read_text()).items()}
+
+
+def reference_distributions(
+    reference: str | dict[str, dict[str, float]] | None, hists: dict[str, dict[str, float]]
+) -> dict[str, dict[str, float]]:
+    """The distribution each counted attribute of `hists` should follow, by eval.free_reference: "uniform" gives
+    every value the reward reports for it (counted or not: a reward lists every value it can report) probability
+    1 / their number; a mapping gives its own weights, normalised, for the attributes it names. An attribute the
+    mapping names and no reward counts is warned about once, with the ones counted (a misspelt name would
+    otherwise report nothing)."""
+    if not reference:
+        return {}
+    if reference == UNIFORM:
+        return {k: {v: 1.0 / len(c) for v in c} for k, c in hists.items() if c}
+    missing = sorted(k for k in reference if k not in hists)
+    if missing and hists and tuple(missing) not in _WARNED_MISSING:
+        _WARNED_MISSING.add(tuple(missing))
+        warnings.warn(
+            f"eval.free_reference names {missing}, which no reward of this eval counts; the counted ones: "
+            f"{sorted(hists)}",
+            stacklevel=3,
+        )
+    return {k: normalised(d) for k, d in reference.items() if k in hists}
+
+
+_WARNED_MISSING: set[tuple[str, ...]] = set()
 
 
 def eval_settings(prompts: list[str], metadata: list[dict], eval_cfg, sample_cfg) -> dict:

@@ -27,6 +27,7 @@ from .diversity import (
     feature_metrics,
     group_features,
     histograms,
+    load_free_reference,
     prompt_keys,
     settings_differences,
 )
@@ -123,6 +124,7 @@ class Evaluator:
         self.cfg, self.device, self.offload = cfg, torch.device(device), offload
         self.prompts, self.meta, self.eval_cfg = eval_plan(eval_set, cfg.eval)
         self.settings = eval_settings(self.prompts, self.meta, self.eval_cfg, cfg.sample)
+        self.reference = load_free_reference(cfg.eval.free_reference)  # None (off), 'uniform' or its mapping
         self.encoder, self.parked_encoder = None, None
         self.warned: set[Path] = set()  # the base files a warning was given about (once each)
 
@@ -217,7 +219,7 @@ class Evaluator:
             base = hists
             if save_base_to is not None:
                 BaseDistribution(save_base_to).save(hists, self.settings)
-        out = eval_summary(scores, self.meta, self.cfg.eval.group_by, base)
+        out = eval_summary(scores, self.meta, self.cfg.eval.group_by, base, reference=self.reference)
         if self.cfg.eval.diversity_features:
             out.update(self.feature_diversity(outputs, stored_dir, this_is_base, save_base_to))
         return out
@@ -274,4 +276,27 @@ class Evaluator:
     def write_outputs(self, policy, outputs: list, scores: dict[str, torch.Tensor], path: Path) -> Path | None:
         """The eval's outputs next to `path` (an image grid with the headline reward's scores, a JSONL of
         completions); returns the file."""
-        return policy.save_eval_outputs(outputs, self.prompts, path, scores=scores[self.cfg.rewards[0].name])
+        headline = scores[self.cfg.rewards[0].name]
+        keep = self.eval_cfg.grid_images
+        if policy.reward_kind == "image" and keep and len(outputs) > keep:  # the grid shows a share of each prompt's
+            per_image = [q for q in self.prompts for _ in range(len(outputs) // len(self.prompts))]
+            idx = grid_subset(per_image, keep)
+            outputs, prompts = [outputs[i] for i in idx], [per_image[i] for i in idx]
+            headline = torch.as_tensor(headline)[idx]
+            return policy.save_eval_outputs(outputs, prompts, path, scores=headline)
+        return policy.save_eval_outputs(outputs, self.prompts, path, scores=headline)
+
+
+def grid_subset(prompts: list[str], keep: int) -> list[int]:
+    """eval.grid_images: the indices of the images an eval grid shows out of `prompts` (the plan's, one entry per
+    image, a prompt's images in a row): the first ceil(n_p * keep / N) of the n_p images of each prompt, N all of
+    them, so that every prompt keeps the same share (an eval of 4x the images per prompt shows the grid of the
+    eval it grew from)."""
+    out, start = [], 0
+    while start < len(prompts):
+        end = start
+        while end < len(prompts) and prompts[end] == prompts[start]:
+            end += 1
+        out.extend(range(start, start + -(-(end - start) * keep // len(prompts))))
+        start = end
+    return out

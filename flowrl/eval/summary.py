@@ -82,12 +82,17 @@ def eval_plan(prompt_set, eval_cfg) -> tuple[list[str], list[dict], EvalConfig]:
 
 
 def eval_summary(
-    scores: dict, metadata: list[dict], group_by: str = "", base: dict[str, dict[str, float]] | None = None
+    scores: dict,
+    metadata: list[dict],
+    group_by: str = "",
+    base: dict[str, dict[str, float]] | None = None,
+    reference: str | dict[str, dict[str, float]] | None = None,
 ) -> dict[str, float]:
     """{name: per-sample scores [P * n]} -> {"eval/<name>_mean": mean} plus, with `group_by`, the
     `grouped_means` of every score (shared by the trainer's evaluations and `flowrl eval`). Free-attribute counts
     (`flowrl.eval.diversity`: "<reward>/free_<attribute>=<value>") are not averaged: they become the distribution's
-    entropy and, given the base model's histograms `base`, its total variation distance from them.
+    entropy and, given the base model's histograms `base`, its total variation distance from them (and from
+    `reference`, eval.free_reference as `diversity.load_free_reference` reads it).
     Scores that are not finite (inf, NaN) are left out of the means, as training leaves them out of the advantages:
     their number is `eval/<name>_nonfinite` (when there are any; one warning names them), and a score with no
     finite value has no mean."""
@@ -113,5 +118,5 @@ def eval_summary(
             "counted in eval/<reward>_nonfinite",
             stacklevel=2,
         )
-    out.update(distribution_metrics(histograms(scores), base))
+    out.update(distribution_metrics(histograms(scores), base, reference=reference))
     return out

@@ -87,6 +87,10 @@ def run_demo(config: str | Path = DEMO_CONFIG, overrides: list[str] | None = Non
     for key in sorted(k for k in final if k.startswith("eval/diversity/") and k.endswith("_from_base")):
         meaning = "1 = as diverse as the base model" if key.endswith("spread_from_base") else "0 = the base model's"
         print(f"{key}: {final[key]:.3f} ({meaning})")
+    # and how far they are from what they should follow (eval.free_reference), before and after
+    for key in sorted(k for k in final if k.startswith("eval/diversity/") and k.endswith("_from_reference")):
+        before = next((r[key] for r in rows if key in r), final[key])
+        print(f"{key}: before {before:.3f} -> after {final[key]:.3f} (0 = eval.free_reference's distribution)")
     # the thread count changes float rounding, so the trajectory, and the time: printed beside the figures
     print(f"wall-clock {minutes:.1f} min ({minutes * 60:.0f} s) at {torch.get_num_threads()} torch threads")
     print(time_split(rows))
