@@ -67,6 +67,19 @@ def test_shapes_preset_one_epoch(preset, tmp_path, monkeypatch):
     assert len(evals) == 2 and evals[0]["eval/diversity/shapes_geneval/color_tv_from_base"] == 0.0
     assert 0.0 <= evals[1]["eval/diversity/shapes_geneval/color_tv_from_base"] <= 1.0
     assert (tmp_path / "eval-base-distribution.json").exists()
+    ref = "eval/diversity/shapes_geneval/color_tv_from_reference"  # eval.free_reference: the world's uniform colours
+    if preset == "shapes":
+        assert cfg.eval.free_reference == "uniform"
+        # the base's, by hand from its counts (every palette colour at 1/4); the trained model's in range
+        counts = json.loads((tmp_path / "eval-base-distribution.json").read_text())["histograms"]
+        counts = counts["shapes_geneval/color"]
+        total = sum(counts.values())
+        assert len(counts) == 4 and evals[0][ref] == pytest.approx(
+            0.5 * sum(abs(c / total - 0.25) for c in counts.values()), abs=1e-9
+        )
+        assert 0.0 <= evals[1][ref] <= 0.75
+    else:
+        assert all(ref not in r for r in rows)
     # `flowrl train` itself draws the figures the issue asks of the demo, not only `flowrl demo`
     assert (tmp_path / "before_after.png").stat().st_size > 0 and (tmp_path / "curves.png").stat().st_size > 0
     if epoch["adv/abs_max"] > 0:  # a group with different rewards moved the LoRA
@@ -105,6 +118,11 @@ def test_the_demo_is_the_measured_dpo_setting():
             "train.ema_decay=0.97",
             "log.run_dir=runs/shapes_dpo",
             "eval.base_cache=samples/shapes/base-evals",  # where the base model's eval is read from: no training key
+            # the eval, not the training: 4x the race's images per family (a quarter of them in the grids), and the
+            # free colours' distance from the world's uniform draw
+            "eval.images_per_group=192",
+            "eval.grid_images=288",
+            "eval.free_reference=uniform",
         ],
     )
     assert demo.train.objective == measured.train.objective == "dpo"
@@ -131,6 +149,7 @@ def test_demo_command_reports_and_writes_figures(tmp_path, monkeypatch, capsys):
     assert "wall-clock " in out and f" s) at {torch.get_num_threads()} torch threads" in out
     assert "time: rollouts " in out and " s (1 epoch); evals " in out and " s (2)" in out  # the base's and the final
     assert "eval/diversity/shapes_geneval/color_tv_from_base: " in out and "(0 = the base model's)" in out
+    assert "eval/diversity/shapes_geneval/color_tv_from_reference: before " in out  # the world's colours
     assert "trained on 1 x shapes_geneval," in out  # the banner names what the preset trains on, with weights
     objective = OBJECTIVES.get(load_config(ROOT / "configs" / "shapes.yaml").train.objective).title
     assert f"flowrl demo: {objective} + LoRA on samples/shapes/model" in out  # and with which objective
