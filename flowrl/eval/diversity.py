@@ -98,24 +98,21 @@ def distribution_metrics(
 UNIFORM = "uniform"
 
 
-def free_reference_problems(spec: str) -> list[str]:
-    """What is wrong with eval.free_reference (empty: nothing): "" (off), "uniform", or a JSON file of
-    {"<reward>/<attribute>": {"<value>": weight >= 0, ...}, ...} with a positive total per attribute."""
-    if spec in ("", UNIFORM):
-        return []
+def _read_free_reference(spec: str) -> tuple[dict | None, list[str]]:
+    """eval.free_reference's JSON file -> (its mapping, []) or (None, what is wrong)."""
     what = (
         f"eval.free_reference={spec!r}: expected '' (off), '{UNIFORM}', or a JSON file of "
         '{"<reward>/<attribute>": {"<value>": weight, ...}} (e.g. {"shapes_geneval/color": {"red": 1, "blue": 1}})'
     )
     path = Path(spec)
     if not path.is_file():
-        return [f"{what}; no such file"]
+        return None, [f"{what}; no such file"]
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        return [f"{what}; it does not read as JSON ({e})"]
+        return None, [f"{what}; it does not read as JSON ({e})"]
     if not isinstance(data, dict) or not data:
-        return [f"{what}; it holds {type(data).__name__} {str(data)[:60]}"]
+        return None, [f"{what}; it holds {type(data).__name__} {str(data)[:60]}"]
     problems = []
     for key, dist in data.items():
         if not isinstance(dist, dict) or not dist:
@@ -130,18 +127,24 @@ def free_reference_problems(spec: str) -> list[str]:
             problems.append(f"{what}; {key!r} has weights that are not finite numbers >= 0: {bad}")
         elif sum(dist.values()) <= 0:
             problems.append(f"{what}; {key!r}'s weights sum to 0")
-    return problems
+    return (None, problems) if problems else (data, [])
+
+
+def free_reference_problems(spec: str) -> list[str]:
+    """What is wrong with eval.free_reference (empty: nothing): "" (off), "uniform", or a JSON file of
+    {"<reward>/<attribute>": {"<value>": weight >= 0, ...}, ...} with a positive total per attribute."""
+    return [] if spec in ("", UNIFORM) else _read_free_reference(spec)[1]
 
 
 def load_free_reference(spec: str) -> str | dict[str, dict[str, float]] | None:
     """eval.free_reference -> None (off), "uniform", or the JSON file's {"<reward>/<attribute>": {value: weight}}
     (checked: `free_reference_problems`; a ValueError names what is wrong)."""
-    problems = free_reference_problems(spec)
-    if problems:
-        raise ValueError("; ".join(problems))
     if spec in ("", UNIFORM):
         return spec or None
-    return {k: {v: float(w) for v, w in d.items()} for k, d in json.loads(Path(spec).read_text()).items()}
+    data, problems = _read_free_reference(spec)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return {k: {v: float(w) for v, w in d.items()} for k, d in data.items()}
 
 
 def reference_distributions(
@@ -150,24 +153,20 @@ def reference_distributions(
     """The distribution each counted attribute of `hists` should follow, by eval.free_reference: "uniform" gives
     every value the reward reports for it (counted or not: a reward lists every value it can report) probability
     1 / their number; a mapping gives its own weights, normalised, for the attributes it names. An attribute the
-    mapping names and no reward counts is warned about once, with the ones counted (a misspelt name would
-    otherwise report nothing)."""
+    mapping names and no reward counts is warned about, with the ones counted (a misspelt name would otherwise
+    report nothing; Python's warning registry shows the same message once)."""
     if not reference:
         return {}
     if reference == UNIFORM:
         return {k: {v: 1.0 / len(c) for v in c} for k, c in hists.items() if c}
     missing = sorted(k for k in reference if k not in hists)
-    if missing and hists and tuple(missing) not in _WARNED_MISSING:
-        _WARNED_MISSING.add(tuple(missing))
+    if missing and hists:
         warnings.warn(
             f"eval.free_reference names {missing}, which no reward of this eval counts; the counted ones: "
             f"{sorted(hists)}",
             stacklevel=3,
         )
     return {k: normalised(d) for k, d in reference.items() if k in hists}
-
-
-_WARNED_MISSING: set[tuple[str, ...]] = set()
 
 
 def eval_settings(prompts: list[str], metadata: list[dict], eval_cfg, sample_cfg) -> dict:

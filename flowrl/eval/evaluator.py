@@ -11,6 +11,7 @@ settings does not pair with it and is not compared.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import warnings
 from pathlib import Path
 
@@ -276,15 +277,14 @@ class Evaluator:
     def write_outputs(self, policy, outputs: list, scores: dict[str, torch.Tensor], path: Path) -> Path | None:
         """The eval's outputs next to `path` (an image grid with the headline reward's scores, a JSONL of
         completions); returns the file."""
-        headline = scores[self.cfg.rewards[0].name]
+        prompts, headline = self.prompts, scores[self.cfg.rewards[0].name]
         keep = self.eval_cfg.grid_images
         if policy.reward_kind == "image" and keep and len(outputs) > keep:  # the grid shows a share of each prompt's
             per_image = [q for q in self.prompts for _ in range(len(outputs) // len(self.prompts))]
             idx = grid_subset(per_image, keep)
             outputs, prompts = [outputs[i] for i in idx], [per_image[i] for i in idx]
             headline = torch.as_tensor(headline)[idx]
-            return policy.save_eval_outputs(outputs, prompts, path, scores=headline)
-        return policy.save_eval_outputs(outputs, self.prompts, path, scores=headline)
+        return policy.save_eval_outputs(outputs, prompts, path, scores=headline)
 
 
 def grid_subset(prompts: list[str], keep: int) -> list[int]:
@@ -293,10 +293,8 @@ def grid_subset(prompts: list[str], keep: int) -> list[int]:
     them, so that every prompt keeps the same share (an eval of 4x the images per prompt shows the grid of the
     eval it grew from)."""
     out, start = [], 0
-    while start < len(prompts):
-        end = start
-        while end < len(prompts) and prompts[end] == prompts[start]:
-            end += 1
-        out.extend(range(start, start + -(-(end - start) * keep // len(prompts))))
-        start = end
+    for _, run in itertools.groupby(prompts):
+        n = len(list(run))
+        out.extend(range(start, start + -(-n * keep // len(prompts))))
+        start += n
     return out
