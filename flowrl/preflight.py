@@ -98,6 +98,30 @@ def check_reward_columns(cfg: Config, train_set: PromptSet, eval_set: PromptSet)
                 )
 
 
+def check_reward_counts(cfg: Config) -> None:
+    """An objective that pairs by the free-attribute counts (train.dpo.pairing=matched) has a reward that says it
+    reports them (`rewards.declared_counts`); a reward that cannot say before it runs (a reward server, a weighted
+    sum, a plug-in without `.counts`) leaves the check to the first update."""
+    from rewards import declared_counts
+
+    from .objectives import get_objective
+
+    objective = get_objective(cfg.train.objective)
+    if not objective.needs_free_counts(cfg):
+        return
+    declared = [_checked(f"rewards[{i}] ({s.target})", declared_counts, s.target) for i, s in enumerate(cfg.rewards)]
+    if any(d is None or d for d in declared):
+        return
+    names = ", ".join(s.target for s in cfg.rewards) or "none"
+    raise PreflightError(
+        objective.no_counts_message(
+            objective.name,
+            f"the run's rewards ({names}) count nothing (a reward that does declares it: "
+            "register(..., counts=('color',)), or a plug-in's .counts)",
+        )
+    )
+
+
 def check_reward_servers(cfg: Config) -> None:
     """Each reward server a remote reward calls answers `GET /health` (a few seconds, two tries) and serves the
     reward's kind (`rewards.remote.check_server`); else one line naming its URL and how to start it."""
@@ -356,6 +380,7 @@ def preflight(cfg: Config) -> tuple[PromptSet, PromptSet]:
     train_set, eval_set = load_prompt_sets(cfg)
     check_rewards(cfg)
     check_reward_columns(cfg, train_set, eval_set)
+    check_reward_counts(cfg)
     family_name = check_model(cfg)
     check_conditioning(cfg, family_name, train_set, eval_set)
     check_reward_samples(cfg, family_name)

@@ -145,6 +145,7 @@ def register(
     memory: Any = None,
     summary: str = "",
     columns: tuple[str | tuple[str, ...], ...] = (),
+    counts: tuple[str, ...] | None = (),
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: register a reward factory under ``name``; ``kind`` is "image" or "text". An image reward's
     ``accepts`` says which samples it scores: ("image",) by default, ("video",) for a video-native one, or both.
@@ -152,12 +153,16 @@ def register(
     items, or a function of its options); None: not declared, so not estimated. ``summary``: what it scores, in
     one line (Markdown), for the docs' table of rewards (generated from the registry). ``columns``: the prompts'
     metadata columns it reads, each a name or a tuple of names of which one will do (``("solution", "answer")``);
-    a run checks its prompt files for them before the model loads (a plug-in declares ``.columns``)."""
+    a run checks its prompt files for them before the model loads (a plug-in declares ``.columns``). ``counts``:
+    the attributes a prompt leaves free that it counts per image, as ``free_<attribute>=<value>`` components
+    (shapes_geneval's ``("color",)``), which train.dpo.pairing=matched pairs by; None when that depends on what
+    it wraps (a reward server's or its parts'), so that only the run can tell (a plug-in declares ``.counts``)."""
     if kind not in KINDS:
         raise ValueError(f"reward {name!r}: kind must be one of {KINDS}, got {kind!r}")
     if accepts is not None:
         _check_accepts(name, accepts)
     columns = _check_columns(name, columns)
+    counts = _check_counts(name, counts)
     if memory is not None and not is_declaration(memory):
         raise ValueError(
             f"reward {name!r}: memory must be NOTHING, a HubModel, Parameters or NotEstimated, a list "
@@ -172,6 +177,7 @@ def register(
             factory.reward_memory = memory  # type: ignore[attr-defined]
         factory.reward_summary = summary  # type: ignore[attr-defined]
         factory.reward_columns = columns  # type: ignore[attr-defined]
+        factory.reward_counts = counts  # type: ignore[attr-defined]
         return REWARDS.register(name)(factory)
 
     return deco
@@ -338,6 +344,31 @@ def declared_columns(name: str) -> tuple[tuple[str, ...], ...]:
     if is_plugin(name):
         return _check_columns(name, getattr(load_plugin(name), "columns", ()))
     return tuple(getattr(_registered(name), "reward_columns", ()))
+
+
+def _check_counts(name: str, counts: Any) -> tuple[str, ...] | None:
+    """``counts`` as a tuple of attribute names, or None (not known before the reward runs)."""
+    if counts is None:
+        return None
+    if (
+        isinstance(counts, str)
+        or not isinstance(counts, (tuple, list))
+        or not all(isinstance(c, str) and c and "=" not in c and "/" not in c for c in counts)
+    ):
+        raise ValueError(
+            f"reward {name!r}: counts must be a tuple of the free attributes it counts, e.g. ('color',) for "
+            f"components 'free_color=<value>', or None when it cannot say before it runs; got {counts!r}"
+        )
+    return tuple(counts)
+
+
+def declared_counts(name: str) -> tuple[str, ...] | None:
+    """The free attributes the reward ``name`` (registered or a plug-in) says it counts per image (its
+    ``free_<attribute>=<value>`` components), without building it: () when it counts none, None when it cannot
+    say before it runs (a reward server, a weighted sum, a plug-in without ``.counts``)."""
+    if is_plugin(name):
+        return _check_counts(name, getattr(load_plugin(name), "counts", None))
+    return getattr(_registered(name), "reward_counts", None)
 
 
 def declared_accepts(name: str) -> tuple[str, ...]:

@@ -52,7 +52,11 @@ def check_url_and_kind(url: str, kind: str) -> None:
 
 
 @register(
-    "remote", kind=IMAGE, memory=NOTHING, summary="a reward computed by a reward server (`flowrl serve-reward`)"
+    "remote",
+    kind=IMAGE,
+    memory=NOTHING,
+    counts=None,
+    summary="a reward computed by a reward server (`flowrl serve-reward`)",
 )  # the server holds its models
 class RemoteReward:
     """Calls ``POST {url}/score``; the kind ("image" or "text") must match the server's reward.

@@ -18,6 +18,7 @@ from rewards.registry import IMAGE, register
     kind=IMAGE,
     memory=NOTHING,
     columns=("objects",),
+    counts=("color",),
     summary="the shapes world's GenEval-style check: the fraction of the prompt's clauses that hold "
     "(`score: strict`: all of them)",
 )

@@ -89,7 +89,11 @@ def components_memory(options: Mapping[str, Any]) -> list[Held]:
 
 
 @register(
-    "weighted", kind=IMAGE, memory=components_memory, summary="a weighted sum of rewards, each kept as a component"
+    "weighted",
+    kind=IMAGE,
+    memory=components_memory,
+    counts=None,
+    summary="a weighted sum of rewards, each kept as a component",
 )
 def weighted(components: Mapping[str, float | Mapping[str, Any]]) -> WeightedSum:
     """Build each component by name and sum them with weights.

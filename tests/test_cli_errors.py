@@ -118,6 +118,36 @@ def test_a_reward_declaring_bad_columns_is_refused_at_registration():
             register("test_bad_columns", kind="image", columns=bad)
 
 
+def test_matched_pairs_without_a_counting_reward_fail_before_the_model_loads(tmp_path, capsys, no_model_load):
+    """train.dpo.pairing=matched pairs by the free-attribute counts a reward declares (register(counts=...), a
+    plug-in's .counts): rewards that declare none are named before the model loads; a reward that cannot say (a
+    plug-in without .counts, a weighted sum) leaves it to the first update; a bad declaration is refused."""
+    import rewards
+    from rewards.registry import register
+
+    assert rewards.declared_counts("shapes_geneval") == ("color",)
+    assert rewards.declared_counts("jpeg_compressibility") == ()
+    assert rewards.declared_counts("weighted") is None and rewards.declared_counts("remote") is None
+    matched = [TINY_CFG, *TINY, "train.objective=dpo", "train.dpo.pairing=matched", f"log.run_dir={tmp_path / 'r'}"]
+    err = one_line_error(capsys, 1, main(["train", *matched, "rewards=[{name: jpeg_compressibility}]"]))
+    assert "pairing=matched pairs images by what they drew where the prompt left it free" in err
+    assert "the run's rewards (jpeg_compressibility) count nothing" in err and "pairing=ranked" in err
+    assert "counts=('color',)" in err
+
+    (tmp_path / "judge.py").write_text(
+        "def plain(images, prompts, **columns):\n    return [0.0] * len(images)\n\n"
+        "def counted(images, prompts, **columns):\n    return [0.0] * len(images)\n\ncounted.counts = ('color',)\n\n"
+        "def bad(images, prompts, **columns):\n    return [0.0] * len(images)\n\nbad.counts = 'color'\n"
+    )
+    assert rewards.declared_counts(f"{tmp_path / 'judge.py'}:plain") is None
+    assert rewards.declared_counts(f"{tmp_path / 'judge.py'}:counted") == ("color",)
+    err = one_line_error(capsys, 1, main(["train", *matched, f"rewards=[{{name: '{tmp_path / 'judge.py'}:bad'}}]"]))
+    assert "counts must be a tuple of the free attributes it counts" in err and "'color'" in err
+    for bad in ("color", ("free_color=red",), ("",), (3,)):
+        with pytest.raises(ValueError, match="counts must be a tuple of the free attributes"):
+            register("test_bad_counts", kind="image", counts=bad)
+
+
 def test_overrides_after_options_and_a_stray_argument(tmp_path, capsys):
     out = tmp_path / "ev"
     assert main(["eval", TINY_CFG, "--out", str(out), *TINY, "eval.num_prompts=1"]) == 0

@@ -519,7 +519,7 @@ def coloured_reward():
 
     name = "test_coloured"
 
-    @register(name, kind="image")
+    @register(name, kind="image", counts=("color",))
     def factory(**kwargs):
         class Fn:
             last_components: dict = {}
@@ -542,7 +542,8 @@ def test_dpo_matched_pairing_pairs_images_of_one_free_colour(tmp_path, coloured_
     """train.dpo.pairing=matched: the trainer hands the rewards' free counts to the pairing (batch.free_counts
     [B, F], columns in sorted name order), which takes ranked's pair count in each group with a winner and a loser
     of the same free colour where one exists; the pairs' mean count distance is logged, and an epoch trains.
-    Without a counting reward the pairing fails with a line that names the components it needs."""
+    With a reward that could not say whether it counts (counts=None) and does not, the pairing fails with a line
+    that names the components it needs (rewards that declare none fail before the model loads: test_cli_errors)."""
     tr = Trainer(
         tiny_cfg(
             tmp_path / "a", "train.objective=dpo", "train.dpo.pairing=matched", f"rewards=[{{name: {coloured_reward}}}]"
@@ -569,7 +570,20 @@ def test_dpo_matched_pairing_pairs_images_of_one_free_colour(tmp_path, coloured_
     ranked.objective.prepare(batch, adv, keep, epoch=0, process_index=0)
     assert ranked.objective.partner.tolist() == [2, 3, -1, -1, 5, -1, -1, 6]
     assert ranked.objective.pair_distance == 1.0  # 4-5 and 7-6 differ in colour, 0-2 and 1-3 do not
-    plain = Trainer(tiny_cfg(tmp_path / "c", "train.objective=dpo", "train.dpo.pairing=matched"))
+    from rewards.registry import REWARDS, register
+
+    @register("test_uncounted", kind="image", counts=None)  # cannot say before it runs: left to the update
+    def uncounted(**kwargs):
+        return lambda images, prompts, **metadata: torch.zeros(len(images))
+
+    try:
+        plain = Trainer(
+            tiny_cfg(
+                tmp_path / "c", "train.objective=dpo", "train.dpo.pairing=matched", "rewards=[{name: test_uncounted}]"
+            )
+        )
+    finally:
+        REWARDS._items.pop("test_uncounted", None)
     batch, *_ = plain.scored_rollout(0)
     assert batch.free_counts is None
     with pytest.raises(ValueError, match=r"pairing=matched .* '<reward>/free_<attribute>=<value>'.* pairing=ranked"):

@@ -91,6 +91,13 @@ class Objective:
     # ---- before the model loads
 
     @classmethod
+    def needs_free_counts(cls, cfg) -> bool:
+        """Whether the update needs a reward that counts what the prompts leave free (`batch.free_counts`, the
+        `<reward>/free_<attribute>=<value>` components): checked against the rewards' declarations before the
+        model loads (flowrl.preflight.check_reward_counts)."""
+        return False
+
+    @classmethod
     def check(cls, cfg) -> list[str]:
         """What in `cfg` this objective cannot take, one line each naming the fix (nothing is loaded)."""
         if cfg.backend not in cls.backends:

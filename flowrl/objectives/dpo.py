@@ -123,6 +123,10 @@ class DPO(ForwardProcessObjective):
         return problems
 
     @classmethod
+    def needs_free_counts(cls, cfg):
+        return cls.scores_batch and getattr(cfg.train, cls.name).pairing == "matched"
+
+    @classmethod
     def times_per_sample(cls, settings, num_steps):
         """The `timesteps` setting, or every step of the schedule."""
         return settings.timesteps or num_steps
@@ -215,13 +219,17 @@ class DPO(ForwardProcessObjective):
     def required_counts(self, counts: Tensor | None) -> Tensor:
         """pairing=matched: the batch's free-attribute counts [B, F], which a reward must report."""
         if counts is None:
-            raise ValueError(
-                f"train.{self.name}.pairing=matched pairs images by what they drew where the prompt left it free, "
-                "the count components a reward reports as '<reward>/free_<attribute>=<value>' (shapes_geneval's "
-                "free_color=...), and no reward of this run reports any; use pairing=ranked or best_worst, or a "
-                "reward that counts its prompts' free attributes"
-            )
+            raise ValueError(self.no_counts_message(self.name, "no reward of this run reports any"))
         return counts
+
+    @staticmethod
+    def no_counts_message(name: str, why: str) -> str:
+        """The one line of a matched pairing without a reward that counts (`why`: which rewards, or what ran)."""
+        return (
+            f"train.{name}.pairing=matched pairs images by what they drew where the prompt left it free, the count "
+            f"components a reward reports as '<reward>/free_<attribute>=<value>' (shapes_geneval's free_color=...), "
+            f"and {why}; use pairing=ranked or best_worst, or a reward that counts its prompts' free attributes"
+        )
 
     def time_weight(self, t: Tensor) -> Tensor | None:
         """w(t) [N] of flow times `t` [N] under train.dpo.weighting (None: velocity's w = 1)."""
