@@ -561,6 +561,8 @@ def test_dpo_matched_pairing_pairs_images_of_one_free_colour(tmp_path, coloured_
     out = tr.update(batch, adv, keep, epoch=0)
     assert out["objective/dpo_pairs"] == 4.0 and out["objective/dpo_pair_free_distance"] == 0.0
     assert max_change(before, trained(tr)) > 0
+    # 4 pairs x the schedule's 4 steps, the one at pure noise (t = 1, weight 0 under weighting=noise) not computed
+    assert tr.objective.plan.times[0] == 1.0 and out["policy/trained_units"] == 4 * 3
     ranked = Trainer(
         tiny_cfg(
             tmp_path / "b", "train.objective=dpo", "train.dpo.pairing=ranked", f"rewards=[{{name: {coloured_reward}}}]"
@@ -588,6 +590,20 @@ def test_dpo_matched_pairing_pairs_images_of_one_free_colour(tmp_path, coloured_
     assert batch.free_counts is None
     with pytest.raises(ValueError, match=r"pairing=matched .* '<reward>/free_<attribute>=<value>'.* pairing=ranked"):
         plain.objective.prepare(batch, adv, keep, epoch=0, process_index=0)
+
+
+def test_training_rollouts_free_colours_are_measured_against_eval_free_reference(tmp_path, coloured_reward):
+    """eval.free_reference applies to the training rollouts' counts too: the test reward draws red for the even
+    images and blue for the odd (4 and 4 of 8), so against a reference of red 3 : blue 1 the TV is
+    (|0.5 - 0.75| + |0.5 - 0.25|) / 2 = 0.25; off, nothing is logged."""
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps({f"{coloured_reward}/color": {"red": 3, "blue": 1}}))
+    key = f"reward/diversity/{coloured_reward}/color"
+    for extra, expected in ((f"eval.free_reference={ref}", 0.25), ("eval.free_reference=", None)):
+        tr = Trainer(tiny_cfg(tmp_path / "r", f"rewards=[{{name: {coloured_reward}}}]", extra))
+        *_, metrics, _ = tr.scored_rollout(0)
+        assert metrics[f"{key}_count"] == 8 and metrics[f"{key}_entropy_bits"] == pytest.approx(1.0)
+        assert metrics.get(f"{key}_tv_from_reference") == (None if expected is None else pytest.approx(expected))
 
 
 def test_dpo_free_anchor_leans_matched_pairs_back_to_the_first_epochs_colours(tmp_path, coloured_reward):

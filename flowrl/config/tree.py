@@ -484,7 +484,8 @@ class EvalConfig:
     (the total variation distance from it; beside `..._tv_from_base`, the distance from the base model's):
     `uniform` (every value a reward counts equally likely, e.g. a world that draws free colours uniformly, or a
     balance a fairness eval asks for), or a JSON file {"<reward>/<attribute>": {"<value>": weight, ...}} (weights
-    normalised per attribute). "" = off."""
+    normalised per attribute). The training rollouts' counts log `reward/diversity/..._tv_from_reference` from it
+    too. "" = off."""
     diversity_features: str = ""
     """A vision backbone (hub id or local directory of a DINOv2, CLIP or CLIP vision model, e.g.
     `facebook/dinov2-small`) that embeds every eval image, for the feature-space diversity: logs

@@ -69,6 +69,9 @@ class Objective:
         self.settings = getattr(cfg.train, self.name) if self.Settings is not None else None
         #: train.cache_reference: the epoch's reference outputs (a ReferenceCache made by `prepare`), None when off
         self.reference_cache = None
+        #: entries of this epoch's update (steps x samples) whose loss is a constant the objective did not compute
+        #: (DPO's rows at pure noise, of weight 0): left out of `policy/trained_units` (the update resets it)
+        self.uncomputed_units = 0
 
     @staticmethod
     def keeps_reference(cfg) -> bool:

@@ -251,6 +251,7 @@ class DPO(ForwardProcessObjective):
         if live is None or live.all() or not live.any():  # (no live row: all computed, for a gradient)
             return self.pair_losses(batch, rows_w, rows_l, t, noise, keys)
         kept = live.nonzero().flatten()
+        self.uncomputed_units += len(t) - len(kept)
         part, stats = self.pair_losses(
             batch,
             rows_w[kept],

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from flowrl import core
-from flowrl.eval.diversity import distribution_metrics, histograms, is_count
+from flowrl.eval.diversity import distribution_metrics, histograms, is_count, load_free_reference
 from flowrl.offload import Parked, modules_in, visiting
 
 from .prompts import groups_with_signal
@@ -118,6 +118,8 @@ class Scorer:
         self.group_signal: list[bool] = []  # the last epoch's groups: which had a reward that differed (skip_no_signal)
         self.count_totals: dict[str, float] = {}  # reward_metrics': the last batch's free-attribute counts, summed
         self.weights = torch.tensor([r.weight for r in cfg.rewards])
+        # eval.free_reference (None: off): the training rollouts' free counts are measured against it too
+        self.free_reference = load_free_reference(cfg.eval.free_reference)
         pairwise = [r.name for r in cfg.rewards if r.pairwise]
         if pairwise and dist.world > 1:
             from flowrl.errors import ConfigError
@@ -311,7 +313,7 @@ class Scorer:
                 counts[name] = self.dist.gather(v)
             else:
                 m[f"reward/{name}_mean"] = self.dist.gather(v).mean().item()
-        m.update(distribution_metrics(histograms(counts), prefix="reward/diversity/"))
+        m.update(distribution_metrics(histograms(counts), prefix="reward/diversity/", reference=self.free_reference))
         # each count summed over every process's images, a non-finite one as 0 (as count_features reads it)
         self.count_totals = {
             n: float(torch.nan_to_num(torch.as_tensor(v, dtype=torch.float64), nan=0.0, posinf=0.0, neginf=0.0).sum())

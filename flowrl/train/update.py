@@ -88,6 +88,7 @@ class Updater:
         counts optimizer steps in `state`; `stop_check(epoch, mid_epoch)` is called at each safe point (a signal
         writes a checkpoint there and stops). Returns the update's metrics."""
         t = self.cfg.train
+        self.objective.uncomputed_units = 0
         keep = self.objective.prepare(batch, adv, keep, epoch=epoch, process_index=self.dist.rank)
         units = self.objective.train_units(batch, t.steps_per_forward)
         n_units = sum(len(u) for u in units)
@@ -139,7 +140,7 @@ class Updater:
         out = {f"policy/{k}": _reduce(k, v) for k, v in sums.items()}
         if first_ratio is not None:  # None: every group was dropped, nothing was trained this epoch
             out.update(self.on_policy_metrics(first_ratio, epoch, lag=self.version_lag))
-        out["policy/trained_units"] = trained  # steps x samples whose loss was computed
+        out["policy/trained_units"] = trained - self.objective.uncomputed_units  # steps x samples computed
         out["policy/skipped_nonfinite"] = skipped
         out.update(self.objective.after_update(state.optimizer_steps))
         return out
