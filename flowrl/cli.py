@@ -1,13 +1,14 @@
 """The `flowrl` command line.
 
 flowrl train [CONFIG] [key=value ...]       RL fine-tuning (`flowrl train --help` lists every key)
-flowrl eval CONFIG --checkpoint DIR         evaluate a checkpoint on the held-out prompts
-            [--weights auto|ema|trained]    (auto: the EMA weights when the run kept them)
+flowrl eval CONFIG [--checkpoint DIR]       evaluate a checkpoint (without one: the base model) on the
+            [--weights auto|ema|trained]    held-out prompts (auto: the EMA weights when the run kept them)
 flowrl sample CONFIG [--checkpoint DIR] --prompt TEXT ...   save images
 flowrl serve-reward NAME [--host 127.0.0.1] [--port 8000]  serve a reward over HTTP
 flowrl report RUN_DIR [RUN_DIR ...]          plot the reward and eval curves (several runs: compared)
 flowrl plan CONFIG [--gpus N] [--gpu-memory 80GiB]   memory per GPU, estimated before renting them
-flowrl demo                                  the embedded default
+flowrl demo [CONFIG] [key=value ...]        the embedded default (--toy: the tabular GRPO toy, seconds)
+flowrl calibrate CONFIG [--checkpoint DIR]   measure mag_cache's step ratios for rollout.acceleration
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ def _device(cfg) -> str:
     """Where `flowrl eval` and `flowrl sample` run the model: model.device, `auto` = CUDA when there is one."""
     import torch
 
+    from .preflight import check_device
+
+    check_device(cfg.model.device)
     if cfg.model.device in ("auto", "cpu") and not torch.cuda.is_available():
         return "cpu"
     return "cuda" if cfg.model.device == "auto" else cfg.model.device
@@ -110,7 +114,7 @@ def _eval(args) -> int:
         )
         result["checkpoint"] = args.checkpoint or "(base model)"
         if args.checkpoint:
-            result["weights"] = args.weights
+            result["weights"] = getattr(policy, "loaded_weights", args.weights)  # e.g. "ema (auto)"
         if base_dir:
             result["base"] = str(base_dir)
         result["num_samples"] = len(outputs)
@@ -153,6 +157,7 @@ def _sample(args) -> int:
     """Images of each --prompt with seeds --seed, --seed + 1, ... (--num of them): flowrl.eval.samples."""
     from pathlib import Path
 
+    from .data import PromptSet, check_prompt_lengths
     from .eval.evaluator import images_per_call
     from .eval.samples import sample_to_dir
     from .preflight import check_model, check_sample_images
@@ -166,6 +171,9 @@ def _sample(args) -> int:
     family_name = check_model(cfg)  # the model's class and the image size, before it loads
     check_sample_images(family_name, args.image or [])
     policy = policy_from_checkpoint(cfg, args.checkpoint, args.weights, _device(cfg))
+    # one line for prompts a text encoder cuts (and the libraries' own truncation logs silenced), as training does
+    given = PromptSet(list(args.prompt), origins=[f"--prompt #{i + 1}" for i in range(len(args.prompt))])
+    check_prompt_lengths(policy, {"--prompt": given})
     seeds = [args.seed + k for k in range(args.num)]
     count = sample_to_dir(
         policy,
@@ -319,10 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="repeatable: a conditioning image of every prompt (an editing or image-to-video model)",
     )
-    sa.add_argument("--num", type=int, default=1, help="images per prompt")
+    sa.add_argument("--num", type=int, default=1, help="images per prompt (default 1)")
     sa.add_argument("--steps", type=int, default=0, help="ODE steps (default eval.num_steps)")
-    sa.add_argument("--seed", type=int, default=0)
-    sa.add_argument("--out", default="samples_out")
+    sa.add_argument("--seed", type=int, default=0, help="the first image's seed; the others follow (default 0)")
+    sa.add_argument(
+        "--out", default="samples_out", help="directory of the images and samples.jsonl (default samples_out)"
+    )
     with_config(sa, optional=False)
     sa.set_defaults(func=_sample)
 
@@ -369,7 +379,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="estimate the memory a config needs per GPU, before renting them")
     pl.add_argument("--gpus", type=int, default=1, help="GPUs (processes) the run will use")
-    pl.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU, e.g. 80GiB, 24GiB, 40960MiB")
+    pl.add_argument(
+        "--gpu-memory",
+        default="80GiB",
+        help="memory of one GPU, e.g. 80GiB, 80GB, 40960MiB; a bare number is GiB (default 80GiB)",
+    )
     with_config(pl, optional=False)
     pl.set_defaults(func=_plan)
 

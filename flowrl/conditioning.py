@@ -26,16 +26,17 @@ def describe_count(accepts: tuple[int, int]) -> str:
     return f"exactly {low} {noun}" if low == high else f"{low} to {high} {noun}"
 
 
-def count_problem(count: int, accepts: tuple[int, int], family: str) -> str:
+def count_problem(count: int, accepts: tuple[int, int], family: str, fix: str = "") -> str:
     """Why `count` conditioning images do not suit a family taking `accepts` = (fewest, most) per prompt; "" when
-    they do."""
+    they do. `fix`: what to do instead of giving them to a text-to-image family (default: a prompt file's)."""
     low, high = accepts
     if low <= count <= high:
         return ""
     if high == 0:
+        fix = fix or "or set data.image_column='' to keep the column as metadata only"
         return (
             f"{family} is a text-to-image family and takes no conditioning image, got {count}; use an "
-            f"image-editing family, or set data.image_column='' to keep the column as metadata only"
+            f"image-editing family, {fix}"
         )
     return f"{family} takes {describe_count(accepts)} per prompt, got {count}"
 

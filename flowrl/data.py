@@ -435,7 +435,7 @@ def _jsonl_row(line: str, where: str, column: str) -> dict:
         row = json.loads(line)
     except json.JSONDecodeError as e:
         raise PromptFileError(
-            f"{where}: not valid JSON: {e.msg} at column {e.colno}; each line must be one JSON "
+            f"{where}: not valid JSON: {e.msg.removesuffix(' at')} at column {e.colno}; each line must be one JSON "
             f'object, e.g. {{"{column}": "a red apple"}}'
         ) from None
     if not isinstance(row, dict):

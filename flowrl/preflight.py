@@ -23,11 +23,23 @@ def _checked(what: str, fn, *args, **kwargs):
     """`fn(*args, **kwargs)`, its ValueError/TypeError/LookupError/OSError as a PreflightError (message kept)."""
     try:
         return fn(*args, **kwargs)
-    except FlowrlError:
-        raise
+    except FlowrlError as e:
+        if not _library_error(e):
+            raise
+        message = str(e)
+        raise PreflightError(message if what in message else f"{what}: {message}") from e
     except (ValueError, TypeError, LookupError, OSError, ImportError) as e:
         message = str(e).strip("'\"") if isinstance(e, KeyError) else str(e)
         raise PreflightError(message if what in message else f"{what}: {message}") from e
+
+
+def _library_error(e: BaseException) -> bool:
+    """A model's or a reward's own error (it names the file or the option, not the config key that led to it)."""
+    from rewards.registry import RewardConfigError
+
+    from .families import ImageModelError
+
+    return isinstance(e, (ImageModelError, RewardConfigError))
 
 
 def load_prompt_sets(cfg: Config) -> tuple[PromptSet, PromptSet]:
@@ -377,6 +389,7 @@ def check_lora_init(cfg: Config, family_name: str | None = None) -> None:
 def preflight(cfg: Config) -> tuple[PromptSet, PromptSet]:
     """All checks of `cfg` that need no model, before it loads; returns the (train, eval) prompt sets. (The run
     directory is the trainer's to check: `flowrl.run.rundir`.)"""
+    check_device(cfg.model.device)
     train_set, eval_set = load_prompt_sets(cfg)
     check_rewards(cfg)
     check_reward_columns(cfg, train_set, eval_set)
@@ -392,6 +405,29 @@ def preflight(cfg: Config) -> tuple[PromptSet, PromptSet]:
     check_reward_servers(cfg)  # last: the checks that wait on the network
     check_engine_server(cfg)
     return train_set, eval_set
+
+
+def check_device(device: str, key: str = "model.device") -> None:
+    """A device this machine has: CUDA (and the index asked for), Apple's MPS or Intel's XPU; `auto` and `cpu`
+    always are (the config's check has read the string)."""
+    import torch
+
+    if device in ("auto", "cpu"):
+        return
+    d = torch.device(device)
+    backend = {"cuda": torch.cuda, "xpu": getattr(torch, "xpu", None), "mps": getattr(torch.backends, "mps", None)}
+    module = backend.get(d.type)
+    if module is None or not module.is_available():
+        raise PreflightError(
+            f"{key}={device} but this machine has no {d.type.upper()} device that torch can use (torch "
+            f"{torch.__version__}); use {key}=cpu, or auto (the accelerator's device, the CPU when there is none)"
+        )
+    count = module.device_count() if hasattr(module, "device_count") else 1
+    if d.index is not None and d.index >= count:
+        raise PreflightError(
+            f"{key}={device} but this machine has {count} {d.type.upper()} device(s), numbered from 0; use "
+            f"{d.type}:0{f' to {d.type}:{count - 1}' if count > 1 else ''}, or auto"
+        )
 
 
 def check_tool_env(cfg: Config) -> None:
@@ -438,6 +474,8 @@ def check_sample_images(family_name: str, paths: list[str]) -> None:
                 im.verify()
         except (OSError, UnidentifiedImageError) as e:
             raise PreflightError(f"--image {path!r} is not an image Pillow reads ({e})") from None
-    problem = count_problem(len(paths), family(family_name).condition_images, family_name)
+    accepts = family(family_name).condition_images
+    problem = count_problem(len(paths), accepts, family_name, fix="or leave --image out")
     if problem:
-        raise PreflightError(f"--image: {problem} (give each image with its own --image)")
+        each = "" if accepts[1] == 0 else " (give each image with its own --image)"
+        raise PreflightError(f"--image: {problem}{each}")

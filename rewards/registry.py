@@ -103,9 +103,9 @@ ENTRY_POINT_GROUP = "flowrl.rewards"
 PLUGIN_FORMS = "a plug-in 'package.module:function' or 'path/to/file.py:function'"
 
 
-class RewardConfigError(ValueError):
+class RewardConfigError(FlowrlError, ValueError):
     """A reward named in the config cannot be built as given: unknown name, bad option, wrong kind,
-    or a plug-in that cannot be imported or called as a reward."""
+    or a plug-in that cannot be imported or called as a reward. A FlowrlError: the command line prints its line."""
 
 
 class RewardError(FlowrlError, RuntimeError):
@@ -504,6 +504,10 @@ def check_registered(name: str, kwargs: dict[str, Any], kind: str) -> None:
             f"reward {name!r} needs option(s) {', '.join(map(repr, missing))} in its kwargs; "
             f"its options: {', '.join(options)}."
         )
+    for k, value in kwargs.items():
+        problem = _option_type_problem(name, k, value, params[k].default if k in params else None)
+        if problem:
+            raise RewardConfigError(problem)
     kind_check = getattr(factory, "check_options", None)
     actual = kind_check(kwargs, kind) if kind_check else factory.reward_kind
     if actual != kind:
@@ -511,6 +515,27 @@ def check_registered(name: str, kwargs: dict[str, Any], kind: str) -> None:
             f"reward {name!r} is {_a(actual)} reward; this backend needs {kind} rewards: "
             f"{', '.join(available(kind))}, or {PLUGIN_FORMS}."
         )
+
+
+def _option_type_problem(name: str, key: str, value: Any, default: Any) -> str:
+    """Why `value` does not suit option `key` whose default is a plain number, string or bool ("" when it does, or
+    when the default says nothing: None, a list, no default): a number for a number (an int for an int), a string
+    for a string, true/false for a bool."""
+    if value is None or default is None or default is inspect.Parameter.empty:
+        return ""
+    if isinstance(default, bool):
+        ok, what = isinstance(value, bool), "true or false"
+    elif isinstance(default, int):
+        ok, what = isinstance(value, int) and not isinstance(value, bool), "a whole number"
+    elif isinstance(default, float):
+        ok, what = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    elif isinstance(default, str):
+        ok, what = isinstance(value, str), "a string"
+    else:
+        return ""
+    if ok:
+        return ""
+    return f"reward {name!r}: option {key!r} takes {what} (its default is {default!r}), got {value!r}"
 
 
 def _a(kind: str) -> str:

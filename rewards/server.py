@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from rewards._common import image_scores, invoke_text_reward, resolve_awaitable, text_scores
 from rewards._wire import decode_png, to_jsonable
-from rewards.registry import IMAGE, KINDS, RewardError, build, get, is_plugin, kind_of, load_plugin
+from rewards.registry import IMAGE, KINDS, RewardError, available, build, get, is_plugin, kind_of, load_plugin
 
 _CHUNK = 1 << 20
 MIB = 1 << 20
@@ -173,7 +173,11 @@ def parse_reward_args(pairs: list[str], json_text: str | None) -> dict[str, Any]
     parses, e.g. numbers, true, null; else kept as a string)."""
     options: dict[str, Any] = {}
     if json_text:
-        options = json.loads(json_text)
+        try:
+            options = json.loads(json_text)
+        except ValueError as e:
+            example = '{"score": "strict"}'
+            raise ValueError(f"--args-json is not JSON ({e}): give one object, e.g. '{example}'") from None
         if not isinstance(options, dict):
             raise ValueError(f"--args-json must be a JSON object, got {json_text!r}")
     for pair in pairs:
@@ -194,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "name",
         metavar="NAME",
-        help="registered reward name (see rewards.available()), or a plug-in "
+        help="a registered reward (" + ", ".join(available()) + "), or a plug-in "
         "'package.module:function' or 'path/to/file.py:function'",
     )
     parser.add_argument(
@@ -255,14 +259,25 @@ def serve_main(argv: list[str], *, on_ready: Callable[[RewardHTTPServer], None] 
     except (ValueError, TypeError) as e:  # unknown name or option: the message lists the valid ones
         print(f"flowrl serve-reward: {e}", file=sys.stderr)
         return 2
-    server = make_server(
-        reward,
-        args.host,
-        args.port,
-        max_request_bytes=int(args.max_request_mb * MIB),
-        name=args.name,
-        quiet=args.quiet,
-    )
+    if not 0 <= args.port <= 65535:
+        print(f"flowrl serve-reward: --port must be 0 to 65535 (0 picks a free one), got {args.port}", file=sys.stderr)
+        return 2
+    try:
+        server = make_server(
+            reward,
+            args.host,
+            args.port,
+            max_request_bytes=int(args.max_request_mb * MIB),
+            name=args.name,
+            quiet=args.quiet,
+        )
+    except OSError as e:  # the port is taken, the address is not this machine's, or it does not resolve
+        print(
+            f"flowrl serve-reward: cannot listen on {args.host}:{args.port}: {e.strerror or e}; give another "
+            f"--port (0 picks a free one) or a --host of this machine (127.0.0.1, 0.0.0.0)",
+            file=sys.stderr,
+        )
+        return 1
     host, port = server.server_address[:2]
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(

@@ -148,6 +148,68 @@ def test_matched_pairs_without_a_counting_reward_fail_before_the_model_loads(tmp
             register("test_bad_counts", kind="image", counts=bad)
 
 
+def test_a_device_this_machine_lacks_and_adam_betas_of_the_wrong_length(tmp_path, capsys, no_model_load):
+    """model.device: not a device at all is refused when the config loads (the valid types named); a device this
+    machine does not have fails before the model loads, for train, eval and sample alike. train.adam_betas takes
+    two numbers."""
+    import torch
+
+    run = f"log.run_dir={tmp_path / 'run'}"
+    # (the config's problems, one a line, all of them at once)
+    assert main(["train", TINY_CFG, *TINY, run, "model.device=tpu", "train.adam_betas=[0.9]"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "model.device='tpu' is not a device" in err and "cpu, cuda, mps" in err
+    assert "train.adam_betas takes two numbers" in err and "[0.9]" in err
+    if not torch.cuda.is_available():
+        for command in (["train", TINY_CFG, run], ["eval", TINY_CFG], ["sample", TINY_CFG, "--prompt", "a cat"]):
+            err = one_line_error(capsys, 1, main([*command, *TINY, "model.device=cuda"]))
+            assert "model.device=cuda but this machine has no CUDA device" in err and "model.device=cpu" in err
+
+
+def test_a_reward_option_of_a_bad_value_is_one_line(tmp_path, capsys):
+    """An option the reward's own constructor refuses (checked when it is built, after the model): one line with
+    its message."""
+    bad = "rewards=[{name: jpeg_compressibility, kwargs: {quality: abc}}]"
+    err = one_line_error(capsys, 1, main(["train", TINY_CFG, *TINY, f"log.run_dir={tmp_path / 'run'}", bad]))
+    assert "jpeg_compressibility" in err and "abc" in err
+
+
+def test_a_model_directory_whose_files_are_broken(tmp_path, capsys):
+    """A model_index.json that is not JSON names the file; a truncated weight file is one line naming the model
+    directory and what to do (not diffusers' traceback)."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(ROOT / "samples" / "shapes" / "model", model)
+    sample = [
+        "sample",
+        str(ROOT / "configs" / "shapes.yaml"),
+        f"model.path={model}",
+        "log.progress=false",
+        "--prompt",
+        "x",
+    ]
+    weights = next((model / "transformer").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert main([*sample, "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err.strip()  # (diffusers' loading bars above it)
+    assert "Traceback" not in err
+    err = err.splitlines()[-1]
+    assert f"model.path={model}: its weights do not load" in err and "truncated" in err
+    (model / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline",\n')
+    err = one_line_error(capsys, 1, main([*sample, "--out", str(tmp_path / "o")]))
+    assert f"{model / 'model_index.json'} is not valid JSON" in err
+
+
+def test_a_run_that_takes_no_optimizer_step_says_so(tmp_path, capsys):
+    """DPO on a reward that scores every image alike makes no pair: the run warns that the weights did not move."""
+    (tmp_path / "flat.py").write_text("def flat(images, prompts, **columns):\n    return [0.0] * len(images)\n")
+    flat = f"rewards=[{{name: '{tmp_path / 'flat.py'}:flat'}}]"
+    args = [*TINY, "train.objective=dpo", "train.epochs=1", "eval.before=false", f"log.run_dir={tmp_path / 'r'}", flat]
+    with pytest.warns(UserWarning, match="1 epoch took no optimizer step: in every group the rewards were alike"):
+        assert main(["train", TINY_CFG, *args]) == 0
+
+
 def test_overrides_after_options_and_a_stray_argument(tmp_path, capsys):
     out = tmp_path / "ev"
     assert main(["eval", TINY_CFG, "--out", str(out), *TINY, "eval.num_prompts=1"]) == 0
@@ -307,6 +369,24 @@ def test_checkpoint_may_be_a_run_directory_its_newest_is_taken(tmp_path, capsys)
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "metrics.jsonl").write_text("")
+    # a second sample into the same --out keeps the first one's images listed; a file of the same name is replaced
+    assert (
+        main(
+            [*sample[:-1], "a blue square", "--seed", "1", "--checkpoint", str(run), "--out", str(tmp_path / "by_run")]
+        )
+        == 0
+    )
+    listed = [json.loads(line) for line in (tmp_path / "by_run" / "samples.jsonl").read_text().splitlines()]
+    assert [(r["file"], r["prompt"], r["seed"]) for r in listed] == [
+        ("000_seed0.png", "a red circle", 0),
+        ("000_seed1.png", "a blue square", 1),
+    ]
+    # eval.json says which weights auto picked (this run kept no EMA: its trained ones)
+    for weights, recorded in (("auto", "trained (auto)"), ("trained", "trained")):
+        out = tmp_path / f"ev_{weights}"
+        rc = main(["eval", TINY_CFG, *TINY, "--checkpoint", str(run), "--weights", weights, "--out", str(out)])
+        assert rc == 0 and json.loads((out / "eval.json").read_text())["weights"] == recorded
+    capsys.readouterr()
     err = one_line_error(capsys, 1, main(["eval", TINY_CFG, *TINY, "--checkpoint", str(bare)]))
     assert "is a run directory without a complete checkpoint yet" in err
     err = one_line_error(capsys, 1, main(["eval", TINY_CFG, *TINY, "--checkpoint", str(tmp_path / "first")]))

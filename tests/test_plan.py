@@ -462,6 +462,16 @@ def test_parse_memory_rejects(text):
         parse_memory(text)
 
 
+def test_parse_memory_names_a_size_that_is_not_positive_or_leaves_nothing_usable():
+    for text in ("0GiB", "-5GiB", "0"):
+        with pytest.raises(PlanError, match="must be positive"):
+            parse_memory(text)
+    for text in ("1GiB", "0.5"):
+        with pytest.raises(PlanError, match="leaves nothing usable: the plan keeps 1 GiB and 5%"):
+            parse_memory(text)
+    assert parse_memory("2GiB") == 2
+
+
 def test_main_prints_the_table_and_says_whether_it_fits(capsys):
     assert main(str(ROOT / "configs" / "tiny_cpu.yaml"), [], gpus=1, gpu_memory="80GiB") == 0
     out = capsys.readouterr().out

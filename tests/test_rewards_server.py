@@ -115,6 +115,23 @@ def test_the_max_request_mb_flag_sets_the_limit(capsys):
     assert "--max-request-mb must be > 0" in capsys.readouterr().err
 
 
+def test_a_port_taken_or_out_of_range_and_bad_args_json_are_one_line(capsys):
+    with serving(["jpeg_incompressibility", "--port", "0", "--quiet"]) as server:
+        port = server.server_address[1]
+        capsys.readouterr()
+        assert serve_main(["jpeg_incompressibility", "--port", str(port)]) == 1
+        err = capsys.readouterr().err.strip()
+        assert (
+            err.startswith(f"flowrl serve-reward: cannot listen on 127.0.0.1:{port}: ")
+            and "--port (0 picks a free one)" in err
+        )
+        assert len(err.splitlines()) == 1
+    assert serve_main(["jpeg_incompressibility", "--port", "99999"]) == 2
+    assert "--port must be 0 to 65535" in capsys.readouterr().err
+    assert serve_main(["jpeg_incompressibility", "--args-json", "{bad"]) == 2
+    assert "--args-json is not JSON (" in capsys.readouterr().err
+
+
 def test_reward_failure_is_reported_and_not_retried(serve, monkeypatch):
     sleeps = []
     monkeypatch.setattr(remote_module.time, "sleep", sleeps.append)

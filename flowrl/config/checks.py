@@ -132,10 +132,39 @@ def _engine_problems(cfg: Config) -> list[str]:
     return []
 
 
+#: the device types model.device may name (torch's; `auto` picks the accelerator's)
+DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "npu", "hpu")
+
+
+def _device_problems(cfg: Config) -> list[str]:
+    """model.device: `auto` or a torch device string of a known type (whether this machine has it is the
+    preflight's check: a config may be planned for GPUs on a machine without one)."""
+    import torch
+
+    device = cfg.model.device
+    if device == "auto":
+        return []
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError, ValueError):
+        kind = None
+    if kind not in DEVICE_TYPES:
+        return [
+            f"model.device={device!r} is not a device: use auto (the accelerator's), or one of "
+            f"{', '.join(DEVICE_TYPES)}, with an index where there are several (cuda:1)"
+        ]
+    return []
+
+
 def validate(cfg: Config) -> None:
     """Value checks that need more than a type: every numeric field's range, and relations between keys."""
     s, t = cfg.sample, cfg.train
     problems = range_problems(cfg)
+    problems.extend(_device_problems(cfg))
+    if len(t.adam_betas) != 2:
+        problems.append(
+            f"train.adam_betas takes two numbers, Adam's (beta1, beta2), e.g. [0.9, 0.999]; got {t.adam_betas}"
+        )
     batch = s.group_size * s.prompts_per_epoch
     if t.minibatch_size and batch % t.minibatch_size:
         problems.append(

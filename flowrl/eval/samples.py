@@ -25,9 +25,11 @@ def sample_to_dir(
     (prompt, seed) is the same whatever else is sampled beside it. The images are sampled about `per_call` at a time
     (whole prompts with all their seeds when they fit, else one prompt's seeds in parts; 0: everything in one
     call), and each is written when its call returns, so an interrupted run keeps what it sampled (the list is
-    rewritten after each call). `progress`: a bar over the images. Returns how many were written."""
+    rewritten after each call). An `out` sampled into before keeps its list's other images listed (an image of the
+    same name is replaced, in the list too). `progress`: a bar over the images. Returns how many were written."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    earlier = _listed(out / "samples.jsonl")
     per_call = per_call or len(prompts) * len(seeds)
     seeds_per_call = min(len(seeds), per_call)
     prompts_per_call = max(1, per_call // len(seeds))  # whole prompts when all their seeds fit in a call
@@ -45,7 +47,24 @@ def sample_to_dir(
                         path = policy.save_sample(images[j * len(chunk) + k], out / f"{first + j:03d}_seed{seed}")
                         rows.append({"file": path.name, "prompt": prompt, "seed": seed})
                 listing = out / "samples.jsonl.tmp"
-                listing.write_text("".join(json.dumps(r) + "\n" for r in rows))
+                names = {r["file"] for r in rows}
+                kept = [r for r in earlier if r.get("file") not in names and (out / str(r.get("file"))).exists()]
+                listing.write_text("".join(json.dumps(r) + "\n" for r in kept + rows))
                 listing.replace(out / "samples.jsonl")
                 bar.update(len(images))
     return len(rows)
+
+
+def _listed(path: Path) -> list[dict]:
+    """The rows of an earlier samples.jsonl (nothing when there is none; a line that does not read is dropped)."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and "file" in row:
+            rows.append(row)
+    return rows

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from flowrl.core.registry import Registry
+from flowrl.errors import FlowrlError
 from flowrl.plan.declarations import Calibration, Layout
 from flowrl.sampling import (
     DEFAULT_NOISE_LEVEL,
@@ -50,10 +51,10 @@ from flowrl.sampling.step import check_reduce
 FAMILIES: Registry[type[ImageBackend]] = Registry("image model family")
 
 
-class ImageModelError(ValueError):
+class ImageModelError(FlowrlError, ValueError):
     """A model that cannot be run as asked (unknown pipeline class, wrong family, image size, drop_t5, a
-    configuration file missing or not reachable), found before its weights are loaded; the message says
-    what would be right."""
+    configuration file missing, not reachable or not JSON, found before its weights are loaded; weights that do
+    not load); the message says what would be right. A FlowrlError: the command line prints its line."""
 
 
 class SizeRule(NamedTuple):

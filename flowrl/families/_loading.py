@@ -89,8 +89,14 @@ def _read_local_json(directory: str, name: str) -> dict:
         raise ImageModelError(
             f"{directory} has no {name}: not a diffusers pipeline directory (write one with pipe.save_pretrained(DIR))"
         )
-    with open(file, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:  # (json's JSONDecodeError is a ValueError)
+        raise ImageModelError(
+            f"{file} is not valid JSON ({e}): a diffusers pipeline's configuration files are JSON objects; "
+            "fix the file, or write the model again with pipe.save_pretrained(DIR)"
+        ) from None
 
 
 def read_hub_json(repo_id: str, name: str, **hub_kwargs) -> dict:
@@ -345,7 +351,17 @@ def _load_pipeline(path: str, family: str, dtype, drop_t5: bool, from_pretrained
     kwargs.update(dict.fromkeys(_null_components(model_index)))
     if drop_t5:  # never read the T5 weights
         kwargs.update(dict.fromkeys(backend_cls.t5_components))
-    return DiffusionPipeline.from_pretrained(path, **{**kwargs, **from_pretrained_kwargs})
+    try:
+        return DiffusionPipeline.from_pretrained(path, **{**kwargs, **from_pretrained_kwargs})
+    except (OSError, ValueError) as e:
+        if not os.path.isdir(path):  # a hub model's errors (offline, not cached, gated) name it already
+            raise
+        # a weight file that is truncated or of another model: diffusers names the file in a long message
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ImageModelError(
+            f"model.path={path}: its weights do not load ({first}); a file may be truncated (an interrupted copy or "
+            "download) or of another model: copy or save the pipeline again"
+        ) from e
 
 
 def load_image_backend(

@@ -121,9 +121,21 @@ def parse_memory(text: str) -> float:
         "tib": 1024.0,
         "tb": 1e12 / GIB,
     }
-    if not m or m.group(2).lower() not in units or float(m.group(1)) <= 0:
-        raise PlanError(f"--gpu-memory {text!r}: give a size such as 80GiB, 80GB, 24 or 40960MiB")
-    return float(m.group(1)) * units[m.group(2).lower()]
+    signed = re.fullmatch(r"\s*-\s*[0-9.]+\s*[a-zA-Z]*\s*", str(text))
+    if signed or (m and m.group(2).lower() in units and float(m.group(1)) == 0):
+        raise PlanError(f"--gpu-memory {text!r}: a GPU's memory must be positive, e.g. 80GiB, 80GB, 24 or 40960MiB")
+    if not m or m.group(2).lower() not in units:
+        raise PlanError(
+            f"--gpu-memory {text!r}: give a size such as 80GiB, 80GB, 24 (GiB) or 40960MiB (units: GiB, GB, MiB, "
+            "MB, TiB, TB)"
+        )
+    gib = float(m.group(1)) * units[m.group(2).lower()]
+    if usable_gib(gib) <= 0:
+        raise PlanError(
+            f"--gpu-memory {text!r} ({gib:.3g} GiB) leaves nothing usable: the plan keeps {RESERVE_GIB:g} GiB and "
+            f"{RESERVE_FRACTION:.0%} of each GPU for the CUDA context and the allocator; give the GPU's whole memory"
+        )
+    return gib
 
 
 def main(config: str | None, overrides: list[str] | None = None, *, gpus: int = 1, gpu_memory: str = "80GiB") -> int:

@@ -156,6 +156,9 @@ def policy_from_checkpoint(cfg: Config, checkpoint: str | None, which: str = "au
         check_base(ck["state"], checkpoint, current, cfg.checkpoint.allow_other_base, note=True)
     policy = build_policy(cfg, device)
     if weights is not None:
+        # which weights `which` picked ("ema" or "trained"; "... (auto)" when auto chose), for the eval's record
+        picked = "trained" if which == "trained" or "ema" not in ck else "ema"
+        policy.loaded_weights = f"{picked} (auto)" if which == "auto" else picked
         named = dict(policy.named_trainable_parameters())
         check_weights(named, weights, checkpoint)
         with torch.no_grad():

@@ -50,8 +50,8 @@ def parse_row(raw: bytes, path: Path, number: int) -> dict:
         ) from None
     except json.JSONDecodeError as err:
         raise ValueError(
-            f"{where}: not valid JSON ({err.msg} at column {err.colno}); metrics.jsonl holds one JSON "
-            "object a line (delete or fix this line)"
+            f"{where}: not valid JSON ({err.msg.removesuffix(' at')} at column {err.colno}); metrics.jsonl holds "
+            "one JSON object a line (delete or fix this line)"
         ) from None
     epoch = row.get("epoch") if isinstance(row, dict) else None
     if not isinstance(epoch, (int, float)) or isinstance(epoch, bool):

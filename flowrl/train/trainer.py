@@ -251,6 +251,7 @@ class Trainer:
             initial=self.state.epochs_done,
             total=t.epochs,
         )
+        steps_before = self.state.optimizer_steps
         for epoch in bar:
             try:
                 metrics = self.train_epoch(epoch)
@@ -282,6 +283,14 @@ class Trainer:
                         f"epochs: the final eval and checkpoint follow"
                     )
                 break
+        if last and self.state.optimizer_steps == steps_before and self.main:
+            ran = self.state.epochs_done - first
+            warnings.warn(
+                f"{ran} epoch{'s' if ran != 1 else ''} took no optimizer step: in every group the rewards were alike "
+                "(no advantage, no pair) or not finite, so the weights did not move; give each epoch more groups or "
+                "larger ones (sample.prompts_per_epoch, sample.group_size), or a graded reward",
+                stacklevel=2,
+            )
         if last:  # some epoch ran in this call (a resume of a finished run does nothing)
             final = self.evaluate(tag="final")
             if final is None:
