@@ -23,12 +23,9 @@ def _checked(what: str, fn, *args, **kwargs):
     """`fn(*args, **kwargs)`, its ValueError/TypeError/LookupError/OSError as a PreflightError (message kept)."""
     try:
         return fn(*args, **kwargs)
-    except FlowrlError as e:
-        if not _library_error(e):
+    except (FlowrlError, ValueError, TypeError, LookupError, OSError, ImportError) as e:
+        if isinstance(e, FlowrlError) and not _library_error(e):  # (a model's or reward's own: prefixed below)
             raise
-        message = str(e)
-        raise PreflightError(message if what in message else f"{what}: {message}") from e
-    except (ValueError, TypeError, LookupError, OSError, ImportError) as e:
         message = str(e).strip("'\"") if isinstance(e, KeyError) else str(e)
         raise PreflightError(message if what in message else f"{what}: {message}") from e
 
