@@ -32,6 +32,32 @@ def test_unknown_key_names_close_valid_keys(tmp_path):
         load_config(yml)
 
 
+def test_every_unknown_key_of_a_file_is_named_at_once(tmp_path):
+    # four mistakes in three sections and a list item: one error lists them all, each with its own suggestion (the
+    # section's own key first: train.dpo.betta is train.dpo.beta, not grpo's or crd's beta)
+    yml = tmp_path / "bad.yaml"
+    yml.write_text(
+        "model:\n  devise: cpu\ntrain:\n  lrr: 1e-3\n  dpo:\n    betta: 100\n"
+        "rewards:\n  - name: pickscore\n    kwarg: {}\n"
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config(yml)
+    lines = str(e.value).splitlines()
+    assert lines[0] == "4 unknown config keys:"
+    assert [line.split("'")[1] for line in lines[1:]] == [
+        "model.devise",
+        "train.lrr",
+        "train.dpo.betta",
+        "rewards[0].kwarg",
+    ]
+    assert "Did you mean model.device " in lines[1] and "Did you mean train.lr " in lines[2]
+    assert "Did you mean train.dpo.beta?" in lines[3] and "Did you mean rewards[0].kwargs " in lines[4]
+    # one unknown key: the one-line message as before
+    yml.write_text("train:\n  lrr: 1e-3\n  epochs: 2\n")
+    with pytest.raises(ConfigError, match=r"^unknown config key 'train\.lrr'\. Did you mean train\.lr "):
+        load_config(yml)
+
+
 @pytest.mark.parametrize(
     "override, message",
     [

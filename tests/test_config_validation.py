@@ -146,7 +146,7 @@ def test_list_items_can_be_overridden(tmp_path):
         load_config(yml, ["rewards.2.weight=1"])
     with pytest.raises(ConfigError, match=r"name an item by its index, e\.g\. rewards\.0\.weight=2"):
         load_config(yml, ["rewards.weight=1"])
-    with pytest.raises(ConfigError, match=r"unknown config key 'rewards\.0\.wieght'.*Did you mean rewards\.weight"):
+    with pytest.raises(ConfigError, match=r"unknown config key 'rewards\.0\.wieght'.*Did you mean rewards\.0\.weight"):
         load_config(yml, ["rewards.0.wieght=1"])
 
 

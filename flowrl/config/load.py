@@ -188,12 +188,48 @@ def _suggest(key: str) -> list[str]:
 
 
 def _unknown_key(key: str, valid: list[str]) -> ConfigError:
-    close = _suggest(key)
+    leaves = {v.split(".")[-1]: v for v in valid}  # the section's own keys come first: train.dpo.betta -> .beta
+    here = [leaves[n] for n in difflib.get_close_matches(key.split(".")[-1], list(leaves), n=2, cutoff=0.75)]
+    taken = {h.split(".")[-1] for h in here}
+    close = list(dict.fromkeys(here + [k for k in _suggest(key) if k.split(".")[-1] not in taken]))[:3]
     hint = f" Did you mean {' or '.join(close)}?" if close else ""
     leaf = key.split(".")[-1]
     if leaf in ALIASES:
         hint += f" ({leaf!r} is another tool's name for it.)"
     return ConfigError(f"unknown config key {key!r}.{hint} Valid keys here: {', '.join(valid)}")
+
+
+def _unknown_keys(cls: type, data: Any, prefix: str = "") -> list[ConfigError]:
+    """Every unknown key of `data` read as dataclass `cls`, each as _unknown_key's error (the sections and lists
+    of sections below it too; a value of the wrong shape is left to _build)."""
+    if not isinstance(data, dict):
+        return []
+    hints = _hints(cls)
+    out: list[ConfigError] = []
+    for k, v in data.items():
+        key = prefix + ("." if prefix else "") + str(k)
+        name = field_name(k) if isinstance(k, str) else k
+        if name not in hints:
+            out.append(_unknown_key(key, [f"{prefix}.{key_name(n)}" if prefix else key_name(n) for n in hints]))
+            continue
+        tp = hints[name]
+        sub = _dataclass_of(tp)
+        if sub is not None:
+            out.extend(_unknown_keys(sub, v, key))
+        elif typing.get_origin(tp) is list and typing.get_args(tp) and _dataclass_of(typing.get_args(tp)[0]):
+            if isinstance(v, list):
+                for i, item in enumerate(v):
+                    out.extend(_unknown_keys(typing.get_args(tp)[0], item, f"{key}[{i}]"))
+    return out
+
+
+def _check_keys(data: dict) -> None:
+    """One error for all the unknown keys of a config tree: the single key's message as it is, several as a list."""
+    unknown = _unknown_keys(Config, data)
+    if len(unknown) == 1:
+        raise unknown[0]
+    if unknown:
+        raise ConfigError(f"{len(unknown)} unknown config keys:\n  - " + "\n  - ".join(str(e) for e in unknown))
 
 
 def _build(cls: type, data: Any, prefix: str = ""):
@@ -418,6 +454,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"text.loss_preset: {preset!r} is not a valid choice; valid: none, {', '.join(LOSS_PRESETS)}")
     if preset != "none":
         data = _merge(LOSS_PRESETS[preset], data)
+    _check_keys(data)
     cfg = _build(Config, data)
     validate(cfg)
     if path is not None:
