@@ -652,6 +652,31 @@ def test_dpo_kl_penalty_by_hand():
         dpo_loss(**case, kl_coef=-1.0)
 
 
+def test_dpo_winner_sft_term_by_hand():
+    # the winner's own error ||v_w - v_theta(x_w)||^2 = .02 (dpo_case), times w(t) and sft_coef, added to the pair's
+    # loss: at w = .5, inside .4 (test_dpo_by_hand), loss log(1 + e^-.4) + 3 * .5 * .02
+    loss, stats = dpo_loss(**dpo_case(), beta=10.0, weight=0.5, sft_coef=3.0)
+    torch.testing.assert_close(loss, t64([math.log1p(math.exp(-0.4)) + 3.0 * 0.5 * 0.02]), **TOL)
+    assert stats["margin"].item() == pytest.approx(0.4, abs=1e-12)
+    # its gradient: only on the winner's velocity, sft_coef * w * 2 (v_theta - v_w) / D with v_w = [-1, 0]
+    case = dpo_case()
+    grads = []
+    for coef in (0.0, 3.0):
+        vw = case["velocity_w"].clone().requires_grad_()
+        vl = case["velocity_l"].clone().requires_grad_()
+        dpo_loss(**{**case, "velocity_w": vw, "velocity_l": vl}, beta=10.0, weight=0.5, sft_coef=coef)[
+            0
+        ].sum().backward()
+        grads.append((vw.grad, vl.grad))
+    torch.testing.assert_close(grads[1][0] - grads[0][0], 3.0 * 0.5 * 2 * t64([[0.0, 0.2]]) / 2)
+    torch.testing.assert_close(grads[1][1], grads[0][1])
+    # at a time of weight 0 the term is 0 (so a skipped t = 1 row stays exact): log 2
+    zero, _ = dpo_loss(**case, beta=10.0, weight=0.0, sft_coef=3.0)
+    torch.testing.assert_close(zero, t64([math.log(2.0)]), **TOL)
+    with pytest.raises(ValueError, match="sft_coef"):
+        dpo_loss(**case, sft_coef=-1.0)
+
+
 def test_dpo_gradient_lowers_the_winner_error_and_raises_the_loser_error():
     case = dpo_case()
     vw = case["velocity_w"].clone().requires_grad_()

@@ -687,6 +687,39 @@ def test_dpo_kl_coef_adds_the_penalty_on_both_images_of_each_pair(tmp_path):
         tiny_cfg(tmp_path, "train.objective=dpo", "train.dpo.kl_coef=-1")
 
 
+def test_dpo_sft_coef_adds_the_winners_own_error(tmp_path):
+    """train.dpo.sft_coef: the same pairs, times and noise give the loss without it plus sft_coef x the winners'
+    mean velocity error (weighting=velocity: w = 1; the reported policy/dpo_model_error_w), and an epoch trains
+    with it; the reference note names it."""
+    tr = Trainer(
+        tiny_cfg(
+            tmp_path,
+            "train.objective=dpo",
+            "train.dpo.pairing=ranked",
+            "train.dpo.sft_coef=2.0",
+            "train.dpo.weighting=velocity",
+        )
+    )
+    assert tr.objective.settings.sft_coef == 2.0
+    assert "sft_coef 2" in type(tr.objective).reference_note(tr.objective.settings)[1]
+    batch, _, adv, keep = _epoch_inputs(tr)
+    obj = tr.objective
+    winners = obj.prepare(batch, adv, keep, epoch=0, process_index=0).nonzero().flatten()
+    assert len(winners) > 0
+    perturb_lora_b(tr)
+    with torch.no_grad():
+        obj.settings.sft_coef = 0.0
+        plain, stats = obj.unit_loss(batch, winners, [0, 1], adv, keep, None)
+        obj.settings.sft_coef = 2.0
+        pulled, stats_sft = obj.unit_loss(batch, winners, [0, 1], adv, keep, None)
+    assert stats["dpo_model_error_w"] > 0 and torch.equal(stats["dpo_margin"], stats_sft["dpo_margin"])
+    torch.testing.assert_close(pulled, plain + 2.0 * stats["dpo_model_error_w"], rtol=1e-6, atol=1e-7)
+    metrics = tr.update(batch, adv, keep, epoch=0)
+    assert math.isfinite(metrics["policy/loss"])
+    with pytest.raises(ConfigError, match="train.dpo.sft_coef"):
+        tiny_cfg(tmp_path, "train.objective=dpo", "train.dpo.sft_coef=-1")
+
+
 # ------------------------------------------------------------------------------------ config
 
 

@@ -564,6 +564,7 @@ def dpo_loss(
     beta: float = 5000.0,
     weight: Tensor | float | None = None,
     kl_coef: float = 0.0,
+    sft_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Diffusion-DPO (Wallace et al., arXiv 2311.12908) on a flow-matching model, one loss per winner/loser pair.
 
@@ -590,7 +591,16 @@ def dpo_loss(
 
         L += kl_coef * (||v_theta(x_t^w) - v_ref(x_t^w)||^2 + ||v_theta(x_t^l) - v_ref(x_t^l)||^2)
 
-    (not in the paper; 0, the default, leaves its loss as it is). A pair whose inside exceeds SATURATED_INSIDE (30)
+    (not in the paper; 0, the default, leaves its loss as it is). `sft_coef` adds the winner's own denoising loss,
+    weighted as the inside is:
+
+        L += sft_coef * w(t) * ||v_w - v_theta(x_t^w)||^2
+
+    the diffusion form of the winner's negative log-likelihood that RPO (Pang et al., arXiv 2404.19733) adds to DPO:
+    D's gradient on the winner fades with sigmoid(-inside) once the pair is ranked (also when that came from the
+    loser's error rising), this term's does not, so the winner's likelihood is held up; at a time of weight 0 it is
+    0, as the DPO term's gradient is. dL/d err_w is beta / 2 * w * sigmoid(-inside) from D (beta / 4 * w at the
+    reference) and sft_coef * w from this term. A pair whose inside exceeds SATURATED_INSIDE (30)
     keeps its loss's value and gives no gradient (its own is below 1e-13 of a live pair's, and slow as a subnormal).
 
     velocity_w/l (trained model at x_t^w / x_t^l), ref_velocity_w/l (reference model, no gradient), x0_w, x0_l,
@@ -603,6 +613,8 @@ def dpo_loss(
         raise ValueError(f"beta must be > 0, got {beta}")
     if not kl_coef >= 0:
         raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    if not sft_coef >= 0:
+        raise ValueError(f"sft_coef must be >= 0, got {sft_coef}")
     _same_shape(
         velocity_w=velocity_w,
         velocity_l=velocity_l,
@@ -628,6 +640,8 @@ def dpo_loss(
     )
     if kl_coef > 0:
         loss = loss + kl_coef * kl
+    if sft_coef > 0:
+        loss = loss + sft_coef * w * err_w
     stats = {
         "implicit_acc": _mean((inside > 0).to(dtype)),
         "margin": _mean(inside),

@@ -32,6 +32,7 @@ class DPOSettings:
         "beta": POSITIVE,
         "timesteps": AT_LEAST_0,
         "kl_coef": AT_LEAST_0,
+        "sft_coef": AT_LEAST_0,
         "max_time": Range(0, 1, lo_open=True),
         "free_anchor": AT_LEAST_0,
         "free_anchor_epochs": AT_LEAST_1,
@@ -82,6 +83,11 @@ class DPOSettings:
     and the loser's deviations, so a drift both share goes unchecked. Free to compute (the loss evaluates the
     reference on both images anyway); 0 = off, the paper's loss. The metric policy/dpo_kl reports the deviation
     whatever the coefficient."""
+    sft_coef: float = 0.0
+    """The winner's own denoising loss sft_coef w(t) ||v_w - v_theta(x_t^w)||^2 added to each pair's (RPO's NLL term
+    on the chosen answer, arXiv 2404.19733, in its diffusion form; core.dpo_loss): the DPO term's pull on the
+    winner fades once a pair is ranked, this one's does not. Free to compute (the winner's forward is there); it
+    pulls as hard as the DPO term at the reference when sft_coef = beta / 4. 0 = off, the paper's loss."""
 
 
 @register
@@ -147,7 +153,8 @@ class DPO(ForwardProcessObjective):
     @classmethod
     def reference_note(cls, settings):
         kl = f", kl_coef {settings.kl_coef:g}" if settings.kl_coef > 0 else ""
-        return True, f"dpo beta {settings.beta:g}{kl}"
+        sft = f", sft_coef {settings.sft_coef:g}" if settings.sft_coef > 0 else ""
+        return True, f"dpo beta {settings.beta:g}{kl}{sft}"
 
     @classmethod
     def memory_terms(cls, cfg, cfg_rows):
@@ -284,6 +291,7 @@ class DPO(ForwardProcessObjective):
             beta=self.settings.beta,
             weight=self.time_weight(t_used),
             kl_coef=self.settings.kl_coef,
+            sft_coef=self.settings.sft_coef,
         )
         stats.pop("num_pairs")
         return loss, stats
