@@ -11,6 +11,8 @@ set, or a proxy configured (whose own connection flowrl does not second-guess), 
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 import socket
 import sys
@@ -93,3 +95,40 @@ def settle_for(*paths: str) -> bool:
     if all(os.path.exists(os.fspath(p)) for p in paths):
         return offline()
     return settle()
+
+
+def _bar_switches() -> list[tuple]:
+    """(is_on, turn_on, turn_off) of each installed library's loading bars."""
+    out = []
+    for module, is_on, on, off in (
+        ("diffusers.utils.logging", "is_progress_bar_enabled", "enable_progress_bar", "disable_progress_bar"),
+        ("transformers.utils.logging", "is_progress_bar_enabled", "enable_progress_bar", "disable_progress_bar"),
+        ("huggingface_hub.utils", "are_progress_bars_disabled", "enable_progress_bars", "disable_progress_bars"),
+    ):
+        try:
+            lib = importlib.import_module(module)
+        except ImportError:  # (a text-only install without diffusers)
+            continue
+        check = getattr(lib, is_on)
+        shown = (lambda c=check: not c()) if is_on.startswith("are_") else check
+        out.append((shown, getattr(lib, on), getattr(lib, off)))
+    return out
+
+
+@contextlib.contextmanager
+def loading_bars(enabled: bool):
+    """Within it, the loading bars of diffusers, transformers and huggingface_hub ("Loading pipeline components",
+    "Loading weights", downloads) are shown only when `enabled` (log.progress); each library's setting is put back
+    after it."""
+    if enabled:
+        yield
+        return
+    switches = [(shown(), on, off) for shown, on, off in _bar_switches()]
+    for _, _, off in switches:
+        off()
+    try:
+        yield
+    finally:
+        for was, on, _ in switches:
+            if was:
+                on()

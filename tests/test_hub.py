@@ -80,3 +80,28 @@ def test_a_local_path_is_never_probed_a_hub_id_is(online, tmp_path):
     online.setattr(hub, "reachable", lambda *a, **k: probes.append(1) or True)
     assert hub.settle_for(str(tmp_path)) is False and probes == []
     assert hub.settle_for("openai/clip-vit-large-patch14") is False and probes == [1]
+
+
+def test_loading_bars_are_off_with_log_progress_false_and_come_back(capfd):
+    """log.progress=false: loading the shipped shapes model (diffusers' "Loading pipeline components", transformers'
+    "Loading weights") prints no bar; with it, the bars are there; each library's own setting is put back after."""
+    import diffusers.utils.logging as diffusers_logging
+    import transformers.utils.logging as transformers_logging
+    from diffusers import DiffusionPipeline
+
+    def load(enabled: bool) -> str:
+        capfd.readouterr()
+        with hub.loading_bars(enabled):
+            DiffusionPipeline.from_pretrained("samples/shapes/model")
+        return capfd.readouterr().err
+
+    assert diffusers_logging.is_progress_bar_enabled() and transformers_logging.is_progress_bar_enabled()
+    assert "Loading pipeline components" not in load(False)
+    assert diffusers_logging.is_progress_bar_enabled() and transformers_logging.is_progress_bar_enabled()
+    assert "Loading pipeline components" in load(True)
+    transformers_logging.disable_progress_bar()  # a user's own choice stays as it was
+    try:
+        load(False)
+        assert not transformers_logging.is_progress_bar_enabled() and diffusers_logging.is_progress_bar_enabled()
+    finally:
+        transformers_logging.enable_progress_bar()

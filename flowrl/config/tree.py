@@ -509,7 +509,7 @@ class LogConfig:
     wandb: bool = False
     """Also log to Weights & Biases (needs `wandb` installed)."""
     progress: bool = True
-    """Progress bars."""
+    """Progress bars: flowrl's (epochs, evals), and diffusers' and transformers' bars while the model loads."""
     completions_every: int = 10
     """Text: write the epoch's (prompt, completion, rewards, advantage) table to completions.jsonl every N epochs."""
     overwrite: bool = False

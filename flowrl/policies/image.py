@@ -50,15 +50,18 @@ class ImagePolicy:
         self.cfg = cfg
         m, s = cfg.model, cfg.sample
         offload = cfg.train.offload  # the pipeline loads into CPU memory; only the denoiser goes to the device
-        self.backend = load_image_backend(
-            m.path,
-            m.family,
-            dtype=DTYPES[m.dtype],
-            device="cpu" if offload else device,
-            max_sequence_length=s.max_sequence_length,
-            drop_t5=m.drop_t5,
-            **({"variant": m.variant} if m.variant else {}),
-        )
+        from flowrl.hub import loading_bars
+
+        with loading_bars(cfg.log.progress):  # diffusers' and transformers' loading bars only with log.progress
+            self.backend = load_image_backend(
+                m.path,
+                m.family,
+                dtype=DTYPES[m.dtype],
+                device="cpu" if offload else device,
+                max_sequence_length=s.max_sequence_length,
+                drop_t5=m.drop_t5,
+                **({"variant": m.variant} if m.variant else {}),
+            )
         if offload:
             self.backend.denoiser.to(device)
             self.backend.offload(device)

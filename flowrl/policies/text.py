@@ -204,7 +204,10 @@ class TextPolicy:
         if self.tokenizer.eos_token_id is None:
             raise ValueError(f"the tokenizer of {cfg.model.path!r} has no EOS token: completions could never end")
         variant = {"variant": cfg.model.variant} if cfg.model.variant else {}
-        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=DTYPES[cfg.model.dtype], **variant)
+        from flowrl.hub import loading_bars
+
+        with loading_bars(cfg.log.progress):  # transformers' "Loading weights" bar only with log.progress
+            model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=DTYPES[cfg.model.dtype], **variant)
         model.to(self.device).eval()  # eval: no dropout, so recomputed log-probs equal the recorded ones
         model.requires_grad_(False)
         self.ref_copy = None
