@@ -164,10 +164,12 @@ def _sample(args) -> int:
     from .run.loading import policy_from_checkpoint
 
     cfg = _load(args)
-    if cfg.backend != "image":
-        raise SystemExit("flowrl sample: draws images; for a text config use flowrl eval")
     if args.num < 1 or args.steps < 0:
         raise SystemExit(f"flowrl sample: --num must be >= 1 and --steps >= 0, got {args.num} and {args.steps}")
+    if cfg.backend == "text":
+        return _sample_text(cfg, args)
+    if args.greedy:
+        raise SystemExit("flowrl sample: --greedy is a text model's decoding; an image model samples the ODE")
     family_name = check_model(cfg)  # the model's class and the image size, before it loads
     check_sample_images(family_name, args.image or [])
     policy = policy_from_checkpoint(cfg, args.checkpoint, args.weights, _device(cfg))
@@ -187,6 +189,46 @@ def _sample(args) -> int:
         progress=cfg.log.progress,
     )
     print(f"wrote {count} images to {args.out} (listed in samples.jsonl)")
+    return 0
+
+
+def _sample_text(cfg, args) -> int:
+    """A text config's `flowrl sample`: --num completions of each --prompt, drawn as the rollouts draw them (seeds
+    --seed, --seed + 1, ...), or with --greedy the eval's greedy one; printed and listed in --out/samples.jsonl."""
+    import json
+    from pathlib import Path
+
+    from .data import PromptSet, check_prompt_lengths
+    from .eval.samples import _listed
+    from .preflight import check_model
+    from .run.loading import policy_from_checkpoint
+
+    if args.image or args.steps:
+        raise SystemExit("flowrl sample: --image and --steps are an image model's; a text config takes neither")
+    if args.greedy and args.num != 1:
+        raise SystemExit(f"flowrl sample: --greedy gives one completion per prompt, and --num is {args.num}")
+    check_model(cfg)
+    policy = policy_from_checkpoint(cfg, args.checkpoint, args.weights, _device(cfg))
+    given = PromptSet(list(args.prompt), origins=[f"--prompt #{i + 1}" for i in range(len(args.prompt))])
+    check_prompt_lengths(policy, {"--prompt": given})
+    seeds = None if args.greedy else [args.seed + k for k in range(args.num)]
+    completions = policy.sample_completions(list(args.prompt), seeds)
+    rows = [
+        {"prompt": prompt, "seed": "greedy" if seeds is None else seeds[k], "completion": text}
+        for prompt, texts in zip(args.prompt, completions)
+        for k, text in enumerate(texts)
+    ]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    listing = out / "samples.jsonl"
+    new = {(r["prompt"], r["seed"]) for r in rows}  # an earlier listing's other completions are kept
+    kept = [r for r in _listed(listing, "completion") if (r.get("prompt"), r.get("seed")) not in new]
+    tmp = listing.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept + rows))
+    tmp.replace(listing)
+    for r in rows:
+        print(f"[{r['seed']}] {r['prompt']}\n{r['completion']}\n")
+    print(f"wrote {len(rows)} completion{'' if len(rows) == 1 else 's'} to {listing}")
     return 0
 
 
@@ -317,7 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(ev, optional=False)
     ev.set_defaults(func=_eval)
 
-    sa = sub.add_parser("sample", help="sample images (deterministic ODE) from a config and checkpoint")
+    sa = sub.add_parser(
+        "sample",
+        help="sample images (deterministic ODE) from a config and checkpoint; a text config: completions",
+    )
     sa.add_argument("--checkpoint", default=None, help="a ckpt-XXXXXX directory, or a run directory (its newest)")
     sa.add_argument("--weights", choices=WEIGHTS, default="auto", help="as for eval")
     sa.add_argument("--prompt", action="append", required=True, help="repeatable")
@@ -327,9 +372,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="repeatable: a conditioning image of every prompt (an editing or image-to-video model)",
     )
-    sa.add_argument("--num", type=int, default=1, help="images per prompt (default 1)")
+    sa.add_argument("--num", type=int, default=1, help="images (a text config: completions) per prompt (default 1)")
     sa.add_argument("--steps", type=int, default=0, help="ODE steps (default eval.num_steps)")
     sa.add_argument("--seed", type=int, default=0, help="the first image's seed; the others follow (default 0)")
+    sa.add_argument(
+        "--greedy",
+        action="store_true",
+        help="a text config: the eval's greedy completion instead of sampled ones (text.temperature, ...)",
+    )
     sa.add_argument(
         "--out", default="samples_out", help="directory of the images and samples.jsonl (default samples_out)"
     )

@@ -391,3 +391,52 @@ def test_checkpoint_may_be_a_run_directory_its_newest_is_taken(tmp_path, capsys)
     assert "is a run directory without a complete checkpoint yet" in err
     err = one_line_error(capsys, 1, main(["eval", TINY_CFG, *TINY, "--checkpoint", str(tmp_path / "first")]))
     assert "is not a checkpoint directory (no state.json or trainable.safetensors) nor a run directory" in err
+
+
+def test_sample_a_text_config_draws_seeded_or_greedy_completions(tmp_path, capsys):
+    """`flowrl sample` of a text config (the shipped arithmetic model): --num completions drawn as the rollouts
+    draw them, the same for the same prompts and seeds; --greedy is the argmax decoding (computed here by hand
+    from the model's logits); samples.jsonl keeps an earlier call's other completions; the image-only flags and
+    --greedy with --num > 1 are one line each."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = str(ROOT / "configs" / "text_arith.yaml")
+    out, again = tmp_path / "out", tmp_path / "again"
+    prompts = ["--prompt", "12+34=", "--prompt", "5+7="]
+    assert main(["sample", cfg, *prompts, "--num", "3", "--seed", "4", "--out", str(out), "log.progress=false"]) == 0
+    assert "wrote 6 completions" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [(r["prompt"], r["seed"]) for r in rows] == [(p, s) for p in ("12+34=", "5+7=") for s in (4, 5, 6)]
+    assert main(["sample", cfg, *prompts, "--num", "3", "--seed", "4", "--out", str(again), "log.progress=false"]) == 0
+    assert (again / "samples.jsonl").read_text() == (out / "samples.jsonl").read_text()
+    assert all(set(r["completion"]) <= set("0123456789+=") and len(r["completion"]) <= 4 for r in rows)
+    assert len({r["completion"] for r in rows}) > 1  # sampled at temperature 1, not all alike
+
+    assert main(["sample", cfg, "--prompt", "12+34=", "--greedy", "--out", str(out), "log.progress=false"]) == 0
+    listed = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert listed[:6] == rows and [(r["prompt"], r["seed"]) for r in listed[6:]] == [("12+34=", "greedy")]
+    tok = AutoTokenizer.from_pretrained(ROOT / "samples" / "arith")
+    model = AutoModelForCausalLM.from_pretrained(ROOT / "samples" / "arith").eval()
+    ids = tok("12+34=", return_tensors="pt")["input_ids"]
+    want = []
+    with torch.no_grad():
+        for _ in range(4):  # text.max_new_tokens
+            nxt = int(model(ids).logits[0, -1].argmax())
+            if nxt == tok.eos_token_id:
+                break
+            want.append(nxt)
+            ids = torch.cat([ids, torch.tensor([[nxt]])], 1)
+    assert listed[6]["completion"] == tok.decode(want)
+
+    capsys.readouterr()
+    for extra, words in (
+        (["--greedy", "--num", "2"], "--greedy gives one completion per prompt"),
+        (["--steps", "4"], "--image and --steps are an image model's"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(["sample", cfg, "--prompt", "1+1=", *extra, "--out", str(tmp_path / "x")])
+        assert words in str(e.value)
+    with pytest.raises(SystemExit) as e:
+        main(["sample", TINY_CFG, *TINY, "--prompt", "a cat", "--greedy"])
+    assert "--greedy is a text model's decoding" in str(e.value)

@@ -55,8 +55,9 @@ def sample_to_dir(
     return len(rows)
 
 
-def _listed(path: Path) -> list[dict]:
-    """The rows of an earlier samples.jsonl (nothing when there is none; a line that does not read is dropped)."""
+def _listed(path: Path, key: str = "file") -> list[dict]:
+    """The rows of an earlier samples.jsonl that hold `key` (nothing when there is none; a line that does not read
+    is dropped)."""
     if not path.is_file():
         return []
     rows = []
@@ -65,6 +66,6 @@ def _listed(path: Path) -> list[dict]:
             row = json.loads(line)
         except ValueError:
             continue
-        if isinstance(row, dict) and "file" in row:
+        if isinstance(row, dict) and key in row:
             rows.append(row)
     return rows
