@@ -199,7 +199,7 @@ def _sample_text(cfg, args) -> int:
     from pathlib import Path
 
     from .data import PromptSet, check_prompt_lengths
-    from .eval.samples import _listed
+    from .eval.samples import listed_rows
     from .preflight import check_model
     from .run.loading import policy_from_checkpoint
 
@@ -222,7 +222,7 @@ def _sample_text(cfg, args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     listing = out / "samples.jsonl"
     new = {(r["prompt"], r["seed"]) for r in rows}  # an earlier listing's other completions are kept
-    kept = [r for r in _listed(listing, "completion") if (r.get("prompt"), r.get("seed")) not in new]
+    kept = [r for r in listed_rows(listing, "completion") if (r.get("prompt"), r.get("seed")) not in new]
     tmp = listing.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept + rows))
     tmp.replace(listing)

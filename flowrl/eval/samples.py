@@ -29,7 +29,7 @@ def sample_to_dir(
     same name is replaced, in the list too). `progress`: a bar over the images. Returns how many were written."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    earlier = _listed(out / "samples.jsonl")
+    earlier = listed_rows(out / "samples.jsonl")
     per_call = per_call or len(prompts) * len(seeds)
     seeds_per_call = min(len(seeds), per_call)
     prompts_per_call = max(1, per_call // len(seeds))  # whole prompts when all their seeds fit in a call
@@ -55,7 +55,7 @@ def sample_to_dir(
     return len(rows)
 
 
-def _listed(path: Path, key: str = "file") -> list[dict]:
+def listed_rows(path: Path, key: str = "file") -> list[dict]:
     """The rows of an earlier samples.jsonl that hold `key` (nothing when there is none; a line that does not read
     is dropped)."""
     if not path.is_file():
