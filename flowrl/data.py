@@ -270,14 +270,20 @@ def load_prompts(
     source = str(path)
     if source.startswith(HF_PREFIX):
         return _load_hf(source, column, template, fields, split, hf_config, image_column)
-    path = Path(source)
-    if path.suffix not in (".txt", ".jsonl"):
+    path = Path(source).expanduser()
+    if path.is_dir():
+        raise PromptFileError(
+            f"prompt source {source!r} is a directory; give a .txt or .jsonl file in it, or hf:{source} for a "
+            f"dataset folder (one written by Dataset.save_to_disk, or of json/jsonl/csv/parquet files)"
+        )
+    if path.suffix.lower() not in (".txt", ".jsonl"):
         raise PromptFileError(
             f"prompt source {source!r}: unknown format {path.suffix or '(no extension)'!r}; valid: {FORMATS}"
         )
     rows = _file_rows(path, column)
-    if image_column and path.suffix == ".jsonl":
-        rows = ((where, _with_images(row, where, image_column, path.parent)) for where, row in rows)
+    if image_column and path.suffix.lower() == ".jsonl":
+        hint = f"; column {image_column!r} is data.image_column: data.image_column='' keeps it as plain metadata"
+        rows = ((where, _with_images(row, where, image_column, path.parent, hint=hint)) for where, row in rows)
     return _prompt_set(rows, column, template, fields)
 
 
@@ -401,7 +407,7 @@ def _read_lines(path: Path) -> list[tuple[int, str]]:
         state = "is empty" if not text else "holds only blank lines"
         want = (
             "one prompt per line"
-            if path.suffix == ".txt"
+            if path.suffix.lower() == ".txt"
             else 'one JSON object per line, e.g. {"prompt": "a red apple"}'
         )
         raise PromptFileError(f"{path}: no prompts: the file {state}; write {want}")
@@ -413,7 +419,7 @@ def _nearby_files(path: Path) -> str:
     parent = path.parent
     if not parent.is_dir():
         return ""
-    names = sorted(p.name for p in parent.iterdir() if p.suffix in (".txt", ".jsonl"))
+    names = sorted(p.name for p in parent.iterdir() if p.suffix.lower() in (".txt", ".jsonl"))
     if not names:
         return ""
     import difflib
@@ -426,7 +432,7 @@ def _file_rows(path: Path, column: str) -> Iterator[tuple[str, dict]]:
     """(file:line, row) for every non-blank line: a .txt line is the prompt column, a .jsonl line a JSON object."""
     for number, line in _read_lines(path):
         where = f"{path}:{number}"
-        yield where, ({column: line.strip()} if path.suffix == ".txt" else _jsonl_row(line, where, column))
+        yield where, ({column: line.strip()} if path.suffix.lower() == ".txt" else _jsonl_row(line, where, column))
 
 
 def _jsonl_row(line: str, where: str, column: str) -> dict:
@@ -446,9 +452,12 @@ def _jsonl_row(line: str, where: str, column: str) -> dict:
     return row
 
 
-def _with_images(row: dict, where: str, column: str, base: Path, base_is: str = "the .jsonl file's folder") -> dict:
+def _with_images(
+    row: dict, where: str, column: str, base: Path, base_is: str = "the .jsonl file's folder", hint: str = ""
+) -> dict:
     """`row` with its `column` (a path or a list of paths, relative to `base`, which errors call `base_is`) as a
-    list of absolute paths, each an existing file Pillow reads; a row without the column is returned as it is."""
+    list of absolute paths, each an existing file Pillow reads; a row without the column is returned as it is.
+    `hint` ends the message of an image that does not exist or does not read."""
     if column not in row:
         return row
     value = row[column]
@@ -464,13 +473,13 @@ def _with_images(row: dict, where: str, column: str, base: Path, base_is: str = 
         if not file.is_file():
             state = "is a directory" if file.is_dir() else "does not exist"
             raise PromptFileError(
-                f"{where}: image {given!r} {state} (looked for {file}; paths are relative to {base_is} {base})"
+                f"{where}: image {given!r} {state} (looked for {file}; paths are relative to {base_is} {base}){hint}"
             )
         problem = _unreadable_image(file)
         if problem:
             raise PromptFileError(
                 f"{where}: image {given!r} ({file}) is not an image Pillow can read: {problem}; "
-                f"give a PNG, JPEG or WebP file"
+                f"give a PNG, JPEG or WebP file{hint}"
             )
         resolved.append(str(file))
     return {**row, column: resolved}

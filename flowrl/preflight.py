@@ -82,9 +82,10 @@ def check_rewards(cfg: Config) -> None:
 
 
 def check_reward_columns(cfg: Config, train_set: PromptSet, eval_set: PromptSet) -> None:
-    """Each prompt a reward scores has the metadata columns it declares (`rewards.declared_columns`): the training
-    prompts (when the objective scores its samples) and the eval prompts."""
-    from rewards import declared_columns
+    """Each prompt a reward scores has the metadata columns it declares (`rewards.declared_columns`, a plug-in's
+    required parameters among them) and passes its check of a row (`rewards.row_check`): the training prompts (when
+    the objective scores its samples) and the eval prompts."""
+    from rewards import declared_columns, required_columns, row_check
 
     from .data import metadata_columns
     from .objectives import get_objective
@@ -94,7 +95,10 @@ def check_reward_columns(cfg: Config, train_set: PromptSet, eval_set: PromptSet)
     if eval_set is not train_set or not scored:
         sets.append(("data.eval_prompts" if cfg.data.eval_prompts else "the eval's prompts", eval_set))
     for i, spec in enumerate(cfg.rewards):
-        for names in _checked(f"rewards[{i}] ({spec.target})", declared_columns, spec.target):
+        declared = _checked(f"rewards[{i}] ({spec.target})", declared_columns, spec.target)
+        required = _checked(f"rewards[{i}] ({spec.target})", required_columns, spec.target, dict(spec.kwargs))
+        named = {n for names in declared for n in names}
+        for names in declared + tuple(c for c in required if c[0] not in named):
             for where, prompts in sets:
                 missing = next((k for k, m in enumerate(prompts.metadata) if not set(names) & set(m or {})), None)
                 if missing is None:
@@ -105,6 +109,15 @@ def check_reward_columns(cfg: Config, train_set: PromptSet, eval_set: PromptSet)
                     f"{metadata_columns(prompts.metadata)}; give a .jsonl file (or an hf: dataset) with that column, "
                     f"or another reward"
                 )
+        check = _checked(f"rewards[{i}] ({spec.target})", row_check, spec.target)
+        for where, prompts in sets if check is not None else ():
+            for origin, meta in zip(prompts.origins, prompts.metadata):
+                problem = check(dict(meta or {}))
+                if problem:
+                    raise PreflightError(
+                        f"rewards[{i}] ({spec.target}) cannot score {where} at {origin}: {problem}; fix the prompt's "
+                        f"metadata (or use another reward)"
+                    )
 
 
 def check_reward_counts(cfg: Config) -> None:

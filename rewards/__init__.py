@@ -48,6 +48,7 @@ from rewards.registry import (
     memory_spec,
     register,
 )
+from rewards.rows import checks_rows, required_columns, row_check
 
 
 def combine(named, weights=None):
@@ -77,6 +78,7 @@ __all__ = [
     "build",
     "call_text_reward",
     "check",
+    "checks_rows",
     "combine",
     "declared_accepts",
     "declared_columns",
@@ -86,4 +88,6 @@ __all__ = [
     "kind_of",
     "memory_spec",
     "register",
+    "required_columns",
+    "row_check",
 ]

@@ -110,6 +110,83 @@ def test_a_reward_whose_columns_a_prompt_file_lacks_fails_before_the_model_loads
     assert "reads each prompt's 'style' column, and data.train_prompts has none at prompt 0" in err
 
 
+def test_a_plugin_parameter_without_a_default_is_a_column_the_prompts_must_have(tmp_path, capsys, no_model_load):
+    """A plug-in whose signature requires a parameter beyond the batch and its options (`style`) can only get it
+    from a prompt's column: prompts without it are named before the model loads, not at the first eval's TypeError."""
+    (tmp_path / "judge.py").write_text(
+        "def score(images, prompts, style, scale, gain=1.0, **columns):\n    return [0.0] * len(images)\n"
+    )
+    plugin = f"rewards=[{{name: '{tmp_path / 'judge.py'}:score', kwargs: {{scale: 2}}}}]"
+    err = one_line_error(capsys, 1, main(["train", TINY_CFG, *TINY, f"log.run_dir={tmp_path / 'r'}", plugin]))
+    assert "judge.py:score) reads each prompt's 'style' column, and data.train_prompts has none at prompt 0" in err
+    assert "'scale'" not in err  # an option, given in kwargs
+
+    rows = tmp_path / "styled.jsonl"
+    rows.write_text('{"prompt": "a red circle", "style": "flat"}\n')
+    from flowrl.config import load_config
+    from flowrl.data import load_config_prompts
+    from flowrl.preflight import PreflightError, check_reward_columns
+
+    cfg = load_config(TINY_CFG, [plugin, f"data.train_prompts={rows}"])
+    prompts = load_config_prompts(cfg.data)
+    check_reward_columns(cfg, prompts, prompts)  # the column is there: nothing to say
+
+    (tmp_path / "styles.py").write_text(
+        "def score(images, prompts, **columns):\n    return [0.0] * len(images)\n\n"
+        "score.check_row = lambda row: '' if row.get('style') == 'flat' else f\"unknown style {row.get('style')!r}\"\n"
+    )
+    rows.write_text('{"prompt": "a red circle", "style": "flat"}\n{"prompt": "a cat", "style": "wavy"}\n')
+    styles = f"rewards=[{{name: '{tmp_path / 'styles.py'}:score'}}]"
+    cfg = load_config(TINY_CFG, [styles, f"data.train_prompts={rows}"])
+    prompts = load_config_prompts(cfg.data)
+    with pytest.raises(
+        PreflightError, match=rf"cannot score data.train_prompts at {rows}:2: unknown style 'wavy'; fix"
+    ):
+        check_reward_columns(cfg, prompts, prompts)
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        ({"objects": "a square"}, "'objects' must be a non-empty list of objects such as"),
+        ({"objects": []}, "'objects' must be a non-empty list"),
+        ({"objects": [1]}, "objects[0] must be an object such as"),
+        ({"objects": [{"shape": "hexagon", "color": None, "count": 1}]}, "objects[0]: 'shape' must be one of"),
+        ({"objects": [{"shape": "circle", "color": "purple", "count": 1}]}, "'color' must be one of ['red'"),
+        ({"objects": [{"shape": "circle", "color": None, "count": "two"}]}, "'count' must be a whole number >= 1"),
+        ({"objects": [{"shape": "circle", "color": None, "count": 0}]}, "'count' must be a whole number >= 1, got 0"),
+        ({"objects": [{"shape": "circle", "count": 1}] * 2}, "objects[1]: a second 'circle'"),
+        ({"relation": "sideways"}, "'relation' must be null or one of ['left of'"),
+        ({"relation": "above", "objects": [{"shape": "circle", "count": 1}]}, "it needs 2 objects, got 1"),
+    ],
+)
+def test_shapes_metadata_the_detector_cannot_check_fails_before_the_model_loads(
+    tmp_path, capsys, no_model_load, change, problem
+):
+    """shapes_geneval's `check_row`: an eval prompt whose metadata is outside the shapes world (a shape it has no
+    detector for, a colour not in its palette, a count of 0, a relation it does not know) is named with its line
+    before the model loads, not scored as never holding (silently) or failing after the eval sampled."""
+    good = {"prompt": "a photo of a circle and a square", "objects": [{"shape": "circle", "color": "red", "count": 1},
+            {"shape": "square", "color": None, "count": 1}], "relation": "left of"}  # fmt: skip
+    rows = tmp_path / "eval.jsonl"
+    rows.write_text(json.dumps(good) + "\n" + json.dumps({**good, **change}) + "\n")
+    shapes = [str(ROOT / "configs" / "shapes.yaml"), "eval.group_by=null", "eval.images_per_group=0"]
+    err = one_line_error(capsys, 1, main(["eval", *shapes, f"data.eval_prompts={rows}", "--out", str(tmp_path / "e")]))
+    assert f"rewards[0] (shapes_geneval) cannot score data.eval_prompts at {rows}:2: " in err
+    assert problem in err
+
+
+def test_every_shipped_shapes_prompt_passes_the_shapes_rewards_row_check():
+    from rewards import row_check
+
+    geneval, soft = row_check("shapes_geneval"), row_check("shapes_soft")
+    for name in ("train", "test", "val", "train_minus_val", "out_of_template", "motion/train", "motion/test"):
+        for line in (ROOT / "samples" / "shapes" / f"{name}.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            assert geneval(row) == "" and soft(row) == "", (name, row)
+    assert soft({"objects": [{"shape": "circle", "count": 1}], "relation": "sideways"}) == ""
+
+
 def test_a_reward_declaring_bad_columns_is_refused_at_registration():
     from rewards.registry import register
 

@@ -84,6 +84,8 @@ def test_a_bad_conditioning_image_is_one_line_naming_the_file_and_line(tmp_path,
         load_prompts(path)
     message = str(info.value)
     assert "\n" not in message and message.startswith(f"{path}:2: ") and named in message
+    if case in ("missing", "directory", "not_an_image", "truncated"):  # a metadata column named `image`, perhaps
+        assert message.endswith("column 'image' is data.image_column: data.image_column='' keeps it as plain metadata")
 
 
 def test_fit_to_multiple_rounds_each_side_down_and_keeps_a_fitting_image():

@@ -41,3 +41,19 @@ def test_other_keys_keep_their_meaning_of_none_and_refuse_null():
         load_config(None, ["data.image_column=null"])
     with pytest.raises(ConfigError, match=r"^train\.lr: expected a number, got None"):
         load_config(None, ["train.lr=null"])
+
+
+def test_a_string_key_given_an_unquoted_template_says_to_quote_it(tmp_path):
+    """YAML reads `{prompt}` unquoted as a mapping ({'prompt': None}): the error says to quote it, both ways."""
+    with pytest.raises(
+        ConfigError, match=r"^data\.prompt_template: expected a string, got \{'prompt': None\}: YAML"
+    ) as e:
+        load_config(None, ["data.prompt_template={prompt}"])
+    assert "quote the value" in str(e.value) and "'data.prompt_template=\"{prompt}, a photo\"'" in str(e.value)
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  prompt_template: [a, b]\n")
+    with pytest.raises(
+        ConfigError, match=r"got \['a', 'b'\]: YAML reads an unquoted \{\.\.\.\} or \[\.\.\.\] as a list"
+    ):
+        load_config(path)
+    assert load_config(None, ['data.prompt_template="{prompt}, a photo"']).data.prompt_template == "{prompt}, a photo"

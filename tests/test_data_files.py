@@ -173,6 +173,25 @@ def test_an_unknown_extension_lists_the_formats(tmp_path, name):
         load_prompts(path)
 
 
+@pytest.mark.parametrize("name", ["prompts", "prompts.txt"])
+def test_a_directory_is_named_as_one_with_the_file_or_hf_folder_to_give(tmp_path, name):
+    folder = tmp_path / name
+    folder.mkdir()
+    with pytest.raises(PromptFileError, match=r"is a directory; give a \.txt or \.jsonl file in it, or hf:") as info:
+        load_prompts(folder)
+    assert "unknown format" not in str(info.value)
+
+
+def test_an_upper_case_extension_and_a_home_relative_path_are_read(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _write(tmp_path / "PROMPTS.TXT", "a cat\n")
+    _jsonl(tmp_path / "rows.JSONL", [{"prompt": "a dog", "style": "flat"}])
+    assert load_prompts(tmp_path / "PROMPTS.TXT").prompts == ["a cat"]
+    assert load_prompts("~/PROMPTS.TXT").prompts == ["a cat"]
+    rows = load_prompts("~/rows.JSONL")
+    assert rows.prompts == ["a dog"] and rows.metadata == [{"style": "flat"}]
+
+
 # ------------------------------------------------------------------------------------------ hf: datasets
 
 

@@ -53,6 +53,8 @@ def test_two_rewards_of_one_name_are_refused(plugin, tmp_path):
         load_config(TINY_CFG, ["rewards=[{name: jpeg_compressibility}, {name: jpeg_compressibility, weight: 0}]"])
     with pytest.raises(ConfigError, match=r"rewards\[0\].name='a/b': a reward's name in the metrics has no '/'"):
         load_config(TINY_CFG, [f"rewards=[{{name: a/b, reward: '{plugin}'}}]"])
+    with pytest.raises(ConfigError, match=r"names a file but no function in it; a plug-in is '.*scores\.py:FUNCTION'"):
+        load_config(TINY_CFG, [f"rewards.0.name={plugin.rpartition(':')[0]}"])  # the file, its function left out
 
 
 def test_a_runs_metrics_name_a_plugin_by_its_function(plugin, tmp_path):

@@ -47,8 +47,17 @@ def _reward_name_problems(cfg: Config) -> list[str]:
     write one metric, so they are refused (not suffixed: a metric's name does not depend on the order of the list)."""
     problems, first = [], {}
     for i, r in enumerate(cfg.rewards):
-        if "/" in r.name:
-            problems.append(f"rewards[{i}].name={r.name!r}: a reward's name in the metrics has no '/'")
+        if not r.reward and r.name.endswith(".py"):  # a plug-in's file without its function
+            problems.append(
+                f"rewards[{i}].name={r.name!r} names a file but no function in it; a plug-in is "
+                f"'{r.name}:FUNCTION' (file.py:function)"
+            )
+        elif "/" in r.name:
+            problems.append(
+                f"rewards[{i}].name={r.name!r}: a reward's name in the metrics has no '/'; give a registered name, a "
+                f"plug-in 'path/to/file.py:function' or 'package.module:function', or a label without '/' (what it "
+                f"builds in `reward`)"
+            )
         if r.name in first:
             problems.append(
                 f"rewards[{first[r.name]}] and rewards[{i}] are both named {r.name!r} in the metrics; give one "

@@ -73,6 +73,13 @@ def convert_value(value: Any, tp, key: str, *, build: Callable | None = None) ->
             return value
         if value is None:
             raise ConfigError(f"{key}: expected a string, got null (write {key}= for an empty string)")
+        if isinstance(value, (dict, list)):  # YAML reads an unquoted {prompt} or [a, b] as a mapping or a list
+            what = "mapping" if isinstance(value, dict) else "list"
+            raise ConfigError(
+                f"{key}: expected a string, got {value!r}: YAML reads an unquoted {{...}} or [...] as a {what}; "
+                f'quote the value, e.g. {key}: "{{prompt}}, a photo" in a config file, or '
+                f"'{key}=\"{{prompt}}, a photo\"' on the command line"
+            )
         raise ConfigError(f"{key}: expected a string, got {value!r}")
     if tp is Any:
         return value

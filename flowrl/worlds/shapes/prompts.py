@@ -79,6 +79,45 @@ def prompt_text(objects: list[dict], relation: str | None = None) -> str:
     return "a photo of " + " and ".join(_noun(o) for o in objects)
 
 
+EXAMPLE_OBJECT = '{"shape": "circle", "color": "red", "count": 1}'
+
+
+def metadata_problem(row: dict) -> str:
+    """Why a prompt's metadata (`row`: its `objects` and `relation` columns) is not a record of this world that the
+    detector can check (`check_clauses`), or "" when it is: `objects` a non-empty list of objects, each a shape of
+    SHAPES, a colour of COLORS or null, and a whole count >= 1, one entry per shape; `relation` null or one of
+    RELATIONS, between exactly two objects. A value outside the world would be scored as never holding."""
+    objects, relation = row.get("objects"), row.get("relation")
+    if not isinstance(objects, list) or not objects:
+        return f"'objects' must be a non-empty list of objects such as {EXAMPLE_OBJECT}, got {_shown(objects)}"
+    seen = set()
+    for k, o in enumerate(objects):
+        where = f"objects[{k}]"
+        if not isinstance(o, dict):
+            return f"{where} must be an object such as {EXAMPLE_OBJECT}, got {_shown(o)}"
+        if o.get("shape") not in SHAPES:
+            return f"{where}: 'shape' must be one of {list(SHAPES)}, got {_shown(o.get('shape'))}"
+        if o.get("color") is not None and o["color"] not in COLORS:
+            return f"{where}: 'color' must be one of {list(COLORS)} or null (no colour named), got {_shown(o['color'])}"
+        count = o.get("count")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            return f"{where}: 'count' must be a whole number >= 1, got {_shown(count)}"
+        if o["shape"] in seen:
+            return f"{where}: a second {o['shape']!r}; the objects of one shape are one entry, with their 'count'"
+        seen.add(o["shape"])
+    if relation is not None:
+        if relation not in RELATIONS:
+            return f"'relation' must be null or one of {list(RELATIONS)}, got {_shown(relation)}"
+        if len(objects) != 2:
+            return f"'relation' {relation!r} relates objects[0] to objects[1]: it needs 2 objects, got {len(objects)}"
+    return ""
+
+
+def _shown(value) -> str:
+    text = repr(value) if isinstance(value, str) else json.dumps(value, default=repr)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def combination_key(objects: list[dict], relation: str | None = None) -> str:
     """A canonical name shared by all prompts that mean the same thing.
 
