@@ -44,13 +44,22 @@ def test_other_keys_keep_their_meaning_of_none_and_refuse_null():
 
 
 def test_a_string_key_given_an_unquoted_template_says_to_quote_it(tmp_path):
-    """YAML reads `{prompt}` unquoted as a mapping ({'prompt': None}): the error says to quote it, both ways."""
+    """YAML reads `{prompt}` unquoted as a mapping ({'prompt': None}): in a file the error says to quote it; on
+    the command line a text key takes it as written (also where YAML would not read it at all)."""
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  prompt_template: {prompt}\n")
     with pytest.raises(
         ConfigError, match=r"^data\.prompt_template: expected a string, got \{'prompt': None\}: YAML"
     ) as e:
-        load_config(None, ["data.prompt_template={prompt}"])
-    assert "quote the value" in str(e.value) and "'data.prompt_template=\"{prompt}, a photo\"'" in str(e.value)
-    path = tmp_path / "c.yaml"
+        load_config(path)
+    assert 'quote the value, e.g. data.prompt_template: "{prompt}, a photo"' in str(e.value)
+    for raw in ("{prompt}", "{prompt}, {style} in watercolor", "[{prompt}]", "{prompt}: a photo"):
+        assert load_config(None, [f"data.prompt_template={raw}"]).data.prompt_template == raw
+    # YAML's meaning stays for the rest: null forms, quotes, another type's key
+    assert load_config(None, ["data.balance_by=~"]).data.balance_by == ""
+    assert load_config(None, ["model.variant=null"]).model.variant is None
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(None, ["train.adam_betas=[0.9, 0.95"])
     path.write_text("data:\n  prompt_template: [a, b]\n")
     with pytest.raises(
         ConfigError, match=r"got \['a', 'b'\]: YAML reads an unquoted \{\.\.\.\} or \[\.\.\.\] as a list"

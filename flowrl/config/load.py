@@ -354,18 +354,42 @@ def parse_overrides(overrides: list[str], *, hint: bool = True) -> dict:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value, e.g. train.lr=1e-4")
         key, raw = item.split("=", 1)
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: the value is not valid YAML ({_yaml_problem(e)})") from None
         key = key.strip()
         new = moved_key(key)
         if new is not None:
             if hint:
                 _moved_hint(key, new, "override ")
             key = new
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:
+            if not _is_text_key(key):
+                raise ConfigError(f"override {item!r}: the value is not valid YAML ({_yaml_problem(e)})") from None
+            value = raw.strip()
+        if isinstance(value, (dict, list)) and _is_text_key(key):
+            value = raw.strip()  # a text key takes braces as written: data.prompt_template={prompt}, a photo
         _set_dotted(tree, key, value)
     return tree
+
+
+def _is_text_key(key: str) -> bool:
+    """Whether dotted `key` is a plain text field (str, or str | None) of the config: an override that YAML reads
+    as a mapping or a list, or not at all, is its text as written (braces, colons and commas stay text; an unknown
+    key is left to _set_dotted's error)."""
+    cls: Any = Config
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if cls is None or part.isdigit():
+            return False
+        hints = _hints(cls)
+        tp = hints.get(field_name(part))
+        if tp is None:
+            return False
+        if i == len(parts) - 1:
+            args = set(typing.get_args(tp)) if typing.get_origin(tp) in (typing.Union, types.UnionType) else {tp}
+            return tp is str or args == {str, type(None)}
+        cls = _dataclass_of(tp)
+    return False
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:

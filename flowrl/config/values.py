@@ -77,8 +77,7 @@ def convert_value(value: Any, tp, key: str, *, build: Callable | None = None) ->
             what = "mapping" if isinstance(value, dict) else "list"
             raise ConfigError(
                 f"{key}: expected a string, got {value!r}: YAML reads an unquoted {{...}} or [...] as a {what}; "
-                f'quote the value, e.g. {key}: "{{prompt}}, a photo" in a config file, or '
-                f"'{key}=\"{{prompt}}, a photo\"' on the command line"
+                f'quote the value, e.g. {key}: "{{prompt}}, a photo"'
             )
         raise ConfigError(f"{key}: expected a string, got {value!r}")
     if tp is Any:
