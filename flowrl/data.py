@@ -90,6 +90,7 @@ class PromptSet:
                 column,
                 f"cannot balance prompts by {column!r}",
                 "; set data.balance_by= (or data.balance_by=null) to draw every prompt equally often",
+                self.origins,
             )
             groups: dict = {}
             for i, meta in enumerate(self.metadata):
@@ -147,14 +148,17 @@ def value_member(seed: int, value: int, members: list[int], count: int) -> int:
     return perm[at]
 
 
-def require_column(metadata: list[dict], column: str, what: str, how_off: str = "") -> None:
+def require_column(
+    metadata: list[dict], column: str, what: str, how_off: str = "", origins: list[str] | None = None
+) -> None:
     """Raise ValueError, starting with `what` and ending with `how_off` (how to turn the option off), when a
-    prompt's metadata lacks `column`; the message names the first such prompt and the columns the prompts do
-    have."""
+    prompt's metadata lacks `column`; the message names the first such prompt (its `origins` entry, file:line,
+    when given) and the columns the prompts do have."""
     missing = next((i for i, m in enumerate(metadata) if column not in (m or {})), None)
     if missing is not None:
+        where = origins[missing] if origins and missing < len(origins) else f"prompt {missing}"
         raise ValueError(
-            f"{what}: prompt {missing} has no column {column!r}; the prompts' metadata columns are "
+            f"{what}: {where} has no column {column!r}; the prompts' metadata columns are "
             f"{metadata_columns(metadata)}{how_off}"
         )
 

@@ -66,6 +66,8 @@ def load_prompt_sets(cfg: Config) -> tuple[PromptSet, PromptSet]:
             eval_set.head(cfg.eval.num_prompts)[1],
             cfg.eval.group_by,
             f"eval.group_by={cfg.eval.group_by!r}",
+            "; set eval.group_by= (or eval.group_by=null) to average over every image",
+            eval_set.origins,
         )
         _checked("eval.images_per_group", eval_plan, eval_set, cfg.eval)
     return train_set, eval_set

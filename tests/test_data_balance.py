@@ -111,3 +111,19 @@ def test_the_error_says_how_to_turn_balancing_off(tmp_path):
         assert cfg.data.balance_by == ""
         train, _ = load_prompt_sets(cfg)
         assert len(train) == 2
+
+
+def test_a_prompt_file_without_the_column_is_named_by_file_and_line(tmp_path, no_model_load):
+    """data.balance_by and eval.group_by over a .txt prompt file: the error names the file's first line (not
+    "prompt 0") and how to turn the option off, before the model loads."""
+    from flowrl.config import load_config
+    from flowrl.preflight import load_prompt_sets
+
+    prompts = tmp_path / "mine.txt"
+    prompts.write_text("\n\na red circle\na blue square\n")
+    cfg = load_config(None, ["model.path=tiny-sd3", f"data.train_prompts={prompts}", "data.balance_by=family"])
+    with pytest.raises(ValueError, match=rf"'family': {prompts}:3 has no column 'family'.*data\.balance_by="):
+        load_prompt_sets(cfg)
+    cfg = load_config(None, ["model.path=tiny-sd3", f"data.eval_prompts={prompts}", "eval.group_by=family"])
+    with pytest.raises(ValueError, match=rf"eval.group_by='family': {prompts}:3 has no column.*set eval\.group_by="):
+        load_prompt_sets(cfg)
