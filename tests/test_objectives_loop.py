@@ -720,6 +720,35 @@ def test_dpo_sft_coef_adds_the_winners_own_error(tmp_path):
         tiny_cfg(tmp_path, "train.objective=dpo", "train.dpo.sft_coef=-1")
 
 
+def test_fresh_noise_per_pass_draws_new_noise_after_the_first_pass(tmp_path):
+    """train.fresh_noise_per_pass: pass 0 noises a (sample, time slot) as without it; each later pass with noise of
+    its own (without it, every pass the first one's); the training times stay; an epoch of two passes trains. GRPO,
+    which noises nothing at update time, and the reference cache, which reuses the first pass's points, refuse it."""
+    base = ["train.objective=dpo", "train.dpo.pairing=ranked", "train.inner_epochs=2"]
+    fresh = Trainer(tiny_cfg(tmp_path, *base, "train.fresh_noise_per_pass=true"))
+    plain = Trainer(tiny_cfg(tmp_path, *base))
+    draws = {}
+    for name, tr in (("fresh", fresh), ("plain", plain)):
+        batch, _, adv, keep = _epoch_inputs(tr)
+        tr.objective.prepare(batch, adv, keep, epoch=3, process_index=0)
+        shape = tr.policy.sample_shape(batch)
+        for k in (0, 1):
+            tr.objective.begin_pass(k)
+            draws[name, k] = tr.objective.noise(2, 1, shape)
+        draws[name, "steps"] = tr.objective.plan.steps.clone()
+    assert torch.equal(draws["fresh", 0], draws["plain", 0]) and torch.equal(draws["plain", 1], draws["plain", 0])
+    assert not torch.allclose(draws["fresh", 1], draws["fresh", 0])
+    assert abs(float(draws["fresh", 1].std()) - 1) < 0.3  # a standard normal draw, not a copy shifted
+    assert torch.equal(draws["fresh", "steps"], draws["plain", "steps"])
+    batch, _, adv, keep = _epoch_inputs(fresh)
+    metrics = fresh.update(batch, adv, keep, epoch=0)
+    assert math.isfinite(metrics["policy/loss"]) and fresh.objective.pass_index == 1
+    with pytest.raises(ConfigError, match="train.objective=grpo noises no sample at update time"):
+        tiny_cfg(tmp_path, "train.fresh_noise_per_pass=true")
+    with pytest.raises(ConfigError, match="train.cache_reference reuses the first pass's points"):
+        tiny_cfg(tmp_path, *base, "train.fresh_noise_per_pass=true", "train.cache_reference=true")
+
+
 # ------------------------------------------------------------------------------------ config
 
 

@@ -214,6 +214,11 @@ class TrainConfig:
     """Epochs; one epoch = one rollout batch and `inner_epochs` passes of updates over it."""
     inner_epochs: int = 1
     """Passes over each rollout batch (mu); > 1 makes later passes off-policy (the ratio leaves 1)."""
+    fresh_noise_per_pass: bool = False
+    """The forward-process objectives (DPO, offline DPO, NFT, AWM, ELBO, CRD, DGPO) with inner_epochs > 1: each
+    pass after the first noises every sample at its training times with noise of its own, instead of the first
+    pass's (the same times): a second draw of the loss's expectation over the noise rather than the same points
+    again. train.cache_reference, which reuses the first pass's points, cannot go with it."""
     cache_reference: bool = False
     """With inner_epochs > 1, keep the reference policy's output at each trained point from the first pass and
     reuse it in the later ones, which evaluate the same points: one reference forward per point an epoch instead of

@@ -100,6 +100,9 @@ class Objective:
         model loads (flowrl.preflight.check_reward_counts)."""
         return False
 
+    #: whether the update noises samples afresh (the forward-process objectives): train.fresh_noise_per_pass
+    noises_afresh: ClassVar[bool] = False
+
     @classmethod
     def check(cls, cfg) -> list[str]:
         """What in `cfg` this objective cannot take, one line each naming the fix (nothing is loaded)."""
@@ -109,6 +112,17 @@ class Objective:
                 f"(backend={'/'.join(cls.backends)}), not backend={cfg.backend}; use train.objective=grpo"
             ]
         problems = []
+        if cfg.train.fresh_noise_per_pass and not cls.noises_afresh:
+            problems.append(
+                f"train.fresh_noise_per_pass: train.objective={cls.name} noises no sample at update time (it "
+                f"trains the rollout's own steps); it is for the forward-process objectives, or set it false"
+            )
+        elif cfg.train.fresh_noise_per_pass and cfg.train.cache_reference and cfg.train.inner_epochs > 1:
+            problems.append(
+                "train.fresh_noise_per_pass noises each pass afresh, and train.cache_reference reuses the first "
+                "pass's points in the later ones: choose one (set train.cache_reference=false, or "
+                "train.fresh_noise_per_pass=false)"
+            )
         if cls.group_batches:
             g = cfg.sample.group_size
             for key in ("minibatch_size", "micro_batch_size"):
@@ -132,6 +146,9 @@ class Objective:
         """What the objective adds to an image run's memory; `cfg_rows` is the rollout's rows per image (2 when the
         family batches classifier-free guidance and the scale is above 1)."""
         raise NotImplementedError(f"objective {cls.name!r} declares no memory terms for flowrl plan")
+
+    def begin_pass(self, index: int) -> None:
+        """Called by the update before each pass over the epoch's batch (0, 1, ..., train.inner_epochs - 1)."""
 
     def check_data(self, train_set) -> None:
         """Once the model is loaded, before training: what of the training set only the model can check (offline

@@ -60,10 +60,15 @@ class ForwardProcessObjective(Objective):
     images_per_sample: int = 1
     #: whether `times_per_sample` draws distinct steps of the schedule (so at most sample.num_steps of them)
     distinct_times: bool = True
+    noises_afresh = True
 
     def __init__(self, cfg, policy, num_processes: int = 1):
         super().__init__(cfg, policy, num_processes)
         self.plan: TrainingTimes | None = None
+        self.pass_index = 0  # the update's pass over the epoch's batch (begin_pass)
+
+    def begin_pass(self, index: int) -> None:
+        self.pass_index = index
 
     # ---- before the model loads
 
@@ -145,10 +150,12 @@ class ForwardProcessObjective(Objective):
 
     def noise(self, sample: int, slot: int, shape: tuple[int, ...]) -> Tensor:
         """The fresh noise eps of `sample`'s time slot `slot` this epoch: float32 [*shape] on the CPU, from its own
-        seed, so any micro-batching draws the same."""
+        seed, so any micro-batching draws the same; with train.fresh_noise_per_pass, each pass after the first has
+        its own (the first pass's is the same either way)."""
         p = self.plan
+        fresh = (self.pass_index,) if self.cfg.train.fresh_noise_per_pass and self.pass_index > 0 else ()
         gen = torch.Generator().manual_seed(
-            derive_seed(self.cfg.train.seed, p.epoch, p.process_index, sample, slot, _NOISE_TAG)
+            derive_seed(self.cfg.train.seed, p.epoch, p.process_index, sample, slot, _NOISE_TAG, *fresh)
         )
         return torch.randn(shape, generator=gen, dtype=torch.float32)
 

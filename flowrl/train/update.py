@@ -95,6 +95,7 @@ class Updater:
         sums: dict[str, list] = {}
         first_ratio, trained, stepped, skipped = None, 0, False, 0
         for inner in range(t.inner_epochs):
+            self.objective.begin_pass(inner)
             gen = torch.Generator().manual_seed(derive_seed(t.seed, epoch, inner, self.dist.rank, 7))
             perm = self.shuffle(batch, gen)
             for mb_start in range(0, self.batch_local, self.minibatch):
