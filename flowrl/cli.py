@@ -195,11 +195,10 @@ def _sample(args) -> int:
 def _sample_text(cfg, args) -> int:
     """A text config's `flowrl sample`: --num completions of each --prompt, drawn as the rollouts draw them (seeds
     --seed, --seed + 1, ...), or with --greedy the eval's greedy one; printed and listed in --out/samples.jsonl."""
-    import json
     from pathlib import Path
 
     from .data import PromptSet, check_prompt_lengths
-    from .eval.samples import listed_rows
+    from .eval.samples import listed_rows, write_listing
     from .preflight import check_model
     from .run.loading import policy_from_checkpoint
 
@@ -220,12 +219,9 @@ def _sample_text(cfg, args) -> int:
     ]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    listing = out / "samples.jsonl"
-    new = {(r["prompt"], r["seed"]) for r in rows}  # an earlier listing's other completions are kept
-    kept = [r for r in listed_rows(listing, "completion") if (r.get("prompt"), r.get("seed")) not in new]
-    tmp = listing.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept + rows))
-    tmp.replace(listing)
+    listing = out / "samples.jsonl"  # an earlier listing's other completions are kept
+    earlier = listed_rows(listing, "completion")
+    write_listing(listing, earlier, rows, key=lambda r: (r.get("prompt"), r.get("seed")))
     for r in rows:
         print(f"[{r['seed']}] {r['prompt']}\n{r['completion']}\n")
     print(f"wrote {len(rows)} completion{'' if len(rows) == 1 else 's'} to {listing}")

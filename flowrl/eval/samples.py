@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, Callable
 
 from tqdm.auto import tqdm
 
@@ -46,11 +47,8 @@ def sample_to_dir(
                     for k, seed in enumerate(chunk):
                         path = policy.save_sample(images[j * len(chunk) + k], out / f"{first + j:03d}_seed{seed}")
                         rows.append({"file": path.name, "prompt": prompt, "seed": seed})
-                listing = out / "samples.jsonl.tmp"
-                names = {r["file"] for r in rows}
-                kept = [r for r in earlier if r.get("file") not in names and (out / str(r.get("file"))).exists()]
-                listing.write_text("".join(json.dumps(r) + "\n" for r in kept + rows))
-                listing.replace(out / "samples.jsonl")
+                present = [r for r in earlier if (out / str(r.get("file"))).exists()]
+                write_listing(out / "samples.jsonl", present, rows, key=lambda r: r.get("file"))
                 bar.update(len(images))
     return len(rows)
 
@@ -69,3 +67,13 @@ def listed_rows(path: Path, key: str = "file") -> list[dict]:
         if isinstance(row, dict) and key in row:
             rows.append(row)
     return rows
+
+
+def write_listing(path: Path, earlier: list[dict], rows: list[dict], key: Callable[[dict], Any]) -> None:
+    """Rewrite the listing `path` (a samples.jsonl) atomically: the rows of `earlier` that no row of `rows`
+    replaces (one of the same `key`), then `rows`."""
+    new = {key(r) for r in rows}
+    kept = [r for r in earlier if key(r) not in new]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept + rows))
+    tmp.replace(path)
