@@ -182,7 +182,7 @@ class VLLMEngine(TextEngine):
                 top_k=t.top_k,
                 top_p=t.top_p,
                 seed=seed % 2**31,
-                stop_token_ids=[tok.eos_token_id],
+                stop_token_ids=list(self.policy.stop_ids),  # the tokenizer's EOS and the model's others
                 logprobs=record,
                 version=self.version,
             ),

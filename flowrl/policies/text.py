@@ -17,14 +17,35 @@ import copy
 import functools
 import inspect
 import json
+import warnings
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from flowrl import core
+from flowrl.errors import FlowrlError
 from flowrl.policies.base import DTYPES, ReferenceCache, TextBatch, UnitOutput, full_tensor, shard_blocks
 from flowrl.seeding import derive_seed
+
+
+class TextModelError(FlowrlError, ValueError):
+    """A causal LM directory (model.path) whose tokenizer or config the text backend cannot run with; the message
+    names what is missing and how to fix it."""
+
+
+def stop_token_ids(tokenizer, model) -> list[int]:
+    """The ids that end a completion: the tokenizer's EOS first, then the other ids of the model's
+    generation_config.eos_token_id (from its generation_config.json, else its config.json), as generate() and
+    vLLM stop at each of them by default: Qwen2.5-Instruct's lists <|im_end|> (its tokenizer's EOS) and
+    <|endoftext|>, Llama-3-Instruct's <|eot_id|> and <|end_of_text|>. Ids outside the vocabulary are left out."""
+    ids = [tokenizer.eos_token_id]
+    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    vocab = getattr(model.config.get_text_config(), "vocab_size", None) or len(tokenizer)
+    for i in [declared] if isinstance(declared, int) else list(declared or []):
+        if isinstance(i, int) and 0 <= i < vocab and i not in ids:
+            ids.append(i)
+    return ids
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -32,9 +53,11 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def completion_mask_from_ids(completion_ids: Tensor, eos_token_id: int) -> tuple[Tensor, Tensor]:
-    """[B, T] ids -> (mask [B, T] float: 1 up to and including the first EOS, truncated [B] bool)."""
-    is_eos = completion_ids == eos_token_id
+def completion_mask_from_ids(completion_ids: Tensor, eos_token_id: int | list[int]) -> tuple[Tensor, Tensor]:
+    """[B, T] ids -> (mask [B, T] float: 1 up to and including the first EOS, truncated [B] bool). `eos_token_id`:
+    one id, or a list of ids any of which ends a completion (`TextPolicy.stop_ids`)."""
+    eos = torch.as_tensor(eos_token_id, dtype=completion_ids.dtype, device=completion_ids.device).reshape(-1)
+    is_eos = torch.isin(completion_ids, eos)
     seen_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()  # EOS strictly before position t
     mask = (seen_before == 0).float()
     truncated = ~is_eos.any(dim=1)
@@ -146,10 +169,29 @@ def sampling_processors(temperature: float, top_k: int, top_p: float) -> list:
     return out + [InverseCdfSampler()]
 
 
-#: generate() settings that would add logits processors (or, sampling, warpers) of their own: set to their
-#: neutral value so that a model's generation_config.json (Qwen2.5-Instruct's sets repetition_penalty, top_k,
-#: top_p, temperature) cannot change the distribution sampled from behind the log-probs' back.
+#: generate() settings that would add logits processors (or, sampling, warpers) of their own, search for something
+#: else than one token a step (beams, several sequences a prompt, a contrastive or assisted decoding), stop it early
+#: (stop_strings, max_time, max_length) or return other than the ids: set to their neutral value so that a model's
+#: generation_config.json (Qwen2.5-Instruct's sets repetition_penalty, top_k, top_p, temperature) cannot change the
+#: distribution sampled from, or the eval's greedy decoding, behind the log-probs' back.
 NEUTRAL_GENERATION = {
+    "num_beams": 1,
+    "num_return_sequences": 1,
+    "num_beam_groups": 1,
+    "diversity_penalty": None,
+    "penalty_alpha": None,
+    "dola_layers": None,
+    "prompt_lookup_num_tokens": None,
+    "constraints": None,
+    "force_words_ids": None,
+    "stop_strings": None,
+    "max_time": None,
+    "max_length": None,
+    "return_dict_in_generate": False,
+    "output_scores": False,
+    "output_logits": False,
+    "output_attentions": False,
+    "output_hidden_states": False,
     "temperature": None,
     "top_k": None,
     "top_p": None,
@@ -202,7 +244,11 @@ class TextPolicy:
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         if self.tokenizer.eos_token_id is None:
-            raise ValueError(f"the tokenizer of {cfg.model.path!r} has no EOS token: completions could never end")
+            raise TextModelError(
+                f"model.path={cfg.model.path}: its tokenizer has no EOS token, so completions could never end; set "
+                "one and save it (tokenizer.eos_token = '<|endoftext|>'; tokenizer.save_pretrained(DIR)), or add "
+                '"eos_token" to its tokenizer_config.json'
+            )
         variant = {"variant": cfg.model.variant} if cfg.model.variant else {}
         from flowrl.hub import loading_bars
 
@@ -210,6 +256,8 @@ class TextPolicy:
             model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=DTYPES[cfg.model.dtype], **variant)
         model.to(self.device).eval()  # eval: no dropout, so recomputed log-probs equal the recorded ones
         model.requires_grad_(False)
+        self.stop_ids = stop_token_ids(self.tokenizer, model)
+        self.prompt_limit = self._prompt_limit(cfg, model)
         self.ref_copy = None
         if cfg.lora.enabled:
             from peft import LoraConfig, get_peft_model
@@ -225,7 +273,9 @@ class TextPolicy:
                 # GPT-2's Conv1D stores its weight transposed (fan_in x fan_out); peft corrects it with a warning
                 fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()),
             )
-            model = get_peft_model(model, lcfg)
+            with warnings.catch_warnings():  # peft reads transformers' deprecated name (a FutureWarning)
+                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+                model = get_peft_model(model, lcfg)
             if cfg.lora.init_path:
                 load_adapter(model, cfg.lora, cfg.lora.init_path)
             for name, p in model.named_parameters():
@@ -253,7 +303,35 @@ class TextPolicy:
         self.aggregation = self.text.loss_agg
         self.entropy_coef = self.text.entropy_coef
         self.use_chat = self.text.chat_template and getattr(self.tokenizer, "chat_template", None) is not None
+        self._drop_appended_eos = self._appends_eos()
         self._init_reward_io()
+
+    def _prompt_limit(self, cfg, model) -> int:
+        """The most prompt tokens: text.max_prompt_length, or fewer where the model's positions
+        (max_position_embeddings) leave fewer after text.max_new_tokens (`encode_prompts` cuts a longer prompt from
+        the left, with a warning, where a GPT-2 would index past its position table). A TextModelError when
+        text.max_new_tokens alone fills them."""
+        t = cfg.text
+        positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        if not isinstance(positions, int) or t.max_prompt_length + t.max_new_tokens <= positions:
+            return t.max_prompt_length
+        if positions - t.max_new_tokens < 1:
+            raise TextModelError(
+                f"text.max_new_tokens={t.max_new_tokens} leaves no room for a prompt in the {positions} positions of "
+                f"model.path={cfg.model.path} (max_position_embeddings); set text.max_new_tokens below {positions}"
+            )
+        self._positions = positions
+        return positions - t.max_new_tokens
+
+    def _appends_eos(self) -> bool:
+        """Whether the tokenizer's special tokens end a prompt with its EOS (a post-processor of "<s> $A </s>", a
+        Llama tokenizer's add_eos_token): `encode_prompts` then drops it, else the model would be asked to go on
+        after the end of a text."""
+        if self.use_chat:
+            return False
+        ids = self.tokenizer("1", add_special_tokens=True)["input_ids"]
+        bare = self.tokenizer("1", add_special_tokens=False)["input_ids"]
+        return len(ids) > len(bare) and ids[-1] == self.tokenizer.eos_token_id
 
     # ---------------------------------------------------------------------------- parameters / reference
 
@@ -294,7 +372,9 @@ class TextPolicy:
         from every process when sharded (a collective: every process calls it)."""
         from peft.utils import get_peft_model_state_dict
 
-        state = get_peft_model_state_dict(self.model)
+        # save_embedding_layers=False: "auto" looks the base model's config up (on the hub, for a hub id) to see
+        # whether its vocabulary grew, and it never does here
+        state = get_peft_model_state_dict(self.model, save_embedding_layers=False)
         return {k: full_tensor(v).detach().cpu().contiguous() for k, v in state.items()}
 
     def model_state(self) -> dict[str, Tensor]:
@@ -342,19 +422,38 @@ class TextPolicy:
 
     def encode_prompts(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
         """Left-padded, left-truncated prompt ids and attention mask [B, Lp] on the model's device. Each distinct
-        prompt is tokenized once (a rollout holds every prompt group_size times) and its rows repeated."""
+        prompt is tokenized once (a rollout holds every prompt group_size times) and its rows repeated. An EOS the
+        tokenizer appends (`_appends_eos`) is dropped: left-padded, it is every row's last column."""
         distinct = list(dict.fromkeys(prompts))
-        enc = self.tokenizer(
-            [self.format_prompt(p) for p in distinct],
-            return_tensors="pt",
-            padding=True,
-            truncation=True,
-            max_length=self.text.max_prompt_length,
-            add_special_tokens=not self.use_chat,
-        )
+        drop = int(self._drop_appended_eos)
+        texts = [self.format_prompt(p) for p in distinct]
+
+        def tokenize(limit: int) -> dict:
+            return self.tokenizer(
+                texts,
+                return_tensors="pt",
+                padding=True,
+                truncation=True,
+                max_length=limit + drop,
+                add_special_tokens=not self.use_chat,
+            )
+
+        enc = tokenize(self.text.max_prompt_length)
+        if enc["input_ids"].shape[1] - drop > self.prompt_limit:  # longer than the model's positions leave
+            limit, t = self.prompt_limit, self.text
+            warnings.warn(
+                f"prompts of more than {limit} tokens are cut to their last {limit}: the {self._positions} positions "
+                f"of model.path={self.cfg.model.path} (max_position_embeddings) less text.max_new_tokens="
+                f"{t.max_new_tokens}; set text.max_prompt_length={limit} (or lower) to cut them there unwarned",
+                stacklevel=2,
+            )
+            enc = tokenize(limit)
+        ids, attn = enc["input_ids"], enc["attention_mask"]
+        if drop:
+            ids, attn = ids[:, :-1], attn[:, :-1]
         where = {p: i for i, p in enumerate(distinct)}
         rows = torch.tensor([where[p] for p in prompts], dtype=torch.long)
-        return enc["input_ids"][rows].to(self.device), enc["attention_mask"][rows].to(self.device)
+        return ids[rows].to(self.device), attn[rows].to(self.device)
 
     def decode_completions(self, completion: Tensor, mask: Tensor) -> tuple[list[str], list[list[int]]]:
         """[B, T] ids and their completion mask -> (texts, id lists through the EOS), in one batched decode."""
@@ -408,7 +507,7 @@ class TextPolicy:
             max_new_tokens=max_new_tokens or t.max_new_tokens,
             use_cache=True,
             pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
+            eos_token_id=self.stop_ids,
             synced_gpus=self.sharded,  # sharded: every step's forward is a collective, on every process
             logits_processor=LogitsProcessorList(processors),
             **(
@@ -451,7 +550,7 @@ class TextPolicy:
                 prompts, metadata, input_ids, attn, seed=seed, record=record
             )
             cmask = present * model_mask
-            truncated = ~((completion == tok.eos_token_id) & (cmask > 0)).any(1)
+            truncated = ~(torch.isin(completion, completion.new_tensor(self.stop_ids)) & (cmask > 0)).any(1)
         else:
             gen = engine.generate(input_ids, attn, seed=seed, record=record)
             completion = gen.completion_ids.to(self.device)
@@ -459,7 +558,7 @@ class TextPolicy:
             if n_new < t.max_new_tokens:  # every row ended early: pad to a fixed T
                 pad = completion.new_full((completion.shape[0], t.max_new_tokens - n_new), tok.pad_token_id)
                 completion = torch.cat([completion, pad], 1)
-            cmask, truncated = completion_mask_from_ids(completion, tok.eos_token_id)
+            cmask, truncated = completion_mask_from_ids(completion, self.stop_ids)
             present = cmask
             engine_lp = None
             if gen.log_probs is not None:
@@ -520,9 +619,10 @@ class TextPolicy:
 
     def _turn_end(self, row: list[int], stops: list[str]) -> tuple[int, str]:
         """How many of a turn's generated tokens `row` to keep and why the turn ended: through its first EOS
-        ("eos"), through the token that completes a stop string ("stop"), or all of them ("length")."""
+        ("eos", any of `stop_ids`), through the token that completes a stop string ("stop"), or all of them
+        ("length")."""
         tok = self.tokenizer
-        eos = row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else None
+        eos = next((k + 1 for k, i in enumerate(row) if i in self.stop_ids), None)
         upto = row[: eos or len(row)]
         if any(st in tok.decode(upto, skip_special_tokens=True) for st in stops):
             for k in range(1, len(upto) + 1):
@@ -710,7 +810,6 @@ class TextPolicy:
     ) -> tuple[list[str], list[list[int]]]:
         """Greedy completions: (texts up to the EOS, their token ids through the EOS). With text.tool_env, greedy
         multi-turn ones (the environment answers each turn, as in the rollouts; `metadata` is what it sees)."""
-        tok = self.tokenizer
         input_ids, attn = self.encode_prompts(prompts)
         if self.text.tool_env:
             meta = metadata if metadata is not None else [{} for _ in prompts]
@@ -719,12 +818,13 @@ class TextPolicy:
             )
             return (*self.decode_completions(comp, present),)
         comp = self._greedy(input_ids, attn, max_new_tokens or self.text.max_new_tokens)
-        mask, _ = completion_mask_from_ids(comp, tok.eos_token_id)
+        mask, _ = completion_mask_from_ids(comp, self.stop_ids)
         return (*self.decode_completions(comp, mask),)
 
     def _greedy(self, input_ids: Tensor, attn: Tensor, max_new_tokens: int, stop: list[str] | None = None) -> Tensor:
         """generate()'s greedy decoding of the trained model: the completion ids [B, n] (a row ends at its EOS, or
-        at one of `stop`'s strings)."""
+        at one of `stop`'s strings). Plain greedy whatever the model's generation_config.json says
+        (`NEUTRAL_GENERATION`: no repetition penalty, no beams)."""
         from transformers import StoppingCriteriaList
 
         tok = self.tokenizer
@@ -735,13 +835,14 @@ class TextPolicy:
             max_new_tokens=max_new_tokens,
             use_cache=True,
             pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
+            eos_token_id=self.stop_ids,
             synced_gpus=self.sharded,  # sharded: every step's forward is a collective, on every process
             **(
                 {"stopping_criteria": StoppingCriteriaList([StopOnStrings(tok, stop, input_ids.shape[1])])}
                 if stop
                 else {}
             ),
+            **neutral_generation_kwargs(),
         )
         return out[:, input_ids.shape[1] :]
 
@@ -752,7 +853,6 @@ class TextPolicy:
         same prompts and seed draw the same); `seeds` None: the eval's greedy completion."""
         if seeds is None:
             return [[c] for c in self.generate_greedy(prompts)[0]]
-        tok = self.tokenizer
         input_ids, attn = self.encode_prompts(prompts)
         self.engine.sync(getattr(self, "weights_version", 0))
         out: list[list[str]] = [[] for _ in prompts]
@@ -763,7 +863,7 @@ class TextPolicy:
                 texts = self.decode_completions(comp, present)[0]
             else:
                 comp = self.engine.generate(input_ids, attn, seed=seed, record=False).completion_ids.to(self.device)
-                texts = self.decode_completions(comp, completion_mask_from_ids(comp, tok.eos_token_id)[0])[0]
+                texts = self.decode_completions(comp, completion_mask_from_ids(comp, self.stop_ids)[0])[0]
             for row, text in zip(out, texts):
                 row.append(text)
         return out
@@ -840,12 +940,16 @@ class TextPolicy:
                 "export of a sharded policy needs its weights gathered by every process first: pass "
                 "state=policy.export_state()"
             )
-        if state is None:
-            self.model.save_pretrained(directory, safe_serialization=True)
-        elif self.cfg.lora.enabled:
-            self._save_adapter(directory, state)
-        else:
-            self.base_model.save_pretrained(directory, state_dict=state, safe_serialization=True)
+        from flowrl.hub import loading_bars
+
+        lora = {"save_embedding_layers": False} if self.cfg.lora.enabled else {}  # (see lora_state)
+        with loading_bars(self.cfg.log.progress):  # transformers' "Writing model shards" bar only with log.progress
+            if state is None:
+                self.model.save_pretrained(directory, safe_serialization=True, **lora)
+            elif self.cfg.lora.enabled:
+                self._save_adapter(directory, state)
+            else:
+                self.base_model.save_pretrained(directory, state_dict=state, safe_serialization=True)
         self.tokenizer.save_pretrained(directory)
 
     def _save_adapter(self, directory: Path, state: dict[str, Tensor]) -> None:

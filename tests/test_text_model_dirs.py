@@ -1,0 +1,132 @@
+"""Causal LM directories as other people save them: a generation_config.json that would reshape decoding, a second
+EOS id in it, fewer positions than the prompt budget, a tokenizer that appends its EOS or has none. Each runs as
+the plain one does, or fails in one line naming what to fix."""
+
+import json
+import shutil
+import warnings
+
+import pytest
+import torch
+from conftest import save_tiny_gpt2
+
+from flowrl.config import load_config
+from flowrl.errors import FlowrlError
+from flowrl.policies.text import TextPolicy, completion_mask_from_ids
+
+
+def policy(model_dir, *extra, lora=False):
+    cfg = load_config(
+        None,
+        [
+            "backend=text",
+            f"model.path={model_dir}",
+            "model.device=cpu",
+            f"data.train_prompts={model_dir / 'prompts.jsonl'}",
+            "rewards=[{name: accuracy}]",
+            "text.max_new_tokens=4",
+            "log.progress=false",
+            f"lora.enabled={str(lora).lower()}",
+            *extra,
+        ],
+    )
+    return TextPolicy(cfg, "cpu")
+
+
+def copy_with_generation_config(src, dst, **settings):
+    shutil.copytree(src, dst)
+    gen = json.loads((dst / "generation_config.json").read_text())
+    (dst / "generation_config.json").write_text(json.dumps({**gen, **settings}))
+    return dst
+
+
+PROMPTS = ["10+20=", "11+21=", "12+22="]
+
+
+def test_a_generation_config_of_beams_penalties_and_stop_strings_changes_no_decoding(tiny_lm, tmp_path):
+    hostile = copy_with_generation_config(
+        tiny_lm,
+        tmp_path / "lm",
+        num_beams=2,
+        num_return_sequences=2,
+        repetition_penalty=5.0,
+        no_repeat_ngram_size=1,
+        stop_strings=["1"],
+        return_dict_in_generate=True,
+        output_scores=True,
+        max_length=5,
+    )
+    plain, odd = policy(tiny_lm), policy(hostile)
+    assert odd.generate_greedy(PROMPTS) == plain.generate_greedy(PROMPTS)  # plain greedy, one row a prompt
+    a = plain.rollout(PROMPTS, [{}] * 3, epoch=0, generator=torch.Generator().manual_seed(0))
+    b = odd.rollout(PROMPTS, [{}] * 3, epoch=0, generator=torch.Generator().manual_seed(0))
+    assert b.completion_ids.shape == (3, 4)
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.old_log_probs, b.old_log_probs)
+
+
+def test_a_second_eos_of_the_generation_config_ends_completions_and_their_mask(tiny_lm, tmp_path):
+    base = policy(tiny_lm)
+    first = base._greedy(*base.encode_prompts(PROMPTS[:1]), 4)[0, 0].item()
+    eos = base.tokenizer.eos_token_id
+    assert first != eos  # the random model's first greedy token: made an EOS below
+    two = copy_with_generation_config(tiny_lm, tmp_path / "lm", eos_token_id=[eos, first, 10**6])
+    p = policy(two)
+    assert p.stop_ids == [eos, first]  # the tokenizer's first; an id past the vocabulary is left out
+    texts, ids = p.generate_greedy(PROMPTS[:1])
+    assert ids == [[first]] and texts == [p.tokenizer.decode([first], skip_special_tokens=True)]
+    mask, truncated = completion_mask_from_ids(torch.tensor([[5, first, 7, 7], [5, 6, 7, 8]]), p.stop_ids)
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]] and truncated.tolist() == [False, True]
+
+
+def test_prompts_are_cut_to_the_positions_the_completion_leaves(tmp_path):
+    d = save_tiny_gpt2(tmp_path / "lm", n_positions=16)
+    p = policy(d)  # text.max_prompt_length 256 + 4 new tokens > 16 positions
+    assert p.prompt_limit == 12
+    long = "1+" * 20 + "1="
+    with pytest.warns(UserWarning, match=r"cut to their last 12: the 16 positions .* text.max_new_tokens=4"):
+        ids, _ = p.encode_prompts([long])
+    assert ids.shape[1] == 12
+    with pytest.warns(UserWarning, match="cut to their last 12"):
+        assert len(p.generate_greedy([long])[0]) == 1  # no index past GPT-2's position table
+    with pytest.raises(FlowrlError, match=r"text.max_new_tokens=16 leaves no room for a prompt in the 16 positions"):
+        policy(d, "text.max_new_tokens=16")
+
+
+def test_an_eos_the_tokenizer_appends_is_not_part_of_the_prompt(tiny_lm, tmp_path):
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    d = shutil.copytree(tiny_lm, tmp_path / "lm")
+    tok = AutoTokenizer.from_pretrained(d)
+    tok._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{tok.bos_token} $A {tok.eos_token}",
+        special_tokens=[(tok.bos_token, tok.bos_token_id), (tok.eos_token, tok.eos_token_id)],
+    )
+    tok.save_pretrained(d)
+    assert AutoTokenizer.from_pretrained(d)("1=")["input_ids"][-1] == tok.eos_token_id
+    ids, attn = policy(d).encode_prompts(PROMPTS[:2])
+    plain_ids, plain_attn = policy(tiny_lm).encode_prompts(PROMPTS[:2])
+    assert torch.equal(ids, plain_ids) and torch.equal(attn, plain_attn)
+
+
+def test_a_tokenizer_without_an_eos_is_one_line(tiny_lm, tmp_path):
+    d = shutil.copytree(tiny_lm, tmp_path / "lm")
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    config["eos_token"] = None
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(FlowrlError, match=r"its tokenizer has no EOS token, so completions could never end; set one"):
+        policy(d)
+
+
+def test_a_lora_policy_builds_and_saves_without_library_warnings(tiny_lm, tmp_path, capsys):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p = policy(tiny_lm, lora=True)
+        # a hub id as the base model: peft's "auto" embedding check would look it up on the hub at every save
+        p.model.peft_config["default"].base_model_name_or_path = "org/not-cached"
+        p.lora_state()
+        p.export(tmp_path / "lora")
+        policy(tiny_lm).export(tmp_path / "full")
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "is_gradient_checkpointing" in m or "Could not find a config" in m], messages
+    assert "Writing model shards" not in capsys.readouterr().err  # log.progress=false
