@@ -160,7 +160,7 @@ def _sample(args) -> int:
     from .data import PromptSet, check_prompt_lengths
     from .eval.evaluator import images_per_call
     from .eval.samples import sample_to_dir
-    from .preflight import check_model, check_sample_images
+    from .preflight import check_lora_init, check_model, check_sample_images
     from .run.loading import policy_from_checkpoint
 
     cfg = _load(args)
@@ -172,6 +172,7 @@ def _sample(args) -> int:
         raise SystemExit("flowrl sample: --greedy is a text model's decoding; an image model samples the ODE")
     family_name = check_model(cfg)  # the model's class and the image size, before it loads
     check_sample_images(family_name, args.image or [])
+    check_lora_init(cfg, family_name)  # lora.init_path's settings and component, before the model loads too
     policy = policy_from_checkpoint(cfg, args.checkpoint, args.weights, _device(cfg))
     # one line for prompts a text encoder cuts (and the libraries' own truncation logs silenced), as training does
     given = PromptSet(list(args.prompt), origins=[f"--prompt #{i + 1}" for i in range(len(args.prompt))])

@@ -281,8 +281,15 @@ def load_prompts(
             f"dataset folder (one written by Dataset.save_to_disk, or of json/jsonl/csv/parquet files)"
         )
     if path.suffix.lower() not in (".txt", ".jsonl"):
+        hint = ""
+        if path.suffix.lower() in (".json", ".csv", ".tsv", ".parquet"):  # what `datasets` reads from a folder
+            hint = (
+                f"; a {path.suffix} file is read as a dataset: put it in a folder of its own and give hf:FOLDER "
+                "(its one split is train: data.eval_split=train for eval prompts), or write it as .jsonl, one JSON "
+                "object per line"
+            )
         raise PromptFileError(
-            f"prompt source {source!r}: unknown format {path.suffix or '(no extension)'!r}; valid: {FORMATS}"
+            f"prompt source {source!r}: unknown format {path.suffix or '(no extension)'!r}; valid: {FORMATS}{hint}"
         )
     rows = _file_rows(path, column)
     if image_column and path.suffix.lower() == ".jsonl":

@@ -1,12 +1,14 @@
 """lora.init_path's file: the settings a saved LoRA was made with, and its weights matched key by key to the
 adapter they start.
 
-Two formats are read, the two that flowrl writes:
+Two formats are read, the two that flowrl writes (and other tools write alike):
 - diffusers' (`pytorch_lora_weights.safetensors`: an image run's `lora/`, `pipe.save_lora_weights`): keys prefixed
   with the pipeline component (`transformer.`, `unet.`), the LoraConfig in the safetensors header's
   `lora_adapter_metadata` under the same prefix (`transformer.lora_alpha`);
 - peft's (`adapter_model.safetensors` with `adapter_config.json` beside it: a text run's `lora/`,
-  `PeftModel.save_pretrained`).
+  `PeftModel.save_pretrained`; of an image model's denoiser, its keys' `base_model.model.` prefix is dropped).
+A diffusers file of another component than the denoiser (a UNet's LoRA given to a transformer model, a text
+encoder's besides the denoiser's) is refused, naming the components.
 Another format (kohya's `lora_down`/`lora_up`, diffusers' old attention-processor `lora.down`/`lora.up`) is named
 in the error, with how to convert it. A file that records no settings is taken as the config describes it.
 
@@ -31,6 +33,12 @@ FOREIGN = {
     "lora.down": "diffusers' old attention-processor format (lora.down / lora.up)",
     "lora.up": "diffusers' old attention-processor format (lora.down / lora.up)",
 }
+
+
+#: the pipeline components a diffusers LoRA file's keys start with (save_lora_weights' `<component>_lora_layers`)
+COMPONENTS = ("transformer", "transformer_2", "unet", "prior", "text_encoder", "text_encoder_2", "text_encoder_3")
+#: the prefix of every key of a LoRA that peft's `PeftModel.save_pretrained` writes of a model it wraps
+PEFT_PREFIX = "base_model.model."
 
 
 def is_lora_key(key: str) -> bool:
@@ -94,6 +102,29 @@ def settings_problem(settings: dict[str, Any], lora_cfg, where: Path) -> str | N
             "adapter (its weights under another alpha are another function)"
         )
     return None
+
+
+def component_problem(keys, prefix: str | None, where: Path) -> str | None:
+    """Why the LoRA whose tensor names are `keys` cannot start the adapter of the pipeline component `prefix` (the
+    family's denoiser: "transformer", "unet"): its diffusers keys are another component's (a UNet's LoRA on a
+    transformer model: another kind of model), or other components' besides (a text encoder's, which flowrl does not
+    train); None when they are `prefix`'s alone, or name no component (peft's, an unprefixed file)."""
+    if prefix is None:
+        return None
+    found = {k.split(".", 1)[0] for k in keys}
+    others = sorted(c for c in found if c in COMPONENTS and c != prefix)
+    if not others:
+        return None
+    if prefix in found:
+        return (
+            f"lora.init_path: {where} holds LoRA weights of the pipeline's {' and '.join(others)} besides its "
+            f"{prefix}'s, and flowrl trains the {prefix} alone: save the {prefix}'s alone, "
+            f"pipe.save_lora_weights(DIR, {prefix}_lora_layers=...), and give DIR"
+        )
+    return (
+        f"lora.init_path: {where} is a LoRA of the pipeline's {' and '.join(others)}, and this model's trained "
+        f"network is its {prefix}: the LoRA was made for another kind of model; start from a LoRA of this model"
+    )
 
 
 def match_state(state: dict, own: dict[str, tuple[int, ...]], lora_cfg, where: Path, recorded_targets=None) -> dict:
@@ -165,6 +196,11 @@ def init_state(path: Path, lora_cfg, own: dict[str, tuple[int, ...]], prefix: st
     if problem:
         raise ConfigError(problem)
     state = load_file(path)
+    problem = component_problem(state, prefix, path)
+    if problem:
+        raise ConfigError(problem)
+    if all(k.startswith(PEFT_PREFIX) for k in state) and not any(k.startswith(PEFT_PREFIX) for k in own):
+        state = {k.removeprefix(PEFT_PREFIX): v for k, v in state.items()}  # peft's save_pretrained of the denoiser
     if prefix is not None:
         state = {k.removeprefix(prefix + "."): v for k, v in state.items()}
     return match_state(state, own, lora_cfg, path, settings.get("target_modules"))

@@ -382,18 +382,21 @@ def lora_init_file(init_path: str):
 
 def check_lora_init(cfg: Config, family_name: str | None = None) -> None:
     """lora.init_path, when set: an intact LoRA file (`lora_init_file`) made with the settings the config's lora
-    section describes (its alpha; not DoRA, rsLoRA or per-module alphas: `lora_files.settings_problem`)."""
+    section describes (its alpha; not DoRA, rsLoRA or per-module alphas: `lora_files.settings_problem`), of the
+    family's denoiser alone (`lora_files.component_problem`)."""
     if not (cfg.lora.enabled and cfg.lora.init_path):
         return
-    from .lora_files import adapter_settings, settings_problem
+    from .lora_files import adapter_settings, component_problem, settings_problem
 
-    path, _ = lora_init_file(cfg.lora.init_path)
+    path, shapes = lora_init_file(cfg.lora.init_path)
     prefix = None
     if family_name is not None:
         from .families import family
 
         prefix = family(family_name).denoiser_attr
-    problem = settings_problem(adapter_settings(path, prefix), cfg.lora, path)
+    problem = component_problem(shapes, prefix, path) or settings_problem(
+        adapter_settings(path, prefix), cfg.lora, path
+    )
     if problem:
         raise PreflightError(problem)
 

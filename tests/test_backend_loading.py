@@ -269,3 +269,34 @@ def test_a_file_as_model_path_says_what_to_do_with_it(tmp_path):
     with pytest.raises(ImageModelError) as info:
         preflight_image_model(str(notes), "auto", height=32, width=32)
     assert "lora.init_path" not in str(info.value) and "from_single_file" not in str(info.value)
+
+
+def test_a_file_of_a_pipeline_directory_names_the_directory(sd3_dirs, tmp_path):
+    """model.path set to a pipeline's model_index.json (or a component's config.json) names the directory to give."""
+    bare = configs_only(sd3_dirs["full"], tmp_path / "bare")
+    for file in ("model_index.json", "transformer/config.json"):
+        with pytest.raises(
+            ImageModelError, match=rf"is a file; .* part of the pipeline directory {bare}: set model\.path={bare}$"
+        ):
+            preflight_image_model(os.path.join(bare, file), height=32, width=32)
+
+
+def test_a_copy_missing_a_component_folder_names_it_before_loading(sd3_dirs, tmp_path):
+    """A directory whose model_index.json names a component it has no folder of (a copy that missed one) is named
+    before any weight is read, where diffusers said 'no file named model.safetensors' of the directory; without T5's
+    folders alone, model.drop_t5=true runs it."""
+    bare = Path(configs_only(sd3_dirs["full"], tmp_path / "bare"))  # no weights: a load would fail on them
+    shutil.rmtree(bare / "text_encoder_3")
+    shutil.rmtree(bare / "tokenizer_3")
+    message = r"model_index\.json names components the directory has no folder for: text_encoder_3/ \(T5EncoderModel\)"
+    for check in (
+        lambda: preflight_image_model(str(bare), height=32, width=32),
+        lambda: load_image_backend(str(bare)),
+    ):
+        with pytest.raises(ImageModelError, match=message + r", tokenizer_3/ \(T5Tokenizer\); .*model\.drop_t5=true"):
+            check()
+    assert preflight_image_model(str(bare), height=32, width=32, drop_t5=True) == "sd3"
+    shutil.rmtree(bare / "vae")
+    with pytest.raises(ImageModelError, match=r"no folder for: vae/ \(AutoencoderKL\); copy the whole") as info:
+        preflight_image_model(str(bare), height=32, width=32, drop_t5=True)
+    assert "drop_t5" not in str(info.value)

@@ -517,3 +517,40 @@ def test_sample_a_text_config_draws_seeded_or_greedy_completions(tmp_path, capsy
     with pytest.raises(SystemExit) as e:
         main(["sample", TINY_CFG, *TINY, "--prompt", "a cat", "--greedy"])
     assert "--greedy is a text model's decoding" in str(e.value)
+
+
+def test_a_lora_given_as_checkpoint_is_sent_to_lora_init_path(tmp_path, capsys, no_model_load):
+    """--checkpoint naming a LoRA (diffusers' save_lora_weights directory or file, peft's save_pretrained directory)
+    says to give it as lora.init_path; a checkpoint's own lora/ names the checkpoint; a file is not said missing."""
+    import torch
+    from safetensors.torch import save_file
+
+    diffusers_dir, peft_dir, ckpt = tmp_path / "style", tmp_path / "peft", tmp_path / "ckpt-000003"
+    for d in (diffusers_dir, peft_dir, ckpt / "lora"):
+        d.mkdir(parents=True)
+    tensors = {"transformer.blocks.0.attn.to_q.lora_A.weight": torch.zeros(2, 8)}
+    save_file(tensors, str(diffusers_dir / "pytorch_lora_weights.safetensors"))
+    save_file(tensors, str(ckpt / "lora" / "pytorch_lora_weights.safetensors"))
+    save_file({"base_model.model.x.lora_A.weight": torch.zeros(2, 8)}, str(peft_dir / "adapter_model.safetensors"))
+    (ckpt / "state.json").write_text("{}")
+    sample = ["sample", TINY_CFG, *TINY, "--prompt", "a cat", "--checkpoint"]
+    for given in (diffusers_dir, diffusers_dir / "pytorch_lora_weights.safetensors", peft_dir):
+        err = one_line_error(capsys, 1, main([*sample, str(given)]))
+        assert "holds a LoRA" in err and f"give it as lora.init_path={given} and no --checkpoint" in err, err
+    for given in (ckpt / "lora", ckpt / "lora" / "pytorch_lora_weights.safetensors"):
+        err = one_line_error(capsys, 1, main(["eval", TINY_CFG, *TINY, "--checkpoint", str(given)]))
+        assert f"is the LoRA that checkpoint '{ckpt}' exports" in err and f"--checkpoint {ckpt}" in err, err
+    err = one_line_error(capsys, 1, main([*sample, str(ckpt / "state.json")]))
+    assert "is a file, not a directory" in err
+
+
+def test_sample_checks_lora_init_path_before_the_model_loads(tmp_path, capsys, no_model_load):
+    """flowrl sample with lora.init_path: a LoRA of another component or alpha is one line before the model loads."""
+    import torch
+    from safetensors.torch import save_file
+
+    unet = tmp_path / "unet_lora.safetensors"
+    save_file({"unet.down_blocks.0.attn1.to_q.lora_A.weight": torch.zeros(8, 8)}, str(unet))
+    rc = main(["sample", TINY_CFG, *TINY, "--prompt", "a cat", f"lora.init_path={unet}"])
+    err = one_line_error(capsys, 1, rc)
+    assert "a LoRA of the pipeline's unet, and this model's trained network is its transformer" in err

@@ -144,3 +144,14 @@ def test_a_preset_run_from_another_directory_names_where_its_paths_are(tmp_path,
         )
         monkeypatch.chdir(repo)
         load_config(preset)
+
+
+def test_a_path_under_the_home_directory_is_expanded_as_a_prompt_files_always_was(tmp_path, monkeypatch):
+    """`~` in a path key (YAML, or after `=` in an override, where no shell expands it) is the home directory:
+    model.path=~/models/x was read as a hub id, log.run_dir=~/runs/x made a folder named `~`."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    keys = ["model.path", "lora.init_path", "log.run_dir", "eval.base_cache", "data.eval_prompts"]
+    cfg = load_config(None, [f"{key}=~/x/{i}" for i, key in enumerate(keys)])
+    values = [cfg.model.path, cfg.lora.init_path, cfg.log.run_dir, cfg.eval.base_cache, cfg.data.eval_prompts]
+    assert values == [f"{tmp_path}/x/{i}" for i in range(len(keys))]
+    assert load_config(None, ["model.path=org/name~1"]).model.path == "org/name~1"  # only a leading ~

@@ -173,6 +173,17 @@ def test_an_unknown_extension_lists_the_formats(tmp_path, name):
         load_prompts(path)
 
 
+@pytest.mark.parametrize("name", ["prompts.json", "prompts.csv", "prompts.parquet"])
+def test_a_data_file_of_another_format_is_sent_to_an_hf_folder_or_jsonl(tmp_path, name):
+    path = _write(tmp_path / name, '["a cat"]\n')
+    suffix = re.escape(Path(name).suffix)
+    with pytest.raises(PromptFileError, match=rf"a {suffix} file is read as a dataset: .*hf:FOLDER .*\.jsonl"):
+        load_prompts(path)
+    with pytest.raises(PromptFileError) as info:
+        load_prompts(_write(tmp_path / "prompts.yaml", "a cat\n"))
+    assert "hf:FOLDER" not in str(info.value)
+
+
 @pytest.mark.parametrize("name", ["prompts", "prompts.txt"])
 def test_a_directory_is_named_as_one_with_the_file_or_hf_folder_to_give(tmp_path, name):
     folder = tmp_path / name

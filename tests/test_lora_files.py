@@ -114,3 +114,30 @@ def test_an_exported_lora_lists_its_target_modules_sorted(tmp_path):
     (file,) = (tmp_path / "lora").glob("*.safetensors")
     recorded = adapter_settings(file)["target_modules"]
     assert recorded == sorted(recorded) and len(recorded) > 2
+
+
+def test_another_components_lora_is_named_and_peft_save_pretrained_keys_are_read(tmp_path):
+    """A diffusers LoRA of another component than the denoiser (a UNet's given to a transformer model), or of a
+    text encoder besides it, is refused naming them; peft's save_pretrained of the denoiser (keys under
+    `base_model.model.`) starts the adapter, while a text model's own peft keys keep that prefix."""
+    from flowrl.lora_files import component_problem, init_state
+
+    assert component_problem(["transformer.x.lora_A.weight"], "transformer", tmp_path) is None
+    assert component_problem(["base_model.model.x.lora_A.weight"], "transformer", tmp_path) is None
+    assert component_problem(["unet.x.lora_A.weight"], None, tmp_path) is None  # text: nothing to name
+    message = component_problem(["unet.x.lora_A.weight"], "transformer", tmp_path)
+    assert "a LoRA of the pipeline's unet, and this model's trained network is its transformer" in message
+    both = component_problem(["transformer.x.lora_A.weight", "text_encoder.y.lora_A.weight"], "transformer", tmp_path)
+    assert "of the pipeline's text_encoder besides its transformer's" in both and "transformer_lora_layers" in both
+
+    lora = SimpleNamespace(rank=2, alpha=16.0, target_modules=None)
+    own = {"blocks.0.to_q.lora_A.weight": (2, 4), "blocks.0.to_q.lora_B.weight": (4, 2)}
+    peft = tmp_path / "adapter_model.safetensors"
+    save_file({"base_model.model." + k: torch.zeros(s) for k, s in own.items()}, str(peft))
+    assert sorted(init_state(peft, lora, own, "transformer")) == sorted(own)
+    text_own = {"base_model.model." + k: s for k, s in own.items()}
+    assert sorted(init_state(peft, lora, text_own)) == sorted(text_own)
+    unet = tmp_path / "pytorch_lora_weights.safetensors"
+    save_file({"unet." + k: torch.zeros(s) for k, s in own.items()}, str(unet))
+    with pytest.raises(ConfigError, match="a LoRA of the pipeline's unet"):
+        init_state(unet, lora, own, "transformer")

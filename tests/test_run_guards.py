@@ -322,3 +322,29 @@ def test_a_full_disk_during_a_runs_checkpoint_stops_it_in_one_line(tmp_path, cap
     assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["ckpt-000001"]
     assert (run / "ckpt-000001" / "lora").is_dir() and not (run / LOCK_NAME).exists()
     read_checkpoint(run / "ckpt-000001")
+
+
+def test_the_same_base_weights_under_another_path_are_the_same_model_for_an_eval(tmp_path):
+    """An eval or a sample of a checkpoint with model.path spelt otherwise (a trailing slash, a copy elsewhere, a hub
+    id's cache snapshot) over the very weight files its fingerprint names is the checkpoint's model; other weights
+    under another path are still another model."""
+    from safetensors.torch import save_file
+
+    from flowrl.config import to_dict
+    from flowrl.run.basemodel import fingerprint
+    from flowrl.run.loading import check_model
+
+    model, copy, other = tmp_path / "model", tmp_path / "copy", tmp_path / "other"
+    for d, value in ((model, 0.0), (copy, 0.0), (other, 1.0)):
+        (d / "transformer").mkdir(parents=True)
+        save_file({"w": torch.full((4,), value)}, str(d / "transformer" / "diffusion_pytorch_model.safetensors"))
+    trained = load_config(None, [f"model.path={model}"])
+    ck = {"state": {"config": to_dict(trained), "base_model": fingerprint(str(model))}}
+    for path in (f"{model}/", str(copy)):
+        cfg = load_config(None, [f"model.path={path}"])
+        check_model(ck, tmp_path / "ckpt-000001", cfg, fingerprint(path))
+    cfg = load_config(None, [f"model.path={other}"])
+    with pytest.raises(CheckpointError, match=rf"another model or adapter .*model\.path: '{model}' -> '{other}'"):
+        check_model(ck, tmp_path / "ckpt-000001", cfg, fingerprint(str(other)))
+    with pytest.raises(CheckpointError, match="another model or adapter"):  # no fingerprint to compare: refused
+        check_model(ck, tmp_path / "ckpt-000001", load_config(None, [f"model.path={copy}"]), None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
 import warnings
@@ -480,6 +481,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = _merge(LOSS_PRESETS[preset], data)
     _check_keys(data)
     cfg = _build(Config, data)
+    _expand_home(cfg)
     validate(cfg)
     if path is not None:
         _warn_paths_beside(cfg, path)
@@ -496,6 +498,22 @@ PATH_KEYS = (
     "eval.base_cache",
     "eval.diversity_features",
 )
+
+
+#: The keys whose value `~` or `~user` starts is a path in that home directory (the shell does not expand a `~`
+#: in YAML, nor one after `=` in a `key=value` override).
+HOME_KEYS = (*PATH_KEYS, "log.run_dir", "checkpoint.resume", "eval.free_reference")
+
+
+def _expand_home(cfg: Config) -> None:
+    """Each HOME_KEYS value that starts with `~`, with the home directory put in (os.path.expanduser), as a
+    prompt file's path always was: `model.path=~/models/sd35` is that directory, not a hub id."""
+    for key in HOME_KEYS:
+        section, _, name = key.rpartition(".")
+        node = _get_dotted(cfg, section)
+        value = getattr(node, name)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(node, name, os.path.expanduser(value))
 
 
 def paths_beside(cfg: Config, config_file: str | Path, levels: int = 3) -> list[tuple[str, str, Path]]:

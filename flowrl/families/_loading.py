@@ -170,6 +170,12 @@ def _file_given(path: str) -> str:
             keys = []
     if any(is_lora_key(k) for k in keys):
         return f"{base}; this file holds a LoRA: give the base model as model.path and this file as lora.init_path"
+    folder = os.path.dirname(os.path.abspath(path))
+    pipeline = next(
+        (d for d in (folder, os.path.dirname(folder)) if os.path.isfile(os.path.join(d, "model_index.json"))), None
+    )
+    if pipeline is not None:  # its model_index.json, or a component's config.json: the directory holding them
+        return f"{base}; this file is part of the pipeline directory {pipeline}: set model.path={pipeline}"
     if path.endswith((".safetensors", ".ckpt", ".pt", ".pth", ".bin", ".gguf")):
         return (
             f"{base}; a single-file checkpoint is converted once, e.g. StableDiffusion3Pipeline.from_single_file("
@@ -191,6 +197,30 @@ def _null_components(model_index: Mapping) -> list[str]:
         for name, value in model_index.items()
         if not name.startswith("_") and (value is None or (isinstance(value, (list, tuple)) and value[0] is None))
     ]
+
+
+def check_components(path: str, model_index: Mapping, backend_cls: type[ImageBackend], drop_t5: bool = False) -> None:
+    """Every component model_index.json names (not as [null, null], nor T5's with drop_t5) has its folder in the
+    local pipeline directory `path`: a copy that missed one (or a folder deleted to save space) is an ImageModelError
+    naming it before diffusers fails on its weights; a directory missing T5's alone names model.drop_t5=true too."""
+    absent = set(_null_components(model_index)) | set(backend_cls.t5_components if drop_t5 else ())
+    missing = [
+        name
+        for name, value in model_index.items()
+        if not name.startswith("_")
+        and name not in absent
+        and isinstance(value, (list, tuple))
+        and not os.path.isdir(os.path.join(path, name))
+    ]
+    if not missing:
+        return
+    folders = ", ".join(f"{name}/ ({_class_name({'_class_name': model_index[name]})})" for name in missing)
+    t5 = " or leave T5 out: model.drop_t5=true;" if set(missing) <= set(backend_cls.t5_components) else ""
+    raise ImageModelError(
+        f"{path}: model_index.json names components the directory has no folder for: {folders}; copy the whole "
+        f"pipeline directory, or save it again with pipe.save_pretrained(DIR);{t5} a component left out on purpose "
+        "is saved as [null, null] by a pipeline built with it as None"
+    )
 
 
 def _vae_scale_factor(read: Callable[[str], dict], model_index: Mapping) -> int:
@@ -270,6 +300,8 @@ def preflight_image_model(
     read = _config_reader(path)
     model_index = read("model_index.json")
     backend_cls = _checked_backend(path, model_index, family, drop_t5)
+    if os.path.isdir(path):
+        check_components(path, model_index, backend_cls, drop_t5)
     denoiser_config = read(f"{backend_cls.denoiser_attr}/config.json")
     backend_cls.size_rule(denoiser_config, _vae_scale_factor(read, model_index)).check(height, width)
     backend_cls.check_num_frames(num_frames)
@@ -339,6 +371,8 @@ def _load_pipeline(path: str, family: str, dtype, drop_t5: bool, from_pretrained
     hub_kwargs = {k: from_pretrained_kwargs[k] for k in _HUB_KWARGS if k in from_pretrained_kwargs}
     model_index = _config_reader(path, **hub_kwargs)("model_index.json")
     backend_cls = _checked_backend(path, model_index, family, drop_t5)
+    if os.path.isdir(path):
+        check_components(path, model_index, backend_cls, drop_t5)
     if path in tiny_models() and not os.path.exists(path):
         return backend_cls.tiny_pipeline(drop_t5=True) if drop_t5 else backend_cls.tiny_pipeline()
     from diffusers import DiffusionPipeline

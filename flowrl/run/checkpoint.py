@@ -294,11 +294,47 @@ def is_checkpoint_dir(path: Path) -> bool:
     return (path / "state.json").is_file() or (path / "trainable.safetensors").is_file()
 
 
+def _lora_file(path: Path) -> Path | None:
+    """The LoRA file `path` is, or holds (a .safetensors file whose tensors are a LoRA's, as diffusers'
+    save_lora_weights and peft's save_pretrained write them), when it is not a checkpoint directory; else None."""
+    from safetensors import safe_open
+
+    from flowrl.lora_files import is_lora_key
+
+    if path.is_dir():
+        if is_checkpoint_dir(path):
+            return None
+        files = sorted(path.glob("*.safetensors"))
+    else:
+        files = [path] if path.is_file() and path.suffix == ".safetensors" else []
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:  # the header only: the tensors' names
+                if any(is_lora_key(k) for k in f.keys()):
+                    return file
+        except Exception:  # safetensors raises its own error types for a truncated or foreign file
+            continue
+    return None
+
+
 def checkpoint_in(path: str | Path) -> Path:
     """The checkpoint a `--checkpoint PATH` names: PATH itself when it is a checkpoint directory (or not a directory:
     `read_checkpoint` says what it is), else, PATH being a run directory, its newest complete checkpoint (as
     checkpoint.resume=auto takes it); a run directory without one is a CheckpointError naming it."""
     path = Path(path)
+    lora = _lora_file(path)
+    if lora is not None:
+        owner = next((p for p in (path.parent, path.parent.parent) if is_checkpoint_dir(p)), None)
+        if owner is not None:  # a checkpoint's lora/ (or its file): the checkpoint is a folder above
+            raise CheckpointError(
+                f"{str(path)!r} is the LoRA that checkpoint {str(owner)!r} exports (for diffusers' "
+                f"load_lora_weights); give the checkpoint itself: --checkpoint {owner}"
+            )
+        raise CheckpointError(
+            f"{str(path)!r} holds a LoRA ({lora.name}), not a flowrl checkpoint (a run's ckpt-XXXXXX directory); to "
+            f"sample or evaluate this LoRA give it as lora.init_path={path} and no --checkpoint (with the lora.rank, "
+            "lora.alpha and lora.target_modules it was made with: a mismatch names them)"
+        )
     if not path.is_dir() or is_checkpoint_dir(path):
         return path
     found = list_checkpoints(path)
@@ -362,9 +398,9 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     or file, or one that does not parse, is a CheckpointError naming it."""
     path = Path(path)
     if not path.is_dir():
+        what = "is a file, not a directory" if path.exists() else "does not exist"
         raise CheckpointError(
-            f"checkpoint directory {str(path)!r} does not exist; checkpoints are the "
-            f"ckpt-XXXXXX directories of a run directory"
+            f"checkpoint directory {str(path)!r} {what}; checkpoints are the ckpt-XXXXXX directories of a run directory"
         )
     if not is_checkpoint_dir(path):
         raise CheckpointError(

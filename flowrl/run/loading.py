@@ -35,6 +35,20 @@ def saved_config(ck: dict, objective: str) -> dict | None:
     return None if saved is None else without_other_objectives(migrate(saved, hint=False), objective)
 
 
+def same_base_path(saved: dict, ck: dict, cfg: Config, current: dict | None) -> dict:
+    """`saved` (a checkpoint's config, a dict) with the config's model.path when the two name the same base weights
+    by another spelling: the checkpoint's fingerprint of its base model's files (`basemodel`) is `current`'s, the
+    fingerprint of the files at model.path now (a trailing slash, a relative or `~` path, a copy elsewhere, a hub
+    id and its cache snapshot), for an eval or a sample: the weights make the model."""
+    model = saved.get("model")
+    kept = ck["state"].get("base_model")
+    if not isinstance(model, dict) or model.get("path") == cfg.model.path or current is None or kept is None:
+        return saved
+    if not kept.get("files") or basemodel.differences(kept, current):
+        return saved
+    return {**saved, "model": {**model, "path": cfg.model.path}}
+
+
 def check_resume(ck: dict, path: Path, cfg: Config, *, warn: bool = True) -> None:
     """A resume of checkpoint `path` (read: `ck`) with `cfg`: a changed model, adapter, batch shape or objective is
     refused with the differing keys (one line); other config changes are listed in a warning."""
@@ -54,12 +68,14 @@ def check_resume(ck: dict, path: Path, cfg: Config, *, warn: bool = True) -> Non
         warnings.warn(f"resuming from {path} with a changed config: {'; '.join(allowed)}", stacklevel=3)
 
 
-def check_model(ck: dict, path: str | Path, cfg: Config) -> None:
-    """An eval or a sample of checkpoint `path` with `cfg`: its model and adapter must be the config's."""
+def check_model(ck: dict, path: str | Path, cfg: Config, base: dict | None = None) -> None:
+    """An eval or a sample of checkpoint `path` with `cfg`: its model and adapter must be the config's (`base`: the
+    fingerprint of model.path's files now; the same weights under another path are the same model:
+    `same_base_path`)."""
     saved = ck["state"].get("config") or {}
     if not saved:
         return
-    saved = migrate(saved, hint=False)
+    saved = same_base_path(migrate(saved, hint=False), ck, cfg, base)
     now = to_dict(cfg)
     refused, _ = rundir.compare_configs({k: saved.get(k) for k in MODEL_KEYS}, {k: now[k] for k in MODEL_KEYS})
     if refused:
@@ -151,8 +167,8 @@ def policy_from_checkpoint(cfg: Config, checkpoint: str | None, which: str = "au
     if checkpoint:  # a bad path or choice fails before the model loads
         ck = read_checkpoint(checkpoint)
         weights = checkpoint_weights(ck, checkpoint, which)
-        check_model(ck, checkpoint, cfg)
         current = basemodel.fingerprint(cfg.model.path)
+        check_model(ck, checkpoint, cfg, current)
         check_base(ck["state"], checkpoint, current, cfg.checkpoint.allow_other_base, note=True)
     policy = build_policy(cfg, device)
     if weights is not None:
