@@ -95,6 +95,18 @@ def save_tiny_gpt2(d, **config):
     return d
 
 
+def tiny_gpt2_overrides(d) -> list[str]:
+    """The overrides that point a text config at `save_tiny_gpt2(d)`'s model and prompts, on the CPU, rewarded by
+    `accuracy` (a test adds its own batch, budget and run settings after them)."""
+    return [
+        "backend=text",
+        f"model.path={d}",
+        "model.device=cpu",
+        f"data.train_prompts={d / 'prompts.jsonl'}",
+        "rewards=[{name: accuracy}]",
+    ]
+
+
 @pytest.fixture(scope="module")
 def tiny_lm(tmp_path_factory):
     """A tiny random GPT-2 (2 blocks; GPT2Block is its _no_split_modules, which FSDP shards by) with the

@@ -3,6 +3,7 @@ give the same gradient as the plain update (image and text), and the first minib
 
 import pytest
 import torch
+from conftest import tiny_gpt2_overrides
 from imagetiny import TINY_RUN
 
 from flowrl.config import load_config
@@ -107,11 +108,7 @@ def text_trainer(model_dir, run_dir, *extra):
         load_config(
             None,
             [
-                "backend=text",
-                f"model.path={model_dir}",
-                "model.device=cpu",
-                f"data.train_prompts={model_dir / 'prompts.jsonl'}",
-                "rewards=[{name: accuracy}]",
+                *tiny_gpt2_overrides(model_dir),
                 "sample.prompts_per_epoch=2",
                 "sample.group_size=4",
                 "text.max_new_tokens=5",

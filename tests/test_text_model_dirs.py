@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import save_tiny_gpt2
+from conftest import save_tiny_gpt2, tiny_gpt2_overrides
 
 from flowrl.config import load_config
 from flowrl.errors import FlowrlError
@@ -19,11 +19,7 @@ def policy(model_dir, *extra, lora=False):
     cfg = load_config(
         None,
         [
-            "backend=text",
-            f"model.path={model_dir}",
-            "model.device=cpu",
-            f"data.train_prompts={model_dir / 'prompts.jsonl'}",
-            "rewards=[{name: accuracy}]",
+            *tiny_gpt2_overrides(model_dir),
             "text.max_new_tokens=4",
             "log.progress=false",
             f"lora.enabled={str(lora).lower()}",

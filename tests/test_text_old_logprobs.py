@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import tiny_gpt2_overrides
 
 from flowrl.config import ConfigError, load_config
 from flowrl.policies.text import SampledLogProbs, position_ids_from_mask
@@ -16,11 +17,7 @@ def text_cfg(model_dir, run_dir, *extra):
     return load_config(
         None,
         [
-            "backend=text",
-            f"model.path={model_dir}",
-            "model.device=cpu",
-            f"data.train_prompts={model_dir / 'prompts.jsonl'}",
-            "rewards=[{name: accuracy}]",
+            *tiny_gpt2_overrides(model_dir),
             "sample.prompts_per_epoch=3",
             "sample.group_size=4",
             "text.max_new_tokens=6",

@@ -6,7 +6,7 @@ import math
 from types import SimpleNamespace
 
 import torch
-from conftest import count_reference_entries, perturb_lora_b
+from conftest import count_reference_entries, perturb_lora_b, tiny_gpt2_overrides
 
 from flowrl.config import LOSS_PRESETS, load_config
 from flowrl.objectives.grpo import grpo_loss
@@ -19,11 +19,7 @@ def text_cfg(model_dir, run_dir, *extra):
     return load_config(
         None,
         [
-            "backend=text",
-            f"model.path={model_dir}",
-            "model.device=cpu",
-            f"data.train_prompts={model_dir / 'prompts.jsonl'}",
-            "rewards=[{name: accuracy}]",
+            *tiny_gpt2_overrides(model_dir),
             "sample.prompts_per_epoch=3",
             "sample.group_size=4",
             "text.max_new_tokens=4",
