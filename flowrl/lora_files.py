@@ -46,6 +46,21 @@ def is_lora_key(key: str) -> bool:
     return "lora_A" in key or "lora_B" in key or any(fragment in key for fragment in FOREIGN)
 
 
+def is_lora_file(path: str | Path) -> bool:
+    """Whether `path` is a .safetensors file whose tensor names are a LoRA's (`is_lora_key`), from its header alone
+    (no tensor is loaded); False for another file, or one safetensors cannot read (truncated, foreign)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not (path.is_file() and path.suffix == ".safetensors"):
+        return False
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return any(is_lora_key(k) for k in f.keys())
+    except Exception:  # safetensors raises its own error types for a truncated or foreign file
+        return False
+
+
 def adapter_settings(path: str | Path, prefix: str | None = None) -> dict[str, Any]:
     """The LoraConfig fields (`CHECKED`) the LoRA file at `path` records: from its header's `lora_adapter_metadata`
     (diffusers: the fields of component `prefix`, e.g. "transformer"; without a prefix, those of the only component

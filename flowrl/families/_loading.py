@@ -157,18 +157,9 @@ def _file_given(path: str) -> str:
     """Why a file is not a model.path: a LoRA file (its keys name lora_A/lora_B or lora_down/lora_up) belongs in
     lora.init_path; a single-file checkpoint (.safetensors, .ckpt, ...) is converted to a pipeline directory once."""
     base = f"model.path={path} is a file; a model is a diffusers pipeline directory or a hub id (ORG/NAME)"
-    from flowrl.lora_files import is_lora_key
+    from flowrl.lora_files import is_lora_file
 
-    keys: list[str] = []
-    if path.endswith(".safetensors"):
-        from safetensors import safe_open
-
-        try:
-            with safe_open(path, framework="pt") as f:  # the header only: the tensors' names
-                keys = list(f.keys())
-        except Exception:  # safetensors raises its own error types for a truncated or foreign file
-            keys = []
-    if any(is_lora_key(k) for k in keys):
+    if is_lora_file(path):
         return f"{base}; this file holds a LoRA: give the base model as model.path and this file as lora.init_path"
     folder = os.path.dirname(os.path.abspath(path))
     pipeline = next(

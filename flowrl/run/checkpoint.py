@@ -297,24 +297,12 @@ def is_checkpoint_dir(path: Path) -> bool:
 def _lora_file(path: Path) -> Path | None:
     """The LoRA file `path` is, or holds (a .safetensors file whose tensors are a LoRA's, as diffusers'
     save_lora_weights and peft's save_pretrained write them), when it is not a checkpoint directory; else None."""
-    from safetensors import safe_open
+    from flowrl.lora_files import is_lora_file
 
-    from flowrl.lora_files import is_lora_key
-
-    if path.is_dir():
-        if is_checkpoint_dir(path):
-            return None
-        files = sorted(path.glob("*.safetensors"))
-    else:
-        files = [path] if path.is_file() and path.suffix == ".safetensors" else []
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as f:  # the header only: the tensors' names
-                if any(is_lora_key(k) for k in f.keys()):
-                    return file
-        except Exception:  # safetensors raises its own error types for a truncated or foreign file
-            continue
-    return None
+    if path.is_dir() and is_checkpoint_dir(path):
+        return None
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    return next((file for file in files if is_lora_file(file)), None)
 
 
 def checkpoint_in(path: str | Path) -> Path:
