@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -217,6 +218,28 @@ def test_a_resume_or_eval_over_changed_base_weights_refuses_naming_the_file(sd3_
     tr.fit()
     assert tr.state.epochs_done == 3
     assert read_checkpoint(run / "ckpt-000003")["state"]["base_model"] != saved  # the new base's, from now on
+
+
+def test_a_resume_with_model_path_spelt_otherwise_over_the_same_weights_resumes(sd3_dir, tmp_path, monkeypatch):
+    """The run trained over model.path=/abs/model resumes with `model/` (relative, a trailing slash) and with a copy
+    of the same files elsewhere; another path over other weights is still refused, naming them."""
+    run = tmp_path / "run"
+    Trainer(tiny_cfg(run, f"model.path={sd3_dir}", "train.epochs=1")).fit()
+    copy = tmp_path / "copy"
+    shutil.copytree(sd3_dir, copy)
+    monkeypatch.chdir(sd3_dir.parent)
+    for epochs, path in ((2, "model/"), (3, str(copy))):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            tr = Trainer(tiny_cfg(run, f"model.path={path}", "checkpoint.resume=auto", f"train.epochs={epochs}"))
+            tr.fit()
+        assert not [w for w in seen if "model.path" in str(w.message)]  # the same model: not even a change
+        assert tr.state.epochs_done == epochs
+    other = tmp_path / "other"
+    shutil.copytree(sd3_dir, other)
+    perturb(other / "transformer" / "diffusion_pytorch_model.safetensors")
+    with pytest.raises(CheckpointError, match=rf"trained over other base weights than model\.path={other} holds now"):
+        Trainer(tiny_cfg(run, f"model.path={other}", "checkpoint.resume=auto", "train.epochs=4")).fit()
 
 
 def test_a_checkpoint_without_a_fingerprint_or_a_model_without_files_is_not_checked(tmp_path):

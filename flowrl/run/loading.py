@@ -39,7 +39,7 @@ def same_base_path(saved: dict, ck: dict, cfg: Config, current: dict | None) -> 
     """`saved` (a checkpoint's config, a dict) with the config's model.path when the two name the same base weights
     by another spelling: the checkpoint's fingerprint of its base model's files (`basemodel`) is `current`'s, the
     fingerprint of the files at model.path now (a trailing slash, a relative or `~` path, a copy elsewhere, a hub
-    id and its cache snapshot), for an eval or a sample: the weights make the model."""
+    id and its cache snapshot), for a resume, an eval or a sample: the weights make the model."""
     model = saved.get("model")
     kept = ck["state"].get("base_model")
     if not isinstance(model, dict) or model.get("path") == cfg.model.path or current is None or kept is None:
@@ -49,13 +49,16 @@ def same_base_path(saved: dict, ck: dict, cfg: Config, current: dict | None) -> 
     return {**saved, "model": {**model, "path": cfg.model.path}}
 
 
-def check_resume(ck: dict, path: Path, cfg: Config, *, warn: bool = True) -> None:
+def check_resume(ck: dict, path: Path, cfg: Config, *, warn: bool = True, current: dict | None = None) -> None:
     """A resume of checkpoint `path` (read: `ck`) with `cfg`: a changed model, adapter, batch shape or objective is
-    refused with the differing keys (one line); other config changes are listed in a warning."""
+    refused with the differing keys (one line); other config changes are listed in a warning. `current`: the
+    fingerprint of model.path's files now; the same weights under another spelling of the path are the same model
+    (`same_base_path`)."""
     objective = cfg.train.objective
     saved = saved_config(ck, objective)
     if saved is None:
         return
+    saved = same_base_path(saved, ck, cfg, current)
     now, defaults = (without_other_objectives(to_dict(c), objective) for c in (cfg, Config()))
     refused, allowed = rundir.compare_configs(saved, now, defaults)
     if refused:

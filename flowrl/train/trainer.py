@@ -98,13 +98,13 @@ class Trainer:
         self.acc = accelerator or distributed.make_accelerator(cfg)
         self.run_dir = Path(cfg.log.run_dir)
         self.main = self.acc.is_main_process
-        self.base_model = self.base_checked = None
+        # the base weights' fingerprint, once (every checkpoint keeps it), on every process: a resume's checks agree
+        self.base_model, self.base_checked = basemodel.fingerprint(cfg.model.path), None
         if self.main:  # writable, this run's alone, and not another run's (unless resuming it or told to overwrite it)
             rundir.check_writable(self.run_dir)
             self.lock = RunLock(self.run_dir).acquire()  # released when fit ends (or at exit)
             rundir.claim(self.run_dir, resume=cfg.checkpoint.resume, overwrite=cfg.log.overwrite)
             remove_temporary(self.run_dir)  # what a kill during a checkpoint write left behind
-            self.base_model = basemodel.fingerprint(cfg.model.path)  # once: every checkpoint keeps it
             self.base_checked = check_resume_base(cfg, self.run_dir, self.base_model)
         self.acc.wait_for_everyone()
         if cfg.rollout.async_ and self.acc.num_processes > 1:
@@ -833,7 +833,7 @@ class Trainer:
         """Continue from checkpoint `path` (read: `ck`). A changed model, adapter or batch shape is refused with the
         differing keys, other base weights with the files that differ; other config changes are listed in a
         warning."""
-        check_resume(ck, path, self.cfg, warn=self.main)
+        check_resume(ck, path, self.cfg, warn=self.main, current=self.base_model)
         if path != self.base_checked:  # (the checkpoint checked before the model loaded was another)
             check_base(ck["state"], path, self.base_model, self.cfg.checkpoint.allow_other_base)
         check_weights(self.named_params, ck["trainable"], path)
