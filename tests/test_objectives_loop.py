@@ -720,6 +720,53 @@ def test_dpo_sft_coef_adds_the_winners_own_error(tmp_path):
         tiny_cfg(tmp_path, "train.objective=dpo", "train.dpo.sft_coef=-1")
 
 
+def test_dpo_reference_decay_measures_the_margins_against_a_shadow_that_follows_the_weights(tmp_path):
+    """train.dpo.reference_decay < 1: the reference is a shadow adapter that starts as the base model (the pairs'
+    loss as with the adapter off, the trained weights perturbed), and after each epoch's update moves to
+    d ref + (1 - d) theta, parameter by parameter; at d = 0 it is the trained policy itself, so every pair's margin
+    is 0 and its loss log 2. The shadow is in the checkpoint's objective state; at d = 1 (the default) there is
+    none."""
+    base = ["train.objective=dpo", "train.dpo.pairing=ranked", "train.dpo.weighting=velocity"]
+    tr = Trainer(tiny_cfg(tmp_path / "a", *base, "train.dpo.reference_decay=0.25"))
+    obj = tr.objective
+    shadow = tr.policy.shadow_parameters("reference")
+    assert set(shadow) == set(tr.named_params)
+    batch, _, adv, keep = _epoch_inputs(tr)
+    winners = obj.prepare(batch, adv, keep, epoch=0, process_index=0).nonzero().flatten()
+    assert len(winners) > 0
+    with torch.no_grad():
+        for n, p in tr.named_params.items():
+            if "lora_B" in n:
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+        against_shadow, _ = obj.unit_loss(batch, winners, [0, 1], adv, keep, None)
+        obj.settings.reference_decay = 1.0  # the adapter off
+        against_base, _ = obj.unit_loss(batch, winners, [0, 1], adv, keep, None)
+        obj.settings.reference_decay = 0.25
+    torch.testing.assert_close(against_shadow, against_base, rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(against_base, torch.tensor(math.log(2.0)))  # the perturbed adapter has margins
+
+    before = {n: w.detach().clone() for n, w in shadow.items()}
+    metrics = tr.update(batch, adv, keep, epoch=0)  # trains, then after_update moves the shadow
+    assert math.isfinite(metrics["policy/loss"])
+    for n, p in tr.named_params.items():
+        torch.testing.assert_close(shadow[n], 0.25 * before[n] + 0.75 * p.detach(), rtol=1e-6, atol=1e-7)
+    assert any(not torch.equal(shadow[n], before[n]) for n in shadow)
+    assert {f"reference/{n}" for n in shadow} <= set(obj.state_dict())
+
+    obj.settings.reference_decay = 0.0
+    obj.after_update(tr.state.optimizer_steps)  # the shadow is now the trained weights
+    with torch.no_grad():
+        same, stats = obj.unit_loss(batch, winners, [0, 1], adv, keep, None)
+    torch.testing.assert_close(same, torch.tensor(math.log(2.0)), rtol=0, atol=1e-6)
+
+    assert not Trainer(tiny_cfg(tmp_path / "b", *base)).policy.shadows
+    full = Trainer(tiny_cfg(tmp_path / "c", *base, "lora.enabled=false", "train.dpo.reference_decay=0.5"))
+    assert full.policy.ref_copy is None and "reference" in full.policy.shadows  # the shadow is the reference
+    assert math.isfinite(full.update(*[_epoch_inputs(full)[i] for i in (0, 2, 3)], epoch=0)["policy/loss"])
+    with pytest.raises(ConfigError, match="train.dpo.reference_decay"):
+        tiny_cfg(tmp_path, "train.objective=dpo", "train.dpo.reference_decay=1.5")
+
+
 def test_fresh_noise_per_pass_draws_new_noise_after_the_first_pass(tmp_path):
     """train.fresh_noise_per_pass: pass 0 noises a (sample, time slot) as without it; each later pass with noise of
     its own (without it, every pass the first one's); the training times stay; an epoch of two passes trains. GRPO,

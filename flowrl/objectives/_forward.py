@@ -210,12 +210,17 @@ class ForwardProcessObjective(Objective):
         guided = {"guidance_scale": guidance_scale} if guidance_scale > 1 else {}
 
         def velocity() -> Tensor:
-            with torch.no_grad(), self.policy.reference():
+            with torch.no_grad(), self.reference_policy():
                 return self.policy.flow_prediction(batch, rows, t, noise, **guided).velocity
 
         if self.reference_cache is None or keys is None:
             return velocity()
         return self.reference_cache.rows([(*key, float(guidance_scale)) for key in keys], velocity)
+
+    def reference_policy(self):
+        """The context the reference's forward passes run in: the adapter off, or the frozen copy (an objective may
+        measure against a shadow policy instead: DPO's reference_decay)."""
+        return self.policy.reference()
 
     def slot_groups(self, batch, idx: Tensor, unit: list[int]) -> Tensor:
         """[K*b] long: for each of the unit's rows (slot-major, as `inputs`), an id of its sample's group at its time

@@ -36,6 +36,7 @@ class DPOSettings:
         "max_time": Range(0, 1, lo_open=True),
         "free_anchor": AT_LEAST_0,
         "free_anchor_epochs": AT_LEAST_1,
+        "reference_decay": Range(0, 1),
     }
 
     beta: float = 5000.0
@@ -83,6 +84,14 @@ class DPOSettings:
     and the loser's deviations, so a drift both share goes unchecked. Free to compute (the loss evaluates the
     reference on both images anyway); 0 = off, the paper's loss. The metric policy/dpo_kl reports the deviation
     whatever the coefficient."""
+    reference_decay: float = 1.0
+    """What the pairs' margins are measured against. 1 = the base model (the adapter off, or the frozen copy), the
+    paper's fixed reference. Below 1, a shadow policy that starts as the base model and follows the trained weights
+    after each epoch's update, ref <- reference_decay ref + (1 - reference_decay) theta (TR-DPO's soft update of
+    the reference, arXiv 2404.09656, once an epoch): a fresh pair's margin then starts near 0 against a recent
+    policy instead of growing against the base, so a pair the model already prefers still pulls, at the cost of
+    the base as an anchor. 0 = the policy that sampled the epoch (iterative DPO). kl_coef's penalty is toward the
+    same reference."""
     sft_coef: float = 0.0
     """The winner's own denoising loss sft_coef w(t) ||v_w - v_theta(x_t^w)||^2 added to each pair's (RPO's NLL term
     on the chosen answer, arXiv 2404.19733, in its diffusion form; core.dpo_loss): the DPO term's pull on the
@@ -98,10 +107,14 @@ class DPO(ForwardProcessObjective):
     title = "online Diffusion-DPO"
     Settings = DPOSettings
     images_per_sample = 2
+    REFERENCE = "reference"  # the shadow policy of reference_decay < 1
 
     def __init__(self, cfg, policy, num_processes=1):
         super().__init__(cfg, policy, num_processes)
-        policy.ensure_reference()
+        if self.settings.reference_decay < 1:
+            policy.add_shadow(self.REFERENCE)  # the reference (a full fine-tune needs no frozen copy besides)
+        else:
+            policy.ensure_reference()
         local = self.groups_split()
         if local is not None:
             raise ValueError(
@@ -127,6 +140,16 @@ class DPO(ForwardProcessObjective):
                 f"train.dpo.pairing={s.pairing} does not match them; use train.dpo.pairing=matched, or free_anchor=0"
             )
         return problems
+
+    @classmethod
+    def shadow_names(cls, settings):
+        return (cls.REFERENCE,) if settings.reference_decay < 1 else ()
+
+    def reference_policy(self):
+        """The base model, or (reference_decay < 1) the shadow that follows the trained weights."""
+        if self.settings.reference_decay < 1:
+            return self.policy.shadow(self.REFERENCE)
+        return super().reference_policy()
 
     @classmethod
     def needs_free_counts(cls, cfg):
@@ -297,6 +320,8 @@ class DPO(ForwardProcessObjective):
         return loss, stats
 
     def after_update(self, optimizer_steps):
+        if self.settings.reference_decay < 1:
+            self.soft_update(self.REFERENCE, self.settings.reference_decay)
         out = {"objective/dpo_pairs": float(self.pairs)}
         if self.pair_distance is not None:
             out["objective/dpo_pair_free_distance"] = self.pair_distance
