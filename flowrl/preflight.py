@@ -66,7 +66,12 @@ def load_prompt_sets(cfg: Config) -> tuple[PromptSet, PromptSet]:
             eval_set.head(cfg.eval.num_prompts)[1],
             cfg.eval.group_by,
             f"eval.group_by={cfg.eval.group_by!r}",
-            "; set eval.group_by= (or eval.group_by=null) to average over every image",
+            "; set eval.group_by= (or eval.group_by=null) to average over every image"
+            + (
+                f", with eval.images_per_group=0 (it is {cfg.eval.images_per_group}, a share of each group)"
+                if cfg.eval.images_per_group
+                else ""
+            ),
             eval_set.origins,
         )
         _checked("eval.images_per_group", eval_plan, eval_set, cfg.eval)

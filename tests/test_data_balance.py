@@ -127,3 +127,16 @@ def test_a_prompt_file_without_the_column_is_named_by_file_and_line(tmp_path, no
     cfg = load_config(None, ["model.path=tiny-sd3", f"data.eval_prompts={prompts}", "eval.group_by=family"])
     with pytest.raises(ValueError, match=rf"eval.group_by='family': {prompts}:3 has no column.*set eval\.group_by="):
         load_prompt_sets(cfg)
+    with pytest.raises(ValueError, match=r"every image$"):  # nothing more to undo
+        load_prompt_sets(cfg)
+    # a share of images per group (as the shapes demo's): the one line names both keys to change
+    cfg = load_config(
+        None,
+        ["model.path=tiny-sd3", f"data.eval_prompts={prompts}", "eval.group_by=family", "eval.images_per_group=192"],
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"eval\.group_by=null\) to average over every image, with "
+        r"eval\.images_per_group=0 \(it is 192, a share of each group\)$",
+    ):
+        load_prompt_sets(cfg)
