@@ -92,12 +92,15 @@ def _eval(args) -> int:
     from .preflight import preflight
     from .run.loading import policy_from_checkpoint
     from .run.metrics import strict_json
+    from .run.rundir import check_writable
     from .train.scoring import build_reward_fns
     from .train.signals import eval_signals
 
     cfg = _load(args)
     # prompts, rewards and the model's class and size are checked before the model loads
     _, eval_set = preflight(cfg)
+    if args.out:
+        check_writable(args.out, "--out", keep=False)  # (not after the eval's sampling)
     evaluator = Evaluator(cfg, eval_set, _device(cfg))
     base_dir = base_for_eval(args.base, args.checkpoint, evaluator.settings)
     with eval_signals() as signals:  # a signal abandons the eval between its batches: nothing is written
@@ -162,10 +165,14 @@ def _sample(args) -> int:
     from .eval.samples import sample_to_dir
     from .preflight import check_lora_init, check_model, check_sample_images
     from .run.loading import policy_from_checkpoint
+    from .run.rundir import check_writable
 
     cfg = _load(args)
-    if args.num < 1 or args.steps < 0:
-        raise SystemExit(f"flowrl sample: --num must be >= 1 and --steps >= 0, got {args.num} and {args.steps}")
+    if args.num < 1:
+        raise SystemExit(f"flowrl sample: --num must be >= 1 (images or completions per prompt), got {args.num}")
+    if args.steps < 0:
+        raise SystemExit(f"flowrl sample: --steps must be >= 0 (0: eval.num_steps), got {args.steps}")
+    check_writable(args.out, "--out", keep=False)  # before the model loads: no sampling lost to a bad folder
     if cfg.backend == "text":
         return _sample_text(cfg, args)
     if args.greedy:

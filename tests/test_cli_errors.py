@@ -356,6 +356,24 @@ def test_sample_checks_its_images_before_the_model_loads(tmp_path, capsys, no_mo
     assert "sd3 is a text-to-image family and takes no conditioning image, got 1" in err
 
 
+def test_sample_checks_its_counts_and_its_folder_before_the_model_loads(tmp_path, capsys, no_model_load):
+    """--num, --steps and an --out that cannot be written (here a file's path as a folder; `flowrl eval --out` too):
+    one line each, before the model loads, so that nothing sampled is lost to them."""
+    sample = ["sample", TINY_CFG, *TINY, "--prompt", "a cat"]
+    with pytest.raises(
+        SystemExit, match=r"^flowrl sample: --num must be >= 1 \(images or completions per prompt\), got 0$"
+    ):
+        main([*sample, "--num", "0"])
+    with pytest.raises(SystemExit, match=r"^flowrl sample: --steps must be >= 0 \(0: eval\.num_steps\), got -2$"):
+        main([*sample, "--steps", "-2"])
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "images"
+    err = one_line_error(capsys, 1, main([*sample, "--out", str(out)]))
+    assert f"--out='{out}' is not writable (Not a directory); choose a directory you can write to" in err
+    err = one_line_error(capsys, 1, main(["eval", TINY_CFG, *TINY, "--out", str(out)]))  # eval's --out alike
+    assert err.startswith(f"flowrl eval: --out='{out}' is not writable (Not a directory)")
+
+
 def test_calibrate_prints_the_ratios_and_the_entry_that_uses_them(tmp_path, capsys):
     """`flowrl calibrate`: mag_cache's ratios for the config's rollout, one per step, and a YAML entry that loads as
     a valid rollout.acceleration; a model the cache cannot take and a bad --prompts are one line."""

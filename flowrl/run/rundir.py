@@ -6,6 +6,7 @@ Only the files flowrl writes are ever touched (a run directory may be a folder t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -55,19 +56,30 @@ def describe_run(run_dir: str | Path) -> str:
     return ", ".join(parts) or "files of a run"
 
 
-def check_writable(run_dir: str | Path) -> None:
-    """Create `run_dir` if needed and make sure a file can be written in it (before any model loads)."""
+def check_writable(run_dir: str | Path, what: str = "log.run_dir", *, keep: bool = True) -> None:
+    """Create `run_dir` if needed and make sure a file can be written in it (before any model loads); `what`: the
+    key or option that named it, for the error. keep=False removes the folders it created for the check (an
+    output folder that a stopped command should not leave behind, empty)."""
     run_dir = Path(run_dir)
+    created = []
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        for p in [*reversed(run_dir.absolute().parents), run_dir.absolute()]:
+            if not p.exists():
+                p.mkdir()
+                created.append(p)
         probe = run_dir / f".flowrl-write-test-{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
         raise RunDirError(
-            f"log.run_dir={str(run_dir)!r} is not writable ({e.strerror or e}); choose a directory "
-            "you can write to with log.run_dir=PATH"
+            f"{what}={str(run_dir)!r} is not writable ({e.strerror or e}); choose a directory "
+            f"you can write to with {what}=PATH"
         ) from None
+    finally:
+        if not keep:
+            for p in reversed(created):
+                with contextlib.suppress(OSError):
+                    p.rmdir()
 
 
 def claim(run_dir: str | Path, *, resume: str | None, overwrite: bool) -> None:
