@@ -671,10 +671,8 @@ def test_dpo_kl_coef_adds_the_penalty_on_both_images_of_each_pair(tmp_path):
     obj = tr.objective
     winners = obj.prepare(batch, adv, keep, epoch=0, process_index=0).nonzero().flatten()
     assert len(winners) > 0
+    perturb_lora_b(tr)
     with torch.no_grad():
-        for n, p in tr.named_params.items():
-            if "lora_B" in n:
-                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
         obj.settings.kl_coef = 0.0
         plain, stats = obj.unit_loss(batch, winners, [0, 1], adv, keep, None)
         obj.settings.kl_coef = 0.5
@@ -734,10 +732,8 @@ def test_dpo_reference_decay_measures_the_margins_against_a_shadow_that_follows_
     batch, _, adv, keep = _epoch_inputs(tr)
     winners = obj.prepare(batch, adv, keep, epoch=0, process_index=0).nonzero().flatten()
     assert len(winners) > 0
+    perturb_lora_b(tr)
     with torch.no_grad():
-        for n, p in tr.named_params.items():
-            if "lora_B" in n:
-                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
         against_shadow, _ = obj.unit_loss(batch, winners, [0, 1], adv, keep, None)
         obj.settings.reference_decay = 1.0  # the adapter off
         against_base, _ = obj.unit_loss(batch, winners, [0, 1], adv, keep, None)
@@ -960,10 +956,7 @@ def test_steps_per_forward_batches_the_times_without_changing_the_update(objecti
                 f"train.steps_per_forward={spf}",
             )
         )
-        with torch.no_grad():  # lora_B starts at 0, where the trained model is its reference
-            for n, p in tr.named_params.items():
-                if "lora_B" in n:
-                    p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+        perturb_lora_b(tr)  # lora_B starts at 0, where the trained model is its reference
         start = trained(tr)
         batch, _, adv, keep = _epoch_inputs(tr)
         grads, units = [], []
