@@ -11,6 +11,7 @@ on every family's tiny pipeline:
   sample with one noise and time.
 """
 
+import contextlib
 import json
 import math
 from types import SimpleNamespace
@@ -716,6 +717,74 @@ def test_dpo_sft_coef_adds_the_winners_own_error(tmp_path):
     assert math.isfinite(metrics["policy/loss"])
     with pytest.raises(ConfigError, match="train.dpo.sft_coef"):
         tiny_cfg(tmp_path, "train.objective=dpo", "train.dpo.sft_coef=-1")
+
+
+def test_dpo_guidance_scale_compares_the_guided_velocities(tmp_path):
+    """train.dpo.guidance_scale > 1: the pairs' losses are core.dpo_loss of the policy's and the reference's
+    CFG-guided velocities, here re-derived from guidance's linearity in its scale (u + g (c - u): the scale-3
+    velocity is 2 x the scale-2 one minus the CFG-free one), not from the scale-3 pass itself; they differ from the
+    CFG-free losses, an epoch trains with them, and 1 (the default) is the CFG-free loss to the bit. The planner
+    counts the doubled rows, and a model that cannot be guided is refused in one line."""
+    from flowrl.objectives.dpo import DPO
+
+    base = ["train.objective=dpo", "train.dpo.pairing=ranked", "train.dpo.weighting=velocity"]
+    tr = Trainer(tiny_cfg(tmp_path / "a", *base, "train.dpo.guidance_scale=3"))
+    obj, policy = tr.objective, tr.policy
+    batch, _, adv, keep = _epoch_inputs(tr)
+    winners = obj.prepare(batch, adv, keep, epoch=0, process_index=0).nonzero().flatten()
+    assert len(winners) > 0
+    perturb_lora_b(tr)
+    rows_w, t, noise = obj.inputs(batch, winners, [0, 1])
+    rows_l = obj.partner[winners].repeat(2)
+    keys = obj.row_keys(winners, [0, 1]), obj.row_keys(obj.partner[winners], [0, 1], noise_of=winners)
+
+    def guided3(rows, reference):
+        with torch.no_grad(), policy.reference() if reference else contextlib.nullcontext():
+            plain = policy.flow_prediction(batch, rows, t, noise).velocity
+            return 2 * policy.flow_prediction(batch, rows, t, noise, guidance_scale=2.0).velocity - plain
+
+    with torch.no_grad():
+        loss, _ = obj.pair_losses(batch, rows_w, rows_l, t, noise, keys)
+        obj.settings.guidance_scale = 1.0
+        plain, _ = obj.pair_losses(batch, rows_w, rows_l, t, noise, keys)
+        obj.settings.guidance_scale = 3.0
+    by_hand, _ = core.dpo_loss(
+        guided3(rows_w, False),
+        guided3(rows_l, False),
+        guided3(rows_w, True),
+        guided3(rows_l, True),
+        obj.clean(batch, rows_w),
+        obj.clean(batch, rows_l),
+        noise,
+        t,
+        beta=obj.settings.beta,
+        weight=None,
+    )
+    torch.testing.assert_close(loss, by_hand, rtol=1e-4, atol=1e-5)
+    assert (loss - plain).abs().max() > 1e-3  # guidance changes the velocities the loss compares
+    metrics = tr.update(batch, adv, keep, epoch=0)
+    assert math.isfinite(metrics["policy/loss"])
+
+    cfg_free = Trainer(tiny_cfg(tmp_path / "b", *base, "train.dpo.guidance_scale=1"))
+    default = Trainer(tiny_cfg(tmp_path / "c", *base))
+    for run in (cfg_free, default):
+        b, _, a, k = _epoch_inputs(run)
+        w = run.objective.prepare(b, a, k, epoch=0, process_index=0).nonzero().flatten()
+        perturb_lora_b(run)
+        with torch.no_grad():
+            run.last = run.objective.unit_loss(b, w, [0, 1], a, k, None)[0]
+    assert torch.equal(cfg_free.last, default.last)
+
+    cfg = tiny_cfg(tmp_path / "d", *base, "train.dpo.guidance_scale=3")
+    assert DPO.memory_terms(cfg, 2).rows == 2 * DPO.memory_terms(default.cfg, 2).rows
+    assert "x 2 (CFG at 3)" in DPO.memory_terms(cfg, 2).rows_note
+    backend = SimpleNamespace(uses_cfg_encodings=False, training_guidance_scale=lambda g: 1.0)  # FLUX.1 schnell
+    stub = SimpleNamespace(backend=backend, add_shadow=lambda name: None, ensure_reference=lambda: None)
+    with pytest.raises(ConfigError, match=r"train.dpo.guidance_scale=3: .*use train.dpo.guidance_scale=1") as e:
+        DPO(cfg, stub)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="train.dpo.guidance_scale"):
+        tiny_cfg(tmp_path, "train.objective=dpo", "train.dpo.guidance_scale=-1")
 
 
 def test_dpo_reference_decay_measures_the_margins_against_a_shadow_that_follows_the_weights(tmp_path):

@@ -275,3 +275,9 @@ class ForwardProcessObjective(Objective):
                 for n, w in weights.items():
                     value = state[f"{name}/{n}"].to(w.dtype)
                     w.copy_(place(value, w) if place is not None else value)
+
+
+def guided_teacher(backend, scale: float) -> bool:
+    """Whether the family's model can make a guided prediction at `scale`: true CFG, or a guidance embedding (whose
+    CFG-free pass keeps the rollout's guidance value)."""
+    return bool(backend.uses_cfg_encodings) or backend.training_guidance_scale(scale) == scale

@@ -31,7 +31,7 @@ from flowrl.ranges import AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, Range
 from flowrl.seeding import derive_seed
 
 from . import register
-from ._forward import ForwardProcessObjective, TrainingTimes
+from ._forward import ForwardProcessObjective, TrainingTimes, guided_teacher
 
 #: seed tags of the epoch's shared times and of a group's shared noise
 _SHARED_TIMES_TAG, _GROUP_NOISE_TAG = 0xD690, 0xD6E5
@@ -228,9 +228,3 @@ class DGPO(ForwardProcessObjective):
         super().load_state_dict(state, place)
         if "dgpo/optimizer_steps" in state:
             self.optimizer_steps = int(state["dgpo/optimizer_steps"])
-
-
-def guided_teacher(backend, scale: float) -> bool:
-    """Whether the family's model can make a guided prediction at `scale`: true CFG, or a guidance embedding (whose
-    CFG-free pass keeps the rollout's guidance value)."""
-    return bool(backend.uses_cfg_encodings) or backend.training_guidance_scale(scale) == scale

@@ -12,18 +12,18 @@ images per pair.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
 
 from flowrl import core
+from flowrl.errors import ConfigError
 from flowrl.ranges import AT_LEAST_0, AT_LEAST_1, POSITIVE, Range
 
 from . import register
-from ._base import MemoryTerms
-from ._forward import ForwardProcessObjective, random_order
+from ._forward import ForwardProcessObjective, guided_teacher, random_order
 
 
 @dataclass
@@ -37,6 +37,7 @@ class DPOSettings:
         "free_anchor": AT_LEAST_0,
         "free_anchor_epochs": AT_LEAST_1,
         "reference_decay": Range(0, 1),
+        "guidance_scale": AT_LEAST_0,
     }
 
     beta: float = 5000.0
@@ -92,6 +93,12 @@ class DPOSettings:
     policy instead of growing against the base, so a pair the model already prefers still pulls, at the cost of
     the base as an anchor. 0 = the policy that sampled the epoch (iterative DPO). kl_coef's penalty is toward the
     same reference."""
+    guidance_scale: float = 1.0
+    """The guidance of the velocities the loss compares: 1 or less, the CFG-free pass (the paper's: what is trained
+    is the conditional model); above 1, the policy's and the reference's CFG-guided velocities at this scale (true
+    CFG: one batched pass over [uncond, cond], the adapter in both rows; FLUX dev: its guidance embedding), so the
+    loss ranks the pairs under the sampler that the eval runs at sample.guidance_scale. A true-CFG pass doubles the
+    update's rows; a family with neither true CFG nor a guidance embedding is refused when it loads."""
     sft_coef: float = 0.0
     """The winner's own denoising loss sft_coef w(t) ||v_w - v_theta(x_t^w)||^2 added to each pair's (RPO's NLL term
     on the chosen answer, arXiv 2404.19733, in its diffusion form; core.dpo_loss): the DPO term's pull on the
@@ -111,6 +118,12 @@ class DPO(ForwardProcessObjective):
 
     def __init__(self, cfg, policy, num_processes=1):
         super().__init__(cfg, policy, num_processes)
+        g = self.settings.guidance_scale
+        if g > 1 and not guided_teacher(policy.backend, g):
+            raise ConfigError(
+                f"train.dpo.guidance_scale={g:g}: model.path={cfg.model.path} has neither true CFG nor a guidance "
+                f"embedding, so its velocities cannot be guided; use train.dpo.guidance_scale=1"
+            )
         if self.settings.reference_decay < 1:
             policy.add_shadow(self.REFERENCE)  # the reference (a full fine-tune needs no frozen copy besides)
         else:
@@ -181,7 +194,13 @@ class DPO(ForwardProcessObjective):
 
     @classmethod
     def memory_terms(cls, cfg, cfg_rows):
-        return MemoryTerms(**{**vars(super().memory_terms(cfg, cfg_rows)), "unit": "pairs"})
+        terms = super().memory_terms(cfg, cfg_rows)
+        g = cfg.train.dpo.guidance_scale
+        if g > 1 and cfg_rows > 1:  # both passes guided (true CFG, as the rollout's): the policy's with grad
+            rows = terms.rows * cfg_rows
+            note = terms.rows_note.replace(f"{terms.rows} model rows", f"{rows} model rows")
+            terms = replace(terms, rows=rows, rows_note=note.replace("without CFG", f"x {cfg_rows} (CFG at {g:g})"))
+        return replace(terms, unit="pairs")
 
     def prepare(self, batch, adv, keep, *, epoch, process_index):
         """The pairs of this process's whole groups from their advantages (the configured reward combination;
@@ -297,8 +316,9 @@ class DPO(ForwardProcessObjective):
         """core.dpo_loss of the pairs (rows_w[i] over rows_l[i]) [P], noised with `noise` [P, ...] at `t` [P];
         `keys`: the reference cache's keys of the winners' and the losers' rows."""
         both, t2, noise2 = torch.cat([rows_w, rows_l]), torch.cat([t, t]), torch.cat([noise, noise])
-        pred = self.policy.flow_prediction(batch, both, t2, noise2)
-        ref = self.reference_velocity(batch, both, t2, noise2, keys=keys[0] + keys[1])
+        g = self.settings.guidance_scale
+        pred = self.policy.flow_prediction(batch, both, t2, noise2, **({"guidance_scale": g} if g > 1 else {}))
+        ref = self.reference_velocity(batch, both, t2, noise2, guidance_scale=g, keys=keys[0] + keys[1])
         v_w, v_l = pred.velocity.chunk(2)
         r_w, r_l = ref.chunk(2)
         t_used = pred.t.chunk(2)[0]
