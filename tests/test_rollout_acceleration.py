@@ -401,6 +401,49 @@ def test_autocast_is_lossy_refuses_a_low_precision_model_and_combines_with_one_s
     assert "already computes in bfloat16" in why and "model.dtype" in why
 
 
+def test_autocast_is_left_off_on_a_cpu_without_native_low_precision_matrix_products(backends, monkeypatch, tmp_path):
+    """Emulated bfloat16 is several times slower than float32 on a CPU (0.18x the demo's rollout speed on an AVX2
+    CPU), so where oneDNN reports no native bfloat16 (float16) the policy leaves autocast off with one warning that
+    names the knob which keeps it; force=true keeps it, and so does a CPU that has them. The other accelerators of
+    the list stay."""
+    import warnings
+
+    from flowrl.sampling import acceleration
+    from flowrl.train import Trainer
+
+    backend = backends("sd3")
+    native = {"bfloat16": False, "float16": True}
+    monkeypatch.setattr(acceleration, "native_cpu_dtype", lambda dtype: native[dtype])
+    specs = parse(["autocast", {"name": "taylorseer_cache", **KNOBS["taylorseer_cache"]}])
+    with pytest.warns(acceleration.AcceleratorWarning) as seen:
+        kept = acceleration.usable(backend, specs)
+    assert [s.name for s in kept] == ["taylorseer_cache"]
+    (line,) = [str(w.message) for w in seen]
+    assert "autocast is left off" in line and "AVX-512 or AMX" in line and "force: true" in line
+    assert "\n" not in line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert acceleration.usable(backend, parse([{"name": "autocast", "force": True}]))[0].knobs.force
+        assert acceleration.usable(backend, parse([{"name": "autocast", "dtype": "float16"}]))  # native here
+        native["bfloat16"] = True
+        assert [s.name for s in acceleration.usable(backend, specs)] == ["autocast", "taylorseer_cache"]
+
+    native["bfloat16"] = False
+    cfg = load_config(
+        None,
+        [
+            "model.path=tiny-sd3",
+            "train.objective=dpo",
+            "rollout.acceleration=[autocast]",
+            f"log.run_dir={tmp_path}",
+            "model.device=cpu",
+        ],
+    )
+    with pytest.warns(acceleration.AcceleratorWarning, match="autocast is left off"):
+        tr = Trainer(cfg)
+    assert tr.policy.accelerators == []  # the training rollouts run float32
+
+
 def test_autocast_puts_back_the_forward_it_found_and_runs_under_a_step_cache(backends):
     """A forward already set on the denoiser (a hook's wrapper) is the one autocast wraps and leaves in place; with a
     step cache beside it the rollout runs and, after both, the plain rollout is the same as before."""

@@ -67,10 +67,11 @@ class ImagePolicy:
             self.backend.offload(device)
         self.family = self.backend.family
         self.backend.check_image_size(s.height, s.width)
-        from flowrl.sampling.acceleration import check_supported, parse
+        from flowrl.sampling.acceleration import check_supported, parse, usable
 
         self.accelerators = parse(cfg.rollout.acceleration)  # on around the training rollouts' sampling only
         check_supported(self.backend, self.accelerators)  # a family that cannot take one says so before sampling
+        self.accelerators = usable(self.backend, self.accelerators)  # those that would slow this machine: off
         pipe = self.backend.pipe
         for module in pipe.components.values():
             if isinstance(module, torch.nn.Module):

@@ -47,6 +47,12 @@ class Accelerator:
     def problem(cls, backend) -> str | None:
         return None
 
+    @classmethod
+    def slower_here(cls, backend, knobs) -> str | None:
+        """Why this accelerator would slow this machine's rollout down rather than speed it up (it is then left off,
+        with a warning: `usable`), or None."""
+        return None
+
     def enable(self, backend, knobs, num_steps: int) -> None:
         raise NotImplementedError
 
@@ -178,6 +184,25 @@ def check_supported(backend, specs: list[AcceleratorSpec]) -> None:
         why = s.accelerator.problem(backend)
         if why is not None:
             raise ValueError(f"rollout.acceleration: {s.name} is not available for family {backend.family}: {why}")
+
+
+def usable(backend, specs: list[AcceleratorSpec]) -> list[AcceleratorSpec]:
+    """`specs` without the accelerators that would slow this machine's rollout down (`Accelerator.slower_here`),
+    each left off with a warning of one line that says why and how to keep it."""
+    import warnings
+
+    kept = []
+    for s in specs:
+        why = s.accelerator.slower_here(backend, s.knobs)
+        if why is None:
+            kept.append(s)
+        else:
+            warnings.warn(f"rollout.acceleration: {s.name} is left off: {why}", AcceleratorWarning, stacklevel=2)
+    return kept
+
+
+class AcceleratorWarning(UserWarning):
+    """An accelerator of rollout.acceleration left off on this machine (it would be slower than without it)."""
 
 
 @contextlib.contextmanager
@@ -361,6 +386,12 @@ class Autocast(Accelerator):
         float16. Its output is cast back to float32, so classifier-free guidance, the step math and the recorded
         log-probs stay float32."""
 
+        force: bool = False
+        """On a CPU without oneDNN's matrix products in `dtype` (bfloat16: AVX-512 or AMX; float16: AVX512-FP16 or
+        AMX-FP16) torch emulates them, several times slower than float32 (0.18x the images per second on an
+        AVX2-only CPU, the shapes demo's rollout at 2 threads), so autocast is left off there with a warning and
+        the rollout runs in float32; true runs it anyway (e.g. to reproduce a run's bfloat16 samples)."""
+
         def __post_init__(self):
             if self.dtype not in ("bfloat16", "float16"):
                 raise ValueError(f"dtype {self.dtype!r} is not one of bfloat16, float16")
@@ -375,6 +406,17 @@ class Autocast(Accelerator):
         if backend.device.type not in ("cpu", "cuda"):
             return f"torch.autocast on {backend.device.type} is not supported here (cpu and cuda are)"
         return None
+
+    @classmethod
+    def slower_here(cls, backend, knobs):
+        if backend.device.type != "cpu" or knobs.force or native_cpu_dtype(knobs.dtype):
+            return None
+        need = "AVX-512 or AMX" if knobs.dtype == "bfloat16" else "AVX512-FP16 or AMX-FP16"
+        return (
+            f"this CPU has no native {knobs.dtype} matrix products ({need}), so torch would emulate them, several "
+            f"times slower than float32; the rollout runs in float32 (force it with "
+            f"{{name: autocast, force: true}})"
+        )
 
     def enable(self, backend, knobs, num_steps):
         den = _diffusers_model(backend)
@@ -394,6 +436,19 @@ class Autocast(Accelerator):
             self._den.forward = self._previous
         else:
             del self._den.forward
+
+
+def native_cpu_dtype(dtype: str) -> bool:
+    """Whether this CPU multiplies `dtype` ("bfloat16" / "float16") matrices natively (oneDNN's check)."""
+    check = (
+        torch.ops.mkldnn._is_mkldnn_bf16_supported
+        if dtype == "bfloat16"
+        else torch.ops.mkldnn._is_mkldnn_fp16_supported
+    )
+    try:
+        return bool(check())
+    except (AttributeError, RuntimeError):  # a torch built without oneDNN: no fast path either
+        return False
 
 
 def _as_float32(out):
