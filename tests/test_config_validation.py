@@ -220,3 +220,21 @@ def test_a_vllm_engine_with_several_processes_is_refused_before_the_model_loads(
     )
     with pytest.raises(ConfigError, match="text.engine=vllm pushes the weights .* this run has 2: set text.engine=hf"):
         Trainer(cfg, accelerator=two)
+
+
+def test_one_reward_kwarg_can_be_overridden_by_its_dotted_key(tmp_path):
+    yml = tmp_path / "c.yaml"
+    yml.write_text("rewards:\n  - name: jpeg_compressibility\n    kwargs: {quality: 50, other: 1}\n")
+    cfg = load_config(yml, ["rewards.0.kwargs.quality=80", "rewards.0.kwargs.nested.depth=2"])
+    # the named key replaced, its siblings kept, a deeper key made a mapping
+    assert cfg.rewards[0].kwargs == {"quality": 80, "other": 1, "nested": {"depth": 2}}
+    # a mapping override and then one of its keys: both apply
+    cfg = load_config(yml, ["rewards.0.kwargs={a: 1}", "rewards.0.kwargs.b=2"])
+    assert cfg.rewards[0].kwargs == {"quality": 50, "other": 1, "a": 1, "b": 2}
+    with pytest.raises(ConfigError, match=r"another override set rewards\.0\.kwargs to a value, not a mapping"):
+        load_config(yml, ["rewards.0.kwargs=5", "rewards.0.kwargs.b=2"])
+    with pytest.raises(ConfigError, match=r"an empty key inside rewards\.0\.kwargs"):
+        load_config(yml, ["rewards.0.kwargs..b=2"])
+    # a plain value still names itself a value
+    with pytest.raises(ConfigError, match=r"rewards\.0\.weight is a value, not a section"):
+        load_config(yml, ["rewards.0.weight.x=2"])

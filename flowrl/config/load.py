@@ -312,6 +312,17 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
             item_cls, cls = typing.get_args(tp)[0], None
             node = node.setdefault(part, {})
             continue
+        if typing.get_origin(tp) is dict:  # a free-form mapping (rewards.0.kwargs.gain=2): the rest names its keys
+            rest = parts[i + 1 :]
+            if any(not k for k in rest):
+                raise ConfigError(f"{key!r}: an empty key inside {'.'.join(parts[: i + 1])}")
+            for depth, k in enumerate([part, *rest[:-1]]):
+                node = node.setdefault(k, {})
+                if not isinstance(node, dict):
+                    where = ".".join(parts[: i + 1 + depth])
+                    raise ConfigError(f"{key!r}: another override set {where} to a value, not a mapping")
+            node[rest[-1]] = value
+            return
         if _dataclass_of(tp) is None:
             raise ConfigError(
                 f"{key!r}: {'.'.join(parts[: i + 1])} is a value, not a section; set it as "
