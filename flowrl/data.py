@@ -225,9 +225,10 @@ def warn_eval_not_held_out(train: PromptSet, eval_set: PromptSet | None, image_c
 # ------------------------------------------------------------------------------------------ loading
 
 FORMATS = (
-    ".txt (one prompt per line), .jsonl (one JSON object per line) or hf:ORG/NAME (a Hugging Face dataset; "
-    "hf:DIR for a local copy)"
+    ".txt (one prompt per line), .jsonl (one JSON object per line), .json (an array of objects or strings), .csv or "
+    ".tsv (a header row naming the columns) or hf:ORG/NAME (a Hugging Face dataset; hf:DIR for a local copy)"
 )
+_FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".csv", ".tsv")
 HF_PREFIX = "hf:"
 OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 _TRUE = {"1", "ON", "YES", "TRUE"}
@@ -280,9 +281,9 @@ def load_prompts(
             f"prompt source {source!r} is a directory; give a .txt or .jsonl file in it, or hf:{source} for a "
             f"dataset folder (one written by Dataset.save_to_disk, or of json/jsonl/csv/parquet files)"
         )
-    if path.suffix.lower() not in (".txt", ".jsonl"):
+    if path.suffix.lower() not in _FILE_SUFFIXES:
         hint = ""
-        if path.suffix.lower() in (".json", ".csv", ".tsv", ".parquet"):  # what `datasets` reads from a folder
+        if path.suffix.lower() == ".parquet":  # what `datasets` reads from a folder
             hint = (
                 f"; a {path.suffix} file is read as a dataset: put it in a folder of its own and give hf:FOLDER "
                 "(its one split is train: data.eval_split=train for eval prompts), or write it as .jsonl, one JSON "
@@ -292,7 +293,7 @@ def load_prompts(
             f"prompt source {source!r}: unknown format {path.suffix or '(no extension)'!r}; valid: {FORMATS}{hint}"
         )
     rows = _file_rows(path, column)
-    if image_column and path.suffix.lower() == ".jsonl":
+    if image_column and path.suffix.lower() != ".txt":
         hint = f"; column {image_column!r} is data.image_column: data.image_column='' keeps it as plain metadata"
         rows = ((where, _with_images(row, where, image_column, path.parent, hint=hint)) for where, row in rows)
     return _prompt_set(rows, column, template, fields)
@@ -362,6 +363,7 @@ def _row_prompt(row: dict, where: str, column: str, template: str, fields: list[
     if column not in row:
         raise PromptFileError(
             f"{where}: no prompt column {column!r} (data.prompt_column); the row's keys are {sorted(row)}"
+            f"{_column_hint([k for k, v in row.items() if isinstance(v, str) and v.strip()])}"
         )
     value = row[column]
     if not isinstance(value, str) or not value.strip():
@@ -391,9 +393,40 @@ def _clip(text: str, limit: int = 60) -> str:
 # ------------------------------------------------------------------------------------------ files
 
 
+def _column_hint(candidates: list) -> str:
+    """'; set data.prompt_column=KEY ...' for the text-valued columns a row or dataset has instead."""
+    if not candidates:
+        return ""
+    if len(candidates) == 1:
+        return f"; data.prompt_column={candidates[0]} if that column holds the prompt"
+    names = ", ".join(str(c) for c in candidates[:6])
+    return f"; set data.prompt_column to the column of text that holds the prompt ({names})"
+
+
+def _is_text_feature(feature) -> bool:
+    """A `datasets` feature of plain strings (Value('string'))."""
+    return getattr(feature, "dtype", None) in ("string", "large_string")
+
+
 def _read_lines(path: Path) -> list[tuple[int, str]]:
     """The non-blank lines of a prompt file with their 1-based numbers (a UTF-8 byte-order mark is skipped);
     errors for a missing file, a directory, text that is not UTF-8, and a file without prompts."""
+    text = _read_text(path)
+    lines = [(i + 1, line.rstrip("\r")) for i, line in enumerate(text.split("\n")) if line.strip()]
+    if not lines:
+        state = "is empty" if not text else "holds only blank lines"
+        want = (
+            "one prompt per line"
+            if path.suffix.lower() == ".txt"
+            else 'one JSON object per line, e.g. {"prompt": "a red apple"}'
+        )
+        raise PromptFileError(f"{path}: no prompts: the file {state}; write {want}")
+    return lines
+
+
+def _read_text(path: Path) -> str:
+    """A prompt file's text (a UTF-8 byte-order mark skipped); errors for a missing file, a directory and text
+    that is not UTF-8."""
     if not path.exists():
         raise _MissingPromptFile(
             f"prompt file {str(path)!r} does not exist (relative paths are read from the "
@@ -413,16 +446,7 @@ def _read_lines(path: Path) -> list[tuple[int, str]]:
             f"{path}:{line}: not UTF-8 text: byte 0x{data[offset]:02x} at byte offset {offset} "
             f"(byte {in_line} of the line); save the file as UTF-8"
         ) from None
-    lines = [(i + 1, line.rstrip("\r")) for i, line in enumerate(text.split("\n")) if line.strip()]
-    if not lines:
-        state = "is empty" if not text else "holds only blank lines"
-        want = (
-            "one prompt per line"
-            if path.suffix.lower() == ".txt"
-            else 'one JSON object per line, e.g. {"prompt": "a red apple"}'
-        )
-        raise PromptFileError(f"{path}: no prompts: the file {state}; write {want}")
-    return lines
+    return text
 
 
 def _nearby_files(path: Path) -> str:
@@ -430,7 +454,7 @@ def _nearby_files(path: Path) -> str:
     parent = path.parent
     if not parent.is_dir():
         return ""
-    names = sorted(p.name for p in parent.iterdir() if p.suffix.lower() in (".txt", ".jsonl"))
+    names = sorted(p.name for p in parent.iterdir() if p.suffix.lower() in _FILE_SUFFIXES)
     if not names:
         return ""
     import difflib
@@ -440,10 +464,89 @@ def _nearby_files(path: Path) -> str:
 
 
 def _file_rows(path: Path, column: str) -> Iterator[tuple[str, dict]]:
-    """(file:line, row) for every non-blank line: a .txt line is the prompt column, a .jsonl line a JSON object."""
+    """(file:line, row) for every non-blank line: a .txt line is the prompt column, a .jsonl line a JSON object;
+    (file:line, row) of a .csv/.tsv file's rows, (file[i], row) of a .json file's array."""
+    suffix = path.suffix.lower()
+    if suffix in (".csv", ".tsv"):
+        yield from _table_rows(path, "\t" if suffix == ".tsv" else ",")
+        return
+    if suffix == ".json":
+        yield from _json_array_rows(path, column)
+        return
     for number, line in _read_lines(path):
         where = f"{path}:{number}"
         yield where, ({column: line.strip()} if path.suffix.lower() == ".txt" else _jsonl_row(line, where, column))
+
+
+def _table_rows(path: Path, delimiter: str) -> Iterator[tuple[str, dict]]:
+    """The rows of a .csv/.tsv file with a header, as {column: text}; a row of only empty cells is skipped."""
+    import csv
+    import io
+
+    text = _read_text(path)
+    reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter, restkey=_EXTRA_CELLS)
+    if not reader.fieldnames:
+        raise PromptFileError(
+            f"{path}: no prompts: the file is empty; write a header row naming the columns (e.g. prompt), then one "
+            "row per prompt"
+        )
+    blank = [i + 1 for i, name in enumerate(reader.fieldnames) if not name.strip()]
+    if blank:
+        raise PromptFileError(
+            f"{path}:1: the header's column {blank[0]} has no name; the first row names the columns "
+            f"({delimiter!r}-separated), e.g. prompt"
+        )
+    count = 0
+    try:
+        for row in reader:
+            where = f"{path}:{reader.line_num}"
+            if _EXTRA_CELLS in row:
+                raise PromptFileError(
+                    f"{where}: {len(reader.fieldnames) + len(row[_EXTRA_CELLS])} cells under a header of "
+                    f"{len(reader.fieldnames)} columns; quote a prompt that holds {delimiter!r}"
+                )
+            cells = {k: ("" if v is None else v) for k, v in row.items()}
+            if not any(v.strip() for v in cells.values()):
+                continue
+            count += 1
+            yield where, cells
+    except csv.Error as e:
+        raise PromptFileError(f"{path}:{reader.line_num}: not valid {path.suffix} text: {e}") from None
+    if not count:
+        raise PromptFileError(f"{path}: no prompts: the file has a header row and no rows under it")
+
+
+_EXTRA_CELLS = "\0extra"
+
+
+def _json_array_rows(path: Path, column: str) -> Iterator[tuple[str, dict]]:
+    """The items of a .json file's array: objects are rows, strings are the prompt column."""
+    text = _read_text(path)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PromptFileError(
+            f"{path}:{e.lineno}: not valid JSON: {e.msg.removesuffix(' at')} at column {e.colno}; a .json prompt "
+            f'file holds one array, e.g. [{{"{column}": "a red apple"}}] or ["a red apple"]'
+        ) from None
+    if not isinstance(data, list):
+        kind = "an object" if isinstance(data, dict) else type(data).__name__
+        lists = [k for k, v in data.items() if isinstance(v, list)] if isinstance(data, dict) else []
+        inside = f" (its key {lists[0]!r} holds one: write that array alone, or as .jsonl)" if lists else ""
+        raise PromptFileError(f"{path}: a .json prompt file holds one array of objects or strings, got {kind}{inside}")
+    if not data:
+        raise PromptFileError(f'{path}: no prompts: the array is empty; e.g. [{{"{column}": "a red apple"}}]')
+    for i, item in enumerate(data):
+        where = f"{path}[{i}]"
+        if isinstance(item, str):
+            yield where, {column: item}
+        elif isinstance(item, dict):
+            yield where, item
+        else:
+            raise PromptFileError(
+                f"{where}: an item must be a JSON object with a {column!r} key or a string, got "
+                f"{type(item).__name__}: {_clip(json.dumps(item))}"
+            )
 
 
 def _jsonl_row(line: str, where: str, column: str) -> dict:
@@ -523,6 +626,7 @@ def _load_hf(
     if column not in table.column_names:
         raise PromptFileError(
             f"{where}: no prompt column {column!r} (data.prompt_column); the dataset's columns are {table.column_names}"
+            f"{_column_hint([c for c in table.column_names if _is_text_feature(table.features.get(c))])}"
         )
     missing = next((f for f in fields if f != "prompt" and f not in table.column_names), None)
     if missing is not None:

@@ -123,8 +123,15 @@ def test_a_missing_prompt_column_lists_the_row_keys_and_the_config_key(tmp_path)
     with pytest.raises(
         PromptFileError,
         match=r"p.jsonl:1: no prompt column 'prompt' \(data.prompt_column\); "
-        r"the row's keys are \['id', 'text'\]$",
+        r"the row's keys are \['id', 'text'\]; data.prompt_column=text if that column holds the prompt$",
     ):
+        load_prompts(path)
+    # the hint names only the columns of text, and all of them when there are several
+    path = _jsonl(tmp_path / "q.jsonl", [{"caption": "a cat", "title": "cats", "id": 1}])
+    with pytest.raises(PromptFileError, match=r"the column of text that holds the prompt \(caption, title\)$"):
+        load_prompts(path)
+    path = _jsonl(tmp_path / "r.jsonl", [{"id": 1}])
+    with pytest.raises(PromptFileError, match=r"the row's keys are \['id'\]$"):
         load_prompts(path)
 
 
@@ -166,18 +173,18 @@ def test_a_missing_file_names_it_the_working_directory_and_the_files_beside_it(t
     assert isinstance(info.value, FileNotFoundError)  # what load_prompts raised before
 
 
-@pytest.mark.parametrize("name", ["prompts.csv", "prompts"])
+@pytest.mark.parametrize("name", ["prompts.xlsx", "prompts"])
 def test_an_unknown_extension_lists_the_formats(tmp_path, name):
     path = _write(tmp_path / name, "a cat\n")
-    with pytest.raises(PromptFileError, match=r"unknown format .*; valid: \.txt .*\.jsonl .*hf:ORG/NAME"):
+    with pytest.raises(
+        PromptFileError, match=r"unknown format .*; valid: \.txt .*\.jsonl .*\.json .*\.csv or \.tsv .*hf:ORG/NAME"
+    ):
         load_prompts(path)
 
 
-@pytest.mark.parametrize("name", ["prompts.json", "prompts.csv", "prompts.parquet"])
-def test_a_data_file_of_another_format_is_sent_to_an_hf_folder_or_jsonl(tmp_path, name):
-    path = _write(tmp_path / name, '["a cat"]\n')
-    suffix = re.escape(Path(name).suffix)
-    with pytest.raises(PromptFileError, match=rf"a {suffix} file is read as a dataset: .*hf:FOLDER .*\.jsonl"):
+def test_a_parquet_file_is_sent_to_an_hf_folder_or_jsonl(tmp_path):
+    path = _write(tmp_path / "prompts.parquet", "PAR1")
+    with pytest.raises(PromptFileError, match=r"a \.parquet file is read as a dataset: .*hf:FOLDER .*\.jsonl"):
         load_prompts(path)
     with pytest.raises(PromptFileError) as info:
         load_prompts(_write(tmp_path / "prompts.yaml", "a cat\n"))
@@ -257,7 +264,8 @@ def test_hf_bad_split_names_the_splits_and_bad_column_names_the_columns(datasets
     with pytest.raises(
         PromptFileError,
         match=r"no prompt column 'prompt' \(data.prompt_column\); the dataset's "
-        r"columns are \['question', 'answer'\]",
+        r"columns are \['question', 'answer'\]; set data.prompt_column to the column of text that holds the prompt "
+        r"\(question, answer\)$",
     ):
         load_prompts(f"hf:{local}")
     with pytest.raises(PromptFileError, match=r"names column 'level', which the dataset lacks"):
@@ -487,3 +495,51 @@ def test_gsm8k_presets_name_the_hub_dataset():
             data.train_split,
             data.eval_split,
         ) == ("hf:openai/gsm8k",) * 2 + ("main", "question", "train", "test")
+
+
+def test_csv_and_tsv_files_are_read_by_their_header(tmp_path):
+    # a quoted cell may hold the delimiter and a line break; a row of empty cells is skipped
+    path = _write(
+        tmp_path / "p.csv", 'prompt,category\na red apple,colors\n"two cats, one dog",counting\n,\n"a\nsign",text\n'
+    )
+    got = load_prompts(path)
+    assert got.prompts == ["a red apple", "two cats, one dog", "a\nsign"]
+    assert got.metadata == [{"category": "colors"}, {"category": "counting"}, {"category": "text"}]
+    assert [o.rsplit(":", 1)[1] for o in got.origins] == ["2", "3", "6"]  # the line where each row ends
+    # DrawBench's own header, by data.prompt_column
+    tsv = _write(tmp_path / "drawbench.tsv", "Prompts\tCategory\nA red colored car.\tColors\n")
+    assert load_prompts(tsv, column="Prompts").prompts == ["A red colored car."]
+    with pytest.raises(PromptFileError, match=r"drawbench.tsv:2: no prompt column 'prompt' .*\(Prompts, Category\)$"):
+        load_prompts(tsv)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", r"p.csv: no prompts: the file is empty; write a header row"),
+        ("prompt\n", r"p.csv: no prompts: the file has a header row and no rows under it"),
+        ("prompt,\na cat,1\n", r"p.csv:1: the header's column 2 has no name"),
+        ("prompt,style\na cat,flat,extra\n", r"p.csv:2: 3 cells under a header of 2 columns; quote a prompt"),
+        ("prompt,style\n,flat\n", r"p.csv:2: the prompt \('prompt'\) must be a non-empty string"),
+    ],
+)
+def test_a_csv_file_that_cannot_give_prompts_says_where_and_why(tmp_path, text, message):
+    with pytest.raises(PromptFileError, match=message):
+        load_prompts(_write(tmp_path / "p.csv", text))
+
+
+def test_a_json_file_is_an_array_of_objects_or_strings(tmp_path):
+    path = _write(tmp_path / "p.json", json.dumps([{"prompt": "a cat", "style": "flat"}, "a dog"]))
+    got = load_prompts(path)
+    assert got.prompts == ["a cat", "a dog"]
+    assert got.metadata == [{"style": "flat"}, {}]
+    assert got.origins == [f"{path}[0]", f"{path}[1]"]
+    cases = [
+        ('{"prompts": ["a cat"]}', r"p.json: a .json prompt file holds one array .*got an object \(its key 'prompts'"),
+        ("[]", r"p.json: no prompts: the array is empty"),
+        ('["a cat", 3]', r"p.json\[1\]: an item must be a JSON object with a 'prompt' key or a string, got int: 3"),
+        ('[\n{"prompt": "a cat",}\n]', r"p.json:2: not valid JSON: .* at column"),
+    ]
+    for text, message in cases:
+        with pytest.raises(PromptFileError, match=message):
+            load_prompts(_write(tmp_path / "p.json", text))
