@@ -472,7 +472,8 @@ def _one_line_warnings() -> None:
     """Show flowrl's own warnings (a config key spelled the old way, a resume with a changed config, a non-finite
     reward, ...) as one line `flowrl: ...` on stderr, not as Python's two lines with the source line; warnings of
     other libraries keep their form. (The format changes, not the route: a caller recording warnings still gets
-    them.)"""
+    them.) Every rank of a multi-process launch would say the same, so a rank other than 0 (RANK) prints none of
+    flowrl's own: the launch shows each once."""
     import os
     import warnings
 
@@ -488,7 +489,7 @@ def _one_line_warnings() -> None:
 
     def one_line(message, category, filename, lineno, line=None):
         if issubclass(category, ConfigWarning) or os.path.abspath(filename).startswith(ours):
-            return f"flowrl: {message}\n"
+            return "" if os.environ.get("RANK", "0") not in ("", "0") else f"flowrl: {message}\n"
         return formatted(message, category, filename, lineno, line)
 
     one_line.flowrl_one_line = True

@@ -572,3 +572,26 @@ def test_sample_checks_lora_init_path_before_the_model_loads(tmp_path, capsys, n
     rc = main(["sample", TINY_CFG, *TINY, "--prompt", "a cat", f"lora.init_path={unet}"])
     err = one_line_error(capsys, 1, rc)
     assert "a LoRA of the pipeline's unet, and this model's trained network is its transformer" in err
+
+
+def test_flowrl_warnings_are_one_line_and_shown_by_rank_0_only(monkeypatch):
+    import warnings
+
+    from flowrl import cli
+    from flowrl.config import ConfigWarning
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # restored after the test
+    cli._one_line_warnings()
+    ours, theirs = ("a key moved", ConfigWarning, cli.__file__, 1), ("not ours", DeprecationWarning, "/x/lib.py", 3)
+    shown = {}
+    for rank in ("0", "1", None):
+        if rank is None:
+            monkeypatch.delenv("RANK", raising=False)
+        else:
+            monkeypatch.setenv("RANK", rank)
+        shown[rank] = (warnings.formatwarning(*ours), warnings.formatwarning(*theirs))
+    assert shown["0"][0] == shown[None][0] == "flowrl: a key moved\n"
+    assert shown["1"][0] == ""  # rank 0 says it for the launch
+    assert all(
+        "DeprecationWarning: not ours" in theirs for _, theirs in shown.values()
+    )  # another library's: every rank
