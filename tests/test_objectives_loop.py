@@ -778,6 +778,10 @@ def test_dpo_guidance_scale_compares_the_guided_velocities(tmp_path):
     cfg = tiny_cfg(tmp_path / "d", *base, "train.dpo.guidance_scale=3")
     assert DPO.memory_terms(cfg, 2).rows == 2 * DPO.memory_terms(default.cfg, 2).rows
     assert "x 2 (CFG at 3)" in DPO.memory_terms(cfg, 2).rows_note
+    # a true-CFG family rolled out unguided still runs two rows a velocity for the guided loss; a guidance-embedding
+    # family (FLUX.1) runs one
+    assert DPO.memory_terms(cfg, 1, true_cfg=True).rows == DPO.memory_terms(cfg, 2).rows
+    assert DPO.memory_terms(cfg, 1, true_cfg=False).rows == DPO.memory_terms(default.cfg, 1).rows
     backend = SimpleNamespace(uses_cfg_encodings=False, training_guidance_scale=lambda g: 1.0)  # FLUX.1 schnell
     stub = SimpleNamespace(backend=backend, add_shadow=lambda name: None, ensure_reference=lambda: None)
     with pytest.raises(ConfigError, match=r"train.dpo.guidance_scale=3: .*use train.dpo.guidance_scale=1") as e:

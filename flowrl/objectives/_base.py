@@ -142,9 +142,10 @@ class Objective:
         return None
 
     @classmethod
-    def memory_terms(cls, cfg, cfg_rows: int) -> MemoryTerms:
+    def memory_terms(cls, cfg, cfg_rows: int, true_cfg: bool | None = None) -> MemoryTerms:
         """What the objective adds to an image run's memory; `cfg_rows` is the rollout's rows per image (2 when the
-        family batches classifier-free guidance and the scale is above 1)."""
+        family batches classifier-free guidance and the scale is above 1); `true_cfg`: whether the family batches
+        it at all, whatever the rollout's scale (None: cfg_rows > 1)."""
         raise NotImplementedError(f"objective {cls.name!r} declares no memory terms for flowrl plan")
 
     def begin_pass(self, index: int) -> None:

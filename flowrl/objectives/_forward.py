@@ -100,7 +100,7 @@ class ForwardProcessObjective(Objective):
         return problems
 
     @classmethod
-    def memory_terms(cls, cfg, cfg_rows: int) -> MemoryTerms:
+    def memory_terms(cls, cfg, cfg_rows: int, true_cfg: bool | None = None) -> MemoryTerms:
         settings = getattr(cfg.train, cls.name)
         times = min(cfg.train.steps_per_forward, cls.times_per_sample(settings, cfg.sample.num_steps))
         reference, note = cls.reference_note(settings)

@@ -121,8 +121,8 @@ class CRD(ForwardProcessObjective):
         return problems
 
     @classmethod
-    def memory_terms(cls, cfg, cfg_rows):
-        terms = super().memory_terms(cfg, cfg_rows)
+    def memory_terms(cls, cfg, cfg_rows, true_cfg=None):
+        terms = super().memory_terms(cfg, cfg_rows, true_cfg)
         s = cfg.train.crd
         if s.kl_beta > 0 and s.kl_cfg > 1:  # the guided reference runs without grad: no activations kept
             terms = replace(

@@ -193,13 +193,14 @@ class DPO(ForwardProcessObjective):
         return True, f"dpo beta {settings.beta:g}{kl}{sft}"
 
     @classmethod
-    def memory_terms(cls, cfg, cfg_rows):
-        terms = super().memory_terms(cfg, cfg_rows)
+    def memory_terms(cls, cfg, cfg_rows, true_cfg=None):
+        terms = super().memory_terms(cfg, cfg_rows, true_cfg)
         g = cfg.train.dpo.guidance_scale
-        if g > 1 and cfg_rows > 1:  # both passes guided (true CFG, as the rollout's): the policy's with grad
-            rows = terms.rows * cfg_rows
+        batched = cfg_rows > 1 if true_cfg is None else true_cfg
+        if g > 1 and batched:  # both passes guided by true CFG (at any rollout scale): the policy's with grad
+            rows = terms.rows * 2
             note = terms.rows_note.replace(f"{terms.rows} model rows", f"{rows} model rows")
-            terms = replace(terms, rows=rows, rows_note=note.replace("without CFG", f"x {cfg_rows} (CFG at {g:g})"))
+            terms = replace(terms, rows=rows, rows_note=note.replace("without CFG", f"x 2 (CFG at {g:g})"))
         return replace(terms, unit="pairs")
 
     def prepare(self, batch, adv, keep, *, epoch, process_index):

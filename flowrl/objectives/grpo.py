@@ -218,7 +218,7 @@ class GRPO(Objective):
         return problems
 
     @classmethod
-    def memory_terms(cls, cfg, cfg_rows: int) -> MemoryTerms:
+    def memory_terms(cls, cfg, cfg_rows: int, true_cfg: bool | None = None) -> MemoryTerms:
         s, num_steps = cfg.train.grpo, cfg.sample.num_steps
         trained = num_steps if s.window.kind == "all" else s.window.size
         steps = min(cfg.train.steps_per_forward, trained)

@@ -75,7 +75,7 @@ def plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
     from flowrl.objectives import get_objective
 
     cfg_rows = 2 if (fam.uses_cfg_encodings and s.guidance_scale > 1) else 1  # the rollout's rows per image
-    obj = get_objective(t.objective).memory_terms(cfg, cfg_rows)
+    obj = get_objective(t.objective).memory_terms(cfg, cfg_rows, fam.uses_cfg_encodings)
     if obj.unit == "pairs":  # a micro-batch counts pairs, the winners: at most the groups of a GPU's batch
         minibatch = min(minibatch, local // s.group_size)
         micro = min(micro, minibatch)
