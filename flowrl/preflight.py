@@ -6,6 +6,7 @@ Each failure is one FlowrlError line saying what was wrong and what would be rig
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import TYPE_CHECKING
 
 from .errors import ConfigError, FlowrlError
@@ -86,6 +87,34 @@ def check_rewards(cfg: Config) -> None:
     kind = "text" if cfg.backend == "text" else "image"
     for i, spec in enumerate(cfg.rewards):
         _checked(f"rewards[{i}] ({spec.target})", rewards.check, spec.target, dict(spec.kwargs), kind)
+
+
+def check_reward_weights(cfg: Config) -> None:
+    """Offline (HF_HUB_OFFLINE, or the hub unreachable), each registered reward's weights that name a hub model
+    (`rewards.registry.weight_sources`: ORG/NAME, not a local path) are in the Hugging Face cache, so that a missing
+    one fails before the model loads, naming the option to point at a local copy. Online they download when built."""
+    from rewards.registry import weight_sources
+
+    from . import hub
+
+    wanted = []
+    for i, spec in enumerate(cfg.rewards):
+        for option, value in weight_sources(spec.target, dict(spec.kwargs)).items():
+            if not os.path.exists(os.path.expanduser(value)):
+                wanted.append((i, spec.target, option, value))
+    if not wanted or not hub.settle():
+        return
+    from huggingface_hub import constants
+
+    for i, target, option, value in wanted:
+        folder = os.path.join(constants.HF_HUB_CACHE, "models--" + value.replace("/", "--"), "snapshots")
+        if os.path.isdir(folder) and os.listdir(folder):
+            continue
+        raise PreflightError(
+            f"rewards[{i}] ({target}): {option}={value!r} is neither a local path nor in the Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}), and {hub.why_offline()}; run once with network access to cache it, or "
+            f"give a local copy: rewards.{i}.kwargs.{option}=/path/to/dir"
+        )
 
 
 def check_reward_columns(cfg: Config, train_set: PromptSet, eval_set: PromptSet) -> None:
@@ -415,6 +444,7 @@ def preflight(cfg: Config) -> tuple[PromptSet, PromptSet]:
     check_reward_columns(cfg, train_set, eval_set)
     check_reward_counts(cfg)
     family_name = check_model(cfg)
+    check_reward_weights(cfg)  # after the model's own: the model is named first when both are missing
     check_conditioning(cfg, family_name, train_set, eval_set)
     check_reward_samples(cfg, family_name)
     check_eval_features(cfg, family_name, eval_set)

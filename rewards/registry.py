@@ -460,9 +460,53 @@ def build(
         reward = get(name, **kwargs)
     except (ValueError, TypeError) as e:  # a bad option value, found by the reward itself
         raise RewardConfigError(f"reward {name!r}: {e}") from e
-    except Exception as e:  # weights missing, optional package absent, ...
+    except OSError as e:  # weights that are neither a local directory nor in the cache, and no hub to fetch from
+        raise RewardError(_weights_message(name, kwargs, e)) from e
+    except Exception as e:  # an optional package absent, ...
         raise RewardError(f"reward {name!r} could not be built: {type(e).__name__}: {e}") from e
     return NamedReward(reward, name, kind_of(reward), **video)
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def weight_sources(name: str, kwargs: Mapping[str, Any]) -> dict[str, str]:
+    """{option: value} of the options of registered reward `name` (its given kwargs over its defaults) that name
+    weights: a local path that exists, or a hub id (ORG/NAME). A plug-in, or an unknown name: {}."""
+    try:
+        params = inspect.signature(_registered(name)).parameters
+    except Exception:  # noqa: BLE001 - a plug-in or a name that `check` reports
+        return {}
+    named = {}
+    for key, p in params.items():
+        value = kwargs.get(key, p.default)
+        if not isinstance(value, str) or key in ("device", "dtype"):
+            continue
+        if os.path.exists(os.path.expanduser(value)) or _HUB_ID.fullmatch(value):
+            named[key] = value
+    return named
+
+
+def _weights_message(name: str, kwargs: dict[str, Any], error: OSError) -> str:
+    """One line for a reward whose weights did not load: the options that name weights (a hub id or a directory)
+    with their values, and how to give local copies; offline (HF_HUB_OFFLINE) says so."""
+    first = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else ""
+    head = f"reward {name!r} could not be built: {type(error).__name__}: {first}"
+    named = weight_sources(name, kwargs)
+    if not named:
+        return head
+    loads = ", ".join(f"{k}={v!r}" for k, v in named.items())
+    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    where = (
+        "this machine is offline (HF_HUB_OFFLINE=1), so what is not in the Hugging Face cache cannot be downloaded"
+        if offline
+        else "what is not in the Hugging Face cache must be downloaded from the hub"
+    )
+    example = next(iter(named))
+    return (
+        f"{head}. It loads {loads}; {where}: run once with network access to cache them, or give local paths "
+        f"in the reward's kwargs, e.g. kwargs: {{{example}: /path/to/dir}}"
+    )
 
 
 def _checked(name: str, kwargs: dict[str, Any], kind: str) -> Callable[..., Any] | None:

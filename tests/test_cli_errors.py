@@ -595,3 +595,16 @@ def test_flowrl_warnings_are_one_line_and_shown_by_rank_0_only(monkeypatch):
     assert all(
         "DeprecationWarning: not ours" in theirs for _, theirs in shown.values()
     )  # another library's: every rank
+
+
+def test_a_reward_whose_hub_weights_are_not_cached_offline_fails_before_the_model_loads(
+    tmp_path, capsys, no_model_load, monkeypatch
+):
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # an empty cache
+    run = f"log.run_dir={tmp_path / 'run'}"
+    err = one_line_error(capsys, 1, main(["train", TINY_CFG, *TINY, run, "rewards=[{name: aesthetic}]"]))
+    assert err.startswith("flowrl train: rewards[0] (aesthetic): model='openai/clip-vit-large-patch14' is neither")
+    assert err.endswith("give a local copy: rewards.0.kwargs.model=/path/to/dir")

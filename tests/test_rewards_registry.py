@@ -237,3 +237,69 @@ def test_a_failing_registered_reward_is_named_and_a_bad_value_is_a_config_error(
         rewards.RewardConfigError, match=r"^reward 'soft_overlong': soft_overlong needs 0 < cache_length"
     ):
         rewards.build("soft_overlong", {"max_length": 4, "cache_length": 8}, "text")
+
+
+def _cache(monkeypatch, tmp_path, *repos):
+    """An empty Hugging Face cache at tmp_path/hub holding a snapshot of each of `repos`."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    for repo in repos:
+        (tmp_path / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots" / "0123").mkdir(parents=True)
+
+
+def test_weights_a_reward_names_are_found_in_its_options_and_defaults(tmp_path):
+    from rewards.registry import weight_sources
+
+    assert weight_sources("pickscore", {}) == {
+        "model": "yuvalkirstain/PickScore_v1",
+        "processor": "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
+    }
+    local = tmp_path / "pick"
+    local.mkdir()
+    # a local directory given, the default processor kept; device and dtype are never weights
+    assert weight_sources("pickscore", {"model": str(local), "device": "cpu"}) == {
+        "model": str(local),
+        "processor": "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
+    }
+    assert weight_sources("shapes_geneval", {"score": "strict"}) == {}  # no weights
+    assert weight_sources("my_scores.py:brightness", {}) == {}  # a plug-in says nothing
+
+
+def test_reward_weights_missing_offline_fail_before_the_model_loads_naming_the_option(monkeypatch, tmp_path):
+    from flowrl.config import load_config
+    from flowrl.preflight import PreflightError, check_reward_weights
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _cache(monkeypatch, tmp_path)
+    cfg = load_config(None, ["rewards=[{name: jpeg_compressibility}, {name: pickscore}]"])
+    with pytest.raises(
+        PreflightError,
+        match=r"^rewards\[1\] \(pickscore\): model='yuvalkirstain/PickScore_v1' is neither a local path nor in the "
+        r"Hugging Face cache .*HF_HUB_OFFLINE=1 forbids downloading it; .*rewards\.1\.kwargs\.model=/path/to/dir$",
+    ):
+        check_reward_weights(cfg)
+    _cache(monkeypatch, tmp_path, "yuvalkirstain/PickScore_v1")  # the model cached: its processor is next
+    with pytest.raises(PreflightError, match=r"processor='laion/CLIP-ViT-H-14-laion2B-s32B-b79K'"):
+        check_reward_weights(cfg)
+    _cache(monkeypatch, tmp_path, "laion/CLIP-ViT-H-14-laion2B-s32B-b79K")
+    check_reward_weights(cfg)
+    # a local copy is not looked for in the cache
+    local = tmp_path / "clip"
+    local.mkdir()
+    _cache(monkeypatch, tmp_path / "empty")
+    check_reward_weights(load_config(None, [f"rewards=[{{name: clip_score, kwargs: {{model: {local}}}}}]"]))
+
+
+def test_a_reward_whose_weights_do_not_load_names_its_options_in_one_line(monkeypatch, tmp_path):
+    from rewards.registry import RewardError, build
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _cache(monkeypatch, tmp_path)
+    with pytest.raises(RewardError) as info:
+        build("clip_score", {"model": "no-such-org/no-such-clip", "device": "cpu"}, "image")
+    message = str(info.value)
+    assert "\n" not in message and ".." not in message
+    assert message.startswith("reward 'clip_score' could not be built: OSError: ")
+    assert "It loads model='no-such-org/no-such-clip'; this machine is offline (HF_HUB_OFFLINE=1)" in message
+    assert message.endswith("e.g. kwargs: {model: /path/to/dir}")
