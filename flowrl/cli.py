@@ -52,7 +52,33 @@ def _train(args) -> int:
     keys = [k for k in sorted(metrics) if k.startswith(("eval/", "reward/total"))]
     if keys:  # (none: nothing was trained, which the run said)
         print(json.dumps({k: metrics[k] for k in keys}, indent=1))
+        if os.environ.get("RANK", "0") in ("", "0"):
+            for line in before_after_lines(cfg.log.run_dir, metrics):
+                print(f"flowrl: {line}", file=sys.stderr)
     return 0
+
+
+def before_after_lines(run_dir, final: dict) -> list[str]:
+    """'eval/KEY_mean: before B -> after A (+D)' for each eval mean of `final` (a run's last metrics: a reward's
+    mean, its components' and groups' means, not the per-group values) that the run's first eval also has (its
+    metrics.jsonl); [] without a first eval to compare with."""
+    from pathlib import Path
+
+    from .run.metrics import read_metrics
+
+    rows = read_metrics(Path(run_dir) / "metrics.jsonl")
+    first = next((r for r in rows if any(k.startswith("eval/") for k in r)), None)
+    if first is None:
+        return []
+    lines = []
+    for key in sorted(final):
+        plain = key.startswith("eval/") and key.endswith("mean") and "/by_" not in key and "_by_" not in key
+        if not plain or "diversity" in key or key not in first or first is final:
+            continue
+        before, after = first[key], final[key]
+        if isinstance(before, (int, float)) and isinstance(after, (int, float)):
+            lines.append(f"{key}: before {before:.4g} -> after {after:.4g} ({after - before:+.4g})")
+    return lines
 
 
 def _device(cfg) -> str:

@@ -43,7 +43,7 @@ def relative_links(text: str) -> list[str]:
 OWN = "## Your model, your reward, your prompts"
 
 
-def test_the_readmes_own_model_reward_and_prompts_train_as_printed(tmp_path, monkeypatch):
+def test_the_readmes_own_model_reward_and_prompts_train_as_printed(tmp_path, monkeypatch, capsys):
     """The README's config and reward file, written out as printed, train one epoch on a model directory and a
     prompt file where the config says they are (tiny settings as overrides), and the reward reaches the metrics."""
     from flowrl.cli import main
@@ -84,6 +84,14 @@ def test_the_readmes_own_model_reward_and_prompts_train_as_printed(tmp_path, mon
     gain = reward["kwargs"]["gain"]
     assert means and 0 < means[0] < gain  # gain x a mean brightness in (0, 1)
     assert list(run.glob("ckpt-*/lora"))  # a checkpoint with the LoRA in the diffusers format
+    # the eval before and after training, one line each on stderr (stdout keeps the final metrics' JSON)
+    out, err = capsys.readouterr()
+    final = json.loads(out[out.index("{") :])
+    evals = [row for row in rows if any(k.startswith("eval/") for k in row)]
+    eval_key = key.replace("reward/", "eval/")
+    assert len(evals) == 2 and final[eval_key] == evals[-1][eval_key]
+    b, a = evals[0][eval_key], evals[1][eval_key]
+    assert f"flowrl: {eval_key}: before {b:.4g} -> after {a:.4g} ({a - b:+.4g})\n" in err
 
     # the README's second command: the planner reads the same config and model directory
     assert main(["plan", config_name, "--gpus", "1"]) == 0
