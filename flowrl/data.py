@@ -1,16 +1,17 @@
-"""Prompt sets: a .txt file (one prompt per line), a .jsonl file (one JSON object per line: a prompt column, the
-other keys are metadata that reaches the reward functions, e.g. GenEval-style object lists), or `hf:ORG/NAME`, a
-Hugging Face dataset (`hf:DIR` for a local copy). Every error names the source and line (or dataset row), what
-was wrong and what would be right, in one line: `PromptFileError`.
+"""Prompt sets: a .txt file (one prompt per line), a .jsonl file (one JSON object per line: a prompt column, the other
+keys are metadata that reaches the reward functions, e.g. GenEval-style object lists), a .json file (an array of such
+objects, or of prompts), a .csv/.tsv file (a header row names the columns; every cell is text), or `hf:ORG/NAME`, a
+Hugging Face dataset (`hf:DIR` for a local copy). Every error names the source and line (or dataset row), what was
+wrong and what would be right, in one line: `PromptFileError`.
 
-A .jsonl row may carry conditioning images in its `image` column (`data.image_column`): a path or a list of paths,
-relative to the .jsonl file (a source image to edit, several for multi-image editing). Each is checked when the
-file is read (it exists and Pillow can read it) and kept in the row's metadata as an absolute path, always a list;
-`flowrl.conditioning` loads them for the rollout.
+A row of a .jsonl, .json or .csv file may carry conditioning images in its `image` column (`data.image_column`): a
+path or a list of paths (one path in a .csv cell), relative to the file (a source image to edit, several for
+multi-image editing). Each is checked when the file is read (it exists and Pillow can read it) and kept in the row's
+metadata as an absolute path, always a list; `flowrl.conditioning` loads them for the rollout.
 
 Once the model is loaded, `check_prompt_lengths` warns (once per prompt set) about prompts longer than its text
-encoders take, naming the first one's file:line, and silences the libraries' own truncation logs (which print the
-cut text at every encode)."""
+encoders take, naming the first one's file:line, and silences the libraries' own truncation logs (which print the cut
+text at every encode)."""
 
 from __future__ import annotations
 
@@ -257,15 +258,17 @@ def load_prompts(
     hf_config: str = "",
     image_column: str = "image",
 ) -> PromptSet:
-    """The prompts of a .txt file (one per line), a .jsonl file (one JSON object per line) or `hf:ORG/NAME` (a
-    Hugging Face dataset; `hf:DIR` a local one); an empty path gives the built-in prompts.
+    """The prompts of a .txt file (one per line), a .jsonl file (one JSON object per line), a .json file (an array),
+    a .csv/.tsv file (a header row) or `hf:ORG/NAME` (a Hugging Face dataset; `hf:DIR` a local one); an empty path
+    gives the built-in prompts.
 
-    column: the key of a row that holds the prompt (.jsonl and hf:); the row's other keys become its metadata,
+    column: the key of a row that holds the prompt (every format but .txt); the row's other keys become its metadata,
         which reaches the rewards. A .txt line is that column, with no metadata.
     template: a format string over the row's columns that makes the prompt; `{prompt}` is the prompt column.
     split, hf_config: the split and the configuration of a `hf:` dataset ("" = its default configuration).
     image_column: the column of conditioning images, stored as a list of absolute paths, each checked to exist and
-        to be readable as an image; "" = none. In a .jsonl file: a path or a list of paths relative to the file. In
+        to be readable as an image; "" = none. In a .jsonl/.json/.csv file: a path or a list of paths relative to
+        the file. In
         a `hf:` dataset: images (an Image feature, decoded or not) or a list of them, each written once as a file
         to `datasets`' cache (named by its content), or paths (relative to a local dataset's folder).
     Raises PromptFileError, whose one-line message names the file and line (or dataset row) and the fix."""
@@ -450,7 +453,7 @@ def _read_text(path: Path) -> str:
 
 
 def _nearby_files(path: Path) -> str:
-    """'; prompt files in DIR: a, b' for the .txt/.jsonl files beside a missing `path` (closest names first)."""
+    """'; prompt files in DIR: a, b' for the prompt files beside a missing `path` (closest names first)."""
     parent = path.parent
     if not parent.is_dir():
         return ""
@@ -567,7 +570,7 @@ def _jsonl_row(line: str, where: str, column: str) -> dict:
 
 
 def _with_images(
-    row: dict, where: str, column: str, base: Path, base_is: str = "the .jsonl file's folder", hint: str = ""
+    row: dict, where: str, column: str, base: Path, base_is: str = "the prompt file's folder", hint: str = ""
 ) -> dict:
     """`row` with its `column` (a path or a list of paths, relative to `base`, which errors call `base_is`) as a
     list of absolute paths, each an existing file Pillow reads; a row without the column is returned as it is.
@@ -579,7 +582,7 @@ def _with_images(
     if not isinstance(paths, list) or not paths or not all(isinstance(p, str) and p.strip() for p in paths):
         raise PromptFileError(
             f"{where}: {column!r} must be an image path or a non-empty list of image paths "
-            f"(relative to the .jsonl file), got {_clip(repr(value))} (data.image_column)"
+            f"(relative to {base_is}), got {_clip(repr(value))} (data.image_column)"
         )
     resolved = []
     for given in paths:
