@@ -77,7 +77,7 @@ def before_after_lines(run_dir, final: dict) -> list[str]:
             continue
         before, after = first[key], final[key]
         if isinstance(before, (int, float)) and isinstance(after, (int, float)):
-            lines.append(f"{key}: before {before:.4g} -> after {after:.4g} ({after - before:+.4g})")
+            lines.append(f"{key}: before {before:#.4g} -> after {after:#.4g} ({after - before:+#.3g})")
     return lines
 
 

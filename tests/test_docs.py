@@ -91,7 +91,7 @@ def test_the_readmes_own_model_reward_and_prompts_train_as_printed(tmp_path, mon
     eval_key = key.replace("reward/", "eval/")
     assert len(evals) == 2 and final[eval_key] == evals[-1][eval_key]
     b, a = evals[0][eval_key], evals[1][eval_key]
-    assert f"flowrl: {eval_key}: before {b:.4g} -> after {a:.4g} ({a - b:+.4g})\n" in err
+    assert f"flowrl: {eval_key}: before {b:#.4g} -> after {a:#.4g} ({a - b:+#.3g})\n" in err
 
     # the README's second command: the planner reads the same config and model directory
     assert main(["plan", config_name, "--gpus", "1"]) == 0
