@@ -243,19 +243,45 @@ def hub_file(key: str, repo_id: str, filename: str) -> str:
         raise PreflightError(f"{key}={repo_id}: the hub model has no {filename}") from None
 
 
-def check_text_model(path: str) -> None:
+def check_text_model(path: str, max_new_tokens: int | None = None) -> None:
     """A causal LM's path is a local directory with a config.json, or a hub id whose config.json is in the cache
-    or can be downloaded (never under HF_HUB_OFFLINE: then it fails at once, naming the id)."""
-    import os
-
+    or can be downloaded (never under HF_HUB_OFFLINE: then it fails at once, naming the id); with
+    `max_new_tokens` (text.max_new_tokens), the model's positions (its config's max_position_embeddings) leave
+    room for a prompt beside them."""
     if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "config.json")):
+        config = os.path.join(path, "config.json")
+        if not os.path.isfile(config):
             raise PreflightError(
                 f"model.path={path}: no config.json there; a causal LM directory is what "
                 "model.save_pretrained(DIR) writes"
             )
-        return
-    hub_file("model.path", path, "config.json")
+    else:
+        config = hub_file("model.path", path, "config.json")
+    if max_new_tokens is not None:
+        positions = _text_positions(config)
+        if positions is not None and positions - max_new_tokens < 1:
+            raise PreflightError(no_room_for_a_prompt(max_new_tokens, positions, path))
+
+
+def no_room_for_a_prompt(max_new_tokens: int, positions: int, path: str) -> str:
+    """The one line for a text.max_new_tokens that fills a model's `positions` (max_position_embeddings)."""
+    return (
+        f"text.max_new_tokens={max_new_tokens} leaves no room for a prompt in the {positions} positions of "
+        f"model.path={path} (max_position_embeddings); set text.max_new_tokens below {positions}"
+    )
+
+
+def _text_positions(config_file: str) -> int | None:
+    """max_position_embeddings of a causal LM's config.json (its text config's, for a multimodal one), read as
+    transformers reads it (GPT-2's n_positions is that); None when it has none or transformers cannot read it."""
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(os.path.dirname(config_file))
+        positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    except Exception:  # noqa: BLE001 - an unknown architecture is the model load's to report, with its own words
+        return None
+    return positions if isinstance(positions, int) else None
 
 
 def check_eval_features(cfg: Config, family_name: str | None, eval_set: PromptSet) -> None:
@@ -334,7 +360,7 @@ def check_model(cfg: Config) -> str | None:
     """Image backend: the model's pipeline class is driven by a family, and the image size suits it (from the
     model's config files); returns the family. Text backend: the model's config is reachable; None."""
     if cfg.backend != "image":
-        check_text_model(cfg.model.path)
+        check_text_model(cfg.model.path, cfg.text.max_new_tokens)
         return None
     from .families import preflight_image_model
 

@@ -88,6 +88,16 @@ def test_prompts_are_cut_to_the_positions_the_completion_leaves(tmp_path):
         policy(d, "text.max_new_tokens=16")
 
 
+def test_a_completion_that_fills_the_models_positions_fails_before_it_loads(tmp_path, no_model_load):
+    from flowrl.preflight import PreflightError, check_model
+
+    d = save_tiny_gpt2(tmp_path / "lm", n_positions=16)  # GPT-2's n_positions is its max_position_embeddings
+    run = [*tiny_gpt2_overrides(d), f"log.run_dir={tmp_path / 'run'}"]
+    with pytest.raises(PreflightError, match=rf"^text.max_new_tokens=16 leaves no room .* model.path={d} .*below 16$"):
+        check_model(load_config(None, [*run, "text.max_new_tokens=16"]))
+    check_model(load_config(None, [*run, "text.max_new_tokens=15"]))  # one position left for the prompt
+
+
 def test_an_eos_the_tokenizer_appends_is_not_part_of_the_prompt(tiny_lm, tmp_path):
     from tokenizers import processors
     from transformers import AutoTokenizer

@@ -316,10 +316,9 @@ class TextPolicy:
         if not isinstance(positions, int) or t.max_prompt_length + t.max_new_tokens <= positions:
             return t.max_prompt_length
         if positions - t.max_new_tokens < 1:
-            raise TextModelError(
-                f"text.max_new_tokens={t.max_new_tokens} leaves no room for a prompt in the {positions} positions of "
-                f"model.path={cfg.model.path} (max_position_embeddings); set text.max_new_tokens below {positions}"
-            )
+            from flowrl.preflight import no_room_for_a_prompt
+
+            raise TextModelError(no_room_for_a_prompt(t.max_new_tokens, positions, cfg.model.path))
         self._positions = positions
         return positions - t.max_new_tokens
 
