@@ -28,6 +28,12 @@ class ShapesEdit:
         source_column: the metadata column of the source image's path (data.image_column).
     """
 
+    code_modules = (
+        "flowrl.worlds.shapes.edit",
+        "flowrl.worlds.shapes.detect",
+        "flowrl.worlds.shapes.render",
+    )  # its scorer (flowrl.eval.base_cache)
+
     kind = IMAGE
 
     def __init__(self, score: str = "fraction", tolerance: float = 0.06, source_column: str = "image"):

@@ -27,6 +27,11 @@ class ShapesGenEval:
     `last_components`: `strict` [B] (all clauses hold), `fraction` [B], and `free_color=<colour>` [B]: how many
     objects the prompt left uncoloured came out in that colour (`free_color_counts`)."""
 
+    code_modules = (
+        "flowrl.worlds.shapes.detect",
+        "flowrl.worlds.shapes.render",
+    )  # its scorer (flowrl.eval.base_cache)
+
     kind = IMAGE
     per_sample = True  # each image scored on its own, on any thread (rollout.overlap_rewards)
 
@@ -104,6 +109,11 @@ class ShapesSoft:
 
     A training signal to add to `shapes_geneval`'s clause fraction (a weighted second reward): it tells a
     crisp, right-coloured square from a blob that is barely one, which the clauses score alike."""
+
+    code_modules = (
+        "flowrl.worlds.shapes.detect",
+        "flowrl.worlds.shapes.render",
+    )  # its scorer (flowrl.eval.base_cache)
 
     kind = IMAGE
 

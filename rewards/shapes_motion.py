@@ -28,6 +28,12 @@ class ShapesMotion:
         min_travel: the first-to-last move, a fraction of the width, that scores full travel.
     """
 
+    code_modules = (
+        "flowrl.worlds.shapes.motion",
+        "flowrl.worlds.shapes.detect",
+        "flowrl.worlds.shapes.render",
+    )  # its scorer (flowrl.eval.base_cache)
+
     kind = IMAGE
     accepts = ("video",)
 

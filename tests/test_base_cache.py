@@ -230,3 +230,23 @@ def test_a_cache_that_cannot_be_written_or_read_costs_only_the_saving(tmp_path):
     (entry2 / "eval-epoch000000.png").mkdir()  # listed, there, and not a file a copy can read
     evals, _ = run(tmp_path / "e", f"eval.base_cache={unreadable}")
     assert len(evals) == 2
+
+
+def test_the_code_digest_follows_a_wrapped_reward_to_its_scorer():
+    """The registry's wrapper (NamedReward) only calls the reward: the digest takes the wrapped reward's module and
+    the scorer it imports when it first scores (its code_modules), so a change to the detector makes the cached
+    base eval stale."""
+    import rewards
+    from flowrl.eval.base_cache import _reward_modules, _source_files
+
+    fn = rewards.build("shapes_geneval", {"score": "strict"}, "image")
+    assert sorted(_reward_modules(fn)) == [
+        "flowrl.worlds.shapes.detect",
+        "flowrl.worlds.shapes.render",
+        "rewards.registry",
+        "rewards.shapes_geneval",
+    ]
+    files = {(f.parent.name, f.name) for f in _source_files([], [fn])}
+    assert {("rewards", "shapes_geneval.py"), ("shapes", "detect.py"), ("shapes", "render.py")} <= files
+    plain = {(f.parent.name, f.name) for f in _source_files([], [])}
+    assert ("shapes", "detect.py") not in plain  # the sampler and the eval alone do not name it

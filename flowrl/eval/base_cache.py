@@ -15,7 +15,8 @@ reading):
 - the eval's prompts and settings (`eval_settings`, and the rest of the eval section but `every`, `before`);
 - the image size and text length it samples with, the rewards as configured;
 - the versions of flowrl, torch, diffusers and transformers, and a digest of the source files that sample and
-  score it (the model's family, the sampler, the eval, the policy, the reward functions' modules).
+  score it (the model's family, the sampler, the eval, the policy, the reward functions' modules and the scorers
+  they name in `code_modules`).
 What it does not see: a reward that reads a file of its own (a model's weights under an unchanged path) or an
 edit family's conditioning images changed under unchanged names; delete the entry (or the directory) then.
 """
@@ -23,6 +24,7 @@ edit family's conditioning images changed under unchanged names; delete the entr
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
 import json
 import os
@@ -85,6 +87,31 @@ def model_identity(path: str) -> str | None:
     return None
 
 
+def _reward_modules(fn) -> list[str]:
+    """The modules a reward's scores come from: its own, the reward a wrapper holds (`.reward`: the registry's
+    NamedReward, whose own module only calls it), and what each names in `code_modules` (the scorer a reward imports
+    when it first scores, e.g. a world's detector)."""
+    names, seen = [], set()
+    while fn is not None and id(fn) not in seen:
+        seen.add(id(fn))
+        names.append(getattr(fn, "__module__", None) or type(fn).__module__)
+        names.extend(getattr(fn, "code_modules", ()))
+        fn = getattr(fn, "reward", None)
+    return list(dict.fromkeys(names))
+
+
+def _module(name: str | None):
+    """The module `name`, imported when it is not yet (a reward's lazily imported scorer); None when it cannot be."""
+    if not name:
+        return None
+    if name in sys.modules:
+        return sys.modules[name]
+    try:
+        return importlib.import_module(name)
+    except Exception:  # noqa: BLE001 - a module that cannot import is not part of what ran
+        return None
+
+
 def _source_files(modules: list[str], reward_fns) -> list[Path]:
     """The source files an eval's images and scores come from: the sampler and the eval, `modules` (the policy's
     and its model family's) and the reward functions' modules."""
@@ -94,9 +121,9 @@ def _source_files(modules: list[str], reward_fns) -> list[Path]:
     # the eval's own modules but this one (the cache's machinery makes no image and no score)
     evaluation = [f for f in sorted((root / "eval").glob("*.py")) if f.name != Path(__file__).name]
     files = sorted((root / "sampling").glob("*.py")) + evaluation
-    modules = list(modules) + [getattr(fn, "__module__", None) or type(fn).__module__ for fn in reward_fns]
+    modules = list(modules) + [name for fn in reward_fns for name in _reward_modules(fn)]
     for name in modules:
-        module = sys.modules.get(name) if name else None
+        module = _module(name)
         try:
             found = inspect.getsourcefile(module) if module is not None else None
         except TypeError:  # a built-in module
