@@ -396,7 +396,8 @@ class RewardSpec:
 class DataConfig:
     RANGES: ClassVar[dict[str, Range]] = {"skip_no_signal": AT_LEAST_0, "skip_epochs": AT_LEAST_0}
     train_prompts: str = ""
-    """Training prompts: a .txt file (one per line), a .jsonl file (a `prompt` key, other keys are metadata), or
+    """Training prompts: a .txt file (one per line), a .jsonl file (a `prompt` key, other keys are metadata), a
+    .json file (an array of such objects or of prompts), a .csv/.tsv file (a header row names the columns), or
     `hf:ORG/NAME`, a Hugging Face dataset (needs `pip install 'flowrl[hf]'`); empty = a few built-in prompts."""
     eval_prompts: str = ""
     """Held-out prompts for evaluation (same formats); empty = the training prompts."""
@@ -413,14 +414,14 @@ class DataConfig:
     """With skip_no_signal: how many epochs a prompt is left out (0 = the rest of the run). When every prompt is
     left out at once, all are drawn again (with a warning)."""
     prompt_column: str = "prompt"
-    """The column that holds the prompt in a .jsonl file or a `hf:` dataset (GSM8K: `question`); the other
-    columns become metadata that reaches the rewards."""
+    """The column that holds the prompt in a .jsonl, .json or .csv file or a `hf:` dataset (GSM8K: `question`,
+    DrawBench: `Prompts`); the other columns become metadata that reaches the rewards."""
     prompt_template: str = "{prompt}"
     """How the prompt column becomes the prompt: a format string over the row's columns, `{prompt}` being the
     prompt column (e.g. `"{prompt} Put the final answer in \\boxed{{}}."`)."""
     image_column: str = "image"
-    """The .jsonl column of a prompt's conditioning images (image editing, image-to-video): a path or a list of
-    paths relative to the .jsonl file, checked before the model loads; "" = the column is plain metadata (always so
+    """The column of a prompt's conditioning images (image editing, image-to-video): a path or a list of paths
+    relative to the prompt file, checked before the model loads; "" = the column is plain metadata (always so
     for backend=text)."""
     hf_config: str = ""
     """`hf:` datasets: the dataset's configuration (subset) name, e.g. `main` for `openai/gsm8k`; "" = its default."""
