@@ -300,3 +300,40 @@ def test_a_copy_missing_a_component_folder_names_it_before_loading(sd3_dirs, tmp
     with pytest.raises(ImageModelError, match=r"no folder for: vae/ \(AutoencoderKL\); copy the whole") as info:
         preflight_image_model(str(bare), height=32, width=32, drop_t5=True)
     assert "drop_t5" not in str(info.value)
+
+
+IMG2IMG_FAMILIES = ["sd15", "sdxl", "sd3", "flux", "qwen_image", "zimage"]  # diffusers has their Img2Img pipelines
+
+
+@pytest.mark.parametrize("family", IMG2IMG_FAMILIES)
+def test_an_image_to_image_pipelines_folder_trains_as_its_text_to_image_model(family, tmp_path):
+    """A folder saved from the family's Img2Img pipeline (the same components and weights) passes preflight, loads
+    as the text-to-image pipeline and rolls out as the folder of the text-to-image pipeline does, to the bit."""
+    import diffusers
+
+    from flowrl.families import FAMILIES, tiny_pipeline
+
+    pipe = tiny_pipeline(f"tiny-{family}")
+    t2i = FAMILIES.get(family).pipeline_classes[0]
+    i2i = getattr(diffusers, t2i.replace("Pipeline", "Img2ImgPipeline")).from_pipe(pipe)
+    pipe.save_pretrained(tmp_path / "t2i")
+    i2i.save_pretrained(tmp_path / "i2i")
+    saved = json.loads((tmp_path / "i2i" / "model_index.json").read_text())["_class_name"]
+    assert saved == type(i2i).__name__ and saved != t2i
+    size = 32
+    assert preflight_image_model(str(tmp_path / "i2i"), height=size, width=size) == family
+    backend = load_image_backend(str(tmp_path / "i2i"), max_sequence_length=16)
+    assert type(backend.pipe).__name__ == t2i and backend.family == family
+    same = load_image_backend(str(tmp_path / "t2i"), max_sequence_length=16)
+    kwargs = dict(num_steps=2, seed=5, height=size, width=size, decode=False)
+    assert torch.equal(backend.rollout(PROMPTS, 1, **kwargs).latents, same.rollout(PROMPTS, 1, **kwargs).latents)
+    # a pipeline object of the image-to-image class too, and a family named for it
+    assert type(load_image_backend(i2i, family).pipe).__name__ == t2i
+
+
+def test_an_inpainting_pipeline_is_not_taken_for_its_text_to_image_model(sd3_dirs, tmp_path):
+    folder = Path(configs_only(sd3_dirs["full"], tmp_path / "inpaint"))
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": "StableDiffusion3InpaintPipeline"}))
+    with pytest.raises(ImageModelError, match=r"no image backend drives StableDiffusion3InpaintPipeline"):
+        preflight_image_model(str(folder), height=32, width=32)

@@ -54,12 +54,31 @@ def _supported_pipelines() -> str:
 
 
 def _family_of_class(cls_or_name: type | str) -> str | None:
-    """The family driving a pipeline class (or a subclass of one), or a pipeline class name; None if no
-    family does."""
+    """The family driving a pipeline class (or a subclass of one, or its image-to-image variant: the same
+    components and weights), or a pipeline class name; None if no family does."""
     load_all()
     by_name = {c: n for n in FAMILIES for c in FAMILIES.get(n).pipeline_classes}
     names = [cls_or_name] if isinstance(cls_or_name, str) else [c.__name__ for c in cls_or_name.__mro__]
+    names = [m for name in names for m in (name, text_to_image_class(name))]
     return next((by_name[name] for name in names if name in by_name), None)
+
+
+def text_to_image_class(name: str) -> str:
+    """The text-to-image pipeline class an image-to-image one shares its components and weights with
+    (StableDiffusion3Img2ImgPipeline -> StableDiffusion3Pipeline, as diffusers names them); other names as they
+    are. (Inpainting pipelines are not mapped: an inpainting checkpoint's denoiser may take the mask as input.)"""
+    return name.replace("Img2Img", "") if "Img2ImgPipeline" in name else name
+
+
+def as_text_to_image(pipe):
+    """`pipe`, or the text-to-image pipeline over its components when it is an image-to-image variant
+    (`text_to_image_class`); the rollout drives the text-to-image class's methods."""
+    name = type(pipe).__name__
+    if text_to_image_class(name) == name:
+        return pipe
+    import diffusers
+
+    return getattr(diffusers, text_to_image_class(name)).from_pipe(pipe)
 
 
 def detect_family(pipe) -> str:
@@ -376,6 +395,11 @@ def _load_pipeline(path: str, family: str, dtype, drop_t5: bool, from_pretrained
     kwargs.update(dict.fromkeys(_null_components(model_index)))
     if drop_t5:  # never read the T5 weights
         kwargs.update(dict.fromkeys(backend_cls.t5_components))
+    saved_as = _class_name(model_index)
+    if text_to_image_class(saved_as) != saved_as:  # an image-to-image pipeline's folder: its text-to-image class
+        import diffusers
+
+        DiffusionPipeline = getattr(diffusers, text_to_image_class(saved_as))  # noqa: N806 - a pipeline class
     try:
         return DiffusionPipeline.from_pretrained(path, **{**kwargs, **from_pretrained_kwargs})
     except (OSError, ValueError) as e:
@@ -416,7 +440,7 @@ def load_image_backend(
     if isinstance(path_or_pipe, (str, os.PathLike)):
         pipe = _load_pipeline(os.fspath(path_or_pipe), family, dtype, drop_t5, from_pretrained_kwargs)
     else:
-        pipe = path_or_pipe
+        pipe = as_text_to_image(path_or_pipe)
     if family == "auto":
         family = detect_family(pipe)
     backend_cls = FAMILIES.get(family)
