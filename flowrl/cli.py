@@ -3,7 +3,7 @@
 flowrl train [CONFIG] [key=value ...]       RL fine-tuning (`flowrl train --help` lists every key)
 flowrl eval CONFIG [--checkpoint DIR]       evaluate a checkpoint (without one: the base model) on the
             [--weights auto|ema|trained]    held-out prompts (auto: the EMA weights when the run kept them)
-flowrl sample CONFIG [--checkpoint DIR] --prompt TEXT ...   save images
+flowrl sample CONFIG [--checkpoint DIR] --prompt TEXT ... | --prompts FILE   save images
 flowrl serve-reward NAME [--host 127.0.0.1] [--port 8000]  serve a reward over HTTP
 flowrl report RUN_DIR [RUN_DIR ...]          plot the reward and eval curves (several runs: compared)
 flowrl plan CONFIG [--gpus N] [--gpu-memory 80GiB]   memory per GPU, estimated before renting them
@@ -186,7 +186,7 @@ def _sample(args) -> int:
     """Images of each --prompt with seeds --seed, --seed + 1, ... (--num of them): flowrl.eval.samples."""
     from pathlib import Path
 
-    from .data import PromptSet, check_prompt_lengths
+    from .data import check_prompt_lengths
     from .eval.evaluator import images_per_call
     from .eval.samples import sample_to_dir
     from .preflight import check_lora_init, check_model, check_sample_images
@@ -194,13 +194,15 @@ def _sample(args) -> int:
     from .run.rundir import check_writable
 
     cfg = _load(args)
+    given = _sample_prompts(cfg, args)
+    args.prompt = list(given.prompts)
     if args.num < 1:
         raise SystemExit(f"flowrl sample: --num must be >= 1 (images or completions per prompt), got {args.num}")
     if args.steps < 0:
         raise SystemExit(f"flowrl sample: --steps must be >= 0 (0: eval.num_steps), got {args.steps}")
     check_writable(args.out, "--out", keep=False)  # before the model loads: no sampling lost to a bad folder
     if cfg.backend == "text":
-        return _sample_text(cfg, args)
+        return _sample_text(cfg, args, given)
     if args.greedy:
         raise SystemExit("flowrl sample: --greedy is a text model's decoding; an image model samples the ODE")
     family_name = check_model(cfg)  # the model's class and the image size, before it loads
@@ -208,8 +210,7 @@ def _sample(args) -> int:
     check_lora_init(cfg, family_name)  # lora.init_path's settings and component, before the model loads too
     policy = policy_from_checkpoint(cfg, args.checkpoint, args.weights, _device(cfg))
     # one line for prompts a text encoder cuts (and the libraries' own truncation logs silenced), as training does
-    given = PromptSet(list(args.prompt), origins=[f"--prompt #{i + 1}" for i in range(len(args.prompt))])
-    check_prompt_lengths(policy, {"--prompt": given})
+    check_prompt_lengths(policy, {"--prompts" if args.prompts else "--prompt": given})
     seeds = [args.seed + k for k in range(args.num)]
     count = sample_to_dir(
         policy,
@@ -226,12 +227,31 @@ def _sample(args) -> int:
     return 0
 
 
-def _sample_text(cfg, args) -> int:
+def _sample_prompts(cfg, args):
+    """The prompts of `flowrl sample`: each --prompt, then those of --prompts FILE (read as data.train_prompts is:
+    its column and template), as a PromptSet whose origins name them (--prompt #i, FILE:line)."""
+    from .data import PromptSet, load_prompts
+
+    given = list(args.prompt or [])
+    origins = [f"--prompt #{i + 1}" for i in range(len(given))]
+    if args.prompts:
+        d = cfg.data
+        try:
+            listed = load_prompts(args.prompts, column=d.prompt_column, template=d.prompt_template, image_column="")
+        except ValueError as e:  # PromptFileError: one line naming the file and line
+            raise SystemExit(f"flowrl sample: --prompts: {e}") from None
+        given, origins = given + listed.prompts, origins + listed.origins
+    if not given:
+        raise SystemExit("flowrl sample: no prompts: give --prompt TEXT (repeatable) or --prompts FILE")
+    return PromptSet(given, origins=origins)
+
+
+def _sample_text(cfg, args, given) -> int:
     """A text config's `flowrl sample`: --num completions of each --prompt, drawn as the rollouts draw them (seeds
     --seed, --seed + 1, ...), or with --greedy the eval's greedy one; printed and listed in --out/samples.jsonl."""
     from pathlib import Path
 
-    from .data import PromptSet, check_prompt_lengths
+    from .data import check_prompt_lengths
     from .eval.samples import listed_rows, write_listing
     from .preflight import check_model
     from .run.loading import policy_from_checkpoint
@@ -242,8 +262,7 @@ def _sample_text(cfg, args) -> int:
         raise SystemExit(f"flowrl sample: --greedy gives one completion per prompt, and --num is {args.num}")
     check_model(cfg)
     policy = policy_from_checkpoint(cfg, args.checkpoint, args.weights, _device(cfg))
-    given = PromptSet(list(args.prompt), origins=[f"--prompt #{i + 1}" for i in range(len(args.prompt))])
-    check_prompt_lengths(policy, {"--prompt": given})
+    check_prompt_lengths(policy, {"--prompts" if args.prompts else "--prompt": given})
     seeds = None if args.greedy else [args.seed + k for k in range(args.num)]
     completions = policy.sample_completions(list(args.prompt), seeds)
     rows = [
@@ -395,7 +414,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sa.add_argument("--checkpoint", default=None, help="a ckpt-XXXXXX directory, or a run directory (its newest)")
     sa.add_argument("--weights", choices=WEIGHTS, default="auto", help="as for eval")
-    sa.add_argument("--prompt", action="append", required=True, help="repeatable")
+    sa.add_argument("--prompt", action="append", default=None, help="repeatable (or --prompts FILE)")
+    sa.add_argument(
+        "--prompts",
+        default=None,
+        metavar="FILE",
+        help="a prompt file (.txt, .jsonl, .json, .csv/.tsv, hf:...; data.prompt_column and data.prompt_template "
+        "apply), its prompts after any --prompt",
+    )
     sa.add_argument(
         "--image",
         action="append",

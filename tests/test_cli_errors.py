@@ -298,7 +298,37 @@ def test_overrides_after_options_and_a_stray_argument(tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(command)
         err = capsys.readouterr().err
-        assert err.rstrip().endswith("required: " + ", ".join([*(["--prompt"] if len(command) == 1 else []), "config"]))
+        assert err.rstrip().endswith("required: config")
+
+
+def test_sample_takes_a_prompt_file_after_its_prompts_and_checks_it_before_the_model_loads(tmp_path, monkeypatch):
+    from flowrl.eval import samples
+
+    seen = {}
+
+    def record(policy, prompts, seeds, out, **kwargs):
+        seen["prompts"] = list(prompts)
+        return len(prompts) * len(seeds)
+
+    monkeypatch.setattr(samples, "sample_to_dir", record)
+    rows = tmp_path / "p.csv"
+    rows.write_text("Prompts,Category\na red circle,colors\ntwo blue squares,counting\n")
+    sample = ["sample", TINY_CFG, *TINY, "--out", str(tmp_path / "out")]
+    assert main([*sample, "--prompt", "a cat", "--prompts", str(rows), "data.prompt_column=Prompts"]) == 0
+    assert seen["prompts"] == ["a cat", "a red circle", "two blue squares"]
+    import flowrl.run.loading
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the mistake was reported")
+
+    monkeypatch.setattr(flowrl.run.loading, "policy_from_checkpoint", refuse)
+    with pytest.raises(SystemExit) as info:  # the column is Prompts, not prompt
+        main([*sample, "--prompts", str(rows)])
+    err = str(info.value)
+    assert err.startswith(f"flowrl sample: --prompts: {rows}:2: no prompt column 'prompt' (data.prompt_column)")
+    assert "(Prompts, Category)" in err and "\n" not in err
+    with pytest.raises(SystemExit, match=r"^flowrl sample: no prompts: give --prompt TEXT \(repeatable\) or --prompts"):
+        main(sample)
 
 
 def test_sample_names_files_by_prompt_and_seed_and_each_image_is_its_seeds(tmp_path):
