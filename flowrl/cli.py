@@ -68,17 +68,42 @@ def before_after_lines(run_dir, final: dict) -> list[str]:
 
     rows = read_metrics(Path(run_dir) / "metrics.jsonl")
     first = next((r for r in rows if any(k.startswith("eval/") for k in r)), None)
-    if first is None:
+    if first is None or first is final:
         return []
+    return compare_lines(first, final, ("before", "after"))
+
+
+def compare_lines(first: dict, second: dict, labels: tuple[str, str]) -> list[str]:
+    """'eval/KEY_mean: L1 B -> L2 A (+D)' for each plain eval mean (a reward's mean, its components' and groups'
+    means; not per-group values nor diversity metrics) that both metric dicts hold as numbers."""
     lines = []
-    for key in sorted(final):
+    for key in sorted(second):
         plain = key.startswith("eval/") and key.endswith("mean") and "/by_" not in key and "_by_" not in key
-        if not plain or "diversity" in key or key not in first or first is final:
+        if not plain or "diversity" in key or key not in first:
             continue
-        before, after = first[key], final[key]
+        before, after = first[key], second[key]
         if isinstance(before, (int, float)) and isinstance(after, (int, float)):
-            lines.append(f"{key}: before {before:#.4g} -> after {after:#.4g} ({after - before:+#.3g})")
+            lines.append(f"{key}: {labels[0]} {before:#.4g} -> {labels[1]} {after:#.4g} ({after - before:+#.3g})")
     return lines
+
+
+def base_metrics(base_dir) -> dict | None:
+    """The base model's eval metrics that a base directory holds beside its base-model files: a run directory's
+    eval before training (the first eval row of its metrics.jsonl) or the eval.json of `flowrl eval` of the base
+    model with --out; None when it holds neither."""
+    from pathlib import Path
+
+    from .run.metrics import read_metrics
+
+    base_dir = Path(base_dir)
+    if (base_dir / "metrics.jsonl").is_file():
+        rows = read_metrics(base_dir / "metrics.jsonl")
+        return next((r for r in rows if any(k.startswith("eval/") for k in r)), None)
+    try:
+        found = json.loads((base_dir / "eval.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) and found.get("checkpoint") == "(base model)" else None
 
 
 def _device(cfg) -> str:
@@ -154,6 +179,9 @@ def _eval(args) -> int:
         if cfg.eval.base_cache and not args.checkpoint:  # an eval of the base model: an entry for training runs
             _add_to_base_cache(cfg, evaluator, policy, reward_fns, outputs, scores, result, time.perf_counter() - t0)
     print(json.dumps(result, indent=1))
+    base = base_metrics(base_dir) if (args.checkpoint and base_dir) else None
+    for line in compare_lines(base, result, ("base", "checkpoint")) if base else []:
+        print(f"flowrl eval: {line}", file=sys.stderr)
     return 0
 
 

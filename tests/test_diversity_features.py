@@ -358,11 +358,19 @@ def test_flowrl_eval_of_a_checkpoint_compares_with_its_runs_base_or_with_base(tm
     run = tmp_path / "run"
     args = [*TINY, f"eval.diversity_features={dino}", "train.lr=3e-2"]
     Trainer(load_config(None, [*args, f"log.run_dir={run}", "train.epochs=2"])).fit()
-    final = eval_rows(run)[-1]
+    first, final = eval_rows(run)[0], eval_rows(run)[-1]
     ckpt = str(run / "ckpt-000002")
+    capsys.readouterr()
     assert main(["eval", *args, "--checkpoint", ckpt, "--out", str(tmp_path / "ck")]) == 0
     result = json.loads((tmp_path / "ck" / "eval.json").read_text())
     assert result["base"] == str(run)
+    # each eval mean beside the base's (the run's eval before training), one line each on stderr
+    means = [k for k in result if k.startswith("eval/") and k.endswith("_mean") and "diversity" not in k]
+    err = capsys.readouterr().err
+    assert means and err.count("flowrl eval: eval/") == len(means), err
+    for key in means:
+        b, a = first[key], result[key]
+        assert f"flowrl eval: {key}: base {b:#.4g} -> checkpoint {a:#.4g} ({a - b:+#.3g})\n" in err
     for key in (SPREAD, RATIO, DISTANCE):
         assert result[key] == pytest.approx(final[key], rel=1e-6, abs=1e-12), key
     assert result[DISTANCE] > 0
@@ -376,6 +384,8 @@ def test_flowrl_eval_of_a_checkpoint_compares_with_its_runs_base_or_with_base(tm
     )
     again = json.loads((tmp_path / "ck2" / "eval.json").read_text())
     assert again["base"] == str(tmp_path / "base")
+    key = means[0]  # the base's means from its eval.json (the base eval's, the same images as the run's first)
+    assert f"flowrl eval: {key}: base {base[key]:#.4g} -> checkpoint {again[key]:#.4g}" in capsys.readouterr().err
     assert again[DISTANCE] == pytest.approx(result[DISTANCE], rel=1e-6, abs=1e-12)
 
     (tmp_path / "empty").mkdir()
