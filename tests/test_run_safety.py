@@ -431,6 +431,51 @@ def test_a_signal_writes_a_checkpoint_and_says_how_to_resume(tmp_path, signum):
     assert [r["epoch"] for r in metric_rows(run) if "policy/loss" in r] == [1, 2, 3]
 
 
+KILL_IN_UPDATE = """
+import os, signal
+import flowrl.train.update as update
+_backward, calls = update.Updater.minibatch_backward, [0]
+def backward(self, *args, **kwargs):
+    calls[0] += 1
+    if calls[0] == {call}:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return _backward(self, *args, **kwargs)
+update.Updater.minibatch_backward = backward
+"""
+
+
+def test_a_signal_during_an_update_stops_at_the_epochs_end_and_resumes_exactly(tmp_path):
+    """SIGTERM during epoch 2's first minibatch (of two): the update runs to its end, the checkpoint is epoch 2's
+    (not epoch 1's with a part of epoch 2's update in its weights, which the resumed run would train again), and the
+    resumed run ends with the weights and optimizer steps of a run that was never stopped."""
+    from safetensors.torch import load_file
+
+    args = [
+        "train",
+        *TINY,
+        "train.minibatch_size=4",  # 8 samples an epoch: two minibatches, so the signal comes before the last
+        "train.epochs=3",
+        "checkpoint.every=0",
+        "eval.grid=false",
+        "rewards=[{name: 'scores.py:brightness', kwargs: {signal_on_call: 0}}]",
+    ]
+    stopped = run_flowrl(tmp_path, *args, f"log.run_dir={tmp_path / 'run'}", code=KILL_IN_UPDATE.format(call=3))
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-2000:]
+    last = stopped.stderr.strip().splitlines()[-1]
+    assert last.startswith("flowrl train: stopped by SIGTERM after 2 epochs; checkpoint "), stopped.stderr[-2000:]
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["ckpt-000002"]
+    resumed = run_flowrl(tmp_path, *args, f"log.run_dir={tmp_path / 'run'}", "checkpoint.resume=auto")
+    whole = run_flowrl(tmp_path, *args, f"log.run_dir={tmp_path / 'whole'}")
+    assert resumed.returncode == 0 and whole.returncode == 0, (resumed.stderr[-2000:], whole.stderr[-2000:])
+    assert [r["epoch"] for r in metric_rows(tmp_path / "run") if "policy/loss" in r] == [1, 2, 3]
+    ckpts = [tmp_path / d / "ckpt-000003" for d in ("run", "whole")]
+    steps = [json.loads((c / "state.json").read_text())["counters"]["optimizer_steps"] for c in ckpts]
+    assert steps[0] == steps[1] == 6, steps  # 3 epochs x 2 minibatches, none trained twice
+    a, b = (load_file(c / "trainable.safetensors") for c in ckpts)
+    assert a.keys() == b.keys() and a
+    assert max((a[n] - t).abs().max().item() for n, t in b.items()) <= 1e-6
+
+
 def test_a_signal_during_the_eval_before_training_abandons_it_and_writes_nothing(tmp_path):
     """SIGINT during the eval before training (its reward, call 1): the eval is abandoned (no row), no epoch's
     rollout or reward follows, nothing trained so no checkpoint; one line, exit 130."""

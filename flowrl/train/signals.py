@@ -1,8 +1,9 @@
 """Stopping on SIGINT / SIGTERM: the first signal stops at the next safe point, a second one at once.
 
-The first signal only sets a flag; the loops ask at their safe points whether any process got one: training after a
-minibatch's optimizer step and before an epoch's update (there `Trainer.stop_if_asked` saves and raises Interrupted),
-and a rollout or an eval between its batches (`stop_point`: they are abandoned, Abandoned). A second signal raises
+The first signal only sets a flag; the loops ask at their safe points whether any process got one: training at an
+epoch's end and before an epoch's update (there `Trainer.stop_if_asked` saves and raises Interrupted; an update runs
+to its end, so that the checkpoint is an epoch boundary's and the resumed run trains as the uninterrupted one), and a
+rollout or an eval between its batches (`stop_point`: they are abandoned, Abandoned). A second signal raises
 StopNow at once (the command line prints one line and exits 128 + signum), losing the work since the last checkpoint;
 during a checkpoint write (`deferred`) it waits for the write's end, so no checkpoint is ever left half written.
 """

@@ -221,7 +221,7 @@ class Trainer:
             if before is None:
                 before = self.evaluate(tag="epoch000000")
                 if before is None:
-                    self.stop_if_asked(0, mid_epoch=False, abandoned="the eval before training")
+                    self.stop_if_asked(abandoned="the eval before training")
                 self.add_base_eval_to_cache(before)
             self.log.log(before, step=0)
             self.keep_if_best(before)
@@ -256,7 +256,7 @@ class Trainer:
             try:
                 metrics = self.train_epoch(epoch)
             except Abandoned:
-                self.stop_if_asked(epoch, mid_epoch=False, abandoned=f"epoch {epoch + 1}'s rollout")
+                self.stop_if_asked(abandoned=f"epoch {epoch + 1}'s rollout")
                 raise
             # train.max_minutes: the epoch that reaches the budget is the last (every process stops together)
             out_of_time = bool(t.max_minutes) and self.out_of_time()
@@ -275,7 +275,7 @@ class Trainer:
                     self.save()
             bar.set_postfix(progress_postfix(metrics, self.objective))
             last = metrics
-            self.stop_if_asked(done, mid_epoch=False, abandoned=abandoned)
+            self.stop_if_asked(abandoned=abandoned)
             if out_of_time:
                 if self.main:
                     print(
@@ -295,7 +295,7 @@ class Trainer:
             final = self.evaluate(tag="final")
             if final is None:
                 final_eval = "the final eval, which `flowrl eval CONFIG --checkpoint` of this checkpoint makes,"
-                self.stop_if_asked(self.state.epochs_done, mid_epoch=False, abandoned=final_eval)
+                self.stop_if_asked(abandoned=final_eval)
             self.log.log({**final, "final": True}, step=self.state.epochs_done)
             last.update(final)
             if not self.keep_if_best(final):  # (a best final eval saves its checkpoint there)
@@ -328,7 +328,7 @@ class Trainer:
         else:  # the batch says which sample is preferred (offline DPO's pairs): no reward scores it
             with self.timer("rollout"):
                 batch = self.rollout(epoch)
-            self.stop_if_asked(epoch, mid_epoch=False)
+            self.stop_if_asked()
             self.whole = False
             adv, keep, metrics = torch.zeros(len(batch.prompts)), torch.ones(len(batch.prompts), dtype=torch.bool), {}
         with self.timer("train"):
@@ -373,7 +373,7 @@ class Trainer:
                 # objective that pairs by it (train.dpo.pairing=matched)
                 batch.free_counts = count_features(components)
                 batch.free_count_names = count_names(components)  # its columns' "<reward>/free_<attr>=<value>"
-        self.stop_if_asked(epoch, mid_epoch=False)  # nothing of this epoch has changed the weights yet
+        self.stop_if_asked()  # nothing of this epoch has changed the weights yet
         self.whole = False  # from here on (the per-prompt statistics, the update) the epoch changes the state
         metrics = self.scorer.reward_metrics(scores, components)
         # [F] the whole batch's counts, every process's, as reward_metrics gathered them (train.dpo.free_anchor's
@@ -509,8 +509,8 @@ class Trainer:
         return self.scorer.advantages(batch, scores, epoch)
 
     def update(self, batch, adv: torch.Tensor, keep: torch.Tensor, epoch: int) -> dict:
-        """The epoch's update (`flowrl.train.update`), stopping at a safe point when a signal asks."""
-        return self.updater.run(batch, adv, keep, epoch, self.state, self.stop_if_asked)
+        """The epoch's update (`flowrl.train.update`), whole: a stop signal takes effect at the epoch's end."""
+        return self.updater.run(batch, adv, keep, epoch, self.state)
 
     @torch.no_grad()
     def evaluate(self, tag: str) -> dict | None:
@@ -704,19 +704,16 @@ class Trainer:
         a collective, so every process must call it alike)."""
         self.signals.stop_point(self.dist.any_process)
 
-    def stop_if_asked(self, epoch: int, *, mid_epoch: bool, abandoned: str | None = None) -> None:
-        """At a safe point: when a stop signal arrived (on any process), write a checkpoint (unless the newest one
-        holds this state, or nothing was trained yet) and raise Interrupted. `epoch`: the epoch in progress
-        (mid_epoch) or the number of epochs done; `abandoned`: what the signal cut short, for the message."""
+    def stop_if_asked(self, abandoned: str | None = None) -> None:
+        """At a safe point, where the state is an epoch boundary's (between epochs, or in an epoch before anything of
+        it changed the weights or the statistics): when a stop signal arrived (on any process), write a checkpoint
+        (unless the newest one holds this state, or nothing was trained yet) and raise Interrupted. `abandoned`:
+        what the signal cut short, for the message."""
         signum = self.signals.signum
         if not self.dist.any_process(signum is not None):
             return
         signum = signum or signal.SIGTERM
-        what = (
-            f"during epoch {epoch + 1} (its finished minibatches are in the weights; the epoch restarts on resume)"
-            if mid_epoch
-            else f"after {self.state.epochs_done} epochs"
-        )
+        what = f"after {self.state.epochs_done} epochs"
         if abandoned:
             what += f" ({abandoned} was abandoned)"
         now = (self.state.epochs_done, self.state.optimizer_steps)
@@ -727,7 +724,11 @@ class Trainer:
                 f"written: run the same command again{again} to start over",
                 signum,
             )
-        path = self.saved[1] if self.saved is not None and self.saved[0] == now else self.save()
+        path = self.saved[1] if self.saved is not None and self.saved[0] == now else None
+        if path is None:
+            if self.epoch_rng is not None:  # in an epoch: its resumed run draws what this one drew
+                set_rng_state(*self.epoch_rng)
+            path = self.save()
         raise Interrupted(
             f"stopped by {signal.Signals(signum).name} {what}; checkpoint {path or self.run_dir}. "
             f"Resume with checkpoint.resume=auto (same config and log.run_dir={self.run_dir})",

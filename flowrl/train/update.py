@@ -83,10 +83,11 @@ class Updater:
     def opt(self):
         return self.dist.opt
 
-    def run(self, batch, adv: torch.Tensor, keep: torch.Tensor, epoch: int, state, stop_check) -> dict:
+    def run(self, batch, adv: torch.Tensor, keep: torch.Tensor, epoch: int, state) -> dict:
         """The epoch's update of this process's batch [B] with advantages `adv` [B] and the samples `keep` [B] trains;
-        counts optimizer steps in `state`; `stop_check(epoch, mid_epoch)` is called at each safe point (a signal
-        writes a checkpoint there and stops). Returns the update's metrics."""
+        counts optimizer steps in `state`. Returns the update's metrics. A stop signal does not cut it short: the run
+        stops after it, at the epoch's end, whose checkpoint a resumed run continues from as the uninterrupted run
+        would (a checkpoint of a part of an update would have the resumed run train that part twice)."""
         t = self.cfg.train
         self.objective.uncomputed_units = 0
         keep = self.objective.prepare(batch, adv, keep, epoch=epoch, process_index=self.dist.rank)
@@ -111,7 +112,6 @@ class Updater:
                 if not self.dist.any_process(len(idx) > 0):
                     # nothing to learn from anywhere: no optimizer step (AdamW would move the weights on a zero
                     # gradient, by its momentum and weight decay)
-                    stop_check(epoch, mid_epoch=stepped)
                     continue
                 mb_stats, finite = self.minibatch_backward(
                     batch, units, idx, adv, keep, norm, placeholder=perm[mb_start : mb_start + 1]
@@ -121,7 +121,6 @@ class Updater:
                 if not math.isfinite(grad_norm) or self.dist.any_process(not finite):
                     self.skip_nonfinite(epoch, grad_norm)
                     skipped += 1
-                    stop_check(epoch, mid_epoch=stepped)
                     continue
                 self.nonfinite_streak = 0
                 self.set_lr(slot)
@@ -137,7 +136,6 @@ class Updater:
                 mb_stats["grad_norm"] = [grad_norm]
                 for k, v in mb_stats.items():
                     sums.setdefault(k, []).append(_reduce(k, v))
-                stop_check(epoch, mid_epoch=True)
         out = {f"policy/{k}": _reduce(k, v) for k, v in sums.items()}
         if first_ratio is not None:  # None: every group was dropped, nothing was trained this epoch
             out.update(self.on_policy_metrics(first_ratio, epoch, lag=self.version_lag))
