@@ -169,6 +169,33 @@ def test_a_resume_redoes_epochs_without_duplicating_rows_and_clears_temporary_di
     assert finals == [4]
 
 
+def test_resuming_an_older_checkpoint_beside_later_ones_or_into_another_run_is_refused(tmp_path, monkeypatch):
+    """checkpoint.resume=ckpt-000002 of a run that went on to ckpt-000004: the later checkpoint would stay beside the
+    resumed run's (resume=auto would take it, checkpoint.keep would delete the resumed run's own), so it is refused
+    before the model loads, naming the later checkpoint and a new directory to continue in; so is another run's
+    checkpoint resumed into a directory holding a run. The newest, or any checkpoint into a new directory, resumes."""
+    import flowrl.policies
+
+    run, other = tmp_path / "run", tmp_path / "other"
+    for d in (run, other):
+        Trainer(tiny_cfg(d, "train.epochs=4", "checkpoint.every=2", "checkpoint.keep=0", "eval.grid=false")).fit()
+    loads, real = [], flowrl.policies.build_policy
+    monkeypatch.setattr(flowrl.policies, "build_policy", lambda *a, **k: loads.append(1) or real(*a, **k))
+    with pytest.raises(RunDirError, match=r"holds later checkpoints of that run \(ckpt-000004\)") as info:
+        Trainer(tiny_cfg(run, "train.epochs=5", f"checkpoint.resume={run / 'ckpt-000002'}"))
+    assert f"log.run_dir=NEW checkpoint.resume={run / 'ckpt-000002'}" in str(info.value)
+    with pytest.raises(RunDirError, match=r"is a checkpoint of another directory"):
+        Trainer(tiny_cfg(other, "train.epochs=5", f"checkpoint.resume={run / 'ckpt-000002'}"))
+    assert loads == []  # (before the model loads)
+    resume = [f"checkpoint.resume={run / 'ckpt-000002'}", "eval.grid=false"]
+    elsewhere = Trainer(tiny_cfg(tmp_path / "new", "train.epochs=3", *resume))
+    elsewhere.fit()
+    assert elsewhere.state.epochs_done == 3 and not (run / "ckpt-000003").exists()
+    newest = Trainer(tiny_cfg(run, "train.epochs=5", f"checkpoint.resume={run / 'ckpt-000004'}", "eval.grid=false"))
+    newest.fit()
+    assert newest.state.epochs_done == 5
+
+
 def test_a_corrupt_checkpoint_is_named_and_auto_falls_back_to_an_older_one(tmp_path):
     run = tmp_path / "run"
     Trainer(tiny_cfg(run, "train.epochs=2", "checkpoint.every=1", "checkpoint.keep=0", "eval.grid=false")).fit()

@@ -94,6 +94,8 @@ def claim(run_dir: str | Path, *, resume: str | None, overwrite: bool) -> None:
         return
     if resume == "auto" and not list_checkpoints(run_dir):
         raise nothing_to_resume(run_dir)
+    if resume and resume != "auto":
+        _check_resumed_line(run_dir, Path(resume))
     if resume:
         return
     raise RunDirError(
@@ -101,6 +103,30 @@ def claim(run_dir: str | Path, *, resume: str | None, overwrite: bool) -> None:
         "checkpoint.resume=auto, start over there with log.overwrite=true (deletes that run's files), "
         "or pick a new log.run_dir"
     )
+
+
+def _check_resumed_line(run_dir: Path, given: Path) -> None:
+    """checkpoint.resume=PATH into `run_dir`, which holds a run: PATH must be a checkpoint of that run with none
+    newer beside it. A later one would stay beside the resumed run's own (its metrics rows are gone, truncated at
+    PATH's epoch): `checkpoint.resume=auto` would take it, and checkpoint.keep would delete the resumed run's
+    checkpoints before it. Another run's checkpoint would mix two runs in one directory. Either is a RunDirError
+    naming a new log.run_dir to continue PATH in."""
+    elsewhere = f"continue from it in a new directory (log.run_dir=NEW checkpoint.resume={given})"
+    if not given.is_dir():
+        return  # (resolve_resume says what is wrong with it)
+    if given.resolve().parent != run_dir.resolve():
+        raise RunDirError(
+            f"log.run_dir={str(run_dir)!r} already holds a run ({describe_run(run_dir)}) and "
+            f"checkpoint.resume={given} is a checkpoint of another directory: {elsewhere}, or start over here with "
+            "log.overwrite=true (deletes that run's files)"
+        )
+    newer = [p.name for p in list_checkpoints(run_dir) if p.name > given.name and CKPT_RE.match(given.name)]
+    if newer:
+        raise RunDirError(
+            f"checkpoint.resume={given}: {run_dir} holds later checkpoints of that run ({', '.join(newer)}), which "
+            f"would stay beside the resumed run's own (checkpoint.resume=auto would take them, and checkpoint.keep "
+            f"would delete the resumed run's first): resume the newest, delete the later ones, or {elsewhere}"
+        )
 
 
 def nothing_to_resume(run_dir: str | Path) -> RunDirError:
