@@ -369,9 +369,20 @@ def _plan(args) -> int:
 
 
 def _report(args) -> int:
-    from .errors import RunDirError
-    from .run.report import plot_comparison, plot_curves
+    from pathlib import Path
 
+    from .errors import RunDirError
+    from .run.report import figure_format, plot_comparison, plot_curves
+    from .run.rundir import check_writable
+
+    if args.out:  # its format from its suffix, and its folder made and writable, before any run is read
+        figure_format(args.out)
+        folder = Path(args.out).parent
+        try:
+            check_writable(folder, "--out")
+        except RunDirError as e:
+            reason = str(e).partition(" is not writable ")[2].partition(";")[0]
+            raise RunDirError(f"--out {args.out}: its folder {folder} cannot be written {reason}".rstrip()) from None
     try:
         if len(args.run_dir) == 1:
             print(plot_curves(args.run_dir[0], args.out))
@@ -475,7 +486,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="plot a run directory's reward and eval curves to curves.png; several runs: one figure comparing them",
     )
     rep.add_argument("run_dir", nargs="+", help="a run's log.run_dir; several: compared (a sweep's runs)")
-    rep.add_argument("--out", default=None, help="the PNG (one run: RUN_DIR/curves.png; several: compare.png)")
+    rep.add_argument(
+        "--out",
+        default=None,
+        help="the figure (one run: RUN_DIR/curves.png; several: compare.png); its suffix picks the format: .png, "
+        ".pdf, .svg, .jpg",
+    )
     rep.add_argument(
         "--metric",
         action="append",

@@ -347,3 +347,28 @@ def test_the_minutes_axis_places_each_eval_at_its_epochs_end():
     ]
     assert minutes_by_epoch(rows) == {0: 0.0, 1: 1.5, 2: 3.25}
     assert minutes_by_epoch(rows, "time/train_process_minutes") == {0: 0.0}
+
+
+def test_report_out_takes_its_format_from_its_suffix_and_makes_its_folder(tmp_path, capsys):
+    """--out picks the figure's format by its suffix (a JPEG is a JPEG, not a PNG under another name), makes the
+    folders it names, and a folder that cannot be made (under a file) or an unknown suffix is one line, before any
+    run is read; nothing is left beside the figure."""
+    from flowrl.cli import main
+
+    a, b = sweep(tmp_path)
+    for name, fmt in (("deep/er/curves.jpg", "JPEG"), ("c.webp", "WEBP"), ("c.png", "PNG")):
+        assert main(["report", str(a), "--out", str(tmp_path / "out" / name)]) == 0
+        with Image.open(tmp_path / "out" / name) as im:
+            assert im.format == fmt and im.size[0] > 300
+    assert main(["report", str(a), str(b), "--out", str(tmp_path / "out" / "cmp.svg")]) == 0
+    assert (tmp_path / "out" / "cmp.svg").read_text().lstrip().startswith("<?xml")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["c.png", "c.webp", "cmp.svg", "deep"]
+    capsys.readouterr()
+    (tmp_path / "afile").write_text("")
+    assert main(["report", str(a), "--out", str(tmp_path / "afile" / "x.png")]) == 1
+    err = capsys.readouterr().err.strip()
+    under = tmp_path / "afile"
+    assert err == f"flowrl report: --out {under / 'x.png'}: its folder {under} cannot be written (Not a directory)"
+    assert main(["report", str(tmp_path / "missing"), "--out", str(tmp_path / "c.txt")]) == 2  # (a usage error)
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"flowrl report: --out {tmp_path / 'c.txt'}: a figure is written as .png") and "\n" not in err

@@ -241,10 +241,29 @@ def plot_curves(run_dir: str | Path, out: str | Path | None = None, title: str |
     return save_figure(curves_figure(load_metrics(run_dir), title), Path(out) if out else run_dir / "curves.png")
 
 
+FIGURE_FORMATS = {".png": "png", ".pdf": "pdf", ".svg": "svg", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
+
+
+def figure_format(out: str | Path) -> str:
+    """The format a figure written to `out` takes from its suffix (none: PNG); another suffix is a ConfigError
+    naming the ones there are."""
+    from flowrl.errors import ConfigError
+
+    suffix = Path(out).suffix.lower()
+    if not suffix:
+        return "png"
+    if suffix not in FIGURE_FORMATS:
+        raise ConfigError(
+            f"--out {out}: a figure is written as {', '.join(FIGURE_FORMATS)} (by its suffix), not {suffix}"
+        )
+    return FIGURE_FORMATS[suffix]
+
+
 def save_figure(fig, out: Path) -> Path:
-    """`fig` as a PNG at `out`, written whole (a temporary file, then renamed)."""
-    tmp = out.with_name(out.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    """`fig` at `out` in the format of its suffix (`figure_format`), written whole (a temporary file, then renamed)."""
+    fmt = figure_format(out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    fig.savefig(tmp, format=fmt, dpi=110, bbox_inches="tight")
     tmp.replace(out)
     return out
 
