@@ -72,6 +72,10 @@ def test_every_unknown_key_of_a_file_is_named_at_once(tmp_path):
         ("train.grpo.dual_clip=0.5", "dual_clip must be > 1"),
         ("train.decay_frac=0", r"train.decay_frac must be in \(0, 1\]"),
         ("rewards=[{name: shapes_geneval, weight: 0}]", "every weight is 0 .shapes_geneval., so there is nothing"),
+        ("train.lr=inf", r"train.lr must be a finite number > 0, got inf"),
+        ("train.lr=nan", r"train.lr must be a finite number > 0, got nan"),
+        ("log.run_dir=", r"log.run_dir is empty: a run writes its checkpoints, metrics and grids there"),
+        ("log.run_dir='  '", r"log.run_dir is empty"),
     ],
 )
 def test_bad_values_are_errors_before_work(override, message):

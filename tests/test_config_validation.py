@@ -231,6 +231,9 @@ def test_one_reward_kwarg_can_be_overridden_by_its_dotted_key(tmp_path):
     # a mapping override and then one of its keys: both apply
     cfg = load_config(yml, ["rewards.0.kwargs={a: 1}", "rewards.0.kwargs.b=2"])
     assert cfg.rewards[0].kwargs == {"quality": 50, "other": 1, "a": 1, "b": 2}
+    # an empty mapping clears the options
+    assert load_config(yml, ["rewards.0.kwargs={}"]).rewards[0].kwargs == {}
+    assert load_config(yml, ["rewards=[{name: jpeg_compressibility, kwargs: {}}]"]).rewards[0].kwargs == {}
     with pytest.raises(ConfigError, match=r"another override set rewards\.0\.kwargs to a value, not a mapping"):
         load_config(yml, ["rewards.0.kwargs=5", "rewards.0.kwargs.b=2"])
     with pytest.raises(ConfigError, match=r"an empty key inside rewards\.0\.kwargs"):

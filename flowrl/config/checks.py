@@ -4,6 +4,7 @@ RANGES), and the relations between keys (the objective in use checks its own sec
 from __future__ import annotations
 
 import difflib
+import math
 from typing import Any
 
 from flowrl.errors import ConfigError
@@ -37,9 +38,15 @@ def range_problems(cfg: Config) -> list[str]:
             value = _get_dotted(cfg, key)
             values = [(f"{key}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, list) else [(key, value)]
         problems.extend(
-            f"{name} must be {valid.text()}, got {v!r}" for name, v in values if v is not None and v not in valid
+            f"{name} must be {'a finite number ' if _non_finite(v) else ''}{valid.text()}, got {v!r}"
+            for name, v in values
+            if v is not None and v not in valid
         )
     return problems
+
+
+def _non_finite(v) -> bool:
+    return isinstance(v, float) and not math.isfinite(v)
 
 
 def _reward_name_problems(cfg: Config) -> list[str]:
@@ -195,6 +202,11 @@ def validate(cfg: Config) -> None:
         problems.append(
             f"eval.images_per_group={cfg.eval.images_per_group} shares images out over the groups of "
             "eval.group_by, which is not set; set eval.group_by (e.g. family) or images_per_group=0"
+        )
+    if not str(cfg.log.run_dir).strip():
+        problems.append(
+            "log.run_dir is empty: a run writes its checkpoints, metrics and grids there, so give it a directory "
+            "of its own, e.g. log.run_dir=runs/my_run"
         )
     if not cfg.rewards:
         problems.append("rewards: at least one reward is needed")

@@ -332,8 +332,10 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
         node = node.setdefault(part, {})
 
 
-def _merge(base: Any, over: dict, path: str = "") -> Any:
-    """`over` laid on `base`; an int-keyed mapping in `over` updates those items of a list in `base`."""
+def _merge(base: Any, over: dict, path: str = "", empty_replaces: bool = False) -> Any:
+    """`over` laid on `base`; an int-keyed mapping in `over` updates those items of a list in `base`.
+    `empty_replaces` (command-line overrides): an empty mapping replaces what it is laid on (`rewards.0.kwargs={}`
+    clears the reward's options), where a mapping with keys updates those keys."""
     if isinstance(base, list) and over and all(isinstance(k, int) for k in over):
         out_list = list(base)
         for i, v in over.items():
@@ -342,17 +344,18 @@ def _merge(base: Any, over: dict, path: str = "") -> Any:
                     f"{path}.{i}: the list {path} has {len(out_list)} item(s), indices 0 to "
                     f"{len(out_list) - 1}; set the whole list to add one"
                 )
-            out_list[i] = (
-                _merge(out_list[i], v, f"{path}.{i}") if isinstance(v, dict) and isinstance(out_list[i], dict) else v
-            )
+            mergeable = isinstance(v, dict) and isinstance(out_list[i], dict) and (v or not empty_replaces)
+            out_list[i] = _merge(out_list[i], v, f"{path}.{i}", empty_replaces) if mergeable else v
         return out_list
     out = dict(base)
     for k, v in over.items():
         key = f"{path}.{k}" if path else str(k)
-        if isinstance(v, dict) and isinstance(out.get(k), (dict, list)):
-            out[k] = _merge(out[k], v, key)
+        if isinstance(v, dict) and not v and empty_replaces:
+            out[k] = {}
+        elif isinstance(v, dict) and isinstance(out.get(k), (dict, list)):
+            out[k] = _merge(out[k], v, key, empty_replaces)
         elif isinstance(v, dict) and v and all(isinstance(i, int) for i in v):  # an index into a default list
-            out[k] = _merge(to_dict(Config()).get(k, []), v, key)
+            out[k] = _merge(to_dict(Config()).get(k, []), v, key, empty_replaces)
         else:
             out[k] = v
     return out
@@ -484,7 +487,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}")
         data = migrate(loaded, where=f"{path}: ")
     if overrides:
-        data = _merge(data, parse_overrides(overrides))
+        data = _merge(data, parse_overrides(overrides), empty_replaces=True)
     preset = (data.get("text") or {}).get("loss_preset", "none") if isinstance(data.get("text"), dict) else "none"
     if preset not in ("none", *LOSS_PRESETS):
         raise ConfigError(f"text.loss_preset: {preset!r} is not a valid choice; valid: none, {', '.join(LOSS_PRESETS)}")
