@@ -121,7 +121,7 @@ def test_zero_two_processes_update_as_one_process_over_the_same_global_batch(tmp
 
 
 @pytest.mark.parametrize("stage", [2])  # ZeRO-3 checkpoints and resumes in the end-to-end test below
-@pytest.mark.filterwarnings("ignore:epoch 1. the first minibatch is not on-policy")
+@pytest.mark.filterwarnings("ignore:epoch 2. the first minibatch is not on-policy")
 def test_zero_checkpoint_is_a_plain_runs_and_resumes_exactly(tmp_path, stage):
     """A 2-process ZeRO-2 / ZeRO-3 update writes a checkpoint whose weights and AdamW state (gathered from the
     partitions, in a plain AdamW's layout) are the 1-process run's; a second 2-process run resumes from it (the state

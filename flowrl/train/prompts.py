@@ -113,7 +113,7 @@ class PromptDraws:
             self.skipped.clear()
             self.readmitted += 1
             warnings.warn(
-                f"epoch {epoch}: every training prompt had {self.skip_after} groups in a row without signal (all "
+                f"epoch {epoch + 1}: every training prompt had {self.skip_after} groups in a row without signal (all "
                 "samples scored alike), so all are drawn again; lower data.skip_no_signal, or check the reward",
                 stacklevel=3,
             )

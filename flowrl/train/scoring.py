@@ -231,7 +231,7 @@ class Scorer:
                 r.name for k, r in enumerate(self.cfg.rewards) if not torch.isfinite(all_scores[invalid, k]).all()
             ]
             warnings.warn(
-                f"epoch {epoch}: {n_bad} of {len(all_scores)} samples have a non-finite reward "
+                f"epoch {epoch + 1}: {n_bad} of {len(all_scores)} samples have a non-finite reward "
                 f"({', '.join(bad_rewards)}: NaN or inf); they are left out of the advantages and the loss",
                 stacklevel=2,
             )

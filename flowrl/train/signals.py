@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 
 from flowrl.errors import Interrupted, StopNow
@@ -38,7 +39,7 @@ class StopSignals:
 
     def _say(self, text: str) -> None:
         if self.announce:
-            print(f"\nflowrl: {text}", flush=True)
+            print(f"\nflowrl: {text}", file=sys.stderr, flush=True)  # (stdout keeps a command's results)
 
     def _ask(self, signum, frame) -> None:
         if self.signum is None:

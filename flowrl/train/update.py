@@ -154,7 +154,7 @@ class Updater:
         dev = max(abs(low - 1), abs(high - 1))
         if dev > ON_POLICY_TOL and lag == 0:
             warnings.warn(
-                f"epoch {epoch}: the first minibatch is not on-policy: max |ratio - 1| = {dev:.2e} > "
+                f"epoch {epoch + 1}: the first minibatch is not on-policy: max |ratio - 1| = {dev:.2e} > "
                 f"{ON_POLICY_TOL:g}; recomputed log-probs differ from the rollout's (non-deterministic "
                 "kernels, dropout, or a sampler/trainer mismatch)",
                 stacklevel=3,
@@ -169,13 +169,13 @@ class Updater:
         limit = self.cfg.train.max_nonfinite_steps
         if self.nonfinite_streak >= limit:
             raise NonFiniteError(
-                f"epoch {epoch}: the loss or gradient was NaN/inf in {self.nonfinite_streak} minibatches in a row "
-                f"(train.max_nonfinite_steps={limit}); no step was taken on them, so the weights and the last "
+                f"epoch {epoch + 1}: the loss or gradient was NaN/inf in {self.nonfinite_streak} minibatches in a "
+                f"row (train.max_nonfinite_steps={limit}); no step was taken on them, so the weights and the last "
                 f"checkpoint are finite. Check the rewards (reward/* in metrics.jsonl), lower train.lr or set "
                 f"train.max_grad_norm, then resume with checkpoint.resume=auto"
             )
         warnings.warn(
-            f"epoch {epoch}: non-finite loss or gradient (grad norm {grad_norm}); this minibatch takes no "
+            f"epoch {epoch + 1}: non-finite loss or gradient (grad norm {grad_norm}); this minibatch takes no "
             f"optimizer step ({self.nonfinite_streak} in a row of at most {limit})",
             stacklevel=3,
         )
