@@ -44,6 +44,7 @@ def test_a_lossy_accelerator_with_a_coupled_objective_is_refused_naming_the_obje
     assert "lossy" in line and "train.objective=grpo" in line
     allowed = decoupled_objectives()
     assert allowed and "grpo" not in allowed and all(f"{n}" in line for n in allowed)
+    assert "dpo_offline" not in line  # (it samples nothing: no rollout to accelerate)
     for objective in allowed:  # the decoupled objectives take it
         cfg = load_config(None, [f"train.objective={objective}", "rollout.acceleration=[{name: taylorseer_cache}]"])
         assert cfg.rollout.acceleration == [{"name": "taylorseer_cache"}]

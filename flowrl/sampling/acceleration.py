@@ -69,10 +69,14 @@ def accelerator_names() -> list[str]:
 
 
 def decoupled_objectives() -> list[str]:
-    """The image objectives a lossy accelerator may serve: those whose loss needs only the final samples."""
+    """The image objectives a lossy accelerator may serve: those that roll out and whose loss needs only the final
+    samples (not offline DPO, which samples nothing)."""
     from flowrl.objectives import get_objective, objective_names
 
-    return [n for n in objective_names() if not get_objective(n).coupled and "image" in get_objective(n).backends]
+    def serves(obj) -> bool:
+        return not obj.coupled and "image" in obj.backends and obj.scores_batch
+
+    return [n for n in objective_names() if serves(get_objective(n))]
 
 
 # ------------------------------------------------------------------------------------------- parsing
