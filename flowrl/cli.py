@@ -88,14 +88,17 @@ def compare_lines(first: dict, second: dict, labels: tuple[str, str]) -> list[st
 
 
 def base_metrics(base_dir) -> dict | None:
-    """The base model's eval metrics that a base directory holds beside its base-model files: a run directory's
-    eval before training (the first eval row of its metrics.jsonl) or the eval.json of `flowrl eval` of the base
-    model with --out; None when it holds neither."""
+    """The base model's eval metrics that a base directory holds: its eval-base-metrics.json (`BaseMetrics`), else
+    (a directory written before that file was) a run directory's eval before training (the first eval row of its
+    metrics.jsonl) or the eval.json of `flowrl eval` of the base model with --out; None when it holds none."""
     from pathlib import Path
 
+    from .eval.diversity import BaseMetrics
     from .run.metrics import read_metrics
 
     base_dir = Path(base_dir)
+    if BaseMetrics(base_dir).load():
+        return BaseMetrics(base_dir).load()
     if (base_dir / "metrics.jsonl").is_file():
         rows = read_metrics(base_dir / "metrics.jsonl")
         return next((r for r in rows if any(k.startswith("eval/") for k in r)), None)
@@ -166,7 +169,9 @@ def _eval(args) -> int:
         result = evaluator.results(
             outputs, scores, base_dir=base_dir, this_is_base=not args.checkpoint, save_base_to=out
         )
-        result["checkpoint"] = args.checkpoint or "(base model)"
+        # (an eval without a checkpoint is of the model a run starts from: with lora.init_path, that adapter's)
+        start = f"(base model + lora.init_path={cfg.lora.init_path})" if cfg.lora.init_path else "(base model)"
+        result["checkpoint"] = args.checkpoint or start
         if args.checkpoint:
             result["weights"] = getattr(policy, "loaded_weights", args.weights)  # e.g. "ema (auto)"
         if base_dir:
@@ -639,6 +644,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"flowrl {args.command}: {e.__context__}", file=sys.stderr)
         print(f"flowrl {args.command}: {e}", file=sys.stderr)
         return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C where no stop handler is installed yet (e.g. while torch imports)
+        if os.environ.get("FLOWRL_DEBUG"):
+            raise
+        print(f"flowrl {args.command}: interrupted by SIGINT", file=sys.stderr)
+        return 128 + 2
 
 
 if __name__ == "__main__":

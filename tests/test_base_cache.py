@@ -128,8 +128,12 @@ def test_flowrl_eval_of_the_base_model_makes_the_entry_a_run_reads(tmp_path, cap
     assert main(["eval", *TINY, f"eval.base_cache={cache}", "--out", str(tmp_path / "ev")]) == 0
     assert "the base model's eval is in eval.base_cache" in capsys.readouterr().err
     (entry,) = cache.iterdir()
-    # the grid as a run's eval before training names it (the JPEG reward counts no free attribute: no histogram)
-    assert json.loads((entry / "record.json").read_text())["files"] == ["eval-epoch000000.png"]
+    # the grid as a run's eval before training names it, and the base's metrics (the JPEG reward counts no free
+    # attribute: no histogram)
+    assert json.loads((entry / "record.json").read_text())["files"] == [
+        "eval-epoch000000.png",
+        "eval-base-metrics.json",
+    ]
     read_evals, read_weights = run(tmp_path / "a", f"eval.base_cache={cache}")
     assert f"read from {entry}" in capsys.readouterr().out
     sampled_evals, sampled_weights = run(tmp_path / "b")

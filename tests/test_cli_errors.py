@@ -638,3 +638,16 @@ def test_a_reward_whose_hub_weights_are_not_cached_offline_fails_before_the_mode
     err = one_line_error(capsys, 1, main(["train", TINY_CFG, *TINY, run, "rewards=[{name: aesthetic}]"]))
     assert err.startswith("flowrl train: rewards[0] (aesthetic): model='openai/clip-vit-large-patch14' is neither")
     assert err.endswith("give a local copy: rewards.0.kwargs.model=/path/to/dir")
+
+
+def test_ctrl_c_before_any_stop_handler_is_one_line_and_exit_130(monkeypatch, capsys):
+    """Ctrl-C while a command starts (torch importing, before `flowrl train` installs its stop handler) or in a
+    command without one: one line, exit 128 + SIGINT, no traceback."""
+    import flowrl.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_train", interrupted)
+    assert cli.main(["train"]) == 130
+    assert capsys.readouterr().err == "flowrl train: interrupted by SIGINT\n"

@@ -92,6 +92,18 @@ def test_the_readmes_own_model_reward_and_prompts_train_as_printed(tmp_path, mon
     assert len(evals) == 2 and final[eval_key] == evals[-1][eval_key]
     b, a = evals[0][eval_key], evals[1][eval_key]
     assert f"flowrl: {eval_key}: before {b:#.4g} -> after {a:#.4g} ({a - b:+#.3g})\n" in err
+    # the eval of its checkpoint, beside the base's (the run's eval before training; a plain reward counts nothing,
+    # so its base is eval-base-metrics.json alone), and beside a base eval of its own (--out, then --base)
+    assert main(["eval", config_name, *tiny, "--checkpoint", str(run)]) == 0
+    out, err = capsys.readouterr()
+    after = json.loads(out[out.index("{") :])[eval_key]
+    assert f"flowrl eval: {eval_key}: base {b:#.4g} -> checkpoint {after:#.4g} ({after - b:+#.3g})\n" in err
+    assert main(["eval", config_name, *tiny, "--out", "base"]) == 0
+    base = json.loads((tmp_path / "base" / "eval.json").read_text())[eval_key]
+    assert base == b  # the same images as the run's eval before training
+    capsys.readouterr()
+    assert main(["eval", config_name, *tiny, "--checkpoint", str(run), "--base", "base"]) == 0
+    assert f"flowrl eval: {eval_key}: base {b:#.4g} -> checkpoint {after:#.4g}" in capsys.readouterr().err
 
     # the README's second command: the planner reads the same config and model directory
     assert main(["plan", config_name, "--gpus", "1"]) == 0

@@ -803,6 +803,22 @@ def test_lora_init_path_starts_from_an_exported_adapter(tmp_path):
         torch.testing.assert_close(p.detach(), trained[n], rtol=0, atol=1e-7)
 
 
+def test_flowrl_eval_without_a_checkpoint_names_the_adapter_it_starts_from(tmp_path, capsys):
+    """`flowrl eval` without --checkpoint evaluates the model a run starts from: with lora.init_path, the result
+    says that adapter, not "(base model)"."""
+    from flowrl.cli import main
+
+    first = Trainer(tiny_cfg(tmp_path / "a", "train.epochs=1", "eval.grid=false", "eval.num_prompts=2"))
+    first.fit()
+    lora = tmp_path / "a" / "ckpt-000001" / "lora"
+    args = [*TINY, "eval.num_prompts=2", "eval.num_steps=2", "eval.grid=false"]
+    for extra, label in (([f"lora.init_path={lora}"], f"(base model + lora.init_path={lora})"), ([], "(base model)")):
+        capsys.readouterr()
+        assert main(["eval", *args, *extra]) == 0
+        out = capsys.readouterr().out
+        assert json.loads(out[out.index("{") :])["checkpoint"] == label
+
+
 def test_a_missing_or_truncated_lora_init_path_fails_before_the_model_loads(tmp_path, monkeypatch):
     """lora.init_path that does not exist, holds no .safetensors file, or holds a truncated one: one PreflightError
     line naming it, before any model loads."""

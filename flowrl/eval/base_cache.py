@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from .diversity import BaseDistribution, BaseFeatures
+from .diversity import BaseDistribution, BaseFeatures, BaseMetrics
 
 RECORD = "record.json"
 #: the sample section's fields an eval's images depend on (the others shape the training batch: group size,
@@ -227,7 +227,8 @@ def eval_files(run_dir: Path, tag: str) -> list[Path]:
     """The files an eval of the base model tagged `tag` leaves in a run directory: its grid (and videos, or
     completions) and the base-model files the later evals compare with."""
     found = sorted(run_dir.glob(f"eval-{tag}*"))
-    found += [p for p in (BaseDistribution(run_dir).path, BaseFeatures(run_dir).path) if p.exists()]
+    stores = (BaseDistribution(run_dir), BaseFeatures(run_dir), BaseMetrics(run_dir))
+    found += [store.path for store in stores if store.path.exists()]
     return found
 
 

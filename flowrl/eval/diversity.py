@@ -233,6 +233,38 @@ class BaseDistribution:
         tmp.replace(self.path)
 
 
+class BaseMetrics:
+    """The base model's eval metrics, kept beside its other base-model files (`eval-base-metrics.json`): written by
+    every eval of the base model that keeps its files (the one before training, `flowrl eval` of the base model
+    with --out), whatever its rewards count, so that a later eval of a checkpoint (`flowrl eval --checkpoint`)
+    prints its means beside the base's. The file holds {"metrics": {"eval/...": number}, "settings":
+    `eval_settings`}."""
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / "eval-base-metrics.json"
+
+    def _read(self) -> dict | None:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) and isinstance(data.get("metrics"), dict) else None
+
+    def load(self) -> dict | None:
+        data = self._read()
+        return None if data is None else data["metrics"]
+
+    def settings(self) -> dict | None:
+        data = self._read()
+        return None if data is None else data.get("settings")
+
+    def save(self, metrics: dict, settings: dict | None = None) -> None:
+        numbers = {k: v for k, v in metrics.items() if k.startswith("eval/") and isinstance(v, (int, float))}
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"metrics": numbers, "settings": settings}, indent=1, sort_keys=True))
+        tmp.replace(self.path)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Feature-space diversity (eval.diversity_features): for models whose free attributes no reward counts.
 #

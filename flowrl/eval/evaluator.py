@@ -24,6 +24,7 @@ from flowrl.offload import Parked, visiting
 from .diversity import (
     BaseDistribution,
     BaseFeatures,
+    BaseMetrics,
     eval_settings,
     feature_metrics,
     group_features,
@@ -56,19 +57,20 @@ def base_for_eval(base: str | None, checkpoint: str | None, settings: dict) -> P
     an eval of the run's checkpoint on other prompts) is not compared with (a warning says so)."""
 
     def holds(d: Path) -> bool:
-        return BaseDistribution(d).path.exists() or BaseFeatures(d).exists()
+        return BaseDistribution(d).path.exists() or BaseFeatures(d).exists() or BaseMetrics(d).path.exists()
 
     def differences(d: Path) -> list[str]:
-        found = [store.settings() for store in (BaseDistribution(d), BaseFeatures(d)) if store.path.exists()]
+        stores = (BaseDistribution(d), BaseFeatures(d), BaseMetrics(d))
+        found = [store.settings() for store in stores if store.path.exists()]
         return sorted({line for stored in found for line in settings_differences(stored, settings)})
 
     if base:
         where = Path(base)
         if not holds(where):
             raise EvalBaseError(
-                f"--base {where} holds no base-model eval ({BaseDistribution(where).path.name} or "
-                f"{BaseFeatures.NAME}): pass a training run's directory (its eval before training "
-                f"writes them) or the --out of `flowrl eval` of the base model (no --checkpoint)"
+                f"--base {where} holds no base-model eval ({BaseMetrics(where).path.name}, "
+                f"{BaseDistribution(where).path.name} or {BaseFeatures.NAME}): pass a training run's directory (its "
+                f"eval before training writes them) or the --out of `flowrl eval` of the base model (no --checkpoint)"
             )
         unlike = differences(where)
         if unlike:
@@ -223,6 +225,8 @@ class Evaluator:
         out = eval_summary(scores, self.meta, self.cfg.eval.group_by, base, reference=self.reference)
         if self.cfg.eval.diversity_features:
             out.update(self.feature_diversity(outputs, stored_dir, this_is_base, save_base_to))
+        if this_is_base and save_base_to is not None and (stored_dir is None or not BaseMetrics(stored_dir).load()):
+            BaseMetrics(save_base_to).save(out, self.settings)
         return out
 
     def feature_diversity(
