@@ -1,5 +1,7 @@
 """Config tree: presets, overrides, validation messages, docs from field docstrings."""
 
+import re
+
 import pytest
 
 from flowrl.config import Config, ConfigError, describe, field_docs, load_config, parse_overrides
@@ -159,3 +161,19 @@ def test_a_path_under_the_home_directory_is_expanded_as_a_prompt_files_always_wa
     values = [cfg.model.path, cfg.lora.init_path, cfg.log.run_dir, cfg.eval.base_cache, cfg.data.eval_prompts]
     assert values == [f"{tmp_path}/x/{i}" for i in range(len(keys))]
     assert load_config(None, ["model.path=org/name~1"]).model.path == "org/name~1"  # only a leading ~
+
+
+def test_a_key_given_twice_in_a_yaml_mapping_is_refused_with_both_lines(tmp_path):
+    """Plain YAML keeps a repeated key's last value silently (a second `model:` section replaces the first): the
+    config file says where both are instead."""
+    yml = tmp_path / "c.yaml"
+    yml.write_text("model:\n  path: a\ntrain:\n  lr: 1.0e-3\nmodel:\n  device: cpu\n")
+    with pytest.raises(
+        ConfigError, match=rf"^{re.escape(str(yml))}:5: 'model' is given twice in one mapping \(first at line 1\)"
+    ):
+        load_config(yml)
+    yml.write_text("train:\n  lr: 1.0e-3\n  epochs: 2\n  lr: 2.0e-3\n")
+    with pytest.raises(ConfigError, match=r":4: 'lr' is given twice in one mapping \(first at line 2\)"):
+        load_config(yml)
+    yml.write_text("train:\n  <<: {lr: 3.0e-3, epochs: 5}\n  epochs: 2\n")  # a merge key's keys may be given again
+    assert (load_config(yml).train.lr, load_config(yml).train.epochs) == (3.0e-3, 2)

@@ -411,8 +411,35 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     return " ".join(str(getattr(e, "problem", None) or e).split())
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key, line: int, first: int):
+        super().__init__(key)
+        self.key, self.line, self.first = key, line, first
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last one silently: a
+    second `train:` section would replace the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` (its keys may be given again: that overrides)
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: construct_mapping says so
+                break
+            if first is not None:
+                raise _DuplicateKey(key, key_node.start_mark.line + 1, first)
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: Path) -> Any:
-    """A YAML file's content; a syntax error is one ConfigError line naming the file, line and column."""
+    """A YAML file's content; a syntax error (or a key given twice in one mapping) is one ConfigError line naming
+    the file, line and column."""
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -420,7 +447,12 @@ def read_yaml(path: Path) -> Any:
     except OSError as e:
         raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror}") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+    except _DuplicateKey as e:
+        raise ConfigError(
+            f"{path}:{e.line}: {e.key!r} is given twice in one mapping (first at line {e.first}); YAML would keep "
+            "only the second: merge the two into one"
+        ) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
