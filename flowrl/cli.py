@@ -408,11 +408,18 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from importlib.metadata import PackageNotFoundError, version
+
     from .run.loading import WEIGHTS
 
     parser = argparse.ArgumentParser(
         prog="flowrl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    try:
+        installed = version("flowrl")
+    except PackageNotFoundError:  # (a checkout on sys.path, not installed)
+        installed = "unknown (not installed)"
+    parser.add_argument("--version", action="version", version=f"flowrl {installed}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def with_config(p, optional: bool):
@@ -515,8 +522,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo", help="run the embedded default (offline, CPU): online Diffusion-DPO on the shapes world"
     )
-    demo.add_argument("config", nargs="?", default="configs/shapes.yaml")
-    demo.add_argument("overrides", nargs="*", default=[], metavar="key=value")
+    demo.add_argument(
+        "config", nargs="?", default="configs/shapes.yaml", help="the demo's config (default configs/shapes.yaml)"
+    )
+    demo.add_argument(
+        "overrides", nargs="*", default=[], metavar="key=value", help="config overrides, e.g. train.seed=1"
+    )
     demo.add_argument("--toy", action="store_true", help="the tabular GRPO toy instead (seconds)")
     demo.set_defaults(func=_demo)
 
@@ -528,7 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint", default=None, help="a ckpt-XXXXXX directory, or a run directory (its newest); omit for the base"
     )
     ca.add_argument("--weights", choices=WEIGHTS, default="auto", help="as for eval")
-    ca.add_argument("--seed", type=int, default=0)
+    ca.add_argument("--seed", type=int, default=0, help="the seed of the calibration's noise (default 0)")
     with_config(ca, optional=False)
     ca.set_defaults(func=_calibrate)
 

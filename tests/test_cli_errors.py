@@ -651,3 +651,23 @@ def test_ctrl_c_before_any_stop_handler_is_one_line_and_exit_130(monkeypatch, ca
     monkeypatch.setattr(cli, "_train", interrupted)
     assert cli.main(["train"]) == 130
     assert capsys.readouterr().err == "flowrl train: interrupted by SIGINT\n"
+
+
+def test_version_and_every_argument_of_every_command_has_help(capsys):
+    """`flowrl --version` names the installed version; each subcommand's --help explains each of its arguments."""
+    from importlib.metadata import version
+
+    from flowrl.cli import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == f"flowrl {version('flowrl')}"
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    missing = [
+        f"{name} {action.dest}"
+        for name, command in sub.choices.items()
+        for action in command._actions
+        if action.dest != "help" and not action.help
+    ]
+    assert not missing, missing
