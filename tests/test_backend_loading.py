@@ -71,6 +71,9 @@ def test_saved_sd3_passes_preflight_from_its_config_files_alone(sd3_dirs, tmp_pa
         preflight_image_model(bare, "nosuchfamily", height=32, width=32)
     with pytest.raises(ValueError, match="has no model_index.json: not a diffusers pipeline directory"):
         preflight_image_model(str(tmp_path), height=32, width=32)
+    # a component's folder: the pipeline directory above it is named
+    with pytest.raises(ValueError, match=rf"it is the transformer folder of the pipeline directory {bare}: set "):
+        preflight_image_model(os.path.join(bare, "transformer"), height=32, width=32)
     with pytest.raises(ValueError, match="neither a local directory") as error:
         preflight_image_model(str(tmp_path / "missing" / "dir"), height=32, width=32)
     assert os.getcwd() in str(error.value) and "tiny-sd3" in str(error.value)  # where it looked, what else is valid

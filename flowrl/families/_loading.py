@@ -105,6 +105,12 @@ def _read_local_json(directory: str, name: str) -> dict:
     """The JSON file `name` (e.g. "vae/config.json") of a local pipeline directory."""
     file = os.path.join(directory, *name.split("/"))
     if not os.path.isfile(file):
+        parent = os.path.dirname(os.path.abspath(directory))
+        if name == "model_index.json" and os.path.isfile(os.path.join(parent, name)):  # a component's folder
+            raise ImageModelError(
+                f"{directory} has no {name}: it is the {os.path.basename(os.path.abspath(directory))} folder of the "
+                f"pipeline directory {parent}: set model.path={parent}"
+            )
         raise ImageModelError(
             f"{directory} has no {name}: not a diffusers pipeline directory (write one with pipe.save_pretrained(DIR))"
         )
