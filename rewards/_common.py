@@ -338,12 +338,17 @@ def image_scores(values: Any, n: int, who: str) -> "torch.Tensor":
     try:
         if isinstance(values, (str, bytes, dict)):
             raise TypeError(f"a {type(values).__name__}")
-        scores = torch.as_tensor(values, dtype=torch.float32).detach().reshape(-1)  # [n]
+        given = torch.as_tensor(values, dtype=torch.float32).detach()
     except (TypeError, ValueError, RuntimeError) as e:
         raise ValueError(
             f"reward {who!r} returned {type(values).__name__} that is not numbers ({e}); an image "
             f"reward returns one number per image (a list, tuple, numpy array or tensor)"
         ) from None
+    scores = given.reshape(-1)  # [n]
     if scores.numel() != n:
-        raise ValueError(f"reward {who!r} returned {scores.numel()} scores for {n} images")
+        shape = f" (shape {list(given.shape)})" if given.ndim > 1 else ""
+        raise ValueError(
+            f"reward {who!r} returned {scores.numel()} scores{shape} for {n} images; an image reward returns one "
+            f"number per image"
+        )
     return scores

@@ -157,6 +157,11 @@ def test_a_failing_plugin_is_named_and_chained(workdir):
     assert isinstance(info.value, FlowrlError)  # the command line prints its one line
     with pytest.raises(RewardError, match=r"^reward 'scores.py:too_few' returned 1 scores for 3 images"):
         rewards.build("scores.py:too_few", {}, "image")(gray(0, 3), ["a"] * 3)
+    from rewards._common import image_scores
+
+    with pytest.raises(ValueError, match=r"^reward 'r' returned 4 scores \(shape \[2, 2\]\) for 2 images; an image"):
+        image_scores([[1.0, 2.0], [3.0, 4.0]], 2, "r")
+    assert image_scores([[1.0], [2.0]], 2, "r").tolist() == [1.0, 2.0]  # [n, 1]: one number per image
 
 
 def test_a_failure_inside_a_library_names_the_plugins_line_that_called_it(workdir):
