@@ -457,7 +457,7 @@ def _nearby_files(path: Path) -> str:
     parent = path.parent
     if not parent.is_dir():
         return ""
-    names = sorted(p.name for p in parent.iterdir() if p.suffix.lower() in _FILE_SUFFIXES)
+    names = sorted(p.name for p in parent.iterdir() if p.suffix.lower() in _FILE_SUFFIXES and p.is_file())
     if not names:
         return ""
     import difflib

@@ -163,11 +163,12 @@ def test_a_bad_template_is_an_error_before_reading(tmp_path, template, problem):
 
 def test_a_missing_file_names_it_the_working_directory_and_the_files_beside_it(tmp_path):
     _write(tmp_path / "train.txt", "a cat\n")
+    (tmp_path / "train_run.txt").mkdir()  # a folder is not a prompt file, whatever its name
     missing = tmp_path / "trian.txt"
     with pytest.raises(
         PromptFileError,
         match=rf"prompt file '{re.escape(str(missing))}' does not exist .*"
-        rf"{re.escape(os.getcwd())}.*prompt files in .*: train.txt",
+        rf"{re.escape(os.getcwd())}.*prompt files in [^:]*: train.txt$",
     ) as info:
         load_prompts(missing)
     assert isinstance(info.value, FileNotFoundError)  # what load_prompts raised before
