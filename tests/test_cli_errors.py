@@ -273,6 +273,10 @@ def test_a_model_directory_whose_files_are_broken(tmp_path, capsys):
     assert "Traceback" not in err
     err = err.splitlines()[-1]
     assert f"model.path={model}: its weights do not load" in err and "truncated" in err
+    weights.unlink()  # deleted: the folder that lost it is named
+    assert main([*sample, "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"model.path={model}: transformer/ holds a config.json and no weights file" in err, err
     (model / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline",\n')
     err = one_line_error(capsys, 1, main([*sample, "--out", str(tmp_path / "o")]))
     assert f"{model / 'model_index.json'} is not valid JSON" in err

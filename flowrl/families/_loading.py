@@ -413,10 +413,33 @@ def _load_pipeline(path: str, family: str, dtype, drop_t5: bool, from_pretrained
             raise
         # a weight file that is truncated or of another model: diffusers names the file in a long message
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        bare = _components_without_weights(path, model_index)
+        if bare:
+            raise ImageModelError(
+                f"model.path={path}: {', '.join(f'{name}/' for name in bare)} holds a config.json and no weights file "
+                f"(a copy that left the weights out, or a file deleted): copy or save the pipeline again ({first})"
+            ) from e
         raise ImageModelError(
             f"model.path={path}: its weights do not load ({first}); a file may be truncated (an interrupted copy or "
             "download) or of another model: copy or save the pipeline again"
         ) from e
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".h5")
+
+
+def _components_without_weights(path: str, model_index: Mapping) -> list[str]:
+    """The components of the local pipeline directory `path` that are models (a folder with a config.json) but hold
+    no weights file."""
+    bare = []
+    for name, value in model_index.items():
+        folder = os.path.join(path, name)
+        if name.startswith("_") or not isinstance(value, (list, tuple)) or value[0] is None:
+            continue
+        if os.path.isfile(os.path.join(folder, "config.json")):
+            if not any(f.endswith(_WEIGHT_SUFFIXES) for f in os.listdir(folder)):
+                bare.append(name)
+    return bare
 
 
 def load_image_backend(
