@@ -606,6 +606,18 @@ def _one_line_warnings() -> None:
 
     one_line.flowrl_one_line = True
     warnings.formatwarning = one_line
+    _quiet_offline_kernels()
+
+
+def _quiet_offline_kernels() -> None:
+    """With HF_HUB_OFFLINE, the `kernels` package (which transformers imports with bitsandbytes) logs that it skips
+    a publisher check of a kernel flowrl never uses, on every command: a line of noise, dropped."""
+    import logging
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Skipping publisher trust check")
+
+    logging.getLogger("kernels._internals.hf_hub").addFilter(keep)
 
 
 def _leave(rc: int) -> int:

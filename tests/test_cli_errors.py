@@ -675,3 +675,18 @@ def test_version_and_every_argument_of_every_command_has_help(capsys):
         if action.dest != "help" and not action.help
     ]
     assert not missing, missing
+
+
+def test_the_offline_kernels_notice_is_dropped_and_nothing_else(caplog):
+    """transformers' `kernels` logs a publisher-check notice on every offline command; the command line drops that
+    line alone."""
+    import logging
+
+    from flowrl.cli import _quiet_offline_kernels
+
+    _quiet_offline_kernels()
+    log = logging.getLogger("kernels._internals.hf_hub")
+    with caplog.at_level(logging.WARNING):
+        log.warning("Skipping publisher trust check for 'kernels-community/x' because Hugging Face Hub is offline.")
+        log.warning("a kernel failed to load")
+    assert [r.getMessage() for r in caplog.records] == ["a kernel failed to load"]
