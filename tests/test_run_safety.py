@@ -564,7 +564,7 @@ def test_a_second_signal_during_the_checkpoint_write_stops_once_it_is_whole(tmp_
         f"flowrl train: second SIGTERM received: stopping now; checkpoint {run / 'ckpt-000001'} is written "
         "(resume with checkpoint.resume=auto)"
     ), proc.stderr[-2000:]
-    assert "stopping once the checkpoint being written is whole" in proc.stdout
+    assert "stopping once the checkpoint being written is whole" in proc.stderr  # (notices: stderr)
     assert "Traceback" not in proc.stderr
     assert [p.name for p in list_checkpoints(run)] == ["ckpt-000001"]
     assert read_checkpoint(run / "ckpt-000001")["state"]["counters"]["epochs_done"] == 1
