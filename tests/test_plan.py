@@ -188,6 +188,22 @@ def test_text_plan_counts_what_the_text_policy_trains():
     assert "GPT2LMHeadModel" in result.render()
 
 
+def test_text_plan_cuts_the_sequence_to_the_models_positions(tmp_path):
+    """The text policy cuts prompts to the positions max_new_tokens leaves: the planner's sequence is no longer."""
+    from conftest import save_tiny_gpt2
+
+    d = save_tiny_gpt2(tmp_path / "lm", n_positions=32)
+    cfg = load_config(ROOT / "configs" / "text_arith.yaml", [f"model.path={d}", "text.max_new_tokens=4"])
+    assert cfg.text.max_prompt_length + 4 > 32
+    text = plan(cfg).render()
+    assert "32 tokens (max_prompt_length + max_new_tokens, cut to the model's 32 positions)" in text, text
+    short = [f"model.path={d}", "text.max_prompt_length=8", "text.max_new_tokens=4"]  # within the 32: not cut
+    assert (
+        "12 tokens (max_prompt_length + max_new_tokens), vocabulary"
+        in plan(load_config(ROOT / "configs" / "text_arith.yaml", short)).render()
+    )
+
+
 @pytest.mark.parametrize(
     "repo,image_tokens,text_tokens",
     [

@@ -109,6 +109,10 @@ def plan_text(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
     )
     cols = columns(cfg, n_trained, gpus)
     tokens = x.max_prompt_length + x.max_new_tokens  # prompts are left-padded to the batch's longest
+    config = getattr(model.module, "config", None)
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None) if config is not None else None
+    cut = isinstance(positions, int) and positions < tokens  # the policy cuts prompts to the positions left
+    tokens = positions if cut else tokens
     layers, vocab = lm_layers(module, tokens, adapted)
     terms = activation_terms(layers, dtype)
     update = UpdateEstimate(
@@ -126,7 +130,8 @@ def plan_text(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
     )
     rows = [Row(f"model ({model.class_name})", model.params / 1e9, spread(cols, model.weight_bytes, gpus, "weights"))]
     rows += training_rows(tr, cols, gpus)
-    rows_note = f"{tokens} tokens (max_prompt_length + max_new_tokens), vocabulary {vocab}"
+    within = f", cut to the model's {positions} positions" if cut else ""
+    rows_note = f"{tokens} tokens (max_prompt_length + max_new_tokens{within}), vocabulary {vocab}"
     targets = ", ".join(cfg.lora.target_modules) if cfg.lora.target_modules else "peft's default for the model"
     lora = (
         f"LoRA r{cfg.lora.rank} alpha {cfg.lora.alpha:g} on {targets}"
