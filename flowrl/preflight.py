@@ -142,8 +142,8 @@ def check_reward_columns(cfg: Config, train_set: PromptSet, eval_set: PromptSet)
                 raise PreflightError(
                     f"rewards[{i}] ({spec.target}) reads each prompt's {' or '.join(map(repr, names))} column, and "
                     f"{where} has none at {prompts.origins[missing]}: its prompts' metadata columns are "
-                    f"{metadata_columns(prompts.metadata)}; give a .jsonl file (or an hf: dataset) with that column, "
-                    f"or another reward"
+                    f"{metadata_columns(prompts.metadata)}; give a .jsonl, .json or .csv file (or an hf: dataset) "
+                    f"with that column, or another reward"
                 )
         check = _checked(f"rewards[{i}] ({spec.target})", row_check, spec.target)
         for where, prompts in sets if check is not None else ():

@@ -205,8 +205,8 @@ def check_server(url: str, kind: str = IMAGE, *, timeout: float = 5.0, retries: 
         raise client._malformed(f"GET /health gave {json.dumps(answer)[:120]}, not a flowrl reward server's status")
     if served != kind:
         raise RewardServerError(
-            f"reward server {client.url} serves a {served} reward ({answer.get('reward')!r}); "
-            f"this remote reward is of kind {kind!r} (set its kind option, or serve a {kind} reward)"
+            f"reward server {client.url} serves {_a(served)} reward ({answer.get('reward')!r}); "
+            f"this remote reward is of kind {kind!r} (set its kind option, or serve {_a(kind)} reward)"
         )
     return answer
 
@@ -241,3 +241,8 @@ def _error_message(error: urllib.error.HTTPError) -> str:
     except (ValueError, OSError, AttributeError):
         message = error.reason
     return " ".join(str(message).split())
+
+
+def _a(kind: str) -> str:
+    """'an image' / 'a text': the article before a reward kind."""
+    return f"{'an' if str(kind)[:1].lower() in 'aeiou' else 'a'} {kind}"

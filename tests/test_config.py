@@ -177,3 +177,14 @@ def test_a_key_given_twice_in_a_yaml_mapping_is_refused_with_both_lines(tmp_path
         load_config(yml)
     yml.write_text("train:\n  <<: {lr: 3.0e-3, epochs: 5}\n  epochs: 2\n")  # a merge key's keys may be given again
     assert (load_config(yml).train.lr, load_config(yml).train.epochs) == (3.0e-3, 2)
+
+
+def test_a_directory_given_as_the_config_says_a_model_directory_goes_in_model_path(tmp_path):
+    (tmp_path / "my_model").mkdir()
+    (tmp_path / "my_model" / "model_index.json").write_text("{}")
+    with pytest.raises(
+        ConfigError, match=r"is a directory \(a model's directory, which a config names as model.path\)"
+    ):
+        load_config(tmp_path / "my_model")
+    with pytest.raises(ConfigError, match=r"is a directory; give a YAML config"):
+        load_config(tmp_path)

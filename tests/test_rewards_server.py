@@ -555,7 +555,10 @@ def test_something_else_on_the_port_or_the_other_kind_is_refused_before_the_mode
     assert f"rewards[0] (remote): reward server {url} sent a malformed reply: not JSON" in err
     url = serve(rewards.get("accuracy"), name="accuracy")
     err = _one_line(capsys, main(_train_with_remote(url, tmp_path)))
-    assert f"reward server {url} serves a text reward ('accuracy'); this remote reward is of kind 'image'" in err
+    assert (
+        f"reward server {url} serves a text reward ('accuracy'); this remote reward is of kind 'image' (set its "
+        "kind option, or serve an image reward)" in err
+    )
 
 
 def test_preflight_checks_the_servers_of_a_weighted_rewards_remote_components(serve):

@@ -514,6 +514,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         path = Path(path)
         if not path.exists():
             raise ConfigError(f"config file {str(path)!r} does not exist")
+        if path.is_dir():
+            pipeline = (path / "model_index.json").exists() or (path / "config.json").exists()
+            model = " (a model's directory, which a config names as model.path)" if pipeline else ""
+            raise ConfigError(
+                f"config file {str(path)!r} is a directory{model}; give a YAML config and, for a model, "
+                f"model.path={path} after it (e.g. `flowrl plan configs/tiny_cpu.yaml model.path={path}`)"
+            )
         loaded = read_yaml(path) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}")
