@@ -3,6 +3,7 @@ formula written out independently here on fixed log-probs."""
 
 import json
 import math
+import re
 from types import SimpleNamespace
 
 import torch
@@ -392,8 +393,9 @@ def test_trl_reward_functions_work_unchanged_in_the_loop(tiny_lm, tmp_path, monk
 
 
 def test_the_text_eval_leaves_an_infinite_score_out_of_its_mean(tiny_lm, tmp_path):
-    """A text reward returning inf for one completion and None for another: None counts as 0, the inf is left out
-    of the eval's mean and counted (not turned into the largest float)."""
+    """A text reward returning inf for one completion and None for another: None does not apply (as in training: no
+    score, left out of the mean without a warning, the share that has one logged), the inf is left out of the
+    eval's mean and counted as a failure (not turned into the largest float)."""
     import pytest
 
     (tmp_path / "inf_text.py").write_text(
@@ -403,11 +405,15 @@ def test_the_text_eval_leaves_an_infinite_score_out_of_its_mean(tiny_lm, tmp_pat
     tr = Trainer(cfg)
     outputs, scores = tr.evaluator.sample(tr.policy, tr.scorer.fns)
     name = cfg.rewards[0].name
-    assert scores[name][:2].tolist() == [float("inf"), 0.0]
-    with pytest.warns(UserWarning, match="not finite"):
+    assert scores[name][0].item() == float("inf") and math.isnan(scores[name][1].item())
+    with pytest.warns(UserWarning, match=rf"not finite .*\({re.escape(name)} 1 of {len(outputs)}\)"):
         results = tr.evaluator.results(outputs, scores, base_dir=None, this_is_base=True)
-    assert results[f"eval/{name}_nonfinite"] == 1
-    assert results[f"eval/{name}_mean"] == pytest.approx(4 / 5)  # 0 and four 1s
+    assert results[f"eval/{name}_nonfinite"] == 1  # the inf alone
+    assert results[f"eval/{name}_mean"] == 1.0  # the 1s alone
+    assert results[f"eval/{name}_applies"] == pytest.approx((len(outputs) - 1) / len(outputs))
+    path = tr.policy.save_eval_outputs(outputs, tr.evaluator.prompts, tmp_path / "ev", scores[name])
+    rows = [json.loads(line) for line in path.read_text().splitlines()]  # strict JSON: no Infinity, no NaN
+    assert [r["score"] for r in rows[:3]] == [None, None, 1.0]
 
 
 def test_lora_init_path_starts_a_text_run_from_an_exported_adapter(tiny_lm, tmp_path):
@@ -436,3 +442,16 @@ def test_lora_init_path_starts_a_text_run_from_an_exported_adapter(tiny_lm, tmp_
         Trainer(text_cfg(tiny_lm, tmp_path / "d", f"lora.init_path={lora}", "lora.alpha=8"))
     with pytest.raises(ConfigError, match=r"holds a LoRA of rank 8, this config's lora\.rank is 4"):
         Trainer(text_cfg(tiny_lm, tmp_path / "e", f"lora.init_path={lora}", "lora.alpha=16", "lora.rank=4"))
+
+
+def test_a_text_evals_settings_name_what_its_completions_depend_on(tiny_lm, tmp_path):
+    """A text run's eval settings (which a base eval must share to be compared with) hold the text settings its greedy
+    completions depend on: a base made at other max_new_tokens is not the base of this eval."""
+    from flowrl.eval.diversity import TEXT_EVAL_KEYS, eval_settings, settings_differences
+
+    cfg = text_cfg(tiny_lm, tmp_path / "run")
+    short = text_cfg(tiny_lm, tmp_path / "run", "text.max_new_tokens=2")
+    a, b = (eval_settings(["1+1="], [{}], c.eval, c.sample, c.text) for c in (cfg, short))
+    assert all(f"text.{k}" in a for k in TEXT_EVAL_KEYS)
+    assert settings_differences(a, b) == [f"text.max_new_tokens: {cfg.text.max_new_tokens!r} (base) vs 2"]
+    assert not any(k.startswith("text.") for k in eval_settings(["x"], [{}], cfg.eval, cfg.sample))  # (images)

@@ -169,14 +169,20 @@ def reference_distributions(
     return {k: normalised(d) for k, d in reference.items() if k in hists}
 
 
-def eval_settings(prompts: list[str], metadata: list[dict], eval_cfg, sample_cfg) -> dict:
+#: the text settings a text eval's greedy completions depend on (beside the prompts)
+TEXT_EVAL_KEYS = ("max_new_tokens", "max_prompt_length", "chat_template", "tool_env", "tool_stop", "max_turns")
+
+
+def eval_settings(prompts: list[str], metadata: list[dict], eval_cfg, sample_cfg, text_cfg=None) -> dict:
     """What an eval's images depend on besides the weights, for telling whether a stored base-model eval can be
     compared with this one: the prompts as listed (with their metadata, as `eval_plan` lays them out; a digest),
     the ODE steps, the CFG scale, the noise seed, the images per listed prompt and the size. Two evals with the same
     settings draw the same initial noise for the same prompts, so the base model's images pair with the trained
-    model's."""
+    model's. `text_cfg` (a text run's): the text settings its completions depend on (`TEXT_EVAL_KEYS`) too."""
     listed = json.dumps([prompts, metadata], sort_keys=True, default=str, ensure_ascii=False)
+    text = {f"text.{k}": getattr(text_cfg, k) for k in TEXT_EVAL_KEYS} if text_cfg is not None else {}
     return {
+        **text,
         "prompts": f"{len(prompts)} listed, sha256 {hashlib.sha256(listed.encode()).hexdigest()[:16]}",
         "eval.num_steps": eval_cfg.num_steps,
         "eval.guidance_scale": eval_cfg.guidance_scale,

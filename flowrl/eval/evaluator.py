@@ -126,7 +126,9 @@ class Evaluator:
     def __init__(self, cfg, eval_set, device, *, offload: bool = False):
         self.cfg, self.device, self.offload = cfg, torch.device(device), offload
         self.prompts, self.meta, self.eval_cfg = eval_plan(eval_set, cfg.eval)
-        self.settings = eval_settings(self.prompts, self.meta, self.eval_cfg, cfg.sample)
+        self.settings = eval_settings(
+            self.prompts, self.meta, self.eval_cfg, cfg.sample, cfg.text if cfg.backend == "text" else None
+        )
         self.reference = load_free_reference(cfg.eval.free_reference)  # None (off), 'uniform' or its mapping
         self.encoder, self.parked_encoder = None, None
         self.warned: set[Path] = set()  # the base files a warning was given about (once each)
@@ -222,7 +224,10 @@ class Evaluator:
             base = hists
             if save_base_to is not None:
                 BaseDistribution(save_base_to).save(hists, self.settings)
-        out = eval_summary(scores, self.meta, self.cfg.eval.group_by, base, reference=self.reference)
+        text = self.cfg.backend == "text"  # a text reward's None (NaN here) does not apply: no score, no failure
+        out = eval_summary(
+            scores, self.meta, self.cfg.eval.group_by, base, reference=self.reference, nan_is_absent=text
+        )
         if self.cfg.eval.diversity_features:
             out.update(self.feature_diversity(outputs, stored_dir, this_is_base, save_base_to))
         if this_is_base and save_base_to is not None and (stored_dir is None or not BaseMetrics(stored_dir).load()):

@@ -87,6 +87,7 @@ def eval_summary(
     group_by: str = "",
     base: dict[str, dict[str, float]] | None = None,
     reference: str | dict[str, dict[str, float]] | None = None,
+    nan_is_absent: bool = False,
 ) -> dict[str, float]:
     """{name: per-sample scores [P * n]} -> {"eval/<name>_mean": mean} plus, with `group_by`, the
     `grouped_means` of every score (shared by the trainer's evaluations and `flowrl eval`). Free-attribute counts
@@ -95,7 +96,9 @@ def eval_summary(
     `reference`, eval.free_reference as `diversity.load_free_reference` reads it).
     Scores that are not finite (inf, NaN) are left out of the means, as training leaves them out of the advantages:
     their number is `eval/<name>_nonfinite` (when there are any; one warning names them), and a score with no
-    finite value has no mean."""
+    finite value has no mean. `nan_is_absent` (text rewards, whose None and NaN mean "does not apply", as in
+    training): a NaN is no score rather than a failure, left out of the means without a warning, and the share
+    that has one is `eval/<name>_applies` (when it is not all); an inf is still a failure."""
     from .diversity import distribution_metrics, histograms, is_count
 
     out: dict[str, float] = {}
@@ -105,9 +108,12 @@ def eval_summary(
             continue
         vals = torch.as_tensor(vals, dtype=torch.float64)
         finite = torch.isfinite(vals)
-        if not finite.all():
-            out[f"eval/{name}_nonfinite"] = int((~finite).sum())
-            bad.append(f"{name} {int((~finite).sum())} of {len(vals)}")
+        failed = ~finite & ~vals.isnan() if nan_is_absent else ~finite
+        if nan_is_absent and vals.isnan().any():
+            out[f"eval/{name}_applies"] = float((~vals.isnan()).double().mean())
+        if failed.any():
+            out[f"eval/{name}_nonfinite"] = int(failed.sum())
+            bad.append(f"{name} {int(failed.sum())} of {len(vals)}")
         if finite.any():
             out[f"eval/{name}_mean"] = float(vals[finite].mean())
         if group_by:

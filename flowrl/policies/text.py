@@ -17,6 +17,7 @@ import copy
 import functools
 import inspect
 import json
+import math
 import warnings
 from pathlib import Path
 
@@ -440,12 +441,14 @@ class TextPolicy:
         enc = tokenize(self.text.max_prompt_length)
         if enc["input_ids"].shape[1] - drop > self.prompt_limit:  # longer than the model's positions leave
             limit, t = self.prompt_limit, self.text
-            warnings.warn(
-                f"prompts of more than {limit} tokens are cut to their last {limit}: the {self._positions} positions "
-                f"of model.path={self.cfg.model.path} (max_position_embeddings) less text.max_new_tokens="
-                f"{t.max_new_tokens}; set text.max_prompt_length={limit} (or lower) to cut them there unwarned",
-                stacklevel=2,
-            )
+            if not getattr(self, "_said_cut", False):  # once a run (rollouts and evals both call here)
+                self._said_cut = True
+                warnings.warn(
+                    f"prompts of more than {limit} tokens are cut to their last {limit}: the {self._positions} "
+                    f"positions of model.path={self.cfg.model.path} (max_position_embeddings) less text.max_new_tokens="
+                    f"{t.max_new_tokens}; set text.max_prompt_length={limit} (or lower) to cut them there unwarned",
+                    stacklevel=2,
+                )
             enc = tokenize(limit)
         ids, attn = enc["input_ids"], enc["attention_mask"]
         if drop:
@@ -880,7 +883,8 @@ class TextPolicy:
         per_call=0,
         on_batch=None,
     ):
-        """Greedy completions of the eval prompts `prompts[part]` and each reward's scores (None counts as 0):
+        """Greedy completions of the eval prompts `prompts[part]` and each reward's scores (None: NaN, "does not
+        apply", which the eval leaves out of its means as training does):
         (completions, per-reward scores [n] each, {} components). The rewards are called as in training, with
         their log_metric / log_extra calls kept out of the training logs. `stop()`: called before each batch of
         64 prompts (`per_call` is the image policies' and is not used here) and each reward; it raises to abandon
@@ -906,7 +910,7 @@ class TextPolicy:
                 stop()
             vals = call_text_reward(fn, prompts, completions, ids, columns, state=self.reward_state, logs={}, extra={})
             per_reward.append(torch.tensor([float("nan") if v is None else float(v) for v in vals]))
-        return completions, [v.masked_fill(v.isnan(), 0.0) for v in per_reward], {}  # inf stays: not a score
+        return completions, per_reward, {}
 
     def save_eval_outputs(self, outputs, prompts, path: Path, scores=None) -> Path:
         """`path`.jsonl: one row per eval prompt with its completion (and score, when given)."""
@@ -915,8 +919,8 @@ class TextPolicy:
         tmp = path.with_suffix(".tmp")
         rows = [{"prompt": p, "completion": c} for p, c in zip(prompts, outputs)]
         if scores is not None:
-            for row, score in zip(rows, scores):
-                row["score"] = float(score)
+            for row, score in zip(rows, scores):  # None: the reward does not apply (or not a finite number)
+                row["score"] = float(score) if math.isfinite(float(score)) else None
         tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
         tmp.replace(path)
         return path
