@@ -50,11 +50,11 @@ def _train(args) -> int:
     with StopSignals(announce=os.environ.get("RANK", "0") == "0").installed():  # from the start to the end
         metrics = train(cfg)
     keys = [k for k in sorted(metrics) if k.startswith(("eval/", "reward/total"))]
-    if keys:  # (none: nothing was trained, which the run said)
+    if keys and os.environ.get("RANK", "0") in ("", "0"):  # (none: nothing was trained, which the run said)
+        # the main process's alone: another rank's metrics lack the eval, and one JSON object reads as one result
         print(json.dumps({k: metrics[k] for k in keys}, indent=1))
-        if os.environ.get("RANK", "0") in ("", "0"):
-            for line in before_after_lines(cfg.log.run_dir, metrics):
-                print(f"flowrl: {line}", file=sys.stderr)
+        for line in before_after_lines(cfg.log.run_dir, metrics):
+            print(f"flowrl: {line}", file=sys.stderr)
     return 0
 
 
@@ -640,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     instead."""
     import os
 
-    from .errors import FlowrlError, StopNow
+    from .errors import FlowrlError, Interrupted, StopNow
 
     argv = sys.argv[1:] if argv is None else list(argv)
     _one_line_warnings()
@@ -656,6 +656,8 @@ def main(argv: list[str] | None = None) -> int:
     except FlowrlError as e:
         if os.environ.get("FLOWRL_DEBUG"):
             raise
+        if isinstance(e, Interrupted) and os.environ.get("RANK", "0") not in ("", "0"):
+            return e.exit_code  # a stop of a multi-process run: the main process says it, naming the checkpoint
         print(f"flowrl {args.command}: {e}", file=sys.stderr)
         for note in getattr(e, "__notes__", ()):  # what the run kept (Trainer.save_after_failure)
             print(f"flowrl {args.command}: {note}", file=sys.stderr)

@@ -265,6 +265,56 @@ def test_train_help_shows_field_docs(capsys):
     assert "train.grpo.clip_low" in out and "Flow-GRPO uses 1e-4" in out and "train.grpo.window.kind" in out
 
 
+RANK0_SIGNAL_REWARD = """
+import os, signal
+calls = 0
+
+def brightness(images, prompts, on_call=3, **metadata):
+    global calls
+    calls += 1
+    if calls == on_call and os.environ.get("RANK", "0") == "0":  # 3: epoch 2's (the eval before, epoch 1, epoch 2)
+        os.kill(os.getpid(), signal.SIGTERM)
+    return [sum(im.convert("L").getdata()) / (255.0 * im.width * im.height) for im in images]
+"""
+
+
+def test_a_signal_to_one_of_two_processes_stops_both_cleanly_on_a_checkpointed_state(tmp_path):
+    """SIGTERM to rank 0 during epoch 2's reward, whose state (epoch 1's end) the newest checkpoint already holds:
+    every process decides alike not to save again (a save is a collective; only the main process knows the path),
+    so both stop with no traceback and the run resumes to its end."""
+    (tmp_path / "scores.py").write_text(RANK0_SIGNAL_REWARD)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    config = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "cpu_2proc.yaml"
+    cmd = [
+        *accelerate_launch(),
+        "--config_file",
+        str(config),
+        "-m",
+        "flowrl",
+        "train",
+        *TINY,
+        "train.epochs=3",
+        "checkpoint.every=1",
+        "eval.num_prompts=2",
+        "eval.grid=false",
+        "rewards=[{name: 'scores.py:brightness'}]",
+        f"log.run_dir={tmp_path / 'run'}",
+    ]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    # (the launcher itself prints a traceback for any rank's non-zero exit: none from flowrl's processes)
+    assert proc.returncode != 0 and "[rank" not in proc.stderr and "RuntimeError" not in proc.stderr, proc.stderr
+    stopped = [line for line in proc.stderr.splitlines() if line.startswith("flowrl train: stopped by")]
+    assert stopped == [  # said once, by the main process
+        f"flowrl train: stopped by SIGTERM after 1 epochs; checkpoint {tmp_path / 'run' / 'ckpt-000001'}. Resume with "
+        f"checkpoint.resume=auto (same config and log.run_dir={tmp_path / 'run'})"
+    ], proc.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "run").glob("ckpt-*")) == ["ckpt-000001"]
+    again = [*cmd, "checkpoint.resume=auto", "rewards=[{name: 'scores.py:brightness', kwargs: {on_call: 0}}]"]
+    resumed = subprocess.run(again, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (tmp_path / "run" / "ckpt-000003").is_dir()
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo multi-process test written for linux")
 def test_two_processes_stay_in_sync(tmp_path):
     """`accelerate launch -m flowrl train` with 2 CPU processes (gloo): groups span the processes, gradients
@@ -288,6 +338,8 @@ def test_two_processes_stay_in_sync(tmp_path):
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # one result on stdout, the main process's (with the final eval), not one per rank
+    assert proc.stdout.count('"reward/total_mean"') == 1 and '"eval/' in proc.stdout, proc.stdout
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     sync = [r for r in rows if "dist/replica_max_abs_diff" in r]
     assert sync and sync[-1]["dist/replica_max_abs_diff"] == 0.0

@@ -724,8 +724,11 @@ class Trainer:
                 f"written: run the same command again{again} to start over",
                 signum,
             )
-        path = self.saved[1] if self.saved is not None and self.saved[0] == now else None
-        if path is None:
+        # decided on the state, alike on every process (only the main one knows the checkpoint's path): a save is a
+        # collective that every process joins or none
+        if self.saved is not None and self.saved[0] == now:
+            path = self.saved[1]
+        else:
             if self.epoch_rng is not None:  # in an epoch: its resumed run draws what this one drew
                 set_rng_state(*self.epoch_rng)
             path = self.save()
