@@ -239,7 +239,9 @@ def _sample(args) -> int:
     if args.greedy:
         raise SystemExit("flowrl sample: --greedy is a text model's decoding; an image model samples the ODE")
     family_name = check_model(cfg)  # the model's class and the image size, before it loads
-    check_sample_images(family_name, args.image or [])
+    images_of = _row_images(cfg, args, given, family_name)  # a prompt file's own conditioning images, if it has any
+    if images_of is None:
+        check_sample_images(family_name, args.image or [])
     check_lora_init(cfg, family_name)  # lora.init_path's settings and component, before the model loads too
     policy = policy_from_checkpoint(cfg, args.checkpoint, args.weights, _device(cfg))
     # one line for prompts a text encoder cuts (and the libraries' own truncation logs silenced), as training does
@@ -253,30 +255,63 @@ def _sample(args) -> int:
         num_steps=args.steps or cfg.eval.num_steps,
         guidance_scale=cfg.eval.guidance_scale,
         image_paths=args.image,
+        images_of=images_of,
         per_call=images_per_call(cfg.sample),  # a training rollout's call: what fits where training does
         progress=cfg.log.progress,
     )
-    print(f"wrote {count} images to {args.out} (listed in samples.jsonl)")
+    from .families import family
+
+    what = "videos" if family(family_name).video else "images"
+    print(f"wrote {count} {what} to {args.out} (listed in samples.jsonl)")
     return 0
 
 
 def _sample_prompts(cfg, args):
     """The prompts of `flowrl sample`: each --prompt, then those of --prompts FILE (read as data.train_prompts is:
-    its column and template), as a PromptSet whose origins name them (--prompt #i, FILE:line)."""
+    its column, template and image column), as a PromptSet whose origins name them (--prompt #i, FILE:line) and
+    whose metadata holds each file row's columns (its conditioning images among them)."""
     from .data import PromptSet, load_prompts
 
     given = list(args.prompt or [])
     origins = [f"--prompt #{i + 1}" for i in range(len(given))]
+    metadata = [{} for _ in given]
     if args.prompts:
         d = cfg.data
         try:
-            listed = load_prompts(args.prompts, column=d.prompt_column, template=d.prompt_template, image_column="")
+            listed = load_prompts(
+                args.prompts, column=d.prompt_column, template=d.prompt_template, image_column=d.image_column
+            )
         except ValueError as e:  # PromptFileError: one line naming the file and line
             raise SystemExit(f"flowrl sample: --prompts: {e}") from None
         given, origins = given + listed.prompts, origins + listed.origins
+        metadata += listed.metadata
     if not given:
         raise SystemExit("flowrl sample: no prompts: give --prompt TEXT (repeatable) or --prompts FILE")
-    return PromptSet(given, origins=origins)
+    return PromptSet(given, metadata=metadata, origins=origins)
+
+
+def _row_images(cfg, args, given, family_name: str) -> list[list[str]] | None:
+    """The conditioning images of each prompt when --prompts FILE's rows carry them (data.image_column): checked
+    against what the family takes per prompt (a --prompt beside them has none); None when no row has any (then
+    --image gives every prompt's). A file's images and --image together are refused: one source per run."""
+    from .conditioning import check_image_counts
+    from .families import family
+    from .preflight import PreflightError
+
+    column = cfg.data.image_column
+    own = [(m or {}).get(column) if column else None for m in given.metadata]
+    if not any(own):
+        return None
+    if args.image:
+        raise PreflightError(
+            f"--prompts {args.prompts} gives each row's images (its {column!r} column, data.image_column) and "
+            f"--image every prompt's: give one of them"
+        )
+    try:
+        check_image_counts(given.metadata, given.origins, column, family(family_name).condition_images, family_name)
+    except ValueError as e:
+        raise PreflightError(str(e)) from None
+    return [[v] if isinstance(v, str) else list(v or []) for v in own]
 
 
 def _sample_text(cfg, args, given) -> int:

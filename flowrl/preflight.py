@@ -553,5 +553,5 @@ def check_sample_images(family_name: str, paths: list[str]) -> None:
     accepts = family(family_name).condition_images
     problem = count_problem(len(paths), accepts, family_name, fix="or leave --image out")
     if problem:
-        each = "" if accepts[1] == 0 else " (give each image with its own --image)"
+        each = " (give each image with its own --image)" if len(paths) < accepts[0] else ""  # (too few)
         raise PreflightError(f"--image: {problem}{each}")

@@ -390,6 +390,45 @@ def test_sample_checks_its_images_before_the_model_loads(tmp_path, capsys, no_mo
     assert "sd3 is a text-to-image family and takes no conditioning image, got 1" in err
 
 
+def test_sample_prompts_of_an_edit_set_take_each_rows_own_source_image(tmp_path, capsys, monkeypatch):
+    """`flowrl sample --prompts FILE` of an editing model: each row samples with the images of its own `image`
+    column (data.image_column), as training and the eval read them, and samples.jsonl names them. The file's
+    images beside --image, or a --prompt without an image beside them, are one line each."""
+    from PIL import Image
+
+    from flowrl.policies.image import ImagePolicy
+
+    kontext = [*TINY, "model.path=tiny-flux_kontext"]
+    for k, color in enumerate(("red", "blue")):
+        Image.new("RGB", (32, 32), color).save(tmp_path / f"src{k}.png")
+    rows = [{"prompt": f"make it green {k}", "image": f"src{k}.png"} for k in range(2)]
+    (tmp_path / "edits.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    calls, real = [], ImagePolicy.sample
+
+    def recorded(self, prompts, seeds, **kwargs):
+        calls.append((list(prompts), list(kwargs["image_paths"])))
+        return real(self, prompts, seeds, **kwargs)
+
+    monkeypatch.setattr(ImagePolicy, "sample", recorded)
+    out = tmp_path / "out"
+    assert main(["sample", TINY_CFG, *kontext, "--prompts", str(tmp_path / "edits.jsonl"), "--out", str(out)]) == 0
+    sources = [str(tmp_path / "src0.png"), str(tmp_path / "src1.png")]
+    assert calls == [(["make it green 0"], sources[:1]), (["make it green 1"], sources[1:])]
+    listed = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [(r["file"], r["images"]) for r in listed] == [
+        ("000_seed0.png", sources[:1]),
+        ("001_seed0.png", sources[1:]),
+    ]
+    capsys.readouterr()
+    image = ["--image", sources[1]]
+    both = ["--prompts", str(tmp_path / "edits.jsonl"), *image, "--out", str(tmp_path / "x")]
+    err = one_line_error(capsys, 1, main(["sample", TINY_CFG, *kontext, *both]))
+    assert "gives each row's images (its 'image' column, data.image_column) and --image every prompt's" in err
+    mixed = ["--prompts", str(tmp_path / "edits.jsonl"), "--prompt", "a cat", "--out", str(tmp_path / "x")]
+    err = one_line_error(capsys, 1, main(["sample", TINY_CFG, *kontext, *mixed]))
+    assert "--prompt #1: flux_kontext takes exactly 1 image per prompt, got 0" in err
+
+
 def test_sample_checks_its_counts_and_its_folder_before_the_model_loads(tmp_path, capsys, no_model_load):
     """--num, --steps and an --out that cannot be written (here a file's path as a folder; `flowrl eval --out` too):
     one line each, before the model loads, so that nothing sampled is lost to them."""

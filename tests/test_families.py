@@ -149,7 +149,7 @@ def test_the_exported_lora_loads_in_the_pipeline_and_reproduces_the_trained_mode
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_a_saved_pipeline_trains_one_epoch_and_flowrl_sample_loads_its_checkpoint(name, tmp_path):
+def test_a_saved_pipeline_trains_one_epoch_and_flowrl_sample_loads_its_checkpoint(name, tmp_path, capsys):
     from flowrl.cli import main
     from flowrl.config import load_config
     from flowrl.train import Trainer
@@ -187,6 +187,8 @@ def test_a_saved_pipeline_trains_one_epoch_and_flowrl_sample_loads_its_checkpoin
         )
         == 0
     )
+    wrote = "videos" if family(name).video else "images"
+    assert f"wrote 1 {wrote} to {out}" in capsys.readouterr().out
     if family(name).video:  # an animation of the tiny model's frames
         from PIL import Image
 
