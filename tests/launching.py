@@ -21,3 +21,9 @@ def accelerate_launch() -> list[str]:
     taken by another run on the machine) sends accelerate into a fallback launch mode whose processes can abort
     at exit."""
     return [str(ACCELERATE), "launch", "--main_process_port", str(free_port())]
+
+
+def flowrl_train_on_two_cpu_processes(*args: str) -> list[str]:
+    """`accelerate launch` of `flowrl train ARGS` on 2 CPU processes (gloo), with the shipped cpu_2proc.yaml."""
+    config = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "cpu_2proc.yaml"
+    return [*accelerate_launch(), "--config_file", str(config), "-m", "flowrl", "train", *args]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import accelerate_launch
+from launching import accelerate_launch, flowrl_train_on_two_cpu_processes
 
 from flowrl.config import load_config
 from flowrl.train import Trainer
@@ -284,14 +284,7 @@ def test_a_signal_to_one_of_two_processes_stops_both_cleanly_on_a_checkpointed_s
     so both stop with no traceback and the run resumes to its end."""
     (tmp_path / "scores.py").write_text(RANK0_SIGNAL_REWARD)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    config = Path(__file__).resolve().parents[1] / "configs" / "accelerate" / "cpu_2proc.yaml"
-    cmd = [
-        *accelerate_launch(),
-        "--config_file",
-        str(config),
-        "-m",
-        "flowrl",
-        "train",
+    cmd = flowrl_train_on_two_cpu_processes(
         *TINY,
         "train.epochs=3",
         "checkpoint.every=1",
@@ -299,7 +292,7 @@ def test_a_signal_to_one_of_two_processes_stops_both_cleanly_on_a_checkpointed_s
         "eval.grid=false",
         "rewards=[{name: 'scores.py:brightness'}]",
         f"log.run_dir={tmp_path / 'run'}",
-    ]
+    )
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     # (the launcher itself prints a traceback for any rank's non-zero exit: none from flowrl's processes)
     assert proc.returncode != 0 and "[rank" not in proc.stderr and "RuntimeError" not in proc.stderr, proc.stderr
