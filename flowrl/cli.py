@@ -97,8 +97,9 @@ def base_metrics(base_dir) -> dict | None:
     from .run.metrics import read_metrics
 
     base_dir = Path(base_dir)
-    if BaseMetrics(base_dir).load():
-        return BaseMetrics(base_dir).load()
+    stored = BaseMetrics(base_dir).load()
+    if stored:
+        return stored
     if (base_dir / "metrics.jsonl").is_file():
         rows = read_metrics(base_dir / "metrics.jsonl")
         return next((r for r in rows if any(k.startswith("eval/") for k in r)), None)
@@ -418,11 +419,7 @@ def _report(args) -> int:
     if args.out:  # its format from its suffix, and its folder made and writable, before any run is read
         figure_format(args.out)
         folder = Path(args.out).parent
-        try:
-            check_writable(folder, "--out")
-        except RunDirError as e:
-            reason = str(e).partition(" is not writable ")[2].partition(";")[0]
-            raise RunDirError(f"--out {args.out}: its folder {folder} cannot be written {reason}".rstrip()) from None
+        check_writable(folder, problem=lambda why: f"--out {args.out}: its folder {folder} cannot be written ({why})")
     try:
         if len(args.run_dir) == 1:
             print(plot_curves(args.run_dir[0], args.out))

@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from flowrl.errors import RunDirError
@@ -56,10 +57,13 @@ def describe_run(run_dir: str | Path) -> str:
     return ", ".join(parts) or "files of a run"
 
 
-def check_writable(run_dir: str | Path, what: str = "log.run_dir", *, keep: bool = True) -> None:
+def check_writable(
+    run_dir: str | Path, what: str = "log.run_dir", *, keep: bool = True, problem: Callable[[str], str] | None = None
+) -> None:
     """Create `run_dir` if needed and make sure a file can be written in it (before any model loads); `what`: the
-    key or option that named it, for the error. keep=False removes the folders it created for the check (an
-    output folder that a stopped command should not leave behind, empty)."""
+    key or option that named it, for the error; `problem(why)`: the error's whole text instead (`why`: the OS's
+    reason). keep=False removes the folders it created for the check (an output folder that a stopped command
+    should not leave behind, empty)."""
     run_dir = Path(run_dir)
     created = []
     try:
@@ -71,10 +75,11 @@ def check_writable(run_dir: str | Path, what: str = "log.run_dir", *, keep: bool
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
-        raise RunDirError(
-            f"{what}={str(run_dir)!r} is not writable ({e.strerror or e}); choose a directory "
-            f"you can write to with {what}=PATH"
-        ) from None
+        why = str(e.strerror or e)
+        default = (
+            f"{what}={str(run_dir)!r} is not writable ({why}); choose a directory you can write to with {what}=PATH"
+        )
+        raise RunDirError(problem(why) if problem else default) from None
     finally:
         if not keep:
             for p in reversed(created):

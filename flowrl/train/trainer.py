@@ -724,14 +724,7 @@ class Trainer:
                 f"written: run the same command again{again} to start over",
                 signum,
             )
-        # decided on the state, alike on every process (only the main one knows the checkpoint's path): a save is a
-        # collective that every process joins or none
-        if self.saved is not None and self.saved[0] == now:
-            path = self.saved[1]
-        else:
-            if self.epoch_rng is not None:  # in an epoch: its resumed run draws what this one drew
-                set_rng_state(*self.epoch_rng)
-            path = self.save()
+        path = self.save_epoch_boundary()
         raise Interrupted(
             f"stopped by {signal.Signals(signum).name} {what}; checkpoint {path or self.run_dir}. "
             f"Resume with checkpoint.resume=auto (same config and log.run_dir={self.run_dir})",
@@ -748,12 +741,11 @@ class Trainer:
         now = (self.state.epochs_done, self.state.optimizer_steps)
         if self.world > 1 or not self.main or now == (0, 0) or self.saving:  # (saving: the save itself failed)
             return
-        path = self.saved[1] if self.saved is not None and self.saved[0] == now else None
-        if path is None and self.whole:
+        held = self.saved is not None and self.saved[0] == now
+        path = self.saved[1] if held else None
+        if not held and self.whole:
             try:
-                if self.epoch_rng is not None:  # failed in an epoch: its resumed run draws what this one drew
-                    set_rng_state(*self.epoch_rng)
-                path = self.save()
+                path = self.save_epoch_boundary()
             except Exception as e:  # (the failure may be the disk's)
                 error.add_note(f"the checkpoint of the {now[0]} epochs done could not be written either: {e}")
                 return
@@ -773,6 +765,17 @@ class Trainer:
                 f"it failed during epoch {now[0] + 1}'s update; the newest checkpoint is {self.saved[1]} (after "
                 f"{self.saved[0][0]} epochs): checkpoint.resume=auto continues from there"
             )
+
+    def save_epoch_boundary(self) -> Path | None:
+        """Where the state is an epoch boundary's: the newest checkpoint when it holds this state, else one written
+        now, with the RNG put back to the epoch's start when in an epoch (its resumed run draws what this one drew).
+        Decided on the state, alike on every process (only the main one knows a checkpoint's path): a save is a
+        collective that every process joins or none. The path (None on the other processes)."""
+        if self.saved is not None and self.saved[0] == (self.state.epochs_done, self.state.optimizer_steps):
+            return self.saved[1]
+        if self.epoch_rng is not None:
+            set_rng_state(*self.epoch_rng)
+        return self.save()
 
     def save(self) -> Path | None:
         """Write a checkpoint (main process). Partitioned weights and states are gathered first, by every process.
