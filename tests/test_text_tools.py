@@ -115,6 +115,27 @@ def test_a_multi_turn_rollout_keeps_the_tool_tokens_out_of_the_loss(tiny_lm, tmp
     assert transcript.endswith("7")  # the environment saw the completion so far
 
 
+def test_the_environment_does_not_answer_the_last_turn(tiny_lm, tmp_path):
+    """A reply after text.max_turns model turns is one the model never reads: the completion ends with the model's
+    own turn, so a reward scores what the model said, not the tool's answer."""
+    from flowrl.train import Trainer
+
+    for max_turns in (1, 2):
+        tr = Trainer(multi_turn_cfg(tiny_lm, tmp_path / str(max_turns), f"text.max_turns={max_turns}"))
+        tr.policy.weights_version = 0
+        prompts = [p for p in tr.train_set.prompts[:3] for _ in range(4)]
+        meta = [m for m in tr.train_set.metadata[:3] for _ in range(4)]
+        REPLIES.clear()
+        batch = tr.policy.rollout(prompts, meta, epoch=0, generator=torch.Generator().manual_seed(0))
+        assert all(len(turns) <= max_turns for turns in batch.turns)
+        last = [turns for turns in batch.turns if len(turns) == max_turns and turns[-1]["model"].endswith("7")]
+        assert last or max_turns > 1, batch.turns  # some row's last allowed turn asked for the tool ...
+        assert all("tool" not in turns[-1] for turns in last), last  # ... and got no reply
+        assert len(REPLIES) == sum("tool" in turn for turns in batch.turns for turn in turns)
+        if max_turns == 1:
+            assert not REPLIES and not any("=1=" in c for c in batch.completions)
+
+
 def test_a_multi_turn_run_trains_on_policy_and_logs_its_turns(tiny_lm, tmp_path):
     from flowrl.train import Trainer
 

@@ -681,7 +681,7 @@ class TextPolicy:
                 lps[i] += gen.log_probs[j].tolist()[:keep] if record else [0.0] * keep
                 said = tok.decode(row[:keep], skip_special_tokens=True)
                 entry = {"model": said}
-                if ended == "stop" and len(comp[i]) < T:
+                if ended == "stop" and len(comp[i]) < T and turn + 1 < t.max_turns:  # no reply after the last turn
                     context = {
                         "prompt": prompts[i],
                         "transcript": tok.decode(comp[i], skip_special_tokens=True),

@@ -192,7 +192,7 @@ def _turns(model, tokenizer, heads, comp, done, active, *, tool, max_turns, max_
 
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     stop = [eos, tokenizer.convert_tokens_to_ids(CALL_END)] if tool else [eos]
-    for _ in range(max_turns):
+    for k in range(max_turns):
         seqs = [heads[i] + comp[i] for i in active]
         width = max(len(q) for q in seqs)
         gen = model.generate(  # left-padded: the rows end at the same column
@@ -213,6 +213,8 @@ def _turns(model, tokenizer, heads, comp, done, active, *, tool, max_turns, max_
                 continue  # out of tokens
             if row[end] == eos:
                 done[i] = True
+                continue
+            if k + 1 == max_turns:  # the last turn: no reply the model could read
                 continue
             reply = calculator(tokenizer.decode(turn, skip_special_tokens=True))
             if reply is None:  # "</calc>" with no call in the turn: the episode ends, as in flowrl
