@@ -177,6 +177,18 @@ def test_text_engine_keys_are_checked_before_any_model_loads():
         load_config(None, ["backend=text", "text.engine=vllm", "text.engine_correction_cap=0"])
     cfg = load_config(None, ["backend=text", "text.engine=vllm", "text.engine_correction=sequence"])
     assert (cfg.text.engine, cfg.text.engine_correction, cfg.text.engine_correction_cap) == ("vllm", "sequence", 2.0)
+    # vLLM's log-probs under top-k / top-p are the truncated distribution's, not the update's whole-vocabulary ones
+    for truncation in ("text.top_k=5", "text.top_p=0.9"):
+        for source in (
+            [],
+            ["text.engine_correction=token"],
+            ["text.old_log_probs=forward", "text.engine_correction=token"],
+        ):
+            with pytest.raises(ConfigError, match="vLLM's log-probs are those of the truncated distribution") as e:
+                load_config(None, ["backend=text", "text.engine=vllm", truncation, *source])
+            assert "set text.old_log_probs=forward text.engine_correction=none" in str(e.value)
+        load_config(None, ["backend=text", "text.engine=vllm", truncation, "text.old_log_probs=forward"])
+        load_config(None, ["backend=text", truncation])  # transformers' generate() records the update's log-probs
 
 
 def test_an_unreachable_engine_server_is_one_line_before_the_model_loads(tmp_path, no_model_load):

@@ -139,6 +139,23 @@ def test_the_first_minibatch_is_on_policy_with_the_engine(server, vllm_lm, tmp_p
     assert versions[0] == 0.0 and versions[1] > 0  # the second epoch sampled the weights after the first update
 
 
+def test_top_k_sampling_on_the_engine_takes_the_trainers_log_probs(server, vllm_lm, tmp_path):
+    """Under top-k the engine's log-probs would be the truncated distribution's: the run takes the old log-probs
+    from the trainer's forward (text.old_log_probs=forward, the whole vocabulary, as the update's) and asks the
+    engine for none, so the first minibatch is on policy;."""
+    from flowrl.train import Trainer
+
+    tr = Trainer(cfg_for(vllm_lm, tmp_path, server.url, "text.top_k=2", "text.old_log_probs=forward", "train.epochs=1"))
+    batch = rollout(tr)
+    assert batch.engine_log_probs is None
+    assert max_diff(batch.old_log_probs, trainer_log_probs(tr.policy, batch)) <= 1e-6
+    tr.fit()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "policy/ratio_first" in r]
+    assert trained and all(r["policy/ratio_first_dev"] <= 1e-5 for r in trained)
+    assert not any(k.startswith("rollout/engine_kl") for r in trained for k in r)
+
+
 def test_the_correction_weights_each_token_by_the_logged_mismatch(server, vllm_lm, tmp_path):
     """An engine that samples from other weights than the trainer's (its push skipped here): the old log-probs
     are the trainer's forward, the mismatch is logged, and the loss weights are the truncated importance weights

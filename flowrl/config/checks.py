@@ -145,6 +145,22 @@ def _engine_problems(cfg: Config) -> list[str]:
             "text.engine=hf samples with the trained model itself (nothing to correct): set text.engine=vllm, or "
             "text.engine_correction=none"
         ]
+    if (
+        t.engine == "vllm"
+        and (t.top_k or t.top_p < 1)
+        and not (t.old_log_probs == "forward" and t.engine_correction == "none")
+    ):
+        using = (
+            f"text.engine_correction={t.engine_correction}"
+            if t.engine_correction != "none"
+            else "text.old_log_probs=sampling"
+        )
+        return [
+            f"text.top_k={t.top_k} / text.top_p={t.top_p} with text.engine=vllm and {using}: vLLM's log-probs are "
+            "those of the truncated distribution, the update's are over the whole vocabulary (as text.engine=hf "
+            "records them), so the ratio would compare unlike things; set text.old_log_probs=forward "
+            "text.engine_correction=none (the trainer's own log-probs), or leave top_k=0 and top_p=1"
+        ]
     return []
 
 

@@ -8,7 +8,8 @@ It holds one vLLM engine (in this process) and answers, one request at a time:
   POST /generate                  {"prompt_token_ids": [[int]], "max_tokens", "temperature", "top_k", "top_p",
                                    "seed", "stop_token_ids", "stop": [str], "logprobs": bool}
                                -> {"token_ids": [[int]], "logprobs": [[float]] | null, "version", "seconds"}
-                                  (the log-prob of each sampled token under the tempered distribution)
+                                  (the log-prob of each sampled token under the tempered distribution,
+                                  renormalised after top_k / top_p: flowrl asks for none under them)
   POST /update_weights            {"path": a folder of safetensors in the model's checkpoint names, "version"}
                                -> {"version", "seconds"}: reloaded in place, the prefix cache reset
 This file imports nothing of flowrl's besides itself, so that it runs where flowrl's own dependencies are not

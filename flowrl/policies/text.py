@@ -545,7 +545,10 @@ class TextPolicy:
         seed = int(torch.randint(0, 2**62, (1,), generator=generator))  # this epoch/process's draw
         # the engine's log-probs: the old ones (text.old_log_probs=sampling), or beside the trainer's (a correction)
         own = t.old_log_probs == "sampling" and t.engine_correction == "none"
-        record = own or not engine.same_numerics
+        # an engine's log-probs beside the trainer's measure its numerics; under top-k / top-p an engine that
+        # renormalises (vLLM) would measure the truncation instead, so they are not asked for (config checks)
+        truncating = bool(t.top_k) or t.top_p < 1
+        record = own or not (engine.same_numerics or truncating)
         turns = None
         if t.tool_env:  # multi-turn with a tool: the environment's tokens are in `present` but not in `cmask`
             completion, model_mask, present, engine_lp, turns = self._tool_rollout(
