@@ -535,6 +535,30 @@ def check_engine_server(cfg: Config) -> None:
             f"{url} answers, but not as a flowrl vLLM server (kind {info.get('kind')!r}); start one with "
             f"`{start_command(cfg.model.path, url)}`"
         )
+    differ = engine_model_mismatch(cfg.model.path, info.get("config"))
+    if differ:
+        raise EngineError(
+            f"the vLLM server at {url} holds another model than model.path={cfg.model.path} "
+            f"({info.get('model')}: {'; '.join(differ)}); start it with `{start_command(cfg.model.path, url)}`"
+        )
+
+
+def engine_model_mismatch(path: str, theirs: dict | None) -> list[str]:
+    """The architecture entries (vllm_server.CONFIG_KEYS) in which the engine server's model (`theirs`, from its
+    /health; None from a server that does not report them) differs from model.path's, as 'key: ours vs theirs'."""
+    if not isinstance(theirs, dict):
+        return []
+    try:
+        from transformers import AutoConfig
+
+        ours = AutoConfig.from_pretrained(path).to_dict()
+    except Exception:  # noqa: BLE001 - the model's own load reports an unreadable config
+        return []
+    return [
+        f"{k} {ours[k]!r} here, {v!r} there"
+        for k, v in theirs.items()
+        if ours.get(k) is not None and v is not None and ours[k] != v
+    ]
 
 
 def check_sample_images(family_name: str, paths: list[str]) -> None:

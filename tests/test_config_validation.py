@@ -209,6 +209,55 @@ def test_an_unreachable_engine_server_is_one_line_before_the_model_loads(tmp_pat
     assert f"vllm_server.py --model {cfg.model.path} --port {port}" in msg
 
 
+def test_an_engine_server_holding_another_model_is_one_line_before_the_model_loads(tmp_path, no_model_load):
+    """/health names the server's model architecture (config.json's entries): one that differs from model.path's
+    is refused, naming the entries; the same model, or a server that reports none, passes."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from transformers import GPT2Config
+
+    from flowrl.errors import EngineError
+    from flowrl.preflight import check_engine_server
+
+    GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=100).save_pretrained(tmp_path / "ours")
+    health = {}
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps(health).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        cfg = load_config(
+            None, ["backend=text", "text.engine=vllm", f"text.vllm_url={url}", f"model.path={tmp_path / 'ours'}"]
+        )
+        same = {"model_type": "gpt2", "architectures": None, "n_layer": 2, "n_embd": 64, "vocab_size": 100}
+        for config in (same, None):
+            health.clear()
+            health.update(kind="flowrl-vllm", model="elsewhere/gpt2", config=config)
+            check_engine_server(cfg)
+        health["config"] = {**same, "n_layer": 4, "vocab_size": 120}
+        with pytest.raises(EngineError) as e:
+            check_engine_server(cfg)
+        msg = str(e.value)
+        assert "\n" not in msg and f"the vLLM server at {url} holds another model than model.path=" in msg
+        assert "n_layer 2 here, 4 there" in msg and "vocab_size 100 here, 120 there" in msg
+        assert "vllm_server.py --model" in msg
+    finally:
+        server.shutdown()
+
+
 def test_a_vllm_engine_with_several_processes_is_refused_before_the_model_loads(tmp_path, no_model_load, monkeypatch):
     from types import SimpleNamespace
 

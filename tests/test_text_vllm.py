@@ -93,6 +93,16 @@ def test_the_engine_log_probs_are_the_trainers_float32_forward(server, vllm_lm, 
     assert (batch.engine_log_probs * batch.completion_mask < 0).any()  # real log-probs, not zeros
 
 
+def test_the_server_reports_its_models_architecture(server, vllm_lm):
+    from flowrl.engines.vllm_engine import request
+    from flowrl.preflight import engine_model_mismatch
+
+    config = request(f"{server.url}/health")["config"]
+    assert config["model_type"] == "gpt2" and config["n_embd"] == 64 and config["tie_word_embeddings"] is True
+    assert engine_model_mismatch(str(vllm_lm), config) == []
+    assert engine_model_mismatch(str(vllm_lm), {**config, "n_embd": 32}) == ["n_embd 64 here, 32 there"]
+
+
 @pytest.mark.parametrize("lora", [True, False], ids=["lora-merged", "full-tied-embedding"])
 def test_a_weight_push_reaches_the_engine(server, vllm_lm, tmp_path, lora):
     """After the trainer's weights change, the next rollout pushes them: the engine's log-probs are the new

@@ -4,7 +4,8 @@ transformers; `make vllm-env` builds one: docs/text.md):
     .venv-vllm/bin/python flowrl/engines/vllm_server.py --model MODEL_DIR --port 8100
 
 It holds one vLLM engine (in this process) and answers, one request at a time:
-  GET  /health                    {"kind": "flowrl-vllm", "model", "version", "vllm"}
+  GET  /health                    {"kind": "flowrl-vllm", "model", "version", "vllm", "config": the model's
+                                   architecture entries of its config.json (CONFIG_KEYS)}
   POST /generate                  {"prompt_token_ids": [[int]], "max_tokens", "temperature", "top_k", "top_p",
                                    "seed", "stop_token_ids", "stop": [str], "logprobs": bool}
                                -> {"token_ids": [[int]], "logprobs": [[float]] | null, "version", "seconds"}
@@ -45,6 +46,7 @@ class Engine:
             kwargs["max_model_len"] = max_model_len
         self.llm = LLM(**kwargs)
         self.model = model
+        self.config = model_config(model)
         self.version = 0
 
     def generate(self, req: dict) -> dict:
@@ -106,6 +108,36 @@ class Engine:
         return dict(version=self.version, seconds=time.perf_counter() - start)
 
 
+#: the config.json entries /health reports: the trainer compares them with its own model's (a server holding
+#: another model would sample for another policy, and the weight pushes load into it only partly)
+CONFIG_KEYS = (
+    "model_type",
+    "architectures",
+    "vocab_size",
+    "hidden_size",
+    "n_embd",
+    "num_hidden_layers",
+    "n_layer",
+    "num_attention_heads",
+    "n_head",
+    "num_key_value_heads",
+    "intermediate_size",
+    "n_inner",
+    "tie_word_embeddings",
+)
+
+
+def model_config(model: str) -> dict | None:
+    """The CONFIG_KEYS of `model`'s config.json as transformers reads it; None when it cannot be read."""
+    try:
+        from transformers import AutoConfig
+
+        raw = AutoConfig.from_pretrained(model).to_dict()
+    except Exception:  # noqa: BLE001 - vLLM loaded it; the check is only skipped
+        return None
+    return {k: raw[k] for k in CONFIG_KEYS if raw.get(k) is not None}
+
+
 def _refresh_embeddings(worker) -> None:
     """vLLM repacks some weights after loading (process_weights_after_loading); a reload in place skips that for
     the embedding modules, whose tied output layer then kept the old matrix: run it for them."""
@@ -141,7 +173,8 @@ def make_handler(engine: Engine):
             if self.path.rstrip("/") == "/health":
                 import vllm
 
-                self._send(200, dict(kind=KIND, model=engine.model, version=engine.version, vllm=vllm.__version__))
+                info = dict(kind=KIND, model=engine.model, version=engine.version, vllm=vllm.__version__)
+                self._send(200, dict(info, config=engine.config))
             else:
                 self._send(404, dict(error=f"no GET {self.path}; GET /health"))
 
