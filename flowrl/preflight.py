@@ -243,6 +243,10 @@ def hub_file(key: str, repo_id: str, filename: str) -> str:
         raise PreflightError(f"{key}={repo_id}: the hub model has no {filename}") from None
 
 
+#: the files of which a causal LM directory holds at least one for its tokenizer (fast, or a slow one's vocab)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
 def check_text_model(path: str, max_new_tokens: int | None = None) -> None:
     """A causal LM's path is a local directory with a config.json, or a hub id whose config.json is in the cache
     or can be downloaded (never under HF_HUB_OFFLINE: then it fails at once, naming the id); with
@@ -254,6 +258,17 @@ def check_text_model(path: str, max_new_tokens: int | None = None) -> None:
             raise PreflightError(
                 f"model.path={path}: no config.json there; a causal LM directory is what "
                 "model.save_pretrained(DIR) writes"
+            )
+        names = set(os.listdir(path))
+        if not names & set(TOKENIZER_FILES):
+            raise PreflightError(
+                f"model.path={path}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)}); save the model's "
+                "tokenizer beside it (tokenizer.save_pretrained(DIR))"
+            )
+        if not any(n.endswith((".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")) for n in names):
+            raise PreflightError(
+                f"model.path={path}: no weights there (no model.safetensors, pytorch_model.bin or their shards' "
+                "index); a causal LM directory is what model.save_pretrained(DIR) writes"
             )
     else:
         config = hub_file("model.path", path, "config.json")

@@ -102,6 +102,29 @@ def test_a_completion_that_fills_the_models_positions_fails_before_it_loads(tmp_
     check_model(load_config(None, [*run, "text.max_new_tokens=15"]))  # one position left for the prompt
 
 
+def test_a_directory_without_its_tokenizer_or_weights_is_one_line(tiny_lm, tmp_path, no_model_load):
+    """The preflight names what a local directory lacks; a model that gets past it (a hub snapshot whose download
+    stopped, a weights file that is not one) fails in one line of the policy's, not in transformers' traceback."""
+    from flowrl.preflight import PreflightError, check_text_model
+
+    files = {p.name for p in tiny_lm.iterdir()}
+    assert "model.safetensors" in files and "tokenizer.json" in files
+    no_tok, no_weights = tmp_path / "no_tok", tmp_path / "no_weights"
+    for d, left_out in ((no_tok, ("tokenizer.json", "tokenizer_config.json")), (no_weights, ("model.safetensors",))):
+        shutil.copytree(tiny_lm, d, ignore=shutil.ignore_patterns(*left_out))
+    with pytest.raises(PreflightError, match=rf"^model.path={no_tok}: no tokenizer there \(none of tokenizer.json"):
+        check_text_model(str(no_tok))
+    with pytest.raises(PreflightError, match=rf"^model.path={no_weights}: no weights there"):
+        check_text_model(str(no_weights))
+    check_text_model(str(tiny_lm))
+    with pytest.raises(FlowrlError, match=rf"^model.path={no_weights}: its weights do not load \(.*model.safetensors"):
+        policy(no_weights)
+    bad = shutil.copytree(tiny_lm, tmp_path / "bad_tok")
+    (bad / "tokenizer.json").write_text("{not json")
+    with pytest.raises(FlowrlError, match=rf"^model.path={bad}: its tokenizer does not load \("):
+        policy(bad)
+
+
 def test_an_eos_the_tokenizer_appends_is_not_part_of_the_prompt(tiny_lm, tmp_path):
     from tokenizers import processors
     from transformers import AutoTokenizer

@@ -35,6 +35,13 @@ class TextModelError(FlowrlError, ValueError):
     names what is missing and how to fix it."""
 
 
+def _first_line(e: BaseException, most: int = 240) -> str:
+    """An exception's first non-empty line, cut to `most` characters (transformers' load errors say the fact
+    first and then their advice)."""
+    line = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
+    return line if len(line) <= most else line[: most - 3] + "..."
+
+
 def stop_token_ids(tokenizer, model) -> list[int]:
     """The ids that end a completion: the tokenizer's EOS first, then the other ids of the model's
     generation_config.eos_token_id (from its generation_config.json, else its config.json), as generate() and
@@ -239,7 +246,13 @@ class TextPolicy:
         self.cfg = cfg
         self.text = cfg.text
         self.device = torch.device(device)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        except (OSError, ValueError, TypeError) as e:
+            raise TextModelError(
+                f"model.path={cfg.model.path}: its tokenizer does not load ({_first_line(e)}); a causal LM directory "
+                "holds its tokenizer's files beside config.json (what tokenizer.save_pretrained(DIR) writes)"
+            ) from None
         self.tokenizer.padding_side = "left"
         self.tokenizer.truncation_side = "left"  # keep the end of a long prompt: it is what is answered
         if self.tokenizer.pad_token_id is None:
@@ -253,8 +266,15 @@ class TextPolicy:
         variant = {"variant": cfg.model.variant} if cfg.model.variant else {}
         from flowrl.hub import loading_bars
 
-        with loading_bars(cfg.log.progress):  # transformers' "Loading weights" bar only with log.progress
-            model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=DTYPES[cfg.model.dtype], **variant)
+        try:
+            with loading_bars(cfg.log.progress):  # transformers' "Loading weights" bar only with log.progress
+                model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=DTYPES[cfg.model.dtype], **variant)
+        except OSError as e:  # no weights file, or one that is truncated
+            raise TextModelError(
+                f"model.path={cfg.model.path}: its weights do not load ({_first_line(e)}); a causal LM directory holds "
+                "them beside config.json (what model.save_pretrained(DIR) writes: model.safetensors, or its shards "
+                "and their index)"
+            ) from None
         model.to(self.device).eval()  # eval: no dropout, so recomputed log-probs equal the recorded ones
         model.requires_grad_(False)
         self.stop_ids = stop_token_ids(self.tokenizer, model)
