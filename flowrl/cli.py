@@ -333,7 +333,7 @@ def _sample_text(cfg, args, given) -> int:
     policy = policy_from_checkpoint(cfg, args.checkpoint, args.weights, _device(cfg))
     check_prompt_lengths(policy, {"--prompts" if args.prompts else "--prompt": given})
     seeds = None if args.greedy else [args.seed + k for k in range(args.num)]
-    completions = policy.sample_completions(list(args.prompt), seeds)
+    completions = policy.sample_completions(list(args.prompt), seeds, [dict(m or {}) for m in given.metadata])
     rows = [
         {"prompt": prompt, "seed": "greedy" if seeds is None else seeds[k], "completion": text}
         for prompt, texts in zip(args.prompt, completions)

@@ -136,6 +136,40 @@ def test_the_environment_does_not_answer_the_last_turn(tiny_lm, tmp_path):
             assert not REPLIES and not any("=1=" in c for c in batch.completions)
 
 
+def test_flowrl_sample_gives_the_environment_each_rows_metadata(tiny_lm, tmp_path, capsys):
+    """`flowrl sample --prompts FILE` of a tool config: the environment sees each row's columns (as in training), so
+    a tool that reads metadata['answer'] works there too (it saw {} and raised); --greedy as well."""
+    from conftest import tiny_gpt2_overrides
+
+    from flowrl.cli import main
+
+    seen = tmp_path / "seen.jsonl"
+    env = tmp_path / "env.py"
+    env.write_text(
+        "import json\n"
+        "def reply(turn, *, metadata):\n"
+        f"    open({str(seen)!r}, 'a').write(json.dumps(metadata['answer']) + '\\n')\n"
+        "    return '=1='\n"
+    )
+    rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(10, 16)]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "c.yaml").write_text("backend: text\n")
+    run = [*tiny_gpt2_overrides(tiny_lm), f"text.tool_env={env}:reply", "text.tool_stop=['7']", "text.max_turns=3"]
+    run += ["text.max_new_tokens=14", "text.temperature=1.5", "log.progress=false"]
+    for extra in (["--num", "2"], ["--greedy"]):
+        seen.unlink(missing_ok=True)
+        out = tmp_path / f"out{len(extra)}"
+        assert (
+            main(["sample", str(tmp_path / "c.yaml"), "--prompts", str(prompts), *extra, "--out", str(out), *run]) == 0
+        )
+        if extra == ["--num", "2"]:  # sampled at 1.5: some turn ends at a 7
+            answers = [json.loads(line) for line in seen.read_text().splitlines()]
+            assert answers and set(answers) <= {r["answer"] for r in rows}
+        listed = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+        assert len(listed) == len(rows) * (2 if extra[0] == "--num" else 1)
+
+
 def test_a_multi_turn_run_trains_on_policy_and_logs_its_turns(tiny_lm, tmp_path):
     from flowrl.train import Trainer
 

@@ -872,18 +872,21 @@ class TextPolicy:
         return out[:, input_ids.shape[1] :]
 
     @torch.no_grad()
-    def sample_completions(self, prompts: list[str], seeds: list[int] | None) -> list[list[str]]:
+    def sample_completions(
+        self, prompts: list[str], seeds: list[int] | None, metadata: list[dict] | None = None
+    ) -> list[list[str]]:
         """Completions of every prompt, prompt-major ([prompt][k]): with `seeds`, one drawn as the rollouts draw
         (text.engine, text.temperature / top_k / top_p, text.tool_env's turns) per seed, in a call per seed (the
-        same prompts and seed draw the same); `seeds` None: the eval's greedy completion."""
+        same prompts and seed draw the same); `seeds` None: the eval's greedy completion. `metadata`: each prompt's
+        row (its prompt file's columns), what text.tool_env's environment sees, as in training."""
+        meta = list(metadata) if metadata is not None else [{} for _ in prompts]
         if seeds is None:
-            return [[c] for c in self.generate_greedy(prompts)[0]]
+            return [[c] for c in self.generate_greedy(prompts, metadata=meta)[0]]
         input_ids, attn = self.encode_prompts(prompts)
         self.engine.sync(getattr(self, "weights_version", 0))
         out: list[list[str]] = [[] for _ in prompts]
         for seed in seeds:
             if self.text.tool_env:
-                meta = [{} for _ in prompts]
                 comp, _, present, _, _ = self._tool_rollout(prompts, meta, input_ids, attn, seed=seed, record=False)
                 texts = self.decode_completions(comp, present)[0]
             else:
