@@ -153,7 +153,7 @@ def _eval(args) -> int:
 
     cfg = _load(args)
     # prompts, rewards and the model's class and size are checked before the model loads
-    _, eval_set = preflight(cfg)
+    _, eval_set = preflight(cfg, engine=False)  # the eval's completions are greedy, on the trainer's own model
     if args.out:
         check_writable(args.out, "--out", keep=False)  # (not after the eval's sampling)
     evaluator = Evaluator(cfg, eval_set, _device(cfg))

@@ -476,9 +476,10 @@ def check_lora_init(cfg: Config, family_name: str | None = None) -> None:
         raise PreflightError(problem)
 
 
-def preflight(cfg: Config) -> tuple[PromptSet, PromptSet]:
+def preflight(cfg: Config, *, engine: bool = True) -> tuple[PromptSet, PromptSet]:
     """All checks of `cfg` that need no model, before it loads; returns the (train, eval) prompt sets. (The run
-    directory is the trainer's to check: `flowrl.run.rundir`.)"""
+    directory is the trainer's to check: `flowrl.run.rundir`.) `engine` False: a command that samples no rollouts
+    (`flowrl eval`: greedy on the trainer's own model) does not ask text.engine's server."""
     check_device(cfg.model.device)
     train_set, eval_set = load_prompt_sets(cfg)
     check_rewards(cfg)
@@ -494,7 +495,8 @@ def preflight(cfg: Config) -> tuple[PromptSet, PromptSet]:
     check_lora_init(cfg, family_name)
     check_tool_env(cfg)
     check_reward_servers(cfg)  # last: the checks that wait on the network
-    check_engine_server(cfg)
+    if engine:
+        check_engine_server(cfg)
     return train_set, eval_set
 
 

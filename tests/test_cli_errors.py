@@ -610,6 +610,20 @@ def test_sample_a_text_config_draws_seeded_or_greedy_completions(tmp_path, capsy
     assert "--greedy is a text model's decoding" in str(e.value)
 
 
+def test_eval_of_a_vllm_config_runs_without_its_server(tmp_path, capsys):
+    """flowrl eval's completions are greedy on the trainer's own model: a text.engine=vllm config evaluates with
+    no server at text.vllm_url (flowrl train asks it before the model loads)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: nothing listens there
+    cfg = str(ROOT / "configs" / "text_arith.yaml")
+    run = ["text.engine=vllm", f"text.vllm_url=http://127.0.0.1:{port}", "eval.num_prompts=2", "log.progress=false"]
+    assert main(["eval", cfg, *run]) == 0
+    assert "eval/" in capsys.readouterr().out
+
+
 def test_a_lora_given_as_checkpoint_is_sent_to_lora_init_path(tmp_path, capsys, no_model_load):
     """--checkpoint naming a LoRA (diffusers' save_lora_weights directory or file, peft's save_pretrained directory)
     says to give it as lora.init_path; a checkpoint's own lora/ names the checkpoint; a file is not said missing."""

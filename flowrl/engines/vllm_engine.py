@@ -28,11 +28,17 @@ SERVER_KIND = "flowrl-vllm"
 
 
 def start_command(model: str = "MODEL_DIR", url: str = "http://127.0.0.1:8100") -> str:
-    """The README's command that starts the server for `model` at `url` (vLLM's environment: `make vllm-env`)."""
+    """The command that starts the server for `model` at `url`, with absolute paths (it runs from any folder): the
+    Python of vLLM's environment (`vllm_python`; `make vllm-env` builds it) and this package's server script."""
     from urllib.parse import urlsplit
 
-    port = urlsplit(url).port or 8100
-    return f".venv-vllm/bin/python flowrl/engines/vllm_server.py --model {model} --port {port}"
+    try:
+        port = urlsplit(url).port or 8100
+    except ValueError:  # a port that is not a number: the config's check names it
+        port = 8100
+    python = vllm_python()
+    shown = str(python) if python.exists() else "VLLM_ENV/bin/python"
+    return f"{shown} {SERVER_SCRIPT} --model {model} --port {port}"
 
 
 def request(url: str, payload: dict | None = None, timeout: float = 600.0, model: str = "MODEL_DIR") -> dict:
@@ -49,7 +55,7 @@ def request(url: str, payload: dict | None = None, timeout: float = 600.0, model
         reason = getattr(e, "reason", e)
         raise EngineError(
             f"cannot reach the vLLM server at {url} ({reason}); start it with `{start_command(model, url)}` "
-            "(docs/text.md), then resume the run with checkpoint.resume=auto"
+            "(docs/text.md), then run again (a training run: with checkpoint.resume=auto)"
         ) from None
     try:
         return json.loads(body)
