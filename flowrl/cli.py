@@ -52,7 +52,9 @@ def _train(args) -> int:
     keys = [k for k in sorted(metrics) if k.startswith(("eval/", "reward/total"))]
     if keys and os.environ.get("RANK", "0") in ("", "0"):  # (none: nothing was trained, which the run said)
         # the main process's alone: another rank's metrics lack the eval, and one JSON object reads as one result
-        print(json.dumps({k: metrics[k] for k in keys}, indent=1))
+        from .run.metrics import strict_json
+
+        print(json.dumps(strict_json({k: metrics[k] for k in keys}), indent=1))  # NaN as null: strict JSON
         for line in before_after_lines(cfg.log.run_dir, metrics):
             print(f"flowrl: {line}", file=sys.stderr)
     return 0

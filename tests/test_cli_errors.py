@@ -743,3 +743,20 @@ def test_the_offline_kernels_notice_is_dropped_and_nothing_else(caplog):
         log.warning("Skipping publisher trust check for 'kernels-community/x' because Hugging Face Hub is offline.")
         log.warning("a kernel failed to load")
     assert [r.getMessage() for r in caplog.records] == ["a kernel failed to load"]
+
+
+def test_train_prints_its_result_as_strict_json(tmp_path, capsys, monkeypatch):
+    """The result JSON on stdout: a metric that is not finite (no sample could be scored) is null, not NaN, which
+    strict readers refuse."""
+    import flowrl.train
+
+    def trained(cfg):
+        return {"reward/total_mean": float("nan"), "eval/r_mean": 0.5, "policy/loss": 1.0}
+
+    monkeypatch.setattr(flowrl.train, "train", trained)
+    assert main(["train", TINY_CFG, f"log.run_dir={tmp_path}"]) == 0
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    assert json.loads(capsys.readouterr().out, parse_constant=refuse) == {"eval/r_mean": 0.5, "reward/total_mean": None}

@@ -356,6 +356,9 @@ def length_bonus(prompts, completions, completion_ids, trainer_state, log_metric
 async def async_zero(prompts, completions, **kwargs):
     await asyncio.sleep(0)
     return [None if i % 4 == 0 else 0.0 for i in range(len(completions))]
+
+def half_none(prompts, completions, **kwargs):
+    return [None if i % 2 == 0 else 11.0 for i in range(len(completions))]
 '''
 
 
@@ -390,6 +393,19 @@ def test_trl_reward_functions_work_unchanged_in_the_loop(tiny_lm, tmp_path, monk
     assert all(r["reward/async_zero_applies"] == 0.75 for r in epochs)  # None: does not apply
     table = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
     assert all(row["answer_seen"] == str(int(row["prompt"][:2]) + int(row["prompt"][3:5])) for row in table)
+
+
+def test_the_reward_total_leaves_out_the_samples_no_reward_applies_to(tiny_lm, tmp_path, monkeypatch):
+    """reward/total_mean (the progress bar's and the curves' figure) is over the samples that train: one to which
+    no weighted reward applies (None) is left out of the advantages, and of the mean too (it counted as 0)."""
+    (tmp_path / "trl_rewards.py").write_text(TRL_REWARD)
+    monkeypatch.chdir(tmp_path)
+    cfg = text_cfg(tiny_lm, tmp_path / "run", "train.epochs=1", "rewards=[{name: 'trl_rewards.py:half_none'}]")
+    Trainer(cfg).fit()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    epoch = next(r for r in rows if "policy/loss" in r)
+    assert epoch["reward/half_none_applies"] == 0.5 and epoch["reward/half_none_mean"] == 11.0
+    assert epoch["reward/total_mean"] == 11.0
 
 
 def test_the_text_eval_leaves_an_infinite_score_out_of_its_mean(tiny_lm, tmp_path):

@@ -304,7 +304,9 @@ class Scorer:
             m[f"reward/{spec.name}_mean"] = col.mean().item() if len(col) else float("nan")
             m[f"reward/{spec.name}_std"] = col.std().item() if len(col) > 1 else 0.0
             m[f"reward/{spec.name}_applies"] = len(col) / len(all_scores)
-        scored = ~torch.isinf(all_scores).any(1)
+        # the total over the samples that train (as combine_advantages weighs them): none that a reward could not
+        # score, none to which no weighted reward applies (a None is no 0)
+        scored = ~invalid_scores(all_scores, self.weights, nan_is_missing=self.policy.reward_kind == "text")
         total = (all_scores[scored] * self.weights).nansum(1)
         m["reward/total_mean"] = total.mean().item() if len(total) else float("nan")
         counts = {}
