@@ -436,9 +436,12 @@ def _report(args) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     """The embedded default (`make demo`): flowrl.worlds.demo."""
-    from .worlds.demo import run_demo
+    from .worlds.demo import DEMO_CONFIG, run_demo
 
-    return run_demo(args.config, args.overrides, toy=args.toy)
+    if args.toy and (args.config or args.overrides):
+        given = " ".join([*([args.config] if args.config else []), *args.overrides])
+        raise SystemExit(f"flowrl demo --toy trains the tabular toy, which takes no config or overrides (got {given})")
+    return run_demo(args.config or DEMO_CONFIG, args.overrides, toy=args.toy)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -556,9 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo", help="run the embedded default (offline, CPU): online Diffusion-DPO on the shapes world"
     )
-    demo.add_argument(
-        "config", nargs="?", default="configs/shapes.yaml", help="the demo's config (default configs/shapes.yaml)"
-    )
+    demo.add_argument("config", nargs="?", default=None, help="the demo's config (default configs/shapes.yaml)")
     demo.add_argument(
         "overrides", nargs="*", default=[], metavar="key=value", help="config overrides, e.g. train.seed=1"
     )

@@ -760,3 +760,14 @@ def test_train_prints_its_result_as_strict_json(tmp_path, capsys, monkeypatch):
         raise ValueError(f"not strict JSON: {constant}")
 
     assert json.loads(capsys.readouterr().out, parse_constant=refuse) == {"eval/r_mean": 0.5, "reward/total_mean": None}
+
+
+def test_demo_toy_takes_no_config_or_overrides(capsys):
+    for extra in (["train.seed=3"], [TINY_CFG]):
+        with pytest.raises(SystemExit) as e:
+            main(["demo", "--toy", *extra])
+        assert f"flowrl demo --toy trains the tabular toy, which takes no config or overrides (got {extra[0]})" in str(
+            e.value
+        )
+    assert main(["demo", "--toy"]) == 0
+    assert "mean reward, first 5 steps" in capsys.readouterr().out

@@ -141,7 +141,8 @@ def test_demo_command_reports_and_writes_figures(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     overrides = ["sample.prompts_per_epoch=2", "eval.num_prompts=2", "eval.images_per_prompt=2", "eval.num_steps=4"]
     overrides.append(f"eval.base_cache={tmp_path / 'base-evals'}")  # not the repository's shipped one
-    main(["demo", "configs/shapes.yaml", f"log.run_dir={tmp_path}", "train.epochs=1", "log.progress=false", *overrides])
+    # no CONFIG: the demo's own (its first key=value is an override, not a config path)
+    main(["demo", f"log.run_dir={tmp_path}", "train.epochs=1", "log.progress=false", *overrides])
     out = capsys.readouterr().out
     assert "eval/shapes_geneval/strict_family_mean: before" in out  # the headline, GenEval's overall
     assert "eval/shapes_geneval/strict_mean: before" in out
