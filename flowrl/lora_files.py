@@ -90,10 +90,16 @@ def adapter_settings(path: str | Path, prefix: str | None = None) -> dict[str, A
     return {k: found[k] for k in CHECKED if k in found}
 
 
-def settings_problem(settings: dict[str, Any], lora_cfg, where: Path) -> str | None:
+def lora_ranks(shapes: dict) -> list[int]:
+    """The ranks of a LoRA's A matrices, sorted (`shapes`: its keys and their shapes, or tensors)."""
+    return sorted({tuple(v.shape if hasattr(v, "shape") else v)[0] for k, v in shapes.items() if "lora_A" in k})
+
+
+def settings_problem(settings: dict[str, Any], lora_cfg, where: Path, ranks: list[int] | None = None) -> str | None:
     """Why the LoRA at `where`, made with `settings` (`adapter_settings`), is not the adapter `lora_cfg` (the
     config's `lora` section) describes, as one line naming the setting that would start from it; None when
-    nothing it records disagrees. Its rank and modules are checked against the adapter's weights (`match_state`)."""
+    nothing it records disagrees. Its rank and modules are checked against the adapter's weights (`match_state`).
+    A file that records no alpha is read as diffusers reads it, alpha = its rank (`ranks`: a scale of 1)."""
     if settings.get("use_dora"):
         return f"lora.init_path: {where} is a DoRA adapter (use_dora), and flowrl trains plain LoRA; start from a LoRA"
     if settings.get("use_rslora"):
@@ -109,6 +115,14 @@ def settings_problem(settings: dict[str, Any], lora_cfg, where: Path) -> str | N
                 "LoRA without them"
             )
     alpha = settings.get("lora_alpha")
+    if alpha is None and ranks and len(ranks) == 1 and float(ranks[0]) != float(lora_cfg.alpha):
+        r = ranks[0]
+        return (
+            f"lora.init_path: {where} records no lora alpha, which diffusers reads as alpha = its rank ({r}: a scale "
+            f"of 1); this config's lora.alpha is {lora_cfg.alpha:g} (a scale of {lora_cfg.alpha / lora_cfg.rank:g}): "
+            f"set lora.alpha={r} to start from the adapter diffusers would load, or save the LoRA with its alpha "
+            "(save_lora_weights(..., transformer_lora_adapter_metadata=...))"
+        )
     if alpha is not None and float(alpha) != float(lora_cfg.alpha):
         r = settings.get("r", lora_cfg.rank)
         return (
@@ -152,7 +166,8 @@ def match_state(state: dict, own: dict[str, tuple[int, ...]], lora_cfg, where: P
             f"lora.init_path: {where} is a LoRA in {foreign[0]} format (e.g. {next(iter(state))}), and flowrl reads "
             "peft's (lora_A / lora_B): convert it with diffusers first: pipe.load_lora_weights(FILE), then "
             "pipe.save_lora_weights(DIR, transformer_lora_layers=peft.get_peft_model_state_dict(pipe.transformer, "
-            "adapter_name=...)) (unet_lora_layers for a UNet), and give DIR"
+            "adapter_name=NAME), transformer_lora_adapter_metadata=pipe.transformer.peft_config[NAME].to_dict()) "
+            "(unet_ for a UNet; the metadata keeps its alpha), and give DIR"
         )
     ranks = sorted({v.shape[0] for k, v in state.items() if "lora_A" in k})
     if ranks and ranks != [lora_cfg.rank]:
@@ -207,10 +222,10 @@ def init_state(path: Path, lora_cfg, own: dict[str, tuple[int, ...]], prefix: st
     from safetensors.torch import load_file
 
     settings = adapter_settings(path, prefix)
-    problem = settings_problem(settings, lora_cfg, path)
+    state = load_file(path)
+    problem = settings_problem(settings, lora_cfg, path, lora_ranks(state))
     if problem:
         raise ConfigError(problem)
-    state = load_file(path)
     problem = component_problem(state, prefix, path)
     if problem:
         raise ConfigError(problem)

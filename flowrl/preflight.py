@@ -428,6 +428,38 @@ def check_optimizer(cfg: Config) -> None:
         import_bitsandbytes()
 
 
+#: weights files that are Python pickles, which flowrl never loads (unpickling an untrusted file can run its code)
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+#: the LoRA files diffusers' save_lora_weights and peft's save_pretrained write
+LORA_FILE_NAMES = ("pytorch_lora_weights.safetensors", "adapter_model.safetensors")
+
+
+def pickled_lora(init_path) -> str:
+    return (
+        f"lora.init_path={str(init_path)!r} is a pickled LoRA (.bin / .pt), which flowrl does not read (a pickle can "
+        "run code as it loads): convert it to safetensors, e.g. with diffusers: pipe.load_lora_weights(FILE), then "
+        "pipe.save_lora_weights(DIR, ...), and give DIR"
+    )
+
+
+def _lora_file_in(folder, init_path, example):
+    """The LoRA file of the directory `folder`: the one that diffusers or peft names so, else its only .safetensors
+    file; several others (a training script's per-epoch files) are one line listing them, not a guess."""
+    files = sorted(folder.glob("*.safetensors"))
+    named = [f for f in files if f.name in LORA_FILE_NAMES]
+    if len(named) == 1 or len(files) == 1:
+        return (named or files)[0]
+    if not files:
+        if any(f.suffix in PICKLE_SUFFIXES for f in folder.iterdir() if f.is_file()):
+            raise PreflightError(pickled_lora(init_path))
+        raise PreflightError(f"lora.init_path={init_path!r} holds no .safetensors LoRA file ({example})")
+    shown = ", ".join(f.name for f in files[:6]) + (", ..." if len(files) > 6 else "")
+    raise PreflightError(
+        f"lora.init_path={init_path!r} holds {len(files)} .safetensors files ({shown}), none of them named as "
+        f"diffusers or peft save a LoRA: give the one to start from, e.g. lora.init_path={folder / files[-1].name}"
+    )
+
+
 def lora_init_file(init_path: str):
     """The LoRA file of `lora.init_path` (a directory holding its .safetensors file, as a checkpoint's `lora/`, or
     that file), its header read (cheap: no tensor is loaded), so that a missing, foreign or truncated file is a
@@ -438,13 +470,14 @@ def lora_init_file(init_path: str):
 
     where = Path(init_path)
     example = "e.g. RUN_DIR/ckpt-000010/lora, the LoRA a run exports"
+    if where.is_dir() and (where / "lora").is_dir() and (where / "state.json").is_file():
+        where = where / "lora"  # a run's checkpoint: the LoRA it exports
     if where.is_dir():
-        files = sorted(where.glob("*.safetensors"))
-        if not files:
-            raise PreflightError(f"lora.init_path={init_path!r} holds no .safetensors LoRA file ({example})")
-        where = files[0]
+        where = _lora_file_in(where, init_path, example)
     elif not where.is_file():
         raise PreflightError(f"lora.init_path={init_path!r} does not exist: give a LoRA directory ({example})")
+    if where.suffix in PICKLE_SUFFIXES:
+        raise PreflightError(pickled_lora(init_path))
     try:
         with safe_open(str(where), framework="pt") as f:
             return where, {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -461,7 +494,7 @@ def check_lora_init(cfg: Config, family_name: str | None = None) -> None:
     family's denoiser alone (`lora_files.component_problem`)."""
     if not (cfg.lora.enabled and cfg.lora.init_path):
         return
-    from .lora_files import adapter_settings, component_problem, settings_problem
+    from .lora_files import adapter_settings, component_problem, lora_ranks, settings_problem
 
     path, shapes = lora_init_file(cfg.lora.init_path)
     prefix = None
@@ -470,7 +503,7 @@ def check_lora_init(cfg: Config, family_name: str | None = None) -> None:
 
         prefix = family(family_name).denoiser_attr
     problem = component_problem(shapes, prefix, path) or settings_problem(
-        adapter_settings(path, prefix), cfg.lora, path
+        adapter_settings(path, prefix), cfg.lora, path, lora_ranks(shapes)
     )
     if problem:
         raise PreflightError(problem)

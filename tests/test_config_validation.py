@@ -164,6 +164,12 @@ def test_yaml_syntax_error_is_one_line_with_file_and_line(tmp_path):
         load_config(yml)
 
 
+def test_a_lora_init_path_without_a_lora_is_refused():
+    with pytest.raises(ConfigError, match=r"lora.init_path=x starts a LoRA, and lora.enabled=false trains the model"):
+        load_config(None, ["lora.enabled=false", "lora.init_path=x"])
+    assert load_config(None, ["lora.init_path=x"]).lora.init_path == "x"
+
+
 def test_text_engine_keys_are_checked_before_any_model_loads():
     """text.engine belongs to text runs, and its correction to an engine that is not the trainer itself; a bad
     level or cap names the valid ones."""

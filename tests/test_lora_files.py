@@ -65,6 +65,33 @@ def test_settings_problem_names_what_differs(settings, expected):
         assert problem.startswith("lora.init_path: F ") and __import__("re").search(expected, problem), problem
 
 
+def test_a_lora_that_records_no_alpha_is_read_as_diffusers_reads_it(tmp_path):
+    """No alpha in a LoRA's file (diffusers' save_lora_weights without metadata, a converted kohya file): diffusers
+    loads it with alpha = its rank, a scale of 1, so the config's lora.alpha must be that rank; the premise is
+    checked on diffusers itself (a tiny SD3 transformer's load_lora_adapter of such a file)."""
+    from diffusers import SD3Transformer2DModel
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    from flowrl.families.sd3 import TINY_TRANSFORMER
+
+    assert settings_problem({}, LORA, "F", [16]) is None  # LORA: alpha 16; a file of rank 16 (scale 1 both ways)
+    problem = settings_problem({}, LORA, "F", [8])
+    assert problem.startswith("lora.init_path: F records no lora alpha, which diffusers reads as alpha = its rank (8")
+    assert "set lora.alpha=8" in problem
+    assert settings_problem({}, LORA, "F", [4, 8]) is None  # ranks of their own: match_state names the rank
+
+    model = SD3Transformer2DModel(**TINY_TRANSFORMER)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=12, target_modules=["to_q"]))
+    state = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    save_file(
+        {"transformer." + k.replace(".default", ""): v for k, v in state.items()}, str(tmp_path / "l.safetensors")
+    )
+    fresh = SD3Transformer2DModel(**TINY_TRANSFORMER)
+    fresh.load_lora_adapter(str(tmp_path / "l.safetensors"), prefix="transformer", adapter_name="x")
+    assert fresh.peft_config["x"].r == 4 and fresh.peft_config["x"].lora_alpha == 4  # alpha = rank
+
+
 def test_lora_modules_are_the_names_after_the_block_index():
     keys = [
         "transformer_blocks.0.attn.to_q.lora_A.weight",
@@ -134,6 +161,7 @@ def test_another_components_lora_is_named_and_peft_save_pretrained_keys_are_read
     own = {"blocks.0.to_q.lora_A.weight": (2, 4), "blocks.0.to_q.lora_B.weight": (4, 2)}
     peft = tmp_path / "adapter_model.safetensors"
     save_file({"base_model.model." + k: torch.zeros(s) for k, s in own.items()}, str(peft))
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 16}))  # peft writes it beside
     assert sorted(init_state(peft, lora, own, "transformer")) == sorted(own)
     text_own = {"base_model.model." + k: s for k, s in own.items()}
     assert sorted(init_state(peft, lora, text_own)) == sorted(text_own)

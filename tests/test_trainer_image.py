@@ -891,6 +891,42 @@ def test_a_missing_or_truncated_lora_init_path_fails_before_the_model_loads(tmp_
         Trainer(tiny_cfg(tmp_path / "a", f"lora.init_path={lora}"))
 
 
+def test_lora_init_path_takes_a_checkpoint_the_named_file_or_the_only_one(tmp_path):
+    """The file a lora.init_path directory means: a run's checkpoint's exported lora/, diffusers' or peft's file
+    name, or the only .safetensors file; several others are one line listing them (the first had been taken
+    silently); a pickled LoRA (.bin) is named as such, not as a corrupt file."""
+    from safetensors.torch import save_file
+
+    from flowrl.preflight import PreflightError, lora_init_file
+
+    tensors = {"x.lora_A.weight": torch.zeros(8, 64)}
+    ckpt = tmp_path / "ckpt-000003"
+    (ckpt / "lora").mkdir(parents=True)
+    (ckpt / "state.json").write_text("{}")
+    for name in ("optimizer.safetensors", "ema.safetensors", "lora/pytorch_lora_weights.safetensors"):
+        save_file(tensors, str(ckpt / name))
+    assert lora_init_file(str(ckpt))[0] == ckpt / "lora" / "pytorch_lora_weights.safetensors"
+    epochs = tmp_path / "epochs"
+    epochs.mkdir()
+    for name in ("my_lora-000001.safetensors", "my_lora-000002.safetensors", "my_lora.safetensors"):
+        save_file(tensors, str(epochs / name))
+    with pytest.raises(PreflightError, match=r"holds 3 \.safetensors files \(my_lora-000001.safetensors, "):
+        lora_init_file(str(epochs))
+    assert lora_init_file(str(epochs / "my_lora.safetensors"))[0] == epochs / "my_lora.safetensors"
+    save_file(tensors, str(epochs / "adapter_model.safetensors"))
+    assert lora_init_file(str(epochs))[0].name == "adapter_model.safetensors"
+    only = tmp_path / "only"
+    only.mkdir()
+    save_file(tensors, str(only / "style.safetensors"))
+    assert lora_init_file(str(only))[0] == only / "style.safetensors"
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "pytorch_lora_weights.bin").write_bytes(b"not read")
+    for given in (pickled, pickled / "pytorch_lora_weights.bin"):
+        with pytest.raises(PreflightError, match=r"is a pickled LoRA \(\.bin / \.pt\), which flowrl does not read"):
+            lora_init_file(str(given))
+
+
 def test_a_lora_init_path_of_another_rank_or_other_modules_is_one_line_naming_them(tmp_path, capsys):
     """A LoRA of rank 4 into a rank-8 adapter, or a LoRA of fewer modules: a ConfigError naming the file's rank and
     lora.rank, or the keys that differ, not peft's size-mismatch traceback (the command line prints one line)."""

@@ -219,6 +219,11 @@ def validate(cfg: Config) -> None:
             f"eval.images_per_group={cfg.eval.images_per_group} shares images out over the groups of "
             "eval.group_by, which is not set; set eval.group_by (e.g. family) or images_per_group=0"
         )
+    if cfg.lora.init_path and not cfg.lora.enabled:
+        problems.append(
+            f"lora.init_path={cfg.lora.init_path} starts a LoRA, and lora.enabled=false trains the model without one "
+            "(the file would be ignored): set lora.enabled=true, or leave lora.init_path unset"
+        )
     if not str(cfg.log.run_dir).strip():
         problems.append(
             "log.run_dir is empty: a run writes its checkpoints, metrics and grids there, so give it a directory "
