@@ -715,6 +715,10 @@ def _public_callables(module: ModuleType) -> list[str]:
     return sorted(names)
 
 
+def _var_keyword(params) -> str:
+    return next(k for k, p in params.items() if p.kind is p.VAR_KEYWORD)
+
+
 def _check_plugin_signature(name: str, fn: Callable[..., Any], kwargs: dict[str, Any], kind: str) -> None:
     """The options ``kwargs`` are parameters of ``fn``, and ``fn`` can take the batch of ``kind``: an image
     reward ``(images, prompts)`` positionally; a text reward ``completions`` (and ``prompts``) by keyword
@@ -744,6 +748,14 @@ def _check_plugin_signature(name: str, fn: Callable[..., Any], kwargs: dict[str,
     unknown = [k for k in kwargs if k not in options and not takes_any]
     if unknown:
         raise RewardConfigError(f"{_options_message(name, unknown, options)[:-1]} (signature {shown}).")
+    for k in kwargs if takes_any else ():  # a **kwargs takes any option: one a letter off a parameter is a typo
+        near = difflib.get_close_matches(k, [o for o in options if o not in kwargs], n=1, cutoff=0.75)
+        if k not in options and near:
+            warnings.warn(
+                f"reward {name!r}: option {k!r} is not a parameter of {shown}: it goes to its **{_var_keyword(params)}"
+                f" and {near[0]!r} keeps its default; did you mean {near[0]!r}?",
+                stacklevel=2,
+            )
     call = (
         "f(images, prompts, **metadata)"
         if kind == IMAGE

@@ -95,6 +95,23 @@ def test_file_plugin_is_the_reward_with_config_kwargs_on_every_call(workdir):
     torch.testing.assert_close(reward(gray(255), ["a"]), torch.tensor([2.0]))  # the kwargs again
 
 
+def test_an_option_a_letter_off_a_parameter_of_a_kwargs_reward_is_a_warning(workdir):
+    """A reward that takes **metadata takes any option, so a misspelt one (gian for gain) would go there and the
+    parameter keep its default without a word: it is built, with one warning naming the parameter meant; an option
+    far from every parameter (a column the reward reads from its metadata) is taken quietly."""
+    import warnings
+
+    write(workdir / "kw.py", "def bright(images, prompts, gain=1.0, **metadata):\n    return [gain] * len(images)\n")
+    with pytest.warns(
+        UserWarning, match=r"option 'gian' is not a parameter of bright\(.*\*\*metadata.*did you mean 'gain'"
+    ):
+        reward = rewards.build("kw.py:bright", {"gian": 2.0}, "image")
+    torch.testing.assert_close(reward(gray(255), ["a"]), torch.tensor([1.0]))  # the default gain: what was warned
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rewards.build("kw.py:bright", {"gain": 2.0, "style": "x"}, "image")
+
+
 def test_module_plugin_from_the_working_directory_and_every_output_type(workdir):
     write(workdir / "userpkg_a" / "__init__.py", "")
     write(workdir / "userpkg_a" / "scores.py", SCORES)
