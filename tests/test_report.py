@@ -267,6 +267,19 @@ def test_a_corrupt_line_is_named_by_file_and_line(tmp_path, bad):
     assert not (tmp_path / "curves.png").exists()
 
 
+def test_a_last_line_cut_short_is_left_out_with_a_warning(tmp_path):
+    """A crash, or a run writing its next line now, leaves the last line without its newline: the report is of the
+    lines before it (a corrupt line inside the file, or one that ends with its newline, is still refused, above)."""
+    rows = [json.dumps({"epoch": e, "reward/total_mean": 0.1 * e}) for e in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + '\n{"epoch": 4, "reward/tot')
+    with pytest.warns(UserWarning, match=r"metrics.jsonl:4: the last line is cut short"):
+        plot_curves(tmp_path)
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    (tmp_path / "metrics.jsonl").write_text('{"epoch": 4, "reward/tot')  # nothing before it: nothing to plot
+    with pytest.raises(ValueError, match="metrics.jsonl:1: not valid JSON"):
+        plot_curves(tmp_path)
+
+
 def test_load_metrics_returns_the_rows_of_a_good_file(tmp_path):
     rows = resumed_run_rows()
     assert load_metrics(write_metrics(tmp_path, rows)) == rows

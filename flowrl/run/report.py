@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,9 +28,20 @@ def load_metrics(run_dir: str | Path) -> list[dict]:
             f"{run_dir} is not a run directory: no metrics.jsonl (a run writes it after its first logged epoch)"
         )
     rows = []
-    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
-        if raw.strip():
+    data = path.read_bytes()
+    lines = data.splitlines()
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
             rows.append(parse_row(raw, path, number))
+        except ValueError:
+            # the last line without its newline: a line being written now, or cut short by a crash (a resume
+            # drops it); the lines before it are the run's, and the report is of them
+            if number == len(lines) and not data.endswith(b"\n") and rows:
+                warnings.warn(f"{path}:{number}: the last line is cut short (a crash, or being written); left out")
+                break
+            raise
     if not rows:
         raise ValueError(
             f"{path} is empty: no epoch logged yet (a run writes a line per logged epoch; wait for "
