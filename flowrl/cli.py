@@ -375,6 +375,8 @@ def _calibrate(args) -> int:
     G = cfg.sample.group_size
     prompts = [p for p in train_set.prompts[:k] for _ in range(G)]
     metadata = [m for m in train_set.metadata[:k] for _ in range(G)]
+    from .sampling.acceleration import decoupled_objectives
+
     coupled = get_objective(cfg.train.objective).coupled
     policy.accelerators = []  # the config's own accelerators stay off while measuring
     try:
@@ -397,7 +399,7 @@ def _calibrate(args) -> int:
     if coupled:
         print(
             f"note: mag_cache is lossy, and train.objective={cfg.train.objective} may not use it "
-            "(the decoupled objectives may: nft, awm, dpo)"
+            f"(the decoupled objectives may: {', '.join(decoupled_objectives())})"
         )
     return 0
 

@@ -76,6 +76,7 @@ def test_every_unknown_key_of_a_file_is_named_at_once(tmp_path):
         ("rewards=[{name: shapes_geneval, weight: 0}]", "every weight is 0 .shapes_geneval., so there is nothing"),
         ("train.lr=inf", r"train.lr must be a finite number > 0, got inf"),
         ("train.lr=nan", r"train.lr must be a finite number > 0, got nan"),
+        ("rewards.0.weight=nan", r"rewards\[0\].weight must be a finite number, got nan"),  # (said once)
         ("log.run_dir=", r"log.run_dir is empty: a run writes its checkpoints, metrics and grids there"),
         ("log.run_dir='  '", r"log.run_dir is empty"),
     ],

@@ -635,7 +635,7 @@ def test_a_run_whose_reward_fails_keeps_its_epochs_and_resumes_as_if_uninterrupt
         "flowrl train: reward 'scores.py:brightness' failed: ConnectionError: the reward server went away "
         "(at scores.py:11, in brightness)"
     ), err
-    assert err[1].startswith(f"flowrl train: the 1 epochs done are in checkpoint {tmp_path / 'run' / 'ckpt-000001'}")
+    assert err[1].startswith(f"flowrl train: the 1 epoch done is in checkpoint {tmp_path / 'run' / 'ckpt-000001'}")
     assert "checkpoint.resume=auto" in err[1] and len(err) == 2, err
     assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["ckpt-000001"]
 

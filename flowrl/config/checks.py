@@ -38,7 +38,8 @@ def range_problems(cfg: Config) -> list[str]:
             value = _get_dotted(cfg, key)
             values = [(f"{key}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, list) else [(key, value)]
         problems.extend(
-            f"{name} must be {'a finite number ' if _non_finite(v) else ''}{valid.text()}, got {v!r}"
+            f"{name} must be {'a finite number ' if _non_finite(v) and 'finite' not in valid.text() else ''}"
+            f"{valid.text()}, got {v!r}"
             for name, v in values
             if v is not None and v not in valid
         )

@@ -76,6 +76,12 @@ def progress_postfix(metrics: dict, objective) -> dict[str, str]:
     return {**reward, **objective.progress(metrics)}
 
 
+def _epochs(n: int, done: str = "") -> str:
+    """'1 epoch', '3 epochs'; with `done`: '1 epoch done is', '3 epochs done are'."""
+    words = f"{n} epoch{'' if n == 1 else 's'}"
+    return f"{words} {done} {'is' if n == 1 else 'are'}" if done else words
+
+
 class Trainer:
     """Holds the pieces the loop needs; `fit()` is the loop."""
 
@@ -747,17 +753,17 @@ class Trainer:
             try:
                 path = self.save_epoch_boundary()
             except Exception as e:  # (the failure may be the disk's)
-                error.add_note(f"the checkpoint of the {now[0]} epochs done could not be written either: {e}")
+                error.add_note(f"the checkpoint of the {_epochs(now[0])} done could not be written either: {e}")
                 return
         trained = now[0] >= self.cfg.train.epochs or (bool(self.cfg.train.max_minutes) and self.out_of_time())
         if path is not None and trained:  # (it failed in the final eval: a resume would find nothing to train)
             error.add_note(
-                f"the {now[0]} epochs trained are in checkpoint {path}: once the cause is fixed, `flowrl eval CONFIG "
+                f"the {_epochs(now[0], 'trained')} in checkpoint {path}: once the cause is fixed, `flowrl eval CONFIG "
                 f"--checkpoint {path}` makes the final eval"
             )
         elif path is not None:
             error.add_note(
-                f"the {now[0]} epochs done are in checkpoint {path}: once the cause is fixed, the same command with "
+                f"the {_epochs(now[0], 'done')} in checkpoint {path}: once the cause is fixed, the same command with "
                 f"checkpoint.resume=auto continues from there"
             )
         elif self.saved is not None and self.saved[1] is not None:
