@@ -331,6 +331,9 @@ def _sample_text(cfg, args, given) -> int:
         raise SystemExit("flowrl sample: --image and --steps are an image model's; a text config takes neither")
     if args.greedy and args.num != 1:
         raise SystemExit(f"flowrl sample: --greedy gives one completion per prompt, and --num is {args.num}")
+    empty = [o for p, o in zip(given.prompts, given.origins) if not p.strip()]
+    if empty:
+        raise SystemExit(f"flowrl sample: {empty[0]} is empty; a language model continues a prompt: give it text")
     check_model(cfg)
     policy = policy_from_checkpoint(cfg, args.checkpoint, args.weights, _device(cfg))
     check_prompt_lengths(policy, {"--prompts" if args.prompts else "--prompt": given})

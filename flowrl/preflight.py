@@ -51,6 +51,11 @@ def load_prompt_sets(cfg: Config) -> tuple[PromptSet, PromptSet]:
     d = cfg.data
     if cfg.backend == "text":  # a text model takes no images: its `image` column, if any, is plain metadata
         d = dataclasses.replace(d, image_column="")
+        if not d.train_prompts:
+            raise PreflightError(
+                "a text run needs data.train_prompts (a .jsonl/.csv/.txt file of prompts, or hf:DATASET): the "
+                "built-in prompts are an image model's"
+            )
     objective = cfg.train.objective
     train_set = _checked(f"train.{objective}", get_objective(objective).training_prompts, cfg)
     if train_set is None:

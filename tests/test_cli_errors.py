@@ -608,6 +608,9 @@ def test_sample_a_text_config_draws_seeded_or_greedy_completions(tmp_path, capsy
     with pytest.raises(SystemExit) as e:
         main(["sample", TINY_CFG, *TINY, "--prompt", "a cat", "--greedy"])
     assert "--greedy is a text model's decoding" in str(e.value)
+    with pytest.raises(SystemExit) as e:
+        main(["sample", cfg, "--prompt", "1+1=", "--prompt", " ", "--out", str(tmp_path / "x")])
+    assert "flowrl sample: --prompt #2 is empty; a language model continues a prompt" in str(e.value)
 
 
 def test_eval_of_a_vllm_config_runs_without_its_server(tmp_path, capsys):

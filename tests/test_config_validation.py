@@ -3,6 +3,7 @@ tools' names, list-item overrides, YAML errors in one line."""
 
 import dataclasses
 import math
+import re
 import typing
 from pathlib import Path
 
@@ -162,6 +163,27 @@ def test_yaml_syntax_error_is_one_line_with_file_and_line(tmp_path):
     yml.write_bytes(b"train:\n  lr: \xff\n")
     with pytest.raises(ConfigError, match="not UTF-8"):
         load_config(yml)
+
+
+def test_a_vllm_url_that_is_not_an_http_url_of_a_host_is_refused():
+    for url, why in (
+        ("not-a-url", "is not an http:// or https:// URL of a host"),
+        ("127.0.0.1:8100", "is not an http:// or https:// URL of a host"),
+        ("http://127.0.0.1:abc", "names a port that is not a number from 1 to 65535"),
+        ("http://127.0.0.1:99999", "names a port that is not a number from 1 to 65535"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(f"text.vllm_url={url!r} {why}, e.g. text.vllm_url=http://")):
+            load_config(None, ["backend=text", "text.engine=vllm", f"text.vllm_url={url}"])
+    load_config(None, ["backend=text", "text.engine=vllm", "text.vllm_url=https://gpu-box:8100/"])
+
+
+def test_a_text_run_without_training_prompts_is_refused_before_the_model_loads(no_model_load):
+    from flowrl.preflight import PreflightError, load_prompt_sets
+
+    with pytest.raises(
+        PreflightError, match=r"a text run needs data.train_prompts .*the built-in prompts are an image"
+    ):
+        load_prompt_sets(load_config(None, ["backend=text"]))
 
 
 def test_a_lora_init_path_without_a_lora_is_refused():
