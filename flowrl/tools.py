@@ -56,15 +56,26 @@ def load_tool_env(target: str) -> Callable[[str, dict], str | None]:
         if not callable(fn):
             found = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_"))
             raise ConfigError(f"text.tool_env={target!r}: {where} has no function {name!r}; its functions: {found}")
-    params = inspect.signature(fn).parameters
+    signature = inspect.signature(fn)
+    params = signature.parameters
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     wanted = [k for k in CONTEXT if takes_all or k in params]
+    try:  # how every turn calls it, checked before the model loads
+        signature.bind("turn", **{k: None for k in wanted})
+    except TypeError as e:
+        raise ConfigError(
+            f"text.tool_env={target!r} is called as f(turn, *, {', '.join(CONTEXT)}) (the turn's text, and any of "
+            f"those by name), but its signature is {getattr(fn, '__name__', target)}{signature} ({e})"
+        ) from None
+    own_file = getattr(getattr(fn, "__code__", None), "co_filename", None)
 
     def call(turn: str, context: dict) -> str | None:
         try:
             reply = fn(turn, **{k: context[k] for k in wanted})
         except Exception as e:  # the user's environment failed on this turn: one line naming it and the turn
-            where = traceback.extract_tb(e.__traceback__)[-1]
+            frames = traceback.extract_tb(e.__traceback__)
+            mine = [f for f in frames if f.filename == own_file]  # the user's line, not the library's it called
+            where = (mine or frames)[-1]
             raise ToolEnvError(
                 f"text.tool_env={target!r} raised {type(e).__name__}: {e} ({where.filename} line {where.lineno}) "
                 f"on the turn {turn[-80:]!r}"

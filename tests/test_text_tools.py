@@ -37,6 +37,20 @@ def test_a_tool_environment_by_name_file_or_module_and_its_errors(tmp_path):
         load_tool_env("nope.py:f")
     with pytest.raises(ConfigError, match="has no function 'answer'; its functions: \\['reply'\\]"):
         load_tool_env(f"{f}:answer")
+    g = tmp_path / "bad.py"
+    g.write_text(
+        "import json\n"
+        "def two(turn, foo):\n    return ''\n"
+        "def none():\n    return ''\n"
+        "def parse(turn):\n    return json.loads(turn)\n"
+    )
+    for name in ("two", "none"):  # refused when loaded (before the model), not at the first tool call
+        with pytest.raises(ConfigError, match=rf"is called as f\(turn, \*, prompt, transcript, metadata\).*{name}\("):
+            load_tool_env(f"{g}:{name}")
+    from flowrl.tools import ToolEnvError
+
+    with pytest.raises(ToolEnvError, match=rf"raised JSONDecodeError: .*\({g} line 7\)"):  # the user's line
+        load_tool_env(f"{g}:parse")("not json", {"prompt": "", "transcript": "", "metadata": {}})
 
 
 def test_tool_env_without_stop_strings_or_for_images_is_refused_before_the_model_loads(tmp_path, no_model_load):
