@@ -1071,7 +1071,13 @@ def _token_limits(policy) -> list[TokenLimit]:
         ids = tokenizer(formatted, add_special_tokens=not policy.use_chat, verbose=False)["input_ids"]
         return [len(i) for i in ids]
 
-    return [TokenLimit("", text.max_prompt_length, "text.max_prompt_length; a prompt's last tokens are kept", count)]
+    limit = getattr(policy, "prompt_limit", None) or text.max_prompt_length
+    why = (
+        "text.max_prompt_length"
+        if limit == text.max_prompt_length
+        else "the model's positions less text.max_new_tokens, below text.max_prompt_length"
+    )
+    return [TokenLimit("", limit, f"{why}; a prompt's last tokens are kept", count)]
 
 
 def _pipeline_limits(backend) -> list[TokenLimit]:

@@ -76,3 +76,18 @@ def test_text_prompts_longer_than_max_prompt_length_warn(tiny_lm, tmp_path):
     assert message.startswith("data.train_prompts: 1 of 2 prompts are too long for the model's text encoder")
     assert "1 to 16 tokens (text.max_prompt_length; a prompt's last tokens are kept)" in message
     assert f"the first is {prompts}:2 (82 characters, 83 tokens)" in message
+
+
+def test_the_warning_names_the_cut_the_models_positions_make(tmp_path):
+    """A model with fewer positions than text.max_prompt_length + max_new_tokens cuts prompts shorter: the warning
+    names that length and why (it named text.max_prompt_length's 256)."""
+    from conftest import save_tiny_gpt2
+
+    lm = save_tiny_gpt2(tmp_path / "lm", n_positions=24)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1+2=", "answer": "3"}\n' + '{"prompt": "' + "1+" * 40 + '1=", "answer": "41"}\n')
+    run = ["backend=text", f"model.path={lm}", "model.device=cpu", f"data.train_prompts={prompts}"]
+    run += ["rewards=[{name: accuracy}]", "sample.prompts_per_epoch=2", "text.max_new_tokens=4"]
+    _, messages = _trainer([*run, f"log.run_dir={tmp_path / 'run'}"])
+    (message,) = messages
+    assert "1 to 20 tokens (the model's positions less text.max_new_tokens, below text.max_prompt_length" in message
