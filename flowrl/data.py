@@ -363,6 +363,13 @@ def _prompt_set(rows: Iterable[tuple[str, dict]], column: str, template: str, fi
 
 def _row_prompt(row: dict, where: str, column: str, template: str, fields: list[str]) -> tuple[str, dict]:
     """One row's prompt (its `column` through `template`) and metadata (its other columns)."""
+    chat = next((k for k in (column, "messages", "prompt") if _is_conversation(row.get(k))), None)
+    if chat is not None:
+        raise PromptFileError(
+            f"{where}: {chat!r} is a conversation (a list of role/content messages, TRL's conversational format), "
+            "and flowrl reads a prompt as text: give the user's message as the row's prompt string (text.chat_template "
+            "wraps it in the tokenizer's chat template)"
+        )
     if column not in row:
         raise PromptFileError(
             f"{where}: no prompt column {column!r} (data.prompt_column); the row's keys are {sorted(row)}"
@@ -387,6 +394,11 @@ def _row_prompt(row: dict, where: str, column: str, template: str, fields: list[
             f"{where}: data.prompt_template {template!r} does not apply to this row: {type(e).__name__}: {e}"
         ) from None
     return prompt, {k: v for k, v in row.items() if k != column}
+
+
+def _is_conversation(value) -> bool:
+    """A list of chat messages ({"role", "content"} dicts), as TRL's conversational datasets hold them."""
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
 
 
 def _clip(text: str, limit: int = 60) -> str:

@@ -118,6 +118,16 @@ def test_a_prompt_that_is_not_a_non_empty_string_is_an_error(tmp_path, value, sh
         load_prompts(path)
 
 
+def test_a_conversational_row_is_named_as_one(tmp_path):
+    """TRL's conversational rows (a `messages` or `prompt` list of role/content dicts): one line saying that a
+    prompt is text and the chat template is applied by flowrl (it pointed at data.prompt_column=answer)."""
+    chat = [{"role": "user", "content": "What is 2+2?"}]
+    for row, key in (({"messages": chat, "answer": "4"}, "messages"), ({"prompt": chat, "answer": "4"}, "prompt")):
+        path = _jsonl(tmp_path / f"{key}.jsonl", [row])
+        with pytest.raises(PromptFileError, match=rf"{key}.jsonl:1: '{key}' is a conversation \(a list of role"):
+            load_prompts(path)
+
+
 def test_a_missing_prompt_column_lists_the_row_keys_and_the_config_key(tmp_path):
     path = _jsonl(tmp_path / "p.jsonl", [{"text": "a cat", "id": 1}])
     with pytest.raises(
