@@ -272,9 +272,12 @@ def load_prompts(
         a `hf:` dataset: images (an Image feature, decoded or not) or a list of them, each written once as a file
         to `datasets`' cache (named by its content), or paths (relative to a local dataset's folder).
     Raises PromptFileError, whose one-line message names the file and line (or dataset row) and the fix."""
-    if not path:
-        return PromptSet(list(BUILTIN_PROMPTS))
     fields = _template_columns(template)
+    if not path:  # the built-in prompts: rows of a prompt alone, the template applied as to a file's
+        rows = [
+            (f"built-in prompt #{i + 1} (no data.train_prompts)", {column: p}) for i, p in enumerate(BUILTIN_PROMPTS)
+        ]
+        return PromptSet([_row_prompt(row, where, column, template, fields)[0] for where, row in rows])
     source = str(path)
     if source.startswith(HF_PREFIX):
         return _load_hf(source, column, template, fields, split, hf_config, image_column)
@@ -427,6 +430,8 @@ def _read_lines(path: Path) -> list[tuple[int, str]]:
     """The non-blank lines of a prompt file with their 1-based numbers (a UTF-8 byte-order mark is skipped);
     errors for a missing file, a directory, text that is not UTF-8, and a file without prompts."""
     text = _read_text(path)
+    if "\r" in text and "\n" not in text:  # old Mac line endings: each CR ends a line
+        text = text.replace("\r", "\n")
     lines = [(i + 1, line.rstrip("\r")) for i, line in enumerate(text.split("\n")) if line.strip()]
     if not lines:
         state = "is empty" if not text else "holds only blank lines"

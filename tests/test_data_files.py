@@ -55,6 +55,16 @@ def test_a_txt_line_is_the_prompt_column(tmp_path):
     assert ps.prompts == ["a red apple, photo"]
 
 
+def test_the_built_in_prompts_take_the_template_and_old_mac_line_endings_split_lines(tmp_path):
+    from flowrl.data import BUILTIN_PROMPTS
+
+    assert load_prompts(None, template="a photo of {prompt}").prompts == [f"a photo of {p}" for p in BUILTIN_PROMPTS]
+    assert load_prompts(None).prompts == list(BUILTIN_PROMPTS)
+    with pytest.raises(PromptFileError, match=r"built-in prompt #1 .*names column 'style', which this row lacks"):
+        load_prompts(None, template="a {style} photo of {prompt}")
+    assert load_prompts(_write(tmp_path / "mac.txt", "a cat\ra dog\r")).prompts == ["a cat", "a dog"]
+
+
 def test_a_json_string_holding_a_line_separator_stays_one_row(tmp_path):
     # U+2028 is legal unescaped inside a JSON string; str.splitlines would cut the row in two
     path = _jsonl(tmp_path / "p.jsonl", [{"prompt": "first\u2028second"}, {"prompt": "third"}])
