@@ -784,6 +784,40 @@ def _check_plugin_signature(name: str, fn: Callable[..., Any], kwargs: dict[str,
 # ---------------------------------------------------------------------------- the built reward
 
 
+def checked_components(components: Any, size: int, name: str) -> dict[str, Any]:
+    """A reward's `last_components` as {name: float32 tensor [size]}: a mapping of per-sample numbers, one per
+    sample of the call; a ValueError naming the reward and the component otherwise."""
+    import torch
+
+    if not isinstance(components, Mapping):
+        raise ValueError(
+            f"reward {name!r}: last_components is {type(components).__name__}, not a mapping of a name to one "
+            f"number per sample"
+        )
+    out = {}
+    for key, value in components.items():
+        try:
+            tensor = torch.as_tensor(value if isinstance(value, torch.Tensor) else np_asarray(value)).float()
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(
+                f"reward {name!r}: last_components[{key!r}] is not numbers ({type(e).__name__}: {e})"
+            ) from None
+        if tensor.device.type != "cpu":
+            tensor = tensor.to("cpu") if tensor.device.type != "meta" else None
+        if tensor is None or tensor.numel() != size:
+            shown = "a tensor on the meta device" if tensor is None else f"{tensor.numel()} values"
+            raise ValueError(f"reward {name!r}: last_components[{key!r}] holds {shown} for a call of {size} samples")
+        out[key] = tensor.reshape(-1)
+    return out
+
+
+def np_asarray(value: Any) -> Any:
+    """`value` as a float64 numpy array (a list of numbers, numpy scalars, bools)."""
+    import numpy as np
+
+    return np.asarray(value, dtype=np.float64)
+
+
 class NamedReward:
     """A built reward under the name it was configured with.
 
@@ -973,7 +1007,11 @@ class NamedReward:
             return out
         try:
             if self.kind == IMAGE:
-                return image_scores(out, size, self.__name__)
+                scores = image_scores(out, size, self.__name__)
+                components = getattr(self.reward, "last_components", None)
+                if components:  # read by the trainer and the eval as [B] numbers each: checked here, named
+                    self._frame_components = checked_components(components, size, self.__name__)
+                return scores
             return text_scores(out, size, self.__name__)
         except ValueError as e:
             raise RewardError(str(e)) from None

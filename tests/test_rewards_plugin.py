@@ -95,6 +95,43 @@ def test_file_plugin_is_the_reward_with_config_kwargs_on_every_call(workdir):
     torch.testing.assert_close(reward(gray(255), ["a"]), torch.tensor([2.0]))  # the kwargs again
 
 
+def test_a_plugins_last_components_are_checked_and_named(workdir):
+    """last_components, read by the trainer and the eval as one number per sample each: a mapping of numbers of
+    the call's size, else one RewardError naming the reward and the component (a traceback in the loop before)."""
+    write(
+        workdir / "comps.py",
+        """
+        import torch
+
+        class Comps:
+            def __init__(self, value):
+                self.value = value
+
+            def __call__(self, images, prompts):
+                self.last_components = self.value(len(images))
+                return [0.0] * len(images)
+
+        good = Comps(lambda n: {"a": [1] * n, "b": torch.ones(n, 1, dtype=torch.float64)})
+        strings = Comps(lambda n: {"a": ["x"] * n})
+        not_a_dict = Comps(lambda n: [1.0] * n)
+        too_many = Comps(lambda n: {"a": [1.0] * (n + 3)})
+        meta = Comps(lambda n: {"a": torch.ones(n, device="meta")})
+        """,
+    )
+    reward = rewards.build("comps.py:good", {}, "image")
+    reward(gray(1, 2), ["a", "b"])
+    comps = reward.last_components
+    assert set(comps) == {"a", "b"} and all(v.dtype == torch.float32 and v.shape == (2,) for v in comps.values())
+    for name, words in (
+        ("strings", r"last_components\['a'\] is not numbers"),
+        ("not_a_dict", r"last_components is list, not a mapping"),
+        ("too_many", r"last_components\['a'\] holds 5 values for a call of 2 samples"),
+        ("meta", r"last_components\['a'\] holds a tensor on the meta device"),
+    ):
+        with pytest.raises(RewardError, match=rf"reward 'comps.py:{name}': {words}"):
+            rewards.build(f"comps.py:{name}", {}, "image")(gray(1, 2), ["a", "b"])
+
+
 def test_an_option_a_letter_off_a_parameter_of_a_kwargs_reward_is_a_warning(workdir):
     """A reward that takes **metadata takes any option, so a misspelt one (gian for gain) would go there and the
     parameter keep its default without a word: it is built, with one warning naming the parameter meant; an option
