@@ -774,3 +774,10 @@ def test_demo_toy_takes_no_config_or_overrides(capsys):
         )
     assert main(["demo", "--toy"]) == 0
     assert "mean reward, first 5 steps" in capsys.readouterr().out
+
+
+def test_plan_refuses_a_reward_that_does_not_resolve(capsys):
+    """flowrl plan checks the rewards as a run would (cheaply): an unknown name is one line, not a note beside a
+    plan of a config that cannot run."""
+    err = one_line_error(capsys, 1, main(["plan", TINY_CFG, "rewards.0.name=pickscor"]))
+    assert "flowrl plan: rewards[0] (pickscor): unknown reward 'pickscor'. Did you mean 'pickscore'" in err
