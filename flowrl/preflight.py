@@ -136,6 +136,13 @@ def check_reward_columns(cfg: Config, train_set: PromptSet, eval_set: PromptSet)
     if eval_set is not train_set or not scored:
         sets.append(("data.eval_prompts" if cfg.data.eval_prompts else "the eval's prompts", eval_set))
     for i, spec in enumerate(cfg.rewards):
+        for where, prompts in sets:  # a column reaches the reward as an argument of its name, as an option would
+            clash = sorted(set(spec.kwargs) & {k for m in prompts.metadata for k in (m or {})})
+            if clash:
+                raise PreflightError(
+                    f"rewards[{i}] ({spec.target}): its option(s) {', '.join(map(repr, clash))} are also columns of "
+                    f"{where}, which reach the reward by the same name on every call; rename the option or the column"
+                )
         declared = _checked(f"rewards[{i}] ({spec.target})", declared_columns, spec.target)
         required = _checked(f"rewards[{i}] ({spec.target})", required_columns, spec.target, dict(spec.kwargs))
         named = {n for names in declared for n in names}

@@ -412,3 +412,23 @@ def test_registered_rewards_build_wrapped_and_unknown_names_list_plugins_too():
     ):
         rewards.check("brightness", {}, "image")
     np.testing.assert_array_equal(rewards.build("jpeg_compressibility", {}, "image")(gray(0), ["a"]).shape, (1,))
+
+
+def test_an_option_that_is_also_a_prompt_column_is_refused_before_the_model_loads(workdir):
+    """Each prompt's columns reach a reward as arguments of their names: an option of the same name would be
+    refused at the first call, after the model loaded and the first eval sampled; it is refused with the prompts."""
+    import json
+
+    from flowrl.config import load_config
+    from flowrl.preflight import PreflightError, check_reward_columns, load_prompt_sets
+
+    write(workdir / "show.py", "def show(images, prompts, **metadata):\n    return [0.0] * len(images)\n")
+    (workdir / "p.jsonl").write_text(json.dumps({"prompt": "a cat", "family": "x"}) + "\n")
+    base = [f"data.train_prompts={workdir / 'p.jsonl'}"]
+    cfg = load_config(None, [*base, "rewards=[{name: 'show.py:show', kwargs: {family: y}}]"])
+    with pytest.raises(
+        PreflightError, match=r"rewards\[0\] \(show.py:show\): its option\(s\) 'family' are also columns"
+    ):
+        check_reward_columns(cfg, *load_prompt_sets(cfg))
+    cfg = load_config(None, [*base, "rewards=[{name: 'show.py:show', kwargs: {style: y}}]"])
+    check_reward_columns(cfg, *load_prompt_sets(cfg))
