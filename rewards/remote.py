@@ -6,6 +6,11 @@ scores than samples, a score that is not a number (or null), or components of th
 RewardServerError naming the server and what was wrong. NaN and infinities (which Python's json reads and
 writes as ``NaN``/``Infinity``) pass through as floats; the trainer decides what to do with them.
 
+A score request is never sent twice once the server has taken it: one not answered within ``timeout`` seconds
+is an error saying to raise ``timeout`` (sending it again would score the batch again, behind the first). A
+refused connection (no server on the port, e.g. one restarting) is tried again for up to ``connect_wait``
+seconds; a reset, a cut reply or a 502/503/504 up to ``retries`` more times.
+
 RewardServerError is a flowrl error: the command line prints it as one line. Before a run loads its model,
 ``check_server`` asks the server's ``GET /health`` (a few seconds, two tries), so that a server that is down, or
 something else on its port, is reported at once."""
@@ -13,13 +18,14 @@ something else on its port, is reported at once."""
 from __future__ import annotations
 
 import http.client
+import inspect
 import json
 import math
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -29,7 +35,10 @@ from rewards._wire import encode_png, to_jsonable
 from rewards.memory import NOTHING
 from rewards.registry import IMAGE, KINDS, register
 
-RETRY_STATUS = (502, 503, 504)  # transient: retried; any other error status is raised at once
+# transient, retried (with what each means, for the error): any other error status is raised at once
+RETRY_STATUS = {502: "bad gateway", 503: "busy or unavailable", 504: "gateway timeout"}
+DEFAULT_CONNECT_WAIT = 120.0  # seconds: long enough for a reward server to restart and load its model
+CONNECT_BACKOFF_CAP = 5.0  # at most this long between tries: a restarted server is used within 5 s of coming up
 
 
 class RewardServerError(FlowrlError, RuntimeError):
@@ -42,13 +51,48 @@ def backoff_delays(retries: int, backoff: float) -> list[float]:
     return [backoff * 2**i for i in range(retries)]
 
 
+def connect_delays(wait: float, backoff: float, cap: float = CONNECT_BACKOFF_CAP) -> Iterator[float]:
+    """Seconds to wait before each new try of a refused connection: ``backoff · 2^i``, at most ``cap``, the last
+    cut short so that they add up to ``wait`` (none for 0). A generator: a long ``wait`` makes no long list."""
+    remaining, i = wait, 0
+    while remaining > 0:
+        delay = min(backoff * 2 ** min(i, 60), cap, remaining)  # (2^60: no float overflow on a long wait)
+        yield delay
+        remaining -= delay  # exactly 0 after the last, cut-short delay
+        i += 1
+
+
 def check_url_and_kind(url: str, kind: str) -> None:
-    """ValueError unless ``url`` looks like ``http(s)://HOST[:PORT]`` and ``kind`` is a reward kind."""
+    """ValueError unless ``url`` looks like ``http(s)://HOST[:PORT]`` (a port 1 to 65535) and ``kind`` is a reward
+    kind."""
     if kind not in KINDS:
         raise ValueError(f"remote reward kind must be one of {KINDS}, got {kind!r}")
     parsed = urllib.parse.urlparse(url) if isinstance(url, str) else None
-    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.netloc:
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise ValueError(f"remote reward url must look like http://HOST:PORT, got {url!r}")
+    try:
+        port = parsed.port  # (read only now: ValueError for "abc" or 99999, which urlopen would raise mid-run)
+    except ValueError:
+        port = 0
+    if port == 0:
+        raise ValueError(f"remote reward url's port must be a number from 1 to 65535, got {url!r}")
+
+
+def check_timing(timeout: Any, retries: Any, backoff: Any, connect_wait: Any) -> None:
+    """ValueError naming the option unless ``timeout`` and ``backoff`` are seconds > 0 (a socket's timeout of 0
+    would make it non-blocking), ``connect_wait`` seconds >= 0 and ``retries`` a whole number >= 0."""
+    for key, value in (("timeout", timeout), ("backoff", backoff)):
+        if not _seconds(value) or value == 0:
+            raise ValueError(f"remote reward {key} must be a number of seconds > 0, got {value!r}")
+    if not _seconds(connect_wait):
+        raise ValueError(f"remote reward connect_wait must be a number of seconds >= 0, got {connect_wait!r}")
+    if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
+        raise ValueError(f"remote reward retries must be a whole number >= 0 (0: no retry), got {retries!r}")
+
+
+def _seconds(value: Any) -> bool:
+    """A finite number >= 0 (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
 @register(
@@ -63,27 +107,43 @@ class RemoteReward:
 
     Args:
         url: the server's base URL, e.g. ``http://127.0.0.1:8000``.
-        timeout: seconds for one request (connect + answer).
-        retries: further attempts after a connection error, a timeout or a 502/503/504,
-            waiting ``backoff · 2^i`` seconds before attempt ``i + 2``.
+        timeout: seconds for one request (connect + answer), > 0. A score request not answered in time is not sent
+            again (the server may still be scoring it): give a slow reward model a larger timeout.
+        retries: further attempts after a reset or cut connection or a 502/503/504 (and after a timed-out
+            ``GET /health``), waiting ``backoff · 2^i`` seconds before attempt ``i + 2``; >= 0.
+        backoff: seconds before the first retry, > 0.
+        connect_wait: seconds a refused connection (no server on the port, e.g. one restarting) is tried again
+            for, waiting ``backoff · 2^i`` seconds, at most 5, between tries; >= 0 (0: not tried again).
         kind: "image" (the default) or "text".
     """
 
-    def __init__(self, url: str, timeout: float = 60.0, retries: int = 3, backoff: float = 0.5, kind: str = IMAGE):
+    def __init__(
+        self,
+        url: str,
+        timeout: float = 60.0,
+        retries: int = 3,
+        backoff: float = 0.5,
+        kind: str = IMAGE,
+        connect_wait: float = DEFAULT_CONNECT_WAIT,
+    ):
         check_url_and_kind(url, kind)
+        check_timing(timeout, retries, backoff, connect_wait)
         self.url = url.rstrip("/")
         self.timeout, self.retries, self.backoff, self.kind = timeout, retries, backoff, kind
+        self.connect_wait = connect_wait
         self.last_components: dict[str, torch.Tensor] = {}
 
     @staticmethod
     def check_options(kwargs: dict[str, Any], kind: str) -> str:
-        """``rewards.check``'s hook: the options' url and kind are valid (no request is made); returns
-        the kind these options build."""
+        """``rewards.check``'s hook: the options' url, kind, timeout, retries, backoff and connect_wait are valid
+        (no request is made); returns the kind these options build."""
         from rewards.registry import RewardConfigError
 
         built = kwargs.get("kind", IMAGE)
+        timing = {k: kwargs.get(k, v) for k, v in _timing_defaults().items()}
         try:
             check_url_and_kind(kwargs.get("url"), built)
+            check_timing(**timing)
         except ValueError as e:
             raise RewardConfigError(f"reward 'remote': {e}") from None
         return built
@@ -158,10 +218,14 @@ class RemoteReward:
         return self._request(request)
 
     def _request(self, request: urllib.request.Request) -> dict[str, Any]:
-        """The JSON object the server answers; retried on connection errors, timeouts and 502/503/504."""
-        delays = backoff_delays(self.retries, self.backoff)
-        last_error = ""
-        for attempt in range(self.retries + 1):
+        """The JSON object the server answers. Tried again: a refused connection for up to ``connect_wait`` seconds,
+        a reset, a cut reply or a 502/503/504 ``retries`` times, and a request sent but not answered in time only
+        when it is a GET (a POST /score would be scored again, behind the first)."""
+        refused_waits = connect_delays(self.connect_wait, self.backoff)
+        delays = iter(backoff_delays(self.retries, self.backoff))
+        attempts, waited = 0, 0.0
+        while True:
+            attempts += 1
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
                     return self._decode(response.read())
@@ -169,17 +233,44 @@ class RemoteReward:
                 message = _error_message(e)
                 if e.code not in RETRY_STATUS:
                     raise RewardServerError(f"reward server {self.url} answered {e.code}: {message}") from None
-                last_error = f"HTTP {e.code}: {message}"
-            except (urllib.error.URLError, OSError, http.client.IncompleteRead) as e:  # refused, reset, timed out, cut
-                reason = e.reason if isinstance(e, urllib.error.URLError) else e
-                last_error = f"{type(reason).__name__}: {reason}"
+                last = ("status", f"{e.code} ({RETRY_STATUS[e.code]}): {message}")
+            except urllib.error.URLError as e:  # before the request was sent: refused, unreachable, timed out
+                kind = "refused" if isinstance(e.reason, ConnectionRefusedError) else "connection"
+                last = (kind, _describe(e.reason))
+            except TimeoutError:  # sent and taken, not answered in time: the server may be scoring it still
+                if request.get_method() == "POST":
+                    raise RewardServerError(self._too_slow()) from None
+                last = ("timeout", "")
+            except (OSError, http.client.IncompleteRead) as e:  # reset or cut: the server went away while answering
+                last = ("connection", _describe(e))
             except http.client.HTTPException as e:  # not HTTP at all: retrying will not help
                 raise self._malformed(f"not HTTP ({type(e).__name__}: {e})") from None
-            if attempt < self.retries:
-                time.sleep(delays[attempt])
+            delay = next(refused_waits if last[0] == "refused" else delays, None)
+            if delay is None:
+                raise RewardServerError(self._gave_up(request, last, attempts, waited))
+            time.sleep(delay)
+            waited += delay
+
+    def _too_slow(self) -> str:
+        return (
+            f"reward server {self.url} did not answer a score request within timeout={self.timeout:g} s; it took the "
+            f"request and may still be scoring it, so it is not sent again (that would score the batch twice): "
+            f"raise the remote reward's timeout kwarg for a slow reward model or a large batch"
+        )
+
+    def _gave_up(self, request: urllib.request.Request, last: tuple[str, str], attempts: int, waited: float) -> str:
+        """The error after the last try; ``last`` is what it met: ("status", "503 (...): message"), ("timeout", "")
+        for a GET, or ("refused" or "connection", "TypeName: message")."""
+        what, detail = last
+        tries = f"{attempts} attempt{'s' if attempts > 1 else ''}, {waited:g} s of waiting in all"
+        if what == "status":
+            return f"reward server {self.url} answered {detail} ({tries})"
+        if what == "timeout":
+            path = urllib.parse.urlparse(request.full_url).path
+            return f"reward server {self.url} did not answer GET {path} within {self.timeout:g} s ({tries})"
         port = urllib.parse.urlparse(self.url).port or "PORT"
-        raise RewardServerError(
-            f"reward server {self.url} is not answering ({self.retries + 1} attempts, last: {last_error}). "
+        return (
+            f"reward server {self.url} is not answering ({tries}; last: {detail}). "
             f"Is the server running? Start it with: flowrl serve-reward NAME --port {port}"
         )
 
@@ -198,7 +289,8 @@ def check_server(url: str, kind: str = IMAGE, *, timeout: float = 5.0, retries: 
     """The server's ``GET /health`` answer, checked to come from a reward server of ``kind``: a cheap check before
     a run loads its model. RewardServerError (one line naming ``url``) when it does not answer in ``retries + 1``
     tries of ``timeout`` seconds, answers something else, or serves the other kind."""
-    client = RemoteReward(url, timeout=timeout, retries=retries, backoff=0.5, kind=kind)
+    # connect_wait 0.5 (= backoff): a refused connection is tried twice, too, not waited for as a run would
+    client = RemoteReward(url, timeout=timeout, retries=retries, backoff=0.5, kind=kind, connect_wait=0.5)
     answer = client.health()
     served = answer.get("kind")
     if answer.get("status") != "ok" or served not in KINDS:
@@ -232,6 +324,17 @@ def _json_type(value: Any) -> str:
     return {bool: "boolean", int: "number", float: "number", str: "string", list: "list", dict: "object"}.get(
         type(value), type(value).__name__
     )
+
+
+def _timing_defaults() -> dict[str, Any]:
+    """RemoteReward's defaults of timeout, retries, backoff and connect_wait."""
+    params = inspect.signature(RemoteReward.__init__).parameters
+    return {k: params[k].default for k in ("timeout", "retries", "backoff", "connect_wait")}
+
+
+def _describe(error: BaseException) -> str:
+    """``TypeName: message`` of a connection error."""
+    return f"{type(error).__name__}: {error}"
 
 
 def _error_message(error: urllib.error.HTTPError) -> str:

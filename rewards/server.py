@@ -71,13 +71,21 @@ def make_server(
             if not quiet:
                 super().log_message(format, *args)
 
+        def _warn(self, message: str) -> None:
+            """One line on stderr, even when quiet: a reward that failed, or a client gone before its answer."""
+            super().log_message("%s", " ".join(message.split()))
+
         def _send(self, status: int, payload: dict[str, Any]) -> None:
             body = json.dumps(payload).encode("utf-8")
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            except (BrokenPipeError, ConnectionResetError) as e:  # the client gave up waiting (its timeout)
+                self.close_connection = True
+                self._warn(f"{self.command} {self.path}: the client left before the answer ({type(e).__name__})")
 
         def do_GET(self) -> None:
             if self.path.rstrip("/") != "/health":
@@ -109,10 +117,11 @@ def make_server(
             try:
                 with lock:
                     answer = call(reward)
-            except RewardError as e:  # a built reward: its message names it already
-                return self._send(500, {"error": str(e)})
-            except Exception as e:  # the reward failed: report it to the client, keep serving
-                return self._send(500, {"error": f"{name} failed: {type(e).__name__}: {e}"})
+            except Exception as e:  # the reward failed: report it to the client and in the log, keep serving
+                # (a built reward's RewardError names it already)
+                message = str(e) if isinstance(e, RewardError) else f"{name} failed: {type(e).__name__}: {e}"
+                self._warn(f"POST /score 500: {message}")
+                return self._send(500, {"error": message})
             self._send(200, answer)
 
         def _discard(self, length: int) -> None:
@@ -227,7 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a plug-in's kind (default: its .kind attribute, else image); registered rewards know theirs",
     )
-    parser.add_argument("--quiet", action="store_true", help="do not log each request")
+    parser.add_argument(
+        "--quiet", action="store_true", help="do not log each request (a reward's failures are still logged)"
+    )
     return parser
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import struct
 import threading
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,7 +18,7 @@ from rewardtiny import NetworkBlockedError, block_non_loopback, random_images
 import rewards
 import rewards.remote as remote_module
 from rewards.registry import IMAGE
-from rewards.remote import RewardServerError, backoff_delays
+from rewards.remote import RewardServerError, backoff_delays, connect_delays
 from rewards.server import make_server, parse_reward_args, serve_main
 
 
@@ -132,13 +133,16 @@ def test_a_port_taken_or_out_of_range_and_bad_args_json_are_one_line(capsys):
     assert "--args-json is not JSON (" in capsys.readouterr().err
 
 
-def test_reward_failure_is_reported_and_not_retried(serve, monkeypatch):
+def test_reward_failure_is_reported_and_not_retried_and_logged_by_the_server(serve, monkeypatch, capsys):
     sleeps = []
     monkeypatch.setattr(remote_module.time, "sleep", sleeps.append)
     remote = rewards.get("remote", url=serve(MeanPixel(), name="mean_pixel"), retries=3)
-    with pytest.raises(RewardServerError, match="500: mean_pixel failed: RuntimeError: the model ran out of memory"):
+    message = "500: mean_pixel failed: RuntimeError: the model ran out of memory"
+    with pytest.raises(RewardServerError, match=message):
         remote(random_images(1), ["fail"])
     assert sleeps == []
+    logged = capsys.readouterr().err.splitlines()  # written before the answer: here by now, even when quiet
+    assert len(logged) == 1 and logged[0].endswith(f"POST /score {message}")
     assert remote(random_images(1), ["ok"]).shape == (1,)  # the server keeps serving
 
 
@@ -156,20 +160,72 @@ def test_backoff_schedule():
     assert backoff_delays(0, 0.5) == []
 
 
-def test_server_down_is_a_clear_error_after_retries_with_backoff(monkeypatch):
-    with socket.socket() as s:  # a port that nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def test_connect_schedule_is_capped_and_adds_up_to_the_wait():
+    assert list(connect_delays(10, 0.5, cap=2)) == [0.5, 1.0, 2.0, 2.0, 2.0, 2.0, 0.5]
+    assert list(connect_delays(0.5, 0.5)) == [0.5] and list(connect_delays(0, 0.5)) == []
+    assert sum(connect_delays(120, 0.5)) == 120 and max(connect_delays(120, 0.5)) == 5.0  # the defaults
+    assert next(iter(connect_delays(1e9, 0.5))) == 0.5  # lazy: no billion-item list
+
+
+def test_server_down_is_a_clear_error_after_waiting_connect_wait(monkeypatch):
+    port = _closed_port()
     sleeps = []
     monkeypatch.setattr(remote_module.time, "sleep", sleeps.append)
-    remote = rewards.get("remote", url=f"http://127.0.0.1:{port}", retries=3, backoff=0.25)
+    remote = rewards.get("remote", url=f"http://127.0.0.1:{port}", retries=0, backoff=0.25, connect_wait=3)
     with pytest.raises(
         RewardServerError,
-        match=rf"http://127.0.0.1:{port} is not answering \(4 attempts.*"
+        match=rf"http://127.0.0.1:{port} is not answering \(5 attempts, 3 s of waiting in all; last: "
         r"ConnectionRefusedError.*flowrl serve-reward",
     ):
         remote(random_images(1), ["a"])
-    assert sleeps == [0.25, 0.5, 1.0]
+    assert sleeps == [0.25, 0.5, 1.0, 1.25]  # refusals are waited for although retries=0
+
+
+def test_a_server_restarting_is_waited_for(monkeypatch):
+    """Down for the first three tries (the old schedule of retries=3 gave up at the fourth refusal), then up."""
+    port = _closed_port()
+    sleeps = []
+
+    def sleep(seconds):
+        sleeps.append(seconds)
+        if len(sleeps) == 4:  # "restarted" between the 4th and 5th try: no clock involved
+            run(make_server(MeanPixel(), "127.0.0.1", port, quiet=True))
+
+    monkeypatch.setattr(remote_module.time, "sleep", sleep)
+    remote = rewards.get("remote", url=f"http://127.0.0.1:{port}", retries=0, backoff=0.1, connect_wait=10)
+    images = random_images(1, seed=3)
+    with running_servers() as run:
+        scores = remote(images, ["a"])
+    torch.testing.assert_close(scores, torch.tensor([np.asarray(images[0], dtype=np.float64).mean() / 255]).float())
+    assert sleeps == pytest.approx([0.1, 0.2, 0.4, 0.8])
+
+
+@pytest.mark.parametrize(
+    "options, problem",
+    [
+        ({"timeout": 0}, "timeout must be a number of seconds > 0, got 0"),
+        ({"timeout": -5}, "timeout must be a number of seconds > 0, got -5"),
+        ({"timeout": float("inf")}, "timeout must be a number of seconds > 0, got inf"),
+        ({"retries": -1}, r"retries must be a whole number >= 0 \(0: no retry\), got -1"),
+        ({"backoff": 0}, "backoff must be a number of seconds > 0, got 0"),
+        ({"connect_wait": -1}, "connect_wait must be a number of seconds >= 0, got -1"),
+        (
+            {"url": "http://127.0.0.1:99999"},
+            r"url's port must be a number from 1 to 65535, got 'http://127.0.0.1:99999'",
+        ),
+        ({"url": "http://127.0.0.1:abc"}, r"url's port must be a number from 1 to 65535, got 'http://127.0.0.1:abc'"),
+        ({"url": "http://127.0.0.1:0"}, r"url's port must be a number from 1 to 65535, got 'http://127.0.0.1:0'"),
+        ({"url": "http://:8000"}, r"url must look like http://HOST:PORT, got 'http://:8000'"),
+    ],
+)
+def test_options_out_of_range_are_one_line_when_the_reward_is_built_or_checked(options, problem):
+    from rewards.registry import RewardConfigError
+
+    options = {"url": "http://127.0.0.1:8000", **options}
+    with pytest.raises(ValueError, match=f"^remote reward {problem}$"):
+        rewards.get("remote", **options)
+    with pytest.raises(RewardConfigError, match=f"^reward 'remote': remote reward {problem}$"):
+        rewards.check("remote", options, IMAGE)  # a run's config check, before any model loads
 
 
 def test_transient_503_is_retried(monkeypatch):
@@ -200,6 +256,31 @@ def test_transient_503_is_retried(monkeypatch):
         server.shutdown()
         server.server_close()
     assert len(calls) == 3 and sleeps == [0.1, 0.2]
+
+
+def test_503_to_every_try_says_the_server_answered_503_not_that_it_is_down(monkeypatch):
+    monkeypatch.setattr(remote_module.time, "sleep", lambda s: None)
+
+    class Busy(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            data = b'{"error": "warming up"}'
+            self.send_response(503)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    with running_servers() as run:
+        url = run(ThreadingHTTPServer(("127.0.0.1", 0), Busy))
+        remote = rewards.get("remote", url=url, retries=2, backoff=0.1)
+        with pytest.raises(RewardServerError) as info:
+            remote(random_images(1), ["a"])
+    message = str(info.value)
+    assert message.startswith(f"reward server {url} answered 503 (busy or unavailable): warming up (3 attempts, ")
+    assert "not answering" not in message and "Is the server running" not in message
 
 
 @contextlib.contextmanager
@@ -263,7 +344,7 @@ def test_network_guard_blocks_other_hosts_but_not_loopback():
         socket.create_connection(listener.getsockname(), timeout=1).close()
 
 
-def test_slow_server_times_out_with_a_clear_error(monkeypatch):
+def test_a_slow_score_request_is_not_sent_again_and_a_slow_health_check_is(monkeypatch):
     release = threading.Event()
 
     class Slow(BaseHTTPRequestHandler):
@@ -271,20 +352,64 @@ def test_slow_server_times_out_with_a_clear_error(monkeypatch):
             pass
 
         def do_POST(self):
-            release.wait(5)  # answers only after the client has given up
+            release.wait(30)  # answers only after the client has given up
 
+        do_GET = do_POST
+
+    sent, sleeps = [], []
+    urlopen = remote_module.urllib.request.urlopen
+    monkeypatch.setattr(remote_module.urllib.request, "urlopen", lambda r, **kw: sent.append(r) or urlopen(r, **kw))
+    monkeypatch.setattr(remote_module.time, "sleep", sleeps.append)
     server = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
     server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
-    monkeypatch.setattr(remote_module.time, "sleep", lambda s: None)
-    try:
-        remote = rewards.get("remote", url=f"http://127.0.0.1:{server.server_address[1]}", timeout=0.2, retries=1)
-        with pytest.raises(RewardServerError, match=r"not answering \(2 attempts, last: \w*Timeout\w*: timed out"):
-            remote(random_images(1), ["a"])
-    finally:
+    with running_servers() as run:
+        url = run(server)
+        remote = rewards.get("remote", url=url, timeout=0.2, retries=2)
+        try:
+            with pytest.raises(RewardServerError) as info:
+                remote(random_images(1), ["a"])
+            assert len(sent) == 1 and sleeps == []  # a second POST would be scored again, behind the first
+            assert str(info.value) == (
+                f"reward server {url} did not answer a score request within timeout=0.2 s; it took the request and "
+                "may still be scoring it, so it is not sent again (that would score the batch twice): raise the "
+                "remote reward's timeout kwarg for a slow reward model or a large batch"
+            )
+            sent.clear()
+            with pytest.raises(RewardServerError, match=rf"^reward server {url} did not answer GET /health within "):
+                remote.health()
+            assert len(sent) == 3  # a health check scores nothing: it is tried again
+        finally:
+            release.set()
+
+
+def test_the_server_ignores_a_client_that_left_before_its_answer(capsys):
+    """A client that timed out is gone when the reward finishes: one line, no BrokenPipeError traceback."""
+    entered, release, done, errors = threading.Event(), threading.Event(), threading.Event(), []
+
+    def slow(prompts, completions, **columns):
+        entered.set()
+        release.wait(30)
+        return [1.0] * len(completions)
+
+    slow.kind = "text"
+    server = make_server(slow, "127.0.0.1", 0, quiet=True)
+    server.handle_error = lambda request, address: errors.append(address)  # where the traceback was printed
+    shutdown_request = server.shutdown_request
+    server.shutdown_request = lambda request: (shutdown_request(request), done.set())  # the handler is done
+    with running_servers() as run:
+        run(server)
+        body = json.dumps({"prompts": ["q"], "completions": ["x"]}).encode()
+        client = socket.create_connection(server.server_address[:2], timeout=10)
+        client.sendall(b"POST /score HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert entered.wait(30)
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client.close()  # with a reset, as a client gone: the server's first write fails
         release.set()
-        server.shutdown()
-        server.server_close()
+        assert done.wait(30)
+    assert errors == []
+    logged = capsys.readouterr().err
+    assert "Traceback" not in logged and len(logged.splitlines()) == 1
+    assert "POST /score: the client left before the answer (" in logged
 
 
 class Garbage(BaseHTTPRequestHandler):
