@@ -186,6 +186,15 @@ def test_a_text_run_without_training_prompts_is_refused_before_the_model_loads(n
         load_prompt_sets(load_config(None, ["backend=text"]))
 
 
+def test_an_empty_config_file_is_a_warning(tmp_path):
+    from flowrl.errors import ConfigWarning
+
+    for text in ("", "# a comment only\n"):
+        (tmp_path / "c.yaml").write_text(text)
+        with pytest.warns(ConfigWarning, match=r"c.yaml holds no keys \(empty, or comments only\): the defaults are"):
+            assert load_config(tmp_path / "c.yaml") == load_config(None)
+
+
 def test_a_lora_init_path_without_a_lora_is_refused():
     with pytest.raises(ConfigError, match=r"lora.init_path=x starts a LoRA, and lora.enabled=false trains the model"):
         load_config(None, ["lora.enabled=false", "lora.init_path=x"])

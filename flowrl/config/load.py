@@ -521,7 +521,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 f"config file {str(path)!r} is a directory{model}; give a YAML config and, for a model, "
                 f"model.path={path} after it (e.g. `flowrl plan configs/tiny_cpu.yaml model.path={path}`)"
             )
-        loaded = read_yaml(path) or {}
+        loaded = read_yaml(path)
+        if loaded is None:  # an empty file, or comments alone: most likely not the file meant
+            warnings.warn(
+                f"{path} holds no keys (empty, or comments only): the defaults"
+                f"{' and the overrides' if overrides else ''} are used",
+                ConfigWarning,
+                stacklevel=2,
+            )
+            loaded = {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}")
         data = migrate(loaded, where=f"{path}: ")
