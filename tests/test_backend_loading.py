@@ -65,7 +65,7 @@ def test_saved_sd3_passes_preflight_from_its_config_files_alone(sd3_dirs, tmp_pa
     bare = configs_only(sd3_dirs["full"], tmp_path / "bare")
     assert not any(name.endswith(".safetensors") for _, _, files in os.walk(bare) for name in files)
     assert preflight_image_model(bare, "sd3", height=64, width=48, drop_t5=True) == "sd3"
-    with pytest.raises(ValueError, match=r"a 'sd3' model, not 'flux': pass family='sd3'"):
+    with pytest.raises(ValueError, match=r"a 'sd3' model, not 'flux': set model\.family=sd3"):
         preflight_image_model(bare, "flux", height=32, width=32)
     with pytest.raises(ValueError, match=f"Valid: {', '.join(family_names())}"):
         preflight_image_model(bare, "nosuchfamily", height=32, width=32)

@@ -3,6 +3,7 @@ configuration files before any weight is read (`preflight_image_model`), and `lo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import posixpath
@@ -10,6 +11,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
+from safetensors import SafetensorError
 
 from ._base import FAMILIES, ImageBackend, ImageModelError
 
@@ -193,11 +195,35 @@ def _file_given(path: str) -> str:
     if pipeline is not None:  # its model_index.json, or a component's config.json: the directory holding them
         return f"{base}; this file is part of the pipeline directory {pipeline}: set model.path={pipeline}"
     if path.endswith((".safetensors", ".ckpt", ".pt", ".pth", ".bin", ".gguf")):
+        pipeline = _single_file_pipeline(path)
+        which = "" if pipeline else " (PIPELINE: its family's pipeline class, e.g. StableDiffusionXLPipeline)"
         return (
-            f"{base}; a single-file checkpoint is converted once, e.g. StableDiffusion3Pipeline.from_single_file("
-            f"{path!r}).save_pretrained('my_model') (the pipeline class of its family), then model.path=my_model"
+            f"{base}; a single-file checkpoint is converted once: {pipeline or 'PIPELINE'}.from_single_file("
+            f"{path!r}).save_pretrained('my_model'){which}, then model.path=my_model"
         )
     return base
+
+
+#: a key only one kind of original (single-file) checkpoint has -> the diffusers pipeline class that converts it
+_SINGLE_FILE_KEYS = (
+    ("joint_blocks.", "StableDiffusion3Pipeline"),
+    ("x_embedder.", "StableDiffusion3Pipeline"),
+    ("double_blocks.", "FluxPipeline"),
+    ("conditioner.embedders.", "StableDiffusionXLPipeline"),
+    ("model.diffusion_model.input_blocks.", "StableDiffusionPipeline"),
+)
+
+
+def _single_file_pipeline(path: str) -> str | None:
+    """The pipeline class a single-file .safetensors checkpoint is converted with, from its keys; None if unknown."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, "pt") as f:
+            keys = list(f.keys())
+    except (OSError, ValueError, SafetensorError):  # not a safetensors file (.ckpt, .gguf, damaged)
+        return None
+    return next((cls for part, cls in _SINGLE_FILE_KEYS if any(part in key for key in keys)), None)
 
 
 def _class_name(model_index: Mapping) -> str:
@@ -258,6 +284,17 @@ def _checked_backend(source: str, model_index: Mapping, family: str, drop_t5: bo
     class, if `family` (unless "auto") is another one, or if drop_t5 is asked of a family with no
     optional T5."""
     load_all()
+    if not isinstance(model_index, Mapping):
+        raise ImageModelError(
+            f"{source}: model_index.json holds a JSON {type(model_index).__name__}, not the object a diffusers "
+            'pipeline writes ({"_class_name": ..., COMPONENT: [LIBRARY, CLASS], ...}): save the pipeline again '
+            "with pipe.save_pretrained(DIR)"
+        )
+    if not model_index.get("_class_name"):
+        raise ImageModelError(
+            f"{source}: model_index.json has no `_class_name` (the pipeline class, e.g. StableDiffusion3Pipeline): "
+            "save the pipeline again with pipe.save_pretrained(DIR)"
+        )
     class_name = _class_name(model_index)
     detected = _family_of_class(class_name)
     if detected is None:
@@ -269,12 +306,101 @@ def _checked_backend(source: str, model_index: Mapping, family: str, drop_t5: bo
         FAMILIES.get(family)  # an unknown name: the error lists the valid ones
         if family != detected:
             raise ImageModelError(
-                f"{source} is a {class_name}, a {detected!r} model, not {family!r}: pass family={detected!r} or 'auto'"
+                f"{source} is a {class_name}, a {detected!r} model, not {family!r}: set model.family={detected} "
+                "(or auto)"
             )
     backend_cls = FAMILIES.get(detected)
     if drop_t5:
         _check_drop_t5(backend_cls, source)
     return backend_cls
+
+
+#: components of diffusers' pipelines that flowrl never runs (the rollout decodes and scores its images itself)
+_UNUSED_COMPONENTS = frozenset({"safety_checker", "feature_extractor"})
+
+
+def _pipeline_takes(class_name: str) -> tuple[frozenset[str], frozenset[str]] | None:
+    """(the components a diffusers pipeline class needs, all it takes) from its __init__: the modules it takes
+    without a default, less the ones flowrl never runs; None if this diffusers has no such class."""
+    import diffusers
+
+    cls = getattr(diffusers, text_to_image_class(class_name), None)
+    if not isinstance(cls, type) or not issubclass(cls, diffusers.DiffusionPipeline):
+        return None
+    required, optional = diffusers.DiffusionPipeline._get_signature_keys(cls)
+    return frozenset(required) - _UNUSED_COMPONENTS, frozenset(required) | frozenset(optional)
+
+
+def _listed_components(model_index: Mapping) -> dict[str, str]:
+    """The components model_index.json lists with a class (not [null, null]): {name: class name}."""
+    return {
+        name: str(value[-1])
+        for name, value in model_index.items()
+        if not name.startswith("_") and isinstance(value, (list, tuple)) and value and value[0] is not None
+    }
+
+
+def _pipelines_of(components: Mapping[str, str], skip: str) -> list[str]:
+    """The pipeline classes of the families (other than `skip`) that take every one of `components`, need none it
+    lacks and train the denoiser class it lists: "FluxPipeline (flux)", ..."""
+    found = []
+    for name in FAMILIES:
+        other = FAMILIES.get(name)
+        for class_name in other.pipeline_classes:
+            takes = _pipeline_takes(class_name)
+            if class_name == skip or takes is None or components.get(other.denoiser_attr) != other.denoiser_class:
+                continue
+            if set(components) <= takes[1] and takes[0] - set(other.t5_components) <= set(components):
+                found.append(f"{class_name} ({name})")
+    return found
+
+
+def check_model_index(source: str, model_index: Mapping, backend_cls: type[ImageBackend]) -> None:
+    """The components of a (real, not tiny) model_index.json are the ones its pipeline class and family run: the
+    family's denoiser class, nothing only another family's pipeline takes, each component the pipeline needs listed
+    and not saved as [null, null] (T5 excepted where the family runs without it: model.drop_t5); the family's own
+    checks last (`check_model_index` of the backend class, e.g. Wan2.2's two experts). An ImageModelError naming both
+    classes, or the component, before any weight is read."""
+    class_name = _class_name(model_index)
+    listed = _listed_components(model_index)
+    attr, wanted = backend_cls.denoiser_attr, backend_cls.denoiser_class
+    others = _pipelines_of(listed, class_name)
+    hint = (
+        f": its components are those of {' or '.join(others)}: set model_index.json's _class_name to it"
+        if others
+        else ""
+    )
+    if attr in listed and listed[attr] != wanted:
+        raise ImageModelError(
+            f"{source}: model_index.json's _class_name {class_name} ({backend_cls.family}) trains a {wanted} as its "
+            f"{attr}, and this {attr} is a {listed[attr]}{hint or '; save the pipeline again with its own class'}"
+        )
+    takes = _pipeline_takes(class_name)
+    if takes is None:  # a class this diffusers lacks: diffusers names it when it loads
+        return
+    foreign = sorted(set(listed) - takes[1])
+    if foreign and others:  # (a component no family's pipeline takes is ignored by diffusers, and here)
+        raise ImageModelError(
+            f"{source}: model_index.json's _class_name is {class_name} ({backend_cls.family}), which takes no "
+            f"{', '.join(foreign)}{hint}"
+        )
+    needed = sorted(takes[0] - set(backend_cls.t5_components) | {attr})
+    absent = [name for name in needed if name not in listed]
+    nulls = [name for name in absent if name in model_index]
+    if nulls:
+        raise ImageModelError(
+            f"{source}: model_index.json saves {', '.join(nulls)} as [null, null] (the pipeline was saved without "
+            f"it), and {class_name} ({backend_cls.family}) needs {', '.join(nulls)} to run: use a pipeline saved "
+            "with every component it needs"
+        )
+    if absent:
+        raise ImageModelError(
+            f"{source}: model_index.json lists no {', '.join(absent)}, which {class_name} ({backend_cls.family}) "
+            "needs to run: save the pipeline again with pipe.save_pretrained(DIR)"
+        )
+    family_check = getattr(backend_cls, "check_model_index", None)  # (a family's own: Wan's)
+    if family_check is not None:
+        family_check(source, model_index)
 
 
 def _check_drop_t5(backend_cls: type[ImageBackend], source: str) -> None:
@@ -316,14 +442,85 @@ def preflight_image_model(
     read = _config_reader(path)
     model_index = read("model_index.json")
     backend_cls = _checked_backend(path, model_index, family, drop_t5)
-    if os.path.isdir(path):
-        check_components(path, model_index, backend_cls, drop_t5)
-    denoiser_config = read(f"{backend_cls.denoiser_attr}/config.json")
-    backend_cls.size_rule(denoiser_config, _vae_scale_factor(read, model_index)).check(height, width)
-    backend_cls.check_num_frames(num_frames)
-    if os.path.isdir(path):
-        check_variant(path, model_index, variant)
+    tiny = path in tiny_models() and not os.path.exists(path)
+    folder = path if os.path.isdir(path) else None if tiny else cached_snapshot(path)
+    with _naming(path, folder):
+        if not tiny:
+            check_model_index(path, model_index, backend_cls)
+        if folder is not None:
+            check_components(folder, model_index, backend_cls, drop_t5)
+            check_links(folder, model_index)
+            check_weights_present(folder, model_index)
+        denoiser_config = read(f"{backend_cls.denoiser_attr}/config.json")
+        _check_denoiser_config(path, denoiser_config, model_index, backend_cls)
+        backend_cls.size_rule(denoiser_config, _vae_scale_factor(read, model_index)).check(height, width)
+        backend_cls.check_num_frames(num_frames)
+        if folder is not None:
+            check_variant(folder, model_index, variant)
     return backend_cls.family
+
+
+def _check_denoiser_config(source: str, config: Mapping, model_index: Mapping, backend_cls: type[ImageBackend]):
+    """The denoiser's config.json names the class model_index.json lists for it (diffusers builds the class the
+    index names from this config: another model's config fails in its __init__)."""
+    attr = backend_cls.denoiser_attr
+    listed = _listed_components(model_index).get(attr)
+    found = config.get("_class_name") if isinstance(config, Mapping) else None
+    if listed and found and found != listed:
+        raise ImageModelError(
+            f"{source}: {attr}/config.json is a {found}'s, and model_index.json lists {attr} as a {listed}: the folder "
+            "is another model's; copy or save the pipeline again"
+        )
+
+
+def cached_snapshot(repo_id: str, **hub_kwargs) -> str | None:
+    """The snapshot directory of hub model `repo_id` in the huggingface_hub cache when the hub is not to be reached
+    (HF_HUB_OFFLINE, or local_files_only): what diffusers will load, so a local directory's checks apply to it.
+    None when online (a download completes the cache), or when it is not cached. Never reaches the network."""
+    if not (hub_offline() or hub_kwargs.get("local_files_only")):
+        return None
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    kwargs = {k: hub_kwargs[k] for k in ("revision", "cache_dir", "token") if hub_kwargs.get(k) is not None}
+    try:
+        folder = snapshot_download(repo_id, local_files_only=True, **kwargs)
+    except (HFValidationError, LocalEntryNotFoundError, OSError, ValueError):  # not a hub id, or not cached
+        return None
+    return folder if os.path.isdir(folder) else None
+
+
+@contextlib.contextmanager
+def _naming(path: str, folder: str | None):
+    """A check's ImageModelError on the cached snapshot `folder` of hub model `path` names the hub id too."""
+    try:
+        yield
+    except ImageModelError as e:
+        if folder is None or folder == path or folder not in str(e):
+            raise
+        snapshot = f"{path} (its Hugging Face cache snapshot {folder})"
+        named = re.sub(
+            rf"(model\.path=)?{re.escape(folder)}",
+            lambda m: f"model.path={snapshot}" if m.group(1) else f"hub model {snapshot}",
+            str(e),
+        )
+        raise ImageModelError(named) from e
+
+
+def check_links(path: str, model_index: Mapping) -> None:
+    """No file of a component's folder is a link to nothing (a hub cache's snapshot whose blob was deleted, or a
+    download that stopped): diffusers would fail on it without naming it."""
+    for name in model_index:
+        folder = os.path.join(path, name)
+        if name.startswith("_") or not os.path.isdir(folder):
+            continue
+        for file in sorted(os.listdir(folder)):
+            link = os.path.join(folder, file)
+            if os.path.islink(link) and not os.path.exists(link):
+                raise ImageModelError(
+                    f"{path}: {name}/{file} is a link to {os.readlink(link)}, which does not exist (a cache "
+                    "blob deleted, or a download or copy that did not finish): download or copy the model again"
+                )
 
 
 #: weight files diffusers and transformers read: NAME[.VARIANT][-0000k-of-0000n].(safetensors|bin)
@@ -387,10 +584,14 @@ def _load_pipeline(path: str, family: str, dtype, drop_t5: bool, from_pretrained
     hub_kwargs = {k: from_pretrained_kwargs[k] for k in _HUB_KWARGS if k in from_pretrained_kwargs}
     model_index = _config_reader(path, **hub_kwargs)("model_index.json")
     backend_cls = _checked_backend(path, model_index, family, drop_t5)
-    if os.path.isdir(path):
-        check_components(path, model_index, backend_cls, drop_t5)
     if path in tiny_models() and not os.path.exists(path):
         return backend_cls.tiny_pipeline(drop_t5=True) if drop_t5 else backend_cls.tiny_pipeline()
+    check_model_index(path, model_index, backend_cls)
+    folder = path if os.path.isdir(path) else cached_snapshot(path, **hub_kwargs)
+    if folder is not None:
+        with _naming(path, folder):
+            check_components(folder, model_index, backend_cls, drop_t5)
+            check_links(folder, model_index)
     from diffusers import DiffusionPipeline
     from diffusers.pipelines import pipeline_utils
 
@@ -408,24 +609,102 @@ def _load_pipeline(path: str, family: str, dtype, drop_t5: bool, from_pretrained
         DiffusionPipeline = getattr(diffusers, text_to_image_class(saved_as))  # noqa: N806 - a pipeline class
     try:
         return DiffusionPipeline.from_pretrained(path, **{**kwargs, **from_pretrained_kwargs})
-    except (OSError, ValueError) as e:
-        if not os.path.isdir(path):  # a hub model's errors (offline, not cached, gated) name it already
+    except (OSError, ValueError, SafetensorError) as e:
+        if folder is None:  # a hub model's errors (offline, not cached, gated) name it already
             raise
-        # a weight file that is truncated or of another model: diffusers names the file in a long message
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        bare = _components_without_weights(path, model_index)
-        if bare:
-            raise ImageModelError(
-                f"model.path={path}: {', '.join(f'{name}/' for name in bare)} holds a config.json and no weights file "
-                f"(a copy that left the weights out, or a file deleted): copy or save the pipeline again ({first})"
-            ) from e
-        raise ImageModelError(
-            f"model.path={path}: its weights do not load ({first}); a file may be truncated (an interrupted copy or "
-            "download) or of another model: copy or save the pipeline again"
-        ) from e
+        raise _load_error(path, folder, model_index, e) from e
+
+
+def _load_error(path: str, folder: str, model_index: Mapping, e: BaseException) -> ImageModelError:
+    """The one-line error of a local (or cached) pipeline whose files do not load: the components without weights,
+    or the files that are damaged (`damaged_files`), named; else diffusers' first line and what to do."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    where = f"model.path={path}" + (f" (its Hugging Face cache snapshot {folder})" if folder != path else "")
+    bare = _components_without_weights(folder, model_index)
+    if bare:
+        return ImageModelError(
+            f"{where}: {', '.join(f'{name}/' for name in bare)} holds a config.json and no weights file "
+            f"(a copy that left the weights out, or a file deleted): copy or save the pipeline again ({first})"
+        )
+    damaged = damaged_files(folder, model_index)
+    if damaged:
+        return ImageModelError(
+            f"{where}: its weights do not load: {'; '.join(f'{file} is {why}' for file, why in damaged)}; copy, "
+            f"download or save the pipeline again ({first})"
+        )
+    return ImageModelError(
+        f"{where}: its weights do not load ({first}); a file may be truncated (an interrupted copy or "
+        "download) or of another model: copy or save the pipeline again"
+    )
+
+
+def _safetensors_damage(file: str) -> str | None:
+    """Why a .safetensors file cannot be read (a git-lfs pointer, a header longer than the file, data cut short),
+    from its header alone; None if it looks whole."""
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if head.startswith(b"version "):  # "version https://git-lfs.github.com/spec/v1"
+            return "a git-lfs pointer, not the weights (git lfs pull fetches them)"
+        length = int.from_bytes(head, "little") if len(head) == 8 else size
+        if length > size - 8:
+            return f"truncated or not a safetensors file ({size} bytes; its header claims {length})"
+        try:
+            header = json.loads(f.read(length))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return "not a safetensors file (its header is not the JSON safetensors writes)"
+    if 8 + length + end > size:
+        return f"truncated ({size} bytes of the {8 + length + end} its header describes)"
+    return None
+
+
+def _json_damage(file: str) -> str | None:
+    """Why a JSON file (a config, tokenizer.json) does not parse; None if it does."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        return f"not valid JSON ({e})"
+    return None
+
+
+def damaged_files(path: str, model_index: Mapping) -> list[tuple[str, str]]:
+    """The files of the local pipeline directory's components that cannot be read: [(COMPONENT/FILE, why)] for a
+    link to nothing, a broken .safetensors (`_safetensors_damage`), a JSON file that does not parse."""
+    found = []
+    for name in model_index:
+        folder = os.path.join(path, name)
+        if name.startswith("_") or not os.path.isdir(folder):
+            continue
+        for file in sorted(os.listdir(folder)):
+            full = os.path.join(folder, file)
+            if os.path.islink(full) and not os.path.exists(full):
+                why = f"a link to {os.readlink(full)}, which does not exist"
+            elif file.endswith(".safetensors") and os.path.isfile(full):
+                why = _safetensors_damage(full)
+            elif file.endswith(".json") and os.path.isfile(full):
+                why = _json_damage(full)
+            else:
+                continue
+            if why:
+                found.append((f"{name}/{file}", why))
+    return found
 
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".h5")
+
+
+def check_weights_present(path: str, model_index: Mapping) -> None:
+    """Every model component of the local pipeline directory `path` holds a weights file (a copy or a cache that
+    lost one fails here, not after the others have loaded). A directory of configuration files alone (no
+    component has weights: what a plan or these checks read) passes."""
+    bare = _components_without_weights(path, model_index)
+    if bare and weight_variants(path, model_index):
+        raise ImageModelError(
+            f"model.path={path}: {', '.join(f'{name}/' for name in bare)} holds a config.json and no weights file "
+            "(a copy that left the weights out, or a file deleted): copy or save the pipeline again"
+        )
 
 
 def _components_without_weights(path: str, model_index: Mapping) -> list[str]:

@@ -77,8 +77,8 @@ class WanBackend(FlowMatchingBackend):
         if getattr(pipe, "transformer_2", None) is not None or pipe.config.get("boundary_ratio") is not None:
             raise ImageModelError(
                 "WanBackend trains one denoiser: this pipeline has Wan2.2's two experts "
-                "(transformer_2 / boundary_ratio); load it with transformer_2=None and "
-                "boundary_ratio=None"
+                "(transformer_2 / boundary_ratio); build it with transformer_2=None and "
+                "boundary_ratio=None to train its first expert alone"
             )
         if pipe.config.get("expand_timesteps", False):
             raise ImageModelError("WanBackend does not drive Wan2.2 TI2V's per-token timesteps (expand_timesteps)")
@@ -86,6 +86,26 @@ class WanBackend(FlowMatchingBackend):
         if pipe.scheduler.config.get("use_dynamic_shifting", False):
             raise ImageModelError("WanPipeline passes no `mu`: a scheduler with use_dynamic_shifting cannot sample it")
         super().__init__(pipe, **kwargs)
+
+    @classmethod
+    def check_model_index(cls, source: str, model_index) -> None:
+        """Before any weight is read (preflight and `flowrl plan`): a Wan2.2 pipeline's two experts (transformer_2,
+        boundary_ratio) or TI2V's per-token timesteps (expand_timesteps), which this family does not drive."""
+        second = model_index.get("transformer_2")
+        experts = [f"transformer_2 {second[-1]}"] if isinstance(second, (list, tuple)) and second[0] is not None else []
+        if model_index.get("boundary_ratio") is not None:
+            experts.append(f"boundary_ratio {model_index['boundary_ratio']}")
+        if experts:
+            raise ImageModelError(
+                f"{source}: model_index.json has Wan2.2's two denoising experts ({', '.join(experts)}); flowrl's "
+                f"{cls.family} family trains one transformer: use a one-transformer Wan2.1 {cls.pipeline_classes[0]} "
+                "(e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers)"
+            )
+        if model_index.get("expand_timesteps"):
+            raise ImageModelError(
+                f"{source}: model_index.json sets expand_timesteps (Wan2.2 TI2V's per-token timesteps), which flowrl's "
+                f"{cls.family} family does not drive: use a Wan2.1 {cls.pipeline_classes[0]}"
+            )
 
     @classmethod
     def check_num_frames(cls, num_frames):

@@ -63,8 +63,14 @@ def config_reader(path: str) -> tuple[Callable[[str], dict], str]:
                     f"{path} has no {name}: not a diffusers pipeline (pipe.save_pretrained(DIR)) or "
                     f"transformers model (model.save_pretrained(DIR)) directory"
                 )
-            with open(file, encoding="utf-8") as f:
-                return json.load(f)
+            try:
+                with open(file, encoding="utf-8") as f:
+                    return json.load(f)
+            except (ValueError, UnicodeDecodeError) as e:  # (json's JSONDecodeError is a ValueError)
+                raise PlanError(
+                    f"{file} is not valid JSON ({e}): a model's configuration files are JSON objects; fix the "
+                    "file, or write the model again with save_pretrained(DIR)"
+                ) from None
 
         return read_local, f"local directory {path}"
     if os.path.exists(path):
@@ -199,6 +205,8 @@ def _pipeline_components(path: str, dtype: str, skip: tuple[str, ...]) -> tuple[
         return type(pipe).__name__, parts, "tiny test model built in code"
     read, source = config_reader(path)
     index = read("model_index.json")
+    if os.path.isdir(path):  # a copy that missed a component's folder: train's message (and its model.drop_t5 hint)
+        _as_plan_error(_check_folders, path, index, skip)
     pipeline_class = index.get("_class_name")
     pipeline_class = pipeline_class[-1] if isinstance(pipeline_class, list) else pipeline_class
     parts = []
@@ -212,6 +220,27 @@ def _pipeline_components(path: str, dtype: str, skip: tuple[str, ...]) -> tuple[
         params, nbytes = _sizes(module, dtype)
         parts.append(Component(name, cls.__name__, params, nbytes, dtype, module))
     return pipeline_class, parts, source
+
+
+def _as_plan_error(check: Callable, *args):
+    """`check(*args)`, a check the trainer's preflight shares (flowrl.families), its ImageModelError a PlanError
+    with the same message."""
+    from flowrl.families import ImageModelError
+
+    try:
+        return check(*args)
+    except ImageModelError as e:
+        raise PlanError(str(e)) from None
+
+
+def _check_folders(path: str, index: Mapping, skip: tuple[str, ...]) -> None:
+    """Every component the local directory's model_index.json names has its folder (T5's are not needed when
+    skipped: model.drop_t5), as the trainer's preflight checks it."""
+    from flowrl.families._loading import _checked_backend, check_components
+
+    backend_cls = _checked_backend(path, index, "auto", False)
+    drop_t5 = bool(backend_cls.t5_components) and set(backend_cls.t5_components) <= set(skip)
+    check_components(path, index, backend_cls, drop_t5)
 
 
 def causal_lm(path: str, dtype: str) -> tuple[Component, str]:
@@ -344,21 +373,18 @@ def feature_components(backbone: str) -> tuple[list[Component], list[str]]:
 
 def family_of(path: str, requested: str):
     """The family backend class for model.path (a tiny model's name says it; otherwise its model_index.json)."""
-    from flowrl.families import family, family_names, tiny_models
+    from flowrl.families import tiny_models
 
     if path in tiny_models() and not os.path.exists(path):
         fam = tiny_models()[path]
     else:
+        from flowrl.families._loading import _checked_backend, check_model_index
+
         read, _ = config_reader(path)
-        cls = read("model_index.json").get("_class_name")
-        cls = cls[-1] if isinstance(cls, list) else cls
-        matches = [family(n) for n in family_names() if cls in family(n).pipeline_classes]
-        if not matches:
-            drives = ", ".join(f"{c} ({n})" for n in family_names() for c in family(n).pipeline_classes)
-            raise PlanError(
-                f"{path} is a {cls}, which no flowrl family drives in this install; supported pipelines: {drives}"
-            )
-        fam = matches[0]
+        index = read("model_index.json")
+        # the trainer's checks of model_index.json: its pipeline class, its components, the family's own (Wan2.2)
+        fam = _as_plan_error(_checked_backend, path, index, "auto", False)
+        _as_plan_error(check_model_index, path, index, fam)
     if requested != "auto" and requested != fam.family:
         raise PlanError(
             f"model.family={requested} but {path} is a {fam.family!r} model: set model.family={fam.family} or auto"
