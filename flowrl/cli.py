@@ -409,9 +409,8 @@ def _calibrate(args) -> int:
 
 def _plan(args) -> int:
     """`flowrl plan CONFIG`: the memory estimate per GPU (flowrl.plan); exit 1 when the config fits no strategy."""
-    from .plan import main as plan_main
-
     from .config import load_config
+    from .plan import main as plan_main
     from .preflight import check_rewards
 
     if args.gpus < 1:

@@ -61,7 +61,7 @@ def load_tool_env(target: str) -> Callable[[str, dict], str | None]:
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     wanted = [k for k in CONTEXT if takes_all or k in params]
     try:  # how every turn calls it, checked before the model loads
-        signature.bind("turn", **{k: None for k in wanted})
+        signature.bind("turn", **dict.fromkeys(wanted))
     except TypeError as e:
         raise ConfigError(
             f"text.tool_env={target!r} is called as f(turn, *, {', '.join(CONTEXT)}) (the turn's text, and any of "
