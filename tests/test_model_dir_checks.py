@@ -16,6 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from test_backend_loading import configs_only as json_files_only  # noqa: E402
 
 from flowrl.families import ImageModelError, load_image_backend, preflight_image_model  # noqa: E402
 from flowrl.families.sd3 import tiny_sd3_pipeline  # noqa: E402
@@ -35,13 +36,7 @@ def sd3_full(tmp_path_factory):
 
 def configs_only(src: Path, dst: Path) -> Path:
     """A copy of the pipeline directory `src` with its JSON files only."""
-    for folder, _, files in os.walk(src):
-        for name in files:
-            if name.endswith(".json"):
-                target = dst / os.path.relpath(folder, src)
-                target.mkdir(parents=True, exist_ok=True)
-                shutil.copy(os.path.join(folder, name), target / name)
-    return dst
+    return Path(json_files_only(src, dst))
 
 
 def with_index(folder: Path, **changes) -> Path:

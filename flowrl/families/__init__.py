@@ -24,6 +24,9 @@ from ._base import (
     register_family,
 )
 from ._loading import (
+    check_components,
+    check_model_index,
+    checked_backend,
     detect_family,
     family,
     family_names,
@@ -43,6 +46,9 @@ __all__ = [
     "Schedule",
     "SizeRule",
     "StepLogProb",
+    "check_components",
+    "check_model_index",
+    "checked_backend",
     "detect_family",
     "family",
     "family_names",

@@ -279,7 +279,7 @@ def _vae_scale_factor(read: Callable[[str], dict], model_index: Mapping) -> int:
     return 2 ** (len(channels) - 1)
 
 
-def _checked_backend(source: str, model_index: Mapping, family: str, drop_t5: bool) -> type[ImageBackend]:
+def checked_backend(source: str, model_index: Mapping, family: str, drop_t5: bool) -> type[ImageBackend]:
     """The backend class for a model_index.json: an ImageModelError if no family drives its pipeline
     class, if `family` (unless "auto") is another one, or if drop_t5 is asked of a family with no
     optional T5."""
@@ -441,7 +441,7 @@ def preflight_image_model(
     path = os.fspath(path)
     read = _config_reader(path)
     model_index = read("model_index.json")
-    backend_cls = _checked_backend(path, model_index, family, drop_t5)
+    backend_cls = checked_backend(path, model_index, family, drop_t5)
     tiny = path in tiny_models() and not os.path.exists(path)
     folder = path if os.path.isdir(path) else None if tiny else cached_snapshot(path)
     with _naming(path, folder):
@@ -510,17 +510,22 @@ def _naming(path: str, folder: str | None):
 def check_links(path: str, model_index: Mapping) -> None:
     """No file of a component's folder is a link to nothing (a hub cache's snapshot whose blob was deleted, or a
     download that stopped): diffusers would fail on it without naming it."""
+    for name, file, link in _component_files(path, model_index):
+        if os.path.islink(link) and not os.path.exists(link):
+            raise ImageModelError(
+                f"{path}: {name}/{file} is a link to {os.readlink(link)}, which does not exist (a cache "
+                "blob deleted, or a download or copy that did not finish): download or copy the model again"
+            )
+
+
+def _component_files(path: str, model_index: Mapping):
+    """(component, file name, full path) of every file in the folders of the components model_index.json names."""
     for name in model_index:
         folder = os.path.join(path, name)
         if name.startswith("_") or not os.path.isdir(folder):
             continue
         for file in sorted(os.listdir(folder)):
-            link = os.path.join(folder, file)
-            if os.path.islink(link) and not os.path.exists(link):
-                raise ImageModelError(
-                    f"{path}: {name}/{file} is a link to {os.readlink(link)}, which does not exist (a cache "
-                    "blob deleted, or a download or copy that did not finish): download or copy the model again"
-                )
+            yield name, file, os.path.join(folder, file)
 
 
 #: weight files diffusers and transformers read: NAME[.VARIANT][-0000k-of-0000n].(safetensors|bin)
@@ -583,7 +588,7 @@ def _load_pipeline(path: str, family: str, dtype, drop_t5: bool, from_pretrained
     (see preflight_image_model) so that a model no family drives fails before any weight is read."""
     hub_kwargs = {k: from_pretrained_kwargs[k] for k in _HUB_KWARGS if k in from_pretrained_kwargs}
     model_index = _config_reader(path, **hub_kwargs)("model_index.json")
-    backend_cls = _checked_backend(path, model_index, family, drop_t5)
+    backend_cls = checked_backend(path, model_index, family, drop_t5)
     if path in tiny_models() and not os.path.exists(path):
         return backend_cls.tiny_pipeline(drop_t5=True) if drop_t5 else backend_cls.tiny_pipeline()
     check_model_index(path, model_index, backend_cls)
@@ -673,22 +678,17 @@ def damaged_files(path: str, model_index: Mapping) -> list[tuple[str, str]]:
     """The files of the local pipeline directory's components that cannot be read: [(COMPONENT/FILE, why)] for a
     link to nothing, a broken .safetensors (`_safetensors_damage`), a JSON file that does not parse."""
     found = []
-    for name in model_index:
-        folder = os.path.join(path, name)
-        if name.startswith("_") or not os.path.isdir(folder):
+    for name, file, full in _component_files(path, model_index):
+        if os.path.islink(full) and not os.path.exists(full):
+            why = f"a link to {os.readlink(full)}, which does not exist"
+        elif file.endswith(".safetensors") and os.path.isfile(full):
+            why = _safetensors_damage(full)
+        elif file.endswith(".json") and os.path.isfile(full):
+            why = _json_damage(full)
+        else:
             continue
-        for file in sorted(os.listdir(folder)):
-            full = os.path.join(folder, file)
-            if os.path.islink(full) and not os.path.exists(full):
-                why = f"a link to {os.readlink(full)}, which does not exist"
-            elif file.endswith(".safetensors") and os.path.isfile(full):
-                why = _safetensors_damage(full)
-            elif file.endswith(".json") and os.path.isfile(full):
-                why = _json_damage(full)
-            else:
-                continue
-            if why:
-                found.append((f"{name}/{file}", why))
+        if why:
+            found.append((f"{name}/{file}", why))
     return found
 
 

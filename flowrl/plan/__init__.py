@@ -142,8 +142,10 @@ def main(config: str | None, overrides: list[str] | None = None, *, gpus: int = 
     """`flowrl plan CONFIG [key=value ...] [--gpus N] [--gpu-memory 80GiB]`: print the plan; 0 if the config as it
     is (its update and its rollout) fits under one of the columns, 1 if it fits under none."""
     from flowrl.config import load_config
+    from flowrl.preflight import check_rewards
 
     cfg = load_config(config, overrides or [])
+    check_rewards(cfg)  # a config that cannot run is not planned (cheap: nothing is built)
     result = plan(cfg, gpus=gpus, gpu_memory_gib=parse_memory(gpu_memory))
     print(result.render())
     return 0 if any(result.fits_as_configured(s) for s in result.titles) else 1

@@ -236,9 +236,9 @@ def _as_plan_error(check: Callable, *args):
 def _check_folders(path: str, index: Mapping, skip: tuple[str, ...]) -> None:
     """Every component the local directory's model_index.json names has its folder (T5's are not needed when
     skipped: model.drop_t5), as the trainer's preflight checks it."""
-    from flowrl.families._loading import _checked_backend, check_components
+    from flowrl.families import check_components, checked_backend
 
-    backend_cls = _checked_backend(path, index, "auto", False)
+    backend_cls = checked_backend(path, index, "auto", False)
     drop_t5 = bool(backend_cls.t5_components) and set(backend_cls.t5_components) <= set(skip)
     check_components(path, index, backend_cls, drop_t5)
 
@@ -378,12 +378,12 @@ def family_of(path: str, requested: str):
     if path in tiny_models() and not os.path.exists(path):
         fam = tiny_models()[path]
     else:
-        from flowrl.families._loading import _checked_backend, check_model_index
+        from flowrl.families import check_model_index, checked_backend
 
         read, _ = config_reader(path)
         index = read("model_index.json")
         # the trainer's checks of model_index.json: its pipeline class, its components, the family's own (Wan2.2)
-        fam = _as_plan_error(_checked_backend, path, index, "auto", False)
+        fam = _as_plan_error(checked_backend, path, index, "auto", False)
         _as_plan_error(check_model_index, path, index, fam)
     if requested != "auto" and requested != fam.family:
         raise PlanError(
