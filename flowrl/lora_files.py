@@ -186,6 +186,22 @@ def match_state(state: dict, own: dict[str, tuple[int, ...]], lora_cfg, where: P
         )
         if keys
     ]
+    absent = sorted(_blocks(state) - _blocks(own))
+    if parts and absent:  # blocks this model does not have: no lora.target_modules makes the LoRA this model's
+        raise ConfigError(
+            f"lora.init_path: {where} adapts blocks this model does not have ({', '.join(absent[:3])}"
+            f"{', ...' if len(absent) > 3 else ''}): it was made for another model (another family, or another size "
+            "of it); start from a LoRA of this model"
+        )
+    if parts and lora_modules(state) == lora_modules(own):
+        # the same module names and still other keys: other blocks (another architecture), which no
+        # lora.target_modules can make this model's
+        example = (extra or unlike or missing)[0]
+        raise ConfigError(
+            f"lora.init_path: {where} adapts the modules this config does ({', '.join(lora_modules(own))}) but in "
+            f"other blocks or shapes than this model's: {'; '.join(parts)} (e.g. {example}): it was made for another "
+            "model (another family, or another size of it); start from a LoRA of this model"
+        )
     if parts:
         targets = sorted(recorded_targets) if isinstance(recorded_targets, list) else lora_modules(state)
         raise ConfigError(
@@ -194,6 +210,18 @@ def match_state(state: dict, own: dict[str, tuple[int, ...]], lora_cfg, where: P
             f"modules are lora.target_modules=[{','.join(targets)}]: set that to start from it"
         )
     return state
+
+
+def _blocks(keys) -> set[str]:
+    """The numbered blocks a LoRA's keys sit in: `transformer_blocks.3.attn.to_q.lora_A.weight` ->
+    `transformer_blocks.3` (the path through the last block index before the module's own name)."""
+    found = set()
+    for key in keys:
+        parts = key.split(".lora_A")[0].split(".lora_B")[0].split(".")
+        index = max((i for i, p in enumerate(parts[:-1]) if p.isdigit()), default=-1)  # (to_out.0: the module's)
+        if index >= 0:
+            found.add(".".join(parts[: index + 1]))
+    return found
 
 
 def lora_modules(state: dict) -> list[str]:

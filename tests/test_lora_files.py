@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from flowrl.config import ConfigError
-from flowrl.lora_files import adapter_settings, lora_modules, match_state, settings_problem
+from flowrl.lora_files import _blocks, adapter_settings, lora_modules, match_state, settings_problem
 
 LORA = SimpleNamespace(rank=8, alpha=16.0, target_modules=None)
 
@@ -125,6 +125,14 @@ def test_match_state_checks_rank_keys_and_shapes():
         match_state({**good, "b.0.q.lora_B.weight": torch.zeros(5, 8)}, own, LORA, "F")
     with pytest.raises(ConfigError, match=r"diffusers' old attention-processor format"):
         match_state({"b.0.q.processor.lora.down.weight": torch.zeros(8, 4)}, own, LORA, "F")
+    # blocks this model does not have (another model's LoRA): not sent to lora.target_modules, which cannot help
+    other = {k.replace("b.0.", "b.7."): v for k, v in good.items()}
+    for state in (other, {**other, "b.7.k.lora_A.weight": torch.zeros(8, 4)}):
+        with pytest.raises(ConfigError, match=r"adapts blocks this model does not have \(b\.7\)") as e:
+            match_state(state, own, LORA, "F")
+        assert "it was made for another model" in str(e.value) and "set that" not in str(e.value)
+    deep = {"down.1.attn.0.to_out.0.lora_A.weight": 0, "blocks.3.attn.to_q.lora_B.weight": 0, "x.lora_A.weight": 0}
+    assert _blocks(deep) == {"down.1.attn.0", "blocks.3"}
 
 
 def test_an_exported_lora_lists_its_target_modules_sorted(tmp_path):
