@@ -193,17 +193,14 @@ def match_state(state: dict, own: dict[str, tuple[int, ...]], lora_cfg, where: P
             f"{', ...' if len(absent) > 3 else ''}): it was made for another model (another family, or another size "
             "of it); start from a LoRA of this model"
         )
-    if parts and lora_modules(state) == lora_modules(own):
-        # the same module names and still other keys: other blocks (another architecture), which no
-        # lora.target_modules can make this model's
-        example = (extra or unlike or missing)[0]
-        raise ConfigError(
-            f"lora.init_path: {where} adapts the modules this config does ({', '.join(lora_modules(own))}) but in "
-            f"other blocks or shapes than this model's: {'; '.join(parts)} (e.g. {example}): it was made for another "
-            "model (another family, or another size of it); start from a LoRA of this model"
-        )
     if parts:
         targets = sorted(recorded_targets) if isinstance(recorded_targets, list) else lora_modules(state)
+        if set(targets) == set(lora_cfg.target_modules or lora_modules(own)):  # the advice would change nothing
+            raise ConfigError(
+                f"lora.init_path: {where} is a LoRA of the modules this config adapts ({', '.join(targets)}) and "
+                f"still not this model's adapter: {'; '.join(parts)}: it was made for another model (another "
+                "family, or another size of it); start from a LoRA of this model"
+            )
         raise ConfigError(
             f"lora.init_path: {where} is a LoRA of other modules than this config's "
             f"(lora.target_modules={lora_cfg.target_modules or 'the family default'}): {'; '.join(parts)}; its "

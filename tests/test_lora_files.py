@@ -131,6 +131,15 @@ def test_match_state_checks_rank_keys_and_shapes():
         with pytest.raises(ConfigError, match=r"adapts blocks this model does not have \(b\.7\)") as e:
             match_state(state, own, LORA, "F")
         assert "it was made for another model" in str(e.value) and "set that" not in str(e.value)
+    fewer = {"b.0.q.lora_A.weight": torch.zeros(8, 4), "b.0.q.lora_B.weight": torch.zeros(4, 8)}
+    more_own = {
+        **own,
+        "c.0.q.lora_A.weight": (8, 4),
+        "c.0.q.lora_B.weight": (4, 8),
+    }  # blocks it has that the LoRA has not
+    with pytest.raises(ConfigError, match=r"a LoRA of the modules this config adapts \(q\) and still not") as e:
+        match_state(fewer, more_own, LORA, "F")  # (setting lora.target_modules=[q] would change nothing)
+    assert "it was made for another model" in str(e.value)
     deep = {"down.1.attn.0.to_out.0.lora_A.weight": 0, "blocks.3.attn.to_q.lora_B.weight": 0, "x.lora_A.weight": 0}
     assert _blocks(deep) == {"down.1.attn.0", "blocks.3"}
 
