@@ -66,3 +66,19 @@ class SoftOverlong:
 def soft_overlong(max_length: int, cache_length: int, tokenizer: Any = None) -> SoftOverlong:
     """DAPO's soft overlong punishment with ``L_max = max_length`` and ``L_cache = cache_length``."""
     return SoftOverlong(max_length, cache_length, tokenizer)
+
+
+def _check_options(kwargs: dict, kind: str) -> str:
+    """``rewards.check``'s hook (before any model loads): 0 < cache_length <= max_length, as the reward needs."""
+    from rewards.registry import RewardConfigError
+
+    max_length, cache_length = kwargs.get("max_length"), kwargs.get("cache_length")
+    if isinstance(max_length, int) and isinstance(cache_length, int) and not 0 < cache_length <= max_length:
+        raise RewardConfigError(
+            f"reward 'soft_overlong' needs 0 < cache_length <= max_length, got cache_length={cache_length}, "
+            f"max_length={max_length}"
+        )
+    return TEXT
+
+
+soft_overlong.check_options = _check_options

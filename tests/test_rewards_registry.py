@@ -234,9 +234,12 @@ def test_a_failing_registered_reward_is_named_and_a_bad_value_is_a_config_error(
         reward(["q"], ["1"], label=["1"])
     assert isinstance(info.value.__cause__, KeyError)
     with pytest.raises(
-        rewards.RewardConfigError, match=r"^reward 'soft_overlong': soft_overlong needs 0 < cache_length"
+        rewards.RewardConfigError,
+        match=r"^reward 'soft_overlong' needs 0 < cache_length",  # (its check_options)
     ):
         rewards.build("soft_overlong", {"max_length": 4, "cache_length": 8}, "text")
+    with pytest.raises(rewards.RewardConfigError, match=r"^reward 'jpeg_compressibility': JPEG quality must be in"):
+        rewards.build("jpeg_compressibility", {"quality": 500}, "image")  # a factory's ValueError, named
 
 
 def _cache(monkeypatch, tmp_path, *repos):

@@ -147,6 +147,10 @@ def test_soft_overlong_reads_completion_ids_or_a_tokenizer(tmp_path):
     assert by_text(["q"] * 3, ["abc", chat("abcdef"), "abcdefghi"]) == [0.0, -0.5, -1.0]
     with pytest.raises(ValueError, match="0 < cache_length <= max_length"):
         rewards.get("soft_overlong", max_length=4, cache_length=8)
+    # and before any model loads (the config's check), naming the reward
+    with pytest.raises(rewards.RewardConfigError, match=r"reward 'soft_overlong' needs 0 < cache_length <= max_len"):
+        rewards.check("soft_overlong", {"max_length": 4, "cache_length": 8}, "text")
+    rewards.check("soft_overlong", {"max_length": 8, "cache_length": 4}, "text")
 
 
 # ---------------------------------------------------------------------------- TRL reward functions, unchanged
