@@ -209,29 +209,26 @@ def match_state(state: dict, own: dict[str, tuple[int, ...]], lora_cfg, where: P
     return state
 
 
+def _block_and_module(key: str) -> tuple[str, str]:
+    """A LoRA key's numbered block and module: `transformer_blocks.3.attn.to_out.0.lora_A.weight` ->
+    (`transformer_blocks.3`, `attn.to_out.0`): split after the last block index before the module's own name (to_out.0's
+    0 is the layer's); ("", the whole path) for a key in no numbered block."""
+    module = key.split(".lora_A")[0].split(".lora_B")[0]
+    parts = module.split(".")
+    index = max((i for i, p in enumerate(parts[:-1]) if p.isdigit()), default=-1)
+    return ".".join(parts[: index + 1]), ".".join(parts[index + 1 :]) or module
+
+
 def _blocks(keys) -> set[str]:
-    """The numbered blocks a LoRA's keys sit in: `transformer_blocks.3.attn.to_q.lora_A.weight` ->
-    `transformer_blocks.3` (the path through the last block index before the module's own name)."""
-    found = set()
-    for key in keys:
-        parts = key.split(".lora_A")[0].split(".lora_B")[0].split(".")
-        index = max((i for i, p in enumerate(parts[:-1]) if p.isdigit()), default=-1)  # (to_out.0: the module's)
-        if index >= 0:
-            found.add(".".join(parts[: index + 1]))
-    return found
+    """The numbered blocks a LoRA's keys sit in (`_block_and_module`)."""
+    return {block for block, _ in map(_block_and_module, keys) if block}
 
 
 def lora_modules(state: dict) -> list[str]:
     """The module names a LoRA's keys adapt, as lora.target_modules takes them (the part after the last block
     index: `transformer_blocks.3.attn.to_q.lora_A.weight` -> `attn.to_q`, `...attn.to_out.0.lora_B.weight` ->
     `attn.to_out.0`), sorted."""
-    names = set()
-    for key in state:
-        module = key.split(".lora_A")[0].split(".lora_B")[0]
-        parts = module.split(".")
-        index = max((i for i, p in enumerate(parts[:-1]) if p.isdigit()), default=-1)  # to_out.0: a layer's own
-        names.add(".".join(parts[index + 1 :]) or module)
-    return sorted(names)
+    return sorted({module for _, module in map(_block_and_module, state)})
 
 
 def _short(value, limit: int = 80) -> str:

@@ -30,6 +30,7 @@ from typing import Any, Iterator
 import torch
 
 from flowrl.errors import FlowrlError
+from flowrl.urls import http_url_problem
 from rewards._common import TRL_EXTRAS, check_images
 from rewards._wire import encode_png, to_jsonable
 from rewards.memory import NOTHING
@@ -67,14 +68,10 @@ def check_url_and_kind(url: str, kind: str) -> None:
     kind."""
     if kind not in KINDS:
         raise ValueError(f"remote reward kind must be one of {KINDS}, got {kind!r}")
-    parsed = urllib.parse.urlparse(url) if isinstance(url, str) else None
-    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.hostname:
+    problem = http_url_problem(url)  # (the port read now: "abc" or 99999 would make urlopen raise mid-run)
+    if problem == "host":
         raise ValueError(f"remote reward url must look like http://HOST:PORT, got {url!r}")
-    try:
-        port = parsed.port  # (read only now: ValueError for "abc" or 99999, which urlopen would raise mid-run)
-    except ValueError:
-        port = 0
-    if port == 0:
+    if problem == "port":
         raise ValueError(f"remote reward url's port must be a number from 1 to 65535, got {url!r}")
 
 

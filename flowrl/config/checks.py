@@ -131,22 +131,6 @@ def _async_problems(cfg: Config) -> list[str]:
     return []
 
 
-def _url_problem(url: str) -> str | None:
-    """Why `url` is not an http(s) URL of a host (and a port that is a number from 1 to 65535); None when it is."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return "is not an http:// or https:// URL of a host"
-    try:
-        port = parts.port
-    except ValueError:
-        return "names a port that is not a number from 1 to 65535"
-    if port == 0:
-        return "names port 0"
-    return None
-
-
 def _engine_problems(cfg: Config) -> list[str]:
     """text.engine and its correction: a text run's keys; the correction needs an engine that is not the trainer."""
     t = cfg.text
@@ -157,7 +141,12 @@ def _engine_problems(cfg: Config) -> list[str]:
             return [f"text.tool_env answers a language model's turns, and backend={cfg.backend}; set text.tool_env="]
         return []
     if t.engine == "vllm":
-        problem = _url_problem(t.vllm_url)
+        from flowrl.urls import http_url_problem
+
+        problem = {
+            "host": "is not an http:// or https:// URL of a host",
+            "port": "names a port that is not a number from 1 to 65535",
+        }.get(http_url_problem(t.vllm_url))
         if problem:
             return [f"text.vllm_url={t.vllm_url!r} {problem}, e.g. text.vllm_url=http://127.0.0.1:8100"]
     if t.engine_correction != "none" and t.engine == "hf":

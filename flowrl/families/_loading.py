@@ -518,12 +518,17 @@ def check_links(path: str, model_index: Mapping) -> None:
             )
 
 
-def _component_files(path: str, model_index: Mapping):
-    """(component, file name, full path) of every file in the folders of the components model_index.json names."""
+def _component_folders(path: str, model_index: Mapping):
+    """(component, its folder) of each component model_index.json names whose folder the directory `path` holds."""
     for name in model_index:
         folder = os.path.join(path, name)
-        if name.startswith("_") or not os.path.isdir(folder):
-            continue
+        if not name.startswith("_") and os.path.isdir(folder):
+            yield name, folder
+
+
+def _component_files(path: str, model_index: Mapping):
+    """(component, file name, full path) of every file in the folders of the components model_index.json names."""
+    for name, folder in _component_folders(path, model_index):
         for file in sorted(os.listdir(folder)):
             yield name, file, os.path.join(folder, file)
 
@@ -536,9 +541,9 @@ def weight_variants(path: str, model_index: Mapping) -> dict[str, set[str]]:
     """The variants of each weighted component's files in the pipeline directory `path`: {component: {"" (the
     plain files), "fp16", ...}}, for the components whose folder holds weight files."""
     found = {}
-    for name in model_index:
-        folder = os.path.join(path, name)
-        if name.startswith("_") or name in _null_components(model_index) or not os.path.isdir(folder):
+    nulls = _null_components(model_index)
+    for name, folder in _component_folders(path, model_index):
+        if name in nulls:
             continue
         kinds = {m["variant"] or "" for f in os.listdir(folder) if (m := _WEIGHT_FILE.match(f))}
         if kinds:
@@ -711,9 +716,9 @@ def _components_without_weights(path: str, model_index: Mapping) -> list[str]:
     """The components of the local pipeline directory `path` that are models (a folder with a config.json) but hold
     no weights file."""
     bare = []
-    for name, value in model_index.items():
-        folder = os.path.join(path, name)
-        if name.startswith("_") or not isinstance(value, (list, tuple)) or value[0] is None:
+    for name, folder in _component_folders(path, model_index):
+        value = model_index[name]
+        if not isinstance(value, (list, tuple)) or value[0] is None:
             continue
         if os.path.isfile(os.path.join(folder, "config.json")):
             if not any(f.endswith(_WEIGHT_SUFFIXES) for f in os.listdir(folder)):

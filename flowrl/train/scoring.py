@@ -218,12 +218,17 @@ class Scorer:
             out[rows] = core.win_rates(prefs)
         return out
 
+    def invalid(self, all_scores: torch.Tensor) -> torch.Tensor:
+        """`invalid_scores` of the whole batch's scores [N, K] under this run's weights (a text reward's NaN is its
+        None: "does not apply"; an image reward's is invalid)."""
+        return invalid_scores(all_scores, self.weights, nan_is_missing=self.policy.reward_kind == "text")
+
     def advantages(self, batch, scores: torch.Tensor, epoch: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Advantages of this process's samples from the whole batch's rewards, which samples to train, and how many
         samples of the batch had a non-finite reward (left out of the advantages and the loss)."""
         all_scores = self.dist.gather(scores)
         all_gids = self.dist.gather(batch.group_ids)
-        invalid = invalid_scores(all_scores, self.weights, nan_is_missing=self.policy.reward_kind == "text")
+        invalid = self.invalid(all_scores)
         valid = ~invalid
         n_bad = int(invalid.sum())
         if n_bad:
@@ -306,7 +311,7 @@ class Scorer:
             m[f"reward/{spec.name}_applies"] = len(col) / len(all_scores)
         # the total over the samples that train (as combine_advantages weighs them): none that a reward could not
         # score, none to which no weighted reward applies (a None is no 0)
-        scored = ~invalid_scores(all_scores, self.weights, nan_is_missing=self.policy.reward_kind == "text")
+        scored = ~self.invalid(all_scores)
         total = (all_scores[scored] * self.weights).nansum(1)
         m["reward/total_mean"] = total.mean().item() if len(total) else float("nan")
         counts = {}
