@@ -23,6 +23,7 @@ from flowrl.core import (
     ranked_pairs,
     soft_update_,
     soft_update_decay,
+    stratified_times,
 )
 
 TOL = dict(rtol=0, atol=1e-12)
@@ -51,6 +52,47 @@ def test_forward_noising_by_hand():
     torch.testing.assert_close(v, t64([[-0.5, 1.5], [-2.0, -1.0]]), **TOL)
     # x0 = x_t - t v recovers the data
     torch.testing.assert_close(x_t - t64([[0.5], [1.0]]) * v, t64([[1.0, -1.0], [4.0, 4.0]]), **TOL)
+
+
+def test_stratified_times_by_hand():
+    # the schedule 1, .75, .5, .25 (0 after its last step): step 0 spans (.75, 1], step 3 (0, .25]
+    times = t64([1.0, 0.75, 0.5, 0.25])
+    steps = torch.tensor([[0, 3], [1, 2]])
+    u = t64([[0.5, 0.2], [0.0, 0.999]])
+    got = stratified_times(times, steps, u)
+    # t_k - u (t_k - t_{k+1}): 1 - .5 x .25, .25 - .2 x .25; u = 0 is the step's own time; u -> 1 nears t_{k+1}
+    torch.testing.assert_close(got, t64([[0.875, 0.2], [0.75, 0.5 - 0.999 * 0.25]]), **TOL)
+    assert got.dtype == torch.float64
+
+
+def test_stratified_times_fill_each_interval_uniformly():
+    # an uneven (shifted) schedule: u uniform on a grid of 1000 points puts the times evenly in each interval, and
+    # every time stays inside its own step's interval (the last step's down to 0)
+    times = torch.tensor([1.0, 0.9, 0.6, 0.1])
+    ends = [0.9, 0.6, 0.1, 0.0]
+    u = (torch.arange(1000, dtype=torch.float32) + 0.5) / 1000
+    for k in range(4):
+        got = stratified_times(times, torch.full((1000,), k), u)
+        assert float(got.max()) <= float(times[k]) and float(got.min()) > ends[k]
+        assert float(got.mean()) == pytest.approx((float(times[k]) + ends[k]) / 2, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "times, u, match",
+    [
+        ([1.0, 1.0, 0.5], 0.5, "decrease strictly"),
+        ([0.5, 0.75], 0.5, "decrease strictly"),
+        ([1.0, 0.5, 0.0], 0.5, "decrease strictly"),
+        ([1.5, 0.5], 0.5, "decrease strictly"),
+        ([1.0, 0.5], 1.0, r"u must lie in \[0, 1\)"),
+        ([1.0, 0.5], -0.1, r"u must lie in \[0, 1\)"),
+    ],
+)
+def test_stratified_times_refuses_what_is_not_a_flow_schedule(times, u, match):
+    with pytest.raises(ValueError, match=match):
+        stratified_times(torch.tensor(times), torch.tensor([0]), torch.tensor([u]))
+    with pytest.raises(ValueError, match="one shape"):
+        stratified_times(torch.tensor([1.0, 0.5]), torch.tensor([0, 1]), torch.tensor([0.5]))
 
 
 # -------------------------------------------------------------------------------------------------- NFT: r

@@ -958,13 +958,19 @@ def _epochs_with_and_without_the_reference_cache(tmp_path, *extra):
 
 
 @pytest.mark.parametrize(
-    "objective, extra", [("dpo", "train.dpo.pairing=ranked"), ("nft", "train.nft.kl_coef=0.1")], ids=["dpo", "nft"]
+    "objective, extra",
+    [
+        ("dpo", ("train.dpo.pairing=ranked",)),
+        ("dpo", ("train.dpo.pairing=ranked", "train.dpo.continuous_times=true")),
+        ("nft", ("train.nft.kl_coef=0.1",)),
+    ],
+    ids=["dpo", "dpo-continuous-times", "nft"],
 )
 def test_cache_reference_runs_the_reference_once_an_epoch_with_the_same_result(objective, extra, tmp_path):
     """train.cache_reference with two passes: the reference runs in the first pass only (the second reads each row's
     velocity by its key), and the epoch trains the same weights as without the cache, up to a batched forward's
     rounding; the cache is the epoch's (the next epoch's draw starts it again) and off with one pass."""
-    runs = _epochs_with_and_without_the_reference_cache(tmp_path, f"train.objective={objective}", extra)
+    runs = _epochs_with_and_without_the_reference_cache(tmp_path, f"train.objective={objective}", *extra)
     (_, plain_calls, plain_w, _), (cached_tr, cached_calls, cached_w, batch) = runs[False], runs[True]
     assert plain_calls > 0 and cached_calls * 2 == plain_calls
     obj = cached_tr.objective
@@ -980,7 +986,7 @@ def test_cache_reference_runs_the_reference_once_an_epoch_with_the_same_result(o
     batch, _, adv, keep = _epoch_inputs(cached_tr, epoch=1)
     obj.prepare(batch, adv, keep, epoch=1, process_index=0)
     assert obj.reference_cache == {} and obj.reference_hits == 0
-    one_pass = Trainer(tiny_cfg(tmp_path / "one", f"train.objective={objective}", extra, "train.cache_reference=true"))
+    one_pass = Trainer(tiny_cfg(tmp_path / "one", f"train.objective={objective}", *extra, "train.cache_reference=true"))
     batch, _, adv, keep = _epoch_inputs(one_pass)
     one_pass.objective.prepare(batch, adv, keep, epoch=0, process_index=0)
     assert one_pass.objective.reference_cache is None
@@ -1087,6 +1093,36 @@ def test_dpo_max_time_trains_only_the_steps_at_or_below_it(tmp_path):
         obj.draw_steps(8, times, g)
     with pytest.raises(ConfigError, match="train.dpo.max_time"):
         tiny_cfg(tmp_path, "train.objective=dpo", "train.dpo.max_time=0")
+
+
+def test_dpo_continuous_times_train_anywhere_in_each_steps_interval(tmp_path):
+    """train.dpo.continuous_times: each slot keeps the schedule step it drew (the same steps as without), and its
+    time lies anywhere in that step's interval (t_{k+1}, t_k] (0 after the last step), drawn again each epoch from
+    the seed alone (a resumed run's epoch draws the same); the update trains; off, the times are the steps' own."""
+    plain = Trainer(tiny_cfg(tmp_path / "plain", "train.objective=dpo"))
+    tr = Trainer(tiny_cfg(tmp_path / "cont", "train.objective=dpo", "train.dpo.continuous_times=true"))
+    batch, _, adv, keep = _epoch_inputs(tr)
+    winners = tr.objective.prepare(batch, adv, keep, epoch=0, process_index=0).nonzero().flatten()
+    plain.objective.prepare(batch, adv, keep, epoch=0, process_index=0)
+    plan, plain_plan = tr.objective.plan, plain.objective.plan
+    assert plain_plan.within is None and torch.equal(plan.steps, plain_plan.steps)
+    times, slots = plan.times, list(range(plan.steps.shape[1]))
+    ends = torch.cat([times[1:], torch.zeros(1)])
+    rows, t, _ = tr.objective.inputs(batch, winners, slots)
+    steps = plan.steps[rows, torch.tensor(slots).repeat_interleave(len(winners))]
+    assert ((t <= times[steps]) & (t > ends[steps])).all()
+    assert not torch.isin(t, times).any()  # (a draw of u = 0 exactly would be the step's own time)
+    _, t_plain, _ = plain.objective.inputs(batch, winners, slots)
+    assert torch.equal(t_plain, times[steps])
+    tr.objective.prepare(batch, adv, keep, epoch=0, process_index=0)
+    assert torch.equal(tr.objective.inputs(batch, winners, slots)[1], t)  # the epoch's draw, again
+    tr.objective.prepare(batch, adv, keep, epoch=1, process_index=0)
+    assert not torch.equal(tr.objective.inputs(batch, winners, slots)[1], t)
+    tr.objective.prepare(batch, adv, keep, epoch=0, process_index=0)
+    perturb_lora_b(tr)
+    before = trained(tr)
+    tr.update(batch, adv, keep, epoch=0)
+    assert max_change(trained(tr), before) > 0
 
 
 def test_dpo_weighting_gives_the_loss_its_time_weight(tmp_path, monkeypatch):

@@ -52,6 +52,7 @@ from .objectives import (
     ranked_pairs,
     soft_update_,
     soft_update_decay,
+    stratified_times,
 )
 from .pairwise import clause_preferences, scalar_preferences, win_rates
 from .registry import Registry, unknown_name_error
@@ -77,6 +78,7 @@ __all__ = [
     "best_worst_pairs",
     "matched_pairs",
     "ranked_pairs",
+    "stratified_times",
     "clause_preferences",
     "clipped_surrogate",
     "dpo_loss",

@@ -100,6 +100,34 @@ def forward_noising(x0: Tensor, noise: Tensor, t: Tensor) -> tuple[Tensor, Tenso
     return (1 - tc) * x0 + tc * noise, noise - x0
 
 
+def stratified_times(times: Tensor, steps: Tensor, u: Tensor) -> Tensor:
+    """Continuous training times in the intervals of a rollout's schedule: step k of the schedule integrates from
+    t_k down to t_{k+1} (t_S = 0 after the last step), and its training time is t_k - u (t_k - t_{k+1}), uniform
+    in (t_{k+1}, t_k] for u uniform in [0, 1) (u = 0: the step's own time t_k). Every step's interval is drawn as
+    often as the step itself, so the times keep the schedule's emphasis and fill the gaps a finer schedule of the
+    same spacing visits.
+
+    times: [S] the schedule's flow times, strictly decreasing in (0, 1]; steps: [...] long indices into them;
+    u: [...] in [0, 1), the shape of steps -> [...] flow times (float32, or float64 for a float64 schedule).
+    """
+    times = _float(times)
+    if times.ndim != 1 or times.numel() == 0:
+        raise ValueError(f"times must be a non-empty 1-D schedule [S], got shape {tuple(times.shape)}")
+    if (times[1:] >= times[:-1]).any() or times[-1] <= 0 or times[0] > 1:
+        raise ValueError(
+            f"times must decrease strictly within (0, 1] (a flow schedule from noise to data), got "
+            f"{[round(float(x), 4) for x in times]}"
+        )
+    if steps.shape != u.shape:
+        raise ValueError(f"steps and u must have one shape, got {tuple(steps.shape)} and {tuple(u.shape)}")
+    u = u.to(times.dtype)
+    if ((u < 0) | (u >= 1)).any():
+        raise ValueError("u must lie in [0, 1)")
+    ends = torch.cat([times[1:], times.new_zeros(1)])  # where each step's interval ends: the next time, or 0
+    start, end = times[steps], ends[steps]
+    return start - u.to(start.device) * (start - end)
+
+
 # ----------------------------------------------------------------------------------------------- DiffusionNFT
 
 

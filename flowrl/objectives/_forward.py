@@ -26,19 +26,29 @@ from flowrl.seeding import derive_seed
 
 from ._base import MemoryTerms, Objective
 
-#: seed tags: the training times and the noise of a (sample, time slot) are drawn from separate streams
-_TIMES_TAG, _NOISE_TAG = 0x71AE, 0x0A15E
+#: seed tags: the training times, the noise of a (sample, time slot) and the times' places within their steps
+#: (continuous_times) are drawn from separate streams
+_TIMES_TAG, _NOISE_TAG, _WITHIN_TAG = 0x71AE, 0x0A15E, 0x57A7
 
 
 @dataclass
 class TrainingTimes:
     """The epoch's draw of a forward-process objective: for each of the B samples, T indices into the rollout's
-    schedule (`steps` [B, T] long) whose flow times (`times` [S]) it is trained at, one per time slot."""
+    schedule (`steps` [B, T] long) whose flow times (`times` [S]) it is trained at, one per time slot; with
+    `within` [B, T] in [0, 1), each slot's time is that far into its step's interval (core.stratified_times)."""
 
     epoch: int
     process_index: int
     times: Tensor  # [S] float32
     steps: Tensor  # [B, T] long
+    within: Tensor | None = None  # [B, T] float32, or None: the steps' own times
+
+    def flow_times(self, rows: Tensor, slots: Tensor) -> Tensor:
+        """[N] float32: the flow times of the (sample, slot) pairs `rows`, `slots` [N]."""
+        steps = self.steps[rows, slots]
+        if self.within is None:
+            return self.times[steps]
+        return core.stratified_times(self.times, steps, self.within[rows, slots])
 
 
 def random_order(n: int, num_steps: int, count: int, generator: torch.Generator) -> Tensor:
@@ -134,7 +144,12 @@ class ForwardProcessObjective(Objective):
     def prepare(self, batch, adv, keep, *, epoch, process_index):
         times = self.policy.flow_times(batch)
         gen = torch.Generator().manual_seed(derive_seed(self.cfg.train.seed, epoch, process_index, _TIMES_TAG))
-        self.plan = TrainingTimes(epoch, process_index, times, self.draw_steps(len(batch.prompts), times, gen))
+        steps = self.draw_steps(len(batch.prompts), times, gen)
+        within = None
+        if getattr(self.settings, "continuous_times", False):
+            gen = torch.Generator().manual_seed(derive_seed(self.cfg.train.seed, epoch, process_index, _WITHIN_TAG))
+            within = torch.rand(steps.shape, generator=gen)
+        self.plan = TrainingTimes(epoch, process_index, times, steps, within)
         # reference velocities by row key (`row_keys`); a new batch: a new cache
         self.reference_cache = ReferenceCache() if self.keeps_reference(self.cfg) else None
         return keep
@@ -165,7 +180,7 @@ class ForwardProcessObjective(Objective):
         idx = idx.cpu()
         rows = idx.repeat(len(unit))
         slots = torch.tensor(unit, dtype=torch.long).repeat_interleave(len(idx))
-        t = self.plan.times[self.plan.steps[rows, slots]]
+        t = self.plan.flow_times(rows, slots)
         shape = self.policy.sample_shape(batch)
         noise = torch.stack([self.noise(int(s), int(k), shape) for s, k in zip(rows, slots)])
         return rows, t, noise.to(batch.traj.latents.device)

@@ -74,6 +74,12 @@ class DPOSettings:
     """Training times per pair (the same time and noise for winner and loser): that many steps of the rollout's
     schedule in a random order per pair; 0 = all of them (an online batch has one pair per prompt; the paper draws
     one time per pair and step)."""
+    continuous_times: bool = False
+    """Each training time drawn anywhere in its step's interval of the schedule, uniform in (t_{k+1}, t_k] (the last
+    step's down to 0; core.stratified_times), not at the step's own time t_k: as many times as before, in the same
+    places on average, and the flow times that a finer schedule visits (the eval's 20 steps against the rollout's
+    10) are trained too. Under weighting noise or linear a time at t = 1 is then almost never drawn, so the first
+    step's rows are computed (1/T more update work). false = the schedule's own times (the rollout's)."""
     max_time: float = 1.0
     """Train only the schedule's steps at flow time t <= max_time (1 = pure noise): `timesteps` are drawn from them
     (0 = all of them). Under weighting=noise a step's weight is (1 - t)^2, so the noisiest steps carry almost none
