@@ -52,12 +52,20 @@ def test_every_unknown_key_of_a_file_is_named_at_once(tmp_path):
         "train.dpo.betta",
         "rewards[0].kwarg",
     ]
+    # each named at its line of the file (model.devise at line 2, train.lrr 4, train.dpo.betta 6, the kwarg 9)
+    assert [line.split(": unknown")[0] for line in lines[1:]] == [f"  - {yml}:{n}" for n in (2, 4, 6, 9)]
     assert "Did you mean model.device " in lines[1] and "Did you mean train.lr " in lines[2]
     assert "Did you mean train.dpo.beta?" in lines[3] and "Did you mean rewards[0].kwargs " in lines[4]
     # one unknown key: the one-line message as before
     yml.write_text("train:\n  lrr: 1e-3\n  epochs: 2\n")
-    with pytest.raises(ConfigError, match=r"^unknown config key 'train\.lrr'\. Did you mean train\.lr "):
+    with pytest.raises(ConfigError, match=r"unknown config key 'train\.lrr'\. Did you mean train\.lr ") as e:
         load_config(yml)
+    assert str(e.value).startswith(f"{yml}:2: unknown config key")
+    # a key of the command line has no line: the message alone
+    yml.write_text("train:\n  epochs: 2\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(yml, ["train.lrr=1e-3"])
+    assert str(e.value).startswith("unknown config key 'train.lrr'.")
 
 
 @pytest.mark.parametrize(

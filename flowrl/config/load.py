@@ -197,7 +197,9 @@ def _unknown_key(key: str, valid: list[str]) -> ConfigError:
     leaf = key.split(".")[-1]
     if leaf in ALIASES:
         hint += f" ({leaf!r} is another tool's name for it.)"
-    return ConfigError(f"unknown config key {key!r}.{hint} Valid keys here: {', '.join(valid)}")
+    error = ConfigError(f"unknown config key {key!r}.{hint} Valid keys here: {', '.join(valid)}")
+    error.key = key
+    return error
 
 
 def _unknown_keys(cls: type, data: Any, prefix: str = "") -> list[ConfigError]:
@@ -224,9 +226,14 @@ def _unknown_keys(cls: type, data: Any, prefix: str = "") -> list[ConfigError]:
     return out
 
 
-def _check_keys(data: dict) -> None:
-    """One error for all the unknown keys of a config tree: the single key's message as it is, several as a list."""
+def _check_keys(data: dict, lines: dict[str, int] | None = None, path: Path | None = None) -> None:
+    """One error for all the unknown keys of a config tree: the single key's message as it is, several as a list;
+    a key the config file `path` spells at a line of `lines` (`key_lines`) is named with it (`path:line: ...`)."""
     unknown = _unknown_keys(Config, data)
+    if lines and path is not None:
+        unknown = [
+            ConfigError(f"{path}:{lines[e.key]}: {e}") if getattr(e, "key", None) in lines else e for e in unknown
+        ]
     if len(unknown) == 1:
         raise unknown[0]
     if unknown:
@@ -437,6 +444,31 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def key_lines(text: str) -> dict[str, int]:
+    """{dotted key: its 1-based line} of every mapping key of a YAML text, as config errors spell keys (`train.lr`,
+    `rewards[0].kwargs`); {} for a text YAML cannot compose (read_yaml reports that)."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return {}
+    lines: dict[str, int] = {}
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                if not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                key = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
+                lines.setdefault(key, key_node.start_mark.line + 1)
+                walk(value_node, key)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                walk(item, f"{prefix}[{i}]")
+
+    walk(root, "")
+    return lines
+
+
 def read_yaml(path: Path) -> Any:
     """A YAML file's content; a syntax error (or a key given twice in one mapping) is one ConfigError line naming
     the file, line and column."""
@@ -510,6 +542,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Defaults <- loss preset <- YAML preset <- `key=value` overrides, validated; raises ConfigError with the fix.
     Keys that moved (MOVED_KEYS) are read where they are now, each with a one-line hint."""
     data: dict = {}
+    lines: dict[str, int] = {}
     if path is not None:
         path = Path(path)
         if not path.exists():
@@ -533,6 +566,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}")
         data = migrate(loaded, where=f"{path}: ")
+        lines = key_lines(path.read_text(encoding="utf-8"))
     if overrides:
         data = _merge(data, parse_overrides(overrides), empty_replaces=True)
     preset = (data.get("text") or {}).get("loss_preset", "none") if isinstance(data.get("text"), dict) else "none"
@@ -540,7 +574,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"text.loss_preset: {preset!r} is not a valid choice; valid: none, {', '.join(LOSS_PRESETS)}")
     if preset != "none":
         data = _merge(LOSS_PRESETS[preset], data)
-    _check_keys(data)
+    _check_keys(data, lines, path)
     cfg = _build(Config, data)
     _expand_home(cfg)
     validate(cfg)
