@@ -226,11 +226,13 @@ def _unknown_keys(cls: type, data: Any, prefix: str = "") -> list[ConfigError]:
     return out
 
 
-def _check_keys(data: dict, lines: dict[str, int] | None = None, path: Path | None = None) -> None:
+def _check_keys(data: dict, path: Path | None = None) -> None:
     """One error for all the unknown keys of a config tree: the single key's message as it is, several as a list;
-    a key the config file `path` spells at a line of `lines` (`key_lines`) is named with it (`path:line: ...`)."""
+    a key the config file `path` spells is named with its line (`path:line: ...`, `key_lines`; read only when a key
+    is unknown)."""
     unknown = _unknown_keys(Config, data)
-    if lines and path is not None:
+    lines = key_lines(path.read_text(encoding="utf-8")) if unknown and path is not None else {}
+    if lines:
         unknown = [
             ConfigError(f"{path}:{lines[e.key]}: {e}") if getattr(e, "key", None) in lines else e for e in unknown
         ]
@@ -542,7 +544,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Defaults <- loss preset <- YAML preset <- `key=value` overrides, validated; raises ConfigError with the fix.
     Keys that moved (MOVED_KEYS) are read where they are now, each with a one-line hint."""
     data: dict = {}
-    lines: dict[str, int] = {}
     if path is not None:
         path = Path(path)
         if not path.exists():
@@ -566,7 +567,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}")
         data = migrate(loaded, where=f"{path}: ")
-        lines = key_lines(path.read_text(encoding="utf-8"))
     if overrides:
         data = _merge(data, parse_overrides(overrides), empty_replaces=True)
     preset = (data.get("text") or {}).get("loss_preset", "none") if isinstance(data.get("text"), dict) else "none"
@@ -574,7 +574,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"text.loss_preset: {preset!r} is not a valid choice; valid: none, {', '.join(LOSS_PRESETS)}")
     if preset != "none":
         data = _merge(LOSS_PRESETS[preset], data)
-    _check_keys(data, lines, path)
+    _check_keys(data, path)
     cfg = _build(Config, data)
     _expand_home(cfg)
     validate(cfg)
