@@ -147,7 +147,7 @@ def _eval(args) -> int:
 
     from .eval import Evaluator, base_for_eval
     from .preflight import preflight
-    from .run.loading import policy_from_checkpoint
+    from .run.loading import policy_from_checkpoint, read_checked
     from .run.metrics import strict_json
     from .run.rundir import check_writable
     from .train.scoring import build_reward_fns
@@ -158,10 +158,12 @@ def _eval(args) -> int:
     _, eval_set = preflight(cfg, engine=False)  # the eval's completions are greedy, on the trainer's own model
     if args.out:
         check_writable(args.out, "--out", keep=False)  # (not after the eval's sampling)
+    # the checkpoint's model first: one of another model is that error alone, not the base eval's settings too
+    read = read_checked(cfg, args.checkpoint, args.weights) if args.checkpoint else None
     evaluator = Evaluator(cfg, eval_set, _device(cfg))
     base_dir = base_for_eval(args.base, args.checkpoint, evaluator.settings)
     with eval_signals() as signals:  # a signal abandons the eval between its batches: nothing is written
-        policy = policy_from_checkpoint(cfg, args.checkpoint, args.weights, _device(cfg))
+        policy = policy_from_checkpoint(cfg, args.checkpoint, args.weights, _device(cfg), read=read)
         reward_fns = build_reward_fns(cfg, policy.reward_kind)
         t0 = time.perf_counter()
         outputs, scores = evaluator.sample(policy, reward_fns, stop=signals.stop_point, progress=cfg.log.progress)

@@ -2,9 +2,11 @@
 exit code != 0), checks before any model loads, and reads key=value overrides anywhere after the command."""
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from flowrl.cli import main
 
@@ -76,7 +78,14 @@ def test_reward_mistakes_and_an_unwritable_run_dir_fail_before_the_model_loads(t
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     err = one_line_error(capsys, 1, main(["train", TINY_CFG, *TINY, f"log.run_dir={blocker / 'run'}"]))
-    assert "is not writable" in err and "log.run_dir" in err
+    assert err.endswith(
+        f"its folder {str(blocker)!r} is a file, not a directory; choose a directory with log.run_dir=PATH"
+    )
+    err = one_line_error(capsys, 1, main(["train", TINY_CFG, *TINY, f"log.run_dir={blocker}"]))
+    assert err == (
+        f"flowrl train: log.run_dir={str(blocker)!r}: it is a file, not a directory; choose a directory with "
+        "log.run_dir=PATH"
+    )
 
 
 def test_a_reward_whose_columns_a_prompt_file_lacks_fails_before_the_model_loads(tmp_path, capsys, no_model_load):
@@ -442,9 +451,10 @@ def test_sample_checks_its_counts_and_its_folder_before_the_model_loads(tmp_path
     (tmp_path / "a-file").write_text("")
     out = tmp_path / "a-file" / "images"
     err = one_line_error(capsys, 1, main([*sample, "--out", str(out)]))
-    assert f"--out='{out}' is not writable (Not a directory); choose a directory you can write to" in err
+    file = f"its folder {str(tmp_path / 'a-file')!r} is a file, not a directory"
+    assert err == f"flowrl sample: --out='{out}': {file}; choose a directory with --out=PATH"
     err = one_line_error(capsys, 1, main(["eval", TINY_CFG, *TINY, "--out", str(out)]))  # eval's --out alike
-    assert err.startswith(f"flowrl eval: --out='{out}' is not writable (Not a directory)")
+    assert err == f"flowrl eval: --out='{out}': {file}; choose a directory with --out=PATH"
 
 
 def test_calibrate_prints_the_ratios_and_the_entry_that_uses_them(tmp_path, capsys):
@@ -559,6 +569,43 @@ def test_checkpoint_may_be_a_run_directory_its_newest_is_taken(tmp_path, capsys)
     assert "is a run directory without a complete checkpoint yet" in err
     err = one_line_error(capsys, 1, main(["eval", TINY_CFG, *TINY, "--checkpoint", str(tmp_path / "first")]))
     assert "is not a checkpoint directory (no state.json or trainable.safetensors) nor a run directory" in err
+    # a run directory whose checkpoints are all damaged says so, naming the newest one's problem
+    for ckpt in run.glob("ckpt-*"):
+        (ckpt / "state.json").unlink()
+    err = one_line_error(capsys, 1, main(["eval", TINY_CFG, *TINY, "--checkpoint", str(run)]))
+    assert err == (
+        f"flowrl eval: --checkpoint {run}: the run directory {str(run)!r} holds 2 checkpoints, all damaged (the "
+        f"newest, ckpt-000002: {run / 'ckpt-000002' / 'state.json'} is missing: the checkpoint is incomplete); "
+        "resume or evaluate one that is whole, or start over"
+    )
+
+
+COUNTERS = {"epochs_done": 1, "optimizer_steps": 1}
+
+
+def test_eval_of_a_checkpoint_of_another_model_is_that_error_alone(tmp_path, capsys, tiny_lm, no_model_load):
+    """`flowrl eval` of a text config with an image run's checkpoint: the checkpoint's model is checked first, so
+    the one line is that error (not a line about the run's eval before training, sampled with other settings)."""
+    from conftest import tiny_gpt2_overrides
+
+    from flowrl.config import load_config, to_dict
+    from flowrl.eval.diversity import BaseMetrics
+    from flowrl.run.checkpoint import write_checkpoint
+
+    run = tmp_path / "run"
+    image = to_dict(load_config(TINY_CFG, TINY))
+    ckpt = write_checkpoint(run, 1, trainable={"w": torch.ones(2)}, state={"counters": COUNTERS, "config": image})
+    BaseMetrics(run).save({"eval/jpeg_compressibility_mean": -1.5}, {"eval.num_steps": 2, "sample.height": 32})
+    assert BaseMetrics(run).path.exists()
+    text = [*tiny_gpt2_overrides(tiny_lm), "log.progress=false", "eval.num_prompts=2"]
+    with warnings.catch_warnings(record=True) as caught:  # (a warning would be a line `flowrl: ...` before it)
+        warnings.simplefilter("always")
+        err = one_line_error(capsys, 1, main(["eval", *text, "--checkpoint", str(ckpt)]))
+    assert not [w for w in caught if "base model's eval" in str(w.message)], [str(w.message) for w in caught]
+    assert err.startswith(
+        f"flowrl eval: checkpoint {ckpt} was trained with another model or adapter than this config's (backend: "
+        "'image' -> 'text'"
+    )
 
 
 def test_sample_a_text_config_draws_seeded_or_greedy_completions(tmp_path, capsys):

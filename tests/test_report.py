@@ -381,7 +381,9 @@ def test_report_out_takes_its_format_from_its_suffix_and_makes_its_folder(tmp_pa
     assert main(["report", str(a), "--out", str(tmp_path / "afile" / "x.png")]) == 1
     err = capsys.readouterr().err.strip()
     under = tmp_path / "afile"
-    assert err == f"flowrl report: --out {under / 'x.png'}: its folder {under} cannot be written (Not a directory)"
+    assert err == (
+        f"flowrl report: --out {under / 'x.png'}: its folder {under} cannot be written (it is a file, not a directory)"
+    )
     assert main(["report", str(tmp_path / "missing"), "--out", str(tmp_path / "c.txt")]) == 2  # (a usage error)
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"flowrl report: --out {tmp_path / 'c.txt'}: a figure is written as .png") and "\n" not in err

@@ -4,9 +4,11 @@ checkpoint, interrupts and broken checkpoints leave a resumable run. Tiny SD3 on
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +18,16 @@ from imagetiny import TINY_RUN
 
 from flowrl.config import load_config
 from flowrl.errors import CheckpointError, FlowrlError, NonFiniteError, RunDirError
-from flowrl.run.checkpoint import list_checkpoints, write_checkpoint
+from flowrl.run import rundir
+from flowrl.run.checkpoint import (
+    TRAINER_STATE,
+    checkpoint_in,
+    list_checkpoints,
+    read_checkpoint,
+    resolve_resume,
+    resume_target,
+    write_checkpoint,
+)
 from flowrl.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,9 +119,19 @@ def test_resume_refuses_a_changed_adapter_and_warns_of_other_changes(tmp_path):
     with pytest.raises(CheckpointError, match=r"lora\.rank: 8 -> 4.*sample\.group_size: 4 -> 2"):
         Trainer(tiny_cfg(run, "train.epochs=2", "checkpoint.resume=auto", "lora.rank=4", "sample.group_size=2")).fit()
     tr = Trainer(tiny_cfg(run, "train.epochs=2", "checkpoint.resume=auto", "train.lr=1e-3", "eval.grid=false"))
-    with pytest.warns(UserWarning, match=r"changed config: .*train\.epochs: 1 -> 2.*train\.lr: 0\.003 -> 0\.001"):
-        tr.fit()
+    with pytest.warns(UserWarning, match=r"changed config: train\.lr: 0\.003 -> 0\.001$"):
+        tr.fit()  # (train.epochs: 1 -> 2 is not listed: a longer run is what a resume is for)
     assert tr.state.epochs_done == 2
+    # a resume whose only change is a longer run (train.epochs, train.max_minutes) warns of nothing
+    longer = Trainer(tiny_cfg(run, "train.epochs=3", "checkpoint.resume=auto", "train.lr=1e-3", "eval.grid=false"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        longer.fit()
+    assert longer.state.epochs_done == 3
+    assert not [w for w in caught if "changed config" in str(w.message)]
+    # each resume went on past the end of the run before it: the log holds the last run's final eval only
+    assert [r["epoch"] for r in metric_rows(run) if "policy/loss" in r] == [1, 2, 3]
+    assert [r["epoch"] for r in metric_rows(run) if r.get("final")] == [3]
 
 
 def test_keys_newer_than_a_checkpoint_are_no_change_at_their_defaults():
@@ -208,6 +229,175 @@ def test_a_corrupt_checkpoint_is_named_and_auto_falls_back_to_an_older_one(tmp_p
         tr.fit()
     assert tr.state.epochs_done == 3
     assert [r["epoch"] for r in metric_rows(run) if "policy/loss" in r] == [1, 2, 3]  # epoch 2 redone, once
+
+
+def test_overwrite_deletes_every_file_of_the_old_run_and_nothing_else(tmp_path):
+    """log.overwrite=true: the old run's files go, with those a kill left under their temporary names (its best.json
+    would name a checkpoint of the new run as the best), a video eval's folder too; a file of the user's stays."""
+    run = tmp_path / "run"
+    write_checkpoint(run, 2, trainable={"w": torch.ones(2)})
+    old = ["metrics.jsonl", "metrics.jsonl.tmp", "completions.jsonl.tmp", "best.json", "best.json.tmp"]
+    old += [".curves.png.tmp", "before_after.tmp.png", "eval-final.tmp", "eval-final.tmp.png", "eval-final.png"]
+    for name in [*old, "notes.txt", "eval-notes.txt"]:
+        (run / name).write_text('{"epoch": 2}\n')
+    (run / "eval-final").mkdir()
+    (run / "eval-final" / "000.webp").write_bytes(b"video")
+    rundir.claim(run, resume=None, overwrite=True)
+    assert sorted(p.name for p in run.iterdir()) == ["eval-notes.txt", "notes.txt"]
+
+
+GOOD_STATE = {"counters": {"epochs_done": 1, "optimizer_steps": 2}}
+
+
+def test_a_state_json_of_the_wrong_structure_is_named_and_auto_falls_back_to_an_older_checkpoint(tmp_path):
+    """Valid JSON that is not a checkpoint's state (empty, a list, without its counters or RNG, a counter that is not
+    a number, an RNG state that does not load) is a CheckpointError naming the file and what is wrong, as a
+    truncated one is: checkpoint.resume=auto takes the previous checkpoint. Another writer's state without counters
+    (scripts/pretrain_arith.py's) reads, as long as no trainer requires them."""
+    w = {"w": torch.ones(2)}
+    for epoch in (1, 2):
+        write_checkpoint(tmp_path, epoch, trainable=w, state=GOOD_STATE)
+    ckpt = tmp_path / "ckpt-000002"
+    file = ckpt / "state.json"
+    written = json.loads(file.read_text())
+    without_rng = {k: v for k, v in written.items() if k != "rng"}
+    cases = [
+        ({}, rf"{re.escape(str(file))} has no 'counters'"),
+        ([], rf"{re.escape(str(file))} holds a list, not a checkpoint's state"),
+        ({**written, "counters": [1, 2]}, "has 'counters' of a list"),
+        ({**written, "counters": {"optimizer_steps": 2}}, "has no counter epochs_done"),
+        ({**written, "counters": {"epochs_done": "2", "optimizer_steps": 2}}, "counter 'epochs_done' is a string"),
+        (without_rng, rf"{re.escape(str(file))} has no 'rng'"),
+        ({**written, "rng": {"python": []}}, "has an 'rng' without the Python and NumPy"),
+        ({**written, "config": ["model"]}, "has 'config' of a list"),
+        (
+            {**written, "rng": {**written["rng"], "python": [3, [1, 2], None]}},
+            "random generators' states .* do not load",
+        ),
+    ]
+    for state, problem in cases:
+        file.write_text(json.dumps(state))
+        with pytest.raises(CheckpointError, match=problem):
+            read_checkpoint(ckpt, TRAINER_STATE)
+        with pytest.warns(UserWarning, match=rf"skipping {re.escape(str(ckpt))}: .*{problem}"):
+            found = resolve_resume("auto", tmp_path, require=TRAINER_STATE)
+        assert found[0] == tmp_path / "ckpt-000001"
+    write_checkpoint(tmp_path, 3, trainable=w, state={"step": 3, "scheduler": {}})
+    assert resolve_resume("auto", tmp_path)[1]["state"]["step"] == 3
+    with pytest.warns(UserWarning, match=r"ckpt-000003.*has no 'counters' \(the run's epochs and steps"):
+        assert resolve_resume("auto", tmp_path, require=TRAINER_STATE)[0] == tmp_path / "ckpt-000001"
+
+
+def test_a_checkpoint_without_its_state_is_named_and_a_run_of_damaged_ones_says_they_all_are(tmp_path):
+    """A ckpt-XXXXXX without its state.json is skipped by checkpoint.resume=auto and `--checkpoint RUN` with a
+    warning naming it, as other damage is; when every checkpoint of a run directory is damaged, the error says so
+    and names the newest one's problem (not "a run directory without a complete checkpoint yet")."""
+    w = {"w": torch.ones(2)}
+    for epoch in (1, 2):
+        write_checkpoint(tmp_path, epoch, trainable=w, state=GOOD_STATE)
+    first, newest = tmp_path / "ckpt-000001", tmp_path / "ckpt-000002"
+    (newest / "state.json").unlink()
+    missing = rf"{re.escape(str(newest / 'state.json'))} is missing: the checkpoint is incomplete"
+    with pytest.warns(UserWarning, match=rf"checkpoint\.resume=auto: skipping {re.escape(str(newest))}: {missing}"):
+        assert resolve_resume("auto", tmp_path)[0] == first
+    with pytest.warns(
+        UserWarning, match=rf"skipping {re.escape(str(newest))}: {missing}; taking the older ckpt-000001"
+    ):
+        assert checkpoint_in(tmp_path) == first
+    (first / "trainable.safetensors").write_bytes(b"cut short")
+    every = r"holds 2 checkpoints, all damaged \(the newest, ckpt-000002: " + missing
+    with pytest.raises(CheckpointError, match=rf"--checkpoint {re.escape(str(tmp_path))}: the run directory .*{every}"):
+        checkpoint_in(tmp_path)
+    with pytest.raises(CheckpointError, match=rf"checkpoint\.resume={re.escape(str(tmp_path))}: .*{every}"):
+        resume_target(str(tmp_path), tmp_path / "new")
+    (tmp_path / "metrics.jsonl").write_text('{"epoch": 2}\n')
+    (first / "state.json").unlink()  # (none listed: refused before the model loads)
+    with pytest.raises(
+        RunDirError, match=rf"no intact checkpoint .*\(2 checkpoints, all damaged; the newest: {missing}"
+    ):
+        rundir.claim(tmp_path, resume="auto", overwrite=False)
+
+
+def test_a_checkpoint_of_other_shapes_non_finite_weights_or_unknown_counters_is_refused(tmp_path):
+    """A trained tensor of another shape than the model's is refused naming it and both shapes (a copy would
+    broadcast [1, 32] into [8, 32]), for an eval and a resume; NaN or inf in a checkpoint's tensors is refused
+    naming the file (resume=auto takes the previous checkpoint); counters of a newer flowrl are refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    from flowrl.run.loading import policy_from_checkpoint
+
+    run = tmp_path / "run"
+    args = ["checkpoint.every=1", "checkpoint.keep=0", "eval.grid=false", "eval.before=false"]
+    cfg = tiny_cfg(run, "train.epochs=2", *args)
+    Trainer(cfg).fit()
+    ckpt = run / "ckpt-000002"
+    file = ckpt / "trainable.safetensors"
+    tensors = load_file(file)
+    name = next(n for n, t in tensors.items() if t.ndim == 2 and t.shape[0] > 1)
+    rows, cols = tensors[name].shape
+    save_file({**tensors, name: tensors[name][:1].clone()}, file)
+    shapes = rf"its trained weights {re.escape(name)} has shape \[1, {cols}\], the model's \[{rows}, {cols}\]"
+    with pytest.raises(CheckpointError, match=shapes):
+        policy_from_checkpoint(cfg, str(ckpt), "trained")
+    with pytest.raises(CheckpointError, match=shapes):
+        Trainer(tiny_cfg(run, "train.epochs=3", *args, f"checkpoint.resume={ckpt}")).fit()
+
+    save_file({**tensors, name: torch.full_like(tensors[name], float("nan"))}, file)
+    nan = rf"{re.escape(str(file))} holds NaN or inf in 1 tensor\(s\) \({re.escape(name)}\): the checkpoint is damaged"
+    with pytest.raises(CheckpointError, match=nan):
+        policy_from_checkpoint(cfg, str(ckpt))
+    tr = Trainer(tiny_cfg(run, "train.epochs=3", *args, "checkpoint.resume=auto"))
+    with pytest.warns(UserWarning, match=rf"skipping {re.escape(str(ckpt))}: {nan}"):
+        tr.fit()
+    assert tr.state.epochs_done == 3 and torch.isfinite(read_checkpoint(ckpt)["trainable"][name]).all()
+
+    state = run / "ckpt-000003" / "state.json"
+    written = json.loads(state.read_text())
+    written["counters"]["tokens_seen"] = 12
+    state.write_text(json.dumps(written))
+    with pytest.raises(
+        CheckpointError,
+        match=r"holds counters this flowrl does not know \(tokens_seen\): it was written by a newer flowrl",
+    ):
+        Trainer(tiny_cfg(run, "train.epochs=4", *args, "checkpoint.resume=auto")).fit()
+
+
+def test_a_run_directory_as_checkpoint_resume_resumes_its_newest_and_a_refused_run_leaves_no_folder(tmp_path, capsys):
+    """checkpoint.resume=RUN (a run directory, as `--checkpoint RUN` takes one): its newest intact checkpoint, into
+    a new directory or its own. checkpoint.resume=auto of a folder without a run (a typo) says it starts a new run. A
+    run refused before it writes anything (before or after the model loads) leaves no new folder behind."""
+    run = tmp_path / "run"
+    args = ["checkpoint.every=1", "checkpoint.keep=0", "eval.grid=false", "eval.before=false"]
+    Trainer(tiny_cfg(run, "train.epochs=2", *args, "checkpoint.resume=auto")).fit()
+    assert f"checkpoint.resume=auto: no checkpoint in {run}: starting a new run" in capsys.readouterr().out
+    elsewhere = Trainer(tiny_cfg(tmp_path / "new", "train.epochs=3", *args, f"checkpoint.resume={run}"))
+    elsewhere.fit()
+    assert f"resumed from {run / 'ckpt-000002'} after 2 epochs" in capsys.readouterr().out
+    assert elsewhere.state.epochs_done == 3 and not (run / "ckpt-000003").exists()
+    again = Trainer(tiny_cfg(run, "train.epochs=3", *args, f"checkpoint.resume={run}"))
+    again.fit()
+    assert f"resumed from {run / 'ckpt-000002'} after 2 epochs" in capsys.readouterr().out
+    assert [p.name for p in list_checkpoints(run)] == ["ckpt-000001", "ckpt-000002", "ckpt-000003"]
+
+    refused = tmp_path / "refused" / "run"
+    with pytest.raises(CheckpointError, match=r"checkpoint\.resume=.*nowhere' does not exist"):
+        Trainer(tiny_cfg(refused, "train.epochs=4", *args, f"checkpoint.resume={tmp_path / 'nowhere'}"))
+    assert not (tmp_path / "refused").exists()
+    with pytest.raises(CheckpointError, match=r"lora\.rank: 8 -> 4"):  # (after the model loaded)
+        Trainer(tiny_cfg(refused, "train.epochs=4", *args, f"checkpoint.resume={run}", "lora.rank=4")).fit()
+    assert not (tmp_path / "refused").exists()
+
+
+def test_a_run_refused_before_its_first_checkpoint_clears_what_a_killed_write_left(tmp_path, no_model_load):
+    """A run killed during its first checkpoint write left a temporary folder; the next command, refused (there is
+    no checkpoint to resume), removes it all the same (the folder's lock is held: no other run writes there)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"epoch": 1, "reward/total_mean": 0.5}\n')
+    (run / ".tmp-ckpt-000001-12345").mkdir()
+    with pytest.raises(RunDirError, match="no intact checkpoint to resume from"):
+        Trainer(tiny_cfg(run, "train.epochs=2", "checkpoint.resume=auto"))
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
 
 
 # ------------------------------------------------------------------------------------------ non-finite numbers
@@ -533,7 +723,7 @@ def test_a_signal_during_an_eval_in_training_logs_the_epoch_not_the_eval_and_che
     )
     assert proc.returncode == 143, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("flowrl train: stopped by SIGTERM after 1 epochs (the eval after epoch 1 was abandoned)")
+    assert last.startswith("flowrl train: stopped by SIGTERM after 1 epoch (the eval after epoch 1 was abandoned)")
     assert "checkpoint.resume=auto" in last and "Traceback" not in proc.stderr
     assert reward_calls(tmp_path) == [1, 2, 3]
     rows = metric_rows(run)
@@ -697,7 +887,7 @@ def test_a_run_that_fails_in_an_update_names_its_newest_checkpoint_and_writes_no
     assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["ckpt-000001"]
     assert info.value.__notes__ == [
         f"it failed during epoch 2's update; the newest checkpoint is {tmp_path / 'run' / 'ckpt-000001'} (after 1 "
-        f"epochs): checkpoint.resume=auto continues from there"
+        f"epoch): checkpoint.resume=auto continues from there"
     ]
 
 
@@ -735,7 +925,7 @@ def test_a_signal_during_the_final_eval_checkpoints_the_trained_run_and_logs_no_
         return sample(*args, **kwargs)
 
     tr.evaluator.sample = signalled_on_the_second
-    with pytest.raises(Interrupted, match=r"after 1 epochs \(the final eval, which `flowrl eval .* was abandoned\)"):
+    with pytest.raises(Interrupted, match=r"after 1 epoch \(the final eval, which `flowrl eval .* was abandoned\)"):
         tr.fit()
     assert [p.name for p in list_checkpoints(run)] == ["ckpt-000001"]
     assert [r["epoch"] for r in metric_rows(run)] == [0, 1] and not any(r.get("final") for r in metric_rows(run))
@@ -928,7 +1118,7 @@ def test_a_finished_run_resumed_or_zero_epochs_says_there_is_nothing_to_train(tm
     assert main([*common, "train.epochs=1", "checkpoint.resume=auto"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[-1] == (
-        f"train.epochs=1 and the run in {run} has done 1 epochs: nothing to train (raise train.epochs to train on; "
+        f"train.epochs=1 and the run in {run} has done 1 epoch: nothing to train (raise train.epochs to train on; "
         f"`flowrl eval CONFIG --checkpoint {run}` evaluates its newest checkpoint)"
     )  # and no empty JSON after it
     assert main([*common, "train.epochs=0", f"log.run_dir={tmp_path / 'none'}"]) == 0

@@ -289,6 +289,72 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
+def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
+    """Every `ckpt-XXXXXX` directory in `run_dir`, oldest first, whole or damaged (`list_checkpoints`: those with a
+    state.json)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    return sorted((p for p in run_dir.iterdir() if p.is_dir() and CKPT_RE.match(p.name)), key=lambda p: p.name)
+
+
+#: The files every checkpoint holds (`write_checkpoint`), in the order `read_checkpoint` reads them; the others
+#: are there when their part of the run is.
+REQUIRED_FILES = ("trainable.safetensors", "state.json", "rng.safetensors")
+
+
+def damage(path: str | Path, require: tuple[str, ...] = ()) -> str | None:
+    """What is wrong with checkpoint directory `path`, found without reading its tensors (its state.json read and
+    checked, `require` as `check_state` takes it; its safetensors files' headers opened: a file cut short does not
+    open), e.g. "state.json is missing"; None when nothing is (`read_checkpoint` reads the tensors, and refuses NaN
+    or inf in them)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    try:
+        if not is_checkpoint_dir(path):
+            raise CheckpointError(f"{path} holds no state.json nor trainable.safetensors")
+        for name in REQUIRED_FILES:
+            if not (path / name).is_file():
+                raise CheckpointError(f"{path / name} is missing: the checkpoint is incomplete")
+        check_state(_load_json(path / "state.json"), path / "state.json", require)
+        if (path / "optimizer.json").is_file() and not (path / "optimizer.safetensors").is_file():
+            raise CheckpointError(f"{path / 'optimizer.safetensors'} is missing: the checkpoint is incomplete")
+        for file in sorted(path.glob("*.safetensors")):
+            try:
+                with safe_open(str(file), "pt"):
+                    pass
+            except Exception as e:  # safetensors raises its own error types for truncated or foreign files
+                raise CheckpointError(f"{file} is corrupt or truncated ({type(e).__name__}: {e})") from None
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def intact_checkpoint(run_dir: str | Path, what: str, require: tuple[str, ...] = ()) -> Path:
+    """The newest checkpoint of run directory `run_dir` that `damage` (with `require`) finds nothing wrong with (a
+    newer damaged one is skipped with a warning naming its problem); none is a CheckpointError saying how many there
+    are, all damaged, and the newest one's problem. `what`: how the directory was given, for the messages (e.g.
+    "--checkpoint RUN")."""
+    found = checkpoint_dirs(run_dir)
+    problems = []
+    for path in reversed(found):
+        problem = damage(path, require)
+        if problem is None:
+            for skipped, why in problems:
+                warnings.warn(f"{what}: skipping {skipped}: {why}; taking the older {path.name}", stacklevel=3)
+            return path
+        problems.append((path, problem))
+    n, (newest, problem) = len(found), problems[0]
+    which = (
+        f"{n} checkpoints, all damaged (the newest, {newest.name}" if n > 1 else f"1 checkpoint, damaged ({newest.name}"
+    )
+    raise CheckpointError(
+        f"{what}: the run directory {str(run_dir)!r} holds {which}: {problem}); resume or evaluate one that is whole, "
+        "or start over"
+    )
+
+
 def is_checkpoint_dir(path: Path) -> bool:
     """`path` holds a checkpoint's files (complete or not: `read_checkpoint` says what is missing)."""
     return (path / "state.json").is_file() or (path / "trainable.safetensors").is_file()
@@ -308,7 +374,8 @@ def _lora_file(path: Path) -> Path | None:
 def checkpoint_in(path: str | Path) -> Path:
     """The checkpoint a `--checkpoint PATH` names: PATH itself when it is a checkpoint directory (or not a directory:
     `read_checkpoint` says what it is), else, PATH being a run directory, its newest complete checkpoint (as
-    checkpoint.resume=auto takes it); a run directory without one is a CheckpointError naming it."""
+    checkpoint.resume=auto takes it: a newer damaged one is skipped, with a warning); a run directory without one is
+    a CheckpointError naming it (or, its checkpoints all damaged, the newest one's problem)."""
     path = Path(path)
     lora = _lora_file(path)
     if lora is not None:
@@ -325,9 +392,8 @@ def checkpoint_in(path: str | Path) -> Path:
         )
     if not path.is_dir() or is_checkpoint_dir(path):
         return path
-    found = list_checkpoints(path)
-    if found:
-        return found[-1]
+    if checkpoint_dirs(path):  # (all of them damaged: an error naming the newest one's problem)
+        return intact_checkpoint(path, f"--checkpoint {path}")
     if (path / "metrics.jsonl").exists():
         raise CheckpointError(
             f"{str(path)!r} is a run directory without a complete checkpoint yet (checkpoint.every sets how often "
@@ -339,28 +405,47 @@ def checkpoint_in(path: str | Path) -> Path:
     )
 
 
-def resolve_resume(resume: str | None, run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
-    """The checkpoint to resume from, read: `None` -> None; `auto` -> the newest intact checkpoint in run_dir
-    (a corrupt one is skipped with a warning that names it; None when there is none); else that directory, whose
-    problems are errors."""
+def resolve_resume(
+    resume: str | None, run_dir: str | Path, skipped: list[str] | None = None, require: tuple[str, ...] = ()
+) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint to resume from, read (`require`: the sections its state.json must hold, as `check_state`
+    takes them): `None` -> None; `auto` -> the newest intact checkpoint in run_dir (a damaged one, a checkpoint
+    directory without its state.json too, is skipped with a warning that names it and its problem, which `skipped`
+    collects; None when there is none); else that directory, whose problems are errors."""
     if not resume:
         return None
     if resume == "auto":
-        for path in reversed(list_checkpoints(run_dir)):
+        for path in reversed(checkpoint_dirs(run_dir)):
             try:
-                return path, read_checkpoint(path)
+                return path, read_checkpoint(path, require)
             except CheckpointError as e:
+                if skipped is not None:
+                    skipped.append(str(e))
                 warnings.warn(
                     f"checkpoint.resume=auto: skipping {path}: {e}; falling back to an older checkpoint", stacklevel=2
                 )
         return None
+    path = Path(resume_target(resume, run_dir, require))
+    return path, read_checkpoint(path, require)
+
+
+def resume_target(resume: str | None, run_dir: str | Path, require: tuple[str, ...] = ()) -> str | None:
+    """checkpoint.resume as the checkpoint it names, checked before the model loads: `None` and `auto` as they are;
+    a run directory (one holding ckpt-XXXXXX directories) -> its newest intact checkpoint (as `--checkpoint RUN`
+    takes it, `require` as `damage` takes it; all of them damaged: an error naming the newest one's problem); a path
+    that is not a directory, an error; else the path (`read_checkpoint` says what is wrong with it)."""
+    if not resume or resume == "auto":
+        return resume
     path = Path(resume)
     if not path.is_dir():
+        what = "is a file, not a directory" if path.exists() else "does not exist"
         raise CheckpointError(
-            f"checkpoint.resume={resume!r} is not a directory; use 'auto' or a path like "
-            f"{Path(run_dir) / 'ckpt-000010'}"
+            f"checkpoint.resume={resume!r} {what}; use 'auto' (the newest checkpoint of log.run_dir) or a checkpoint "
+            f"directory like {Path(run_dir) / 'ckpt-000010'}"
         )
-    return path, read_checkpoint(path)
+    if is_checkpoint_dir(path) or not checkpoint_dirs(path):
+        return resume
+    return str(intact_checkpoint(path, f"checkpoint.resume={resume}", require))
 
 
 def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -381,9 +466,82 @@ def _load_json(path: Path) -> Any:
         raise CheckpointError(f"{path} is corrupt or truncated ({e})") from None
 
 
-def read_checkpoint(path: str | Path) -> dict[str, Any]:
+#: The sections of state.json besides the counters and the RNG: each a JSON object, or null, when there.
+STATE_SECTIONS = ("config", "tracker", "prompt_draws", "base_model")
+#: The counters every trainer's checkpoint has kept (the others default when a checkpoint is older than them).
+REQUIRED_COUNTERS = ("epochs_done", "optimizer_steps")
+#: What a trainer's resume requires of a checkpoint's state.json (`check_state`'s `require`): its counters (a
+#: checkpoint written by another user of `write_checkpoint`, e.g. scripts/pretrain_arith.py, keeps its own state).
+TRAINER_STATE = ("counters",)
+#: What the sections `require` may name hold, for the errors.
+SECTIONS = {"counters": "the run's epochs and steps, an object"}
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string"}.get(type(value), repr(value))
+
+
+def check_state(state: Any, file: Path, require: tuple[str, ...] = ()) -> None:
+    """A state.json's structure (what `write_checkpoint` writes: an object holding `rng`, the Python and NumPy
+    generators' states, and the caller's sections: a trainer's `counters`, numbers by name, which `require` names
+    when they must be there, e.g. TRAINER_STATE; its other sections objects or null): what is missing or of the
+    wrong kind is a CheckpointError naming the file. Which counters a trainer knows is its own check."""
+    damaged = "the checkpoint is damaged"
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{file} holds {_kind(state)}, not a checkpoint's state (an object): {damaged}")
+    for key in require:
+        if key not in state:
+            raise CheckpointError(f"{file} has no {key!r} ({SECTIONS.get(key, 'a section')}): {damaged}")
+    counters = state.get("counters")
+    if "counters" in state and not isinstance(counters, dict):
+        raise CheckpointError(f"{file} has 'counters' of {_kind(counters)} ({SECTIONS['counters']}): {damaged}")
+    missing = [k for k in REQUIRED_COUNTERS if k not in counters] if "counters" in state else []
+    if missing:
+        raise CheckpointError(f"{file} has no counter {', '.join(missing)} in its 'counters': {damaged}")
+    for key, value in (counters or {}).items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise CheckpointError(f"{file}: counter {key!r} is {_kind(value)}, not a number: {damaged}")
+    rng = state.get("rng")
+    if not isinstance(rng, dict) or not isinstance(rng.get("python"), list) or not isinstance(rng.get("numpy"), list):
+        what = "has no 'rng'" if rng is None else "has an 'rng' without the Python and NumPy generators' states"
+        raise CheckpointError(f"{file} {what} (the random generators' states): {damaged}")
+    for key in STATE_SECTIONS:
+        if state.get(key) is not None and not isinstance(state[key], dict):
+            raise CheckpointError(f"{file} has {key!r} of {_kind(state[key])}, not an object: {damaged}")
+
+
+def _check_rng(tensors: dict[str, torch.Tensor], meta: dict, path: Path) -> None:
+    """The RNG states load (into generators of their own: the process's are set by `set_rng_state`, later)."""
+    try:
+        torch.Generator().set_state(tensors["torch_cpu"])
+        random.Random().setstate(_tupled(meta["python"]))
+        n = meta["numpy"]
+        np.random.RandomState().set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError, OverflowError) as e:
+        raise CheckpointError(
+            f"{path}: its random generators' states (state.json's 'rng', rng.safetensors) do not load "
+            f"({type(e).__name__}: {e}): the checkpoint is damaged"
+        ) from None
+
+
+def _finite(tensors: dict[str, torch.Tensor], file: Path) -> dict[str, torch.Tensor]:
+    """`tensors` (read from `file`), refused when a floating-point one holds NaN or inf (flowrl never writes such a
+    checkpoint: it was damaged since)."""
+    bad = nonfinite_tensors({"": tensors})
+    if bad:
+        names = ", ".join(b.removeprefix("/") for b in bad[:3]) + (", ..." if len(bad) > 3 else "")
+        raise CheckpointError(
+            f"{file} holds NaN or inf in {len(bad)} tensor(s) ({names}): the checkpoint is damaged (flowrl never "
+            "writes such weights); use an earlier checkpoint"
+        )
+    return tensors
+
+
+def read_checkpoint(path: str | Path, require: tuple[str, ...] = ()) -> dict[str, Any]:
     """Everything `write_checkpoint` wrote, as tensors and plain data (RNG not yet applied). A missing directory
-    or file, or one that does not parse, is a CheckpointError naming it."""
+    or file, one that does not parse, a state.json of the wrong structure (`check_state`, with the sections
+    `require` names), a tensor holding NaN or inf, or an RNG state that does not load is a CheckpointError naming
+    the file."""
     path = Path(path)
     if not path.is_dir():
         what = "is a file, not a directory" if path.exists() else "does not exist"
@@ -395,21 +553,21 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
             f"{str(path)!r} is not a checkpoint directory (no state.json or trainable.safetensors); "
             "checkpoints are the ckpt-XXXXXX directories of a run directory"
         )
-    out: dict[str, Any] = {
-        "trainable": _load_tensors(path / "trainable.safetensors"),
-        "state": _load_json(path / "state.json"),
-    }
-    if (path / "ema.safetensors").exists():
-        out["ema"] = _load_tensors(path / "ema.safetensors")
-    if (path / "objective.safetensors").exists():
-        out["objective"] = _load_tensors(path / "objective.safetensors")
-    if (path / "rollout.safetensors").exists():
-        out["rollout"] = _load_tensors(path / "rollout.safetensors")
+    trainable = path / "trainable.safetensors"
+    out: dict[str, Any] = {"trainable": _finite(_load_tensors(trainable), trainable)}
+    state = out["state"] = _load_json(path / "state.json")
+    check_state(state, path / "state.json", require)
+    for name in ("ema", "objective", "rollout"):
+        file = path / f"{name}.safetensors"
+        if file.exists():
+            out[name] = _finite(_load_tensors(file), file)
     if (path / "optimizer.json").exists():
-        tensors = _load_tensors(path / "optimizer.safetensors")
+        file = path / "optimizer.safetensors"
+        tensors = _finite(_load_tensors(file), file)
         try:
             out["optimizer"] = optimizer_from_files(tensors, _load_json(path / "optimizer.json"))
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CheckpointError(f"{path / 'optimizer.json'} does not match optimizer.safetensors ({e})") from None
     out["rng_tensors"] = _load_tensors(path / "rng.safetensors")
+    _check_rng(out["rng_tensors"], state["rng"], path)
     return out

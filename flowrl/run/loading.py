@@ -19,7 +19,7 @@ from flowrl.config import Config, migrate, to_dict, without_other_objectives
 from flowrl.errors import CheckpointError
 
 from . import basemodel, rundir
-from .checkpoint import list_checkpoints
+from .checkpoint import check_state, list_checkpoints
 
 #: Which of a checkpoint's weights an eval or a sample uses: its EMA of the trained weights, the trained weights as
 #: the optimizer left them, or `auto`: the EMA when the run kept one (as its evals did).
@@ -51,7 +51,8 @@ def same_base_path(saved: dict, ck: dict, cfg: Config, current: dict | None) -> 
 
 def check_resume(ck: dict, path: Path, cfg: Config, *, warn: bool = True, current: dict | None = None) -> None:
     """A resume of checkpoint `path` (read: `ck`) with `cfg`: a changed model, adapter, batch shape or objective is
-    refused with the differing keys (one line); other config changes are listed in a warning. `current`: the
+    refused with the differing keys (one line); other config changes are listed in a warning (but train.epochs and
+    train.max_minutes, which a resume changes to train on: `rundir.ROUTINE_KEYS`). `current`: the
     fingerprint of model.path's files now; the same weights under another spelling of the path are the same model
     (`same_base_path`)."""
     objective = cfg.train.objective
@@ -61,6 +62,7 @@ def check_resume(ck: dict, path: Path, cfg: Config, *, warn: bool = True, curren
     saved = same_base_path(saved, ck, cfg, current)
     now, defaults = (without_other_objectives(to_dict(c), objective) for c in (cfg, Config()))
     refused, allowed = rundir.compare_configs(saved, now, defaults)
+    allowed = [line for line in allowed if line.split(":", 1)[0] not in rundir.ROUTINE_KEYS]  # a longer run
     if refused:
         raise CheckpointError(
             f"cannot resume from {path}: the config changed what the checkpoint was trained as "
@@ -119,22 +121,23 @@ def check_base(state: dict, path: str | Path, current: dict | None, allow: bool,
     )
 
 
-def check_resume_base(cfg: Config, run_dir: str | Path, current: dict | None) -> Path | None:
-    """Before the model loads: the checkpoint a resume will read (checkpoint.resume=auto: the newest) was trained over
-    the base weights of fingerprint `current` (`check_base`); returns the checkpoint checked. One whose state.json
-    does not read is left to the resume's own checks (`resolve_resume`)."""
-    resume = cfg.checkpoint.resume
+def check_resume_base(cfg: Config, run_dir: str | Path, current: dict | None, resume: str | None = None) -> Path | None:
+    """Before the model loads: the checkpoint a resume will read (`resume`, checkpoint.resume when not given, as
+    `checkpoint.resume_target` resolved it; auto: the newest) was trained over the base weights of fingerprint
+    `current` (`check_base`); returns the checkpoint checked. One whose state.json does not read, or is not a
+    checkpoint's state (`check_state`), is left to the resume's own checks (`resolve_resume`)."""
+    resume = cfg.checkpoint.resume if resume is None else resume
     if not resume or current is None:
         return None
     found = list_checkpoints(run_dir)[-1:] if resume == "auto" else [Path(resume)]
     for path in found:
         try:
             state = json.loads((path / "state.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            check_state(state, path / "state.json")
+        except (OSError, ValueError):  # (CheckpointError is a ValueError)
             return None
-        if isinstance(state, dict):
-            check_base(state, path, current, cfg.checkpoint.allow_other_base, note=True)
-            return path
+        check_base(state, path, current, cfg.checkpoint.allow_other_base, note=True)
+        return path
     return None
 
 
@@ -149,30 +152,51 @@ def checkpoint_weights(ck: dict, path: str | Path, which: str = "auto") -> dict[
     return ck["trainable"] if which == "trained" else ck.get("ema", ck["trainable"])
 
 
-def check_weights(named: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], path: str | Path) -> None:
-    """The checkpoint's weights hold every trained weight of the policy (else it is another model or adapter)."""
+def check_weights(
+    named: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], path: str | Path, what: str = "trained weights"
+) -> None:
+    """The checkpoint's weights (`what` they are, for the error) hold every trained weight of the policy, each of its
+    shape (else it is another model or adapter: a copy would broadcast a [1, 32] tensor into an [8, 32] weight)."""
     missing = set(named) - set(weights)
     if missing:
         raise CheckpointError(
-            f"checkpoint {path} does not match this config's model/LoRA: it lacks trained weights "
+            f"checkpoint {path} does not match this config's model/LoRA: it lacks {what} "
             f"{sorted(missing)[:3]} (a different model or LoRA config?)"
         )
+    for n, p in named.items():
+        shape = tuple(getattr(p, "ds_shape", None) or p.shape)  # (DeepSpeed ZeRO-3 keeps the whole shape there)
+        if tuple(weights[n].shape) != shape:
+            raise CheckpointError(
+                f"checkpoint {path} does not match this config's model/LoRA: its {what} {n} has shape "
+                f"{list(weights[n].shape)}, the model's {list(shape)} (a different model or LoRA config?)"
+            )
 
 
-def policy_from_checkpoint(cfg: Config, checkpoint: str | None, which: str = "auto", device: str = "cpu"):
-    """The config's policy on `device`, with checkpoint `checkpoint`'s weights (`which`: see WEIGHTS) when given.
-    The checkpoint is read and checked before the model loads."""
-    from flowrl.policies import build_policy
-
+def read_checked(cfg: Config, checkpoint: str | Path, which: str = "auto") -> tuple[dict, dict[str, torch.Tensor]]:
+    """Checkpoint `checkpoint` read (`read_checkpoint`) and checked against `cfg` before any model loads: its model
+    and adapter must be the config's (`check_model`), its base weights those at model.path (`check_base`), and it
+    must hold the weights `which` picks (see WEIGHTS). Returns (the checkpoint, those weights)."""
     from .checkpoint import read_checkpoint
+
+    ck = read_checkpoint(checkpoint)
+    weights = checkpoint_weights(ck, checkpoint, which)
+    current = basemodel.fingerprint(cfg.model.path)
+    check_model(ck, checkpoint, cfg, current)
+    check_base(ck["state"], checkpoint, current, cfg.checkpoint.allow_other_base, note=True)
+    return ck, weights
+
+
+def policy_from_checkpoint(
+    cfg: Config, checkpoint: str | None, which: str = "auto", device: str = "cpu", read: tuple | None = None
+):
+    """The config's policy on `device`, with checkpoint `checkpoint`'s weights (`which`: see WEIGHTS) when given.
+    The checkpoint is read and checked before the model loads (`read`: `read_checked`'s answer, when the caller
+    read it already)."""
+    from flowrl.policies import build_policy
 
     weights = None
     if checkpoint:  # a bad path or choice fails before the model loads
-        ck = read_checkpoint(checkpoint)
-        weights = checkpoint_weights(ck, checkpoint, which)
-        current = basemodel.fingerprint(cfg.model.path)
-        check_model(ck, checkpoint, cfg, current)
-        check_base(ck["state"], checkpoint, current, cfg.checkpoint.allow_other_base, note=True)
+        ck, weights = read if read is not None else read_checked(cfg, checkpoint, which)
     policy = build_policy(cfg, device)
     if weights is not None:
         # which weights `which` picked ("ema" or "trained"; "... (auto)" when auto chose), for the eval's record

@@ -185,7 +185,11 @@ def write_before_after(run_dir: str | Path, rows: list[dict], key: str | None) -
         labels = ("before", "after")
     else:
         labels = (f"before: {key[len('eval/') :]} {evals[0][key]:.3f}", f"after: {evals[-1][key]:.3f}")
-    return before_after(first, final, run_dir / "before_after.png", labels=labels)
+    try:
+        return before_after(first, final, run_dir / "before_after.png", labels=labels)
+    except OSError:  # (a full disk): no half-written temporary file stays behind
+        (run_dir / "before_after.tmp.png").unlink(missing_ok=True)
+        raise
 
 
 def eval_curves(rows: list[dict]) -> list[list[Curve]]:
@@ -272,11 +276,16 @@ def figure_format(out: str | Path) -> str:
 
 
 def save_figure(fig, out: Path) -> Path:
-    """`fig` at `out` in the format of its suffix (`figure_format`), written whole (a temporary file, then renamed)."""
+    """`fig` at `out` in the format of its suffix (`figure_format`), written whole (a temporary file, then renamed;
+    a write that fails, e.g. on a full disk, leaves neither)."""
     fmt = figure_format(out)
     tmp = out.with_name(f".{out.name}.tmp")
-    fig.savefig(tmp, format=fmt, dpi=110, bbox_inches="tight")
-    tmp.replace(out)
+    try:
+        fig.savefig(tmp, format=fmt, dpi=110, bbox_inches="tight")
+        tmp.replace(out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return out
 
 

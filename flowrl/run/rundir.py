@@ -9,17 +9,34 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 from flowrl.errors import RunDirError
 
-from .checkpoint import CKPT_RE, TEMP_RE, list_checkpoints
+from .checkpoint import CKPT_RE, TEMP_RE, TRAINER_STATE, checkpoint_dirs, damage, list_checkpoints
 
-#: Files and directories a run writes into its run_dir (besides ckpt-XXXXXX/ and the temporary checkpoint dirs).
-RUN_FILES = ("metrics.jsonl", "completions.jsonl", "curves.png", "before_after.png")
-RUN_GLOBS = ("eval-*.png", "eval-*.tmp.png", "eval-*.json", "eval-*.jsonl", "eval-*.safetensors")
+#: Files a run writes into its run_dir (besides ckpt-XXXXXX/, the temporary checkpoint dirs and the eval's files),
+#: with the temporary names they are written under before a rename (a kill can leave those behind).
+RUN_FILES = (
+    "metrics.jsonl",
+    "metrics.jsonl.tmp",  # (truncate_logs)
+    "completions.jsonl",
+    "completions.jsonl.tmp",
+    "curves.png",
+    ".curves.png.tmp",  # (flowrl.run.report.save_figure)
+    "before_after.png",
+    "before_after.tmp.png",
+    "best.json",  # checkpoint.keep_best: it names a checkpoint of its run
+    "best.json.tmp",
+)
+#: The eval's files: grids (eval-TAG.png), a text run's completions (eval-TAG.jsonl, written as eval-TAG.tmp), the
+#: base model's eval (eval-base-*.json, eval-base-features.safetensors), each with its temporary name.
+RUN_GLOBS = ("eval-*.png", "eval-*.tmp.png", "eval-*.json", "eval-*.jsonl", "eval-*.tmp", "eval-*.safetensors")
+#: A video run's eval folders (eval-TAG/NNN.webp beside the grid eval-TAG.png).
+EVAL_DIR_RE = re.compile(r"^eval-(epoch\d{6}|final)$")
 TRACKER_DIRS = ("flowrl",)  # accelerate's TensorBoard logs (project_dir/<project name>)
 
 
@@ -29,6 +46,7 @@ def run_files(run_dir: str | Path) -> list[Path]:
     if not run_dir.is_dir():
         return []
     found = [p for p in run_dir.iterdir() if CKPT_RE.match(p.name) or TEMP_RE.match(p.name)]
+    found += [p for p in run_dir.iterdir() if p.is_dir() and EVAL_DIR_RE.match(p.name)]
     found += [run_dir / n for n in RUN_FILES if (run_dir / n).exists()]
     found += [p for g in RUN_GLOBS for p in run_dir.glob(g)]
     found += [run_dir / n for n in TRACKER_DIRS if (run_dir / n).is_dir()]
@@ -59,15 +77,23 @@ def describe_run(run_dir: str | Path) -> str:
 
 def check_writable(
     run_dir: str | Path, what: str = "log.run_dir", *, keep: bool = True, problem: Callable[[str], str] | None = None
-) -> None:
+) -> list[Path]:
     """Create `run_dir` if needed and make sure a file can be written in it (before any model loads); `what`: the
     key or option that named it, for the error; `problem(why)`: the error's whole text instead (`why`: the OS's
-    reason). keep=False removes the folders it created for the check (an output folder that a stopped command
-    should not leave behind, empty)."""
+    reason, or that the path is a file). Returns the folders it created, outermost first (`remove_empty` takes
+    them away again when a run is refused before it wrote anything); keep=False removes them at once (an output
+    folder that a stopped command should not leave behind, empty)."""
     run_dir = Path(run_dir)
+    chain = [*reversed(run_dir.absolute().parents), run_dir.absolute()]
+    file = next((p for p in chain if p.exists() and not p.is_dir()), None)
+    if file is not None:
+        whose = "it" if file == run_dir.absolute() else f"its folder {str(file)!r}"
+        why = f"{whose} is a file, not a directory"
+        default = f"{what}={str(run_dir)!r}: {why}; choose a directory with {what}=PATH"
+        raise RunDirError(problem(why) if problem else default)
     created = []
     try:
-        for p in [*reversed(run_dir.absolute().parents), run_dir.absolute()]:
+        for p in chain:
             if not p.exists():
                 p.mkdir()
                 created.append(p)
@@ -82,9 +108,16 @@ def check_writable(
         raise RunDirError(problem(why) if problem else default) from None
     finally:
         if not keep:
-            for p in reversed(created):
-                with contextlib.suppress(OSError):
-                    p.rmdir()
+            remove_empty(created)
+    return created if keep else []
+
+
+def remove_empty(created: list[Path]) -> None:
+    """Remove the folders `check_writable` created (outermost first) that are still empty, innermost first: a run
+    refused before it wrote anything leaves no run directory behind."""
+    for p in reversed(created):
+        with contextlib.suppress(OSError):
+            p.rmdir()
 
 
 def claim(run_dir: str | Path, *, resume: str | None, overwrite: bool) -> None:
@@ -98,7 +131,8 @@ def claim(run_dir: str | Path, *, resume: str | None, overwrite: bool) -> None:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
         return
     if resume == "auto" and not list_checkpoints(run_dir):
-        raise nothing_to_resume(run_dir)
+        first = next(iter(checkpoint_dirs(run_dir)[::-1]), None)
+        raise nothing_to_resume(run_dir, damage(first, TRAINER_STATE) if first is not None else None)
     if resume and resume != "auto":
         _check_resumed_line(run_dir, Path(resume))
     if resume:
@@ -134,11 +168,15 @@ def _check_resumed_line(run_dir: Path, given: Path) -> None:
         )
 
 
-def nothing_to_resume(run_dir: str | Path) -> RunDirError:
-    """The error for checkpoint.resume=auto in a run directory that holds a run but no intact checkpoint."""
+def nothing_to_resume(run_dir: str | Path, problem: str | None = None) -> RunDirError:
+    """The error for checkpoint.resume=auto in a run directory that holds a run but no intact checkpoint;
+    `problem`: what is wrong with its newest checkpoint, when it has any."""
+    n = len(checkpoint_dirs(run_dir))
+    damaged = f" ({n} checkpoints, all damaged; the newest: {problem})" if n > 1 else f" (its checkpoint: {problem})"
+    damaged = damaged if problem else ""
     return RunDirError(
         f"log.run_dir={str(run_dir)!r} holds a run ({describe_run(run_dir)}) but no intact checkpoint "
-        "to resume from (checkpoint.resume=auto); start over there with log.overwrite=true (deletes "
+        f"to resume from (checkpoint.resume=auto){damaged}; start over there with log.overwrite=true (deletes "
         "that run's files), or pick a new log.run_dir"
     )
 
@@ -157,14 +195,30 @@ def _rows(path: Path) -> list[dict]:
     return rows
 
 
-def truncate_logs(run_dir: str | Path, epochs_done: int) -> int:
+#: Metrics a run logs once it has trained, at its end: its final eval's row is marked `final`.
+END_ROW_KEYS = ("dist/replica_max_abs_diff",)
+
+
+def _end_row(row: dict) -> bool:
+    """A row a run logged at its end (the final eval's, the replicas' divergence), which a run resumed past it
+    makes again at its own end."""
+    return bool(row.get("final")) or any(k in row for k in END_ROW_KEYS)
+
+
+def truncate_logs(run_dir: str | Path, epochs_done: int, *, past_end: bool = False) -> int:
     """Drop what a resumed run will log again: rows of metrics.jsonl past `epochs_done` (its `epoch` counts epochs
-    done), rows of completions.jsonl of epochs >= `epochs_done` (0-based epoch index), and lines cut short by a kill.
-    Rewritten atomically; returns the number of rows dropped."""
+    done), rows of completions.jsonl of epochs >= `epochs_done` (0-based epoch index), and lines cut short by a kill;
+    `past_end` (the resumed run trains on past the end of the run it resumes): that run's end rows too (its final
+    eval's, `_end_row`), else the log would hold two final evals. Rewritten atomically; returns the number of rows
+    dropped."""
     run_dir = Path(run_dir)
     dropped = 0
+
+    def kept_metrics(r: dict) -> bool:
+        return r.get("epoch", 0) <= epochs_done and epochs_done > 0 and not (past_end and _end_row(r))
+
     for name, keep in (
-        ("metrics.jsonl", lambda r: r.get("epoch", 0) <= epochs_done and epochs_done > 0),
+        ("metrics.jsonl", kept_metrics),
         ("completions.jsonl", lambda r: r.get("epoch", 0) < epochs_done),
     ):
         path = run_dir / name
@@ -200,6 +254,8 @@ SHAPE_KEYS = (
 )  # an objective's state (NFT's old policy, AWM's EMA policy) is another's nothing
 #: Keys whose change says nothing about the run (where it logs, how it resumes).
 IGNORED_KEYS = ("checkpoint.resume", "checkpoint.allow_other_base", "log.overwrite", "log.progress", "log.run_dir")
+#: Keys a resume changes as a matter of course (a longer run: "raise train.epochs to train on"): no warning.
+ROUTINE_KEYS = ("train.epochs", "train.max_minutes")
 
 
 def _flatten(tree, prefix: str = "") -> dict:

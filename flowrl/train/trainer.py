@@ -13,6 +13,7 @@ What differs between images and text lives in the policy (`flowrl.policies`); be
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import signal
@@ -27,13 +28,22 @@ from tqdm.auto import tqdm
 from flowrl import dist as distributed
 from flowrl.config import Config, to_dict
 from flowrl.data import check_prompt_lengths
-from flowrl.errors import ConfigError, Interrupted
+from flowrl.errors import CheckpointError, ConfigError, Interrupted, RunDirError
 from flowrl.eval import Evaluator
 from flowrl.objectives import build_objective
 from flowrl.policies.base import full_tensor
 from flowrl.preflight import preflight
 from flowrl.run import basemodel, rundir
-from flowrl.run.checkpoint import remove_temporary, resolve_resume, rng_state, set_rng_state, write_checkpoint
+from flowrl.run.checkpoint import (
+    TRAINER_STATE,
+    out_of_space,
+    remove_temporary,
+    resolve_resume,
+    resume_target,
+    rng_state,
+    set_rng_state,
+    write_checkpoint,
+)
 from flowrl.run.loading import check_base, check_resume, check_resume_base, check_weights
 from flowrl.run.lock import RunLock
 from flowrl.run.metrics import MetricsLog, Timer, read_metrics
@@ -87,12 +97,20 @@ class Trainer:
 
     def __init__(self, cfg: Config, accelerator=None):
         self.lock = None  # the run directory's (main process), from before the model loads to the end of fit
+        self.created: list[Path] = []  # the folders of log.run_dir this run made (removed if it writes nothing)
         try:
             self._build(cfg, accelerator)
         except BaseException:
-            if self.lock is not None:
-                self.lock.release()
+            self.let_go(refused=True)
             raise
+
+    def let_go(self, refused: bool) -> None:
+        """Release the run directory's lock; a run `refused` (or failed) before it wrote anything takes away the
+        folders it made for its run directory, which stay empty."""
+        if self.lock is not None:
+            self.lock.release()
+        if refused:
+            rundir.remove_empty(self.created)
 
     def _build(self, cfg: Config, accelerator) -> None:
         from flowrl.policies import build_policy
@@ -106,12 +124,15 @@ class Trainer:
         self.main = self.acc.is_main_process
         # the base weights' fingerprint, once (every checkpoint keeps it), on every process: a resume's checks agree
         self.base_model, self.base_checked = basemodel.fingerprint(cfg.model.path), None
+        # checkpoint.resume as the checkpoint it names (a run directory: its newest intact one), checked now
+        self.resume = resume_target(cfg.checkpoint.resume, self.run_dir, TRAINER_STATE)
         if self.main:  # writable, this run's alone, and not another run's (unless resuming it or told to overwrite it)
-            rundir.check_writable(self.run_dir)
+            self.created = rundir.check_writable(self.run_dir)
             self.lock = RunLock(self.run_dir).acquire()  # released when fit ends (or at exit)
-            rundir.claim(self.run_dir, resume=cfg.checkpoint.resume, overwrite=cfg.log.overwrite)
-            remove_temporary(self.run_dir)  # what a kill during a checkpoint write left behind
-            self.base_checked = check_resume_base(cfg, self.run_dir, self.base_model)
+            # what a kill during a checkpoint write left behind (the lock held: no run of this folder writes them)
+            remove_temporary(self.run_dir)
+            rundir.claim(self.run_dir, resume=self.resume, overwrite=cfg.log.overwrite)
+            self.base_checked = check_resume_base(cfg, self.run_dir, self.base_model, self.resume)
         self.acc.wait_for_everyone()
         if cfg.rollout.async_ and self.acc.num_processes > 1:
             raise ConfigError(
@@ -191,31 +212,36 @@ class Trainer:
     def fit(self) -> dict:
         """Train to train.epochs (or the time budget), resuming from a checkpoint when asked; returns the last epoch's
         metrics with the final eval's. The run directory's lock is released when it returns or raises."""
-        cfg = self.cfg
         if self.lock is not None:
             self.lock.acquire()  # (again, when an earlier fit released it)
+        ended = False
         try:
-            found = resolve_resume(cfg.checkpoint.resume, self.run_dir)
+            skipped: list[str] = []
+            found = resolve_resume(self.resume, self.run_dir, skipped, TRAINER_STATE)
             if found is not None:
                 self.load(*found)
-            elif cfg.checkpoint.resume == "auto" and self.main and rundir.holds_a_run(self.run_dir):
-                raise rundir.nothing_to_resume(self.run_dir)  # its checkpoints are all corrupt
+            elif self.resume == "auto" and self.main and rundir.holds_a_run(self.run_dir):
+                # its checkpoints are all damaged
+                raise rundir.nothing_to_resume(self.run_dir, skipped[0] if skipped else None)
+            elif self.resume == "auto" and self.main:
+                print(f"checkpoint.resume=auto: no checkpoint in {self.run_dir}: starting a new run")
             if self.main:  # the epochs after the checkpoint are redone: their old rows go
                 rundir.truncate_logs(self.run_dir, self.state.epochs_done)
             self.acc.wait_for_everyone()
             with self.signals.installed():
                 try:
-                    return self._fit()
+                    last = self._fit()
                 except Exception as error:  # (Interrupted wrote its checkpoint already)
                     if not isinstance(error, Interrupted):
                         self.save_after_failure(error)
                     raise
+            ended = True
+            return last
         finally:
             if self.rollouts is not None:  # stopped and joined, whatever ended the run
                 self.rollouts.close()
                 self.share_threads(worker_sampling=False)
-            if self.lock is not None:
-                self.lock.release()
+            self.let_go(refused=not ended)
 
     def _fit(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
@@ -238,18 +264,20 @@ class Trainer:
             if self.main:
                 print(
                     f"train.max_minutes={t.max_minutes:g} was spent ({self.budget_spent() / 60:.2f} min on the "
-                    f"{t.budget_clock} clock) after {first} epochs: nothing left to train (raise "
+                    f"{t.budget_clock} clock) after {_epochs(first)}: nothing left to train (raise "
                     f"train.max_minutes to train on)"
                 )
             first = t.epochs
         elif first >= t.epochs and self.main:  # a finished run resumed, or train.epochs=0
             print(
-                f"train.epochs={t.epochs} and the run in {self.run_dir} has done {first} epochs: nothing to train "
+                f"train.epochs={t.epochs} and the run in {self.run_dir} has done {_epochs(first)}: nothing to train "
                 f"(raise train.epochs to train on; `flowrl eval CONFIG --checkpoint {self.run_dir}` evaluates its "
                 f"newest checkpoint)"
                 if first
                 else "train.epochs=0: nothing to train"
             )
+        if first and first < t.epochs and self.main:  # resumed past its end: its final eval is made again
+            rundir.truncate_logs(self.run_dir, first, past_end=True)
         bar = tqdm(
             range(first, t.epochs),
             desc="epochs",
@@ -285,14 +313,14 @@ class Trainer:
             if out_of_time:
                 if self.main:
                     print(
-                        f"train.max_minutes={t.max_minutes:g} ({t.budget_clock} clock) reached after {done} "
-                        f"epochs: the final eval and checkpoint follow"
+                        f"train.max_minutes={t.max_minutes:g} ({t.budget_clock} clock) reached after "
+                        f"{_epochs(done)}: the final eval and checkpoint follow"
                     )
                 break
         if last and self.state.optimizer_steps == steps_before and self.main:
             ran = self.state.epochs_done - first
             warnings.warn(
-                f"{ran} epoch{'s' if ran != 1 else ''} took no optimizer step: in every group the rewards were alike "
+                f"{_epochs(ran)} took no optimizer step: in every group the rewards were alike "
                 "(no advantage, no pair) or not finite, so the weights did not move; give each epoch more groups or "
                 "larger ones (sample.prompts_per_epoch, sample.group_size), or a graded reward",
                 stacklevel=2,
@@ -307,11 +335,12 @@ class Trainer:
             if not self.keep_if_best(final):  # (a best final eval saves its checkpoint there)
                 self.save()
             if self.main:
-                self.report()
+                self.report_or_warn()
                 if self.cfg.checkpoint.keep_best and self.state.best_eval is not None:
                     print(
-                        f"best eval: {self.best_metric} {self.state.best_eval:.4f} after {self.state.best_epoch} "
-                        f"epochs: {self.run_dir / f'ckpt-{self.state.best_epoch:06d}'} (best.json)"
+                        f"best eval: {self.best_metric} {self.state.best_eval:.4f} after "
+                        f"{_epochs(self.state.best_epoch)}: {self.run_dir / f'ckpt-{self.state.best_epoch:06d}'} "
+                        "(best.json)"
                     )
         divergence = self.dist.replica_divergence()  # (sharded weights differ by design: None)
         if divergence is not None:
@@ -549,11 +578,28 @@ class Trainer:
                 outputs, scores, base_dir=self.run_dir, this_is_base=base, save_base_to=self.run_dir
             )
             if self.cfg.eval.grid:
-                path = self.evaluator.write_outputs(self.policy, outputs, scores, self.run_dir / f"eval-{tag}")
+                path = self.write_eval_outputs(outputs, scores, tag)
                 self.log_eval_images(path, tag)
             results["time/eval"] = time.perf_counter() - t0  # sampling, scoring and the grid (the demo's split)
         self.acc.wait_for_everyone()
         return results
+
+    def write_eval_outputs(self, outputs: list, scores: dict, tag: str) -> Path | None:
+        """The eval's grid (a text run's completions) as `eval-TAG.*` in the run directory (main process); one that
+        cannot be written (a full disk) is a RunDirError naming it, its temporary file removed."""
+        stem = self.run_dir / f"eval-{tag}"
+        try:
+            return self.evaluator.write_outputs(self.policy, outputs, scores, stem)
+        except OSError as e:
+            for tmp in self.run_dir.glob(f"{stem.name}.tmp*"):
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+            file = f"{stem}.{'png' if self.policy.reward_kind == 'image' else 'jsonl'}"
+            reason = out_of_space(e) or e.strerror or str(e)
+            raise RunDirError(
+                f"could not write the eval's outputs {file}: {reason}; free space there (or set eval.grid=false) and "
+                "resume with checkpoint.resume=auto"
+            ) from None
 
     def _base_cache(self):
         """(eval.base_cache's cache, this run's fingerprint) on the main process when the cache is on, else None.
@@ -604,6 +650,17 @@ class Trainer:
         )
         # not time/eval: nothing was sampled
         return {**record["metrics"], "time/eval_read": time.perf_counter() - t0}
+
+    def encode_as_before(self) -> None:
+        """A resumed run past epoch 0 (every process): the prompt encodings the uninterrupted run's eval before
+        training made (eval.before), made as it made them, in its calls, without sampling. A training prompt that is
+        an eval prompt too trains with the encoding that eval made of it, whose last bits depend on the batch it was
+        made in: without them the resumed run's first update differs from the uninterrupted run's in the last bits."""
+        if not (self.cfg.eval.before and self.state.epochs_done > 0):
+            return
+        world = 1 if self.dist.sharded else self.world  # as evaluate() shares the prompts out
+        rank = 0 if world == 1 else self.acc.process_index
+        self.evaluator.encode_as_sampled(self.policy, rank=rank, world=world, processes=self.world)
 
     def add_base_eval_to_cache(self, results: dict) -> None:
         """eval.base_cache: the eval before training just sampled, added to the cache (main process)."""
@@ -681,6 +738,18 @@ class Trainer:
 
                 tracker.log({f"eval/{tag}": wandb.Image(grid)}, step=self.state.epochs_done)
 
+    def report_or_warn(self) -> None:
+        """`report`, after the run is complete: a plot that cannot be written (a full disk) is a one-line warning."""
+        try:
+            self.report()
+        except OSError as e:
+            reason = out_of_space(e) or e.strerror or str(e)
+            warnings.warn(
+                f"the run is complete, but its plots (curves.png, before_after.png) were not written to "
+                f"{self.run_dir}: {reason}; `flowrl report {self.run_dir}` draws the curves once it can",
+                stacklevel=2,
+            )
+
     def report(self) -> None:
         """The run's curves (and the before/after grid when the run evaluated before training) in its directory."""
         from flowrl.run.report import plot_curves, result_keys, write_before_after
@@ -719,7 +788,7 @@ class Trainer:
         if not self.dist.any_process(signum is not None):
             return
         signum = signum or signal.SIGTERM
-        what = f"after {self.state.epochs_done} epochs"
+        what = f"after {_epochs(self.state.epochs_done)}"
         if abandoned:
             what += f" ({abandoned} was abandoned)"
         now = (self.state.epochs_done, self.state.optimizer_steps)
@@ -769,7 +838,7 @@ class Trainer:
         elif self.saved is not None and self.saved[1] is not None:
             error.add_note(
                 f"it failed during epoch {now[0] + 1}'s update; the newest checkpoint is {self.saved[1]} (after "
-                f"{self.saved[0][0]} epochs): checkpoint.resume=auto continues from there"
+                f"{_epochs(self.saved[0][0])}): checkpoint.resume=auto continues from there"
             )
 
     def save_epoch_boundary(self) -> Path | None:
@@ -845,11 +914,20 @@ class Trainer:
     def load(self, path: Path, ck: dict) -> None:
         """Continue from checkpoint `path` (read: `ck`). A changed model, adapter or batch shape is refused with the
         differing keys, other base weights with the files that differ; other config changes are listed in a
-        warning."""
+        warning. Counters this flowrl does not know (a newer flowrl's checkpoint) are refused, naming them."""
+        known = {f.name for f in dataclasses.fields(State)}
+        unknown = sorted(set(ck["state"]["counters"]) - known)
+        if unknown:
+            raise CheckpointError(
+                f"{path / 'state.json'} holds counters this flowrl does not know ({', '.join(unknown)}): it was "
+                "written by a newer flowrl; resume it with that version (or start a new run)"
+            )
         check_resume(ck, path, self.cfg, warn=self.main, current=self.base_model)
         if path != self.base_checked:  # (the checkpoint checked before the model loaded was another)
             check_base(ck["state"], path, self.base_model, self.cfg.checkpoint.allow_other_base)
         check_weights(self.named_params, ck["trainable"], path)
+        if self.ema is not None and "ema" in ck:
+            check_weights(self.named_params, ck["ema"], path, "EMA weights")
         self.dist.load_trained(self.named_params, ck["trainable"])
         self.dist.load_optimizer_state(ck)
         st = ck["state"]
@@ -869,9 +947,10 @@ class Trainer:
             )
         self.state = State(**st["counters"])
         self.saved = ((self.state.epochs_done, self.state.optimizer_steps), path)
+        self.encode_as_before()
         set_rng_state(ck["rng_tensors"], st["rng"])
         if self.main:
-            print(f"resumed from {path} after {self.state.epochs_done} epochs")
+            print(f"resumed from {path} after {_epochs(self.state.epochs_done)}")
 
 
 def train(cfg: Config) -> dict:
