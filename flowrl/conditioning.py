@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from PIL import Image
+from PIL import Image, ImageOps
 
 
 def describe_count(accepts: tuple[int, int]) -> str:
@@ -62,11 +62,12 @@ def check_image_counts(
 
 
 def fit_to_multiple(image: Image.Image, multiple: int) -> Image.Image:
-    """`image` as RGB with each side rounded down to a multiple of `multiple` pixels (at least one multiple),
-    resized (bicubic) to that size; unchanged in size when it already fits."""
+    """`image` upright (turned as its EXIF orientation says, as a phone's photo is meant to be seen and diffusers'
+    `load_image` turns it) as RGB with each side rounded down to a multiple of `multiple` pixels (at least one
+    multiple), resized (bicubic) to that size; unchanged in size when it already fits."""
     if multiple < 1:
         raise ValueError(f"multiple must be >= 1, got {multiple}")
-    image = image.convert("RGB")
+    image = ImageOps.exif_transpose(image).convert("RGB")
     w, h = image.size
     size = (max(multiple, w // multiple * multiple), max(multiple, h // multiple * multiple))
     return image if size == image.size else image.resize(size, Image.Resampling.BICUBIC)
@@ -74,7 +75,7 @@ def fit_to_multiple(image: Image.Image, multiple: int) -> Image.Image:
 
 def load_images(paths: Sequence[str] | str | None, multiple: int) -> list[Image.Image]:
     """A prompt's conditioning images from their paths (one path, a list, or None for none), each fitted to
-    `multiple` (see `fit_to_multiple`)."""
+    `multiple` (see `fit_to_multiple`: upright as their EXIF orientation says)."""
     if paths is None:
         return []
     paths = [paths] if isinstance(paths, str) else list(paths)

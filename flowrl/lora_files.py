@@ -9,8 +9,10 @@ Two formats are read, the two that flowrl writes (and other tools write alike):
   `PeftModel.save_pretrained`; of an image model's denoiser, its keys' `base_model.model.` prefix is dropped).
 A diffusers file of another component than the denoiser (a UNet's LoRA given to a transformer model, a text
 encoder's besides the denoiser's) is refused, naming the components.
-Another format (kohya's `lora_down`/`lora_up`, diffusers' old attention-processor `lora.down`/`lora.up`) is named
-in the error, with how to convert it. A file that records no settings is taken as the config describes it.
+Diffusers' UNet format (`lora.down`/`lora.up`: what `convert_state_dict_to_diffusers` makes of peft's keys, so an SD1.5
+or SDXL run's own export; and the old attention processors' `processor.to_q_lora.down`) is read as diffusers'
+`load_lora_weights` reads it: converted to peft's keys (`peft_keys`). Another format (kohya's `lora_down`/`lora_up`) is
+named in the error, with how to convert it. A file that records no settings is taken as the config describes it.
 
 The scale of a LoRA is alpha / r (peft's default): the same A and B under another alpha are another function, so
 an alpha that differs from lora.alpha is refused rather than loaded."""
@@ -26,13 +28,14 @@ from .errors import ConfigError
 #: the LoraConfig fields a start must agree with (the rest, e.g. peft_version or inference_mode, change nothing)
 CHECKED = ("r", "lora_alpha", "use_rslora", "use_dora", "alpha_pattern", "rank_pattern", "target_modules")
 
-#: key fragments of LoRA formats other than peft's lora_A / lora_B
+#: key fragments of LoRA formats flowrl does not read -> the format's name
 FOREIGN = {
     "lora_down": "kohya's (lora_down / lora_up)",
     "lora_up": "kohya's (lora_down / lora_up)",
-    "lora.down": "diffusers' old attention-processor format (lora.down / lora.up)",
-    "lora.up": "diffusers' old attention-processor format (lora.down / lora.up)",
 }
+#: key fragments of diffusers' UNet LoRA format (`unet.<module>.lora.down.weight`, and the old attention processors'
+#: `<attn>.processor.to_q_lora.down.weight`), which `peft_keys` converts to peft's
+DIFFUSERS_UNET = ("lora.down", "lora.up")
 
 
 #: the pipeline components a diffusers LoRA file's keys start with (save_lora_weights' `<component>_lora_layers`)
@@ -42,8 +45,21 @@ PEFT_PREFIX = "base_model.model."
 
 
 def is_lora_key(key: str) -> bool:
-    """Whether a tensor name is a LoRA's: peft's lora_A / lora_B or another format's fragments (`FOREIGN`)."""
-    return "lora_A" in key or "lora_B" in key or any(fragment in key for fragment in FOREIGN)
+    """Whether a tensor name is a LoRA's: peft's lora_A / lora_B, diffusers' UNet format's (`DIFFUSERS_UNET`) or
+    another format's fragments (`FOREIGN`)."""
+    return "lora_A" in key or "lora_B" in key or any(f in key for f in (*DIFFUSERS_UNET, *FOREIGN))
+
+
+def peft_keys(state: dict) -> dict:
+    """`state` (a LoRA file's tensors, or their shapes) with peft's key names (`lora_A` / `lora_B`) when it is in
+    diffusers' UNet format (`DIFFUSERS_UNET`: no peft key, some `lora.down` / `lora.up` one), converted as diffusers'
+    `load_lora_weights` converts it (`convert_unet_state_dict_to_peft`: `.lora.down` -> `.lora_A`, the attention
+    processors' `.processor.to_q_lora.down` -> `.to_q.lora_A`); any other `state` as it is."""
+    if any("lora_A" in k or "lora_B" in k for k in state) or not any(f in k for k in state for f in DIFFUSERS_UNET):
+        return state
+    from diffusers.utils import convert_unet_state_dict_to_peft
+
+    return convert_unet_state_dict_to_peft(dict(state))
 
 
 def is_lora_file(path: str | Path) -> bool:
@@ -156,19 +172,45 @@ def component_problem(keys, prefix: str | None, where: Path) -> str | None:
     )
 
 
-def match_state(state: dict, own: dict[str, tuple[int, ...]], lora_cfg, where: Path, recorded_targets=None) -> dict:
-    """`state` (the file's tensors, keys already in the adapter's naming) checked against the adapter's keys and
-    shapes `own`: the same rank, the same modules, the same shapes, else one ConfigError line naming what differs
-    and the setting that would take it (lora.rank, lora.target_modules with the file's modules). Returns `state`."""
-    foreign = sorted({name for key in state for frag, name in FOREIGN.items() if frag in key})
-    if foreign and not any("lora_A" in k for k in state):
-        raise ConfigError(
-            f"lora.init_path: {where} is a LoRA in {foreign[0]} format (e.g. {next(iter(state))}), and flowrl reads "
-            "peft's (lora_A / lora_B): convert it with diffusers first: pipe.load_lora_weights(FILE), then "
-            "pipe.save_lora_weights(DIR, transformer_lora_layers=peft.get_peft_model_state_dict(pipe.transformer, "
-            "adapter_name=NAME), transformer_lora_adapter_metadata=pipe.transformer.peft_config[NAME].to_dict()) "
-            "(unet_ for a UNet; the metadata keeps its alpha), and give DIR"
-        )
+def foreign_format(state, where: Path, prefix: str | None = None) -> str | None:
+    """Why the LoRA whose tensor names are `state`'s is not read: a format flowrl does not read (`FOREIGN`), named,
+    with how to convert it for the pipeline component `prefix` (the family's denoiser: "transformer", "unet"; None:
+    a text model, peft's format); None for peft's and diffusers' formats."""
+    names = sorted({name for key in state for frag, name in FOREIGN.items() if frag in key})
+    if not names or any("lora_A" in k for k in state):
+        return None
+    example = next(k for k in state if any(frag in k for frag in FOREIGN))
+    head = (
+        f"lora.init_path: {where} is a LoRA in {names[0]} format (e.g. {example}), and flowrl reads peft's and "
+        "diffusers' (lora_A / lora_B, and a UNet's lora.down / lora.up)"
+    )
+    if prefix is None:
+        return f"{head}: convert it to peft's, PeftModel.save_pretrained(DIR) of the model with it loaded, and give DIR"
+    return (
+        f"{head}: convert it with diffusers first: pipe.load_lora_weights(FILE), then pipe.save_lora_weights(DIR, "
+        f"{prefix}_lora_layers=peft.get_peft_model_state_dict(pipe.{prefix}, adapter_name=NAME), "
+        f"{prefix}_lora_adapter_metadata=pipe.{prefix}.peft_config[NAME].to_dict()) (the metadata keeps its alpha), "
+        "and give DIR"
+    )
+
+
+def match_state(
+    state: dict,
+    own: dict[str, tuple[int, ...]],
+    lora_cfg,
+    where: Path,
+    recorded_targets=None,
+    prefix: str | None = None,
+) -> dict:
+    """`state` (the file's tensors, keys already in the adapter's naming, or in diffusers' UNet format: `peft_keys`)
+    checked against the adapter's keys and shapes `own`: the same rank, the same modules, the same shapes, else one
+    ConfigError line naming what differs and the setting that would take it (lora.rank, lora.target_modules with the
+    file's modules); a format flowrl does not read is named (`foreign_format`, its conversion for the pipeline
+    component `prefix`). Returns `state` (converted)."""
+    problem = foreign_format(state, where, prefix)
+    if problem:
+        raise ConfigError(problem)
+    state = peft_keys(state)
     ranks = sorted({v.shape[0] for k, v in state.items() if "lora_A" in k})
     if ranks and ranks != [lora_cfg.rank]:
         raise ConfigError(
@@ -238,13 +280,13 @@ def _short(value, limit: int = 80) -> str:
 
 def init_state(path: Path, lora_cfg, own: dict[str, tuple[int, ...]], prefix: str | None = None) -> dict:
     """The tensors of the LoRA file `path` (lora.init_path's, found by `preflight.lora_init_file`), ready for
-    `set_peft_model_state_dict`: the settings it records checked (`settings_problem`: a ConfigError), the keys of
-    component `prefix` (diffusers' `transformer.`, `unet.`) stripped of it, and matched to the adapter's keys and
-    shapes `own` (`match_state`)."""
+    `set_peft_model_state_dict`: its keys in peft's naming (`peft_keys`), the settings it records checked
+    (`settings_problem`: a ConfigError), the keys of component `prefix` (diffusers' `transformer.`, `unet.`) stripped
+    of it, and matched to the adapter's keys and shapes `own` (`match_state`)."""
     from safetensors.torch import load_file
 
     settings = adapter_settings(path, prefix)
-    state = load_file(path)
+    state = peft_keys(load_file(path))  # diffusers' UNet format (an SD1.5 or SDXL run's export) as peft's
     problem = settings_problem(settings, lora_cfg, path, lora_ranks(state))
     if problem:
         raise ConfigError(problem)
@@ -255,4 +297,4 @@ def init_state(path: Path, lora_cfg, own: dict[str, tuple[int, ...]], prefix: st
         state = {k.removeprefix(PEFT_PREFIX): v for k, v in state.items()}  # peft's save_pretrained of the denoiser
     if prefix is not None:
         state = {k.removeprefix(prefix + "."): v for k, v in state.items()}
-    return match_state(state, own, lora_cfg, path, settings.get("target_modules"))
+    return match_state(state, own, lora_cfg, path, settings.get("target_modules"), prefix)

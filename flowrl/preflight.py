@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import TYPE_CHECKING
 
 from .errors import ConfigError, FlowrlError
@@ -28,7 +29,24 @@ def _checked(what: str, fn, *args, **kwargs):
         if isinstance(e, FlowrlError) and not _library_error(e):  # (a model's or reward's own: prefixed below)
             raise
         message = str(e).strip("'\"") if isinstance(e, KeyError) else str(e)
-        raise PreflightError(message if what in message else f"{what}: {message}") from e
+        raise PreflightError(_named(what, message)) from e
+
+
+def _named(what: str, message: str) -> str:
+    """`message` of a check of `what` (a config key, or KEY=VALUE) that names it: as it is when it does, KEY= before
+    it when it starts with the VALUE (a model's own error: "/models/x: model_index.json ..." ->
+    "model.path=/models/x: model_index.json ...", "hub model ID (its ... snapshot S): ..." -> "model.path=ID (its
+    ... snapshot S): ..."), else "what: message"."""
+    if what in message:
+        return message
+    key, sep, value = what.partition("=")
+    if sep and value:
+        rest = message.removeprefix(f"hub model {value}") if message.startswith(f"hub model {value}") else None
+        if rest is None and message.startswith(value):
+            rest = message[len(value) :]
+        if rest is not None and rest[:1] in ("", ":", " "):  # (a hub model's: "hub model ID (its ... snapshot ...)")
+            return f"{key}={value}{rest}"
+    return f"{what}: {message}"
 
 
 def _library_error(e: BaseException) -> bool:
@@ -267,9 +285,12 @@ def check_text_model(path: str, max_new_tokens: int | None = None) -> None:
     if os.path.isdir(path):
         config = os.path.join(path, "config.json")
         if not os.path.isfile(config):
+            from .run.basemodel import flowrl_run_hint
+
+            hint = flowrl_run_hint(path)
             raise PreflightError(
-                f"model.path={path}: no config.json there; a causal LM directory is what "
-                "model.save_pretrained(DIR) writes"
+                f"model.path={path}: no config.json there"
+                + (f": {hint}" if hint else "; a causal LM directory is what model.save_pretrained(DIR) writes")
             )
         names = set(os.listdir(path))
         if not names & set(TOKENIZER_FILES):
@@ -472,10 +493,51 @@ def _lora_file_in(folder, init_path, example):
     )
 
 
+#: the run directories given as lora.init_path whose checkpoint was named (once a process: preflight and the load
+#: both read it)
+_NAMED_RUNS: set[tuple[str, str]] = set()
+
+
+def _run_lora(folder, init_path: str):
+    """`folder` (lora.init_path's directory, holding no .safetensors file), or, when it is a run directory, the
+    `lora/` of its newest complete checkpoint (as --checkpoint RUN takes it: a newer damaged one is skipped), named
+    in a line; a run without a checkpoint, or whose checkpoint holds no LoRA (a full fine-tune), is a
+    PreflightError."""
+    from .errors import CheckpointError
+    from .run.checkpoint import checkpoint_dirs, intact_checkpoint
+
+    if not checkpoint_dirs(folder):
+        if (folder / "metrics.jsonl").is_file():
+            raise PreflightError(
+                f"lora.init_path={init_path!r} is a run directory without a complete checkpoint yet (a run writes "
+                "one every checkpoint.every epochs, and at its end): give one of a run that has one"
+            )
+        return folder
+    try:
+        checkpoint = intact_checkpoint(folder, f"lora.init_path={init_path}")
+    except CheckpointError as e:
+        raise PreflightError(str(e)) from None
+    if not (checkpoint / "lora").is_dir():
+        raise PreflightError(
+            f"lora.init_path={init_path!r} is a run directory whose newest complete checkpoint, {checkpoint.name}, "
+            "holds no lora/ (its run trained the whole model, lora.enabled=false): start from a run that trained a "
+            "LoRA"
+        )
+    if (str(folder), checkpoint.name) not in _NAMED_RUNS:
+        _NAMED_RUNS.add((str(folder), checkpoint.name))
+        warnings.warn(
+            f"lora.init_path={init_path} is a run directory: starting from the LoRA of its newest complete "
+            f"checkpoint, {checkpoint.name} ({checkpoint / 'lora'})",
+            stacklevel=3,
+        )
+    return checkpoint / "lora"
+
+
 def lora_init_file(init_path: str):
-    """The LoRA file of `lora.init_path` (a directory holding its .safetensors file, as a checkpoint's `lora/`, or
-    that file), its header read (cheap: no tensor is loaded), so that a missing, foreign or truncated file is a
-    PreflightError naming it; returns (path, {key: shape})."""
+    """The LoRA file of `lora.init_path` (a directory holding its .safetensors file, as a checkpoint's `lora/`; a
+    checkpoint, meaning its `lora/`; a run directory, meaning its newest complete checkpoint's, named in a line:
+    `_run_lora`; or that file), its header read (cheap: no tensor is loaded), so that a missing, foreign or
+    truncated file is a PreflightError naming it; returns (path, {key: shape})."""
     from pathlib import Path
 
     from safetensors import safe_open
@@ -484,6 +546,8 @@ def lora_init_file(init_path: str):
     example = "e.g. RUN_DIR/ckpt-000010/lora, the LoRA a run exports"
     if where.is_dir() and (where / "lora").is_dir() and (where / "state.json").is_file():
         where = where / "lora"  # a run's checkpoint: the LoRA it exports
+    elif where.is_dir() and not any(where.glob("*.safetensors")):
+        where = _run_lora(where, init_path)
     if where.is_dir():
         where = _lora_file_in(where, init_path, example)
     elif not where.is_file():
@@ -506,9 +570,10 @@ def check_lora_init(cfg: Config, family_name: str | None = None) -> None:
     family's denoiser alone (`lora_files.component_problem`)."""
     if not (cfg.lora.enabled and cfg.lora.init_path):
         return
-    from .lora_files import adapter_settings, component_problem, lora_ranks, settings_problem
+    from .lora_files import adapter_settings, component_problem, lora_ranks, peft_keys, settings_problem
 
     path, shapes = lora_init_file(cfg.lora.init_path)
+    shapes = peft_keys(shapes)  # diffusers' UNet format (an SD1.5 or SDXL run's export): its ranks are lora_A's
     prefix = None
     if family_name is not None:
         from .families import family

@@ -103,6 +103,25 @@ def test_load_images_fits_each_image(tmp_path):
     assert load_images(None, 16) == [] and len(load_images(str(a), 8)) == 1
 
 
+def test_a_phone_photo_is_loaded_upright_as_its_exif_orientation_says(tmp_path):
+    """A JPEG stored landscape with EXIF orientation 6 (a portrait taken on a phone: turn 90 degrees clockwise to
+    view) is the portrait it shows, as diffusers' load_image gives it, not the stored sideways image."""
+    import numpy as np
+    from diffusers.utils import load_image
+
+    stored = np.zeros((32, 48, 3), np.uint8)  # 48 wide, 32 high as stored
+    stored[:, :16] = (255, 0, 0)  # a red left third
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: rotate 90 CW to view
+    file = tmp_path / "portrait.jpg"
+    Image.fromarray(stored).save(file, exif=exif, quality=95)
+    (upright,) = load_images(str(file), 16)
+    assert upright.size == (32, 48)  # 32 wide, 48 high: the portrait
+    pixels = np.asarray(upright).astype(int)
+    assert pixels[:16, :, 0].mean() > 200 and pixels[32:, :, 0].mean() < 50  # the red third is on top now
+    np.testing.assert_array_equal(pixels, np.asarray(load_image(str(file))).astype(int))
+
+
 # ------------------------------------------------------------------------------------------ counts
 
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from flowrl.config import ConfigError
-from flowrl.lora_files import _blocks, adapter_settings, lora_modules, match_state, settings_problem
+from flowrl.lora_files import _blocks, adapter_settings, lora_modules, match_state, peft_keys, settings_problem
 
 LORA = SimpleNamespace(rank=8, alpha=16.0, target_modules=None)
 
@@ -123,8 +123,12 @@ def test_match_state_checks_rank_keys_and_shapes():
         match_state(wide, own, LORA, "F", ["attn.to_q", "attn.to_k"])  # the file's own record wins
     with pytest.raises(ConfigError, match=r"1 keys differ in shape \(b\.0\.q\.lora_B\.weight\)"):
         match_state({**good, "b.0.q.lora_B.weight": torch.zeros(5, 8)}, own, LORA, "F")
-    with pytest.raises(ConfigError, match=r"diffusers' old attention-processor format"):
-        match_state({"b.0.q.processor.lora.down.weight": torch.zeros(8, 4)}, own, LORA, "F")
+    # diffusers' UNet format, and the old attention processors': read as diffusers reads them (peft's keys)
+    unet = {"b.0.q.lora.down.weight": torch.zeros(8, 4), "b.0.q.lora.up.weight": torch.zeros(4, 8)}
+    assert sorted(match_state(unet, own, LORA, "F")) == sorted(own)
+    processor = {"b.0.processor.to_q_lora.down.weight": torch.zeros(8, 4), "b.0.processor.to_q_lora.up.weight": 0}
+    assert sorted(peft_keys(processor)) == ["b.0.to_q.lora_A.weight", "b.0.to_q.lora_B.weight"]
+    assert peft_keys(good) is good
     # blocks this model does not have (another model's LoRA): not sent to lora.target_modules, which cannot help
     other = {k.replace("b.0.", "b.7."): v for k, v in good.items()}
     for state in (other, {**other, "b.7.k.lora_A.weight": torch.zeros(8, 4)}):
@@ -186,3 +190,47 @@ def test_another_components_lora_is_named_and_peft_save_pretrained_keys_are_read
     save_file({"unet." + k: torch.zeros(s) for k, s in own.items()}, str(unet))
     with pytest.raises(ConfigError, match="a LoRA of the pipeline's unet"):
         init_state(unet, lora, own, "transformer")
+
+
+@pytest.mark.parametrize("family", ["sd15", "sdxl"])
+def test_a_unet_runs_own_export_starts_the_adapter_it_was(family, tmp_path):
+    """An SD1.5 or SDXL run exports its UNet's LoRA in diffusers' UNet format (`unet.<module>.lora.down.weight`,
+    convert_state_dict_to_diffusers): as lora.init_path it starts the very adapter that was exported (every lora_A
+    and lora_B equal), read as diffusers' load_lora_weights reads it; preflight reads its rank and alpha too."""
+    from flowrl.config import load_config
+    from flowrl.policies import build_policy
+    from flowrl.preflight import PreflightError, check_lora_init, lora_init_file
+
+    base = [f"model.path=tiny-{family}", "model.device=cpu", "sample.max_sequence_length=16"]
+    made = build_policy(load_config(None, [*base, f"log.run_dir={tmp_path / 'a'}"]), "cpu")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, p in made.named_trainable_parameters():
+            p.copy_(torch.randn(p.shape, generator=generator))
+    made.export(tmp_path / "lora")
+    path, shapes = lora_init_file(str(tmp_path / "lora"))
+    assert all(k.startswith("unet.") and (".lora.down." in k or ".lora.up." in k) for k in shapes)  # diffusers' format
+
+    cfg = load_config(None, [*base, f"log.run_dir={tmp_path / 'b'}", f"lora.init_path={tmp_path / 'lora'}"])
+    check_lora_init(cfg, family)
+    started = build_policy(cfg, "cpu")
+    exported = dict(made.named_trainable_parameters())
+    for n, p in started.named_trainable_parameters():
+        torch.testing.assert_close(p.detach(), exported[n].detach(), rtol=0, atol=0)
+    with pytest.raises(PreflightError, match=r"made with lora alpha 16 .* set lora\.alpha=16"):  # its record is read
+        check_lora_init(load_config(None, [*base, f"lora.init_path={tmp_path / 'lora'}", "lora.alpha=8"]), family)
+
+
+def test_a_kohya_lora_into_a_unet_names_the_unets_conversion():
+    """A format flowrl does not read (kohya's) is named once ("format" once), with the conversion of the model's own
+    denoiser: unet_lora_layers for a UNet family, transformer_lora_layers for a transformer one."""
+    from flowrl.lora_files import foreign_format
+
+    kohya = {"lora_unet_down_blocks_0_attn1_to_q.lora_down.weight": (8, 4)}
+    unet = foreign_format(kohya, "F", "unet")
+    assert unet.startswith("lora.init_path: F is a LoRA in kohya's (lora_down / lora_up) format (e.g. lora_unet_")
+    assert unet.count("format") == 1 and "unet_lora_layers=" in unet and "pipe.unet.peft_config" in unet
+    assert "transformer" not in unet
+    assert "transformer_lora_layers=" in foreign_format(kohya, "F", "transformer")
+    assert "PeftModel.save_pretrained" in foreign_format(kohya, "F")
+    assert foreign_format({"unet.x.lora.down.weight": (8, 4)}, "F", "unet") is None  # diffusers' UNet format: read

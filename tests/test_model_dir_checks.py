@@ -9,6 +9,7 @@ the checks under test read only those (a load would fail on the missing weights 
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -369,3 +370,145 @@ def test_a_single_file_checkpoint_names_its_own_pipeline_class(tmp_path, key, pi
         preflight_image_model(str(single), **SIZE)
     others = {"StableDiffusionPipeline", "StableDiffusion3Pipeline", "FluxPipeline"} - {pipeline}
     assert not any(f"{o}.from_single_file" in str(info.value) for o in others)
+
+
+def test_a_model_error_names_model_path_once(sd3_full, tmp_path):
+    """The trainer's check of model.path prints the path once: the model's own "PATH: ..." (a missing component's
+    folder, a variant, another class) reads "model.path=PATH: ...", not "model.path=PATH: PATH: ..."."""
+    from flowrl.config import load_config
+    from flowrl.preflight import PreflightError, _named, check_model
+
+    folder = configs_only(sd3_full, tmp_path / "c")
+    shutil.rmtree(folder / "vae")
+    cfg = load_config(None, [f"model.path={folder}", "sample.height=32", "sample.width=32"])
+    with pytest.raises(PreflightError) as info:
+        check_model(cfg)
+    message = str(info.value)
+    assert (
+        message.startswith(f"model.path={folder}: model_index.json names components")
+        and message.count(str(folder)) == 1
+    ), message
+    assert _named("model.path=/m/x", "/m/x has no model_index.json: y") == "model.path=/m/x has no model_index.json: y"
+    assert _named("model.path=/m/x", "/m/x2: y") == "model.path=/m/x: /m/x2: y"  # another path: not taken for it
+    snapshot = "hub model o/x (its Hugging Face cache snapshot /c/s): y"
+    assert _named("model.path=o/x", snapshot) == "model.path=o/x (its Hugging Face cache snapshot /c/s): y"
+    assert _named("data.train_prompts", "f.jsonl:2: y") == "data.train_prompts: f.jsonl:2: y"
+
+
+def test_components_saved_as_none_are_them_and_an_unknown_class_over_a_familys_components_is_named(sd3_full, tmp_path):
+    """Several components saved as [null, null] are "them"; a _class_name no family drives (a PAG pipeline) over a
+    family's components is told the class that drives them, as another family's class over them is."""
+    refiner = index_only(tmp_path / "refiner", {**SDXL_INDEX, "text_encoder": [None, None], "tokenizer": [None, None]})
+    with pytest.raises(
+        ImageModelError,
+        match=r"saves text_encoder, tokenizer as \[null, null\] \(the pipeline was saved without them\)",
+    ):
+        preflight_image_model(str(refiner), **SIZE)
+    pag = with_index(configs_only(sd3_full, tmp_path / "pag"), _class_name="StableDiffusion3PAGPipeline")
+    message = (
+        r"no image backend drives StableDiffusion3PAGPipeline \(model_index\.json's _class_name\), and its components "
+        r"are those of StableDiffusion3Pipeline \(sd3\): set model_index\.json's _class_name to it \(supported "
+    )
+    with pytest.raises(ImageModelError, match=message):
+        preflight_image_model(str(pag), **SIZE)
+    from flowrl.plan import PlanError
+
+    with pytest.raises(PlanError, match=message):
+        plan_of(pag)
+    unknown = index_only(tmp_path / "unknown", {"_class_name": "MyPipeline", "unet": ["diffusers", "UNet2DModel"]})
+    with pytest.raises(ImageModelError, match=r"no image backend drives MyPipeline .*; supported pipelines: "):
+        preflight_image_model(str(unknown), **SIZE)
+
+
+def _flowrl_run(root: Path, base: str, lora: bool = True) -> Path:
+    """A run directory's files as flowrl writes them (no tensors read here): ckpt-000001/state.json naming `base`."""
+    ckpt = root / "ckpt-000001"
+    ckpt.mkdir(parents=True)
+    (ckpt / "state.json").write_text(json.dumps({"config": {"model": {"path": base}}, "counters": {}}))
+    (ckpt / "trainable.safetensors").write_bytes(b"")
+    if lora:
+        (ckpt / "lora").mkdir()
+    (root / "metrics.jsonl").write_text("")
+    return ckpt
+
+
+def test_a_flowrl_checkpoint_as_model_path_is_sent_to_checkpoint_and_lora_init_path(tmp_path):
+    """model.path naming a flowrl checkpoint (or its run directory) is told it is one, the base model it was trained
+    over as model.path, and the checkpoint as --checkpoint or lora.init_path: by train's checks (image and text) and
+    by plan."""
+    from flowrl.config import load_config
+    from flowrl.plan import PlanError
+    from flowrl.preflight import PreflightError, check_model, check_text_model
+
+    run = tmp_path / "run"
+    ckpt = _flowrl_run(run, "/models/sd15")
+    for given, what in ((ckpt, "a flowrl checkpoint"), (run, "a flowrl run directory (its newest checkpoint: ")):
+        told = (
+            rf"{re.escape(str(given))} has no model_index\.json: it is {re.escape(what)}.*not a base model: set "
+            rf"model\.path to the base model it was trained over \(model\.path=/models/sd15\), and give this as "
+            rf"--checkpoint {re.escape(str(given))} \(flowrl sample, flowrl eval\) or its LoRA as lora\.init_path="
+        )
+        with pytest.raises(PreflightError, match=f"^model\\.path={told}"):
+            check_model(load_config(None, [f"model.path={given}"]))
+        with pytest.raises(PlanError, match=f"^{told}"):
+            plan_of(given)
+    with pytest.raises(PreflightError, match=r"no config\.json there: it is a flowrl checkpoint, not a base model"):
+        check_text_model(str(ckpt))
+    full = _flowrl_run(tmp_path / "full", "/models/sd15", lora=False)
+    with pytest.raises(PreflightError) as info:
+        check_model(load_config(None, [f"model.path={full}"]))
+    assert "--checkpoint" in str(info.value) and "lora.init_path" not in str(info.value)  # no LoRA to start from
+    with pytest.raises(PreflightError, match=r"not a diffusers pipeline directory"):  # another directory: as before
+        check_model(load_config(None, [f"model.path={tmp_path}"]))
+
+
+def test_plan_refuses_a_variant_directory_as_train_does_and_counts_no_safety_checker(sd3_full, tmp_path):
+    """A directory holding only the fp16 variant: plan refuses it without model.variant=fp16, as train does, and
+    plans it with it. An SD1.5 saved with its safety checker: the load passes it as None (never read, never moved),
+    and plan counts no safety checker."""
+    from diffusers import StableDiffusionPipeline
+    from diffusers.pipelines.stable_diffusion.safety_checker import StableDiffusionSafetyChecker
+    from transformers import CLIPConfig, CLIPImageProcessor
+
+    from flowrl.config import load_config
+    from flowrl.families.sd15 import tiny_sd15_pipeline
+    from flowrl.plan import PlanError, plan
+    from flowrl.preflight import PreflightError, check_model
+
+    v16 = configs_only(sd3_full, tmp_path / "v16")
+    for component in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+        fake_weights(v16, component, "model.fp16.safetensors")
+    for component in ("transformer", "vae"):
+        fake_weights(v16, component, "diffusion_pytorch_model.fp16.safetensors")
+    told = r"only the 'fp16' variant .*set model\.variant=fp16"
+    with pytest.raises(PlanError, match=told):
+        plan_of(v16)
+    with pytest.raises(PreflightError, match=told):
+        check_model(load_config(None, [f"model.path={v16}", "sample.height=32", "sample.width=32"]))
+    ok = [f"model.path={v16}", "model.variant=fp16", "sample.height=32", "sample.width=32"]
+    assert "transformer (SD3Transformer2DModel)" in plan(load_config(None, ok)).render()
+
+    small = dict(hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2, projection_dim=32)
+    clip = CLIPConfig(
+        text_config=dict(**small, vocab_size=100, max_position_embeddings=16),
+        vision_config=dict(**small, image_size=32, patch_size=4),
+        projection_dim=32,
+    )
+    extra = dict(safety_checker=StableDiffusionSafetyChecker(clip), feature_extractor=CLIPImageProcessor(size=32))
+    pipe = tiny_sd15_pipeline()
+    StableDiffusionPipeline(**{**pipe.components, **extra, "requires_safety_checker": True}).save_pretrained(
+        tmp_path / "sd15"
+    )
+    assert (tmp_path / "sd15" / "safety_checker").is_dir()
+    backend = load_image_backend(str(tmp_path / "sd15"))
+    assert backend.pipe.safety_checker is None and backend.pipe.feature_extractor is None
+    assert not any("safety" in name for name, _ in backend.pipe.components.items() if _ is not None)
+    rendered = plan_of(tmp_path / "sd15").render()
+    assert "unet (UNet2DConditionModel)" in rendered and "safety" not in rendered.lower()
+
+
+def test_plan_leaves_out_the_components_the_loader_leaves_out():
+    from flowrl.families._loading import _UNUSED_COMPONENTS
+    from flowrl.plan.models import UNUSED_COMPONENTS
+
+    assert UNUSED_COMPONENTS == _UNUSED_COMPONENTS

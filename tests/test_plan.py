@@ -647,6 +647,28 @@ def _one_image_prompts(directory: Path) -> Path:
     return path
 
 
+def test_an_editors_plan_reads_csv_tsv_and_json_prompt_files_as_training_does(tmp_path):
+    """The images a prompt holds are counted in every format the prompt loader reads, not only .jsonl: a .json
+    array's lists (2 here), a .csv's or .tsv's cells (one path each, under the file's own prompt column); the prompt
+    cache counts the file's prompts, not its lines (a header, a quoted prompt over two lines)."""
+    from PIL import Image
+
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    rows = [{"text": "swap them", "image": ["a.png", "a.png"]}, {"text": "blue", "image": "a.png"}]
+    (tmp_path / "p.json").write_text(json.dumps(rows))
+    (tmp_path / "p.csv").write_text('text,image\n"a red\ncat",a.png\nblue,a.png\n')
+    (tmp_path / "p.tsv").write_text("text\timage\nred\ta.png\n")
+    base = ["model.path=tiny-qwen_image_edit", "sample.height=32", "sample.width=32", "sample.max_sequence_length=16"]
+    base.append("data.prompt_column=text")
+    for name, images, prompts in (("p.json", "2 conditioning images", 2), ("p.csv", "1 conditioning image", 2)):
+        result = plan(load_config(None, [*base, f"data.train_prompts={tmp_path / name}"])).render()
+        update = next(ln for ln in result.splitlines() if ln.startswith("update"))
+        assert f"{images} (the most a prompt has)" in update, update
+        assert f"prompt-encoding cache ({prompts} prompts)" in result
+    update = plan(load_config(None, [*base, f"data.train_prompts={tmp_path / 'p.tsv'}"])).render()
+    assert "1 conditioning image (the most a prompt has)" in update
+
+
 def test_the_eval_feature_backbone_is_planned_like_a_reward(tmp_path):
     """eval.diversity_features keeps a vision backbone in float32 on the main process's GPU (off it with offload):
     its row has the backbone's size, and the static memory grows by it; a backbone of another kind, or one with no

@@ -5,6 +5,7 @@ folder and ends the run in one line. Tiny SD3 on the CPU."""
 import errno
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -265,7 +266,7 @@ def test_a_fingerprint_names_new_missing_and_changed_files(tmp_path):
     layers = {f"layer{i:02d}": torch.zeros(64 * 1024) for i in range(40)}  # 10 MiB
     save_file(layers, tmp_path / "unet" / "w.safetensors")
     (tmp_path / "gone.bin").write_bytes(b"a" * 3_000_000)
-    (tmp_path / "config.json").write_text("{}")  # not a weight file
+    (tmp_path / "notes.json").write_text("{}")  # not a weight file (a directory of no model layout: every weight file)
     before = fingerprint(str(tmp_path))
     assert sorted(before["files"]) == ["gone.bin", "unet/w.safetensors"]
     layers["layer20"] = layers["layer20"] + 1  # one tensor in the middle, same header
@@ -277,6 +278,61 @@ def test_a_fingerprint_names_new_missing_and_changed_files(tmp_path):
         "new: new.bin",
     ]
     assert differences(before, before) == []
+
+
+def test_a_fingerprint_holds_the_weights_that_load_and_a_stray_file_changes_nothing(tmp_path):
+    """Of a pipeline directory, the fingerprint holds the weight files its load reads: each component model_index.json
+    names (not one saved as [null, null]), by diffusers' and transformers' names, of model.variant where the component
+    has it (else its plain files), its .safetensors over its .bin. A LoRA copied into the directory, a variant
+    downloaded later or a .bin beside the .safetensors changes nothing; a changed loaded file is named. A checkpoint's
+    fingerprint from before (of every weight file) is compared on the loaded files alone: its stray entries are not
+    differences, a loaded file changed or missing still is."""
+    from safetensors.torch import save_file
+
+    from flowrl.run.basemodel import differences, file_digest, fingerprint
+    from flowrl.run.loading import check_base
+
+    index = {"_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"]}
+    index |= {"text_encoder": ["transformers", "CLIPTextModel"], "safety_checker": [None, None]}
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    weights = {"unet/diffusion_pytorch_model.safetensors": 1.0, "unet/diffusion_pytorch_model.fp16.safetensors": 2.0}
+    weights |= {"text_encoder/model.safetensors": 3.0, "safety_checker/model.safetensors": 4.0}
+    for name, value in weights.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        save_file({"w": torch.full((64,), value)}, tmp_path / name)
+    plain, fp16 = fingerprint(str(tmp_path)), fingerprint(str(tmp_path), "fp16")
+    assert sorted(plain["files"]) == ["text_encoder/model.safetensors", "unet/diffusion_pytorch_model.safetensors"]
+    assert sorted(fp16["files"]) == ["text_encoder/model.safetensors", "unet/diffusion_pytorch_model.fp16.safetensors"]
+    assert plain["scope"] == "loaded"
+
+    def old_fingerprint():  # as checkpoints kept it before: every *.safetensors / *.bin under the directory
+        files = sorted(f for f in tmp_path.rglob("*") if f.suffix in (".safetensors", ".bin"))
+        found = {f.relative_to(tmp_path).as_posix(): f"{f.stat().st_size}:{file_digest(f)}" for f in files}
+        return {"path": str(tmp_path), "files": found}
+
+    save_file({"lora_A": torch.zeros(4)}, tmp_path / "pytorch_lora_weights.safetensors")  # a LoRA copied in
+    save_file({"lora_A": torch.zeros(4)}, tmp_path / "unet" / "pytorch_lora_weights.safetensors")
+    save_file({"w": torch.zeros(64)}, tmp_path / "text_encoder" / "model.fp16.safetensors")  # downloaded later
+    (tmp_path / "unet" / "diffusion_pytorch_model.bin").write_bytes(b"a pickle never read")
+    old = old_fingerprint()
+    assert len(old["files"]) == 8
+    assert differences(plain, fingerprint(str(tmp_path))) == []
+    assert differences(fp16, fingerprint(str(tmp_path), "fp16")) == [  # a variant run now loads the new fp16 file
+        "missing: text_encoder/model.safetensors",
+        "new: text_encoder/model.fp16.safetensors",
+    ]
+    assert differences(old, fingerprint(str(tmp_path))) == []  # an old checkpoint's fingerprint: comparable
+    check_base({"base_model": old}, tmp_path / "ckpt-000001", fingerprint(str(tmp_path)), allow=False)
+
+    save_file({"w": torch.full((64,), 9.0)}, tmp_path / "unet" / "diffusion_pytorch_model.safetensors")
+    assert differences(plain, fingerprint(str(tmp_path))) == ["changed: unet/diffusion_pytorch_model.safetensors"]
+    assert differences(old, fingerprint(str(tmp_path))) == ["changed: unet/diffusion_pytorch_model.safetensors"]
+    with pytest.raises(CheckpointError, match=r"other base weights .*changed: unet/diffusion_pytorch_model"):
+        check_base({"base_model": old}, tmp_path / "ckpt-000001", fingerprint(str(tmp_path)), allow=False)
+    sharded = {**old, "files": {**old["files"], "unet/diffusion_pytorch_model-00002-of-00002.safetensors": "1:x"}}
+    assert "missing: unet/diffusion_pytorch_model-00002-of-00002.safetensors" in differences(
+        sharded, fingerprint(str(tmp_path))
+    )
 
 
 # ------------------------------------------------------------------------------------------ a full disk
@@ -345,6 +401,56 @@ def test_a_full_disk_during_a_runs_checkpoint_stops_it_in_one_line(tmp_path, cap
     assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["ckpt-000001"]
     assert (run / "ckpt-000001" / "lora").is_dir() and not (run / LOCK_NAME).exists()
     read_checkpoint(run / "ckpt-000001")
+
+
+def test_a_full_disk_while_plotting_a_finished_run_is_a_warning(tmp_path, capsys, monkeypatch):
+    """curves.png is drawn after the run's last checkpoint: a full disk there is one warning, not a failed run (exit
+    0), and leaves no temporary file."""
+    import matplotlib.figure
+
+    def full(self, fname, *args, **kwargs):
+        Path(fname).write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full)
+    run = tmp_path / "run"
+    said = (
+        f"the run is complete, but its plots (curves.png, before_after.png) were not written to {run}: No space "
+        f"left on device; `flowrl report {run}` draws the curves once it can"
+    )
+    with pytest.warns(UserWarning, match=f"^{re.escape(said)}$"):
+        rc = main(["train", *TINY, f"log.run_dir={run}", "train.epochs=1", "eval.before=false"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "Traceback" not in err, err
+    assert (run / "ckpt-000001").is_dir() and not (run / "curves.png").exists()
+    assert not (run / ".curves.png.tmp").exists() and not (run / LOCK_NAME).exists()
+
+
+def test_a_full_disk_while_writing_an_eval_grid_stops_the_run_in_one_line(tmp_path, capsys, monkeypatch):
+    """The eval after epoch 1 cannot write its grid: one line naming the file (no traceback), no temporary file left,
+    and the epoch done kept in a checkpoint (said on the next line)."""
+    from flowrl.policies.image import ImagePolicy
+
+    save, calls = ImagePolicy.save_eval_outputs, []
+
+    def full_on_the_second(self, images, prompts, path, scores=None):
+        calls.append(path)
+        if len(calls) == 1:
+            return save(self, images, prompts, path, scores)
+        Path(f"{path}.tmp.png").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ImagePolicy, "save_eval_outputs", full_on_the_second)
+    run = tmp_path / "run"
+    rc = main(["train", *TINY, f"log.run_dir={run}", "train.epochs=2", "eval.every=1", "eval.grid=true"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and not any("Traceback" in line for line in err), err
+    assert err[0] == (
+        f"flowrl train: could not write the eval's outputs {run / 'eval-epoch000001.png'}: No space left on device; "
+        "free space there (or set eval.grid=false) and resume with checkpoint.resume=auto"
+    )
+    assert err[1].startswith(f"flowrl train: the 1 epoch done is in checkpoint {run / 'ckpt-000001'}")
+    assert len(err) == 2 and not list(run.glob("*.tmp*")) and (run / "eval-epoch000000.png").is_file()
 
 
 def test_the_same_base_weights_under_another_path_are_the_same_model_for_an_eval(tmp_path):

@@ -113,8 +113,12 @@ def _read_local_json(directory: str, name: str) -> dict:
                 f"{directory} has no {name}: it is the {os.path.basename(os.path.abspath(directory))} folder of the "
                 f"pipeline directory {parent}: set model.path={parent}"
             )
+        from flowrl.run.basemodel import flowrl_run_hint
+
+        hint = flowrl_run_hint(directory) if name == "model_index.json" else None
         raise ImageModelError(
-            f"{directory} has no {name}: not a diffusers pipeline directory (write one with pipe.save_pretrained(DIR))"
+            f"{directory} has no {name}: "
+            + (hint or "not a diffusers pipeline directory (write one with pipe.save_pretrained(DIR))")
         )
     try:
         with open(file, encoding="utf-8") as f:
@@ -298,6 +302,13 @@ def checked_backend(source: str, model_index: Mapping, family: str, drop_t5: boo
     class_name = _class_name(model_index)
     detected = _family_of_class(class_name)
     if detected is None:
+        others = _pipelines_of(_listed_components(model_index), class_name)
+        if others:  # a pipeline class of its own (PAG, a fork) over a family's components
+            raise ImageModelError(
+                f"{source}: no image backend drives {class_name} (model_index.json's _class_name), and its "
+                f"components are those of {' or '.join(others)}: set model_index.json's _class_name to it "
+                f"(supported pipelines: {_supported_pipelines()})"
+            )
         raise ImageModelError(
             f"{source}: no image backend drives {class_name} (model_index.json's _class_name); "
             f"supported pipelines: {_supported_pipelines()}"
@@ -329,6 +340,21 @@ def _pipeline_takes(class_name: str) -> tuple[frozenset[str], frozenset[str]] | 
         return None
     required, optional = diffusers.DiffusionPipeline._get_signature_keys(cls)
     return frozenset(required) - _UNUSED_COMPONENTS, frozenset(required) | frozenset(optional)
+
+
+def _unused_kwargs(model_index: Mapping) -> dict:
+    """The from_pretrained arguments that leave out the components of model_index.json flowrl never runs
+    (`_UNUSED_COMPONENTS`: an SD1.5's safety checker and its feature extractor) that its pipeline class takes: each as
+    None (never read, never moved to the device), and `requires_safety_checker=False` where the pipeline records it
+    (else diffusers warns that the checker was disabled)."""
+    takes = _pipeline_takes(_class_name(model_index))
+    unused = [
+        n for n in _listed_components(model_index) if n in _UNUSED_COMPONENTS and (takes is None or n in takes[1])
+    ]
+    kwargs = dict.fromkeys(unused)
+    if unused and "requires_safety_checker" in model_index:
+        kwargs["requires_safety_checker"] = False
+    return kwargs
 
 
 def _listed_components(model_index: Mapping) -> dict[str, str]:
@@ -390,8 +416,8 @@ def check_model_index(source: str, model_index: Mapping, backend_cls: type[Image
     if nulls:
         raise ImageModelError(
             f"{source}: model_index.json saves {', '.join(nulls)} as [null, null] (the pipeline was saved without "
-            f"it), and {class_name} ({backend_cls.family}) needs {', '.join(nulls)} to run: use a pipeline saved "
-            "with every component it needs"
+            f"{'it' if len(nulls) == 1 else 'them'}), and {class_name} ({backend_cls.family}) needs "
+            f"{', '.join(nulls)} to run: use a pipeline saved with every component it needs"
         )
     if absent:
         raise ImageModelError(
@@ -416,8 +442,8 @@ def preflight_image_model(
     path: str,
     family: str = "auto",
     *,
-    height: int,
-    width: int,
+    height: int | None,
+    width: int | None,
     drop_t5: bool = False,
     num_frames: int = 0,
     variant: str | None = None,
@@ -429,7 +455,7 @@ def preflight_image_model(
         a hub id (the same files from the huggingface_hub cache, or downloaded unless HF_HUB_OFFLINE is
         set), or a tiny test model name ("tiny-sd3", ...).
     family: "auto" or the family the caller expects (`family_names()`).
-    height, width: the image size in pixels the run will ask for.
+    height, width: the image size in pixels the run will ask for (None: not checked; `flowrl plan` plans any size).
     drop_t5: the run will leave the T5 encoder out (SD3 only).
     num_frames: the frames per sample the run will ask for (0: the family's default; image families make 1).
     variant: the weight files' variant the run will load (diffusers' `variant`, e.g. "fp16"; None: the plain
@@ -453,7 +479,8 @@ def preflight_image_model(
             check_weights_present(folder, model_index)
         denoiser_config = read(f"{backend_cls.denoiser_attr}/config.json")
         _check_denoiser_config(path, denoiser_config, model_index, backend_cls)
-        backend_cls.size_rule(denoiser_config, _vae_scale_factor(read, model_index)).check(height, width)
+        if height is not None and width is not None:
+            backend_cls.size_rule(denoiser_config, _vae_scale_factor(read, model_index)).check(height, width)
         backend_cls.check_num_frames(num_frames)
         if folder is not None:
             check_variant(folder, model_index, variant)
@@ -610,6 +637,7 @@ def _load_pipeline(path: str, family: str, dtype, drop_t5: bool, from_pretrained
     kwargs = {dtype_kwarg: dtype or torch.float32}
     # a component saved as None ([null, null], e.g. an SD3 saved without T5) must be passed as None again
     kwargs.update(dict.fromkeys(_null_components(model_index)))
+    kwargs.update(_unused_kwargs(model_index))  # a safety checker flowrl never runs: never read nor moved
     if drop_t5:  # never read the T5 weights
         kwargs.update(dict.fromkeys(backend_cls.t5_components))
     saved_as = _class_name(model_index)

@@ -7,8 +7,8 @@
 The models are built from their configuration files on the meta device (no weight is read or allocated), so
 even a 20B denoiser plans in seconds on a laptop. Per GPU, in GiB, it reports:
 
-- the weights of every component the pipeline keeps on the GPU (denoiser, text encoders, VAE, the safety
-  checker a pipeline loads) and of the reward models, in their dtypes;
+- the weights of every component the pipeline keeps on the GPU (denoiser, text encoders, VAE; not an SD1.5's
+  safety checker, which flowrl never loads) and of the reward models, in their dtypes;
 - the trained parameters (LoRA: rank `lora.rank` on the family's `lora_targets`, float32 as flowrl makes them;
   full fine-tuning: the whole denoiser, in `model.dtype` as flowrl trains it), their gradients, the AdamW
   states (2 per parameter) and the EMA copy (`train.ema_decay`);
@@ -28,7 +28,8 @@ even a 20B denoiser plans in seconds on a laptop. Per GPU, in GiB, it reports:
   batch in one forward; and the largest batch the rollout fits.
 
 Configurations come from (in this order): a tiny test model (`tiny-<family>`, built for real: it is tiny), a
-local pipeline directory (model_index.json and each component's config.json), the JSON files shipped in
+local pipeline directory (model_index.json and each component's config.json; checked as `flowrl train` checks it
+before it loads: its folders, the weights of `model.variant`), the JSON files shipped in
 `flowrl/plan_configs/` for the hub models the presets use (written from their published config.json files),
 or the hub itself through huggingface_hub (its cache, or a download unless HF_HUB_OFFLINE is set).
 

@@ -12,6 +12,7 @@ from .declarations import GENERIC_LAYOUT, NOT_CALIBRATED, Calibration, Layout
 from .models import (
     DTYPE_BYTES,
     PlanError,
+    check_local_model,
     family_of,
     feature_components,
     inject_lora,
@@ -51,6 +52,7 @@ def plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
     """The plan of an image run (`cfg.backend` "image") on `gpus` GPUs of `gpu_memory_gib` GiB."""
     m, s, t = cfg.model, cfg.sample, cfg.train
     fam = family_of(m.path, m.family)
+    check_local_model(cfg)  # what train refuses of a local directory (model.variant's files, ...), plan refuses
     local, minibatch, micro = batch_shape(cfg, gpus)
     dtype, b = m.dtype, DTYPE_BYTES[m.dtype]
     skip = fam.t5_components if m.drop_t5 else ()
@@ -96,7 +98,7 @@ def plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
     except ValueError as e:
         raise PlanError(str(e)) from None
     files = [
-        prompt_file(f, cfg.data.image_column)
+        prompt_file(f, cfg.data.image_column, cfg.data.prompt_column)
         for f in {cfg.data.train_prompts, cfg.data.eval_prompts or cfg.data.train_prompts}
     ]
     counted, most = [n for n, _ in files], [k for _, k in files] if fam.condition_images[1] else []

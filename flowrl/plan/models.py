@@ -21,6 +21,9 @@ from flowrl.errors import FlowrlError
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SHIPPED_DIR = Path(__file__).parents[1] / "plan_configs"
+#: the pipeline components flowrl never loads (an SD1.5's safety checker and its feature extractor: passed as None
+#: when the pipeline loads, flowrl.families' _UNUSED_COMPONENTS, which a test keeps this equal to)
+UNUSED_COMPONENTS = frozenset({"safety_checker", "feature_extractor"})
 
 
 class PlanError(FlowrlError, ValueError):
@@ -59,9 +62,16 @@ def config_reader(path: str) -> tuple[Callable[[str], dict], str]:
         def read_local(name: str) -> dict:
             file = os.path.join(path, *name.split("/"))
             if not os.path.isfile(file):
+                from flowrl.run.basemodel import flowrl_run_hint
+
+                hint = flowrl_run_hint(path) if name in ("model_index.json", "config.json") else None
                 raise PlanError(
-                    f"{path} has no {name}: not a diffusers pipeline (pipe.save_pretrained(DIR)) or "
-                    f"transformers model (model.save_pretrained(DIR)) directory"
+                    f"{path} has no {name}: "
+                    + (
+                        hint
+                        or "not a diffusers pipeline (pipe.save_pretrained(DIR)) or transformers model "
+                        "(model.save_pretrained(DIR)) directory"
+                    )
                 )
             try:
                 with open(file, encoding="utf-8") as f:
@@ -199,7 +209,7 @@ def _pipeline_components(path: str, dtype: str, skip: tuple[str, ...]) -> tuple[
             pipe = tiny_pipeline(path)
         parts = []
         for name, module in pipe.components.items():
-            if isinstance(module, torch.nn.Module) and name not in skip:
+            if isinstance(module, torch.nn.Module) and name not in skip and name not in UNUSED_COMPONENTS:
                 params, nbytes = _sizes(module, dtype)
                 parts.append(Component(name, type(module).__name__, params, nbytes, dtype, module))
         return type(pipe).__name__, parts, "tiny test model built in code"
@@ -213,6 +223,8 @@ def _pipeline_components(path: str, dtype: str, skip: tuple[str, ...]) -> tuple[
     for name, entry in index.items():
         if name.startswith("_") or name in skip or not isinstance(entry, (list, tuple)) or entry[0] is None:
             continue
+        if name in UNUSED_COMPONENTS:  # never loaded (a safety checker: flowrl's rollout never runs it)
+            continue
         cls = _model_class(*entry)
         if cls is None:
             continue
@@ -222,13 +234,13 @@ def _pipeline_components(path: str, dtype: str, skip: tuple[str, ...]) -> tuple[
     return pipeline_class, parts, source
 
 
-def _as_plan_error(check: Callable, *args):
-    """`check(*args)`, a check the trainer's preflight shares (flowrl.families), its ImageModelError a PlanError
-    with the same message."""
+def _as_plan_error(check: Callable, *args, **kwargs):
+    """`check(*args, **kwargs)`, a check the trainer's preflight shares (flowrl.families), its ImageModelError a
+    PlanError with the same message."""
     from flowrl.families import ImageModelError
 
     try:
-        return check(*args)
+        return check(*args, **kwargs)
     except ImageModelError as e:
         raise PlanError(str(e)) from None
 
@@ -368,6 +380,21 @@ def feature_components(backbone: str) -> tuple[list[Component], list[str]]:
 
     return _held_component(
         "eval.diversity_features, main process", "eval.diversity_features", encoder_memory(backbone, "float32")
+    )
+
+
+def check_local_model(cfg) -> None:
+    """A local pipeline directory at model.path passes the checks `flowrl train` makes of its files before it loads
+    (`flowrl.families.preflight_image_model`: its components' folders, links and weights, the weights of
+    model.variant, the denoiser's config), as a PlanError of the same line; the image size is not checked (a plan
+    plans any size). A tiny model, a shipped configuration or a hub id is read as it is."""
+    if not os.path.isdir(cfg.model.path):
+        return
+    from flowrl.families import preflight_image_model
+
+    m = cfg.model
+    _as_plan_error(
+        preflight_image_model, m.path, m.family, height=None, width=None, drop_t5=m.drop_t5, variant=m.variant
     )
 
 

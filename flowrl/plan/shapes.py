@@ -3,7 +3,6 @@ editor's source images), the prompts and conditioning images of the data, and th
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -130,28 +129,23 @@ def image_shape(
     return ImageShape(image_tokens, text_tokens, levels, elements, int(text_width), frames, condition, sources)
 
 
-def prompt_file(spec: str, column: str) -> tuple[int | None, int | None]:
-    """(prompts, the most conditioning images a prompt holds in `column`) of a local prompt file, in one read:
-    prompts for a .txt or .jsonl file, images for a .jsonl one; None for what is not known (a `hf:` dataset, no
-    such file, a .txt file's images, a .jsonl line that does not parse: the prompt loader names its problems)."""
+def prompt_file(spec: str, column: str, prompt_column: str = "prompt") -> tuple[int | None, int | None]:
+    """(prompts, the most conditioning images a prompt holds in `column`) of a local prompt file, read as training
+    reads it (`flowrl.data.load_prompts`: a .txt, .jsonl, .json, .csv or .tsv file, its prompts in `prompt_column`;
+    the images counted, not opened); None for what is not known (a `hf:` dataset, no such file, a .txt file's images,
+    a file the prompt loader refuses: it names its problems when the run starts)."""
     if not spec or spec.startswith("hf:") or not os.path.isfile(spec):
         return None, None
     from flowrl.conditioning import image_count
+    from flowrl.data import load_prompts
 
-    prompts, most = 0, 0 if column and spec.endswith(".jsonl") else None
-    with open(spec, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            prompts += 1
-            if most is not None:
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    most = None
-                    continue
-                most = max(most, image_count(row if isinstance(row, dict) else {}, column))
-    return prompts, most
+    try:  # (image_column "": the column is kept as the file gives it, a path or a list of paths)
+        prompts = load_prompts(spec, column=prompt_column, image_column="")
+    except (ValueError, OSError):  # (a PromptFileError): the run's own check names it
+        return None, None
+    if not column or spec.lower().endswith(".txt"):
+        return len(prompts), None
+    return len(prompts), max((image_count(meta, column) for meta in prompts.metadata), default=0)
 
 
 #: the VAE decoder without gradients: bytes per image per element of its full-resolution feature map (height x
