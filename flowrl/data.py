@@ -951,10 +951,9 @@ def _pair_sample(row: dict, key: str, where: str, base: Path | None, cache: Path
     else:
         path = _with_images({key: value}, where, key, base)[key][0]
     if size is not None:
-        from PIL import Image
+        from .images import upright_size
 
-        with Image.open(path) as im:
-            w, h = im.size
+        w, h = upright_size(path)  # as the pair's image is encoded (upright, as its EXIF orientation says)
         if (h, w) != tuple(size):
             raise PromptFileError(
                 f"{where}: {key} image {path} is {w}x{h} pixels and the run trains at {size[1]}x{size[0]} "

@@ -5,9 +5,24 @@ from __future__ import annotations
 
 import math
 
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image, ImageDraw, ImageFont, ImageOps
 
 MAX_CAPTION_LINES = 2  # a row's caption wraps onto at most this many lines, then ends with an ellipsis
+
+
+def open_upright(path) -> Image.Image:
+    """The image file at `path` as RGB, upright: turned as its EXIF orientation says (a phone's portrait photo is
+    stored sideways with a tag), as a viewer shows it and diffusers' `load_image` loads it."""
+    with Image.open(path) as im:
+        return ImageOps.exif_transpose(im).convert("RGB")
+
+
+def upright_size(path) -> tuple[int, int]:
+    """(width, height) of the image file at `path` as `open_upright` turns it (its header read, not its pixels)."""
+    with Image.open(path) as im:
+        w, h = im.size
+        orientation = im.getexif().get(0x0112, 1)  # EXIF Orientation: 5-8 turn the image by a quarter
+    return (h, w) if orientation in (5, 6, 7, 8) else (w, h)
 
 
 def image_grid(

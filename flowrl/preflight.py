@@ -570,7 +570,7 @@ def check_lora_init(cfg: Config, family_name: str | None = None) -> None:
     family's denoiser alone (`lora_files.component_problem`)."""
     if not (cfg.lora.enabled and cfg.lora.init_path):
         return
-    from .lora_files import adapter_settings, component_problem, lora_ranks, peft_keys, settings_problem
+    from .lora_files import adapter_settings, component_problem, foreign_format, lora_ranks, peft_keys, settings_problem
 
     path, shapes = lora_init_file(cfg.lora.init_path)
     shapes = peft_keys(shapes)  # diffusers' UNet format (an SD1.5 or SDXL run's export): its ranks are lora_A's
@@ -579,8 +579,10 @@ def check_lora_init(cfg: Config, family_name: str | None = None) -> None:
         from .families import family
 
         prefix = family(family_name).denoiser_attr
-    problem = component_problem(shapes, prefix, path) or settings_problem(
-        adapter_settings(path, prefix), cfg.lora, path, lora_ranks(shapes)
+    problem = (
+        foreign_format(shapes, path, prefix)  # (kohya's keys: named before the model loads, not at its load)
+        or component_problem(shapes, prefix, path)
+        or settings_problem(adapter_settings(path, prefix), cfg.lora, path, lora_ranks(shapes))
     )
     if problem:
         raise PreflightError(problem)

@@ -94,8 +94,9 @@ class EditConsistency:
                 f"edit_consistency: sample {i} has {len(paths)} image(s) in {self.source_column!r}, "
                 f"no index {self.source_index} (source_index)"
             )
-        with Image.open(paths[self.source_index]) as im:
-            return im.convert("RGB")
+        from flowrl.images import open_upright
+
+        return open_upright(paths[self.source_index])  # as the model was given it (flowrl.conditioning)
 
 
 Box = tuple[float, float, float, float]

@@ -64,5 +64,6 @@ class ShapesEdit:
 def _open(value) -> Image.Image:
     """The source image of one sample: a path, or the first of a list of paths."""
     path = value if isinstance(value, str) else value[0]
-    with Image.open(path) as im:
-        return im.convert("RGB")
+    from flowrl.images import open_upright
+
+    return open_upright(path)  # as the model was given it (flowrl.conditioning)

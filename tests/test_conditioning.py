@@ -122,6 +122,27 @@ def test_a_phone_photo_is_loaded_upright_as_its_exif_orientation_says(tmp_path):
     np.testing.assert_array_equal(pixels, np.asarray(load_image(str(file))).astype(int))
 
 
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_every_exif_orientation_opens_upright_with_the_size_it_shows(tmp_path, orientation):
+    """flowrl.images.open_upright (the edit rewards' source images, offline DPO's pair images) gives the pixels
+    diffusers' load_image gives, and upright_size (offline DPO's size check, from the header) that image's size,
+    for each of EXIF's eight orientations (5-8 turn by a quarter: width and height swap)."""
+    import numpy as np
+    from diffusers.utils import load_image
+
+    from flowrl.images import open_upright, upright_size
+
+    stored = np.random.default_rng(orientation).integers(0, 255, (24, 40, 3), dtype=np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    file = tmp_path / "photo.png"
+    Image.fromarray(stored).save(file, exif=exif)
+    image = open_upright(file)
+    assert image.mode == "RGB" and upright_size(file) == image.size
+    assert image.size == ((24, 40) if orientation >= 5 else (40, 24))
+    np.testing.assert_array_equal(np.asarray(image), np.asarray(load_image(str(file))))
+
+
 # ------------------------------------------------------------------------------------------ counts
 
 

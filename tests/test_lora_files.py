@@ -234,3 +234,19 @@ def test_a_kohya_lora_into_a_unet_names_the_unets_conversion():
     assert "transformer_lora_layers=" in foreign_format(kohya, "F", "transformer")
     assert "PeftModel.save_pretrained" in foreign_format(kohya, "F")
     assert foreign_format({"unet.x.lora.down.weight": (8, 4)}, "F", "unet") is None  # diffusers' UNet format: read
+
+
+def test_a_kohya_lora_is_refused_by_the_preflight_before_the_model_loads(tmp_path):
+    """lora.init_path of kohya's format is one PreflightError line from the file's header alone (no model built),
+    with the conversion of the family's denoiser."""
+    from safetensors.torch import save_file
+
+    from flowrl.config import load_config
+    from flowrl.preflight import PreflightError, check_lora_init
+
+    file = tmp_path / "style.safetensors"
+    save_file({"lora_unet_down_blocks_0_attn1_to_q.lora_down.weight": torch.zeros(4, 8)}, str(file))
+    cfg = load_config(None, ["model.path=tiny-sd15", f"lora.init_path={file}"])
+    with pytest.raises(PreflightError, match=r"kohya's \(lora_down / lora_up\) format") as info:
+        check_lora_init(cfg, "sd15")
+    assert "unet_lora_layers=" in str(info.value) and "\n" not in str(info.value)

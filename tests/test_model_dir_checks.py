@@ -505,10 +505,3 @@ def test_plan_refuses_a_variant_directory_as_train_does_and_counts_no_safety_che
     assert not any("safety" in name for name, _ in backend.pipe.components.items() if _ is not None)
     rendered = plan_of(tmp_path / "sd15").render()
     assert "unet (UNet2DConditionModel)" in rendered and "safety" not in rendered.lower()
-
-
-def test_plan_leaves_out_the_components_the_loader_leaves_out():
-    from flowrl.families._loading import _UNUSED_COMPONENTS
-    from flowrl.plan.models import UNUSED_COMPONENTS
-
-    assert UNUSED_COMPONENTS == _UNUSED_COMPONENTS

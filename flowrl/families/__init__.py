@@ -24,6 +24,7 @@ from ._base import (
     register_family,
 )
 from ._loading import (
+    UNUSED_COMPONENTS,
     check_components,
     check_model_index,
     checked_backend,
@@ -41,6 +42,7 @@ from ._loading import (
 
 __all__ = [
     "FAMILIES",
+    "UNUSED_COMPONENTS",
     "ImageBackend",
     "ImageModelError",
     "Schedule",

@@ -327,7 +327,7 @@ def checked_backend(source: str, model_index: Mapping, family: str, drop_t5: boo
 
 
 #: components of diffusers' pipelines that flowrl never runs (the rollout decodes and scores its images itself)
-_UNUSED_COMPONENTS = frozenset({"safety_checker", "feature_extractor"})
+UNUSED_COMPONENTS = frozenset({"safety_checker", "feature_extractor"})
 
 
 def _pipeline_takes(class_name: str) -> tuple[frozenset[str], frozenset[str]] | None:
@@ -339,18 +339,16 @@ def _pipeline_takes(class_name: str) -> tuple[frozenset[str], frozenset[str]] | 
     if not isinstance(cls, type) or not issubclass(cls, diffusers.DiffusionPipeline):
         return None
     required, optional = diffusers.DiffusionPipeline._get_signature_keys(cls)
-    return frozenset(required) - _UNUSED_COMPONENTS, frozenset(required) | frozenset(optional)
+    return frozenset(required) - UNUSED_COMPONENTS, frozenset(required) | frozenset(optional)
 
 
 def _unused_kwargs(model_index: Mapping) -> dict:
     """The from_pretrained arguments that leave out the components of model_index.json flowrl never runs
-    (`_UNUSED_COMPONENTS`: an SD1.5's safety checker and its feature extractor) that its pipeline class takes: each as
+    (`UNUSED_COMPONENTS`: an SD1.5's safety checker and its feature extractor) that its pipeline class takes: each as
     None (never read, never moved to the device), and `requires_safety_checker=False` where the pipeline records it
     (else diffusers warns that the checker was disabled)."""
     takes = _pipeline_takes(_class_name(model_index))
-    unused = [
-        n for n in _listed_components(model_index) if n in _UNUSED_COMPONENTS and (takes is None or n in takes[1])
-    ]
+    unused = [n for n in _listed_components(model_index) if n in UNUSED_COMPONENTS and (takes is None or n in takes[1])]
     kwargs = dict.fromkeys(unused)
     if unused and "requires_safety_checker" in model_index:
         kwargs["requires_safety_checker"] = False

@@ -131,9 +131,8 @@ class DPOOffline(DPO):
         """The epoch's pairs as a batch, nothing sampled: row 2k is pair k's chosen sample, row 2k + 1 its rejected
         one (the trainer's groups of 2), each as clean latents: a latents file read, an image VAE-encoded
         (`ImagePolicy.encode_images`, in calls of sample.rollout_batch_size images)."""
-        from PIL import Image
-
         from flowrl.data import read_latents
+        from flowrl.images import open_upright
 
         if stop is not None:
             stop()
@@ -151,10 +150,7 @@ class DPOOffline(DPO):
         chunk = self.cfg.sample.rollout_batch_size or len(images) or 1
         for start in range(0, len(images), chunk):
             rows = images[start : start + chunk]
-            pictures = []
-            for i in rows:
-                with Image.open(files[i]) as im:
-                    pictures.append(im.convert("RGB"))
+            pictures = [open_upright(files[i]) for i in rows]
             for i, x in zip(rows, self.policy.encode_images(pictures).float().cpu()):
                 latents[i] = x
         return self.policy.given_batch(list(prompts), list(metadata), torch.stack(latents))

@@ -21,9 +21,6 @@ from flowrl.errors import FlowrlError
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SHIPPED_DIR = Path(__file__).parents[1] / "plan_configs"
-#: the pipeline components flowrl never loads (an SD1.5's safety checker and its feature extractor: passed as None
-#: when the pipeline loads, flowrl.families' _UNUSED_COMPONENTS, which a test keeps this equal to)
-UNUSED_COMPONENTS = frozenset({"safety_checker", "feature_extractor"})
 
 
 class PlanError(FlowrlError, ValueError):
@@ -202,7 +199,7 @@ def _cached_pipeline_components(path: str, dtype: str, skip: tuple[str, ...]):
 
 
 def _pipeline_components(path: str, dtype: str, skip: tuple[str, ...]) -> tuple[str, list[Component], str]:
-    from flowrl.families import tiny_models, tiny_pipeline
+    from flowrl.families import UNUSED_COMPONENTS, tiny_models, tiny_pipeline  # (the loader never loads those)
 
     if path in tiny_models() and not os.path.exists(path):
         with _quiet():

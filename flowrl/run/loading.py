@@ -180,7 +180,7 @@ def read_checked(cfg: Config, checkpoint: str | Path, which: str = "auto") -> tu
 
     ck = read_checkpoint(checkpoint)
     weights = checkpoint_weights(ck, checkpoint, which)
-    current = basemodel.fingerprint(cfg.model.path)
+    current = basemodel.fingerprint(cfg.model.path, cfg.model.variant)
     check_model(ck, checkpoint, cfg, current)
     check_base(ck["state"], checkpoint, current, cfg.checkpoint.allow_other_base, note=True)
     return ck, weights

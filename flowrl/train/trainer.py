@@ -123,7 +123,7 @@ class Trainer:
         self.run_dir = Path(cfg.log.run_dir)
         self.main = self.acc.is_main_process
         # the base weights' fingerprint, once (every checkpoint keeps it), on every process: a resume's checks agree
-        self.base_model, self.base_checked = basemodel.fingerprint(cfg.model.path), None
+        self.base_model, self.base_checked = basemodel.fingerprint(cfg.model.path, cfg.model.variant), None
         # checkpoint.resume as the checkpoint it names (a run directory: its newest intact one), checked now
         self.resume = resume_target(cfg.checkpoint.resume, self.run_dir, TRAINER_STATE)
         if self.main:  # writable, this run's alone, and not another run's (unless resuming it or told to overwrite it)
