@@ -221,7 +221,6 @@ def test_a_resume_or_eval_over_changed_base_weights_refuses_naming_the_file(sd3_
     assert read_checkpoint(run / "ckpt-000003")["state"]["base_model"] != saved  # the new base's, from now on
 
 
-
 def test_a_variant_runs_checkpoint_keeps_the_variants_weights_and_refuses_their_change(sd3_dir, tmp_path):
     """model.variant=fp16 over a directory holding both the plain and the fp16 files: the checkpoint's fingerprint
     holds the fp16 files the run loaded, a change of the plain ones (not loaded) is nothing, and a change of the
@@ -246,6 +245,7 @@ def test_a_variant_runs_checkpoint_keeps_the_variants_weights_and_refuses_their_
     perturb(model / "transformer" / "diffusion_pytorch_model.fp16.safetensors")
     with pytest.raises(CheckpointError, match=r"changed: transformer/diffusion_pytorch_model\.fp16\.safetensors"):
         read_checked(cfg, run / "ckpt-000001")
+
 
 def test_a_resume_with_model_path_spelt_otherwise_over_the_same_weights_resumes(sd3_dir, tmp_path, monkeypatch):
     """The run trained over model.path=/abs/model resumes with `model/` (relative, a trailing slash) and with a copy
