@@ -288,6 +288,10 @@ def check_text_model(path: str, max_new_tokens: int | None = None) -> None:
             from .run.basemodel import flowrl_run_hint
 
             hint = flowrl_run_hint(path)
+            if os.path.isfile(os.path.join(path, "model_index.json")):
+                hint = (
+                    "it is a diffusers pipeline (its model_index.json), which an image run trains: drop backend: text"
+                )
             raise PreflightError(
                 f"model.path={path}: no config.json there"
                 + (f": {hint}" if hint else "; a causal LM directory is what model.save_pretrained(DIR) writes")
@@ -305,10 +309,39 @@ def check_text_model(path: str, max_new_tokens: int | None = None) -> None:
             )
     else:
         config = hub_file("model.path", path, "config.json")
+    problem = _not_a_causal_lm(config, path)
+    if problem:
+        raise PreflightError(problem)
     if max_new_tokens is not None:
         positions = _text_positions(config)
         if positions is not None and positions - max_new_tokens < 1:
             raise PreflightError(no_room_for_a_prompt(max_new_tokens, positions, path))
+
+
+def _not_a_causal_lm(config_file: str, path: str) -> str | None:
+    """Why the model of `config_file` (its config.json) is not one AutoModelForCausalLM loads (a T5, a CLIP text
+    encoder, a BERT), as transformers decides it from its model_type; None when it is, or when transformers does not
+    know the model_type or the config names its own classes (`auto_map`: the load reports those itself)."""
+    import json
+
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            config = json.load(f)
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except (OSError, ValueError, ImportError):  # the model load reports a config.json it cannot read
+        return None
+    if not isinstance(config, dict) or "AutoModelForCausalLM" in (config.get("auto_map") or {}):
+        return None
+    kind = config.get("model_type")
+    if not isinstance(kind, str) or kind not in CONFIG_MAPPING_NAMES or kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return None
+    names = config.get("architectures") or []
+    what = f"{names[0]} (model_type {kind})" if names and isinstance(names[0], str) else f"model_type {kind} model"
+    return (
+        f"model.path={path} is a {what}, not a causal LM: a text run trains what AutoModelForCausalLM loads (e.g. "
+        "GPT-2, Llama, Qwen2, Gemma, Phi)"
+    )
 
 
 def no_room_for_a_prompt(max_new_tokens: int, positions: int, path: str) -> str:

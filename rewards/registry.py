@@ -555,9 +555,14 @@ def check_registered(name: str, kwargs: dict[str, Any], kind: str) -> None:
     kind_check = getattr(factory, "check_options", None)
     actual = kind_check(kwargs, kind) if kind_check else factory.reward_kind
     if actual != kind:
+        if "kind" in params:  # (remote: the kind of the server's reward is an option)
+            raise RewardConfigError(
+                f"reward {name!r} is {_a(actual)} reward (kwargs.kind: {actual}); this backend needs {kind} "
+                f"rewards: set its kwargs.kind: {kind}, with a server of {_a(kind)} reward"
+            )
         raise RewardConfigError(
             f"reward {name!r} is {_a(actual)} reward; this backend needs {kind} rewards: "
-            f"{', '.join(available(kind))}, or {PLUGIN_FORMS}."
+            f"{', '.join(available(kind))}, or {PLUGIN_FORMS} ({_a(actual)} run sets backend: {actual})."
         )
 
 

@@ -130,11 +130,15 @@ def check_options(kwargs: dict[str, Any], kind: str) -> str:
             f"reward 'weighted' needs components={{name: weight, or name: {{weight: w, "
             f"reward: registered_name, **options}}}}, got {components!r}"
         )
+    weights = []
     for key, spec in components.items():
         if isinstance(spec, bool) or not isinstance(spec, (int, float, Mapping)):
             raise RewardConfigError(f"weighted component {key!r}: expected a weight or a dict of options, got {spec!r}")
         options = dict(spec) if isinstance(spec, Mapping) else {}
-        options.pop("weight", None)
+        weight = options.pop("weight", 1.0) if isinstance(spec, Mapping) else spec
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            raise RewardConfigError(f"weighted component {key!r}: its weight must be a finite number, got {weight!r}")
+        weights.append(weight)
         component = str(options.pop("reward", key))
         if is_plugin(component):
             raise RewardConfigError(
@@ -145,6 +149,11 @@ def check_options(kwargs: dict[str, Any], kind: str) -> str:
             check_registered(component, options, kind)
         except RewardConfigError as e:
             raise RewardConfigError(f"weighted component {key!r}: {e}") from None
+    if not any(weights):
+        raise RewardConfigError(
+            f"reward 'weighted': every component's weight is 0 ({', '.join(map(repr, components))}): its sum is 0 "
+            "for every sample, nothing to train on; give a component a weight other than 0"
+        )
     return kind
 
 

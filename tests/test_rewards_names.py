@@ -57,6 +57,19 @@ def test_two_rewards_of_one_name_are_refused(plugin, tmp_path):
         load_config(TINY_CFG, [f"rewards.0.name={plugin.rpartition(':')[0]}"])  # the file, its function left out
 
 
+def test_a_reward_labelled_total_or_nothing_is_refused(plugin):
+    """`total` is the metrics' own label (reward/total_mean: the weighted sum of the rewards): a reward of that name
+    would write its mean over it, so it is refused, as an empty label (metrics named `eval/_mean`) is."""
+    with pytest.raises(ConfigError, match=r"rewards\[1\]\.name='total' is reserved: reward/total_mean is") as info:
+        load_config(TINY_CFG, [f"rewards=[{{name: jpeg_compressibility}}, {{name: total, reward: '{plugin}'}}]"])
+    assert f"{{name: total_score, reward: {plugin}}}" in str(info.value)
+    with pytest.raises(ConfigError, match=r"rewards\[0\]\.name is empty"):
+        load_config(TINY_CFG, ["rewards.0.name="])
+    assert (
+        load_config(TINY_CFG, [f"rewards=[{{name: total_score, reward: '{plugin}'}}]"]).rewards[0].name == "total_score"
+    )
+
+
 def test_a_runs_metrics_name_a_plugin_by_its_function(plugin, tmp_path):
     from flowrl.train import Trainer
 

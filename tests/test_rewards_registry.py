@@ -201,7 +201,9 @@ def test_check_validates_registered_names_options_and_kind_without_building(monk
 
 def test_check_follows_remote_and_weighted_options_to_their_kind():
     rewards.check("remote", {"url": "http://127.0.0.1:9", "kind": "text"}, "text")
-    with pytest.raises(rewards.RewardConfigError, match=r"'remote' is a text reward; this backend needs image rewards"):
+    with pytest.raises(
+        rewards.RewardConfigError, match=r"'remote' is a text reward \(kwargs\.kind: text\); this backend needs image"
+    ):
         rewards.check("remote", {"url": "http://127.0.0.1:9", "kind": "text"}, "image")
     with pytest.raises(
         rewards.RewardConfigError,
@@ -306,3 +308,39 @@ def test_a_reward_whose_weights_do_not_load_names_its_options_in_one_line(monkey
     assert message.startswith("reward 'clip_score' could not be built: OSError: ")
     assert "It loads model='no-such-org/no-such-clip'; this machine is offline (HF_HUB_OFFLINE=1)" in message
     assert message.endswith("e.g. kwargs: {model: /path/to/dir}")
+
+
+@pytest.mark.parametrize("weight", [float("nan"), float("inf"), "1", None, True])
+def test_a_weighted_component_weight_that_is_not_a_finite_number_is_refused(weight):
+    """A component weight of NaN, inf, a string, null or a bool (given alone or in the component's dict) is one
+    RewardConfigError naming the component, as a top-level weight is: a NaN weight would make every reward NaN."""
+    alone = {"jpeg_compressibility": weight, "aesthetic": 1.0}
+    in_dict = {"aesthetic": 1.0, "small": {"reward": "jpeg_compressibility", "weight": weight}}
+    for components, key in ((alone, "jpeg_compressibility"), (in_dict, "small")):
+        with pytest.raises(
+            rewards.RewardConfigError,
+            match=rf"^weighted component '{key}': (its weight must be a finite number|expected a weight)",
+        ):
+            rewards.check("weighted", {"components": components}, "image")
+
+
+def test_a_weighted_reward_whose_weights_are_all_zero_is_refused():
+    """All component weights 0: the sum is 0 for every sample, refused as an all-zero top-level weighting is; one
+    component of weight 0 beside another is kept (it is logged)."""
+    components = {"jpeg_compressibility": 0, "aesthetic": {"weight": 0.0}}
+    with pytest.raises(rewards.RewardConfigError, match=r"every component's weight is 0 .*nothing to train on"):
+        rewards.check("weighted", {"components": components}, "image")
+    rewards.check("weighted", {"components": {**components, "jpeg_incompressibility": -0.5}}, "image")
+
+
+def test_a_reward_of_the_other_kind_names_the_backend_or_the_remote_kind():
+    """A text reward in an image run (a text run missing `backend: text`) names the backend key; a remote reward of
+    the other kind names its kwargs.kind."""
+    with pytest.raises(
+        rewards.RewardConfigError, match=r"'accuracy' is a text reward; .*\(a text run sets backend: text\)\.$"
+    ):
+        rewards.check("accuracy", {}, "image")
+    with pytest.raises(rewards.RewardConfigError, match=r"\(an image run sets backend: image\)\.$"):
+        rewards.check("jpeg_compressibility", {}, "text")
+    with pytest.raises(rewards.RewardConfigError, match=r"\(kwargs\.kind: text\); .*set its kwargs\.kind: image"):
+        rewards.check("remote", {"url": "http://127.0.0.1:9", "kind": "text"}, "image")

@@ -163,3 +163,49 @@ def test_a_lora_policy_builds_and_saves_without_library_warnings(tiny_lm, tmp_pa
     messages = [str(w.message) for w in caught]
     assert not [m for m in messages if "is_gradient_checkpointing" in m or "Could not find a config" in m], messages
     assert "Writing model shards" not in capsys.readouterr().err  # log.progress=false
+
+
+def test_a_model_that_is_not_a_causal_lm_or_a_pipeline_is_one_line(tiny_lm, tmp_path, no_model_load):
+    """A T5 or a CLIP text encoder saved with its tokenizer (what AutoModelForCausalLM does not load) and a diffusers
+    pipeline directory given to a text run are each one line before the model loads, naming what they are; a causal
+    LM whose config names its own classes (auto_map) is left to its load."""
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5ForConditionalGeneration
+
+    from flowrl.preflight import PreflightError, check_text_model
+    from flowrl.worlds.arith import arith_tokenizer
+
+    tok = arith_tokenizer()
+    t5 = T5Config(vocab_size=len(tok), d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8)
+    clip = CLIPTextConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1)
+    clip.num_attention_heads = 2
+    for name, model, what in (
+        ("t5", T5ForConditionalGeneration(t5), r"T5ForConditionalGeneration \(model_type t5\)"),
+        ("clip", CLIPTextModel(clip), r"CLIPTextModel \(model_type clip_text_model\)"),
+    ):
+        model.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+        with pytest.raises(PreflightError, match=rf"^model.path={tmp_path / name} is a {what}, not a causal LM: "):
+            check_text_model(str(tmp_path / name))
+    pipeline = tmp_path / "pipeline"
+    pipeline.mkdir()
+    (pipeline / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
+    with pytest.raises(PreflightError, match=r"no config.json there: it is a diffusers pipeline .*drop backend: text$"):
+        check_text_model(str(pipeline))
+    custom = shutil.copytree(tmp_path / "t5", tmp_path / "custom")
+    config = json.loads((custom / "config.json").read_text())
+    (custom / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModelForCausalLM": "m.Lm"}}))
+    check_text_model(str(custom))
+    check_text_model(str(tiny_lm))
+
+
+def test_a_causal_lm_given_to_an_image_run_names_backend_text(tiny_lm):
+    """A causal LM directory as an image run's model.path (a config without `backend: text`) says so, with the key
+    to set, instead of "not a diffusers pipeline directory"."""
+    from flowrl.families import ImageModelError, preflight_image_model
+
+    with pytest.raises(
+        ImageModelError,
+        match=r"has no model_index.json: it is a causal LM \(GPT2LMHeadModel, .*"
+        r"set backend: text$",
+    ):
+        preflight_image_model(str(tiny_lm), height=32, width=32)

@@ -50,6 +50,10 @@ def _non_finite(v) -> bool:
     return isinstance(v, float) and not math.isfinite(v)
 
 
+#: reward labels the metrics use for themselves (`reward/total_mean`: the weighted sum of the rewards)
+RESERVED_REWARD_NAMES = ("total",)
+
+
 def _reward_name_problems(cfg: Config) -> list[str]:
     """Each reward has a name of its own in the metrics (`reward/NAME_mean`, `eval/NAME`): two of one name would
     write one metric, so they are refused (not suffixed: a metric's name does not depend on the order of the list)."""
@@ -59,6 +63,16 @@ def _reward_name_problems(cfg: Config) -> list[str]:
             problems.append(
                 f"rewards[{i}].name={r.name!r} names a file but no function in it; a plug-in is "
                 f"'{r.name}:FUNCTION' (file.py:function)"
+            )
+        elif not r.name.strip():
+            problems.append(
+                f"rewards[{i}].name is empty; give a registered name, a plug-in 'path/to/file.py:function' or "
+                "'package.module:function', or a label (what it builds in `reward`)"
+            )
+        elif r.name in RESERVED_REWARD_NAMES:
+            problems.append(
+                f"rewards[{i}].name={r.name!r} is reserved: reward/{r.name}_mean is the weighted sum of every reward "
+                f"in the metrics; label it otherwise, e.g. {{name: {r.name}_score, reward: {r.reward or 'REWARD'}}}"
             )
         elif "/" in r.name:
             problems.append(

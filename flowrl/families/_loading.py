@@ -103,6 +103,20 @@ def hub_offline() -> bool:
     return hub.offline()
 
 
+def _causal_lm_hint(directory: str) -> str | None:
+    """What to set when the directory given as an image model is a causal LM's (its config.json names a class
+    `...ForCausalLM` / `...LMHeadModel`, as transformers' save_pretrained writes it): a text run; None otherwise."""
+    try:
+        with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
+            names = json.load(f).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return None
+    lm = next((n for n in names if isinstance(n, str) and n.endswith(("ForCausalLM", "LMHeadModel"))), None)
+    if lm is None:
+        return None
+    return f"it is a causal LM ({lm}, its config.json), which a text run trains: set backend: text"
+
+
 def _read_local_json(directory: str, name: str) -> dict:
     """The JSON file `name` (e.g. "vae/config.json") of a local pipeline directory."""
     file = os.path.join(directory, *name.split("/"))
@@ -116,6 +130,8 @@ def _read_local_json(directory: str, name: str) -> dict:
         from flowrl.run.basemodel import flowrl_run_hint
 
         hint = flowrl_run_hint(directory) if name == "model_index.json" else None
+        if name == "model_index.json" and hint is None:
+            hint = _causal_lm_hint(directory)
         raise ImageModelError(
             f"{directory} has no {name}: "
             + (hint or "not a diffusers pipeline directory (write one with pipe.save_pretrained(DIR))")
