@@ -202,7 +202,7 @@ def test_a_checkpoint_of_the_old_layout_resumes(tmp_path):
     hints = [w for w in seen if issubclass(w.category, ConfigWarning) and " is now " in str(w.message)]
     assert not hints  # no moved-key hint: the saved config is data
     changed = [str(w.message) for w in seen if "with a changed config" in str(w.message)]
-    assert changed and all(m.endswith("with a changed config: train.epochs: 1 -> 2") for m in changed), changed
+    assert not changed, changed  # train.epochs is what a resume changes to train on: not reported
     # a checkpoint of another objective is still refused, in one line
     from flowrl.errors import CheckpointError
 
