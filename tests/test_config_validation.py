@@ -339,3 +339,36 @@ def test_one_reward_kwarg_can_be_overridden_by_its_dotted_key(tmp_path):
     # a plain value still names itself a value
     with pytest.raises(ConfigError, match=r"rewards\.0\.weight is a value, not a section"):
         load_config(yml, ["rewards.0.weight.x=2"])
+
+
+def test_settings_the_backend_does_not_read_are_warned_once(tmp_path, monkeypatch):
+    """An image setting changed in a text run, a text.* one in an image run: one warning naming them; the shipped
+    presets, and a full dump of a text config's defaults, are not warned about."""
+    import warnings
+
+    import yaml
+
+    from flowrl.config import to_dict
+    from flowrl.errors import ConfigWarning
+
+    with pytest.warns(
+        ConfigWarning,
+        match=r"^sample\.height=128, eval\.num_steps=4: image settings, which this text run \(backend: text\) does "
+        r"not read \(its lengths are text\.max_prompt_length",
+    ):
+        load_config(None, ["backend=text", "sample.height=128", "eval.num_steps=4", "text.max_new_tokens=4"])
+    with pytest.warns(
+        ConfigWarning,
+        match=r"^text\.temperature=0\.7: a text run's setting, which this image run does not read \(a language "
+        r"model trains with backend: text\)$",
+    ):
+        load_config(None, ["text.temperature=0.7"])
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    dump = tmp_path / "dump.yaml"
+    dump.write_text(yaml.safe_dump(to_dict(Config(backend="text"))))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        for preset in sorted((root / "configs").glob("*.yaml")):
+            load_config(preset, [])
+        load_config(dump, [])

@@ -186,6 +186,9 @@ def test_a_model_that_is_not_a_causal_lm_or_a_pipeline_is_one_line(tiny_lm, tmp_
         tok.save_pretrained(tmp_path / name)
         with pytest.raises(PreflightError, match=rf"^model.path={tmp_path / name} is a {what}, not a causal LM: "):
             check_text_model(str(tmp_path / name))
+        # past the check (a policy built in a script): the load's own error is one line too
+        with pytest.raises(FlowrlError, match=r"transformers does not load it as a causal LM \(.*\); a text run"):
+            policy(tmp_path / name)
     pipeline = tmp_path / "pipeline"
     pipeline.mkdir()
     (pipeline / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
@@ -209,3 +212,27 @@ def test_a_causal_lm_given_to_an_image_run_names_backend_text(tiny_lm):
         r"set backend: text$",
     ):
         preflight_image_model(str(tiny_lm), height=32, width=32)
+
+
+def test_a_prompt_the_tokenizer_cannot_read_back_is_warned_once(tiny_lm):
+    """The arithmetic tokenizer knows digits and `+-*=`: a prompt with letters is given to the model with unknown
+    tokens in their place, said once a run (naming the prompt and how it reads); prompts of its characters (spaces
+    aside) are not warned about."""
+    from flowrl.policies.text import read_back
+
+    p = policy(tiny_lm)
+    assert read_back(p.tokenizer, "12 + 3 =", p.tokenizer("12 + 3 =", add_special_tokens=False)["input_ids"]) is None
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        p.encode_prompts(["12+30=", "10+20="])
+    assert not seen
+    with pytest.warns(
+        UserWarning,
+        match=r"a prompt does not read back whole .*'what is 2\+2\?' is given to the model "
+        r"as ' *2\+2' \(characters outside its vocabulary",
+    ):
+        p.encode_prompts(["12+30=", "what is 2+2?"])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        p.encode_prompts(["and 3+4?"])
+    assert not seen  # once a run

@@ -3,6 +3,7 @@ the completion and its context but out of the loss, the KL and the entropy; the 
 tokens are the trainer's forward's (the first minibatch on policy); the turns go to completions.jsonl."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -214,9 +215,10 @@ def test_the_eval_answers_tool_calls_greedily(tiny_lm, tmp_path):
     assert completions == texts and len(ids) == 6
 
 
-def test_the_tool_preset_trains_the_calculator_world(tmp_path):
+def test_the_tool_preset_trains_the_calculator_world(tmp_path, capfd):
     """configs/text_tool.yaml, shrunk: the shipped calculator model calls the tool in its rollouts, the calls are
-    answered, the eval (greedy, with the calculator) scores the final answers, and the model changes."""
+    answered, the eval (greedy, with the calculator) scores the final answers, and the model changes; transformers'
+    false alarm of a missing attention mask (it drops an all-ones one itself) is not printed."""
     from pathlib import Path
 
     from flowrl.config import load_config
@@ -248,6 +250,7 @@ def test_the_tool_preset_trains_the_calculator_world(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/calc_answer_mean" in r]
     assert len(evals) == 2 and evals[0]["eval/tool_used_mean"] > 0.1 and evals[0]["eval/calc_answer_mean"] > 0.1
+    assert "passing in an `attention_mask`" not in capfd.readouterr().err
 
 
 def test_an_environment_that_fails_or_answers_no_text_is_one_line(tmp_path):
@@ -261,3 +264,24 @@ def test_an_environment_that_fails_or_answers_no_text_is_one_line(tmp_path):
     assert "\n" not in msg and "raised KeyError" in msg and "bad.py line 2" in msg and "<calc>1</calc>" in msg
     with pytest.raises(FlowrlError, match="returned int 42; it must return the text to append"):
         load_tool_env(f"{f}:number")("x", {"prompt": "", "transcript": "", "metadata": {}})
+
+
+def letters_env(turn, *, transcript):
+    """Answers in words the arithmetic tokenizer has no tokens for."""
+    return "=one="
+
+
+def test_a_tool_reply_the_tokenizer_cannot_read_back_is_warned_once(tiny_lm, tmp_path):
+    from flowrl.train import Trainer
+
+    tr = Trainer(multi_turn_cfg(tiny_lm, tmp_path, "text.tool_env=test_text_tools:letters_env"))
+    tr.policy.weights_version = 0
+    prompts = [p for p in tr.train_set.prompts[:3] for _ in range(4)]
+    meta = [m for m in tr.train_set.metadata[:3] for _ in range(4)]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        batch = tr.policy.rollout(prompts, meta, epoch=0, generator=torch.Generator().manual_seed(0))
+    assert any("tool" in t for turns in batch.turns for t in turns), batch.turns  # some rows called the tool
+    said = [str(w.message) for w in seen if "does not read back" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith("a tool reply does not read back whole"), said
+    assert "'=one=' is given to the model as '=" in said[0]

@@ -578,9 +578,44 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = _build(Config, data)
     _expand_home(cfg)
     validate(cfg)
+    _warn_other_backends_keys(cfg)
     if path is not None:
         _warn_paths_beside(cfg, path)
     return cfg
+
+
+#: The settings only an image run reads: a text run's lengths are text.max_prompt_length and text.max_new_tokens.
+IMAGE_ONLY_KEYS = (
+    "sample.num_steps",
+    "sample.guidance_scale",
+    "sample.height",
+    "sample.width",
+    "sample.max_sequence_length",
+    "sample.num_frames",
+    "eval.num_steps",
+    "eval.guidance_scale",
+    "model.drop_t5",
+)
+
+
+def _warn_other_backends_keys(cfg: Config) -> None:
+    """One warning for the settings changed from their defaults that the run's backend does not read: an image
+    setting (IMAGE_ONLY_KEYS) in a text run, a `text.*` one in an image run (most likely a config meant for the
+    other kind of model, or a missing `backend: text`)."""
+    default = Config()
+    if cfg.backend == "text":
+        keys = [k for k in IMAGE_ONLY_KEYS if _get_dotted(cfg, k) != _get_dotted(default, k)]
+        what = "an image setting" if len(keys) == 1 else "image settings"
+        what += ", which this text run (backend: text) does not read"
+        hint = "its lengths are text.max_prompt_length and text.max_new_tokens"
+    else:
+        changed = dataclasses.asdict(cfg.text)
+        keys = [f"text.{k}" for k, v in changed.items() if v != getattr(default.text, k)]
+        what = f"a text run's {'setting' if len(keys) == 1 else 'settings'}, which this {cfg.backend} run does not read"
+        hint = "a language model trains with backend: text"
+    if keys:
+        shown = ", ".join(f"{k}={_get_dotted(cfg, k)!r}" for k in keys)
+        warnings.warn(f"{shown}: {what} ({hint})", ConfigWarning, stacklevel=3)
 
 
 # The config keys that name a file or directory. A relative one is read from the working directory.

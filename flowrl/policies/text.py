@@ -17,6 +17,7 @@ import copy
 import functools
 import inspect
 import json
+import logging
 import math
 import warnings
 from pathlib import Path
@@ -33,6 +34,34 @@ from flowrl.seeding import derive_seed
 class TextModelError(FlowrlError, ValueError):
     """A causal LM directory (model.path) whose tokenizer or config the text backend cannot run with; the message
     names what is missing and how to fix it."""
+
+
+class _DroppedMaskFilter(logging.Filter):
+    """transformers' generate() drops an all-ones attention mask (a batch without padding) after the prefill, and
+    then GPT-2's forward warns "We strongly recommend passing in an `attention_mask`" whenever a decode step's token
+    is the pad id (which is the EOS id of most causal LMs): a false alarm for flowrl, which passes its mask."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("We strongly recommend passing in an `attention_mask`")
+
+
+@contextlib.contextmanager
+def _mask_passed():
+    """While flowrl's own generate() runs (it always passes the attention mask): `_DroppedMaskFilter`."""
+    log, quiet = logging.getLogger("transformers.modeling_utils"), _DroppedMaskFilter()
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
+
+
+def read_back(tokenizer, text: str, ids: list[int]) -> str | None:
+    """How `text`, tokenized as `ids`, reads back through `tokenizer`'s decode, when that is another text than
+    `text` (whitespace aside, which decoders tidy): characters outside the vocabulary dropped or turned into the
+    unknown token. None when it reads back whole."""
+    back = tokenizer.decode(ids, skip_special_tokens=True)
+    return back if "".join(back.split()) != "".join(text.split()) else None
 
 
 def _first_line(e: BaseException, most: int = 240) -> str:
@@ -275,6 +304,11 @@ class TextPolicy:
                 "them beside config.json (what model.save_pretrained(DIR) writes: model.safetensors, or its shards "
                 "and their index)"
             ) from None
+        except ValueError as e:  # a config transformers reads, but not as a causal LM (T5, CLIP, a vision model)
+            raise TextModelError(
+                f"model.path={cfg.model.path}: transformers does not load it as a causal LM ({_first_line(e)}); a "
+                "text run trains a model AutoModelForCausalLM loads (GPT-2, Llama, Qwen, ...)"
+            ) from None
         model.to(self.device).eval()  # eval: no dropout, so recomputed log-probs equal the recorded ones
         model.requires_grad_(False)
         self.stop_ids = stop_token_ids(self.tokenizer, model)
@@ -445,6 +479,7 @@ class TextPolicy:
         prompt is tokenized once (a rollout holds every prompt group_size times) and its rows repeated. An EOS the
         tokenizer appends (`_appends_eos`) is dropped: left-padded, it is every row's last column."""
         distinct = list(dict.fromkeys(prompts))
+        self._check_read_back(distinct, "a prompt")
         drop = int(self._drop_appended_eos)
         texts = [self.format_prompt(p) for p in distinct]
 
@@ -476,6 +511,27 @@ class TextPolicy:
         where = {p: i for i, p in enumerate(distinct)}
         rows = torch.tensor([where[p] for p in prompts], dtype=torch.long)
         return ids[rows].to(self.device), attn[rows].to(self.device)
+
+    def _check_read_back(self, texts: list[str], what: str) -> None:
+        """Warn once a run (for `what`: "a prompt", "a tool reply") when one of `texts` does not read back whole
+        through the tokenizer (`read_back`): the model is given fewer characters than the text holds."""
+        said = self.__dict__.setdefault("_said_read_back", set())
+        checked = self.__dict__.setdefault("_read_back_checked", set())
+        new = [x for x in texts if x not in checked and x]
+        if what in said or not new or len(checked) > 100_000:  # (a long run's distinct replies: enough checked)
+            return
+        checked.update(new)
+        for text, ids in zip(new, self.tokenizer(new, add_special_tokens=False)["input_ids"]):
+            back = read_back(self.tokenizer, text, ids)
+            if back is not None:
+                said.add(what)
+                warnings.warn(
+                    f"{what} does not read back whole through the tokenizer of model.path={self.cfg.model.path}: "
+                    f"{text[:80]!r} is given to the model as {back[:80]!r} (characters outside its vocabulary are "
+                    "dropped or unknown); keep to the characters it was trained on",
+                    stacklevel=3,
+                )
+                return
 
     def decode_completions(self, completion: Tensor, mask: Tensor) -> tuple[list[str], list[list[int]]]:
         """[B, T] ids and their completion mask -> (texts, id lists through the EOS), in one batched decode."""
@@ -522,23 +578,24 @@ class TextPolicy:
         t, tok = self.text, self.tokenizer
         processors = [recorder] if recorder is not None else []
         processors += sampling_processors(t.temperature, t.top_k, t.top_p)
-        return self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attn,
-            do_sample=False,  # greedy over InverseCdfSampler's one-hot scores: it samples (see there)
-            max_new_tokens=max_new_tokens or t.max_new_tokens,
-            use_cache=True,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=self.stop_ids,
-            synced_gpus=self.sharded,  # sharded: every step's forward is a collective, on every process
-            logits_processor=LogitsProcessorList(processors),
-            **(
-                {"stopping_criteria": StoppingCriteriaList([StopOnStrings(tok, stop, input_ids.shape[1])])}
-                if stop
-                else {}
-            ),
-            **neutral_generation_kwargs(),
-        )
+        with _mask_passed():
+            return self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attn,
+                do_sample=False,  # greedy over InverseCdfSampler's one-hot scores: it samples (see there)
+                max_new_tokens=max_new_tokens or t.max_new_tokens,
+                use_cache=True,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=self.stop_ids,
+                synced_gpus=self.sharded,  # sharded: every step's forward is a collective, on every process
+                logits_processor=LogitsProcessorList(processors),
+                **(
+                    {"stopping_criteria": StoppingCriteriaList([StopOnStrings(tok, stop, input_ids.shape[1])])}
+                    if stop
+                    else {}
+                ),
+                **neutral_generation_kwargs(),
+            )
 
     @property
     def engine(self):
@@ -712,6 +769,7 @@ class TextPolicy:
                     }
                     reply = env(said, context)
                     if reply is not None:
+                        self._check_read_back([reply], "a tool reply")
                         rids = tok(reply, add_special_tokens=False)["input_ids"][: T - len(comp[i])]
                         comp[i] += rids
                         kind[i] += [0] * len(rids)
@@ -853,22 +911,23 @@ class TextPolicy:
         from transformers import StoppingCriteriaList
 
         tok = self.tokenizer
-        out = self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attn,
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            use_cache=True,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=self.stop_ids,
-            synced_gpus=self.sharded,  # sharded: every step's forward is a collective, on every process
-            **(
-                {"stopping_criteria": StoppingCriteriaList([StopOnStrings(tok, stop, input_ids.shape[1])])}
-                if stop
-                else {}
-            ),
-            **neutral_generation_kwargs(),
-        )
+        with _mask_passed():
+            out = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attn,
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                use_cache=True,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=self.stop_ids,
+                synced_gpus=self.sharded,  # sharded: every step's forward is a collective, on every process
+                **(
+                    {"stopping_criteria": StoppingCriteriaList([StopOnStrings(tok, stop, input_ids.shape[1])])}
+                    if stop
+                    else {}
+                ),
+                **neutral_generation_kwargs(),
+            )
         return out[:, input_ids.shape[1] :]
 
     @torch.no_grad()
