@@ -265,8 +265,23 @@ def test_a_resume_with_model_path_spelt_otherwise_over_the_same_weights_resumes(
     other = tmp_path / "other"
     shutil.copytree(sd3_dir, other)
     perturb(other / "transformer" / "diffusion_pytorch_model.safetensors")
-    with pytest.raises(CheckpointError, match=rf"trained over other base weights than model\.path={other} holds now"):
-        Trainer(tiny_cfg(run, f"model.path={other}", "checkpoint.resume=auto", "train.epochs=4")).fit()
+    # another path over other weights is a change of the model (not a base to allow with allow_other_base)
+    for allow in ("false", "true"):
+        with pytest.raises(
+            CheckpointError,
+            match=rf"cannot resume from {run / 'ckpt-000003'}: the config changed what the checkpoint was trained as "
+            rf"\(model\.path: '{copy}' -> '{other}', other base weights: changed: "
+            r"transformer/diffusion_pytorch_model\.safetensors\); undo that change, or start a new run",
+        ):
+            Trainer(
+                tiny_cfg(
+                    run,
+                    f"model.path={other}",
+                    "checkpoint.resume=auto",
+                    "train.epochs=4",
+                    f"checkpoint.allow_other_base={allow}",
+                )
+            ).fit()
 
 
 def test_a_checkpoint_without_a_fingerprint_or_a_model_without_files_is_not_checked(tmp_path):

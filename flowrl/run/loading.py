@@ -121,6 +121,24 @@ def check_base(state: dict, path: str | Path, current: dict | None, allow: bool,
     )
 
 
+def check_moved_base(state: dict, path: str | Path, cfg: Config, current: dict) -> None:
+    """A resume whose model.path names other base weights than the checkpoint's run trained over (another path,
+    other files) is a change of the model, which no resume allows (`check_resume`): refused in those words, with
+    the files that differ, before the base-weights check would offer checkpoint.allow_other_base."""
+    saved_model = (state.get("config") or {}).get("model")
+    saved_path = saved_model.get("path") if isinstance(saved_model, dict) else None
+    kept = state.get("base_model")
+    if saved_path is None or saved_path == cfg.model.path or not kept:
+        return
+    changes = basemodel.differences(kept, current)
+    if changes:
+        raise CheckpointError(
+            f"cannot resume from {path}: the config changed what the checkpoint was trained as (model.path: "
+            f"{saved_path!r} -> {cfg.model.path!r}, other base weights: {'; '.join(changes)}); undo that change, "
+            "or start a new run in another log.run_dir (or log.overwrite=true)"
+        )
+
+
 def check_resume_base(cfg: Config, run_dir: str | Path, current: dict | None, resume: str | None = None) -> Path | None:
     """Before the model loads: the checkpoint a resume will read (`resume`, checkpoint.resume when not given, as
     `checkpoint.resume_target` resolved it; auto: the newest) was trained over the base weights of fingerprint
@@ -136,6 +154,7 @@ def check_resume_base(cfg: Config, run_dir: str | Path, current: dict | None, re
             check_state(state, path / "state.json")
         except (OSError, ValueError):  # (CheckpointError is a ValueError)
             return None
+        check_moved_base(state, path, cfg, current)
         check_base(state, path, current, cfg.checkpoint.allow_other_base, note=True)
         return path
     return None
