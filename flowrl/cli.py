@@ -155,7 +155,8 @@ def _eval(args) -> int:
 
     cfg = _load(args)
     # prompts, rewards and the model's class and size are checked before the model loads
-    _, eval_set = preflight(cfg, engine=False)  # the eval's completions are greedy, on the trainer's own model
+    # the eval's completions are greedy, on the trainer's own model; the training prompts are not read
+    _, eval_set = preflight(cfg, engine=False, train=False)
     if args.out:
         check_writable(args.out, "--out", keep=False)  # (not after the eval's sampling)
     # the checkpoint's model first: one of another model is that error alone, not the base eval's settings too

@@ -312,19 +312,27 @@ def load_config_prompts(data: DataConfig, part: str = "train") -> PromptSet:
     if part not in ("train", "eval"):
         raise ValueError(f"part must be 'train' or 'eval', got {part!r}")
     key, source, split = "train_prompts", data.train_prompts, data.train_split
+    column, own_file = data.prompt_column, False
     if part == "eval" and data.eval_prompts:
-        key, source, split = "eval_prompts", data.eval_prompts, data.eval_split
+        key, source, split, own_file = "eval_prompts", data.eval_prompts, data.eval_split, True
+        column = data.eval_prompt_column or column
     try:
         return load_prompts(
             source,
-            column=data.prompt_column,
+            column=column,
             template=data.prompt_template,
             split=split,
             hf_config=data.hf_config,
             image_column=data.image_column,
         )
     except PromptFileError as e:
-        raise type(e)(f"data.{key}: {e}") from e
+        message = str(e)
+        if own_file:  # the eval file's column is its own key (the training file's stays as it is)
+            for old in ("; data.prompt_column=", "; set data.prompt_column to"):
+                message = message.replace(old, old.replace("prompt_column", "eval_prompt_column"))
+            if data.eval_prompt_column:
+                message = message.replace("(data.prompt_column)", "(data.eval_prompt_column)")
+        raise type(e)(f"data.{key}: {message}") from e
 
 
 # ------------------------------------------------------------------------------------------ rows
@@ -1063,7 +1071,10 @@ def truncation_message(key: str, prompts: PromptSet, limits: list[TokenLimit]) -
     )
     first = cut[0]
     lengths = ", ".join(limit.tokens(counts[first]) for limit, counts in over)
-    encoders = "text encoders" if len(limits) > 1 else "text encoder"
+    if not any(limit.name for limit in limits):  # a text model's own prompt
+        encoders = "prompt length"
+    else:
+        encoders = "text encoders" if len(limits) > 1 else "text encoder"
     return (
         f"{key}: {len(cut)} of {len(texts)} prompts are too long for the model's {encoders} and are cut: "
         f"{parts}; the first is {prompts.origins[first]} ({len(texts[first])} characters, {lengths}); the model "

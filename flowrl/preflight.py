@@ -58,17 +58,22 @@ def _library_error(e: BaseException) -> bool:
     return isinstance(e, (ImageModelError, RewardConfigError))
 
 
-def load_prompt_sets(cfg: Config) -> tuple[PromptSet, PromptSet]:
+def load_prompt_sets(cfg: Config, *, train: bool = True) -> tuple[PromptSet | None, PromptSet]:
     """The training and eval prompt sets of `cfg` (eval: the training prompts when none are given), with the
     columns that data.balance_by and eval.group_by need checked. An objective that reads its own training set
-    (offline DPO's pairs: `Objective.training_prompts`) gives it in place of data.train_prompts."""
-    from .data import load_config_prompts, require_column, warn_eval_not_held_out, warn_repeated_prompts
-    from .eval.summary import eval_plan
+    (offline DPO's pairs: `Objective.training_prompts`) gives it in place of data.train_prompts. `train` False (an
+    eval alone) with data.eval_prompts given: the training prompts are not read (None in their place)."""
+    from .data import load_config_prompts, warn_eval_not_held_out, warn_repeated_prompts
     from .objectives import get_objective
 
     d = cfg.data
     if cfg.backend == "text":  # a text model takes no images: its `image` column, if any, is plain metadata
         d = dataclasses.replace(d, image_column="")
+    if not train and d.eval_prompts:
+        eval_set = _checked("data.eval_prompts", load_config_prompts, d, "eval")
+        _check_eval_groups(cfg, eval_set)
+        return None, eval_set
+    if cfg.backend == "text":
         if not d.train_prompts:
             raise PreflightError(
                 "a text run needs data.train_prompts (a .jsonl/.csv/.txt file of prompts, or hf:DATASET): the "
@@ -83,6 +88,15 @@ def load_prompt_sets(cfg: Config) -> tuple[PromptSet, PromptSet]:
     warn_eval_not_held_out(train_set, eval_set if d.eval_prompts else None, d.image_column)
     if d.balance_by:
         _checked("data.balance_by", train_set.strata, d.balance_by)
+    _check_eval_groups(cfg, eval_set)
+    return train_set, eval_set
+
+
+def _check_eval_groups(cfg: Config, eval_set: PromptSet) -> None:
+    """eval.group_by's column is in the eval prompts, and eval.images_per_group shares them out."""
+    from .data import require_column
+    from .eval.summary import eval_plan
+
     if cfg.eval.group_by:
         _checked(
             "eval.group_by",
@@ -99,7 +113,6 @@ def load_prompt_sets(cfg: Config) -> tuple[PromptSet, PromptSet]:
             eval_set.origins,
         )
         _checked("eval.images_per_group", eval_plan, eval_set, cfg.eval)
-    return train_set, eval_set
 
 
 def check_rewards(cfg: Config) -> None:
@@ -140,7 +153,7 @@ def check_reward_weights(cfg: Config) -> None:
         )
 
 
-def check_reward_columns(cfg: Config, train_set: PromptSet, eval_set: PromptSet) -> None:
+def check_reward_columns(cfg: Config, train_set: PromptSet | None, eval_set: PromptSet) -> None:
     """Each prompt a reward scores has the metadata columns it declares (`rewards.declared_columns`, a plug-in's
     required parameters among them) and passes its check of a row (`rewards.row_check`): the training prompts (when
     the objective scores its samples) and the eval prompts."""
@@ -149,7 +162,7 @@ def check_reward_columns(cfg: Config, train_set: PromptSet, eval_set: PromptSet)
     from .data import metadata_columns
     from .objectives import get_objective
 
-    scored = get_objective(cfg.train.objective).scores_batch
+    scored = get_objective(cfg.train.objective).scores_batch and train_set is not None  # (None: not read)
     sets = [("data.train_prompts", train_set)] if scored else []
     if eval_set is not train_set or not scored:
         sets.append(("data.eval_prompts" if cfg.data.eval_prompts else "the eval's prompts", eval_set))
@@ -459,7 +472,7 @@ def check_model(cfg: Config) -> str | None:
     )
 
 
-def check_conditioning(cfg: Config, family_name: str | None, *prompt_sets: PromptSet) -> None:
+def check_conditioning(cfg: Config, family_name: str | None, *prompt_sets: PromptSet | None) -> None:
     """Every prompt carries as many conditioning images (`data.image_column`) as the image family takes: none for
     text-to-image, its count for an editing family; the error names the prompt's file and line."""
     if family_name is None:
@@ -469,6 +482,8 @@ def check_conditioning(cfg: Config, family_name: str | None, *prompt_sets: Promp
 
     accepts = family(family_name).condition_images
     for key, prompts in zip(("data.train_prompts", "data.eval_prompts"), prompt_sets):
+        if prompts is None:  # (an eval alone does not read the training prompts)
+            continue
         _checked(
             key, check_image_counts, prompts.metadata, prompts.origins, cfg.data.image_column, accepts, family_name
         )
@@ -621,12 +636,13 @@ def check_lora_init(cfg: Config, family_name: str | None = None) -> None:
         raise PreflightError(problem)
 
 
-def preflight(cfg: Config, *, engine: bool = True) -> tuple[PromptSet, PromptSet]:
+def preflight(cfg: Config, *, engine: bool = True, train: bool = True) -> tuple[PromptSet | None, PromptSet]:
     """All checks of `cfg` that need no model, before it loads; returns the (train, eval) prompt sets. (The run
     directory is the trainer's to check: `flowrl.run.rundir`.) `engine` False: a command that samples no rollouts
-    (`flowrl eval`: greedy on the trainer's own model) does not ask text.engine's server."""
+    (`flowrl eval`: greedy on the trainer's own model) does not ask text.engine's server. `train` False: a command
+    that does not train (`flowrl eval`) reads the eval prompts alone when data.eval_prompts is given (train: None)."""
     check_device(cfg.model.device)
-    train_set, eval_set = load_prompt_sets(cfg)
+    train_set, eval_set = load_prompt_sets(cfg, train=train)
     check_rewards(cfg)
     check_reward_columns(cfg, train_set, eval_set)
     check_reward_counts(cfg)

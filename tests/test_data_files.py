@@ -435,6 +435,46 @@ def test_load_config_prompts_takes_each_part_split_and_prefixes_errors(datasets,
         load_config_prompts(cfg.data, "eval")
 
 
+def test_eval_prompts_under_another_column_take_data_eval_prompt_column(tmp_path):
+    """A held-out file whose prompts are under `question` while the training file's are under `prompt`:
+    data.eval_prompt_column reads it (the template and the metadata as for the training prompts), a missing column
+    names that key, the planner counts each file in its own column, and the key alone (no eval file) is refused."""
+    from flowrl.config import ConfigError, load_config
+    from flowrl.plan.image import plan_image
+
+    train = _jsonl(tmp_path / "train.jsonl", [{"prompt": "a cat"}, {"prompt": "a dog"}])
+    held = _jsonl(tmp_path / "held.jsonl", [{"question": "a red cube", "family": "colour"}])
+    common = [f"data.train_prompts={train}", f"data.eval_prompts={held}", "data.prompt_template='{prompt}, photo'"]
+    cfg = load_config(None, [*common, "data.eval_prompt_column=question"])
+    assert load_config_prompts(cfg.data, "train").prompts == ["a cat, photo", "a dog, photo"]
+    evals = load_config_prompts(cfg.data, "eval")
+    assert evals.prompts == ["a red cube, photo"] and evals.metadata == [{"family": "colour"}]
+    with pytest.raises(
+        PromptFileError,
+        match=r"^data\.eval_prompts: .*held\.jsonl:1: no prompt column 'prompt' \(data\.prompt_column\); "
+        r"the row's keys are \['family', 'question'\]; set data\.eval_prompt_column to the column of text",
+    ):
+        load_config_prompts(load_config(None, common).data, "eval")
+    with pytest.raises(PromptFileError, match=r"no prompt column 'title' \(data\.eval_prompt_column\)"):
+        load_config_prompts(load_config(None, [*common, "data.eval_prompt_column=title"]).data, "eval")
+    plan_image(load_config(None, [*common, "data.eval_prompt_column=question", "model.path=tiny-sd3"]), 1, 80.0)
+    # an eval alone (flowrl eval) reads the eval file only: a training file that does not read is no matter
+    from flowrl.preflight import PreflightError, load_prompt_sets
+
+    gone = [f"data.train_prompts={tmp_path / 'gone.jsonl'}", f"data.eval_prompts={held}"]
+    cfg = load_config(None, [*gone, "data.eval_prompt_column=question"])
+    assert load_prompt_sets(cfg, train=False)[0] is None
+    assert load_prompt_sets(cfg, train=False)[1].prompts == ["a red cube"]
+    with pytest.raises(PreflightError, match=r"data\.train_prompts: prompt file .*gone\.jsonl' does not exist"):
+        load_prompt_sets(cfg)
+    with pytest.raises(
+        ConfigError,
+        match=r"data\.eval_prompt_column=question names the prompt column of "
+        r"data\.eval_prompts, which is not set",
+    ):
+        load_config(None, [f"data.train_prompts={train}", "data.eval_prompt_column=question"])
+
+
 # ------------------------------------------------------------------------------------------ presets
 
 

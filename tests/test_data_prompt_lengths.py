@@ -73,7 +73,9 @@ def test_text_prompts_longer_than_max_prompt_length_warn(tiny_lm, tmp_path):
         ]
     )
     (message,) = messages
-    assert message.startswith("data.train_prompts: 1 of 2 prompts are too long for the model's text encoder")
+    assert message.startswith(
+        "data.train_prompts: 1 of 2 prompts are too long for the model's prompt length and are cut"
+    )
     assert "1 to 16 tokens (text.max_prompt_length; a prompt's last tokens are kept)" in message
     assert f"the first is {prompts}:2 (82 characters, 83 tokens)" in message
 

@@ -234,6 +234,12 @@ def validate(cfg: Config) -> None:
             f"train.stat_min_count={t.stat_min_count} exceeds train.stat_buffer_size="
             f"{t.stat_buffer_size}: the per-prompt statistics would never be used"
         )
+    if cfg.data.eval_prompt_column and not cfg.data.eval_prompts:
+        problems.append(
+            f"data.eval_prompt_column={cfg.data.eval_prompt_column} names the prompt column of data.eval_prompts, "
+            "which is not set (the eval reads the training prompts, in data.prompt_column); set data.eval_prompts, "
+            "or leave data.eval_prompt_column empty"
+        )
     problems.extend(_eval_features_problems(cfg))
     from flowrl.eval.diversity import free_reference_problems
 

@@ -416,6 +416,9 @@ class DataConfig:
     prompt_column: str = "prompt"
     """The column that holds the prompt in a .jsonl, .json or .csv file or a `hf:` dataset (GSM8K: `question`,
     DrawBench: `Prompts`); the other columns become metadata that reaches the rewards."""
+    eval_prompt_column: str = ""
+    """The prompt column of data.eval_prompts, when it is another than data.prompt_column's (a held-out file whose
+    prompts are under `question` while the training file's are under `prompt`); "" = data.prompt_column."""
     prompt_template: str = "{prompt}"
     """How the prompt column becomes the prompt: a format string over the row's columns, `{prompt}` being the
     prompt column (e.g. `"{prompt} Put the final answer in \\boxed{{}}."`)."""

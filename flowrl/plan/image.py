@@ -97,10 +97,11 @@ def plan_image(cfg, gpus: int, gpu_memory_gib: float) -> Plan:
         frames = fam.check_num_frames(s.num_frames)
     except ValueError as e:
         raise PlanError(str(e)) from None
-    files = [
-        prompt_file(f, cfg.data.image_column, cfg.data.prompt_column)
-        for f in {cfg.data.train_prompts, cfg.data.eval_prompts or cfg.data.train_prompts}
-    ]
+    d = cfg.data
+    sources = {d.train_prompts: d.prompt_column}
+    if d.eval_prompts:
+        sources.setdefault(d.eval_prompts, d.eval_prompt_column or d.prompt_column)
+    files = [prompt_file(f, d.image_column, column) for f, column in sources.items()]
     counted, most = [n for n, _ in files], [k for _, k in files] if fam.condition_images[1] else []
     shape = image_shape(
         components,
