@@ -29,7 +29,9 @@ def _checked(what: str, fn, *args, **kwargs):
         if isinstance(e, FlowrlError) and not _library_error(e):  # (a model's or reward's own: prefixed below)
             raise
         message = str(e).strip("'\"") if isinstance(e, KeyError) else str(e)
-        raise PreflightError(_named(what, message)) from e
+        error = PreflightError(_named(what, message))
+        error.exit_code = getattr(e, "exit_code", error.exit_code)  # a config error's 2 stays 2
+        raise error from e
 
 
 def _named(what: str, message: str) -> str:

@@ -338,17 +338,33 @@ def image_scores(values: Any, n: int, who: str) -> "torch.Tensor":
     try:
         if isinstance(values, (str, bytes, dict)):
             raise TypeError(f"a {type(values).__name__}")
-        given = torch.as_tensor(values, dtype=torch.float32).detach()
+        if isinstance(values, (list, tuple)):
+            text = next((v for v in values if isinstance(v, (str, bytes))), None)
+            if text is not None:
+                raise TypeError(f"{text!r} is text: convert each score with float()")
+        wide = isinstance(values, (list, tuple))  # Python numbers: read as float64, then checked for float32
+        given = torch.as_tensor(values, dtype=torch.float64 if wide else None).detach()
+        if given.is_complex():
+            raise TypeError("complex numbers")
     except (TypeError, ValueError, RuntimeError) as e:
         raise ValueError(
             f"reward {who!r} returned {type(values).__name__} that is not numbers ({e}); an image "
             f"reward returns one number per image (a list, tuple, numpy array or tensor)"
         ) from None
+    if given.dtype in (torch.float64, torch.int64):
+        huge = torch.isfinite(given) & (given.abs() > torch.finfo(torch.float32).max)
+        if bool(huge.any()):  # as float32 it would be an infinity, which the trainer reads as "no score"
+            raise ValueError(
+                f"reward {who!r} returned the score {given[huge][0].item():g}, beyond float32's range (the scores "
+                f"are float32, where it would be an infinity, read as no score); scale the scores down"
+            )
+    given = given.to(torch.float32)
     scores = given.reshape(-1)  # [n]
-    if scores.numel() != n:
+    kept = [d for d in given.shape if d != 1]  # a column [n, 1] or a row [1, n] is one score per image
+    if scores.numel() != n or len(kept) > 1:
         shape = f" (shape {list(given.shape)})" if given.ndim > 1 else ""
         raise ValueError(
             f"reward {who!r} returned {scores.numel()} scores{shape} for {n} images; an image reward returns one "
-            f"number per image"
+            f"number per image ([{n}], or a column [{n}, 1])"
         )
     return scores

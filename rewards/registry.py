@@ -101,11 +101,17 @@ REWARDS: Registry[Callable[..., Any]] = Registry("reward")
 ENTRY_POINT_GROUP = "flowrl.rewards"
 
 PLUGIN_FORMS = "a plug-in 'package.module:function' or 'path/to/file.py:function'"
+#: (module, function, option) of the plug-in options whose likely misspelling was warned about: said once a
+#: process, not at each check and build
+_SAID_MISSPELT: set[tuple[str | None, str, str]] = set()
 
 
 class RewardConfigError(FlowrlError, ValueError):
     """A reward named in the config cannot be built as given: unknown name, bad option, wrong kind,
-    or a plug-in that cannot be imported or called as a reward. A FlowrlError: the command line prints its line."""
+    or a plug-in that cannot be imported or called as a reward. A FlowrlError: the command line prints its line,
+    and exits with a config error's code (2), as `flowrl serve-reward` does for the same mistakes."""
+
+    exit_code = 2
 
 
 class RewardError(FlowrlError, RuntimeError):
@@ -265,10 +271,12 @@ def _factory(name: str) -> Callable[..., Any] | None:
 
 
 def _registered(name: str) -> Callable[..., Any]:
-    """``_factory``, with a RewardConfigError listing the valid names (and the close ones) for an unknown name."""
+    """``_factory``, with a RewardConfigError listing the valid names (and the close ones) for an unknown name,
+    and the plug-in forms."""
     factory = _factory(name)
     if factory is None:
-        raise RewardConfigError(str(unknown_name_error("reward", name, available())))
+        listed = str(unknown_name_error("reward", name, available())).rstrip(".")
+        raise RewardConfigError(f"{listed}; or {PLUGIN_FORMS}.")
     return factory
 
 
@@ -755,7 +763,9 @@ def _check_plugin_signature(name: str, fn: Callable[..., Any], kwargs: dict[str,
         raise RewardConfigError(f"{_options_message(name, unknown, options)[:-1]} (signature {shown}).")
     for k in kwargs if takes_any else ():  # a **kwargs takes any option: one a letter off a parameter is a typo
         near = difflib.get_close_matches(k, [o for o in options if o not in kwargs], n=1, cutoff=0.75)
-        if k not in options and near:
+        said = (getattr(fn, "__module__", None), getattr(fn, "__qualname__", name), k)
+        if k not in options and near and said not in _SAID_MISSPELT:  # (the check and the build: said once)
+            _SAID_MISSPELT.add(said)
             warnings.warn(
                 f"reward {name!r}: option {k!r} is not a parameter of {shown}: it goes to its **{_var_keyword(params)}"
                 f" and {near[0]!r} keeps its default; did you mean {near[0]!r}?",

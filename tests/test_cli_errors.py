@@ -69,10 +69,10 @@ def test_a_preset_whose_prompt_file_is_missing(tmp_path, capsys, no_model_load, 
 
 def test_reward_mistakes_and_an_unwritable_run_dir_fail_before_the_model_loads(tmp_path, capsys, no_model_load):
     run = f"log.run_dir={tmp_path / 'run'}"
-    err = one_line_error(capsys, 1, main(["train", TINY_CFG, *TINY, run, "rewards=[{name: pickscroe}]"]))
+    err = one_line_error(capsys, 2, main(["train", TINY_CFG, *TINY, run, "rewards=[{name: pickscroe}]"]))
     assert "pickscroe" in err and "pickscore" in err
     err = one_line_error(
-        capsys, 1, main(["train", TINY_CFG, *TINY, run, "rewards=[{name: jpeg_compressibility, kwargs: {qualty: 50}}]"])
+        capsys, 2, main(["train", TINY_CFG, *TINY, run, "rewards=[{name: jpeg_compressibility, kwargs: {qualty: 50}}]"])
     )
     assert "qualty" in err
     blocker = tmp_path / "a_file"
@@ -256,7 +256,7 @@ def test_a_reward_option_of_a_bad_value_is_one_line(tmp_path, capsys):
     """An option the reward's own constructor refuses (checked when it is built, after the model): one line with
     its message."""
     bad = "rewards=[{name: jpeg_compressibility, kwargs: {quality: abc}}]"
-    err = one_line_error(capsys, 1, main(["train", TINY_CFG, *TINY, f"log.run_dir={tmp_path / 'run'}", bad]))
+    err = one_line_error(capsys, 2, main(["train", TINY_CFG, *TINY, f"log.run_dir={tmp_path / 'run'}", bad]))
     assert "jpeg_compressibility" in err and "abc" in err
 
 
@@ -307,6 +307,14 @@ def test_overrides_after_options_and_a_stray_argument(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["eval", TINY_CFG, "--out", str(out), "stray"])
     assert "unrecognized arguments: stray" in capsys.readouterr().err
+    # a misspelt option: the command's usage (not the list of commands) and the option meant
+    with pytest.raises(SystemExit) as code:
+        main(["eval", TINY_CFG, "--chekpoint", str(out)])
+    err = capsys.readouterr().err
+    assert code.value.code == 2 and err.startswith("usage: flowrl eval ")
+    assert err.rstrip().endswith(
+        f"flowrl eval: error: unrecognized arguments: --chekpoint {out} (did you mean --checkpoint?)"
+    )
     for command in (["sample", "--prompt", "a cat"], ["sample"]):  # overrides are optional: not named as required
         with pytest.raises(SystemExit):
             main(command)
@@ -825,6 +833,12 @@ def test_demo_toy_takes_no_config_or_overrides(capsys):
 
 def test_plan_refuses_a_reward_that_does_not_resolve(capsys):
     """flowrl plan checks the rewards as a run would (cheaply): an unknown name is one line, not a note beside a
-    plan of a config that cannot run."""
-    err = one_line_error(capsys, 1, main(["plan", TINY_CFG, "rewards.0.name=pickscor"]))
+    plan of a config that cannot run. It is a config error (exit code 2), in every command and in serve-reward."""
+    err = one_line_error(capsys, 2, main(["plan", TINY_CFG, "rewards.0.name=pickscor"]))
     assert "flowrl plan: rewards[0] (pickscor): unknown reward 'pickscor'. Did you mean 'pickscore'" in err
+    err = one_line_error(capsys, 2, main(["train", TINY_CFG, "rewards.0.name=pickscor"]))
+    assert err.startswith("flowrl train: rewards[0] (pickscor): unknown reward 'pickscor'.")
+    err = one_line_error(capsys, 2, main(["serve-reward", "pickscor"]))
+    assert err.startswith("flowrl serve-reward: unknown reward 'pickscor'.") and "or a plug-in" in err
+    err = one_line_error(capsys, 2, main(["train", TINY_CFG, "rewards.0.name=nowhere.py:score"]))
+    assert "file 'nowhere.py' not found" in err

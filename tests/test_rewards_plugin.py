@@ -147,6 +147,8 @@ def test_an_option_a_letter_off_a_parameter_of_a_kwargs_reward_is_a_warning(work
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         rewards.build("kw.py:bright", {"gain": 2.0, "style": "x"}, "image")
+        rewards.check("kw.py:bright", {"gian": 2.0}, "image")  # said once a process (the check, then the build)
+        rewards.build("kw.py:bright", {"gian": 2.0}, "image")
 
 
 def test_module_plugin_from_the_working_directory_and_every_output_type(workdir):
@@ -216,6 +218,19 @@ def test_a_failing_plugin_is_named_and_chained(workdir):
     with pytest.raises(ValueError, match=r"^reward 'r' returned 4 scores \(shape \[2, 2\]\) for 2 images; an image"):
         image_scores([[1.0, 2.0], [3.0, 4.0]], 2, "r")
     assert image_scores([[1.0], [2.0]], 2, "r").tolist() == [1.0, 2.0]  # [n, 1]: one number per image
+    assert image_scores([[1.0, 2.0]], 2, "r").tolist() == [1.0, 2.0]  # [1, n] too
+    # n numbers that are not one per image (a [2, 2] for 4 images) are not read in some order
+    with pytest.raises(ValueError, match=r"returned 4 scores \(shape \[2, 2\]\) for 4 images; .*\(\[4\], or a column"):
+        image_scores([[1.0, 2.0], [3.0, 4.0]], 4, "r")
+    with pytest.raises(ValueError, match=r"returned list that is not numbers \('0\.5' is text: convert each score "):
+        image_scores([0.5, "0.5"], 2, "r")
+    # a finite score float32 cannot hold would become an infinity (read as no score): refused, naming it
+    import numpy as np
+
+    for huge in ([1e39, 1.0], np.array([1.0, -2e40])):
+        with pytest.raises(ValueError, match=r"^reward 'r' returned the score -?[12]e\+(39|40), beyond float32's"):
+            image_scores(huge, 2, "r")
+    assert image_scores([float("inf"), 3e38], 2, "r").tolist() == [float("inf"), pytest.approx(3e38)]
 
 
 def test_a_failure_inside_a_library_names_the_plugins_line_that_called_it(workdir):

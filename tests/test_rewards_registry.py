@@ -41,8 +41,12 @@ def test_available_lists_every_reward_and_filters_by_kind():
 
 
 def test_unknown_name_and_option_list_the_valid_ones():
-    with pytest.raises(ValueError, match=r"unknown reward 'pickscor'\. Did you mean 'pickscore'.*Valid: accuracy"):
-        rewards.get("pickscor")
+    with pytest.raises(
+        ValueError,
+        match=r"unknown reward 'pickscor'\. Did you mean 'pickscore'.*Valid: accuracy.*, weighted; or a plug-in "
+        r"'package\.module:function' or 'path/to/file\.py:function'\.$",
+    ):
+        rewards.get("pickscor")  # (as `flowrl serve-reward pickscor` says it)
     with pytest.raises(
         TypeError, match=r"unknown option\(s\) 'qualty'\. Did you mean 'quality'\? Valid options: quality"
     ):
