@@ -14,6 +14,7 @@ flowrl calibrate CONFIG [--checkpoint DIR]   measure mag_cache's step ratios for
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import sys
 import textwrap
@@ -616,7 +617,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args, extra = parser.parse_known_args(argv)
     stray = [x for x in extra if x.startswith("-") or "=" not in x]
     if stray or (extra and not hasattr(args, "overrides")):
-        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+        # the command's own usage and options (not the top level's list of commands), and the option meant
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+        command = commands.get(getattr(args, "command", None), parser)
+        options = [o for a in command._actions for o in a.option_strings if o.startswith("--")]
+        flags = [x.split("=", 1)[0] for x in stray if x.startswith("--")]
+        close = [m for f in flags for m in difflib.get_close_matches(f, options, n=1, cutoff=0.6)]
+        hint = f" (did you mean {', '.join(dict.fromkeys(close))}?)" if close else ""
+        command.error(f"unrecognized arguments: {' '.join(stray or extra)}{hint}")
     if extra:
         args.overrides = [*(args.overrides or []), *extra]
     _split_overrides(args)

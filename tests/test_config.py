@@ -161,6 +161,36 @@ def test_a_preset_run_from_another_directory_names_where_its_paths_are(tmp_path,
         load_config(preset)
 
 
+def test_a_plug_in_file_beside_the_config_is_named_from_another_directory(tmp_path, monkeypatch):
+    """A reward `my.py:score` and a tool environment `env.py:answer` in the config's folder, the run started from
+    elsewhere: the warning names them (the registry's error, which comes after, says where it looked)."""
+    from flowrl.config import ConfigWarning
+
+    (tmp_path / "cfgs").mkdir()
+    (tmp_path / "cfgs" / "my.py").write_text("def score(images, prompts):\n    return [0.0] * len(images)\n")
+    (tmp_path / "cfgs" / "env.py").write_text("def answer(turn):\n    return None\n")
+    config = tmp_path / "cfgs" / "c.yaml"
+    config.write_text("rewards:\n  - name: my.py:score\n  - name: gone.py:other\ntext:\n  tool_env: env.py:answer\n")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with pytest.warns(ConfigWarning) as seen:
+        load_config(config, ["backend=text", "text.tool_stop=[x]"])
+    (text,) = [str(w.message) for w in seen if "near the config file" in str(w.message)]
+    assert text.startswith("rewards[0].name=my.py:score, text.tool_env=env.py:answer: not in the working directory")
+    assert f"so run from {tmp_path / 'cfgs'}" in text and "gone.py" not in text
+    monkeypatch.chdir(tmp_path / "cfgs")
+    assert not [w for w in _warned(lambda: load_config(config, ["backend=text"])) if "near the config" in w]
+
+
+def _warned(call) -> list[str]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        call()
+    return [str(w.message) for w in seen]
+
+
 def test_a_path_under_the_home_directory_is_expanded_as_a_prompt_files_always_was(tmp_path, monkeypatch):
     """`~` in a path key (YAML, or after `=` in an override, where no shell expands it) is the home directory:
     model.path=~/models/x was read as a hub id, log.run_dir=~/runs/x made a folder named `~`."""

@@ -66,3 +66,15 @@ def test_a_string_key_given_an_unquoted_template_says_to_quote_it(tmp_path):
     ):
         load_config(path)
     assert load_config(None, ['data.prompt_template="{prompt}, a photo"']).data.prompt_template == "{prompt}, a photo"
+
+
+def test_a_value_ending_in_a_colon_is_named_as_such():
+    """`rewards.0.name=r.py:` (a plug-in reward without its function) is read by YAML as the mapping {r.py: null}:
+    the error names the value and its colon, and the plug-in form, not YAML's braces."""
+    with pytest.raises(
+        ConfigError,
+        match=r"^rewards\[0\]\.name: expected a string, got 'r\.py' followed by a colon and nothing after it, which "
+        r"YAML reads as a mapping; a plug-in reward is FILE\.py:FUNCTION \(e\.g\. my_rewards\.py:score\), or "
+        r"quote the value$",
+    ):
+        load_config(None, ["rewards.0.name=r.py:"])

@@ -652,16 +652,26 @@ def paths_beside(cfg: Config, config_file: str | Path, levels: int = 3) -> list[
     run from another directory, e.g. `flowrl train ~/flowrl/configs/shapes.yaml` whose paths are the repository's."""
     folders = list(Path(config_file).resolve().parents)[:levels]
     found = []
-    for key in PATH_KEYS:
-        value = _get_dotted(cfg, key)
-        if not isinstance(value, str) or not value or value.startswith("hf:") or Path(value).is_absolute():
+    for key, value, file in [(key, _get_dotted(cfg, key), _get_dotted(cfg, key)) for key in PATH_KEYS] + _plug_ins(cfg):
+        if not isinstance(file, str) or not file or file.startswith("hf:") or Path(file).is_absolute():
             continue
-        if Path(value).exists():
+        if Path(file).exists():
             continue
-        where = next((f for f in folders if (f / value).exists()), None)
+        where = next((f for f in folders if (f / file).exists()), None)
         if where is not None:
             found.append((key, value, where))
     return found
+
+
+def _plug_ins(cfg: Config) -> list[tuple[str, str, str]]:
+    """(key, value, file) for each plug-in given as FILE.py:FUNCTION: a reward's name, text.tool_env."""
+    named = [(f"rewards[{i}].name", spec.reward or spec.name) for i, spec in enumerate(cfg.rewards)]
+    named.append(("text.tool_env", cfg.text.tool_env))
+    return [
+        (key, value, value.rpartition(":")[0])
+        for key, value in named
+        if isinstance(value, str) and value.rpartition(":")[0].endswith(".py")
+    ]
 
 
 def _warn_paths_beside(cfg: Config, config_file: str | Path) -> None:
