@@ -20,6 +20,8 @@ import sys
 import textwrap
 import time
 
+from .errors import ConfigError
+
 
 def _config_help() -> str:
     from .config import describe
@@ -64,14 +66,14 @@ def _train(args) -> int:
 def before_after_lines(run_dir, final: dict) -> list[str]:
     """'eval/KEY_mean: before B -> after A (+D)' for each eval mean of `final` (a run's last metrics: a reward's
     mean, its components' and groups' means, not the per-group values) that the run's first eval also has (its
-    metrics.jsonl); [] without a first eval to compare with."""
+    metrics.jsonl); [] without an eval before training to compare with."""
     from pathlib import Path
 
     from .run.metrics import read_metrics
+    from .run.report import eval_before_training
 
-    rows = read_metrics(Path(run_dir) / "metrics.jsonl")
-    first = next((r for r in rows if any(k.startswith("eval/") for k in r)), None)
-    if first is None or first is final:
+    first = eval_before_training(read_metrics(Path(run_dir) / "metrics.jsonl"))
+    if first is None:  # (eval.before=false: the first eval is the final one, or one after training began)
         return []
     return compare_lines(first, final, ("before", "after"))
 
@@ -237,14 +239,14 @@ def _sample(args) -> int:
     given = _sample_prompts(cfg, args)
     args.prompt = list(given.prompts)
     if args.num < 1:
-        raise SystemExit(f"flowrl sample: --num must be >= 1 (images or completions per prompt), got {args.num}")
+        raise ConfigError(f"--num must be >= 1 (images or completions per prompt), got {args.num}")
     if args.steps < 0:
-        raise SystemExit(f"flowrl sample: --steps must be >= 0 (0: eval.num_steps), got {args.steps}")
+        raise ConfigError(f"--steps must be >= 0 (0: eval.num_steps), got {args.steps}")
     check_writable(args.out, "--out", keep=False)  # before the model loads: no sampling lost to a bad folder
     if cfg.backend == "text":
         return _sample_text(cfg, args, given)
     if args.greedy:
-        raise SystemExit("flowrl sample: --greedy is a text model's decoding; an image model samples the ODE")
+        raise ConfigError("--greedy is a text model's decoding; an image model samples the ODE")
     family_name = check_model(cfg)  # the model's class and the image size, before it loads
     images_of = _row_images(cfg, args, given, family_name)  # a prompt file's own conditioning images, if it has any
     if images_of is None:
@@ -293,7 +295,7 @@ def _sample_prompts(cfg, args):
         given, origins = given + listed.prompts, origins + listed.origins
         metadata += listed.metadata
     if not given:
-        raise SystemExit("flowrl sample: no prompts: give --prompt TEXT (repeatable) or --prompts FILE")
+        raise ConfigError("no prompts: give --prompt TEXT (repeatable) or --prompts FILE")
     return PromptSet(given, metadata=metadata, origins=origins)
 
 
@@ -332,12 +334,12 @@ def _sample_text(cfg, args, given) -> int:
     from .run.loading import policy_from_checkpoint
 
     if args.image or args.steps:
-        raise SystemExit("flowrl sample: --image and --steps are an image model's; a text config takes neither")
+        raise ConfigError("--image and --steps are an image model's; a text config takes neither")
     if args.greedy and args.num != 1:
-        raise SystemExit(f"flowrl sample: --greedy gives one completion per prompt, and --num is {args.num}")
+        raise ConfigError(f"--greedy gives one completion per prompt, and --num is {args.num}")
     empty = [o for p, o in zip(given.prompts, given.origins) if not p.strip()]
     if empty:
-        raise SystemExit(f"flowrl sample: {empty[0]} is empty; a language model continues a prompt: give it text")
+        raise ConfigError(f"{empty[0]} is empty; a language model continues a prompt: give it text")
     check_model(cfg)
     policy = policy_from_checkpoint(cfg, args.checkpoint, args.weights, _device(cfg))
     check_prompt_lengths(policy, {"--prompts" if args.prompts else "--prompt": given})
@@ -365,7 +367,6 @@ def _calibrate(args) -> int:
     rollout.acceleration entry that uses them."""
     import torch
 
-    from .errors import ConfigError
     from .objectives import get_objective
     from .preflight import preflight
     from .run.loading import policy_from_checkpoint
@@ -412,12 +413,22 @@ def _calibrate(args) -> int:
 
 
 def _plan(args) -> int:
-    """`flowrl plan CONFIG`: the memory estimate per GPU (flowrl.plan); exit 1 when the config fits no strategy."""
+    """`flowrl plan CONFIG`: the memory estimate per GPU (flowrl.plan); exit 1 when the config fits no strategy (said
+    on stderr too), 2 when it cannot be planned."""
+
     from .plan import main as plan_main
 
     if args.gpus < 1:
-        raise SystemExit(f"flowrl plan: --gpus must be >= 1, got {args.gpus}")
-    return plan_main(args.config, args.overrides, gpus=args.gpus, gpu_memory=args.gpu_memory)
+        raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
+    code = plan_main(args.config, args.overrides, gpus=args.gpus, gpu_memory=args.gpu_memory)
+    if code:
+        gpus = f"{args.gpus} GPU{'s' * (args.gpus != 1)}"
+        print(
+            f"flowrl plan: the config as written fits under no column of the plan above ({gpus} of "
+            f"{args.gpu_memory}); a column's micro-batch, or more GPUs, may",
+            file=sys.stderr,
+        )
+    return code
 
 
 def _report(args) -> int:
@@ -427,6 +438,8 @@ def _report(args) -> int:
     from .run.report import figure_format, plot_comparison, plot_curves
     from .run.rundir import check_writable
 
+    if args.out and Path(args.out).is_dir():  # a folder: the figure's own name in it
+        args.out = str(Path(args.out) / ("curves.png" if len(args.run_dir) == 1 else "compare.png"))
     if args.out:  # its format from its suffix, and its folder made and writable, before any run is read
         figure_format(args.out)
         folder = Path(args.out).parent
@@ -449,8 +462,19 @@ def _demo(args: argparse.Namespace) -> int:
 
     if args.toy and (args.config or args.overrides):
         given = " ".join([*([args.config] if args.config else []), *args.overrides])
-        raise SystemExit(f"flowrl demo --toy trains the tabular toy, which takes no config or overrides (got {given})")
+        raise ConfigError(f"--toy trains the tabular toy, which takes no config or overrides (got {given})")
     return run_demo(args.config or DEMO_CONFIG, args.overrides, toy=args.toy)
+
+
+def _seed(text: str) -> int:
+    """A --seed: an integer torch's generators take (0 to 2**63 - 1), as train.seed and eval.seed are."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a seed is an integer from 0 to 2**63 - 1, got {text!r}") from None
+    if not 0 <= value <= 2**63 - 1:
+        raise argparse.ArgumentTypeError(f"a seed is an integer from 0 to 2**63 - 1, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -527,7 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sa.add_argument("--num", type=int, default=1, help="images (a text config: completions) per prompt (default 1)")
     sa.add_argument("--steps", type=int, default=0, help="ODE steps (default eval.num_steps)")
-    sa.add_argument("--seed", type=int, default=0, help="the first image's seed; the others follow (default 0)")
+    sa.add_argument("--seed", type=_seed, default=0, help="the first image's seed; the others follow (default 0)")
     sa.add_argument(
         "--greedy",
         action="store_true",
@@ -547,8 +571,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument(
         "--out",
         default=None,
-        help="the figure (one run: RUN_DIR/curves.png; several: compare.png); its suffix picks the format: .png, "
-        ".pdf, .svg, .jpg",
+        help="the figure (one run: RUN_DIR/curves.png; several: compare.png in the working directory); a directory: "
+        "that name in it; its suffix picks the format: .png, .pdf, .svg, .jpg/.jpeg, .webp (none: PNG)",
     )
     rep.add_argument(
         "--metric",
@@ -583,7 +607,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint", default=None, help="a ckpt-XXXXXX directory, or a run directory (its newest); omit for the base"
     )
     ca.add_argument("--weights", choices=WEIGHTS, default="auto", help="as for eval")
-    ca.add_argument("--seed", type=int, default=0, help="the seed of the calibration's noise (default 0)")
+    ca.add_argument("--seed", type=_seed, default=0, help="the seed of the calibration's noise (default 0)")
     with_config(ca, optional=False)
     ca.set_defaults(func=_calibrate)
 

@@ -512,7 +512,8 @@ def _table_rows(path: Path, delimiter: str) -> Iterator[tuple[str, dict]]:
     import io
 
     text = _read_text(path)
-    reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter, restkey=_EXTRA_CELLS)
+    # strict: a quote opened and never closed is an error (not the rest of the file read as one cell)
+    reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter, restkey=_EXTRA_CELLS, strict=True)
     if not reader.fieldnames:
         raise PromptFileError(
             f"{path}: no prompts: the file is empty; write a header row naming the columns (e.g. prompt), then one "
@@ -539,7 +540,10 @@ def _table_rows(path: Path, delimiter: str) -> Iterator[tuple[str, dict]]:
             count += 1
             yield where, cells
     except csv.Error as e:
-        raise PromptFileError(f"{path}:{reader.line_num}: not valid {path.suffix} text: {e}") from None
+        hint = "; a cell's opening quote has no closing one" if "end of data" in str(e) else ""
+        hint += f"; a quoted cell ends at its closing quote, then {delimiter!r}" if "expected after" in str(e) else ""
+        # (line_num is the last whole row's last line: the bad row starts on the next)
+        raise PromptFileError(f"{path}:{reader.line_num + 1}: not valid {path.suffix} text: {e}{hint}") from None
     if not count:
         raise PromptFileError(f"{path}: no prompts: the file has a header row and no rows under it")
 

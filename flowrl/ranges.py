@@ -25,6 +25,7 @@ class Range:
     hi: float | None = None
     lo_open: bool = False
     hi_open: bool = False
+    shown: str = ""  # how text() says it, when not in numbers (e.g. a bound too long for %g)
 
     def __contains__(self, value: float) -> bool:
         if value != value or value in (float("inf"), float("-inf")):
@@ -34,6 +35,8 @@ class Range:
         return not (self.hi is not None and (value >= self.hi if self.hi_open else value > self.hi))
 
     def text(self) -> str:
+        if self.shown:
+            return self.shown
         if self.lo is not None and self.hi is not None:
             return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
         if self.lo is not None:
@@ -44,3 +47,5 @@ class Range:
 
 
 POSITIVE, AT_LEAST_0, AT_LEAST_1, FRACTION = Range(0, lo_open=True), Range(0), Range(1), Range(0, 1, True, False)
+#: a seed: what torch's generators take (a 64-bit signed integer), from 0
+SEED = Range(0, 2**63 - 1, shown="an integer from 0 to 2**63 - 1")

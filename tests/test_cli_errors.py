@@ -322,7 +322,9 @@ def test_overrides_after_options_and_a_stray_argument(tmp_path, capsys):
         assert err.rstrip().endswith("required: config")
 
 
-def test_sample_takes_a_prompt_file_after_its_prompts_and_checks_it_before_the_model_loads(tmp_path, monkeypatch):
+def test_sample_takes_a_prompt_file_after_its_prompts_and_checks_it_before_the_model_loads(
+    tmp_path, monkeypatch, capsys
+):
     from flowrl.eval import samples
 
     seen = {}
@@ -348,8 +350,8 @@ def test_sample_takes_a_prompt_file_after_its_prompts_and_checks_it_before_the_m
     err = str(info.value)
     assert err.startswith(f"flowrl sample: --prompts: {rows}:2: no prompt column 'prompt' (data.prompt_column)")
     assert "(Prompts, Category)" in err and "\n" not in err
-    with pytest.raises(SystemExit, match=r"^flowrl sample: no prompts: give --prompt TEXT \(repeatable\) or --prompts"):
-        main(sample)
+    err = one_line_error(capsys, 2, main(sample))  # a usage error: exit code 2
+    assert err.startswith("flowrl sample: no prompts: give --prompt TEXT (repeatable) or --prompts")
 
 
 def test_sample_names_files_by_prompt_and_seed_and_each_image_is_its_seeds(tmp_path):
@@ -450,12 +452,10 @@ def test_sample_checks_its_counts_and_its_folder_before_the_model_loads(tmp_path
     """--num, --steps and an --out that cannot be written (here a file's path as a folder; `flowrl eval --out` too):
     one line each, before the model loads, so that nothing sampled is lost to them."""
     sample = ["sample", TINY_CFG, *TINY, "--prompt", "a cat"]
-    with pytest.raises(
-        SystemExit, match=r"^flowrl sample: --num must be >= 1 \(images or completions per prompt\), got 0$"
-    ):
-        main([*sample, "--num", "0"])
-    with pytest.raises(SystemExit, match=r"^flowrl sample: --steps must be >= 0 \(0: eval\.num_steps\), got -2$"):
-        main([*sample, "--steps", "-2"])
+    err = one_line_error(capsys, 2, main([*sample, "--num", "0"]))  # usage errors: exit code 2
+    assert err == "flowrl sample: --num must be >= 1 (images or completions per prompt), got 0"
+    err = one_line_error(capsys, 2, main([*sample, "--steps", "-2"]))
+    assert err == "flowrl sample: --steps must be >= 0 (0: eval.num_steps), got -2"
     (tmp_path / "a-file").write_text("")
     out = tmp_path / "a-file" / "images"
     err = one_line_error(capsys, 1, main([*sample, "--out", str(out)]))
@@ -657,15 +657,12 @@ def test_sample_a_text_config_draws_seeded_or_greedy_completions(tmp_path, capsy
         (["--greedy", "--num", "2"], "--greedy gives one completion per prompt"),
         (["--steps", "4"], "--image and --steps are an image model's"),
     ):
-        with pytest.raises(SystemExit) as e:
-            main(["sample", cfg, "--prompt", "1+1=", *extra, "--out", str(tmp_path / "x")])
-        assert words in str(e.value)
-    with pytest.raises(SystemExit) as e:
-        main(["sample", TINY_CFG, *TINY, "--prompt", "a cat", "--greedy"])
-    assert "--greedy is a text model's decoding" in str(e.value)
-    with pytest.raises(SystemExit) as e:
-        main(["sample", cfg, "--prompt", "1+1=", "--prompt", " ", "--out", str(tmp_path / "x")])
-    assert "flowrl sample: --prompt #2 is empty; a language model continues a prompt" in str(e.value)
+        err = one_line_error(capsys, 2, main(["sample", cfg, "--prompt", "1+1=", *extra, "--out", str(tmp_path / "x")]))
+        assert words in err
+    err = one_line_error(capsys, 2, main(["sample", TINY_CFG, *TINY, "--prompt", "a cat", "--greedy"]))
+    assert "--greedy is a text model's decoding" in err
+    err = one_line_error(capsys, 2, main(["sample", cfg, "--prompt", "1+1=", "--prompt", " ", "--out", "x"]))
+    assert "flowrl sample: --prompt #2 is empty; a language model continues a prompt" in err
 
 
 def test_eval_of_a_vllm_config_runs_without_its_server(tmp_path, capsys):
@@ -822,11 +819,8 @@ def test_train_prints_its_result_as_strict_json(tmp_path, capsys, monkeypatch):
 
 def test_demo_toy_takes_no_config_or_overrides(capsys):
     for extra in (["train.seed=3"], [TINY_CFG]):
-        with pytest.raises(SystemExit) as e:
-            main(["demo", "--toy", *extra])
-        assert f"flowrl demo --toy trains the tabular toy, which takes no config or overrides (got {extra[0]})" in str(
-            e.value
-        )
+        err = one_line_error(capsys, 2, main(["demo", "--toy", *extra]))
+        assert err == f"flowrl demo: --toy trains the tabular toy, which takes no config or overrides (got {extra[0]})"
     assert main(["demo", "--toy"]) == 0
     assert "mean reward, first 5 steps" in capsys.readouterr().out
 

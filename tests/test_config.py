@@ -225,5 +225,11 @@ def test_a_directory_given_as_the_config_says_a_model_directory_goes_in_model_pa
         ConfigError, match=r"is a directory \(a model's directory, which a config names as model.path\)"
     ):
         load_config(tmp_path / "my_model")
-    with pytest.raises(ConfigError, match=r"is a directory; give a YAML config"):
+    with pytest.raises(ConfigError, match=r"is a directory; give a YAML config file$"):
+        load_config(tmp_path)
+    for name in ("b.yaml", "a.yml", "c.yaml", "d.yaml"):  # a folder of configs (configs/): its files named
+        (tmp_path / name).write_text("{}")
+    with pytest.raises(
+        ConfigError, match=r"is a directory; give one of its YAML files \(a\.yml, b\.yaml, c\.yaml, \.\.\.\)$"
+    ):
         load_config(tmp_path)

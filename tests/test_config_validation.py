@@ -372,3 +372,22 @@ def test_settings_the_backend_does_not_read_are_warned_once(tmp_path, monkeypatc
         for preset in sorted((root / "configs").glob("*.yaml")):
             load_config(preset, [])
         load_config(dump, [])
+
+
+def test_a_seed_torch_cannot_take_is_refused_in_the_config_and_on_the_command_line(capsys):
+    """train.seed / eval.seed / --seed above 2**63 - 1 (or below 0) would end in torch's overflow traceback after the
+    model loaded: refused first, one line each; one problem is one line, several are listed."""
+    from flowrl.cli import main
+
+    with pytest.raises(ConfigError, match=r"^train\.seed must be an integer from 0 to 2\*\*63 - 1, got 99999999999"):
+        load_config(None, ["train.seed=99999999999999999999"])
+    with pytest.raises(ConfigError, match=r"^invalid config \(2 problems\):\n  - train\.seed .*\n  - eval\.seed must"):
+        load_config(None, ["train.seed=-1", "eval.seed=-1"])
+    assert load_config(None, [f"eval.seed={2**63 - 1}"]).eval.seed == 2**63 - 1
+    for command in (["sample", "configs/tiny_cpu.yaml", "--prompt", "a"], ["calibrate", "configs/tiny_cpu.yaml"]):
+        with pytest.raises(SystemExit) as code:
+            main([*command, "--seed", str(2**63)])
+        assert code.value.code == 2
+        assert "argument --seed: a seed is an integer from 0 to 2**63 - 1, got 9223372036854775808" in (
+            capsys.readouterr().err
+        )

@@ -582,6 +582,13 @@ def test_csv_and_tsv_files_are_read_by_their_header(tmp_path):
         ("prompt,\na cat,1\n", r"p.csv:1: the header's column 2 has no name"),
         ("prompt,style\na cat,flat,extra\n", r"p.csv:2: 3 cells under a header of 2 columns; quote a prompt"),
         ("prompt,style\n,flat\n", r"p.csv:2: the prompt \('prompt'\) must be a non-empty string"),
+        # a quote opened and never closed: not the rest of the file as one prompt
+        (
+            'prompt\n"a dog, unterminated\nsecond row\nthird\n',
+            r"p.csv:2: not valid \.csv text: unexpected end of "
+            r"data; a cell's opening quote has no closing one$",
+        ),
+        ('prompt,style\n"a cat, a dog"x,flat\n', r"p.csv:2: not valid \.csv text: .*; a quoted cell ends at its "),
     ],
 )
 def test_a_csv_file_that_cannot_give_prompts_says_where_and_why(tmp_path, text, message):

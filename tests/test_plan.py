@@ -752,3 +752,20 @@ def test_every_reward_is_planned_as_it_declares_itself(tmp_path, monkeypatch):
         )
         in text
     )
+
+
+def test_plan_exits_1_only_for_a_config_that_fits_nowhere(capsys):
+    """`flowrl plan`'s exit code tells a script the two apart: 1 (said on stderr too) when the config was planned and
+    fits under no column, 2 for what it cannot plan (a bad --gpus or --gpu-memory, a batch that does not split)."""
+    from pathlib import Path
+
+    from flowrl.cli import main
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    assert main(["plan", str(configs / "sd35m_pickscore.yaml"), "--gpu-memory", "4GiB"]) == 1
+    captured = capsys.readouterr()
+    assert "fits under no column of the plan above (1 GPU of 4GiB)" in captured.err and captured.out
+    for extra in (["--gpus", "0"], ["--gpu-memory", "abc"], ["--gpus", "3"]):  # tiny_cpu's batch is 8
+        assert main(["plan", str(configs / "tiny_cpu.yaml"), *extra]) == 2, extra
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("flowrl plan: ") and "\n" not in err, err

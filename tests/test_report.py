@@ -376,6 +376,11 @@ def test_report_out_takes_its_format_from_its_suffix_and_makes_its_folder(tmp_pa
     assert main(["report", str(a), str(b), "--out", str(tmp_path / "out" / "cmp.svg")]) == 0
     assert (tmp_path / "out" / "cmp.svg").read_text().lstrip().startswith("<?xml")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["c.png", "c.webp", "cmp.svg", "deep"]
+    # a folder that exists: the figure under its own name there (it was a traceback of a rename onto the folder)
+    assert main(["report", str(a), "--out", str(tmp_path / "out" / "deep")]) == 0
+    assert main(["report", str(a), str(b), "--out", str(tmp_path / "out")]) == 0
+    with Image.open(tmp_path / "out" / "deep" / "curves.png") as im, Image.open(tmp_path / "out" / "compare.png") as c:
+        assert im.format == c.format == "PNG"
     capsys.readouterr()
     (tmp_path / "afile").write_text("")
     assert main(["report", str(a), "--out", str(tmp_path / "afile" / "x.png")]) == 1
@@ -387,3 +392,21 @@ def test_report_out_takes_its_format_from_its_suffix_and_makes_its_folder(tmp_pa
     assert main(["report", str(tmp_path / "missing"), "--out", str(tmp_path / "c.txt")]) == 2  # (a usage error)
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"flowrl report: --out {tmp_path / 'c.txt'}: a figure is written as .png") and "\n" not in err
+
+
+def test_before_and_after_only_when_the_run_evaluated_before_training(tmp_path):
+    """`flowrl train`'s summary compares the final eval with the eval before training (epoch 0); a run without
+    one (eval.before=false) compares nothing, not its final eval with itself, nor with one after training began."""
+    from flowrl.cli import before_after_lines
+    from flowrl.run.report import eval_before_training
+
+    def write(rows):
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return rows
+
+    final = {"epoch": 4, "final": True, "eval/r_mean": 0.75}
+    rows = write([{"epoch": 0, "eval/r_mean": 0.5}, {"epoch": 2, "loss": 1.0}, final])
+    assert eval_before_training(rows) == rows[0]
+    assert before_after_lines(tmp_path, final) == ["eval/r_mean: before 0.5000 -> after 0.7500 (+0.250)"]
+    for rows in ([{"epoch": 2, "eval/r_mean": 0.6}, final], [final]):  # eval.every=2 / only the final eval
+        assert eval_before_training(write(rows)) is None and before_after_lines(tmp_path, final) == []

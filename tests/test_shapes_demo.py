@@ -134,6 +134,24 @@ def test_the_demo_is_the_measured_dpo_setting():
 
 
 @pytest.mark.skipif(not (ROOT / "samples/shapes/model/model_index.json").exists(), reason="model not built")
+def test_the_demo_from_another_folder_reads_the_checkouts_files(tmp_path, monkeypatch, capsys):
+    """`flowrl demo` run outside the checkout trains the shipped model (not the toy, which it said was not built),
+    its relative paths read from the checkout; without an eval before training it says so, not `before X -> after
+    X`."""
+    from flowrl.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    tiny = ["train.epochs=1", "sample.prompts_per_epoch=2", "eval.before=false", "eval.num_prompts=2"]
+    tiny += ["eval.images_per_group=0", "eval.group_by=null", "eval.num_steps=2", "eval.base_cache="]
+    assert main(["demo", *tiny, f"log.run_dir={tmp_path / 'run'}", "log.progress=false"]) == 0
+    out = capsys.readouterr().out
+    assert f"+ LoRA on {ROOT / 'samples' / 'shapes' / 'model'}, trained on" in out and "tabular" not in out
+    assert "eval/shapes_geneval/strict_mean: after " in out and "(no eval before training: eval.before=false)" in out
+    assert " -> after" not in out  # nothing compared with itself
+    assert (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.skipif(not (ROOT / "samples/shapes/model/model_index.json").exists(), reason="model not built")
 def test_demo_command_reports_and_writes_figures(tmp_path, monkeypatch, capsys):
     """`flowrl demo` (what `make demo` runs), shrunk to 1 epoch: the before/after grid, the curves and the summary."""
     from flowrl.cli import main
@@ -148,7 +166,8 @@ def test_demo_command_reports_and_writes_figures(tmp_path, monkeypatch, capsys):
     assert "eval/shapes_geneval/strict_mean: before" in out
     import torch
 
-    assert "wall-clock " in out and f" s) at {torch.get_num_threads()} torch threads" in out
+    threads = torch.get_num_threads()
+    assert "wall-clock " in out and f" s) at {threads} torch thread{'s' * (threads != 1)}\n" in out
     assert "time: rollouts " in out and " s (1 epoch); evals " in out and " s (2)" in out  # the base's and the final
     assert "eval/diversity/shapes_geneval/color_tv_from_base: " in out and "(0 = the base model's)" in out
     assert "eval/diversity/shapes_geneval/color_tv_from_reference: before " in out  # the world's colours

@@ -303,5 +303,7 @@ def validate(cfg: Config) -> None:
             f"train.adv_estimator {t.adv_estimator!r} is not registered; valid: "
             f"{', '.join(ADVANTAGE_ESTIMATORS.names())}"
         )
+    if len(problems) == 1:  # one mistake: one line
+        raise ConfigError(problems[0])
     if problems:
-        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+        raise ConfigError(f"invalid config ({len(problems)} problems):\n  - " + "\n  - ".join(problems))

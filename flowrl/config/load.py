@@ -550,10 +550,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {str(path)!r} does not exist")
         if path.is_dir():
             pipeline = (path / "model_index.json").exists() or (path / "config.json").exists()
-            model = " (a model's directory, which a config names as model.path)" if pipeline else ""
+            if pipeline:
+                raise ConfigError(
+                    f"config file {str(path)!r} is a directory (a model's directory, which a config names as "
+                    f"model.path); give a YAML config and model.path={path} after it (e.g. `flowrl train "
+                    f"configs/tiny_cpu.yaml model.path={path}`)"
+                )
+            yamls = sorted(p.name for p in path.iterdir() if p.suffix in (".yaml", ".yml"))
+            shown = ", ".join(yamls[:3]) + (", ..." if len(yamls) > 3 else "")
             raise ConfigError(
-                f"config file {str(path)!r} is a directory{model}; give a YAML config and, for a model, "
-                f"model.path={path} after it (e.g. `flowrl plan configs/tiny_cpu.yaml model.path={path}`)"
+                f"config file {str(path)!r} is a directory; give "
+                + (f"one of its YAML files ({shown})" if yamls else "a YAML config file")
             )
         loaded = read_yaml(path)
         if loaded is None:  # an empty file, or comments alone: most likely not the file meant

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional
 
 from flowrl.config.values import CHOICE_ALIASES
-from flowrl.ranges import AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, Range
+from flowrl.ranges import AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, SEED, Range
 
 
 @dataclass
@@ -204,7 +204,7 @@ class TrainConfig:
         "ema_decay": Range(0, 1, hi_open=True),
         "max_nonfinite_steps": AT_LEAST_1,
         "max_minutes": AT_LEAST_0,
-        "seed": AT_LEAST_0,
+        "seed": SEED,
     }
 
     objective: str = "grpo"
@@ -444,7 +444,7 @@ class EvalConfig:
         "images_per_prompt": AT_LEAST_1,
         "images_per_group": AT_LEAST_0,
         "grid_images": AT_LEAST_0,
-        "seed": AT_LEAST_0,
+        "seed": SEED,
         "fps": POSITIVE,
     }
 

@@ -24,7 +24,10 @@ SHIPPED_DIR = Path(__file__).parents[1] / "plan_configs"
 
 
 class PlanError(FlowrlError, ValueError):
-    """A model or config the planner cannot read: the message names it and what would work."""
+    """A model or config the planner cannot read: the message names it and what would work. `flowrl plan` exits
+    with 2 for it, so that its 1 means one thing: the config was planned and fits under no column."""
+
+    exit_code = 2
 
 
 # ------------------------------------------------------------------------------------ configuration files

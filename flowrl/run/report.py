@@ -160,6 +160,13 @@ def headline_eval_keys(rows: list[dict]) -> list[str]:
     )
 
 
+def eval_before_training(rows: list[dict]) -> dict | None:
+    """The eval before training among a run's metrics `rows` (its first eval, at epoch 0); None when the run did not
+    evaluate before it trained (eval.before=false: its first eval is one after training began)."""
+    first = next((r for r in rows if any(k.startswith("eval/") for k in r)), None)
+    return first if first is not None and first.get("epoch", 0) == 0 and not first.get("final") else None
+
+
 def result_keys(rows: list[dict], reward: str, group_by: str = "") -> list[str]:
     """The eval metrics a run reports as its result, headline first, among those `rows` hold: with `group_by`, the
     mean over its groups (GenEval's overall), then the plain mean; a reward's `strict` component (strict

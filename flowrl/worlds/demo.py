@@ -9,6 +9,31 @@ from pathlib import Path
 
 SHAPES_MODEL = Path("samples/shapes/model")
 DEMO_CONFIG = Path("configs/shapes.yaml")
+#: the checkout flowrl runs from (configs/ and samples/ beside the package), whatever the working directory
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def demo_files(config: Path) -> tuple[Path, Path]:
+    """(the demo config to read, the shapes model it needs): `config` as given, or, for the default one when the
+    working directory has no configs/shapes.yaml, the checkout's (`REPO_ROOT`)."""
+    if config == DEMO_CONFIG and not config.exists() and (REPO_ROOT / DEMO_CONFIG).exists():
+        return REPO_ROOT / DEMO_CONFIG, REPO_ROOT / SHAPES_MODEL
+    return config, SHAPES_MODEL
+
+
+def anchored(path: Path, overrides: list[str]) -> list[str]:
+    """Overrides that give each relative path of the config at `path` which is missing from the working directory
+    and present beside the config (`paths_beside`: the shipped model, prompts and base-eval cache) as the path it
+    has there, before `overrides` (which win): the demo run from another folder reads the checkout's files."""
+    import warnings
+
+    from flowrl.config import load_config
+    from flowrl.config.load import paths_beside
+
+    with warnings.catch_warnings():  # (the config is read again with them; its warnings are said then)
+        warnings.simplefilter("ignore")
+        cfg = load_config(path, overrides)
+    return [f"{key}={where / value}" for key, value, where in paths_beside(cfg, path) if "[" not in key]
 
 
 def describe_rewards(specs) -> str:
@@ -46,15 +71,16 @@ def run_demo(config: str | Path = DEMO_CONFIG, overrides: list[str] | None = Non
     from flowrl.config import load_config
     from flowrl.objectives import get_objective
     from flowrl.run.metrics import read_metrics
-    from flowrl.run.report import result_keys
+    from flowrl.run.report import eval_before_training, result_keys
     from flowrl.train import train
 
-    path = Path(config)
-    if not toy and path == DEMO_CONFIG and not (SHAPES_MODEL / "model_index.json").exists():
+    path, model = demo_files(Path(config))
+    if not toy and Path(config) == DEMO_CONFIG and not (model / "model_index.json").exists():
+        dropped = f" (the overrides {' '.join(overrides)} are not used by it)" if overrides else ""
         print(
-            f"flowrl demo: the shapes world's pre-trained model ({SHAPES_MODEL}) is not built yet "
+            f"flowrl demo: the shapes world's pre-trained model ({model}) is not built yet "
             "(scripts/pretrain_shapes.py), so this runs the smallest real thing instead: GRPO from flowrl.core "
-            "teaching a tabular token policy to spell 'flowrl' (reward = matching letters)."
+            f"teaching a tabular token policy to spell 'flowrl' (reward = matching letters){dropped}."
         )
         toy = True
     if toy:
@@ -65,12 +91,16 @@ def run_demo(config: str | Path = DEMO_CONFIG, overrides: list[str] | None = Non
         return 0
     if not path.exists():
         raise SystemExit(f"flowrl demo: {path} not found; run it from the repository root (where configs/ is)")
+    overrides = list(overrides or [])
+    if path != Path(config):  # the checkout's demo, from another folder: its shipped files, by their whole paths
+        overrides = [*anchored(path, overrides), *overrides]
     cfg = load_config(path, overrides)
     objective = get_objective(cfg.train.objective).title
     adapter = "LoRA" if cfg.lora.enabled else "full fine-tuning"
     print(
         f"flowrl demo: {objective} + {adapter} on {cfg.model.path}, trained on {describe_rewards(cfg.rewards)}, "
-        f"{cfg.train.epochs} epochs of {cfg.sample.prompts_per_epoch} prompts x {cfg.sample.group_size} images, "
+        f"{cfg.train.epochs} epoch{'s' * (cfg.train.epochs != 1)} of {cfg.sample.prompts_per_epoch} prompts x "
+        f"{cfg.sample.group_size} images, "
         f"on the CPU"
     )
     t0 = time.perf_counter()
@@ -78,10 +108,13 @@ def run_demo(config: str | Path = DEMO_CONFIG, overrides: list[str] | None = Non
     minutes = (time.perf_counter() - t0) / 60
     run = Path(cfg.log.run_dir)
     rows = read_metrics(run / "metrics.jsonl")
+    before = eval_before_training(rows) or {}
     for key in result_keys(rows, cfg.rewards[0].name, cfg.eval.group_by):  # headline first: GenEval's overall
-        evals = [r for r in rows if key in r]
-        b, a = evals[0][key], evals[-1][key]
-        print(f"{key}: before {b:.3f} -> after {a:.3f} ({a - b:+.3f})")
+        a = [r for r in rows if key in r][-1][key]
+        if key in before:
+            print(f"{key}: before {before[key]:.3f} -> after {a:.3f} ({a - before[key]:+.3f})")
+        else:  # (eval.before=false)
+            print(f"{key}: after {a:.3f} (no eval before training: eval.before=false)")
     # what the reward does not see: how far the model's free choices (colours...) moved from the base model's
     final = next((r for r in reversed(rows) if r.get("final")), {})
     for key in sorted(k for k in final if k.startswith("eval/diversity/") and k.endswith("_from_base")):
@@ -89,10 +122,11 @@ def run_demo(config: str | Path = DEMO_CONFIG, overrides: list[str] | None = Non
         print(f"{key}: {final[key]:.3f} ({meaning})")
     # and how far they are from what they should follow (eval.free_reference), before and after
     for key in sorted(k for k in final if k.startswith("eval/diversity/") and k.endswith("_from_reference")):
-        before = next((r[key] for r in rows if key in r), final[key])
-        print(f"{key}: before {before:.3f} -> after {final[key]:.3f} (0 = eval.free_reference's distribution)")
+        was = f"before {before[key]:.3f} -> " if key in before else ""
+        print(f"{key}: {was}after {final[key]:.3f} (0 = eval.free_reference's distribution)")
     # the thread count changes float rounding, so the trajectory, and the time: printed beside the figures
-    print(f"wall-clock {minutes:.1f} min ({minutes * 60:.0f} s) at {torch.get_num_threads()} torch threads")
+    threads = torch.get_num_threads()
+    print(f"wall-clock {minutes:.1f} min ({minutes * 60:.0f} s) at {threads} torch thread{'s' * (threads != 1)}")
     print(time_split(rows))
     figures = [str(f) for f in (run / "before_after.png", run / "curves.png") if f.exists()]
     if figures:
