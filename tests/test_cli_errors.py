@@ -298,6 +298,17 @@ def test_a_run_that_takes_no_optimizer_step_says_so(tmp_path, capsys):
     args = [*TINY, "train.objective=dpo", "train.epochs=1", "eval.before=false", f"log.run_dir={tmp_path / 'r'}", flat]
     with pytest.warns(UserWarning, match="1 epoch took no optimizer step: in every group the rewards were alike"):
         assert main(["train", TINY_CFG, *args]) == 0
+    # GRPO and NFT take their steps on zero advantages: the run says nothing was learned from the rewards
+    common = [*TINY, "train.epochs=1", "eval.before=false"]
+    for objective in ("grpo", "nft"):
+        run = [*common, f"log.run_dir={tmp_path / objective}", flat, f"train.objective={objective}"]
+        with pytest.warns(UserWarning, match=r"^in its one epoch every group's rewards were alike \(data/groups_"):
+            assert main(["train", TINY_CFG, *run]) == 0
+    graded = [*common, f"log.run_dir={tmp_path / 'graded'}"]  # (TINY's own reward tells the images apart)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert main(["train", TINY_CFG, *graded]) == 0
+    assert not [w for w in seen if "rewards were alike" in str(w.message)]
 
 
 def test_overrides_after_options_and_a_stray_argument(tmp_path, capsys):

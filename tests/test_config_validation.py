@@ -391,3 +391,28 @@ def test_a_seed_torch_cannot_take_is_refused_in_the_config_and_on_the_command_li
         assert "argument --seed: a seed is an integer from 0 to 2**63 - 1, got 9223372036854775808" in (
             capsys.readouterr().err
         )
+
+
+def test_settings_of_another_objective_are_warned_as_not_read():
+    """train.dpo.* in a grpo run, train.grpo.* in a dpo run (changed from their defaults): one warning naming
+    them; a text run's image-sampler settings of GRPO (its kernel, window) too."""
+    from flowrl.errors import ConfigWarning
+
+    with pytest.warns(
+        ConfigWarning,
+        match=r"^train\.dpo\.beta=100\.0: a setting of another objective, which this "
+        r"train\.objective=grpo run does not read$",
+    ):
+        load_config(None, ["train.dpo.beta=100"])
+    with pytest.warns(
+        ConfigWarning,
+        match=r"^train\.grpo\.beta=0\.1, train\.grpo\.window=\{'kind': 'fixed', .*\}: "
+        r"settings of another objective, which this train\.objective=dpo run",
+    ):
+        load_config(None, ["train.objective=dpo", "train.grpo.window.kind=fixed", "train.grpo.beta=0.1"])
+    with pytest.warns(
+        ConfigWarning,
+        match=r"^train\.grpo\.sde_type='cps': an image setting, which this text run "
+        r"\(backend: text\) does not read \(an image sampler's\)$",
+    ):
+        load_config(None, ["backend=text", "train.grpo.sde_type=cps"])

@@ -845,6 +845,22 @@ def test_dpo_reference_decay_measures_the_margins_against_a_shadow_that_follows_
         tiny_cfg(tmp_path, "train.objective=dpo", "train.dpo.reference_decay=1.5")
 
 
+def test_a_resume_that_turns_the_dpo_reference_shadow_on_says_where_it_starts(tmp_path):
+    """A run of reference_decay 1 (no shadow) resumed with 0.5: the checkpoint has no shadow, which then starts from
+    the checkpoint's trained weights; the warning says so and why, not that another objective wrote it alone."""
+    base = ["train.objective=dpo", "train.dpo.pairing=ranked", "checkpoint.resume=auto"]
+    Trainer(tiny_cfg(tmp_path, *base, "train.epochs=1")).fit()
+    with pytest.warns(
+        UserWarning,
+        match=r"holds no 'reference' policy of train\.objective=dpo \(it was written by another objective, or with "
+        r"the setting that keeps 'reference' off, e\.g\. train\.dpo\.reference_decay=1\): 'reference' starts from the "
+        r"checkpoint's trained weights, not from the base model as in a new run",
+    ):
+        tr = Trainer(tiny_cfg(tmp_path, *base, "train.epochs=2", "train.dpo.reference_decay=0.5"))
+        tr.fit()
+    assert tr.state.epochs_done == 2 and "reference" in tr.policy.shadows
+
+
 def test_fresh_noise_per_pass_draws_new_noise_after_the_first_pass(tmp_path):
     """train.fresh_noise_per_pass: pass 0 noises a (sample, time slot) as without it; each later pass with noise of
     its own (without it, every pass the first one's); the training times stay; an epoch of two passes trains. GRPO,

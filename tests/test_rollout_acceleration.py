@@ -170,6 +170,34 @@ def test_an_unsupported_accelerator_fails_when_the_policy_loads(tmp_path):
         Trainer(cfg)
 
 
+def test_what_no_model_takes_is_refused_with_the_config_and_the_rest_is_one_line(tmp_path, capsys):
+    """faster_cache and pyramid_attention_broadcast run on no model (they need diffusers' own pipeline loop): refused
+    with the config, before the model loads, and not recommended for the decoupled objectives either; one the loaded
+    model cannot take (first_block_cache on tiny-sd3's two blocks) is one line, a config error (exit code 2), not a
+    traceback."""
+    from imagetiny import TINY_RUN
+
+    from flowrl.cli import main
+    from flowrl.errors import ConfigError
+
+    for name in ("faster_cache", "pyramid_attention_broadcast"):
+        assert ACCELERATORS.get(name).unavailable() is not None
+        for objective in ("dpo", "grpo"):
+            with pytest.raises(ConfigError) as e:
+                load_config(None, [f"rollout.acceleration=[{name}]", f"train.objective={objective}"])
+            assert str(e.value) == (
+                f"rollout.acceleration: {name} is not available on flowrl's rollout loop: "
+                f"{ACCELERATORS.get(name).unavailable()}"
+            )
+    assert load_config(None, ["rollout.acceleration=[taylorseer_cache]", "train.objective=dpo"])  # (a usable one)
+    assert ACCELERATORS.get("first_block_cache").problem(load_image_backend("tiny-sd3")) is not None
+    run = ["train", *TINY_RUN, f"log.run_dir={tmp_path}", "train.objective=dpo", "train.epochs=1"]
+    assert main([*run, "rollout.acceleration=[first_block_cache]"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("flowrl train: rollout.acceleration: first_block_cache is not available for family sd3")
+    assert not [line for line in err if "Traceback" in line]
+
+
 # ------------------------------------------------------------------------------------------- compile
 
 

@@ -230,6 +230,35 @@ def test_kl_matches_gaussian_kl_of_the_means(tmp_path):
         assert out.kl.abs().max() > 0
 
 
+def test_the_cps_kl_is_its_densitys_and_finite_at_the_last_step(tmp_path):
+    """CPS trains with the unnormalised density -(x' - mean)^2, N(mean, 1/2)'s, and its transition std
+    sigma_next sin(a pi / 2) is 0 at the last step: its KL is the mean squared difference of the means (the KL of
+    that density; by hand here), finite at every step, and a run with a KL term trains (it was a NaN gradient at
+    every step, blamed on the rewards)."""
+    tr = Trainer(tiny_cfg(tmp_path / "cps", "train.grpo.beta=0.1", "train.grpo.sde_type=cps"))
+    with torch.no_grad():
+        for p in tr.named_params.values():
+            p.add_(0.05 * torch.randn_like(p))
+    batch = tr.rollout(epoch=0)
+    assert batch.traj.sampler.sde_type == "cps"
+    idx, unit = torch.arange(3), list(batch.traj.train_steps)
+    assert unit[-1] == len(batch.traj.sigmas) - 2  # the last step, into sigma 0, is trained
+    out = tr.policy.unit_log_probs(batch, idx, unit, with_reference=True)
+    backend = tr.policy.backend
+    with torch.no_grad():
+        _, mean, std = backend.step_log_prob(batch.traj, unit, sample_indices=idx)
+        with tr.policy.reference():
+            _, ref_mean, _ = backend.step_log_prob(batch.traj, unit, sample_indices=idx)
+    assert std[:, -1].abs().max() == 0  # the last step's transition std
+    want = ((mean.double() - ref_mean.double()) ** 2).flatten(2).mean(-1)  # [b, K]
+    torch.testing.assert_close(out.kl.detach().double(), want, rtol=1e-5, atol=1e-12)
+    assert torch.isfinite(out.kl).all() and out.kl.abs().max() > 0
+    tr.fit()
+    rows = [json.loads(line) for line in (tmp_path / "cps" / "metrics.jsonl").read_text().splitlines()]
+    norms = [r["policy/grad_norm"] for r in rows if "policy/grad_norm" in r]
+    assert norms and all(math.isfinite(n) and n > 0 for n in norms), norms
+
+
 def test_noise_weights_follow_the_transition_std(tmp_path):
     tr = Trainer(tiny_cfg(tmp_path, "train.grpo.step_weighting=noise"))
     batch = tr.rollout(epoch=0)

@@ -602,6 +602,12 @@ IMAGE_ONLY_KEYS = (
     "eval.num_steps",
     "eval.guidance_scale",
     "model.drop_t5",
+    "train.grpo.kl_std",
+    "train.grpo.step_weighting",
+    "train.grpo.sde_type",
+    "train.grpo.noise_level",
+    "train.grpo.window",
+    "train.grpo.same_noise_per_group",
 )
 
 
@@ -614,15 +620,45 @@ def _warn_other_backends_keys(cfg: Config) -> None:
         keys = [k for k in IMAGE_ONLY_KEYS if _get_dotted(cfg, k) != _get_dotted(default, k)]
         what = "an image setting" if len(keys) == 1 else "image settings"
         what += ", which this text run (backend: text) does not read"
-        hint = "its lengths are text.max_prompt_length and text.max_new_tokens"
+        sizes = any(k.startswith(("sample.", "eval.")) for k in keys)
+        hint = "its lengths are text.max_prompt_length and text.max_new_tokens" if sizes else "an image sampler's"
     else:
         changed = dataclasses.asdict(cfg.text)
         keys = [f"text.{k}" for k, v in changed.items() if v != getattr(default.text, k)]
         what = f"a text run's {'setting' if len(keys) == 1 else 'settings'}, which this {cfg.backend} run does not read"
         hint = "a language model trains with backend: text"
     if keys:
-        shown = ", ".join(f"{k}={_get_dotted(cfg, k)!r}" for k in keys)
+        shown = ", ".join(f"{k}={_shown(_get_dotted(cfg, k))}" for k in keys)
         warnings.warn(f"{shown}: {what} ({hint})", ConfigWarning, stacklevel=3)
+    _warn_other_objectives_keys(cfg, default)
+
+
+def _shown(value) -> str:
+    """A setting's value as a warning names it: a section (a dataclass) as its fields."""
+    return repr(dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value)
+
+
+def _warn_other_objectives_keys(cfg: Config, default: Config) -> None:
+    """One warning for the settings of the objectives other than train.objective (`train.<name>.*`, changed from
+    their defaults), which the run does not read: most likely a config meant for that objective."""
+    from flowrl.objectives import objective_names
+
+    objective, changed = cfg.train.objective, []
+    for name in objective_names():
+        section = getattr(cfg.train, name, None)
+        if name == objective or not dataclasses.is_dataclass(section):
+            continue
+        base = getattr(default.train, name)
+        for f in dataclasses.fields(section):
+            if getattr(section, f.name) != getattr(base, f.name):
+                changed.append(f"train.{name}.{f.name}={_shown(getattr(section, f.name))}")
+    if changed:
+        warnings.warn(
+            f"{', '.join(changed)}: {'a setting' if len(changed) == 1 else 'settings'} of another objective, which "
+            f"this train.objective={objective} run does not read",
+            ConfigWarning,
+            stacklevel=4,
+        )
 
 
 # The config keys that name a file or directory. A relative one is read from the working directory.

@@ -280,8 +280,10 @@ class ForwardProcessObjective(Objective):
             missing = [n for n in weights if f"{name}/{n}" not in state]
             if missing:
                 warnings.warn(
-                    f"the checkpoint holds no {name!r} policy of train.objective={self.name} (written by "
-                    f"another objective?): {name!r} starts again as a copy of the trained weights",
+                    f"the checkpoint holds no {name!r} policy of train.objective={self.name} (it was written by "
+                    f"another objective, or with the setting that keeps {name!r} off, e.g. "
+                    f"train.dpo.reference_decay=1): {name!r} starts from the checkpoint's trained weights, not from "
+                    "the base model as in a new run",
                     stacklevel=2,
                 )
                 self.soft_update(name, 0.0)

@@ -544,9 +544,21 @@ class ImagePolicy:
         pos = {s: i for i, s in enumerate(steps)}
         return w[[pos[u] for u in unit]].to(traj.latents.device)[None, :]  # [1, K]
 
+    @staticmethod
+    def _density_std(traj, std: Tensor) -> Tensor | None:
+        """The std of the Gaussian whose log-density the kernel trains with, when it is not the transition's: CPS's
+        unnormalised -(x' - mean)^2 is N(mean, 1/2)'s, so its KL is the mean squared difference of the means (its
+        transition std, sigma_next sin(a pi / 2), is 0 at the last step, where a KL over it would be infinite).
+        None: the transition's own."""
+        return torch.full_like(std, 0.5**0.5) if traj.sampler.sde_type == "cps" else None
+
     def _kl_std(self, traj, unit: list[int], std: Tensor) -> Tensor:
         """The std the Gaussian KL divides by: the transition's (`step`), or Flow-GRPO's convention that
-        leaves sqrt(dt) out (`sigma`): std / sqrt(sigma_t - sigma_{t+1})."""
+        leaves sqrt(dt) out (`sigma`): std / sqrt(sigma_t - sigma_{t+1}); a kernel that trains with another
+        density than its transition's (CPS) takes that density's (`_density_std`), either way."""
+        own = self._density_std(traj, std)
+        if own is not None:
+            return own
         if self.cfg.train.grpo.kl_std == "step" or traj.sigmas is None:
             return std
         sig = traj.sigmas.to(std.device).float()
@@ -576,8 +588,10 @@ class ImagePolicy:
         elif self.cfg.train.grpo.policy_loss == "dppo":  # Flow-DPPO: each step's KL to the sampling policy
             old_mean = traj.means[idx.to(traj.means.device)][:, unit].to(mean.device)
             b, k = lp.shape
+            dstd = self._density_std(traj, std)
+            dstd = std.detach() if dstd is None else dstd
             out.step_kl = core.gaussian_kl(
-                mean.detach().flatten(0, 1), old_mean.flatten(0, 1), std.detach().flatten(0, 1).reshape(b * k)
+                mean.detach().flatten(0, 1), old_mean.flatten(0, 1), dstd.flatten(0, 1).reshape(b * k)
             ).view(b, k)
         if with_reference:
 

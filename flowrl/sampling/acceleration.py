@@ -45,6 +45,12 @@ class Accelerator:
 
     @classmethod
     def problem(cls, backend) -> str | None:
+        return cls.unavailable()
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """Why no model can take it on flowrl's rollout loop, whatever the family (refused with the config, before
+        any model loads), or None."""
         return None
 
     @classmethod
@@ -167,9 +173,13 @@ def config_problems(cfg) -> list[str]:
 
     objective = cfg.train.objective
     problems = []
+    for s in specs:
+        why = s.accelerator.unavailable()
+        if why is not None:
+            problems.append(f"rollout.acceleration: {s.name} is not available on flowrl's rollout loop: {why}")
     if get_objective(objective).coupled:
         for s in specs:
-            if not s.accelerator.lossless:
+            if not s.accelerator.lossless and s.accelerator.unavailable() is None:
                 problems.append(
                     f"rollout.acceleration: {s.name} is lossy (it changes the samples' distribution), and "
                     f"train.objective={objective} trains on the rollout's recorded log-probs; use {s.name} with "
@@ -183,11 +193,14 @@ def config_problems(cfg) -> list[str]:
 
 
 def check_supported(backend, specs: list[AcceleratorSpec]) -> None:
-    """A ValueError of one line for the first accelerator the backend's family cannot take."""
+    """A ConfigError (a ValueError; the command line's one line) for the first accelerator the loaded model cannot
+    take (`Accelerator.problem`: what depends on the model is known once it is loaded)."""
+    from flowrl.errors import ConfigError
+
     for s in specs:
         why = s.accelerator.problem(backend)
         if why is not None:
-            raise ValueError(f"rollout.acceleration: {s.name} is not available for family {backend.family}: {why}")
+            raise ConfigError(f"rollout.acceleration: {s.name} is not available for family {backend.family}: {why}")
 
 
 def usable(backend, specs: list[AcceleratorSpec]) -> list[AcceleratorSpec]:
@@ -820,6 +833,10 @@ class _TimestepCache(StepCache):
 
     @classmethod
     def problem(cls, backend):
+        return cls.unavailable()
+
+    @classmethod
+    def unavailable(cls):
         return (
             "it reads the timestep of diffusers' own pipeline loop (`current_timestep_callback`) and keys its "
             "skips to diffusers' 0-1000 timesteps, which flowrl's rollout recorder does not drive; use "

@@ -285,13 +285,14 @@ class Trainer:
             initial=self.state.epochs_done,
             total=t.epochs,
         )
-        steps_before = self.state.optimizer_steps
+        steps_before, silent = self.state.optimizer_steps, 0
         for epoch in bar:
             try:
                 metrics = self.train_epoch(epoch)
             except Abandoned:
                 self.stop_if_asked(abandoned=f"epoch {epoch + 1}'s rollout")
                 raise
+            silent += metrics.get("data/groups_without_signal") == 1.0  # every group's rewards alike
             # train.max_minutes: the epoch that reaches the budget is the last (every process stops together)
             out_of_time = bool(t.max_minutes) and self.out_of_time()
             done, abandoned = epoch + 1, None
@@ -323,6 +324,14 @@ class Trainer:
                 f"{_epochs(ran)} took no optimizer step: in every group the rewards were alike "
                 "(no advantage, no pair) or not finite, so the weights did not move; give each epoch more groups or "
                 "larger ones (sample.prompts_per_epoch, sample.group_size), or a graded reward",
+                stacklevel=2,
+            )
+        elif last and silent == self.state.epochs_done - first and self.main:  # steps taken, on zero advantages
+            warnings.warn(
+                f"{'in its one epoch' if silent == 1 else f'in each of its {silent} epochs'} every group's rewards "
+                "were alike (data/groups_without_signal 1.0): "
+                "no advantage, so nothing was learned from the rewards; check that the reward tells the samples "
+                "apart (a constant or saturated reward), or give each epoch more groups or larger ones",
                 stacklevel=2,
             )
         if last:  # some epoch ran in this call (a resume of a finished run does nothing)
