@@ -197,6 +197,18 @@ def test_reference_is_the_base_model_with_the_adapter_off(tmp_path):
     torch.testing.assert_close(on_again, on, rtol=0, atol=0)  # the adapter is back on afterwards
 
 
+def _unit_and_its_means(tr, batch, idx, unit):
+    """The policy's unit output (with the reference) and, recomputed apart, the policy's step means and stds and the
+    reference's means: (out, mean, std, ref_mean)."""
+    out = tr.policy.unit_log_probs(batch, idx, unit, with_reference=True)
+    backend = tr.policy.backend
+    with torch.no_grad():
+        _, mean, std = backend.step_log_prob(batch.traj, unit, sample_indices=idx)
+        with tr.policy.reference():
+            _, ref_mean, _ = backend.step_log_prob(batch.traj, unit, sample_indices=idx)
+    return out, mean, std, ref_mean
+
+
 def test_kl_matches_gaussian_kl_of_the_means(tmp_path):
     """The unit's KL equals (mean - mean_ref)^2 / (2 std^2) averaged over the latent, recomputed here from two
     separate step_log_prob calls (policy and reference); and `kl_std: sigma` divides std by sqrt(dt)."""
@@ -214,12 +226,7 @@ def test_kl_matches_gaussian_kl_of_the_means(tmp_path):
         batch = tr.rollout(epoch=0)
         idx = torch.arange(3)
         unit = batch.traj.train_steps[1:3]
-        out = tr.policy.unit_log_probs(batch, idx, unit, with_reference=True)
-        backend = tr.policy.backend
-        with torch.no_grad():
-            _, mean, std = backend.step_log_prob(batch.traj, unit, sample_indices=idx)
-            with tr.policy.reference():
-                _, ref_mean, _ = backend.step_log_prob(batch.traj, unit, sample_indices=idx)
+        out, mean, std, ref_mean = _unit_and_its_means(tr, batch, idx, unit)
         sig = batch.traj.sigmas
         for j, s in enumerate(unit):
             sd = std[:, j].flatten()
@@ -243,12 +250,7 @@ def test_the_cps_kl_is_its_densitys_and_finite_at_the_last_step(tmp_path):
     assert batch.traj.sampler.sde_type == "cps"
     idx, unit = torch.arange(3), list(batch.traj.train_steps)
     assert unit[-1] == len(batch.traj.sigmas) - 2  # the last step, into sigma 0, is trained
-    out = tr.policy.unit_log_probs(batch, idx, unit, with_reference=True)
-    backend = tr.policy.backend
-    with torch.no_grad():
-        _, mean, std = backend.step_log_prob(batch.traj, unit, sample_indices=idx)
-        with tr.policy.reference():
-            _, ref_mean, _ = backend.step_log_prob(batch.traj, unit, sample_indices=idx)
+    out, mean, std, ref_mean = _unit_and_its_means(tr, batch, idx, unit)
     assert std[:, -1].abs().max() == 0  # the last step's transition std
     want = ((mean.double() - ref_mean.double()) ** 2).flatten(2).mean(-1)  # [b, K]
     torch.testing.assert_close(out.kl.detach().double(), want, rtol=1e-5, atol=1e-12)
