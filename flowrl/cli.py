@@ -446,6 +446,13 @@ def _report(args) -> int:
         check_writable(folder, problem=lambda why: f"--out {args.out}: its folder {folder} cannot be written ({why})")
     try:
         if len(args.run_dir) == 1:
+            ignored = [f for f, given in (("--metric", args.metric), ("--x", args.x != "epoch")) if given]
+            if ignored:  # (they choose what several runs are compared on)
+                print(
+                    f"flowrl report: {' and '.join(ignored)} {'compares' if len(ignored) == 1 else 'compare'} "
+                    "several runs; one run's figure shows all its curves by epoch",
+                    file=sys.stderr,
+                )
             print(plot_curves(args.run_dir[0], args.out))
             return 0
         out, table = plot_comparison(args.run_dir, args.out or "compare.png", args.x, args.metric)

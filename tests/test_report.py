@@ -376,6 +376,9 @@ def test_report_out_takes_its_format_from_its_suffix_and_makes_its_folder(tmp_pa
     assert main(["report", str(a), str(b), "--out", str(tmp_path / "out" / "cmp.svg")]) == 0
     assert (tmp_path / "out" / "cmp.svg").read_text().lstrip().startswith("<?xml")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["c.png", "c.webp", "cmp.svg", "deep"]
+    # one run: --metric and --x (which pick what several runs are compared on) are said to be unused
+    assert main(["report", str(a), "--out", str(tmp_path / "out" / "c.png"), "--x", "minutes", "--metric", "m"]) == 0
+    assert "--metric and --x compare several runs; one run's figure shows all its curves" in capsys.readouterr().err
     # a folder that exists: the figure under its own name there (it was a traceback of a rename onto the folder)
     assert main(["report", str(a), "--out", str(tmp_path / "out" / "deep")]) == 0
     assert main(["report", str(a), str(b), "--out", str(tmp_path / "out")]) == 0
