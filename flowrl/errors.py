@@ -25,6 +25,13 @@ class CheckpointError(FlowrlError, ValueError):
     """A checkpoint directory that is missing, incomplete or corrupt (the message names the file)."""
 
 
+class CheckpointConfigError(CheckpointError):
+    """A config that does not fit the checkpoint it resumes or evaluates (another model, adapter, batch shape or
+    objective): a config error, so the command line exits with 2."""
+
+    exit_code = 2
+
+
 class DataError(FlowrlError, ValueError):
     """Training data that the loaded model cannot take (e.g. latents of another shape); the message names the file
     and row."""

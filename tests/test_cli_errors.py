@@ -619,7 +619,8 @@ def test_eval_of_a_checkpoint_of_another_model_is_that_error_alone(tmp_path, cap
     text = [*tiny_gpt2_overrides(tiny_lm), "log.progress=false", "eval.num_prompts=2"]
     with warnings.catch_warnings(record=True) as caught:  # (a warning would be a line `flowrl: ...` before it)
         warnings.simplefilter("always")
-        err = one_line_error(capsys, 1, main(["eval", *text, "--checkpoint", str(ckpt)]))
+        # a config that does not fit the checkpoint is a config error: exit code 2
+        err = one_line_error(capsys, 2, main(["eval", *text, "--checkpoint", str(ckpt)]))
     assert not [w for w in caught if "base model's eval" in str(w.message)], [str(w.message) for w in caught]
     assert err.startswith(
         f"flowrl eval: checkpoint {ckpt} was trained with another model or adapter than this config's (backend: "
@@ -847,3 +848,15 @@ def test_plan_refuses_a_reward_that_does_not_resolve(capsys):
     assert err.startswith("flowrl serve-reward: unknown reward 'pickscor'.") and "or a plug-in" in err
     err = one_line_error(capsys, 2, main(["train", TINY_CFG, "rewards.0.name=nowhere.py:score"]))
     assert "file 'nowhere.py' not found" in err
+
+
+def test_a_resume_whose_config_changed_what_was_trained_exits_as_a_config_error(tmp_path, capsys):
+    """`cannot resume ...: the config changed what the checkpoint was trained as` is a config mistake (exit code 2),
+    as the checks before the model loads are; a damaged checkpoint stays exit code 1."""
+    run = [TINY_CFG, *TINY, f"log.run_dir={tmp_path}", "train.epochs=1", "eval.before=false"]
+    assert main(["train", *run]) == 0
+    capsys.readouterr()
+    err = one_line_error(
+        capsys, 2, main(["train", *run, "checkpoint.resume=auto", "train.epochs=2", "train.objective=nft"])
+    )
+    assert "cannot resume from" in err and "the config changed what the checkpoint was trained as" in err

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from flowrl.config import Config, migrate, to_dict, without_other_objectives
-from flowrl.errors import CheckpointError
+from flowrl.errors import CheckpointConfigError, CheckpointError
 
 from . import basemodel, rundir
 from .checkpoint import check_state, list_checkpoints
@@ -64,7 +64,7 @@ def check_resume(ck: dict, path: Path, cfg: Config, *, warn: bool = True, curren
     refused, allowed = rundir.compare_configs(saved, now, defaults)
     allowed = [line for line in allowed if line.split(":", 1)[0] not in rundir.ROUTINE_KEYS]  # a longer run
     if refused:
-        raise CheckpointError(
+        raise CheckpointConfigError(
             f"cannot resume from {path}: the config changed what the checkpoint was trained as "
             f"({'; '.join(refused)}); undo those changes, or start a new run in another "
             "log.run_dir (or log.overwrite=true)"
@@ -84,7 +84,7 @@ def check_model(ck: dict, path: str | Path, cfg: Config, base: dict | None = Non
     now = to_dict(cfg)
     refused, _ = rundir.compare_configs({k: saved.get(k) for k in MODEL_KEYS}, {k: now[k] for k in MODEL_KEYS})
     if refused:
-        raise CheckpointError(
+        raise CheckpointConfigError(
             f"checkpoint {path} was trained with another model or adapter than this config's "
             f"({'; '.join(refused)}); pass the config of its run"
         )
@@ -132,7 +132,7 @@ def check_moved_base(state: dict, path: str | Path, cfg: Config, current: dict) 
         return
     changes = basemodel.differences(kept, current)
     if changes:
-        raise CheckpointError(
+        raise CheckpointConfigError(
             f"cannot resume from {path}: the config changed what the checkpoint was trained as (model.path: "
             f"{saved_path!r} -> {cfg.model.path!r}, other base weights: {'; '.join(changes)}); undo that change, "
             "or start a new run in another log.run_dir (or log.overwrite=true)"
