@@ -573,28 +573,41 @@ class TextPolicy:
         """generate() sampling under text.temperature / top_k / top_p: prompt + completion ids [B, Lp + n]. The draw
         is `InverseCdfSampler`'s (greedy mode over its one-hot scores); `recorder` first, when given. `stop`: strings
         that end a row as its EOS does (transformers' stop_strings)."""
-        from transformers import LogitsProcessorList, StoppingCriteriaList
+        from transformers import LogitsProcessorList
 
-        t, tok = self.text, self.tokenizer
+        t = self.text
         processors = [recorder] if recorder is not None else []
         processors += sampling_processors(t.temperature, t.top_k, t.top_p)
+        # greedy over InverseCdfSampler's one-hot scores: it samples (see there)
+        return self._generate(
+            input_ids, attn, max_new_tokens or t.max_new_tokens, stop, logits_processor=LogitsProcessorList(processors)
+        )
+
+    def _generate(self, input_ids: Tensor, attn: Tensor, max_new_tokens: int, stop: list[str] | None, **extra):
+        """transformers' generate() as flowrl calls it, prompt + completion ids [B, Lp + n]: greedy over the scores
+        (`extra`'s logits_processor makes them a draw), the KV cache, the stop ids and `stop`'s strings, the model's
+        generation_config.json neutralised (`neutral_generation_kwargs`), transformers' false alarm of a dropped
+        attention mask silenced (`_mask_passed`)."""
+        from transformers import StoppingCriteriaList
+
+        tok = self.tokenizer
         with _mask_passed():
             return self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attn,
-                do_sample=False,  # greedy over InverseCdfSampler's one-hot scores: it samples (see there)
-                max_new_tokens=max_new_tokens or t.max_new_tokens,
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
                 use_cache=True,
                 pad_token_id=tok.pad_token_id,
                 eos_token_id=self.stop_ids,
                 synced_gpus=self.sharded,  # sharded: every step's forward is a collective, on every process
-                logits_processor=LogitsProcessorList(processors),
                 **(
                     {"stopping_criteria": StoppingCriteriaList([StopOnStrings(tok, stop, input_ids.shape[1])])}
                     if stop
                     else {}
                 ),
                 **neutral_generation_kwargs(),
+                **extra,
             )
 
     @property
@@ -908,26 +921,7 @@ class TextPolicy:
         """generate()'s greedy decoding of the trained model: the completion ids [B, n] (a row ends at its EOS, or
         at one of `stop`'s strings). Plain greedy whatever the model's generation_config.json says
         (`NEUTRAL_GENERATION`: no repetition penalty, no beams)."""
-        from transformers import StoppingCriteriaList
-
-        tok = self.tokenizer
-        with _mask_passed():
-            out = self.model.generate(
-                input_ids=input_ids,
-                attention_mask=attn,
-                do_sample=False,
-                max_new_tokens=max_new_tokens,
-                use_cache=True,
-                pad_token_id=tok.pad_token_id,
-                eos_token_id=self.stop_ids,
-                synced_gpus=self.sharded,  # sharded: every step's forward is a collective, on every process
-                **(
-                    {"stopping_criteria": StoppingCriteriaList([StopOnStrings(tok, stop, input_ids.shape[1])])}
-                    if stop
-                    else {}
-                ),
-                **neutral_generation_kwargs(),
-            )
+        out = self._generate(input_ids, attn, max_new_tokens, stop)
         return out[:, input_ids.shape[1] :]
 
     @torch.no_grad()
