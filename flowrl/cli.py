@@ -415,7 +415,6 @@ def _calibrate(args) -> int:
 def _plan(args) -> int:
     """`flowrl plan CONFIG`: the memory estimate per GPU (flowrl.plan); exit 1 when the config fits no strategy (said
     on stderr too), 2 when it cannot be planned."""
-
     from .plan import main as plan_main
 
     if args.gpus < 1:
@@ -474,13 +473,15 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _seed(text: str) -> int:
-    """A --seed: an integer torch's generators take (0 to 2**63 - 1), as train.seed and eval.seed are."""
+    """A --seed: an integer torch's generators take (`flowrl.ranges.SEED`), as train.seed and eval.seed are."""
+    from .ranges import SEED
+
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"a seed is an integer from 0 to 2**63 - 1, got {text!r}") from None
-    if not 0 <= value <= 2**63 - 1:
-        raise argparse.ArgumentTypeError(f"a seed is an integer from 0 to 2**63 - 1, got {value}")
+        raise argparse.ArgumentTypeError(f"a seed is {SEED.text()}, got {text!r}") from None
+    if value not in SEED:
+        raise argparse.ArgumentTypeError(f"a seed is {SEED.text()}, got {value}")
     return value
 
 

@@ -338,11 +338,10 @@ def image_scores(values: Any, n: int, who: str) -> "torch.Tensor":
     try:
         if isinstance(values, (str, bytes, dict)):
             raise TypeError(f"a {type(values).__name__}")
-        if isinstance(values, (list, tuple)):
-            text = next((v for v in values if isinstance(v, (str, bytes))), None)
-            if text is not None:
-                raise TypeError(f"{text!r} is text: convert each score with float()")
         wide = isinstance(values, (list, tuple))  # Python numbers: read as float64, then checked for float32
+        text = next((v for v in values if isinstance(v, (str, bytes))), None) if wide else None
+        if text is not None:
+            raise TypeError(f"{text!r} is text: convert each score with float()")
         given = torch.as_tensor(values, dtype=torch.float64 if wide else None).detach()
         if given.is_complex():
             raise TypeError("complex numbers")

@@ -623,14 +623,23 @@ def _warn_other_backends_keys(cfg: Config) -> None:
         sizes = any(k.startswith(("sample.", "eval.")) for k in keys)
         hint = "its lengths are text.max_prompt_length and text.max_new_tokens" if sizes else "an image sampler's"
     else:
-        changed = dataclasses.asdict(cfg.text)
-        keys = [f"text.{k}" for k, v in changed.items() if v != getattr(default.text, k)]
+        keys = _changed_keys(cfg.text, default.text, "text")
         what = f"a text run's {'setting' if len(keys) == 1 else 'settings'}, which this {cfg.backend} run does not read"
         hint = "a language model trains with backend: text"
     if keys:
         shown = ", ".join(f"{k}={_shown(_get_dotted(cfg, k))}" for k in keys)
         warnings.warn(f"{shown}: {what} ({hint})", ConfigWarning, stacklevel=3)
     _warn_other_objectives_keys(cfg, default)
+
+
+def _changed_keys(section, default, prefix: str) -> list[str]:
+    """The dotted keys (`prefix.name`) of a config section's fields that differ from `default`'s (the same section
+    of the default config)."""
+    return [
+        f"{prefix}.{f.name}"
+        for f in dataclasses.fields(section)
+        if getattr(section, f.name) != getattr(default, f.name)
+    ]
 
 
 def _shown(value) -> str:
@@ -648,10 +657,8 @@ def _warn_other_objectives_keys(cfg: Config, default: Config) -> None:
         section = getattr(cfg.train, name, None)
         if name == objective or not dataclasses.is_dataclass(section):
             continue
-        base = getattr(default.train, name)
-        for f in dataclasses.fields(section):
-            if getattr(section, f.name) != getattr(base, f.name):
-                changed.append(f"train.{name}.{f.name}={_shown(getattr(section, f.name))}")
+        keys = _changed_keys(section, getattr(default.train, name), f"train.{name}")
+        changed += [f"{k}={_shown(_get_dotted(cfg, k))}" for k in keys]
     if changed:
         warnings.warn(
             f"{', '.join(changed)}: {'a setting' if len(changed) == 1 else 'settings'} of another objective, which "
@@ -695,7 +702,8 @@ def paths_beside(cfg: Config, config_file: str | Path, levels: int = 3) -> list[
     run from another directory, e.g. `flowrl train ~/flowrl/configs/shapes.yaml` whose paths are the repository's."""
     folders = list(Path(config_file).resolve().parents)[:levels]
     found = []
-    for key, value, file in [(key, _get_dotted(cfg, key), _get_dotted(cfg, key)) for key in PATH_KEYS] + _plug_ins(cfg):
+    paths = [(key, value, value) for key in PATH_KEYS for value in [_get_dotted(cfg, key)]]
+    for key, value, file in paths + _plug_ins(cfg):
         if not isinstance(file, str) or not file or file.startswith("hf:") or Path(file).is_absolute():
             continue
         if Path(file).exists():

@@ -74,9 +74,8 @@ def convert_value(value: Any, tp, key: str, *, build: Callable | None = None) ->
         if value is None:
             raise ConfigError(f"{key}: expected a string, got null (write {key}= for an empty string)")
         if key.endswith("].name") and isinstance(value, dict) and len(value) == 1 and None in value.values():
-            (head,) = (
-                value  # a reward's `r.py:` read as the mapping {r.py: null} (a template's `{prompt}` reads so too)
-            )
+            # a reward's `r.py:` read as the mapping {r.py: null} (a template's `{prompt}` reads so too)
+            (head,) = value
             raise ConfigError(
                 f"{key}: expected a string, got {head!r} followed by a colon and nothing after it, which YAML reads as "
                 "a mapping; a plug-in reward is FILE.py:FUNCTION (e.g. my_rewards.py:score), or quote the value"

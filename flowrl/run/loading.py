@@ -64,13 +64,18 @@ def check_resume(ck: dict, path: Path, cfg: Config, *, warn: bool = True, curren
     refused, allowed = rundir.compare_configs(saved, now, defaults)
     allowed = [line for line in allowed if line.split(":", 1)[0] not in rundir.ROUTINE_KEYS]  # a longer run
     if refused:
-        raise CheckpointConfigError(
-            f"cannot resume from {path}: the config changed what the checkpoint was trained as "
-            f"({'; '.join(refused)}); undo those changes, or start a new run in another "
-            "log.run_dir (or log.overwrite=true)"
-        )
+        raise changed_what_was_trained(path, "; ".join(refused), "those changes")
     if allowed and warn:
         warnings.warn(f"resuming from {path} with a changed config: {'; '.join(allowed)}", stacklevel=3)
+
+
+def changed_what_was_trained(path: str | Path, what: str, undo: str) -> CheckpointConfigError:
+    """The refusal of a resume of checkpoint `path` whose config changed `what` it was trained as (what to `undo`
+    named: "that change", "those changes")."""
+    return CheckpointConfigError(
+        f"cannot resume from {path}: the config changed what the checkpoint was trained as ({what}); undo {undo}, "
+        "or start a new run in another log.run_dir (or log.overwrite=true)"
+    )
 
 
 def check_model(ck: dict, path: str | Path, cfg: Config, base: dict | None = None) -> None:
@@ -132,11 +137,8 @@ def check_moved_base(state: dict, path: str | Path, cfg: Config, current: dict) 
         return
     changes = basemodel.differences(kept, current)
     if changes:
-        raise CheckpointConfigError(
-            f"cannot resume from {path}: the config changed what the checkpoint was trained as (model.path: "
-            f"{saved_path!r} -> {cfg.model.path!r}, other base weights: {'; '.join(changes)}); undo that change, "
-            "or start a new run in another log.run_dir (or log.overwrite=true)"
-        )
+        what = f"model.path: {saved_path!r} -> {cfg.model.path!r}, other base weights: {'; '.join(changes)}"
+        raise changed_what_was_trained(path, what, "that change")
 
 
 def check_resume_base(cfg: Config, run_dir: str | Path, current: dict | None, resume: str | None = None) -> Path | None:
